@@ -1,0 +1,238 @@
+// Single-source kernel bodies (DESIGN.md idea 2). Each body is a functor over
+// an index space (item, lane, lanes): the host executor calls it with lane 0 of
+// 1 for every item; the CUDA executor maps item to a block and lane to a
+// thread. Nothing here allocates, and every body is deterministic: no atomics,
+// each output element is written by exactly one (item, lane).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "dtype.h"
+
+namespace moev::k {
+
+constexpr int kMaxTopK = 32;    // per-token scratch in the combine body
+constexpr int kMaxGroups = 64;  // per-token scratch in group-limited routing
+
+enum class ScoreFunc : uint8_t { softmax, sigmoid };
+enum class Selection : uint8_t { topk, force_load_balance };
+enum class RouteNorm : uint8_t { off, on };
+enum class TieBreak : uint8_t { lower_id, higher_id /* planted fault */ };
+enum class Accumulate : uint8_t { per_add, fp32_accumulate };
+enum class ScoreApply : uint8_t { after_experts, before_experts };
+enum class SharedAdd : uint8_t { none, add_after };
+enum class CombineOrder : uint8_t { ascending_row, descending_row /* planted fault */ };
+
+MOEV_HD inline float k_exp(float v) { return expf(v); }
+
+/// Router for one token (CONTRACT §1, steps 1-8). Layout: logits, scores and
+/// choice are (T, E) row-major fp32; ids and topk_scores are (T, K), the K
+/// entries in descending choice order, ties to the lower id.
+struct RouterBody {
+  const float* logits;
+  const float* bias;  // (E) fp32 selection bias; all zeros when the case has none
+  float* scores;
+  float* choice;      // scratch (T, E)
+  int32_t* ids;
+  float* topk_scores;
+  int64_t T;
+  int E, K, groups, limited_groups;
+  float route_scale;
+  ScoreFunc score;
+  Selection selection;
+  RouteNorm norm;
+  TieBreak tie;
+
+  MOEV_HD void operator()(int64_t t, int lane, int) const {
+    if (lane != 0) return;
+    const float* l = logits + t * E;
+    float* s = scores + t * E;
+    float* c = choice + t * E;
+    if (score == ScoreFunc::softmax) {
+      float m = l[0];
+      for (int e = 1; e < E; ++e) m = l[e] > m ? l[e] : m;
+      float sum = 0.f;
+      for (int e = 0; e < E; ++e) { s[e] = k_exp(l[e] - m); sum += s[e]; }
+      for (int e = 0; e < E; ++e) s[e] = s[e] / sum;
+    } else {
+      for (int e = 0; e < E; ++e) s[e] = 1.f / (1.f + k_exp(-l[e]));
+    }
+    int32_t* id = ids + t * K;
+    float* ts = topk_scores + t * K;
+    if (selection == Selection::force_load_balance) {
+      for (int k = 0; k < K; ++k) id[k] = int32_t((t * K + k) % E);
+    } else {
+      for (int e = 0; e < E; ++e) c[e] = s[e] + bias[e];
+      if (groups > 1) mask_groups(c);
+      for (int k = 0; k < K; ++k) {
+        int best = -1;
+        for (int e = 0; e < E; ++e) {
+          bool taken = false;
+          for (int j = 0; j < k; ++j) taken = taken || id[j] == e;
+          if (taken) continue;
+          if (best < 0 || c[e] > c[best] || (tie == TieBreak::higher_id && c[e] == c[best])) best = e;
+        }
+        id[k] = best;
+      }
+    }
+    for (int k = 0; k < K; ++k) ts[k] = s[id[k]];
+    if (norm == RouteNorm::on) {
+      float sum = 0.f;
+      for (int k = 0; k < K; ++k) sum += ts[k];
+      for (int k = 0; k < K; ++k) ts[k] = ts[k] / (sum + 1e-20f);
+    }
+    for (int k = 0; k < K; ++k) ts[k] = ts[k] * route_scale;
+  }
+
+  // Group score = sum of the two largest choice values of the group; the best
+  // `limited_groups` groups stay (ties to the lower group), the rest get -inf.
+  MOEV_HD void mask_groups(float* c) const {
+    const int per = E / groups;
+    float gs[kMaxGroups];
+    for (int g = 0; g < groups; ++g) {
+      float a = -INFINITY, b = -INFINITY;
+      for (int e = g * per; e < (g + 1) * per; ++e) {
+        if (c[e] > a) { b = a; a = c[e]; } else if (c[e] > b) { b = c[e]; }
+      }
+      gs[g] = a + b;
+    }
+    bool keep[kMaxGroups];
+    for (int g = 0; g < groups; ++g) keep[g] = false;
+    for (int n = 0; n < limited_groups; ++n) {
+      int best = -1;
+      for (int g = 0; g < groups; ++g)
+        if (!keep[g] && (best < 0 || gs[g] > gs[best])) best = g;
+      keep[best] = true;
+    }
+    for (int g = 0; g < groups; ++g)
+      if (!keep[g])
+        for (int e = g * per; e < (g + 1) * per; ++e) c[e] = -INFINITY;
+  }
+};
+
+/// Local dispatch gather (CONTRACT §2) for dispatch row i: perm[i] is the flat
+/// assignment a = t*K + k of row i. Writes the row, token_sorted[i],
+/// score_sorted[i] and the inverse map row_of[a] = i.
+template <class T>
+struct GatherBody {
+  const T* x;              // (T, D)
+  const int32_t* perm;     // (N)
+  const float* topk_scores;  // (T*K)
+  T* routed;               // (N, D)
+  int32_t* token_sorted;   // (N)
+  float* score_sorted;     // (N)
+  int32_t* row_of;         // (N)
+  int64_t D;
+  int K;
+  ScoreApply apply;
+
+  MOEV_HD void operator()(int64_t i, int lane, int lanes) const {
+    const int32_t a = perm[i];
+    const int64_t t = a / K;
+    const float s = topk_scores[a];
+    if (lane == 0) {
+      token_sorted[i] = int32_t(t);
+      score_sorted[i] = s;
+      row_of[a] = int32_t(i);
+    }
+    const T* src = x + t * D;
+    T* dst = routed + i * D;
+    if (apply == ScoreApply::before_experts) {
+      for (int64_t c = lane; c < D; c += lanes) dst[c] = from_float<T>(to_float(src[c]) * s);
+    } else {
+      for (int64_t c = lane; c < D; c += lanes) dst[c] = src[c];
+    }
+  }
+};
+
+/// SwiGLU activation for row r: H = round(silu(float(h1)) * float(h3)) in fp32
+/// (CONTRACT §8). h13 holds rows of width 2F: [h1 | h3] (W13 order, §8.1).
+template <class T>
+struct SwigluBody {
+  const T* h13;  // (rows, 2F)
+  T* H;          // (rows, F)
+  int64_t F;
+
+  MOEV_HD void operator()(int64_t r, int lane, int lanes) const {
+    const T* h1 = h13 + r * 2 * F;
+    const T* h3 = h1 + F;
+    for (int64_t f = lane; f < F; f += lanes) {
+      const float a = to_float(h1[f]);
+      const float silu = a / (1.f + k_exp(-a));
+      H[r * F + f] = from_float<T>(silu * to_float(h3[f]));
+    }
+  }
+};
+
+/// Ordered combine for token t (CONTRACT §2, §9): the K dispatch rows of the
+/// token, row_of[t*K + k], are visited in ascending row order (= ascending
+/// expert id) and each contribution y = round(float(routed_out[row]) * s) is
+/// added per the accumulate mode, starting from init[t]. No atomics: the token
+/// owns its output row. `out` may equal `init` (in-place); it must overlap no
+/// other input, which the caller guarantees (kernels/combine.h).
+template <class T>
+struct CombineBody {
+  const T* routed_out;   // (N, D)
+  const float* score_sorted;  // (N)
+  const int32_t* row_of;      // (T*K)
+  const T* init;         // (T, D) initial value of the scatter target
+  const T* shared;       // (T, D) added after the scatter when shared_add == add_after
+  T* out;                // (T, D)
+  int64_t D;
+  int K;
+  ScoreApply apply;
+  Accumulate acc;
+  SharedAdd shared_add;
+  CombineOrder order;
+
+  MOEV_HD void operator()(int64_t t, int lane, int lanes) const {
+    int32_t rows[kMaxTopK];
+    for (int k = 0; k < K; ++k) {
+      const int32_t r = row_of[t * K + k];
+      int j = k;
+      while (j > 0 && (order == CombineOrder::ascending_row ? rows[j - 1] > r : rows[j - 1] < r)) {
+        rows[j] = rows[j - 1];
+        --j;
+      }
+      rows[j] = r;
+    }
+    for (int64_t c = lane; c < D; c += lanes) {
+      float v = to_float(init[t * D + c]);
+      float wide = v;
+      for (int k = 0; k < K; ++k) {
+        const int32_t r = rows[k];
+        float y = to_float(routed_out[int64_t(r) * D + c]);
+        if (apply == ScoreApply::after_experts) y = round_to<T>(y * score_sorted[r]);
+        if (acc == Accumulate::per_add) v = round_to<T>(v + y);
+        else wide += y;
+      }
+      if (acc == Accumulate::fp32_accumulate) v = round_to<T>(wide);
+      if (shared_add == SharedAdd::add_after) v = round_to<T>(v + to_float(shared[t * D + c]));
+      out[t * D + c] = from_float<T>(v);
+    }
+  }
+};
+
+/// Copies rows with an index map: dst[i] = src[map[i]] (map[i] < 0: zero row).
+/// Used by permutes and padding; 64-bit row arithmetic throughout.
+template <class T>
+struct RowMapBody {
+  const T* src;
+  const int64_t* map;
+  T* dst;
+  int64_t D;
+
+  MOEV_HD void operator()(int64_t i, int lane, int lanes) const {
+    const int64_t m = map[i];
+    T* d = dst + i * D;
+    if (m < 0) {
+      for (int64_t c = lane; c < D; c += lanes) d[c] = from_float<T>(0.f);
+    } else {
+      const T* s = src + m * D;
+      for (int64_t c = lane; c < D; c += lanes) d[c] = s[c];
+    }
+  }
+};
+
+}  // namespace moev::k

@@ -1,0 +1,30 @@
+// CUDA executor (DESIGN.md idea 2): the bodies of bodies.h launched on a grid,
+// item = block, lane = thread. Entry points take host pointers and stage them
+// through device memory, so the runner can compare device results with the
+// host executor's bitwise. Declared always; defined only in CUDA builds.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "dtype.h"
+#include "moe_host.h"
+
+namespace moev::cuda {
+
+struct DeviceStatus {
+  int count = 0;            // usable devices; 0 when none or no driver
+  std::string message;      // why there is none, or the device name
+};
+
+DeviceStatus probe();
+
+/// The gather body on the device (see dispatch_gather).
+void dispatch_gather(DType dt, k::ScoreApply apply, const void* x, int64_t T, const int32_t* perm,
+                     const float* topk_scores, int64_t N, int64_t D, int K, void* routed, int32_t* token_sorted,
+                     float* score_sorted, int32_t* row_of);
+
+/// The ordered combine body on the device (see combine).
+void combine(const CombineArgs& a, int64_t N, const void* init, void* out);
+
+}  // namespace moev::cuda

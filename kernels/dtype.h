@@ -1,0 +1,103 @@
+// Element types of the fast path and their conversions, usable from host and
+// device code (MOEV_HD is empty without nvcc).
+//
+// bf16 and fp16 are stored as their IEEE bit patterns. float -> bf16/fp16 is a
+// single round-to-nearest-even (CONTRACT "Numeric conventions"); NaN stays a
+// quiet NaN, overflow goes to +-inf. The reference rounds with its own,
+// arithmetic formulation (reference/numeric.h) so that a bug here cannot be
+// copied there.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#if defined(__CUDACC__)
+#define MOEV_HD __host__ __device__
+#else
+#define MOEV_HD
+#endif
+
+namespace moev {
+
+enum class DType : uint8_t { fp32, bf16, fp16 };
+
+struct bf16 { uint16_t bits; };
+struct fp16 { uint16_t bits; };
+
+MOEV_HD inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+MOEV_HD inline float f32_from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+MOEV_HD inline float to_float(float v) { return v; }
+MOEV_HD inline float to_float(bf16 v) { return f32_from_bits(uint32_t(v.bits) << 16); }
+MOEV_HD inline float to_float(fp16 v) {
+  const uint32_t sign = uint32_t(v.bits & 0x8000u) << 16;
+  const uint32_t exp = (v.bits >> 10) & 0x1fu;
+  const uint32_t man = v.bits & 0x3ffu;
+  if (exp == 0) {  // zero or subnormal: man * 2^-24 is exact in fp32
+    const float mag = float(man) * 5.9604644775390625e-8f;
+    return sign ? -mag : mag;
+  }
+  if (exp == 31) return f32_from_bits(sign | 0x7f800000u | (man << 13));
+  return f32_from_bits(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+template <class T> MOEV_HD inline T from_float(float f);
+
+template <> MOEV_HD inline float from_float<float>(float f) { return f; }
+
+template <> MOEV_HD inline bf16 from_float<bf16>(float f) {
+  uint32_t u = f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{uint16_t((u >> 16) | 0x40u)};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return bf16{uint16_t(u >> 16)};
+}
+
+template <> MOEV_HD inline fp16 from_float<fp16>(float f) {
+  const uint32_t x = f32_bits(f);
+  const uint16_t sign = uint16_t((x >> 16) & 0x8000u);
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return fp16{uint16_t(sign | 0x7e00u)};
+  if (ax >= 0x477ff000u) return fp16{uint16_t(sign | 0x7c00u)};  // >= 65520 rounds to inf
+  const uint32_t e = ax >> 23;
+  if (e < 113) {  // result is subnormal (or zero): h = round(m * 2^(e-126))
+    if (e < 102) return fp16{sign};  // below half of the smallest subnormal
+    const uint32_t m = (ax & 0x7fffffu) | 0x800000u;
+    const uint32_t s = 126u - e;
+    uint32_t h = m >> s;
+    const uint32_t rem = m & ((1u << s) - 1u), half = 1u << (s - 1u);
+    if (rem > half || (rem == half && (h & 1u))) ++h;
+    return fp16{uint16_t(sign | h)};
+  }
+  uint32_t h = ((e - 112u) << 10) | ((ax & 0x7fffffu) >> 13);
+  const uint32_t rem = ax & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // carry may enter the exponent
+  return fp16{uint16_t(sign | h)};
+}
+
+/// round_act(v): one RNE rounding of an fp32 value to the activation type T.
+template <class T> MOEV_HD inline float round_to(float v) { return to_float(from_float<T>(v)); }
+
+inline const char* dtype_name(DType d) {
+  switch (d) {
+    case DType::fp32: return "fp32";
+    case DType::bf16: return "bf16";
+    case DType::fp16: return "fp16";
+  }
+  return "?";
+}
+
+inline size_t dtype_bytes(DType d) { return d == DType::fp32 ? 4 : 2; }
+
+/// The one place where a runtime DType becomes a C++ type (STYLE 9).
+template <class F> decltype(auto) dispatch_dtype(DType d, F&& f) {
+  switch (d) {
+    case DType::fp32: return f(float{});
+    case DType::bf16: return f(bf16{});
+    case DType::fp16: return f(fp16{});
+  }
+  throw std::invalid_argument("unsupported activation dtype code " + std::to_string(int(d)));
+}
+
+}  // namespace moev

@@ -1,0 +1,42 @@
+// Planted faults (DESIGN.md idea 7). Each names a real bug class from
+// FRAMEWORKS.md; turning one on must make some check fail. They are passed
+// explicitly through the executor context, never read from the environment.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace moev {
+
+enum class Fault : uint32_t {
+  none = 0,
+  unstable_sort = 1u << 0,        // §2.1: expert sort that does not keep token order
+  highest_id_tiebreak = 1u << 1,  // §1.7: top-k ties resolved to the higher expert id
+  unordered_combine = 1u << 2,    // §9: contributions added out of ascending-expert order
+  pointer_alias_guard = 1u << 3,  // §9.2: in-place guard compares data pointers only
+  pad_rows_first = 1u << 4,       // §4/§5: padding rows placed before the data rows
+  unswapped_combine_splits = 1u << 5,  // §3.5: reverse all-to-all reuses dispatch splits
+  offsets_32bit = 1u << 6,        // §4: group row offsets computed in 32-bit arithmetic
+  direct_route_unguarded = 1u << 7,    // §6.3: direct equal-split route without K == E_l
+  stale_weight_cache = 1u << 8,   // §8.1: batched-expert cache ignores the weight version
+  local_equal_split_decision = 1u << 9,  // §5.4: pad/no-pad decided per rank, not reduced
+};
+
+struct FaultSet {
+  uint32_t bits = 0;
+  bool has(Fault f) const { return (bits & uint32_t(f)) != 0; }
+};
+
+struct FaultInfo {
+  Fault fault;
+  const char* name;
+  const char* what;
+};
+
+/// Every planted fault with its CLI/YAML name; the one table `--fault` uses.
+const std::vector<FaultInfo>& fault_table();
+/// Parses a fault name; throws std::invalid_argument listing the valid names.
+Fault parse_fault(const std::string& name);
+
+}  // namespace moev

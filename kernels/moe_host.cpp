@@ -1,0 +1,227 @@
+// Host implementations of the fast-path entry points: kernel bodies run by the
+// host executor, plus the primitives that differ by nature between host and
+// device (histogram, stable sort, GEMM; DESIGN.md idea 2).
+#include "moe_host.h"
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace moev {
+namespace {
+
+constexpr int64_t kGemmTile = 64;  // fixed row tile: results independent of thread count
+
+using MatF = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+template <class T>
+void to_float_block(const T* src, int64_t rows, int64_t cols, int64_t ld, std::vector<float>& dst) {
+  dst.resize(size_t(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[size_t(r * cols + c)] = to_float(src[r * ld + c]);
+}
+
+template <class T>
+void gemm_typed(const T* X, int64_t rows, int64_t k, int64_t ldx, const T* W, int64_t n, T* Y,
+                int64_t ldy) {
+  if (rows == 0 || n == 0) return;
+  thread_local std::vector<float> xf, wf;
+  thread_local MatF yf;
+  to_float_block(X, rows, k, ldx, xf);
+  to_float_block(W, n, k, k, wf);
+  Eigen::Map<const MatF> xm(xf.data(), rows, k);
+  Eigen::Map<const MatF> wm(wf.data(), n, k);
+  yf.resize(rows, n);
+  yf.noalias() = xm * wm.transpose();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < n; ++c) Y[r * ldy + c] = from_float<T>(yf(r, c));
+}
+
+}  // namespace
+
+void gemm_xwT(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W,
+              int64_t n, void* Y, int64_t ldy) {
+  dispatch_dtype(dt, [&](auto tag) {
+    using T = decltype(tag);
+    gemm_typed(static_cast<const T*>(X), rows, k, ldx, static_cast<const T*>(W), n,
+               static_cast<T*>(Y), ldy);
+  });
+}
+
+void router_logits(const ExecCtx& ctx, DType dt, const void* x, const void* wg, int64_t T,
+                   int64_t D, int E, float* logits) {
+  dispatch_dtype(dt, [&](auto tag) {
+    using T_ = decltype(tag);
+    const T_* xs = static_cast<const T_*>(x);
+    const int64_t tiles = (T + kGemmTile - 1) / kGemmTile;
+    host_run(ctx, tiles, [&](int64_t tile, int, int) {
+      const int64_t r0 = tile * kGemmTile, rows = std::min(kGemmTile, T - r0);
+      // fp32 output: compute into fp32 directly (no act rounding for logits)
+      thread_local std::vector<float> xf, wf;
+      to_float_block(xs + r0 * D, rows, D, D, xf);
+      to_float_block(static_cast<const T_*>(wg), E, D, D, wf);
+      Eigen::Map<const MatF> xm(xf.data(), rows, D);
+      Eigen::Map<const MatF> wm(wf.data(), E, D);
+      Eigen::Map<MatF> lm(logits + r0 * E, rows, E);
+      lm.noalias() = xm * wm.transpose();
+    });
+  });
+}
+
+void expert_histogram(const ExecCtx&, const int32_t* ids, int64_t N, int E, int64_t* counts) {
+  std::fill(counts, counts + E, int64_t(0));
+  for (int64_t a = 0; a < N; ++a) ++counts[ids[a]];
+}
+
+void router_route(const ExecCtx& ctx, const RouterConfig& cfg, const float* logits,
+                  const float* bias, int64_t T, float* scores, float* choice, int32_t* ids,
+                  float* topk_scores, int64_t* counts) {
+  k::RouterBody body{logits, bias, scores, choice, ids, topk_scores, T, cfg.E, cfg.K,
+                     cfg.groups, cfg.limited_groups, cfg.route_scale, cfg.score,
+                     cfg.selection, cfg.norm,
+                     ctx.faults.has(Fault::highest_id_tiebreak) ? k::TieBreak::higher_id
+                                                                : k::TieBreak::lower_id};
+  host_run(ctx, T, body);
+  expert_histogram(ctx, ids, T * cfg.K, cfg.E, counts);
+}
+
+// Parallel stable counting sort: chunk c of the assignments is handled by one
+// worker; worker c's rows for expert e start after every earlier chunk's rows
+// for e, so equal keys keep ascending a. The planted fault fills each expert's
+// rows from the back (descending a), an unstable order.
+void expert_sort(const ExecCtx& ctx, const int32_t* ids, int64_t N, int E, int32_t* perm) {
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(ctx.threads, N / 4096 + 1));
+  const int64_t per = (N + chunks - 1) / chunks;
+  std::vector<int64_t> hist(size_t(chunks * E), 0);
+  host_run(ctx, chunks, [&](int64_t c, int, int) {
+    int64_t* h = hist.data() + c * E;
+    for (int64_t a = c * per; a < std::min(N, (c + 1) * per); ++a) ++h[ids[a]];
+  });
+  // exclusive scan in (expert, chunk) order
+  int64_t run = 0;
+  for (int e = 0; e < E; ++e)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t v = hist[size_t(c * E + e)];
+      hist[size_t(c * E + e)] = run;
+      run += v;
+    }
+  if (ctx.faults.has(Fault::unstable_sort)) {
+    std::vector<int64_t> count(size_t(E), 0), start(size_t(E), 0);
+    for (int64_t a = 0; a < N; ++a) ++count[size_t(ids[a])];
+    for (int e = 1; e < E; ++e) start[size_t(e)] = start[size_t(e - 1)] + count[size_t(e - 1)];
+    for (int64_t a = 0; a < N; ++a) {
+      const int e = ids[a];
+      perm[start[size_t(e)] + --count[size_t(e)]] = int32_t(a);
+    }
+    return;
+  }
+  host_run(ctx, chunks, [&](int64_t c, int, int) {
+    int64_t* h = hist.data() + c * E;
+    for (int64_t a = c * per; a < std::min(N, (c + 1) * per); ++a) perm[h[ids[a]]++] = int32_t(a);
+  });
+}
+
+void dispatch_gather(const ExecCtx& ctx, DType dt, k::ScoreApply apply, const void* x,
+                     const int32_t* perm, const float* topk_scores, int64_t N, int64_t D, int K,
+                     void* routed, int32_t* token_sorted, float* score_sorted, int32_t* row_of) {
+  dispatch_dtype(dt, [&](auto tag) {
+    using T = decltype(tag);
+    k::GatherBody<T> body{static_cast<const T*>(x), perm, topk_scores, static_cast<T*>(routed),
+                          token_sorted, score_sorted, row_of, D, K, apply};
+    host_run(ctx, N, body);
+  });
+}
+
+void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* X,
+                    const int64_t* counts, int E_l, int64_t D, int64_t F, const void* W1,
+                    const void* W3, const void* W2, void* Y) {
+  dispatch_dtype(dt, [&](auto tag) {
+    using T = decltype(tag);
+    const T* xs = static_cast<const T*>(X);
+    T* ys = static_cast<T*>(Y);
+    std::vector<int64_t> off(size_t(E_l) + 1, 0);
+    for (int j = 0; j < E_l; ++j) off[size_t(j) + 1] = off[size_t(j)] + counts[j];
+    const int64_t rows = off[size_t(E_l)];
+    std::vector<T> h13(size_t(rows * 2 * F)), H(size_t(rows * F));
+    const T* w1 = static_cast<const T*>(W1);
+    const T* w3 = static_cast<const T*>(W3);
+    const T* w2 = static_cast<const T*>(W2);
+    if (impl == ExpertsImpl::loop) {
+      // One expert at a time, each GEMM tiled over rows (the per-expert loop).
+      for (int j = 0; j < E_l; ++j) {
+        const int64_t r0 = off[size_t(j)], n = counts[j];
+        const int64_t tiles = (n + kGemmTile - 1) / kGemmTile;
+        auto tile_rows = [&](int64_t t) { return std::min(kGemmTile, n - t * kGemmTile); };
+        host_run(ctx, tiles, [&](int64_t t, int, int) {
+          const int64_t r = r0 + t * kGemmTile;
+          gemm_typed(xs + r * D, tile_rows(t), D, D, w1 + j * F * D, F, h13.data() + r * 2 * F, 2 * F);
+          gemm_typed(xs + r * D, tile_rows(t), D, D, w3 + j * F * D, F, h13.data() + r * 2 * F + F, 2 * F);
+        });
+        host_run(ctx, n, k::SwigluBody<T>{h13.data() + r0 * 2 * F, H.data() + r0 * F, F});
+        host_run(ctx, tiles, [&](int64_t t, int, int) {
+          const int64_t r = r0 + t * kGemmTile;
+          gemm_typed(H.data() + r * F, tile_rows(t), F, F, w2 + j * D * F, D, ys + r * D, D);
+        });
+      }
+    } else {
+      // Grouped: one work list of (expert, tile) items over all groups, each
+      // item runs both GEMMs and the activation for its tile.
+      std::vector<int64_t> item_row, item_expert;
+      for (int j = 0; j < E_l; ++j)
+        for (int64_t r = off[size_t(j)]; r < off[size_t(j) + 1]; r += kGemmTile) {
+          item_row.push_back(r);
+          item_expert.push_back(j);
+        }
+      host_run(ctx, int64_t(item_row.size()), [&](int64_t it, int, int) {
+        const int64_t r = item_row[size_t(it)], j = item_expert[size_t(it)];
+        const int64_t n = std::min(kGemmTile, off[size_t(j) + 1] - r);
+        gemm_typed(xs + r * D, n, D, D, w1 + j * F * D, F, h13.data() + r * 2 * F, 2 * F);
+        gemm_typed(xs + r * D, n, D, D, w3 + j * F * D, F, h13.data() + r * 2 * F + F, 2 * F);
+        const k::SwigluBody<T> act{h13.data(), H.data(), F};
+        for (int64_t q = r; q < r + n; ++q) act(q, 0, 1);
+        gemm_typed(H.data() + r * F, n, F, F, w2 + j * D * F, D, ys + r * D, D);
+      });
+    }
+  });
+}
+
+void combine(const ExecCtx& ctx, const CombineArgs& a, const void* init, void* out) {
+  dispatch_dtype(a.dt, [&](auto tag) {
+    using T = decltype(tag);
+    k::CombineBody<T> body{static_cast<const T*>(a.routed_out), a.score_sorted, a.row_of,
+                           static_cast<const T*>(init), static_cast<const T*>(a.shared),
+                           static_cast<T*>(out), a.D, a.K, a.apply, a.acc, a.shared_add,
+                           ctx.faults.has(Fault::unordered_combine) ? k::CombineOrder::descending_row
+                                                                    : k::CombineOrder::ascending_row};
+    host_run(ctx, a.T, body);
+  });
+}
+
+bool ranges_overlap(ByteRange a, ByteRange b) {
+  if (a.bytes == 0 || b.bytes == 0) return false;
+  const auto pa = reinterpret_cast<uintptr_t>(a.p), pb = reinterpret_cast<uintptr_t>(b.p);
+  return pa < pb + b.bytes && pb < pa + a.bytes;
+}
+
+InPlaceResult combine_in_place(const ExecCtx& ctx, const CombineArgs& a, void* buf,
+                               void* fallback, const ByteRange* inputs,
+                               const char* const* names, int num_inputs) {
+  const ByteRange out{buf, size_t(a.T * a.D) * dtype_bytes(a.dt)};
+  for (int i = 0; i < num_inputs; ++i) {
+    // The planted fault reproduces a data-pointer comparison (FRAMEWORKS §9.2
+    // pitfall): a view at an offset inside the same allocation slips through.
+    const bool hit = ctx.faults.has(Fault::pointer_alias_guard)
+                         ? (out.bytes && inputs[i].bytes && out.p == inputs[i].p)
+                         : ranges_overlap(out, inputs[i]);
+    if (hit) {
+      combine(ctx, a, buf, fallback);
+      return {Placement::out_of_place_fallback,
+              std::string("output buffer overlaps input '") + names[i] + "'"};
+    }
+  }
+  combine(ctx, a, buf, buf);
+  return {Placement::in_place, ""};
+}
+
+}  // namespace moev

@@ -1,0 +1,94 @@
+// The fast MoE path on the host executor: the entry points the runner calls.
+// Activation buffers are raw bytes of the DType given; metadata is int32/int64
+// and fp32 scores. Callers own every buffer (outputs arrive poisoned); no entry
+// point allocates inside its per-row loops.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "bodies.h"
+#include "dtype.h"
+#include "host_exec.h"
+
+namespace moev {
+
+struct RouterConfig {
+  int E = 0, K = 0, groups = 1, limited_groups = 1;
+  float route_scale = 1.f;
+  k::ScoreFunc score = k::ScoreFunc::softmax;
+  k::Selection selection = k::Selection::topk;
+  k::RouteNorm norm = k::RouteNorm::off;
+};
+
+/// logits (T, E) fp32 = float(x) (T, D) * float(wg)^T, wg (E, D) in dtype.
+void router_logits(const ExecCtx& ctx, DType dt, const void* x, const void* wg, int64_t T,
+                   int64_t D, int E, float* logits);
+
+/// CONTRACT §1 steps 1-9 on given logits. `choice` is (T, E) scratch.
+void router_route(const ExecCtx& ctx, const RouterConfig& cfg, const float* logits,
+                  const float* bias, int64_t T, float* scores, float* choice, int32_t* ids,
+                  float* topk_scores, int64_t* counts);
+
+/// counts[e] = #{a : ids[a] == e} for N flat assignments.
+void expert_histogram(const ExecCtx& ctx, const int32_t* ids, int64_t N, int E, int64_t* counts);
+
+/// Stable counting sort of the flat ids: perm lists assignments by (ids[a], a).
+void expert_sort(const ExecCtx& ctx, const int32_t* ids, int64_t N, int E, int32_t* perm);
+
+/// Local dispatch (CONTRACT §2): see k::GatherBody for the outputs.
+void dispatch_gather(const ExecCtx& ctx, DType dt, k::ScoreApply apply, const void* x,
+                     const int32_t* perm, const float* topk_scores, int64_t N, int64_t D, int K,
+                     void* routed, int32_t* token_sorted, float* score_sorted, int32_t* row_of);
+
+enum class ExpertsImpl : uint8_t { loop, grouped };
+
+/// SwiGLU experts (CONTRACT §8) over expert-major rows: expert j owns
+/// counts[j] consecutive rows of X. W1, W3: (E_l, F, D); W2: (E_l, D, F).
+void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* X,
+                    const int64_t* counts, int E_l, int64_t D, int64_t F, const void* W1,
+                    const void* W3, const void* W2, void* Y);
+
+/// Y = round_act(X W^T) for X (rows, k) with row stride ldx, W (n, k), Y with
+/// row stride ldy; fp32 accumulation. Single-threaded: callers tile it.
+void gemm_xwT(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W,
+              int64_t n, void* Y, int64_t ldy);
+
+struct CombineArgs {
+  DType dt = DType::fp32;
+  const void* routed_out = nullptr;  // (N, D)
+  const float* score_sorted = nullptr;
+  const int32_t* row_of = nullptr;   // (T*K)
+  const void* shared = nullptr;      // (T, D), read when shared_add == add_after
+  int64_t T = 0, D = 0;
+  int K = 0;
+  k::ScoreApply apply = k::ScoreApply::after_experts;
+  k::Accumulate acc = k::Accumulate::per_add;
+  k::SharedAdd shared_add = k::SharedAdd::none;
+};
+
+/// Out-of-place combine: out = init + ordered scatter (init and out distinct).
+void combine(const ExecCtx& ctx, const CombineArgs& a, const void* init, void* out);
+
+struct ByteRange {
+  const void* p = nullptr;
+  size_t bytes = 0;
+};
+bool ranges_overlap(ByteRange a, ByteRange b);
+
+enum class Placement : uint8_t { in_place, out_of_place_fallback };
+
+struct InPlaceResult {
+  Placement placement;
+  std::string reason;  // which input the buffer overlapped, when it fell back
+};
+
+/// In-place combine (CONTRACT §9): adds into `buf` (which holds the initial
+/// value) when buf overlaps none of `protected_inputs` by any byte; otherwise
+/// writes init(=buf contents) + scatter into `fallback` and leaves buf alone.
+InPlaceResult combine_in_place(const ExecCtx& ctx, const CombineArgs& a, void* buf,
+                               void* fallback, const ByteRange* protected_inputs,
+                               const char* const* input_names, int num_inputs);
+
+}  // namespace moev

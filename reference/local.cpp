@@ -1,0 +1,83 @@
+// Reference local dispatch, combine and SwiGLU experts (CONTRACT §2, §8).
+#include <Eigen/Core>
+#include <cmath>
+
+#include "reference.h"
+
+namespace ref {
+
+LocalDispatch local_dispatch(Act act, ScoreApply apply, const Vec& x, const Ids& ids,
+                             const Vec& topk_scores, int64_t T, int64_t D, int K, int E) {
+  LocalDispatch d;
+  d.counts.assign(size_t(E), 0);
+  d.row_of.assign(size_t(T * K), -1);
+  for (int e = 0; e < E; ++e)
+    for (int64_t t = 0; t < T; ++t)
+      for (int k = 0; k < K; ++k) {
+        const int64_t a = t * K + k;
+        if (ids[size_t(a)] != e) continue;
+        const float s = topk_scores[size_t(a)];
+        d.row_of[size_t(a)] = int32_t(d.token_sorted.size());
+        d.token_sorted.push_back(int32_t(t));
+        d.score_sorted.push_back(s);
+        for (int64_t c = 0; c < D; ++c) {
+          const float v = x[size_t(t * D + c)];
+          d.routed.push_back(apply == ScoreApply::before_experts ? round_act(act, f32(double(v) * s)) : v);
+        }
+        ++d.counts[size_t(e)];
+      }
+  return d;
+}
+
+Vec swiglu_experts(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F,
+                   const Vec& W1, const Vec& W3, const Vec& W2) {
+  using MatD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  Vec Y(X.size(), 0.f);
+  int64_t row = 0;
+  for (size_t j = 0; j < counts.size(); ++j) {
+    const int64_t n = counts[j];
+    MatD xj(n, D), w1(F, D), w3(F, D), w2(D, F);
+    for (int64_t i = 0; i < n * D; ++i) xj.data()[i] = X[size_t(row * D + i)];
+    for (int64_t i = 0; i < F * D; ++i) {
+      w1.data()[i] = W1[size_t(int64_t(j) * F * D + i)];
+      w3.data()[i] = W3[size_t(int64_t(j) * F * D + i)];
+      w2.data()[i] = W2[size_t(int64_t(j) * D * F + i)];
+    }
+    const MatD h1 = xj * w1.transpose(), h3 = xj * w3.transpose();
+    MatD H(n, F);
+    for (int64_t i = 0; i < n * F; ++i) {
+      const float a = round_act(act, f32(h1.data()[i]));
+      const float b = round_act(act, f32(h3.data()[i]));
+      const float silu = f32(double(a) / (1.0 + std::exp(-double(a))));
+      H.data()[i] = round_act(act, f32(double(silu) * b));
+    }
+    const MatD y = H * w2.transpose();
+    for (int64_t i = 0; i < n * D; ++i) Y[size_t(row * D + i)] = round_act(act, f32(y.data()[i]));
+    row += n;
+  }
+  return Y;
+}
+
+Vec combine(const CombineSpec& s, const Vec& routed_out, const Ids& token_sorted,
+            const Vec& score_sorted, const Vec& init, const Vec& shared, int64_t T, int64_t D) {
+  Vec out = init;
+  Vec wide = init;  // fp32 accumulators for Accumulate::fp32_accumulate
+  for (size_t i = 0; i < token_sorted.size(); ++i) {
+    const int64_t t = token_sorted[i];
+    for (int64_t c = 0; c < D; ++c) {
+      float y = routed_out[i * size_t(D) + size_t(c)];
+      if (s.apply == ScoreApply::after_experts) y = round_act(s.act, f32(double(y) * score_sorted[i]));
+      float& o = out[size_t(t * D + c)];
+      if (s.acc == Accumulate::per_add) o = round_act(s.act, f32(double(o) + y));
+      else wide[size_t(t * D + c)] = f32(double(wide[size_t(t * D + c)]) + y);
+    }
+  }
+  if (s.acc == Accumulate::fp32_accumulate)
+    for (size_t i = 0; i < out.size(); ++i) out[i] = round_act(s.act, wide[i]);
+  if (s.shared_add == SharedAdd::add_after)
+    for (int64_t i = 0; i < T * D; ++i)
+      out[size_t(i)] = round_act(s.act, f32(double(out[size_t(i)]) + shared[size_t(i)]));
+  return out;
+}
+
+}  // namespace ref

@@ -1,0 +1,87 @@
+// The CPU reference (DESIGN.md idea 1). It uses Eigen and the standard library
+// only, never includes kernels/, and loops over experts and tokens in the order
+// spec/CONTRACT.md states. Activation tensors are std::vector<float> holding
+// values already representable in the activation type (bf16/fp16 values are
+// exact in fp32), so an exact comparison is a comparison of floats.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace ref {
+
+enum class Act { fp32, bf16, fp16 };
+
+/// One IEEE round-to-nearest-even of an fp32 value to `act`, computed by
+/// scaling with frexp/ldexp (independent of the bit-twiddling in kernels/).
+float round_act(Act act, float v);
+/// An fp32 operation emulated in fp64 then rounded once to fp32: exact for
+/// + - * / because fp64 has more than 2*24+2 significand bits.
+inline float f32(double v) { return static_cast<float>(v); }
+
+using Vec = std::vector<float>;
+using Ids = std::vector<int32_t>;
+using Counts = std::vector<int64_t>;
+
+enum class Score { softmax, sigmoid };
+enum class Selection { topk, force_load_balance };
+
+struct RouterSpec {
+  int E = 0, K = 0, groups = 1, limited_groups = 1;
+  Score score = Score::softmax;
+  Selection selection = Selection::topk;
+  bool route_norm = false;
+  float route_scale = 1.f;
+};
+
+/// logits (T, E) = x (T, D) * wg (E, D)^T accumulated in fp64, rounded to fp32.
+Vec router_logits(const Vec& x, const Vec& wg, int64_t T, int64_t D, int E);
+
+struct RouterOut {
+  Vec scores;        // (T, E) fp32
+  Vec choice;        // (T, E) scores + bias, after group masking (-inf)
+  Ids ids;           // (T, K) descending choice, ties to the lower id
+  Vec topk_scores;   // (T, K)
+  Counts counts;     // (E)
+};
+
+/// CONTRACT §1 on given logits; bias has E entries.
+RouterOut route(const RouterSpec& spec, const Vec& logits, const Vec& bias, int64_t T);
+
+enum class ScoreApply { after_experts, before_experts };
+
+struct LocalDispatch {
+  Vec routed;          // (N, D): expert-major, ascending token inside an expert
+  Ids token_sorted;    // (N)
+  Vec score_sorted;    // (N)
+  Ids row_of;          // (T*K): dispatch row of assignment a = t*K + k
+  Counts counts;       // (E)
+};
+
+/// CONTRACT §2 dispatch: for each expert e ascending, each token t ascending,
+/// each k with ids[t,k] == e, emit one row.
+LocalDispatch local_dispatch(Act act, ScoreApply apply, const Vec& x, const Ids& ids,
+                             const Vec& topk_scores, int64_t T, int64_t D, int K, int E);
+
+/// CONTRACT §8 SwiGLU over expert-major rows (expert j owns counts[j] rows).
+/// W1, W3: (E_l, F, D); W2: (E_l, D, F). GEMMs in fp64, rounded to act.
+Vec swiglu_experts(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F,
+                   const Vec& W1, const Vec& W3, const Vec& W2);
+
+enum class Accumulate { per_add, fp32_accumulate };
+enum class SharedAdd { none, add_after };
+
+struct CombineSpec {
+  Act act = Act::fp32;
+  ScoreApply apply = ScoreApply::after_experts;
+  Accumulate acc = Accumulate::per_add;
+  SharedAdd shared_add = SharedAdd::none;
+};
+
+/// CONTRACT §2 combine: out = init; for i = 0..N-1 ascending,
+/// out[token_sorted[i]] (+)= round(routed_out[i] * score_sorted[i]); then
+/// out += shared (one rounding) when shared_add == add_after.
+Vec combine(const CombineSpec& spec, const Vec& routed_out, const Ids& token_sorted,
+            const Vec& score_sorted, const Vec& init, const Vec& shared, int64_t T, int64_t D);
+
+}  // namespace ref

@@ -1,0 +1,103 @@
+// A verification case: one set of structs filled from YAML files and `--set`
+// overrides (DESIGN.md "Configuration"). Every mode is an enum with one string
+// table shared by YAML and the CLI.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../kernels/bodies.h"
+#include "../kernels/dtype.h"
+#include "../kernels/moe_host.h"
+
+namespace moev {
+
+enum class DataMode { exact, realistic };
+enum class ExpertKind { identity, swiglu };
+enum class SharedKind { none, identity, swiglu };
+enum class SharedOrder { add_after, init_with_shared };
+enum class CombinePlacement { out_of_place, in_place };
+enum class OutBuffer { fresh, alias_x, alias_x_offset };
+enum class Switch { off, on };
+
+template <class E>
+using EnumTable = std::vector<std::pair<const char*, E>>;
+
+const EnumTable<DType>& dtype_table();
+const EnumTable<DataMode>& data_mode_table();
+const EnumTable<k::ScoreFunc>& score_table();
+const EnumTable<ExpertKind>& expert_kind_table();
+const EnumTable<ExpertsImpl>& experts_impl_table();
+const EnumTable<SharedKind>& shared_kind_table();
+const EnumTable<SharedOrder>& shared_order_table();
+const EnumTable<k::Accumulate>& accumulate_table();
+const EnumTable<CombinePlacement>& placement_table();
+const EnumTable<OutBuffer>& out_buffer_table();
+const EnumTable<Switch>& switch_table();
+
+template <class E>
+const char* enum_name(const EnumTable<E>& t, E v) {
+  for (const auto& [n, e] : t)
+    if (e == v) return n;
+  return "?";
+}
+
+struct Tolerance {
+  double rtol = 0, atol = 0;
+};
+
+/// Comparison classes of the tolerance table (STYLE 4).
+enum class CompareClass { exact, logits, scores, gemm, end_to_end };
+const EnumTable<CompareClass>& compare_class_table();
+
+struct Case {
+  std::string name;
+  std::string source;  // "file:line" of the case entry
+  // shape
+  int64_t tokens = 16, hidden = 32, ffn = 64;
+  int num_experts = 8, top_k = 2;
+  DType dtype = DType::fp32;
+  uint64_t seed = 1;
+  DataMode data = DataMode::exact;
+  struct Router {
+    k::ScoreFunc score = k::ScoreFunc::softmax;
+    Switch bias = Switch::off;
+    int groups = 1, limited_groups = 1;
+    Switch force_load_balance = Switch::off;
+    Switch route_norm = Switch::off;
+    float route_scale = 1.f;
+  } router;
+  struct Experts {
+    ExpertKind kind = ExpertKind::identity;
+    ExpertsImpl impl = ExpertsImpl::loop;
+  } experts;
+  struct Shared {
+    SharedKind kind = SharedKind::none;
+    SharedOrder order = SharedOrder::add_after;
+  } shared;
+  Switch score_before_experts = Switch::off;
+  struct Combine {
+    k::Accumulate accumulate = k::Accumulate::per_add;
+    CombinePlacement placement = CombinePlacement::out_of_place;
+    OutBuffer buffer = OutBuffer::fresh;
+    int64_t alias_offset = 1;  // elements between x and the aliasing view
+  } combine;
+  std::map<CompareClass, Tolerance> tolerance_override;
+
+  int64_t num_assignments() const { return tokens * top_k; }
+  std::string summary() const;
+};
+
+/// Loads every case of a YAML file (sweeps expanded). `overrides` are
+/// "path=value" strings from `--set`, applied on top of each case. Throws
+/// Error(bad_input) with "file:line:column: what is wrong; what would be valid".
+std::vector<Case> load_cases(const std::string& path, const std::vector<std::string>& overrides);
+
+/// Every settable key with its type and valid values, for `moeverify validate --keys`
+/// and the README.
+std::vector<std::pair<std::string, std::string>> case_keys();
+
+}  // namespace moev

@@ -1,0 +1,84 @@
+#include "datagen.h"
+
+#include <cmath>
+#include <vector>
+
+namespace moev {
+namespace {
+
+uint64_t mix(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+enum Stream : uint64_t { kX = 1, kWg, kBias, kW1, kW3, kW2, kSW1, kSW3, kSW2, kTail };
+
+double normal(uint64_t seed, uint64_t stream, uint64_t rank, uint64_t row, uint64_t col) {
+  const double u1 = std::max(hash_uniform(seed, stream, rank, row, 2 * col), 1e-300);
+  const double u2 = hash_uniform(seed, stream, rank, row, 2 * col + 1);
+  return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+}
+
+// Exact mode: small nonzero integers (x) or {-1, 0, 1} scaled by a power of two
+// (weights): every product and sum of the pipeline is exact in fp32.
+float exact_value(uint64_t seed, uint64_t stream, uint64_t rank, uint64_t row, uint64_t col, int kind) {
+  const double u = hash_uniform(seed, stream, rank, row, col);
+  if (kind == 0) {  // activations: +-1..4
+    const int m = 1 + int(u * 8) % 4;
+    return float(int(u * 8) < 4 ? -m : m);
+  }
+  return float(int(u * 3) - 1) * (kind == 1 ? 1.0f : 0.125f);  // 1: router gate, 2: expert weights
+}
+
+Tensor fill(const Case& c, ElemType et, std::vector<int64_t> shape, uint64_t stream, int rank, double scale,
+            int exact_kind, size_t extra_elems = 0) {
+  Tensor t = Tensor::alloc(et, shape, 0, extra_elems * elem_bytes(et));
+  const int64_t cols = std::max<int64_t>(shape.back(), 1);
+  std::vector<float> v;
+  v.reserve(size_t(t.numel()) + extra_elems);
+  for (int64_t i = 0; i < t.numel() + int64_t(extra_elems); ++i) {
+    const uint64_t r = uint64_t(i / cols), col = uint64_t(i % cols);
+    const uint64_t s = i < t.numel() ? stream : kTail;
+    v.push_back(c.data == DataMode::exact ? exact_value(c.seed, s, uint64_t(rank), r, col, exact_kind)
+                                          : float(normal(c.seed, s, uint64_t(rank), r, col) * scale));
+  }
+  Tensor whole = from_floats(v, et, {int64_t(v.size())});
+  return whole.view(et, std::move(shape), 0);
+}
+
+}  // namespace
+
+double hash_uniform(uint64_t seed, uint64_t stream, uint64_t rank, uint64_t row, uint64_t col) {
+  uint64_t h = mix(seed ^ mix(stream ^ mix(rank ^ mix(row ^ mix(col)))));
+  return double(h >> 11) * (1.0 / 9007199254740992.0);
+}
+
+std::map<std::string, Tensor> make_inputs(const Case& c, int rank, int64_t T) {
+  const ElemType act = act_elem(c.dtype);
+  const int64_t D = c.hidden, F = c.ffn, E = c.num_experts;
+  std::map<std::string, Tensor> m;
+  m["x"] = fill(c, act, {T, D}, kX, rank, 1.0, 0, size_t(c.combine.alias_offset));
+  // Router gate, bias and expert weights are global: stream rank 0 everywhere.
+  m["wg"] = fill(c, act, {E, D}, kWg, 0, 1.0 / std::sqrt(double(D)), 1);
+  std::vector<float> bias(size_t(E), 0.f);
+  if (c.router.bias == Switch::on)
+    for (int64_t e = 0; e < E; ++e)
+      bias[size_t(e)] = c.data == DataMode::exact ? float(int(hash_uniform(c.seed, kBias, 0, 0, uint64_t(e)) * 5) - 2) / 64.f
+                                                  : float(normal(c.seed, kBias, 0, 0, uint64_t(e)) * 0.01);
+  m["bias"] = from_floats(bias, ElemType::f32, {E});
+  if (c.experts.kind == ExpertKind::swiglu) {
+    m["w1"] = fill(c, act, {E, F, D}, kW1, 0, 1.0 / std::sqrt(double(D)), 2);
+    m["w3"] = fill(c, act, {E, F, D}, kW3, 0, 1.0 / std::sqrt(double(D)), 2);
+    m["w2"] = fill(c, act, {E, D, F}, kW2, 0, 1.0 / std::sqrt(double(F)), 2);
+  }
+  if (c.shared.kind == SharedKind::swiglu) {
+    m["shared_w1"] = fill(c, act, {1, F, D}, kSW1, 0, 1.0 / std::sqrt(double(D)), 2);
+    m["shared_w3"] = fill(c, act, {1, F, D}, kSW3, 0, 1.0 / std::sqrt(double(D)), 2);
+    m["shared_w2"] = fill(c, act, {1, D, F}, kSW2, 0, 1.0 / std::sqrt(double(F)), 2);
+  }
+  return m;
+}
+
+}  // namespace moev

@@ -1,0 +1,137 @@
+#include "diff.h"
+
+#include <cmath>
+#include <cstring>
+
+namespace moev {
+
+const char* outcome_name(Outcome o) {
+  switch (o) {
+    case Outcome::PASSED: return "PASSED";
+    case Outcome::NOT_SUPPORTED: return "NOT_SUPPORTED";
+    case Outcome::NOT_VERIFIED: return "NOT_VERIFIED";
+    case Outcome::INCORRECT: return "INCORRECT";
+    case Outcome::ERROR: return "ERROR";
+  }
+  return "?";
+}
+
+Outcome worst(Outcome a, Outcome b) { return int(a) > int(b) ? a : b; }
+
+// 0 all passed; 1 a result is wrong; 2 is bad input (main); 3 a stage failed
+// to run; 4 something could not be verified; 5 a requested path is unsupported.
+int exit_status(Outcome o) {
+  switch (o) {
+    case Outcome::PASSED: return 0;
+    case Outcome::INCORRECT: return 1;
+    case Outcome::ERROR: return 3;
+    case Outcome::NOT_VERIFIED: return 4;
+    case Outcome::NOT_SUPPORTED: return 5;
+  }
+  return 3;
+}
+
+Tolerance default_tolerance(CompareClass cls, DType act) {
+  switch (cls) {
+    case CompareClass::exact: return {0, 0};
+    // fp32 logits and scores: fp32 accumulation / fp32 exp against an fp64 reference
+    case CompareClass::logits: return {1e-5, 1e-5};
+    case CompareClass::scores: return {1e-5, 1e-7};
+    // GEMM outputs: PyTorch assert_close-like rtol; atol covers cancellation
+    // and a one-ulp difference of an intermediate rounding (h1, h3, H).
+    case CompareClass::gemm:
+    case CompareClass::end_to_end:
+      switch (act) {
+        case DType::fp32: return {1.3e-5, 1e-5};
+        case DType::bf16: return {1.6e-2, 1.6e-2};
+        case DType::fp16: return {2e-3, 2e-3};
+      }
+  }
+  return {0, 0};
+}
+
+Tolerance tolerance_for(const Case& c, CompareClass cls) {
+  auto it = c.tolerance_override.find(cls);
+  Tolerance t = default_tolerance(cls, c.dtype);
+  if (it != c.tolerance_override.end()) {
+    if (it->second.rtol > 0) t.rtol = it->second.rtol;
+    if (it->second.atol > 0) t.atol = it->second.atol;
+  }
+  return t;
+}
+
+namespace {
+
+// Distance in units in the last place of the tensor's own type.
+double ulp_distance(ElemType t, double a, double b) {
+  if (std::isnan(a) || std::isnan(b)) return INFINITY;
+  auto ordered = [&](double v) -> int64_t {
+    uint32_t u = 0;
+    int bits = 32;
+    if (t == ElemType::f32) { const float f = float(v); std::memcpy(&u, &f, 4); }
+    else if (t == ElemType::bf16) { u = from_float<bf16>(float(v)).bits; bits = 16; }
+    else { u = from_float<fp16>(float(v)).bits; bits = 16; }
+    const uint32_t sign = 1u << (bits - 1);
+    return (u & sign) ? -int64_t(u & (sign - 1)) : int64_t(u);
+  };
+  return double(std::llabs(ordered(a) - ordered(b)));
+}
+
+bool same_bits(const Tensor& a, const Tensor& b, int64_t i) {
+  const size_t eb = elem_bytes(a.type);
+  return std::memcmp(static_cast<const uint8_t*>(a.data()) + size_t(i) * eb,
+                     static_cast<const uint8_t*>(b.data()) + size_t(i) * eb, eb) == 0;
+}
+
+}  // namespace
+
+DiffResult diff_tensors(const Tensor& fast, const Tensor& ref, CompareClass cls, Tolerance tol,
+                        const CoordFn& coords, const std::vector<uint8_t>* mask) {
+  DiffResult r;
+  if (fast.type != ref.type || fast.shape != ref.shape) {
+    r.structural = std::string("fast ") + elem_name(fast.type) + fast.shape_str() + " vs reference " +
+                   elem_name(ref.type) + ref.shape_str();
+    r.mismatches = 1;
+    return r;
+  }
+  const bool is_float = fast.type == ElemType::f32 || fast.type == ElemType::bf16 || fast.type == ElemType::f16;
+  bool any_nonzero = false;
+  const size_t keep = 3;
+  for (int64_t i = 0; i < fast.numel(); ++i) {
+    if (mask && !(*mask)[size_t(i)]) continue;
+    ++r.total;
+    const double f = value_at(fast, i), g = value_at(ref, i);
+    any_nonzero = any_nonzero || f != 0 || g != 0;
+    bool ok;
+    if (cls == CompareClass::exact || !is_float) {
+      ok = same_bits(fast, ref, i);
+    } else {
+      ok = std::fabs(f - g) <= tol.atol + tol.rtol * std::fabs(g) || (std::isinf(f) && f == g);
+    }
+    if (is_float && !(std::isnan(f) && std::isnan(g))) {
+      const double ad = std::fabs(f - g);
+      if (!std::isnan(ad)) {
+        r.max_abs = std::max(r.max_abs, ad);
+        if (g != 0) r.max_rel = std::max(r.max_rel, ad / std::fabs(g));
+      } else {
+        r.max_abs = INFINITY;
+      }
+      r.max_ulp = std::max(r.max_ulp, ulp_distance(fast.type, f, g));
+    } else if (!is_float) {
+      r.max_abs = std::max(r.max_abs, std::fabs(f - g));
+    }
+    if (!ok) {
+      ++r.mismatches;
+      Mismatch m{i, coords ? coords(i) : "[" + std::to_string(i) + "]", f, g};
+      if (r.first.size() < keep) r.first.push_back(m);
+      else {
+        r.last.push_back(m);
+        if (r.last.size() > keep) r.last.erase(r.last.begin());
+      }
+    }
+  }
+  r.both_all_zero = r.total > 0 && !any_nonzero;
+  return r;
+}
+
+}  // namespace moev

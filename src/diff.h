@@ -1,0 +1,48 @@
+// Comparison of a fast-path tensor against the reference (STYLE 4, 6): exact
+// for data movement and metadata, the per-dtype tolerance table for GEMM-like
+// outputs; mismatch count, max abs / rel / ULP error, and the first and last
+// mismatches named in MoE coordinates.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "case.h"
+#include "tensor.h"
+
+namespace moev {
+
+enum class Outcome { PASSED, NOT_SUPPORTED, NOT_VERIFIED, INCORRECT, ERROR };
+const char* outcome_name(Outcome o);
+Outcome worst(Outcome a, Outcome b);
+int exit_status(Outcome o);
+
+/// The tolerance table, one row per (class, activation dtype); a case may
+/// override a class. `exact` is always {0, 0}.
+Tolerance default_tolerance(CompareClass cls, DType act);
+Tolerance tolerance_for(const Case& c, CompareClass cls);
+
+struct Mismatch {
+  int64_t index = 0;
+  std::string coords;
+  double fast = 0, ref = 0;
+};
+
+/// Names element i of a tensor in MoE coordinates.
+using CoordFn = std::function<std::string(int64_t)>;
+
+struct DiffResult {
+  int64_t total = 0, mismatches = 0;
+  double max_abs = 0, max_rel = 0, max_ulp = 0;
+  std::vector<Mismatch> first, last;
+  bool both_all_zero = false;
+  std::string structural;  // non-empty when dtype or shape differ
+};
+
+/// `mask`, when given, selects the elements compared (others are skipped).
+DiffResult diff_tensors(const Tensor& fast, const Tensor& ref, CompareClass cls, Tolerance tol,
+                        const CoordFn& coords, const std::vector<uint8_t>* mask = nullptr);
+
+}  // namespace moev

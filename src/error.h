@@ -1,0 +1,20 @@
+// One typed exception for the whole tool (STYLE 10): libraries throw, main
+// catches once and maps the kind to an exit status.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace moev {
+
+enum class ErrorKind { bad_input, runtime };
+
+struct Error : std::runtime_error {
+  ErrorKind kind;
+  Error(ErrorKind k, const std::string& msg) : std::runtime_error(msg), kind(k) {}
+};
+
+[[noreturn]] inline void bad_input(const std::string& msg) { throw Error(ErrorKind::bad_input, msg); }
+[[noreturn]] inline void runtime_error(const std::string& msg) { throw Error(ErrorKind::runtime, msg); }
+
+}  // namespace moev

@@ -1,0 +1,143 @@
+// moeverify: reference-vs-fast verification of MoE token paths.
+// Exit status: 0 all PASSED, 1 INCORRECT, 2 bad input, 3 ERROR,
+// 4 NOT_VERIFIED, 5 NOT_SUPPORTED (the worst outcome of the run decides).
+#include <CLI/CLI.hpp>
+
+#include <fstream>
+#include <iostream>
+#include <thread>
+
+#include "case.h"
+#include "error.h"
+#include "registry.h"
+#include "runner.h"
+#include "version.h"
+
+using namespace moev;
+
+namespace {
+
+int cmd_run(const std::vector<std::string>& files, const std::vector<std::string>& sets, int threads,
+            const std::string& json, const std::string& dump, const std::vector<std::string>& faults,
+            const std::string& only) {
+  RunOptions opt;
+  opt.threads = threads;
+  opt.dump_dir = dump;
+  for (const auto& f : faults) {
+    try {
+      opt.faults.bits |= uint32_t(parse_fault(f));
+    } catch (const std::invalid_argument& e) {
+      bad_input(std::string("--fault: ") + e.what());
+    }
+  }
+  std::vector<std::pair<std::string, std::vector<Case>>> all;
+  for (const auto& f : files) all.push_back({f, load_cases(f, sets)});  // validate everything before running
+  std::vector<CaseReport> reports;
+  Outcome worst_all = Outcome::PASSED;
+  std::cout << "moeverify " << MOEVERIFY_VERSION << "  threads=" << threads;
+  if (opt.faults.bits) {
+    std::cout << "  PLANTED FAULTS:";
+    for (const auto& f : faults) std::cout << " " << f;
+  }
+  std::cout << "\n";
+  size_t total = 0, done = 0;
+  for (const auto& [file, cases] : all)
+    for (const auto& c : cases) total += only.empty() || c.name == only;
+  if (total == 0) bad_input("--case " + only + ": no case of that name in the given files");
+  for (const auto& [file, cases] : all) {
+    for (const auto& c : cases) {
+      if (!only.empty() && c.name != only) continue;
+      ++done;
+      std::cerr << "[" << done << "/" << total << "] " << c.name << "\n";
+      reports.push_back(run_case(c, opt));
+      print_report(reports.back(), std::cout);
+      worst_all = worst(worst_all, reports.back().outcome);
+    }
+  }
+  print_tolerance_table(reports, std::cout);
+  size_t passed = 0;
+  for (const auto& r : reports) passed += r.outcome == Outcome::PASSED;
+  std::cout << "\n" << passed << " of " << reports.size() << " case(s) PASSED; overall " << outcome_name(worst_all)
+            << "\n";
+  if (!json.empty()) {
+    std::ofstream o(json);
+    if (!o) runtime_error("cannot write --json file " + json);
+    o << reports_json(reports, files.size() == 1 ? files[0] : "(several)");
+  }
+  return exit_status(worst_all);
+}
+
+int cmd_validate(const std::vector<std::string>& files, const std::vector<std::string>& sets, bool keys) {
+  if (keys) {
+    for (const auto& [k, h] : case_keys()) std::cout << "  " << k << ": " << h << "\n";
+    if (files.empty()) return 0;
+  }
+  for (const auto& f : files) {
+    const auto cases = load_cases(f, sets);
+    std::cout << f << ": " << cases.size() << " case(s) valid\n";
+    for (const auto& c : cases) std::cout << "  " << c.name << ": " << c.summary() << "\n";
+  }
+  return 0;
+}
+
+int cmd_list() {
+  std::cout << "registered stage variants (slot order; every applicable variant runs, the primary feeds the next slot):\n";
+  for (const auto& slot : slot_order()) {
+    std::cout << "\n" << slot << "\n";
+    for (const auto& s : registry())
+      if (s.slot == slot) std::cout << "  " << s.variant << ": " << s.summary << "\n";
+  }
+  std::cout << "\nplanted faults (--fault NAME):\n";
+  for (const auto& f : fault_table()) std::cout << "  " << f.name << ": " << f.what << "\n";
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"moeverify: verify fast MoE token paths against an independent CPU reference"};
+  app.set_version_flag("--version", std::string("moeverify ") + MOEVERIFY_VERSION);
+  app.require_subcommand(1);
+
+  std::vector<std::string> files, sets, faults;
+  int threads = int(std::max(1u, std::thread::hardware_concurrency()));
+  std::string json, dump, only;
+  auto* run = app.add_subcommand("run", "run every case of the files: reference vs fast, stage by stage");
+  run->add_option("files", files, "case files (YAML)")->required();
+  run->add_option("--set", sets, "override a case key for every case, e.g. --set shape.tokens=128");
+  run->add_option("--threads", threads, "host executor threads")->check(CLI::Range(1, 256));
+  run->add_option("--json", json, "also write the report as JSON to this file");
+  run->add_option("--dump", dump, "write every stage's inputs and outputs as .npy under this folder");
+  run->add_option("--fault", faults, "turn on a planted fault (see `moeverify list`); the run must then fail");
+  run->add_option("--case", only, "run only the case of this name");
+
+  bool keys = false;
+  std::vector<std::string> vfiles, vsets;
+  auto* val = app.add_subcommand("validate", "check case files without running them");
+  val->add_option("files", vfiles, "case files (YAML)");
+  val->add_option("--set", vsets, "override a case key, as for run");
+  val->add_flag("--keys", keys, "list every case key with its valid values");
+
+  app.add_subcommand("list", "list registered paths, their stages, and the planted faults");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
+  }
+  try {
+    if (run->parsed()) return cmd_run(files, sets, threads, json, dump, faults, only);
+    if (val->parsed()) {
+      if (vfiles.empty() && !keys) bad_input("validate: give case files, or --keys");
+      return cmd_validate(vfiles, vsets, keys);
+    }
+    return cmd_list();
+  } catch (const Error& e) {
+    std::cerr << "moeverify: " << e.what() << "\n";
+    return e.kind == ErrorKind::bad_input ? 2 : 3;
+  } catch (const std::exception& e) {
+    std::cerr << "moeverify: internal error: " << e.what() << "\n";
+    return 3;
+  }
+}

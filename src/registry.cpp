@@ -1,0 +1,153 @@
+#include "registry.h"
+
+#include <cmath>
+#include <stdexcept>
+
+#include "error.h"
+#include "stages.h"
+
+namespace moev {
+
+const Tensor& Board::at(const std::string& name, int rank) const {
+  const RankBoard& b = ranks.at(size_t(rank));
+  auto it = b.find(name);
+  if (it == b.end()) runtime_error("internal: tensor '" + name + "' missing on rank " + std::to_string(rank));
+  return it->second;
+}
+
+bool Board::has(const std::string& name, int rank) const {
+  return size_t(rank) < ranks.size() && ranks[size_t(rank)].count(name) > 0;
+}
+
+const Tensor& FastCtx::input(const std::string& name) const {
+  auto it = in.find(name);
+  if (it == in.end()) runtime_error("internal: stage input '" + name + "' missing on rank " + std::to_string(rank));
+  return it->second;
+}
+
+Tensor& FastCtx::output(const std::string& name, ElemType t, std::vector<int64_t> shape) {
+  Tensor& r = out[name];
+  r = Tensor::alloc(t, std::move(shape), 0xFF);
+  return r;
+}
+
+std::function<std::vector<std::string>(const Case&)> fixed_inputs(std::vector<std::string> names) {
+  return [names](const Case&) { return names; };
+}
+
+const std::vector<std::string>& slot_order() {
+  static const std::vector<std::string> s = {"router_logits", "routing", "dispatch", "experts", "shared_experts",
+                                             "combine"};
+  return s;
+}
+
+const std::vector<Stage>& registry() {
+  static const std::vector<Stage> reg = [] {
+    std::vector<Stage> r;
+    register_local_stages(r);
+    return r;
+  }();
+  return reg;
+}
+
+CoordFn coords_for(Coords kind, const Tensor& t, const RankBoard& b, int rank, int ranks) {
+  const std::string rk = ranks > 1 ? "rank " + std::to_string(rank) + ", " : "";
+  const int64_t cols = t.shape.empty() ? 1 : t.shape.back();
+  switch (kind) {
+    case Coords::flat: return [rk](int64_t i) { return "(" + rk + "index " + std::to_string(i) + ")"; };
+    case Coords::token_col:
+      return [=](int64_t i) { return "(" + rk + "token " + std::to_string(i / cols) + ", col " + std::to_string(i % cols) + ")"; };
+    case Coords::token_expert:
+      return [=](int64_t i) { return "(" + rk + "token " + std::to_string(i / cols) + ", expert " + std::to_string(i % cols) + ")"; };
+    case Coords::token_k:
+      return [=](int64_t i) { return "(" + rk + "token " + std::to_string(i / cols) + ", k " + std::to_string(i % cols) + ")"; };
+    case Coords::expert: return [rk](int64_t i) { return "(" + rk + "expert " + std::to_string(i) + ")"; };
+    case Coords::dispatch_row: {
+      auto ci = b.find("counts_local");
+      auto ti = b.find("token_sorted");
+      if (ci == b.end() || ti == b.end()) return coords_for(Coords::flat, t, b, rank, ranks);
+      const std::vector<int64_t> counts = to_ints(ci->second);
+      const std::vector<int64_t> tok = to_ints(ti->second);
+      const int64_t E_l = int64_t(counts.size());
+      return [=](int64_t i) {
+        const int64_t row = i / cols;
+        int64_t e = 0, start = 0;
+        while (e < E_l && start + counts[size_t(e)] <= row) start += counts[size_t(e++)];
+        std::string s = "(" + rk + "expert " + std::to_string(rank * E_l + e) + ", slot " + std::to_string(row - start);
+        if (size_t(row) < tok.size()) s += ", token " + std::to_string(tok[size_t(row)]);
+        return s + ", col " + std::to_string(i % cols) + ")";
+      };
+    }
+  }
+  return nullptr;
+}
+
+void check_routing(CheckCtx& ctx) {
+  const Case& c = ctx.c;
+  const Tolerance tol = tolerance_for(c, CompareClass::scores);
+  const int ranks = int(ctx.fast.ranks.size());
+  int64_t near_total = 0;
+  for (int q = 0; q < ranks; ++q) {
+    const RankBoard& fb = ctx.fast.ranks[size_t(q)];
+    const Tensor& fids = ctx.fast.at("ids", q);
+    const Tensor& rids = ctx.ref.at("ids", q);
+    const std::vector<float> choice = to_floats(ctx.ref.at("choice", q));
+    const int64_t T = fids.shape[0], K = c.top_k, E = c.num_experts;
+    std::vector<uint8_t> mask_tk(size_t(T * K), 1), mask_te(size_t(T * E), 1);
+    int64_t near = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      bool differs = false, all_near = true;
+      for (int64_t k = 0; k < K; ++k) {
+        const int32_t f = fids.as<int32_t>()[t * K + k], r = rids.as<int32_t>()[t * K + k];
+        if (f == r) continue;
+        differs = true;
+        if (f < 0 || f >= E) { all_near = false; continue; }
+        const double a = choice[size_t(t * E + f)], b = choice[size_t(t * E + r)];
+        // An exact tie is decided by the lower-id rule, so it is never a near-tie.
+        all_near = all_near && a != b && std::fabs(a - b) <= tol.atol + tol.rtol * std::fabs(b);
+      }
+      if (differs && all_near) {
+        ++near;
+        for (int64_t k = 0; k < K; ++k) mask_tk[size_t(t * K + k)] = 0;
+      }
+    }
+    near_total += near;
+    auto add = [&](const std::string& name, CompareClass cls, Coords co, const Tensor& f, const Tensor& r,
+                   const std::vector<uint8_t>* mask, const std::string& against, const std::string& note) {
+      Check ch;
+      ch.slot = "routing";
+      ch.tensor = ranks > 1 ? name + "@" + std::to_string(q) : name;
+      ch.cls = cls;
+      ch.tol = tolerance_for(c, cls);
+      ch.against = against;
+      ch.diff = diff_tensors(f, r, cls, ch.tol, coords_for(co, f, fb, q, ranks), mask);
+      ch.outcome = ch.diff.mismatches ? Outcome::INCORRECT : Outcome::PASSED;
+      ch.note = note;
+      ctx.checks.push_back(ch);
+    };
+    const std::string near_note = near ? std::to_string(near) + " near-tie token(s): choice values within the scores "
+                                         "tolerance, reported and excluded" : "";
+    add("scores", CompareClass::scores, Coords::token_expert, ctx.fast.at("scores", q), ctx.ref.at("scores", q),
+        nullptr, "reference", "");
+    add("ids", CompareClass::exact, Coords::token_k, fids, rids, &mask_tk, "reference", near_note);
+    add("topk_scores", CompareClass::scores, Coords::token_k, ctx.fast.at("topk_scores", q),
+        ctx.ref.at("topk_scores", q), &mask_tk, "reference", near_note);
+    if (near == 0) {
+      add("counts", CompareClass::exact, Coords::expert, ctx.fast.at("counts", q), ctx.ref.at("counts", q), nullptr,
+          "reference", "");
+    } else {
+      std::vector<int64_t> hist(size_t(E), 0);
+      for (int64_t a = 0; a < T * K; ++a) {
+        const int32_t e = fids.as<int32_t>()[a];
+        if (e >= 0 && e < E) ++hist[size_t(e)];
+      }
+      add("counts", CompareClass::exact, Coords::expert, ctx.fast.at("counts", q), from_ints(hist, ElemType::i64, {E}),
+          nullptr, "histogram of fast ids", "near-ties change counts; checked against the fast ids instead");
+    }
+  }
+  if (near_total)
+    ctx.adopt_fast_reason = std::to_string(near_total) + " routing near-tie token(s): the end-to-end reference "
+                            "continues from the fast routing";
+}
+
+}  // namespace moev

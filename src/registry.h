@@ -1,0 +1,120 @@
+// The registry of path descriptors (DESIGN.md idea 4, STYLE 1). A pipeline is
+// an ordered list of slots (router_logits, routing, dispatch, ...); each slot
+// has registered variants, each with its reference function, fast function,
+// inputs, outputs with their comparison class, and when it applies. For every
+// case the runner runs every applicable variant of a slot against the
+// reference fed the same inputs (stage isolation), and feeds the primary
+// variant's outputs to the next slot. It never branches on a variant's name.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "case.h"
+#include "diff.h"
+#include "tensor.h"
+
+namespace moev {
+
+class Comm;
+
+using RankBoard = std::map<std::string, Tensor>;
+
+/// Named tensors of every rank (index = EP rank).
+struct Board {
+  std::vector<RankBoard> ranks;
+  const Tensor& at(const std::string& name, int rank) const;
+  bool has(const std::string& name, int rank = 0) const;
+};
+
+/// How a mismatch index is named in a report.
+enum class Coords {
+  flat,          // [i]
+  token_col,     // (token, col) of a (T, D) tensor
+  token_expert,  // (token, expert) of a (T, E) tensor
+  token_k,       // (token, k) of a (T, K) tensor
+  expert,        // (expert) of an (E) vector
+  dispatch_row,  // (expert, slot, token, col) of expert-major rows; needs counts_local, token_sorted
+};
+
+struct OutputSpec {
+  std::string name;
+  CompareClass cls = CompareClass::exact;
+  Coords coords = Coords::flat;
+  /// Data was promised: two all-zero tensors with elements are NOT_VERIFIED.
+  bool data_promised = false;
+};
+
+/// What a fast function sees for one rank.
+struct FastCtx {
+  const Case& c;
+  int rank = 0, ranks = 1;
+  ExecCtx exec;
+  Comm* comm = nullptr;
+  const RankBoard& in;
+  RankBoard& out;
+  std::vector<std::string>& notes;  // shown under the stage in the report
+
+  const Tensor& input(const std::string& name) const;
+  /// A poisoned (0xFF) output registered under `name`.
+  Tensor& output(const std::string& name, ElemType t, std::vector<int64_t> shape);
+};
+
+/// What a reference function sees: every rank's inputs (global view).
+struct RefCtx {
+  const Case& c;
+  const Board& in;
+  Board& out;
+};
+
+struct Decision {
+  bool applies = true;
+  std::string reason;  // why it does not apply (or why it was chosen)
+};
+
+/// A report line about one comparison.
+struct Check {
+  std::string slot, variant, tensor, against = "reference";
+  CompareClass cls = CompareClass::exact;
+  Tolerance tol;
+  Outcome outcome = Outcome::PASSED;
+  DiffResult diff;
+  std::string note;
+};
+
+struct CheckCtx {
+  const Case& c;
+  const Board& fast;   // this variant's outputs merged over its inputs
+  const Board& ref;    // the reference outputs on the same inputs
+  std::vector<Check>& checks;
+  /// Set by a custom check when the reference chain must adopt the fast
+  /// outputs of this slot (routing near-ties), with the reason.
+  std::string adopt_fast_reason;
+};
+
+struct Stage {
+  std::string slot, variant, summary;
+  std::function<Decision(const Case&)> applies;
+  std::function<bool(const Case&)> primary;  // feeds the next slot
+  /// Board tensors read; they must be unchanged after the fast function.
+  std::function<std::vector<std::string>(const Case&)> inputs;
+  std::vector<OutputSpec> outputs;
+  std::function<void(FastCtx&)> fast;
+  std::function<void(RefCtx&)> ref;
+  /// Optional: replaces the per-output comparison (used by routing).
+  std::function<void(CheckCtx&)> check;
+};
+
+/// A fixed input list for Stage::inputs.
+std::function<std::vector<std::string>(const Case&)> fixed_inputs(std::vector<std::string> names);
+
+const std::vector<std::string>& slot_order();
+const std::vector<Stage>& registry();
+
+/// Name of element i of tensor `name` in MoE coordinates, using the board of
+/// the rank for dispatch rows.
+CoordFn coords_for(Coords kind, const Tensor& t, const RankBoard& board, int rank, int ranks);
+
+}  // namespace moev

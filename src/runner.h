@@ -1,0 +1,45 @@
+// Runs one case: every applicable stage variant against the reference on the
+// same inputs, then the end-to-end chain; produces a CaseReport.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "case.h"
+#include "registry.h"
+
+namespace moev {
+
+struct RunOptions {
+  int threads = 1;
+  FaultSet faults;
+  std::string dump_dir;  // empty: no dump
+};
+
+struct VariantDecision {
+  std::string slot, variant;
+  bool ran = false, primary = false;
+  std::string reason;               // why it did not run
+  std::vector<std::string> notes;   // what it reported (fast path taken, ...)
+};
+
+struct CaseReport {
+  Case c;
+  std::vector<Check> checks;
+  std::vector<VariantDecision> decisions;
+  std::vector<std::string> notes;
+  Outcome outcome = Outcome::PASSED;
+  double seconds = 0;
+};
+
+CaseReport run_case(const Case& c, const RunOptions& opt);
+
+/// Human table (stdout) and JSON (--json) of a run.
+void print_report(const CaseReport& r, std::ostream& os);
+void print_tolerance_table(const std::vector<CaseReport>& reports, std::ostream& os);
+std::string reports_json(const std::vector<CaseReport>& reports, const std::string& file);
+
+/// Writes `t` as a NumPy .npy file (bf16 as uint16; the manifest names it).
+void write_npy(const std::string& path, const Tensor& t);
+
+}  // namespace moev

@@ -1,0 +1,26 @@
+// Internal to the stage registry: helpers shared by the stage variant files.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "../reference/reference.h"
+#include "registry.h"
+
+namespace moev {
+
+ref::Act ref_act(DType d);
+ref::Ids ref_ids(const Tensor& t);
+ref::Counts ref_counts(const Tensor& t);
+Tensor ids_tensor(const ref::Ids& v, ElemType t, std::vector<int64_t> shape);
+RouterConfig router_config(const Case& c);
+/// Initial value of the combine's scatter target for this rank (CONTRACT §2, §9).
+std::vector<float> combine_init(const Case& c, const RankBoard& in);
+
+/// Routing comparison with near-tie handling (CONTRACT §1, last paragraph).
+void check_routing(CheckCtx& ctx);
+
+void register_local_stages(std::vector<Stage>& reg);
+
+}  // namespace moev

@@ -1,0 +1,430 @@
+// Stage variants of the local (EP = 1) MoE path: router, local dispatch,
+// experts, shared experts, combine. Each pairs a fast function (kernels/ on the
+// host executor) with the reference function (reference/) of the same stage.
+#include <cstring>
+#include <functional>
+
+#include "../reference/reference.h"
+#include "stages.h"
+
+namespace moev {
+
+ref::Act ref_act(DType d) { return d == DType::fp32 ? ref::Act::fp32 : d == DType::bf16 ? ref::Act::bf16 : ref::Act::fp16; }
+
+ref::Ids ref_ids(const Tensor& t) {
+  ref::Ids v;
+  for (int64_t x : to_ints(t)) v.push_back(int32_t(x));
+  return v;
+}
+
+ref::Counts ref_counts(const Tensor& t) { return to_ints(t); }
+
+Tensor ids_tensor(const ref::Ids& v, ElemType t, std::vector<int64_t> shape) {
+  return from_ints(std::vector<int64_t>(v.begin(), v.end()), t, std::move(shape));
+}
+
+RouterConfig router_config(const Case& c) {
+  RouterConfig r;
+  r.E = c.num_experts;
+  r.K = c.top_k;
+  r.groups = c.router.groups;
+  r.limited_groups = c.router.limited_groups;
+  r.route_scale = c.router.route_scale;
+  r.score = c.router.score;
+  r.selection = c.router.force_load_balance == Switch::on ? k::Selection::force_load_balance : k::Selection::topk;
+  r.norm = c.router.route_norm == Switch::on ? k::RouteNorm::on : k::RouteNorm::off;
+  return r;
+}
+
+std::vector<float> combine_init(const Case& c, const RankBoard& in) {
+  const Tensor& x = in.at("x");
+  const int64_t n = x.numel();
+  switch (c.combine.buffer) {
+    case OutBuffer::alias_x: return to_floats(x);
+    case OutBuffer::alias_x_offset:
+      return to_floats(x.view(x.type, {n}, x.offset_bytes + size_t(c.combine.alias_offset) * elem_bytes(x.type)));
+    case OutBuffer::fresh: break;
+  }
+  if (c.shared.kind != SharedKind::none && c.shared.order == SharedOrder::init_with_shared)
+    return to_floats(in.at("shared_out"));
+  return std::vector<float>(size_t(n), 0.f);
+}
+
+namespace {
+
+Decision always(const Case&) { return {}; }
+
+ref::CombineSpec combine_spec(const Case& c) {
+  ref::CombineSpec s;
+  s.act = ref_act(c.dtype);
+  s.apply = c.score_before_experts == Switch::on ? ref::ScoreApply::before_experts : ref::ScoreApply::after_experts;
+  s.acc = c.combine.accumulate == k::Accumulate::per_add ? ref::Accumulate::per_add : ref::Accumulate::fp32_accumulate;
+  s.shared_add = c.shared.kind != SharedKind::none && c.shared.order == SharedOrder::add_after ? ref::SharedAdd::add_after
+                                                                                                : ref::SharedAdd::none;
+  return s;
+}
+
+CombineArgs combine_args(const FastCtx& ctx) {
+  const Case& c = ctx.c;
+  CombineArgs a;
+  a.dt = c.dtype;
+  a.routed_out = ctx.input("routed_output").data();
+  a.score_sorted = ctx.input("score_sorted").as<float>();
+  a.row_of = ctx.input("row_of").as<int32_t>();
+  a.T = ctx.input("x").shape[0];
+  a.D = c.hidden;
+  a.K = c.top_k;
+  a.apply = c.score_before_experts == Switch::on ? k::ScoreApply::before_experts : k::ScoreApply::after_experts;
+  a.acc = c.combine.accumulate;
+  const bool add_after = c.shared.kind != SharedKind::none && c.shared.order == SharedOrder::add_after;
+  a.shared_add = add_after ? k::SharedAdd::add_after : k::SharedAdd::none;
+  a.shared = add_after ? ctx.input("shared_out").data() : nullptr;
+  return a;
+}
+
+void ref_combine(RefCtx& r) {
+  const Case& c = r.c;
+  for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+    const RankBoard& in = r.in.ranks[q];
+    const Tensor& x = in.at("x");
+    const bool add_after = c.shared.kind != SharedKind::none && c.shared.order == SharedOrder::add_after;
+    const ref::Vec shared = add_after ? to_floats(in.at("shared_out")) : ref::Vec{};
+    r.out.ranks[q]["out"] = from_floats(
+        ref::combine(combine_spec(c), to_floats(in.at("routed_output")), ref_ids(in.at("token_sorted")),
+                     to_floats(in.at("score_sorted")), combine_init(c, in), shared, x.shape[0], c.hidden),
+        x.type, x.shape);
+  }
+}
+
+std::vector<std::string> combine_inputs(const Case& c) {
+  std::vector<std::string> v = {"x", "routed_output", "score_sorted", "row_of", "token_sorted"};
+  if (c.shared.kind != SharedKind::none) v.push_back("shared_out");
+  return v;
+}
+
+/// Runs SwiGLU experts on `X` rows grouped by `counts` (E_l groups) with the
+/// weights of experts [expert0, expert0 + E_l) of the `w_prefix` tensors.
+void fast_swiglu(FastCtx& ctx, ExpertsImpl impl, const Tensor& X, const int64_t* counts, int E_l,
+                 const std::string& w_prefix, int expert0, const std::string& out) {
+  const Case& c = ctx.c;
+  const size_t wsz = size_t(c.ffn * c.hidden) * elem_bytes(X.type);
+  auto w = [&](const char* n) {
+    return static_cast<const uint8_t*>(ctx.input(w_prefix + n).data()) + size_t(expert0) * wsz;
+  };
+  Tensor& Y = ctx.output(out, X.type, X.shape);
+  experts_swiglu(ctx.exec, c.dtype, impl, X.data(), counts, E_l, c.hidden, c.ffn, w("w1"), w("w3"), w("w2"),
+                 Y.data());
+}
+
+ref::Vec slice_weights(const Tensor& w, int64_t first, int64_t count) {
+  const ref::Vec all = to_floats(w);
+  const int64_t per = w.numel() / w.shape[0];
+  return ref::Vec(all.begin() + first * per, all.begin() + (first + count) * per);
+}
+
+}  // namespace
+
+void ref_swiglu(RefCtx& r, const std::string& in, const std::function<ref::Counts(const RankBoard&)>& counts_of,
+                const std::string& w_prefix, int64_t expert0_per_rank, const std::string& out) {
+  const Case& c = r.c;
+  for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+    const RankBoard& b = r.in.ranks[q];
+    const ref::Counts counts = counts_of(b);
+    const int64_t E_l = int64_t(counts.size());
+    const int64_t first = int64_t(q) * expert0_per_rank;
+    const Tensor& X = b.at(in);
+    r.out.ranks[q][out] = from_floats(
+        ref::swiglu_experts(ref_act(c.dtype), to_floats(X), counts, c.hidden, c.ffn,
+                            slice_weights(b.at(w_prefix + "w1"), first, E_l),
+                            slice_weights(b.at(w_prefix + "w3"), first, E_l),
+                            slice_weights(b.at(w_prefix + "w2"), first, E_l)),
+        X.type, X.shape);
+  }
+}
+
+void register_local_stages(std::vector<Stage>& reg) {
+  // --- router_logits -------------------------------------------------------
+  {
+    Stage s;
+    s.slot = "router_logits";
+    s.variant = "gemm_fp32";
+    s.summary = "logits = float(x) * float(Wg)^T, fp32 accumulation (CONTRACT §1)";
+    s.applies = always;
+    s.primary = [](const Case&) { return true; };
+    s.inputs = fixed_inputs({"x", "wg"});
+    s.outputs = {{"logits", CompareClass::logits, Coords::token_expert, false}};
+    s.fast = [](FastCtx& ctx) {
+      const Tensor& x = ctx.input("x");
+      Tensor& l = ctx.output("logits", ElemType::f32, {x.shape[0], ctx.c.num_experts});
+      router_logits(ctx.exec, ctx.c.dtype, x.data(), ctx.input("wg").data(), x.shape[0], ctx.c.hidden,
+                    ctx.c.num_experts, l.as<float>());
+    };
+    s.ref = [](RefCtx& r) {
+      for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+        const Tensor& x = r.in.at("x", int(q));
+        r.out.ranks[q]["logits"] = from_floats(
+            ref::router_logits(to_floats(x), to_floats(r.in.at("wg", int(q))), x.shape[0], r.c.hidden, r.c.num_experts),
+            ElemType::f32, {x.shape[0], r.c.num_experts});
+      }
+    };
+    reg.push_back(s);
+  }
+  // --- routing -------------------------------------------------------------
+  {
+    Stage s;
+    s.slot = "routing";
+    s.variant = "topk_router";
+    s.summary = "scores, bias, group limit, top-k (lower id wins ties), force-LB, norm, scale, counts (CONTRACT §1)";
+    s.applies = always;
+    s.primary = [](const Case&) { return true; };
+    s.inputs = fixed_inputs({"logits", "bias"});
+    s.outputs = {{"scores", CompareClass::scores, Coords::token_expert, false},
+                 {"ids", CompareClass::exact, Coords::token_k, false},
+                 {"topk_scores", CompareClass::scores, Coords::token_k, false},
+                 {"counts", CompareClass::exact, Coords::expert, false}};
+    s.fast = [](FastCtx& ctx) {
+      const Case& c = ctx.c;
+      const Tensor& l = ctx.input("logits");
+      const int64_t T = l.shape[0];
+      Tensor& scores = ctx.output("scores", ElemType::f32, {T, c.num_experts});
+      Tensor choice = Tensor::alloc(ElemType::f32, {T, c.num_experts});
+      Tensor& ids = ctx.output("ids", ElemType::i32, {T, c.top_k});
+      Tensor& ts = ctx.output("topk_scores", ElemType::f32, {T, c.top_k});
+      Tensor& counts = ctx.output("counts", ElemType::i64, {c.num_experts});
+      router_route(ctx.exec, router_config(c), l.as<float>(), ctx.input("bias").as<float>(), T, scores.as<float>(),
+                   choice.as<float>(), ids.as<int32_t>(), ts.as<float>(), counts.as<int64_t>());
+    };
+    s.ref = [](RefCtx& r) {
+      const Case& c = r.c;
+      ref::RouterSpec spec;
+      spec.E = c.num_experts;
+      spec.K = c.top_k;
+      spec.groups = c.router.groups;
+      spec.limited_groups = c.router.limited_groups;
+      spec.score = c.router.score == k::ScoreFunc::softmax ? ref::Score::softmax : ref::Score::sigmoid;
+      spec.selection = c.router.force_load_balance == Switch::on ? ref::Selection::force_load_balance
+                                                                 : ref::Selection::topk;
+      spec.route_norm = c.router.route_norm == Switch::on;
+      spec.route_scale = c.router.route_scale;
+      for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+        const Tensor& l = r.in.at("logits", int(q));
+        const int64_t T = l.shape[0];
+        const ref::RouterOut o = ref::route(spec, to_floats(l), to_floats(r.in.at("bias", int(q))), T);
+        RankBoard& out = r.out.ranks[q];
+        out["scores"] = from_floats(o.scores, ElemType::f32, {T, c.num_experts});
+        out["choice"] = from_floats(o.choice, ElemType::f32, {T, c.num_experts});
+        out["ids"] = ids_tensor(o.ids, ElemType::i32, {T, c.top_k});
+        out["topk_scores"] = from_floats(o.topk_scores, ElemType::f32, {T, c.top_k});
+        out["counts"] = from_ints(o.counts, ElemType::i64, {c.num_experts});
+      }
+    };
+    s.check = check_routing;
+    reg.push_back(s);
+  }
+  // --- dispatch (local) ----------------------------------------------------
+  {
+    Stage s;
+    s.slot = "dispatch";
+    s.variant = "local_sort_gather";
+    s.summary = "stable counting sort by (expert, assignment), gather rows (CONTRACT §2)";
+    s.applies = always;
+    s.primary = [](const Case&) { return true; };
+    s.inputs = fixed_inputs({"x", "ids", "topk_scores", "counts"});
+    s.outputs = {{"routed_input", CompareClass::exact, Coords::dispatch_row, true},
+                 {"token_sorted", CompareClass::exact, Coords::flat, false},
+                 {"score_sorted", CompareClass::exact, Coords::flat, false},
+                 {"row_of", CompareClass::exact, Coords::token_k, false},
+                 {"counts_local", CompareClass::exact, Coords::expert, false}};
+    s.fast = [](FastCtx& ctx) {
+      const Case& c = ctx.c;
+      const Tensor& x = ctx.input("x");
+      const int64_t T = x.shape[0], N = T * c.top_k;
+      Tensor perm = Tensor::alloc(ElemType::i32, {N});
+      expert_sort(ctx.exec, ctx.input("ids").as<int32_t>(), N, c.num_experts, perm.as<int32_t>());
+      Tensor& routed = ctx.output("routed_input", x.type, {N, c.hidden});
+      Tensor& tok = ctx.output("token_sorted", ElemType::i32, {N});
+      Tensor& sc = ctx.output("score_sorted", ElemType::f32, {N});
+      Tensor& row_of = ctx.output("row_of", ElemType::i32, {T, c.top_k});
+      dispatch_gather(ctx.exec, c.dtype,
+                      c.score_before_experts == Switch::on ? k::ScoreApply::before_experts
+                                                           : k::ScoreApply::after_experts,
+                      x.data(), perm.as<int32_t>(), ctx.input("topk_scores").as<float>(), N, c.hidden, c.top_k,
+                      routed.data(), tok.as<int32_t>(), sc.as<float>(), row_of.as<int32_t>());
+      Tensor& cl = ctx.output("counts_local", ElemType::i64, {c.num_experts});
+      std::memcpy(cl.data(), ctx.input("counts").data(), cl.bytes());
+    };
+    s.ref = [](RefCtx& r) {
+      const Case& c = r.c;
+      for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+        const RankBoard& in = r.in.ranks[q];
+        const Tensor& x = in.at("x");
+        const int64_t T = x.shape[0], N = T * c.top_k;
+        const ref::LocalDispatch d = ref::local_dispatch(
+            ref_act(c.dtype),
+            c.score_before_experts == Switch::on ? ref::ScoreApply::before_experts : ref::ScoreApply::after_experts,
+            to_floats(x), ref_ids(in.at("ids")), to_floats(in.at("topk_scores")), T, c.hidden, c.top_k, c.num_experts);
+        RankBoard& out = r.out.ranks[q];
+        out["routed_input"] = from_floats(d.routed, x.type, {N, c.hidden});
+        out["token_sorted"] = ids_tensor(d.token_sorted, ElemType::i32, {N});
+        out["score_sorted"] = from_floats(d.score_sorted, ElemType::f32, {N});
+        out["row_of"] = ids_tensor(d.row_of, ElemType::i32, {T, c.top_k});
+        out["counts_local"] = from_ints(d.counts, ElemType::i64, {c.num_experts});
+      }
+    };
+    reg.push_back(s);
+  }
+  // --- experts ---------------------------------------------------------------
+  {
+    Stage s;
+    s.slot = "experts";
+    s.variant = "identity";
+    s.summary = "Y = X (makes the whole pipeline exact)";
+    s.applies = [](const Case& c) {
+      return Decision{c.experts.kind == ExpertKind::identity, "experts.kind is not identity"};
+    };
+    s.primary = [](const Case&) { return true; };
+    s.inputs = fixed_inputs({"routed_input"});
+    s.outputs = {{"routed_output", CompareClass::exact, Coords::dispatch_row, true}};
+    s.fast = [](FastCtx& ctx) {
+      const Tensor& X = ctx.input("routed_input");
+      Tensor& Y = ctx.output("routed_output", X.type, X.shape);
+      std::memcpy(Y.data(), X.data(), X.bytes());
+    };
+    s.ref = [](RefCtx& r) {
+      for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+        const Tensor& X = r.in.at("routed_input", int(q));
+        r.out.ranks[q]["routed_output"] = from_floats(to_floats(X), X.type, X.shape);
+      }
+    };
+    reg.push_back(s);
+  }
+  for (ExpertsImpl impl : {ExpertsImpl::loop, ExpertsImpl::grouped}) {
+    Stage s;
+    s.slot = "experts";
+    s.variant = std::string("swiglu_") + enum_name(experts_impl_table(), impl);
+    s.summary = impl == ExpertsImpl::loop ? "SwiGLU, one expert at a time, row-tiled GEMMs (CONTRACT §8)"
+                                          : "SwiGLU, one work list of (expert, tile) items over the group offsets";
+    s.applies = [](const Case& c) { return Decision{c.experts.kind == ExpertKind::swiglu, "experts.kind is not swiglu"}; };
+    s.primary = [impl](const Case& c) { return c.experts.impl == impl; };
+    s.inputs = fixed_inputs({"routed_input", "counts_local", "w1", "w3", "w2"});
+    s.outputs = {{"routed_output", CompareClass::gemm, Coords::dispatch_row, true}};
+    s.fast = [impl](FastCtx& ctx) {
+      const Tensor& counts = ctx.input("counts_local");
+      const int E_l = int(counts.numel());
+      fast_swiglu(ctx, impl, ctx.input("routed_input"), counts.as<int64_t>(), E_l, "", ctx.rank * E_l,
+                  "routed_output");
+    };
+    s.ref = [](RefCtx& r) {
+      const int64_t E_l = r.c.num_experts / int64_t(r.in.ranks.size());
+      ref_swiglu(r, "routed_input", [](const RankBoard& b) { return ref_counts(b.at("counts_local")); }, "", E_l,
+                 "routed_output");
+    };
+    reg.push_back(s);
+  }
+  // --- shared experts --------------------------------------------------------
+  {
+    Stage s;
+    s.slot = "shared_experts";
+    s.variant = "shared_identity";
+    s.summary = "shared(x) = x";
+    s.applies = [](const Case& c) {
+      return Decision{c.shared.kind == SharedKind::identity, "shared_experts.kind is not identity"};
+    };
+    s.primary = [](const Case&) { return true; };
+    s.inputs = fixed_inputs({"x"});
+    s.outputs = {{"shared_out", CompareClass::exact, Coords::token_col, true}};
+    s.fast = [](FastCtx& ctx) {
+      const Tensor& x = ctx.input("x");
+      Tensor& y = ctx.output("shared_out", x.type, x.shape);
+      std::memcpy(y.data(), x.data(), x.bytes());
+    };
+    s.ref = [](RefCtx& r) {
+      for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+        const Tensor& x = r.in.at("x", int(q));
+        r.out.ranks[q]["shared_out"] = from_floats(to_floats(x), x.type, x.shape);
+      }
+    };
+    reg.push_back(s);
+  }
+  {
+    Stage s;
+    s.slot = "shared_experts";
+    s.variant = "shared_swiglu";
+    s.summary = "one SwiGLU expert over every token";
+    s.applies = [](const Case& c) {
+      return Decision{c.shared.kind == SharedKind::swiglu, "shared_experts.kind is not swiglu"};
+    };
+    s.primary = [](const Case&) { return true; };
+    s.inputs = fixed_inputs({"x", "shared_w1", "shared_w3", "shared_w2"});
+    s.outputs = {{"shared_out", CompareClass::gemm, Coords::token_col, true}};
+    s.fast = [](FastCtx& ctx) {
+      const Tensor& x = ctx.input("x");
+      const int64_t rows = x.shape[0];
+      fast_swiglu(ctx, ExpertsImpl::loop, x, &rows, 1, "shared_", 0, "shared_out");
+    };
+    s.ref = [](RefCtx& r) {
+      ref_swiglu(r, "x", [](const RankBoard& b) { return ref::Counts{b.at("x").shape[0]}; }, "shared_", 0, "shared_out");
+    };
+    reg.push_back(s);
+  }
+  // --- combine ---------------------------------------------------------------
+  {
+    Stage s;
+    s.slot = "combine";
+    s.variant = "out_of_place";
+    s.summary = "out = init + ordered scatter-add in ascending expert order, no atomics (CONTRACT §2, §9)";
+    s.applies = always;
+    s.primary = [](const Case& c) { return c.combine.placement == CombinePlacement::out_of_place; };
+    s.inputs = combine_inputs;
+    s.outputs = {{"out", CompareClass::exact, Coords::token_col, true}};
+    s.fast = [](FastCtx& ctx) {
+      const Tensor& x = ctx.input("x");
+      const Tensor init = from_floats(combine_init(ctx.c, ctx.in), x.type, x.shape);
+      Tensor& out = ctx.output("out", x.type, x.shape);
+      combine(ctx.exec, combine_args(ctx), init.data(), out.data());
+    };
+    s.ref = ref_combine;
+    reg.push_back(s);
+  }
+  {
+    Stage s;
+    s.slot = "combine";
+    s.variant = "in_place";
+    s.summary = "adds into the caller's buffer unless it overlaps any input byte range (CONTRACT §9)";
+    s.applies = always;
+    s.primary = [](const Case& c) { return c.combine.placement == CombinePlacement::in_place; };
+    s.inputs = combine_inputs;
+    s.outputs = {{"out", CompareClass::exact, Coords::token_col, true}};
+    s.fast = [](FastCtx& ctx) {
+      const Case& c = ctx.c;
+      const Tensor& x = ctx.input("x");
+      Tensor buf;
+      switch (c.combine.buffer) {
+        case OutBuffer::fresh: buf = from_floats(combine_init(c, ctx.in), x.type, x.shape); break;
+        case OutBuffer::alias_x: buf = x; break;
+        case OutBuffer::alias_x_offset:
+          buf = x.view(x.type, x.shape, x.offset_bytes + size_t(c.combine.alias_offset) * elem_bytes(x.type));
+          break;
+      }
+      Tensor fallback = Tensor::alloc(x.type, x.shape);
+      std::vector<ByteRange> ranges;
+      std::vector<const char*> names;
+      for (const auto& n : combine_inputs(c)) {
+        const Tensor& t = ctx.input(n);
+        ranges.push_back({t.data(), t.bytes()});
+        names.push_back(ctx.in.find(n)->first.c_str());
+      }
+      const InPlaceResult res =
+          combine_in_place(ctx.exec, combine_args(ctx), buf.data(), fallback.data(), ranges.data(), names.data(), int(ranges.size()));
+      ctx.out["out"] = res.placement == Placement::in_place ? buf : fallback;
+      ctx.notes.push_back(res.placement == Placement::in_place
+                              ? "in_place: taken (buffer " + std::string(enum_name(out_buffer_table(), c.combine.buffer)) +
+                                    " overlaps no input)"
+                              : "in_place: fell back to out_of_place (" + res.reason + ")");
+    };
+    s.ref = ref_combine;
+    reg.push_back(s);
+  }
+}
+
+}  // namespace moev

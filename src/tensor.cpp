@@ -1,0 +1,132 @@
+#include "tensor.h"
+
+#include <cstring>
+#include <stdexcept>
+
+namespace moev {
+
+const char* elem_name(ElemType t) {
+  switch (t) {
+    case ElemType::f32: return "fp32";
+    case ElemType::bf16: return "bf16";
+    case ElemType::f16: return "fp16";
+    case ElemType::i32: return "int32";
+    case ElemType::i64: return "int64";
+  }
+  return "?";
+}
+
+size_t elem_bytes(ElemType t) {
+  switch (t) {
+    case ElemType::bf16:
+    case ElemType::f16: return 2;
+    case ElemType::f32:
+    case ElemType::i32: return 4;
+    case ElemType::i64: return 8;
+  }
+  return 0;
+}
+
+ElemType act_elem(DType d) {
+  return d == DType::fp32 ? ElemType::f32 : d == DType::bf16 ? ElemType::bf16 : ElemType::f16;
+}
+
+int64_t Tensor::numel() const {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+std::string Tensor::shape_str() const {
+  std::string s = "(";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + ")";
+}
+
+Tensor Tensor::alloc(ElemType t, std::vector<int64_t> shape, uint8_t fill, size_t extra) {
+  Tensor r;
+  r.type = t;
+  r.shape = std::move(shape);
+  r.storage = std::make_shared<std::vector<uint8_t>>(r.bytes() + extra, fill);
+  return r;
+}
+
+Tensor Tensor::view(ElemType t, std::vector<int64_t> shp, size_t offset) const {
+  Tensor r;
+  r.type = t;
+  r.shape = std::move(shp);
+  r.storage = storage;
+  r.offset_bytes = offset;
+  if (offset + r.bytes() > storage->size()) throw std::out_of_range("tensor view past its storage");
+  return r;
+}
+
+Tensor Tensor::clone() const {
+  Tensor r = *this;  // the whole storage is copied: views past the tensor stay valid
+  r.storage = std::make_shared<std::vector<uint8_t>>(*storage);
+  return r;
+}
+
+std::vector<float> to_floats(const Tensor& t) {
+  std::vector<float> v(size_t(t.numel()));
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    switch (t.type) {
+      case ElemType::f32: v[size_t(i)] = t.as<float>()[i]; break;
+      case ElemType::bf16: v[size_t(i)] = to_float(t.as<bf16>()[i]); break;
+      case ElemType::f16: v[size_t(i)] = to_float(t.as<fp16>()[i]); break;
+      default: throw std::logic_error("to_floats on an integer tensor");
+    }
+  }
+  return v;
+}
+
+Tensor from_floats(const std::vector<float>& v, ElemType type, std::vector<int64_t> shape) {
+  Tensor t = Tensor::alloc(type, std::move(shape), 0);
+  if (size_t(t.numel()) != v.size()) throw std::logic_error("from_floats: size does not match shape");
+  for (size_t i = 0; i < v.size(); ++i) {
+    switch (type) {
+      case ElemType::f32: t.as<float>()[i] = v[i]; break;
+      case ElemType::bf16: t.as<bf16>()[i] = from_float<bf16>(v[i]); break;
+      case ElemType::f16: t.as<fp16>()[i] = from_float<fp16>(v[i]); break;
+      default: throw std::logic_error("from_floats to an integer tensor");
+    }
+  }
+  return t;
+}
+
+std::vector<int64_t> to_ints(const Tensor& t) {
+  std::vector<int64_t> v(size_t(t.numel()));
+  for (int64_t i = 0; i < t.numel(); ++i)
+    v[size_t(i)] = t.type == ElemType::i32 ? t.as<int32_t>()[i] : t.as<int64_t>()[i];
+  return v;
+}
+
+Tensor from_ints(const std::vector<int64_t>& v, ElemType type, std::vector<int64_t> shape) {
+  Tensor t = Tensor::alloc(type, std::move(shape), 0);
+  if (size_t(t.numel()) != v.size()) throw std::logic_error("from_ints: size does not match shape");
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (type == ElemType::i32) t.as<int32_t>()[i] = int32_t(v[i]);
+    else t.as<int64_t>()[i] = v[i];
+  }
+  return t;
+}
+
+double value_at(const Tensor& t, int64_t i) {
+  switch (t.type) {
+    case ElemType::f32: return t.as<float>()[i];
+    case ElemType::bf16: return to_float(t.as<bf16>()[i]);
+    case ElemType::f16: return to_float(t.as<fp16>()[i]);
+    case ElemType::i32: return t.as<int32_t>()[i];
+    case ElemType::i64: return double(t.as<int64_t>()[i]);
+  }
+  return 0;
+}
+
+uint64_t checksum(const Tensor& t) {
+  uint64_t h = 1469598103934665603ull;
+  const uint8_t* p = static_cast<const uint8_t*>(t.data());
+  for (size_t i = 0; i < t.bytes(); ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+
+}  // namespace moev
