@@ -10,12 +10,6 @@ const std::vector<FaultInfo>& fault_table() {
       {Fault::highest_id_tiebreak, "highest_id_tiebreak", "top-k ties go to the higher expert id"},
       {Fault::unordered_combine, "unordered_combine", "combine adds a token's contributions in descending expert order"},
       {Fault::pointer_alias_guard, "pointer_alias_guard", "in-place combine guard compares data pointers only"},
-      {Fault::pad_rows_first, "pad_rows_first", "alignment/equal-split padding rows placed before the data rows"},
-      {Fault::unswapped_combine_splits, "unswapped_combine_splits", "reverse all-to-all sends with the dispatch splits"},
-      {Fault::offsets_32bit, "offsets_32bit", "expert group row offsets computed in 32-bit arithmetic"},
-      {Fault::direct_route_unguarded, "direct_route_unguarded", "direct equal-split route taken without K == E_l"},
-      {Fault::stale_weight_cache, "stale_weight_cache", "batched-expert weight cache ignores the weight version"},
-      {Fault::local_equal_split_decision, "local_equal_split_decision", "equal-split decision taken per rank, not reduced"},
   };
   return t;
 }

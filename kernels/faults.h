@@ -15,12 +15,6 @@ enum class Fault : uint32_t {
   highest_id_tiebreak = 1u << 1,  // §1.7: top-k ties resolved to the higher expert id
   unordered_combine = 1u << 2,    // §9: contributions added out of ascending-expert order
   pointer_alias_guard = 1u << 3,  // §9.2: in-place guard compares data pointers only
-  pad_rows_first = 1u << 4,       // §4/§5: padding rows placed before the data rows
-  unswapped_combine_splits = 1u << 5,  // §3.5: reverse all-to-all reuses dispatch splits
-  offsets_32bit = 1u << 6,        // §4: group row offsets computed in 32-bit arithmetic
-  direct_route_unguarded = 1u << 7,    // §6.3: direct equal-split route without K == E_l
-  stale_weight_cache = 1u << 8,   // §8.1: batched-expert cache ignores the weight version
-  local_equal_split_decision = 1u << 9,  // §5.4: pad/no-pad decided per rank, not reduced
 };
 
 struct FaultSet {

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "case.h"
+#include "cuda_probe.h"
 #include "error.h"
 #include "registry.h"
 #include "runner.h"
@@ -87,6 +88,9 @@ int cmd_list() {
     for (const auto& s : registry())
       if (s.slot == slot) std::cout << "  " << s.variant << ": " << s.summary << "\n";
   }
+  const CudaStatus cs = cuda_status();
+  std::cout << "\nCUDA executor: " << (cs.built ? "built" : "not built") << ", " << cs.devices
+            << " usable device(s): " << cs.message << "\n";
   std::cout << "\nplanted faults (--fault NAME):\n";
   for (const auto& f : fault_table()) std::cout << "  " << f.name << ": " << f.what << "\n";
   return 0;

@@ -39,12 +39,20 @@ enum class Coords {
   dispatch_row,  // (expert, slot, token, col) of expert-major rows; needs counts_local, token_sorted
 };
 
+/// Data promises: data movement of x is never all zero (x has no zero in
+/// either data mode); GEMM outputs are promised only for realistic data, since
+/// exact-mode integer weights may cancel on tiny shapes.
+bool promise_always(const Case& c);
+bool promise_realistic(const Case& c);
+bool promise_combined(const Case& c);
+
 struct OutputSpec {
   std::string name;
   CompareClass cls = CompareClass::exact;
   Coords coords = Coords::flat;
-  /// Data was promised: two all-zero tensors with elements are NOT_VERIFIED.
-  bool data_promised = false;
+  /// Whether the case promises non-zero data here: then two all-zero tensors
+  /// with elements are NOT_VERIFIED, not PASSED. Empty: no promise.
+  std::function<bool(const Case&)> promised;
 };
 
 /// What a fast function sees for one rank.

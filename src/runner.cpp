@@ -56,7 +56,7 @@ Check make_check(const Case& c, const Stage& s, const OutputSpec& o, const Tenso
     ch.note = ch.diff.structural;
   } else if (ch.diff.mismatches) {
     ch.outcome = Outcome::INCORRECT;
-  } else if (o.data_promised && ch.diff.both_all_zero) {
+  } else if (o.promised && o.promised(c) && ch.diff.both_all_zero) {
     ch.outcome = Outcome::NOT_VERIFIED;
     ch.note = "both tensors are all zero where the case promises data";
   }
@@ -244,13 +244,14 @@ CaseReport run_case(const Case& c, const RunOptions& opt) {
   }
   // End to end: the fast pipeline's output against the reference chain's.
   const Stage e2e{"end_to_end", "pipeline", "", nullptr, nullptr, nullptr, {}, nullptr, nullptr, nullptr};
-  const OutputSpec oe{"out", CompareClass::end_to_end, Coords::token_col, true};
+  const OutputSpec oe{"out", CompareClass::end_to_end, Coords::token_col, promise_combined};
   for (int r = 0; r < R; ++r) {
     const bool hf = fast.has("out", r), hc = chain.has("out", r);
     rep.checks.push_back(make_check(c, e2e, oe, hf ? &fast.at("out", r) : nullptr, hc ? &chain.at("out", r) : nullptr,
                                     fast.ranks[size_t(r)], r, R, "reference chain"));
   }
   dump.finish(c);
+  if (opt.keep == RunOptions::Keep::fast_board) rep.fast = fast;
   for (const auto& ch : rep.checks) rep.outcome = worst(rep.outcome, ch.outcome);
   rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return rep;

@@ -14,6 +14,7 @@ struct RunOptions {
   int threads = 1;
   FaultSet faults;
   std::string dump_dir;  // empty: no dump
+  enum class Keep { nothing, fast_board } keep = Keep::nothing;
 };
 
 struct VariantDecision {
@@ -30,6 +31,7 @@ struct CaseReport {
   std::vector<std::string> notes;
   Outcome outcome = Outcome::PASSED;
   double seconds = 0;
+  Board fast;  // every primary fast output, when RunOptions::keep == fast_board
 };
 
 CaseReport run_case(const Case& c, const RunOptions& opt);

@@ -152,7 +152,7 @@ void register_local_stages(std::vector<Stage>& reg) {
     s.applies = always;
     s.primary = [](const Case&) { return true; };
     s.inputs = fixed_inputs({"x", "wg"});
-    s.outputs = {{"logits", CompareClass::logits, Coords::token_expert, false}};
+    s.outputs = {{"logits", CompareClass::logits, Coords::token_expert, nullptr}};
     s.fast = [](FastCtx& ctx) {
       const Tensor& x = ctx.input("x");
       Tensor& l = ctx.output("logits", ElemType::f32, {x.shape[0], ctx.c.num_experts});
@@ -178,10 +178,10 @@ void register_local_stages(std::vector<Stage>& reg) {
     s.applies = always;
     s.primary = [](const Case&) { return true; };
     s.inputs = fixed_inputs({"logits", "bias"});
-    s.outputs = {{"scores", CompareClass::scores, Coords::token_expert, false},
-                 {"ids", CompareClass::exact, Coords::token_k, false},
-                 {"topk_scores", CompareClass::scores, Coords::token_k, false},
-                 {"counts", CompareClass::exact, Coords::expert, false}};
+    s.outputs = {{"scores", CompareClass::scores, Coords::token_expert, nullptr},
+                 {"ids", CompareClass::exact, Coords::token_k, nullptr},
+                 {"topk_scores", CompareClass::scores, Coords::token_k, nullptr},
+                 {"counts", CompareClass::exact, Coords::expert, nullptr}};
     s.fast = [](FastCtx& ctx) {
       const Case& c = ctx.c;
       const Tensor& l = ctx.input("logits");
@@ -230,11 +230,11 @@ void register_local_stages(std::vector<Stage>& reg) {
     s.applies = always;
     s.primary = [](const Case&) { return true; };
     s.inputs = fixed_inputs({"x", "ids", "topk_scores", "counts"});
-    s.outputs = {{"routed_input", CompareClass::exact, Coords::dispatch_row, true},
-                 {"token_sorted", CompareClass::exact, Coords::flat, false},
-                 {"score_sorted", CompareClass::exact, Coords::flat, false},
-                 {"row_of", CompareClass::exact, Coords::token_k, false},
-                 {"counts_local", CompareClass::exact, Coords::expert, false}};
+    s.outputs = {{"routed_input", CompareClass::exact, Coords::dispatch_row, promise_always},
+                 {"token_sorted", CompareClass::exact, Coords::flat, nullptr},
+                 {"score_sorted", CompareClass::exact, Coords::flat, nullptr},
+                 {"row_of", CompareClass::exact, Coords::token_k, nullptr},
+                 {"counts_local", CompareClass::exact, Coords::expert, nullptr}};
     s.fast = [](FastCtx& ctx) {
       const Case& c = ctx.c;
       const Tensor& x = ctx.input("x");
@@ -284,7 +284,7 @@ void register_local_stages(std::vector<Stage>& reg) {
     };
     s.primary = [](const Case&) { return true; };
     s.inputs = fixed_inputs({"routed_input"});
-    s.outputs = {{"routed_output", CompareClass::exact, Coords::dispatch_row, true}};
+    s.outputs = {{"routed_output", CompareClass::exact, Coords::dispatch_row, promise_always}};
     s.fast = [](FastCtx& ctx) {
       const Tensor& X = ctx.input("routed_input");
       Tensor& Y = ctx.output("routed_output", X.type, X.shape);
@@ -307,7 +307,7 @@ void register_local_stages(std::vector<Stage>& reg) {
     s.applies = [](const Case& c) { return Decision{c.experts.kind == ExpertKind::swiglu, "experts.kind is not swiglu"}; };
     s.primary = [impl](const Case& c) { return c.experts.impl == impl; };
     s.inputs = fixed_inputs({"routed_input", "counts_local", "w1", "w3", "w2"});
-    s.outputs = {{"routed_output", CompareClass::gemm, Coords::dispatch_row, true}};
+    s.outputs = {{"routed_output", CompareClass::gemm, Coords::dispatch_row, promise_realistic}};
     s.fast = [impl](FastCtx& ctx) {
       const Tensor& counts = ctx.input("counts_local");
       const int E_l = int(counts.numel());
@@ -332,7 +332,7 @@ void register_local_stages(std::vector<Stage>& reg) {
     };
     s.primary = [](const Case&) { return true; };
     s.inputs = fixed_inputs({"x"});
-    s.outputs = {{"shared_out", CompareClass::exact, Coords::token_col, true}};
+    s.outputs = {{"shared_out", CompareClass::exact, Coords::token_col, promise_always}};
     s.fast = [](FastCtx& ctx) {
       const Tensor& x = ctx.input("x");
       Tensor& y = ctx.output("shared_out", x.type, x.shape);
@@ -356,7 +356,7 @@ void register_local_stages(std::vector<Stage>& reg) {
     };
     s.primary = [](const Case&) { return true; };
     s.inputs = fixed_inputs({"x", "shared_w1", "shared_w3", "shared_w2"});
-    s.outputs = {{"shared_out", CompareClass::gemm, Coords::token_col, true}};
+    s.outputs = {{"shared_out", CompareClass::gemm, Coords::token_col, promise_realistic}};
     s.fast = [](FastCtx& ctx) {
       const Tensor& x = ctx.input("x");
       const int64_t rows = x.shape[0];
@@ -376,7 +376,7 @@ void register_local_stages(std::vector<Stage>& reg) {
     s.applies = always;
     s.primary = [](const Case& c) { return c.combine.placement == CombinePlacement::out_of_place; };
     s.inputs = combine_inputs;
-    s.outputs = {{"out", CompareClass::exact, Coords::token_col, true}};
+    s.outputs = {{"out", CompareClass::exact, Coords::token_col, promise_combined}};
     s.fast = [](FastCtx& ctx) {
       const Tensor& x = ctx.input("x");
       const Tensor init = from_floats(combine_init(ctx.c, ctx.in), x.type, x.shape);
@@ -394,7 +394,7 @@ void register_local_stages(std::vector<Stage>& reg) {
     s.applies = always;
     s.primary = [](const Case& c) { return c.combine.placement == CombinePlacement::in_place; };
     s.inputs = combine_inputs;
-    s.outputs = {{"out", CompareClass::exact, Coords::token_col, true}};
+    s.outputs = {{"out", CompareClass::exact, Coords::token_col, promise_combined}};
     s.fast = [](FastCtx& ctx) {
       const Case& c = ctx.c;
       const Tensor& x = ctx.input("x");

@@ -1,0 +1,62 @@
+// Each planted fault must be caught: the run it affects ends INCORRECT, in the
+// stage the fault lives in. The same case without the fault passes, so the
+// check is not vacuous.
+#include <catch2/catch.hpp>
+
+#include "case.h"
+#include "runner.h"
+
+using namespace moev;
+
+namespace {
+
+Case case_named(const std::string& file, const std::string& name) {
+  for (const Case& c : load_cases(std::string(MOEV_SOURCE_DIR) + "/cases/" + file, {}))
+    if (c.name == name) return c;
+  FAIL("no case " << name << " in " << file);
+  return {};
+}
+
+/// Runs the case with and without the fault; returns the failing checks' "slot/tensor" names.
+std::vector<std::string> caught_by(const Case& c, Fault f) {
+  RunOptions clean;
+  clean.threads = 2;
+  REQUIRE(run_case(c, clean).outcome == Outcome::PASSED);
+  RunOptions faulty = clean;
+  faulty.faults.bits = uint32_t(f);
+  const CaseReport r = run_case(c, faulty);
+  CHECK(r.outcome == Outcome::INCORRECT);
+  std::vector<std::string> failed;
+  for (const auto& ch : r.checks)
+    if (ch.outcome != Outcome::PASSED) failed.push_back(ch.slot + "/" + ch.tensor);
+  return failed;
+}
+
+bool contains(const std::vector<std::string>& v, const std::string& s) {
+  return std::find(v.begin(), v.end(), s) != v.end();
+}
+
+}  // namespace
+
+TEST_CASE("fault unstable_sort is caught by the dispatch order check", "[cpu][fault]") {
+  const auto failed = caught_by(case_named("basic.yaml", "exact_fp32"), Fault::unstable_sort);
+  CHECK(contains(failed, "dispatch/token_sorted"));
+  CHECK(contains(failed, "dispatch/routed_input"));
+}
+
+TEST_CASE("fault highest_id_tiebreak is caught on exact router ties", "[cpu][fault]") {
+  const auto failed = caught_by(case_named("edge.yaml", "router_ties[router.score=softmax]"), Fault::highest_id_tiebreak);
+  CHECK(contains(failed, "routing/ids"));
+}
+
+TEST_CASE("fault unordered_combine is caught where bf16 rounding depends on order", "[cpu][fault]") {
+  // K = 4: with K = 2 and a zero start the order cannot matter (0 + y1 is exact)
+  const auto failed = caught_by(case_named("router.yaml", "bias_group_limited[router.score=softmax]"), Fault::unordered_combine);
+  CHECK(contains(failed, "combine/out"));
+}
+
+TEST_CASE("fault pointer_alias_guard is caught by the input-unchanged check", "[cpu][fault]") {
+  const auto failed =
+      caught_by(case_named("inplace.yaml", "in_place_alias_x_offset[dtype=bf16]"), Fault::pointer_alias_guard);
+  CHECK(contains(failed, "combine/x"));
+}
