@@ -235,4 +235,19 @@ struct RowMapBody {
   }
 };
 
+/// Copies rows with a computed index map: dst[i] = src[map(i)] (no table).
+template <class T, class Map>
+struct FnRowMapBody {
+  const T* src;
+  Map map;
+  T* dst;
+  int64_t D;
+
+  MOEV_HD void operator()(int64_t i, int lane, int lanes) const {
+    const T* s = src + map(i) * D;
+    T* d = dst + i * D;
+    for (int64_t c = lane; c < D; c += lanes) d[c] = s[c];
+  }
+};
+
 }  // namespace moev::k

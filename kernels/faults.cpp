@@ -10,6 +10,9 @@ const std::vector<FaultInfo>& fault_table() {
       {Fault::highest_id_tiebreak, "highest_id_tiebreak", "top-k ties go to the higher expert id"},
       {Fault::unordered_combine, "unordered_combine", "combine adds a token's contributions in descending expert order"},
       {Fault::pointer_alias_guard, "pointer_alias_guard", "in-place combine guard compares data pointers only"},
+      {Fault::pad_rows_first, "pad_rows_first", "alignment padding rows placed before each group's data rows"},
+      {Fault::unswapped_combine_splits, "unswapped_combine_splits", "reverse all-to-all sends with the dispatch splits"},
+      {Fault::offsets_32bit, "offsets_32bit", "expert group row offsets computed in 32-bit arithmetic"},
   };
   return t;
 }

@@ -15,6 +15,9 @@ enum class Fault : uint32_t {
   highest_id_tiebreak = 1u << 1,  // §1.7: top-k ties resolved to the higher expert id
   unordered_combine = 1u << 2,    // §9: contributions added out of ascending-expert order
   pointer_alias_guard = 1u << 3,  // §9.2: in-place guard compares data pointers only
+  pad_rows_first = 1u << 4,       // §4: alignment padding rows placed before the data rows
+  unswapped_combine_splits = 1u << 5,  // §3.5: reverse all-to-all reuses the dispatch splits
+  offsets_32bit = 1u << 6,        // §4: expert group row offsets computed in 32-bit arithmetic
 };
 
 struct FaultSet {

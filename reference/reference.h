@@ -85,3 +85,38 @@ Vec combine(const CombineSpec& spec, const Vec& routed_out, const Ids& token_sor
             const Vec& score_sorted, const Vec& init, const Vec& shared, int64_t T, int64_t D);
 
 }  // namespace ref
+
+namespace ref {
+
+/// Global-view EP dispatch (CONTRACT §3): rank q receives, for each source p
+/// ascending, each local expert j ascending, each token t of p ascending and
+/// each k with ids_p[t,k] == q*E_l + j, the row x_p[t] (score-multiplied under
+/// before_experts). Returns per rank q the rank-major rows; recv_counts[q] is
+/// (R, E_l): recv_counts[q][p*E_l + j].
+struct EpDispatch {
+  std::vector<Vec> recv;
+  std::vector<Counts> recv_counts;
+};
+EpDispatch ep_dispatch(Act act, ScoreApply apply, const std::vector<Vec>& x, const std::vector<Ids>& ids,
+                       const std::vector<Vec>& topk_scores, int64_t D, int K, int E, int R);
+
+/// Rank-major (p, j) rows -> expert-major (j, p) rows of one rank.
+Vec permute_to_expert_major(const Vec& recv, const Counts& recv_counts, int R, int E_l, int64_t D);
+/// The inverse: expert-major (j, p) -> rank-major (p, j).
+Vec permute_to_rank_major(const Vec& rows, const Counts& recv_counts, int R, int E_l, int64_t D);
+
+/// Alignment padding (CONTRACT §4) of expert-major rows with group sizes
+/// `counts`: each group's rows, then zero rows up to round_up(count, A) (an
+/// empty group gets A rows when empty_align); under empty_align the buffer is
+/// round_up(M + E_l*A, A) rows with a zero tail. Returns the rows and writes
+/// the padded group sizes.
+Vec pad_groups(const Vec& rows, const Counts& counts, int64_t A, bool empty_align, int64_t D, Counts& padded_sizes);
+/// Keeps the first counts[j] rows of each padded group.
+Vec unpad_groups(const Vec& rows, const Counts& counts, const Counts& padded_sizes, int64_t D);
+
+/// Reverse all-to-all (CONTRACT §3.5): rank p gets back, for each q ascending,
+/// the rows q received from p, in the order p sent them.
+std::vector<Vec> ep_return(const std::vector<Vec>& recv_out, const std::vector<Counts>& recv_counts, int R, int E_l,
+                           int64_t D);
+
+}  // namespace ref

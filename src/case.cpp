@@ -10,6 +10,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -69,6 +70,15 @@ const EnumTable<Switch>& switch_table() {
   static const EnumTable<Switch> t = {{"off", Switch::off}, {"on", Switch::on}};
   return t;
 }
+const EnumTable<EmptyGroups>& empty_groups_table() {
+  static const EnumTable<EmptyGroups> t = {{"zero", EmptyGroups::zero}, {"pad", EmptyGroups::pad}};
+  return t;
+}
+const EnumTable<PermuteMode>& permute_table() {
+  static const EnumTable<PermuteMode> t = {
+      {"auto", PermuteMode::auto_}, {"generic", PermuteMode::generic}, {"equal_count", PermuteMode::equal_count}};
+  return t;
+}
 const EnumTable<CompareClass>& compare_class_table() {
   static const EnumTable<CompareClass> t = {{"exact", CompareClass::exact},
                                             {"logits", CompareClass::logits},
@@ -80,7 +90,14 @@ const EnumTable<CompareClass>& compare_class_table() {
 
 std::string Case::summary() const {
   std::ostringstream o;
-  o << "T=" << tokens << " D=" << hidden << " F=" << ffn << " E=" << num_experts << " K=" << top_k << " "
+  if (tokens_per_rank.empty()) {
+    o << "T=" << tokens;
+  } else {
+    o << "T=[";
+    for (size_t i = 0; i < tokens_per_rank.size(); ++i) o << (i ? "," : "") << tokens_per_rank[i];
+    o << "]";
+  }
+  o << " D=" << hidden << " F=" << ffn << " E=" << num_experts << " K=" << top_k << " "
     << dtype_name(dtype) << " data=" << enum_name(data_mode_table(), data) << " seed=" << seed
     << " router=" << enum_name(score_table(), router.score)
     << (router.force_load_balance == Switch::on ? "+force_lb" : "")
@@ -90,6 +107,10 @@ std::string Case::summary() const {
     << " shared=" << enum_name(shared_kind_table(), shared.kind)
     << " combine=" << enum_name(accumulate_table(), combine.accumulate) << "/"
     << enum_name(placement_table(), combine.placement) << "/" << enum_name(out_buffer_table(), combine.buffer);
+  if (ep > 1 || align > 1) {
+    o << " ep=" << ep << " align=" << align << "/" << enum_name(empty_groups_table(), empty_groups)
+      << " permute=" << enum_name(permute_table(), permute);
+  }
   return o.str();
 }
 
@@ -99,6 +120,16 @@ namespace {
 struct Src {
   YAML::Node node;
   std::string file;
+  Src() = default;
+  Src(YAML::Node n, std::string f) : node(std::move(n)), file(std::move(f)) {}
+  Src(const Src&) = default;
+  // YAML::Node::operator= writes *through* the handle into the document; an
+  // override must rebind the handle instead, or it overwrites the defaults.
+  Src& operator=(const Src& o) {
+    node.reset(o.node);
+    file = o.file;
+    return *this;
+  }
 };
 
 std::string where(const Src& s) {
@@ -208,6 +239,7 @@ const std::vector<Field>& schema() {
                    if (x <= 0) fail_at(s, k, "route_scale must be positive", "valid: a number in (0, 1e6]");
                    c.router.route_scale = float(x);
                  }});
+    v.push_back(int_field("router.hot_expert", -1, 4095, [](Case& c, int64_t x) { c.router.hot_expert = int(x); }));
     v.push_back(enum_field<ExpertKind>("experts.kind", expert_kind_table(), [](Case& c) -> ExpertKind& { return c.experts.kind; }));
     v.push_back(enum_field<ExpertsImpl>("experts.impl", experts_impl_table(), [](Case& c) -> ExpertsImpl& { return c.experts.impl; }));
     v.push_back(enum_field<SharedKind>("shared_experts.kind", shared_kind_table(), [](Case& c) -> SharedKind& { return c.shared.kind; }));
@@ -217,6 +249,17 @@ const std::vector<Field>& schema() {
     v.push_back(enum_field<CombinePlacement>("combine.placement", placement_table(), [](Case& c) -> CombinePlacement& { return c.combine.placement; }));
     v.push_back(enum_field<OutBuffer>("combine.buffer", out_buffer_table(), [](Case& c) -> OutBuffer& { return c.combine.buffer; }));
     v.push_back(int_field("combine.alias_offset", 1, int64_t(1) << 40, [](Case& c, int64_t x) { c.combine.alias_offset = x; }));
+    v.push_back(int_field("ep", 1, 256, [](Case& c, int64_t x) { c.ep = int(x); }));
+    v.push_back({"shape.tokens_per_rank", "list of ep integers >= 0 (overrides shape.tokens per rank)",
+                 [](Case& c, const Src& s, const std::string& k) {
+                   if (!s.node.IsSequence() || s.node.size() == 0)
+                     fail_at(s, k, "expected a non-empty list of token counts", "valid: [T_0, T_1, ...], one per EP rank");
+                   c.tokens_per_rank.clear();
+                   for (const auto& e : s.node) c.tokens_per_rank.push_back(as_int({e, s.file}, k, 0, 1 << 24));
+                 }});
+    v.push_back(int_field("align", 1, 4096, [](Case& c, int64_t x) { c.align = x; }));
+    v.push_back(enum_field<EmptyGroups>("empty_groups", empty_groups_table(), [](Case& c) -> EmptyGroups& { return c.empty_groups; }));
+    v.push_back(enum_field<PermuteMode>("permute", permute_table(), [](Case& c) -> PermuteMode& { return c.permute; }));
     for (const auto& [cname, cls] : compare_class_table()) {
       if (cls == CompareClass::exact) continue;
       const std::string base = std::string("tolerance.") + cname;
@@ -311,16 +354,28 @@ void validate(const Case& c, const Flat& flat) {
   if (G > 1 && int64_t(L) * (E / G) < K)
     fail("router.limited_groups", "the kept groups hold " + std::to_string(L * (E / G)) + " experts, fewer than top_k",
          "valid: limited_groups * experts / groups >= top_k");
+  if (c.router.hot_expert >= E)
+    fail("router.hot_expert", "expert " + std::to_string(c.router.hot_expert) + " does not exist",
+         "valid: -1 (none) or 0 <= hot_expert < experts (" + std::to_string(E) + ")");
+  if (E % c.ep != 0)
+    fail("ep", "experts " + std::to_string(E) + " are not divisible by ep " + std::to_string(c.ep),
+         "valid: ep a divisor of experts (experts are split in contiguous blocks of experts/ep)");
+  if (!c.tokens_per_rank.empty() && int(c.tokens_per_rank.size()) != c.ep)
+    fail("shape.tokens_per_rank", "has " + std::to_string(c.tokens_per_rank.size()) + " entries for ep " + std::to_string(c.ep),
+         "valid: exactly ep entries, one per rank");
   if (c.combine.buffer != OutBuffer::fresh) {
     if (c.shared.kind != SharedKind::identity || c.shared.order != SharedOrder::init_with_shared)
       fail("combine.buffer", "an output buffer aliasing x models an identity shared expert that returns x",
            "valid: shared_experts {kind: identity, order: init_with_shared} with this buffer, or buffer: fresh");
-    if (c.tokens == 0)
-      fail("combine.buffer", "an aliasing buffer needs tokens > 0", "valid: buffer: fresh when shape.tokens is 0");
+    for (int r = 0; r < c.ep; ++r)
+      if (c.tokens_on(r) == 0)
+        fail("combine.buffer", "an aliasing buffer needs tokens > 0 on every rank", "valid: buffer: fresh when a rank has no tokens");
   }
-  if (c.combine.buffer == OutBuffer::alias_x_offset && c.combine.alias_offset >= c.tokens * c.hidden)
+  int64_t min_tokens = c.tokens;
+  for (int r = 0; r < c.ep; ++r) min_tokens = std::min(min_tokens, c.tokens_on(r));
+  if (c.combine.buffer == OutBuffer::alias_x_offset && c.combine.alias_offset >= min_tokens * c.hidden)
     fail("combine.alias_offset", "offset " + std::to_string(c.combine.alias_offset) + " leaves no overlap with x",
-         "valid: 1 <= alias_offset < tokens*hidden = " + std::to_string(c.tokens * c.hidden));
+         "valid: 1 <= alias_offset < tokens*hidden = " + std::to_string(min_tokens * c.hidden));
   if (c.shared.kind == SharedKind::none && c.shared.order == SharedOrder::init_with_shared)
     fail("shared_experts.order", "init_with_shared needs a shared expert",
          "valid: shared_experts.kind identity | swiglu, or order add_after");

@@ -22,6 +22,8 @@ enum class SharedOrder { add_after, init_with_shared };
 enum class CombinePlacement { out_of_place, in_place };
 enum class OutBuffer { fresh, alias_x, alias_x_offset };
 enum class Switch { off, on };
+enum class EmptyGroups { zero, pad };           // CONTRACT §4: TE (0 rows) or torchao (A rows)
+enum class PermuteMode { auto_, generic, equal_count };
 
 template <class E>
 using EnumTable = std::vector<std::pair<const char*, E>>;
@@ -37,6 +39,8 @@ const EnumTable<k::Accumulate>& accumulate_table();
 const EnumTable<CombinePlacement>& placement_table();
 const EnumTable<OutBuffer>& out_buffer_table();
 const EnumTable<Switch>& switch_table();
+const EnumTable<EmptyGroups>& empty_groups_table();
+const EnumTable<PermuteMode>& permute_table();
 
 template <class E>
 const char* enum_name(const EnumTable<E>& t, E v) {
@@ -69,6 +73,7 @@ struct Case {
     Switch force_load_balance = Switch::off;
     Switch route_norm = Switch::off;
     float route_scale = 1.f;
+    int hot_expert = -1;  // >= 0: +1 selection bias on this expert (it enters every top-k)
   } router;
   struct Experts {
     ExpertKind kind = ExpertKind::identity;
@@ -86,8 +91,15 @@ struct Case {
     int64_t alias_offset = 1;  // elements between x and the aliasing view
   } combine;
   std::map<CompareClass, Tolerance> tolerance_override;
+  // expert parallelism (CONTRACT §3, §4, §7)
+  int ep = 1;                            // R ranks; experts are split in contiguous blocks of E/R
+  std::vector<int64_t> tokens_per_rank;  // empty: every rank has `tokens`
+  int64_t align = 1;                     // A: expert group sizes padded to a multiple of A
+  EmptyGroups empty_groups = EmptyGroups::zero;
+  PermuteMode permute = PermuteMode::auto_;
 
-  int64_t num_assignments() const { return tokens * top_k; }
+  int local_experts() const { return num_experts / ep; }
+  int64_t tokens_on(int rank) const { return tokens_per_rank.empty() ? tokens : tokens_per_rank[size_t(rank)]; }
   std::string summary() const;
 };
 

@@ -67,6 +67,7 @@ std::map<std::string, Tensor> make_inputs(const Case& c, int rank, int64_t T) {
     for (int64_t e = 0; e < E; ++e)
       bias[size_t(e)] = c.data == DataMode::exact ? float(int(hash_uniform(c.seed, kBias, 0, 0, uint64_t(e)) * 5) - 2) / 64.f
                                                   : float(normal(c.seed, kBias, 0, 0, uint64_t(e)) * 0.01);
+  if (c.router.hot_expert >= 0) bias[size_t(c.router.hot_expert)] += 1.f;
   m["bias"] = from_floats(bias, ElemType::f32, {E});
   if (c.experts.kind == ExpertKind::swiglu) {
     m["w1"] = fill(c, act, {E, F, D}, kW1, 0, 1.0 / std::sqrt(double(D)), 2);

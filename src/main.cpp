@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "case.h"
+#include "comm.h"
 #include "cuda_probe.h"
 #include "error.h"
 #include "registry.h"
@@ -24,6 +25,7 @@ int cmd_run(const std::vector<std::string>& files, const std::vector<std::string
   RunOptions opt;
   opt.threads = threads;
   opt.dump_dir = dump;
+  if (launched_under_mpi() && mpi_world().rank() != 0) opt.dump_dir.clear();  // rank 0 writes the dump
   for (const auto& f : faults) {
     try {
       opt.faults.bits |= uint32_t(parse_fault(f));
@@ -33,34 +35,56 @@ int cmd_run(const std::vector<std::string>& files, const std::vector<std::string
   }
   std::vector<std::pair<std::string, std::vector<Case>>> all;
   for (const auto& f : files) all.push_back({f, load_cases(f, sets)});  // validate everything before running
+  // Under mpirun every process runs every case (one rank each); rank 0 prints.
+  const bool mpi = launched_under_mpi();
+  const int world = mpi ? mpi_world().size() : 0;
+  std::ostream null_stream(nullptr);
+  std::ostream& out = !mpi || mpi_world().rank() == 0 ? std::cout : null_stream;
+  std::vector<std::string> skipped;
+  for (auto& [file, cases] : all) {
+    std::vector<Case> keep;
+    for (auto& c : cases) {
+      if (mpi && c.ep != world) skipped.push_back(c.name + " (ep " + std::to_string(c.ep) + ")");
+      else keep.push_back(c);
+    }
+    cases = keep;
+  }
   std::vector<CaseReport> reports;
   Outcome worst_all = Outcome::PASSED;
-  std::cout << "moeverify " << MOEVERIFY_VERSION << "  threads=" << threads;
+  out << "moeverify " << MOEVERIFY_VERSION << "  threads=" << threads;
+  if (mpi) out << "  mpi ranks=" << world;
   if (opt.faults.bits) {
-    std::cout << "  PLANTED FAULTS:";
-    for (const auto& f : faults) std::cout << " " << f;
+    out << "  PLANTED FAULTS:";
+    for (const auto& f : faults) out << " " << f;
   }
-  std::cout << "\n";
+  out << "\n";
+  if (!skipped.empty()) {
+    out << "skipped under mpirun -np " << world << " (ep must equal the process count):";
+    for (const auto& n : skipped) out << " " << n;
+    out << "\n";
+  }
   size_t total = 0, done = 0;
   for (const auto& [file, cases] : all)
     for (const auto& c : cases) total += only.empty() || c.name == only;
-  if (total == 0) bad_input("--case " + only + ": no case of that name in the given files");
+  if (total == 0)
+    bad_input(only.empty() ? "no case with ep " + std::to_string(world) + " to run under mpirun -np " + std::to_string(world)
+                           : "--case " + only + ": no case of that name in the given files");
   for (const auto& [file, cases] : all) {
     for (const auto& c : cases) {
       if (!only.empty() && c.name != only) continue;
       ++done;
-      std::cerr << "[" << done << "/" << total << "] " << c.name << "\n";
+      if (&out == &std::cout) std::cerr << "[" << done << "/" << total << "] " << c.name << "\n";
       reports.push_back(run_case(c, opt));
-      print_report(reports.back(), std::cout);
+      print_report(reports.back(), out);
       worst_all = worst(worst_all, reports.back().outcome);
     }
   }
-  print_tolerance_table(reports, std::cout);
+  print_tolerance_table(reports, out);
   size_t passed = 0;
   for (const auto& r : reports) passed += r.outcome == Outcome::PASSED;
-  std::cout << "\n" << passed << " of " << reports.size() << " case(s) PASSED; overall " << outcome_name(worst_all)
+  out << "\n" << passed << " of " << reports.size() << " case(s) PASSED; overall " << outcome_name(worst_all)
             << "\n";
-  if (!json.empty()) {
+  if (!json.empty() && &out == &std::cout) {
     std::ofstream o(json);
     if (!o) runtime_error("cannot write --json file " + json);
     o << reports_json(reports, files.size() == 1 ? files[0] : "(several)");
@@ -131,7 +155,11 @@ int main(int argc, char** argv) {
     return rc == 0 ? 0 : 2;
   }
   try {
-    if (run->parsed()) return cmd_run(files, sets, threads, json, dump, faults, only);
+    if (run->parsed()) {
+      const int rc = cmd_run(files, sets, threads, json, dump, faults, only);
+      mpi_finalize_if_started();
+      return rc;
+    }
     if (val->parsed()) {
       if (vfiles.empty() && !keys) bad_input("validate: give case files, or --keys");
       return cmd_validate(vfiles, vsets, keys);

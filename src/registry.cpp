@@ -31,17 +31,27 @@ Tensor& FastCtx::output(const std::string& name, ElemType t, std::vector<int64_t
   return r;
 }
 
-bool promise_always(const Case&) { return true; }
-bool promise_realistic(const Case& c) { return c.data == DataMode::realistic; }
-bool promise_combined(const Case& c) { return c.data == DataMode::realistic || c.experts.kind == ExpertKind::identity; }
+bool promise_always(const Case&, const RankBoard&) { return true; }
+bool promise_realistic(const Case& c, const RankBoard&) { return c.data == DataMode::realistic; }
+bool promise_combined(const Case& c, const RankBoard&) {
+  return c.data == DataMode::realistic || c.experts.kind == ExpertKind::identity;
+}
+bool promise_expert_rows(const Case& c, const RankBoard& b) {
+  auto it = b.find("expert_counts_real");
+  int64_t rows = 0;
+  if (it != b.end())
+    for (int64_t v : to_ints(it->second)) rows += v;
+  return rows > 0 && (c.data == DataMode::realistic || c.experts.kind == ExpertKind::identity);
+}
 
 std::function<std::vector<std::string>(const Case&)> fixed_inputs(std::vector<std::string> names) {
   return [names](const Case&) { return names; };
 }
 
 const std::vector<std::string>& slot_order() {
-  static const std::vector<std::string> s = {"router_logits", "routing", "dispatch", "experts", "shared_experts",
-                                             "combine"};
+  static const std::vector<std::string> s = {
+      "router_logits", "routing", "dispatch", "ep_dispatch", "ep_permute", "align_pad", "experts",
+      "align_unpad", "ep_unpermute", "ep_combine", "shared_experts", "combine"};
   return s;
 }
 
@@ -49,6 +59,7 @@ const std::vector<Stage>& registry() {
   static const std::vector<Stage> reg = [] {
     std::vector<Stage> r;
     register_local_stages(r);
+    register_ep_stages(r);
     return r;
   }();
   return reg;
@@ -66,18 +77,33 @@ CoordFn coords_for(Coords kind, const Tensor& t, const RankBoard& b, int rank, i
     case Coords::token_k:
       return [=](int64_t i) { return "(" + rk + "token " + std::to_string(i / cols) + ", k " + std::to_string(i % cols) + ")"; };
     case Coords::expert: return [rk](int64_t i) { return "(" + rk + "expert " + std::to_string(i) + ")"; };
-    case Coords::dispatch_row: {
-      auto ci = b.find("counts_local");
-      auto ti = b.find("token_sorted");
-      if (ci == b.end() || ti == b.end()) return coords_for(Coords::flat, t, b, rank, ranks);
+    case Coords::dispatch_row:
+    case Coords::rank_major_row:
+    case Coords::expert_row:
+    case Coords::padded_row: {
+      const char* cname = kind == Coords::dispatch_row ? "counts"
+                          : kind == Coords::rank_major_row ? "recv_counts"
+                          : kind == Coords::expert_row ? "expert_counts_real" : "expert_counts";
+      auto ci = b.find(cname);
+      if (ci == b.end()) return coords_for(Coords::flat, t, b, rank, ranks);
       const std::vector<int64_t> counts = to_ints(ci->second);
-      const std::vector<int64_t> tok = to_ints(ti->second);
-      const int64_t E_l = int64_t(counts.size());
+      auto ti = b.find("token_sorted");
+      const std::vector<int64_t> tok = kind == Coords::dispatch_row && ti != b.end() ? to_ints(ti->second)
+                                                                                      : std::vector<int64_t>{};
+      const int64_t G = int64_t(counts.size());
+      const int64_t E_l = kind == Coords::dispatch_row ? 0 : kind == Coords::rank_major_row ? G / ranks : G;
       return [=](int64_t i) {
         const int64_t row = i / cols;
-        int64_t e = 0, start = 0;
-        while (e < E_l && start + counts[size_t(e)] <= row) start += counts[size_t(e++)];
-        std::string s = "(" + rk + "expert " + std::to_string(rank * E_l + e) + ", slot " + std::to_string(row - start);
+        int64_t g = 0, start = 0;
+        while (g < G && start + counts[size_t(g)] <= row) start += counts[size_t(g++)];
+        std::string s = "(" + rk;
+        if (kind == Coords::rank_major_row)
+          s += "from rank " + std::to_string(g / E_l) + ", expert " + std::to_string(rank * E_l + g % E_l);
+        else if (kind == Coords::dispatch_row)
+          s += "expert " + std::to_string(g);
+        else
+          s += "expert " + std::to_string(rank * E_l + g);
+        s += g < G ? ", slot " + std::to_string(row - start) : ", tail row " + std::to_string(row - start);
         if (size_t(row) < tok.size()) s += ", token " + std::to_string(tok[size_t(row)]);
         return s + ", col " + std::to_string(i % cols) + ")";
       };

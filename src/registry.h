@@ -36,15 +36,21 @@ enum class Coords {
   token_expert,  // (token, expert) of a (T, E) tensor
   token_k,       // (token, k) of a (T, K) tensor
   expert,        // (expert) of an (E) vector
-  dispatch_row,  // (expert, slot, token, col) of expert-major rows; needs counts_local, token_sorted
+  dispatch_row,  // (expert, slot, token, col) of a rank's expert-sorted rows; needs counts, token_sorted
+  rank_major_row,  // (source rank, expert, slot, col) of received rows; needs recv_counts
+  expert_row,    // (expert, slot, col) of expert-major rows; needs expert_counts_real
+  padded_row,    // (expert, slot, col) of padded expert groups; needs expert_counts
 };
 
 /// Data promises: data movement of x is never all zero (x has no zero in
 /// either data mode); GEMM outputs are promised only for realistic data, since
 /// exact-mode integer weights may cancel on tiny shapes.
-bool promise_always(const Case& c);
-bool promise_realistic(const Case& c);
-bool promise_combined(const Case& c);
+using Promise = std::function<bool(const Case&, const RankBoard&)>;
+bool promise_always(const Case& c, const RankBoard& b);
+bool promise_realistic(const Case& c, const RankBoard& b);
+bool promise_combined(const Case& c, const RankBoard& b);
+/// Expert outputs: promised when the rank holds real (non-padding) rows.
+bool promise_expert_rows(const Case& c, const RankBoard& b);
 
 struct OutputSpec {
   std::string name;
@@ -52,7 +58,7 @@ struct OutputSpec {
   Coords coords = Coords::flat;
   /// Whether the case promises non-zero data here: then two all-zero tensors
   /// with elements are NOT_VERIFIED, not PASSED. Empty: no promise.
-  std::function<bool(const Case&)> promised;
+  Promise promised;
 };
 
 /// What a fast function sees for one rank.
@@ -64,10 +70,14 @@ struct FastCtx {
   const RankBoard& in;
   RankBoard& out;
   std::vector<std::string>& notes;  // shown under the stage in the report
+  std::string* skipped = nullptr;   // set by skip()
 
   const Tensor& input(const std::string& name) const;
   /// A poisoned (0xFF) output registered under `name`.
   Tensor& output(const std::string& name, ElemType t, std::vector<int64_t> shape);
+  /// The variant does not apply to this data (a precondition on received
+  /// counts, say); every rank must agree. It is reported as not taken.
+  void skip(const std::string& reason) { *skipped = reason; }
 };
 
 /// What a reference function sees: every rank's inputs (global view).

@@ -1,6 +1,8 @@
 #include "runner.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
@@ -8,33 +10,12 @@
 #include <sstream>
 #include <thread>
 
+#include "comm.h"
 #include "datagen.h"
 #include "error.h"
 
 namespace moev {
 namespace {
-
-/// Runs fn(rank) for every rank: threads when there are several.
-template <class F>
-void run_ranks(int R, F&& fn) {
-  if (R == 1) {
-    fn(0);
-    return;
-  }
-  std::vector<std::thread> th;
-  std::vector<std::exception_ptr> err(static_cast<size_t>(R));
-  for (int r = 0; r < R; ++r)
-    th.emplace_back([&, r] {
-      try {
-        fn(r);
-      } catch (...) {
-        err[size_t(r)] = std::current_exception();
-      }
-    });
-  for (auto& t : th) t.join();
-  for (auto& e : err)
-    if (e) std::rethrow_exception(e);
-}
 
 Check make_check(const Case& c, const Stage& s, const OutputSpec& o, const Tensor* f, const Tensor* r,
                  const RankBoard& fb, int rank, int ranks, const std::string& against) {
@@ -56,7 +37,7 @@ Check make_check(const Case& c, const Stage& s, const OutputSpec& o, const Tenso
     ch.note = ch.diff.structural;
   } else if (ch.diff.mismatches) {
     ch.outcome = Outcome::INCORRECT;
-  } else if (o.promised && o.promised(c) && ch.diff.both_all_zero) {
+  } else if (o.promised && o.promised(c, fb) && ch.diff.both_all_zero) {
     ch.outcome = Outcome::NOT_VERIFIED;
     ch.note = "both tensors are all zero where the case promises data";
   }
@@ -94,85 +75,185 @@ struct Dumper {
 
 }  // namespace
 
-CaseReport run_case(const Case& c, const RunOptions& opt) {
-  const auto t0 = std::chrono::steady_clock::now();
-  CaseReport rep;
-  rep.c = c;
-  const int R = 1;
-  Board fast;
-  fast.ranks.resize(size_t(R));
-  for (int r = 0; r < R; ++r) fast.ranks[size_t(r)] = make_inputs(c, r, c.tokens);
+namespace {
+
+// Board serialisation for the MPI exchange: every process runs its own rank's
+// fast function, then all ranks' outputs, notes and skip reasons are
+// all-gathered so each process can run the global-view reference.
+void put_u64(std::vector<uint8_t>& b, uint64_t v) { b.insert(b.end(), reinterpret_cast<uint8_t*>(&v), reinterpret_cast<uint8_t*>(&v) + 8); }
+uint64_t get_u64(const uint8_t*& p) { uint64_t v; std::memcpy(&v, p, 8); p += 8; return v; }
+void put_str(std::vector<uint8_t>& b, const std::string& s) { put_u64(b, s.size()); b.insert(b.end(), s.begin(), s.end()); }
+std::string get_str(const uint8_t*& p) { const size_t n = size_t(get_u64(p)); std::string s(reinterpret_cast<const char*>(p), n); p += n; return s; }
+
+std::vector<uint8_t> serialise(const RankBoard& out, const std::vector<std::string>& notes, const std::string& skipped,
+                               const std::string& error) {
+  std::vector<uint8_t> b;
+  put_u64(b, out.size());
+  for (const auto& [n, t] : out) {
+    put_str(b, n);
+    put_u64(b, uint64_t(t.type));
+    put_u64(b, t.shape.size());
+    for (int64_t d : t.shape) put_u64(b, uint64_t(d));
+    const uint8_t* d = static_cast<const uint8_t*>(t.data());
+    put_u64(b, t.bytes());
+    b.insert(b.end(), d, d + t.bytes());
+  }
+  put_u64(b, notes.size());
+  for (const auto& n : notes) put_str(b, n);
+  put_str(b, skipped);
+  put_str(b, error);
+  return b;
+}
+
+void deserialise(const uint8_t* p, RankBoard& out, std::vector<std::string>& notes, std::string& skipped,
+                 std::string& error) {
+  const uint64_t n = get_u64(p);
+  for (uint64_t i = 0; i < n; ++i) {
+    const std::string name = get_str(p);
+    const ElemType type = ElemType(get_u64(p));
+    std::vector<int64_t> shape(static_cast<size_t>(get_u64(p)));
+    for (auto& d : shape) d = int64_t(get_u64(p));
+    Tensor t = Tensor::alloc(type, shape, 0);
+    const size_t bytes = size_t(get_u64(p));
+    std::memcpy(t.data(), p, bytes);
+    p += bytes;
+    out[name] = t;
+  }
+  const uint64_t nn = get_u64(p);
+  for (uint64_t i = 0; i < nn; ++i) notes.push_back(get_str(p));
+  skipped = get_str(p);
+  error = get_str(p);
+}
+
+/// Runs one stage variant's fast function on every rank. Returns the error
+/// message ("" when it ran), fills outputs, notes and the skip reason.
+std::string run_fast(const Stage& s, const Case& c, const RunOptions& opt, const Board& in, Board& out,
+                     std::vector<std::vector<std::string>>& notes, std::string& skipped, bool use_mpi) {
+  const int R = int(in.ranks.size());
+  std::vector<std::string> skip(static_cast<size_t>(R)), err(static_cast<size_t>(R));
+  auto one = [&](int r, Comm* comm) {
+    ExecCtx ex{opt.threads, opt.faults};
+    FastCtx ctx{c, r, R, ex, comm, in.ranks[size_t(r)], out.ranks[size_t(r)], notes[size_t(r)], &skip[size_t(r)]};
+    try {
+      s.fast(ctx);
+    } catch (const std::exception& e) {
+      err[size_t(r)] = e.what();
+      comm->abort(e.what());
+    }
+  };
+  if (!use_mpi) {
+    auto comms = make_local_comms(R, std::chrono::milliseconds(opt.collective_timeout_ms));
+    if (R == 1) {
+      one(0, comms[0].get());
+    } else {
+      std::vector<std::thread> th;
+      for (int r = 0; r < R; ++r) th.emplace_back([&, r] { one(r, comms[size_t(r)].get()); });
+      for (auto& t : th) t.join();
+    }
+  } else {
+    Comm& w = mpi_world();
+    const int me = w.rank();
+    one(me, &w);
+    const std::vector<uint8_t> mine = serialise(out.ranks[size_t(me)], notes[size_t(me)], skip[size_t(me)], err[size_t(me)]);
+    std::vector<int64_t> sizes(static_cast<size_t>(R));
+    const int64_t my_size = int64_t(mine.size());
+    w.allgather(&my_size, 8, sizes.data(), "board sizes");
+    const int64_t mx = *std::max_element(sizes.begin(), sizes.end());
+    std::vector<uint8_t> padded(mine);
+    padded.resize(size_t(mx));
+    std::vector<uint8_t> all(size_t(mx) * size_t(R));
+    w.allgather(padded.data(), size_t(mx), all.data(), "board exchange");
+    for (int r = 0; r < R; ++r) {
+      if (r == me) continue;
+      out.ranks[size_t(r)].clear();
+      notes[size_t(r)].clear();
+      deserialise(all.data() + size_t(r) * size_t(mx), out.ranks[size_t(r)], notes[size_t(r)], skip[size_t(r)], err[size_t(r)]);
+    }
+  }
+  skipped.clear();
+  for (int r = 0; r < R; ++r)
+    if (!skip[size_t(r)].empty() && skipped.empty()) skipped = skip[size_t(r)];
+  std::string first;
+  for (int r = 0; r < R; ++r)
+    if (!err[size_t(r)].empty()) {
+      first += (first.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + ": " + err[size_t(r)];
+    }
+  return first;
+}
+
+/// The pipeline on R ranks with the given inputs: every slot's applicable
+/// variants against the reference, the primary feeding the next slot, and the
+/// end-to-end reference chain. `fast` ends holding every primary output.
+void run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBoard>& inputs, bool use_mpi,
+                  CaseReport& rep, Board& fast) {
+  const int R = int(inputs.size());
+  fast.ranks = inputs;
   Board chain;  // the reference chain, from clones of the inputs
   chain.ranks.resize(size_t(R));
   for (int r = 0; r < R; ++r)
     for (auto& [n, t] : fast.ranks[size_t(r)]) chain.ranks[size_t(r)][n] = t.clone();
+  const std::string at = R > 1 ? "@" : "";
+  auto rank_tag = [&](int r) { return R > 1 ? "@" + std::to_string(r) : std::string(); };
 
   Dumper dump;
   if (!opt.dump_dir.empty()) {
     dump.dir = opt.dump_dir + "/" + dump_name(c.name);
     std::filesystem::create_directories(dump.dir);
     for (int r = 0; r < R; ++r)
-      for (auto& [n, t] : fast.ranks[size_t(r)]) dump.put("input." + n + (R > 1 ? "@" + std::to_string(r) : ""), t);
+      for (auto& [n, t] : fast.ranks[size_t(r)]) dump.put("input." + n + rank_tag(r), t);
   }
 
   for (const std::string& slot : slot_order()) {
-    const Stage* primary = nullptr;
     std::vector<const Stage*> runs;
     for (const Stage& s : registry()) {
       if (s.slot != slot) continue;
       const Decision d = s.applies(c);
-      VariantDecision vd{s.slot, s.variant, d.applies, d.applies && s.primary(c), d.applies ? "" : d.reason, {}};
-      rep.decisions.push_back(vd);
-      if (!d.applies) continue;
-      runs.push_back(&s);
-      if (vd.primary && !primary) primary = &s;
+      rep.decisions.push_back({s.slot, s.variant, d.applies, false, d.applies ? "" : d.reason, {}});
+      if (d.applies) runs.push_back(&s);
     }
     if (runs.empty()) continue;
-    if (!primary) primary = runs.front();
     std::string adopt_reason;
-    Board primary_out;
-    std::vector<std::pair<const Stage*, Board>> variant_outs;
+    std::vector<std::pair<const Stage*, Board>> ran;
     for (const Stage* s : runs) {
       VariantDecision* vd = nullptr;
       for (auto& d : rep.decisions)
         if (d.slot == s->slot && d.variant == s->variant) vd = &d;
-      vd->primary = s == primary;
-      const std::vector<std::string> inputs = s->inputs(c);
+      const std::vector<std::string> inputs_used = s->inputs(c);
       std::vector<std::vector<uint64_t>> sums(static_cast<size_t>(R));
       for (int r = 0; r < R; ++r)
-        for (const auto& n : inputs) sums[size_t(r)].push_back(checksum(fast.at(n, r)));
+        for (const auto& n : inputs_used) sums[size_t(r)].push_back(checksum(fast.at(n, r)));
       Board out;
       out.ranks.resize(size_t(R));
       std::vector<std::vector<std::string>> notes(static_cast<size_t>(R));
-      try {
-        run_ranks(R, [&](int r) {
-          ExecCtx ex{opt.threads, opt.faults};
-          FastCtx ctx{c, r, R, ex, nullptr, fast.ranks[size_t(r)], out.ranks[size_t(r)], notes[size_t(r)]};
-          s->fast(ctx);
-        });
-      } catch (const std::exception& e) {
+      std::string skipped;
+      const std::string err = run_fast(*s, c, opt, fast, out, notes, skipped, use_mpi);
+      for (int r = 0; r < R; ++r)
+        for (const auto& n : notes[size_t(r)]) vd->notes.push_back(n);
+      if (!err.empty()) {
         Check ch;
         ch.slot = s->slot;
         ch.variant = s->variant;
         ch.tensor = "-";
         ch.outcome = Outcome::ERROR;
-        ch.note = std::string("fast stage threw: ") + e.what();
+        ch.note = "fast stage failed: " + err;
         rep.checks.push_back(ch);
         continue;
       }
+      if (!skipped.empty()) {
+        vd->ran = false;
+        vd->reason = skipped;
+        continue;
+      }
       for (int r = 0; r < R; ++r)
-        for (const auto& n : notes[size_t(r)]) vd->notes.push_back((R > 1 ? "rank " + std::to_string(r) + ": " : "") + n);
-      for (int r = 0; r < R; ++r)
-        for (size_t i = 0; i < inputs.size(); ++i)
-          if (checksum(fast.at(inputs[i], r)) != sums[size_t(r)][i]) {
+        for (size_t i = 0; i < inputs_used.size(); ++i)
+          if (checksum(fast.at(inputs_used[i], r)) != sums[size_t(r)][i]) {
             Check ch;
             ch.slot = s->slot;
             ch.variant = s->variant;
-            ch.tensor = inputs[i];
+            ch.tensor = inputs_used[i] + rank_tag(r);
             ch.against = "its value before the call";
             ch.outcome = Outcome::INCORRECT;
-            ch.note = "input '" + inputs[i] + "' was modified by the fast stage" +
-                      (R > 1 ? " on rank " + std::to_string(r) : "");
+            ch.note = "input '" + inputs_used[i] + "' was modified by the fast stage";
             rep.checks.push_back(ch);
           }
       Board refout;
@@ -182,19 +263,17 @@ CaseReport run_case(const Case& c, const RunOptions& opt) {
       Board merged = fast;  // this variant's outputs over its inputs
       for (int r = 0; r < R; ++r)
         for (auto& [n, t] : out.ranks[size_t(r)]) merged.ranks[size_t(r)][n] = t;
-      for (int r = 0; r < R; ++r)
-        for (auto& [n, t] : out.ranks[size_t(r)])
-          dump.put(s->slot + "." + s->variant + "." + n + (R > 1 ? "@" + std::to_string(r) : "") + ".fast", t);
-      for (int r = 0; r < R; ++r)
-        for (auto& [n, t] : refout.ranks[size_t(r)])
-          dump.put(s->slot + "." + s->variant + "." + n + (R > 1 ? "@" + std::to_string(r) : "") + ".ref", t);
+      for (int r = 0; r < R; ++r) {
+        for (auto& [n, t] : out.ranks[size_t(r)]) dump.put(s->slot + "." + s->variant + "." + n + rank_tag(r) + ".fast", t);
+        for (auto& [n, t] : refout.ranks[size_t(r)]) dump.put(s->slot + "." + s->variant + "." + n + rank_tag(r) + ".ref", t);
+      }
       if (s->check) {
         std::vector<Check> checks;
         CheckCtx cc{c, merged, refout, checks, ""};
         s->check(cc);
         for (auto& ch : checks) ch.variant = s->variant;
         rep.checks.insert(rep.checks.end(), checks.begin(), checks.end());
-        if (s == primary) adopt_reason = cc.adopt_fast_reason;
+        adopt_reason = cc.adopt_fast_reason;
       } else {
         for (const OutputSpec& o : s->outputs)
           for (int r = 0; r < R; ++r) {
@@ -207,25 +286,32 @@ CaseReport run_case(const Case& c, const RunOptions& opt) {
                                             "reference"));
           }
       }
-      if (s == primary) primary_out = out;
-      variant_outs.push_back({s, out});
+      ran.push_back({s, out});
     }
+    if (ran.empty()) continue;  // every variant failed: later slots have no inputs
+    // The primary feeds the next slot: the one the case asks for, else the first that ran.
+    const Stage* primary = ran.front().first;
+    Board primary_out = ran.front().second;
+    for (auto& [s, out] : ran)
+      if (s->primary(c)) {
+        primary = s;
+        primary_out = out;
+        break;
+      }
+    for (auto& d : rep.decisions)
+      if (d.slot == slot) d.primary = d.variant == primary->variant && d.ran;
     // Cross-variant agreement: every other variant against the primary, in
     // the output's own class (bitwise for exact outputs).
-    for (const auto& [s, out] : variant_outs) {
-      if (s == primary || primary_out.ranks.empty()) continue;
+    for (const auto& [s, out] : ran) {
+      if (s == primary) continue;
       for (const OutputSpec& o : s->outputs)
         for (int r = 0; r < R; ++r) {
-          const RankBoard& fo = out.ranks[size_t(r)];
-          const RankBoard& po = primary_out.ranks[size_t(r)];
-          auto fi = fo.find(o.name);
-          auto pi = po.find(o.name);
-          if (fi == fo.end() || pi == po.end()) continue;
-          rep.checks.push_back(make_check(c, *s, o, &fi->second, &pi->second, fast.ranks[size_t(r)], r, R,
-                                          primary->variant));
+          auto fi = out.ranks[size_t(r)].find(o.name);
+          auto pi = primary_out.ranks[size_t(r)].find(o.name);
+          if (fi == out.ranks[size_t(r)].end() || pi == primary_out.ranks[size_t(r)].end()) continue;
+          rep.checks.push_back(make_check(c, *s, o, &fi->second, &pi->second, fast.ranks[size_t(r)], r, R, primary->variant));
         }
     }
-    if (primary_out.ranks.empty()) continue;  // the primary failed; later slots have no inputs
     for (int r = 0; r < R; ++r)
       for (auto& [n, t] : primary_out.ranks[size_t(r)]) fast.ranks[size_t(r)][n] = t;
     // The reference chain advances with the primary's reference function.
@@ -251,6 +337,54 @@ CaseReport run_case(const Case& c, const RunOptions& opt) {
                                     fast.ranks[size_t(r)], r, R, "reference chain"));
   }
   dump.finish(c);
+}
+
+}  // namespace
+
+CaseReport run_case(const Case& c, const RunOptions& opt) {
+  const auto t0 = std::chrono::steady_clock::now();
+  CaseReport rep;
+  rep.c = c;
+  const int R = c.ep;
+  const bool use_mpi = launched_under_mpi();
+  if (use_mpi && mpi_world().size() != R)
+    bad_input(c.source + ": case " + c.name + " has ep " + std::to_string(R) + " but mpirun started " +
+              std::to_string(mpi_world().size()) + " processes; valid: mpirun -np " + std::to_string(R));
+  std::vector<RankBoard> inputs(static_cast<size_t>(R));
+  for (int r = 0; r < R; ++r) inputs[size_t(r)] = make_inputs(c, r, c.tokens_on(r));
+  Board fast;
+  run_pipeline(c, opt, inputs, use_mpi, rep, fast);
+
+  // EP invariance (CONTRACT §3): each rank's output equals an EP = 1 run on
+  // that rank's tokens; bitwise when the experts are row-wise exact.
+  if (R > 1) {
+    Case c1 = c;
+    c1.ep = 1;
+    c1.tokens_per_rank.clear();
+    RunOptions o1 = opt;
+    o1.dump_dir.clear();
+    for (int p = 0; p < R; ++p) {
+      c1.tokens = c.tokens_on(p);
+      CaseReport r1;
+      r1.c = c1;
+      Board f1;
+      std::vector<RankBoard> in1 = {RankBoard{}};
+      for (auto& [n, t] : inputs[size_t(p)]) in1[0][n] = t.clone();
+      run_pipeline(c1, o1, in1, false, r1, f1);
+      Outcome w1 = Outcome::PASSED;
+      for (const auto& ch : r1.checks) w1 = worst(w1, ch.outcome);
+      const Stage inv{"ep_invariance", "ep1_vs_ep" + std::to_string(R), "", nullptr, nullptr, nullptr, {}, nullptr, nullptr, nullptr};
+      const OutputSpec oi{"out", c.experts.kind == ExpertKind::identity ? CompareClass::exact : CompareClass::gemm,
+                          Coords::token_col, promise_combined};
+      Check ch = make_check(c, inv, oi, fast.has("out", p) ? &fast.at("out", p) : nullptr,
+                            f1.has("out", 0) ? &f1.at("out", 0) : nullptr, fast.ranks[size_t(p)], p, R, "EP = 1 run");
+      if (w1 != Outcome::PASSED) {
+        ch.outcome = worst(ch.outcome, w1);
+        ch.note = std::string("the EP = 1 run of this rank's tokens was ") + outcome_name(w1);
+      }
+      rep.checks.push_back(ch);
+    }
+  }
   if (opt.keep == RunOptions::Keep::fast_board) rep.fast = fast;
   for (const auto& ch : rep.checks) rep.outcome = worst(rep.outcome, ch.outcome);
   rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -15,6 +15,7 @@ struct RunOptions {
   FaultSet faults;
   std::string dump_dir;  // empty: no dump
   enum class Keep { nothing, fast_board } keep = Keep::nothing;
+  int collective_timeout_ms = 30000;  // local comm: a collective not joined by every rank fails after this
 };
 
 struct VariantDecision {

@@ -22,5 +22,6 @@ std::vector<float> combine_init(const Case& c, const RankBoard& in);
 void check_routing(CheckCtx& ctx);
 
 void register_local_stages(std::vector<Stage>& reg);
+void register_ep_stages(std::vector<Stage>& reg);
 
 }  // namespace moev

@@ -54,6 +54,12 @@ namespace {
 
 Decision always(const Case&) { return {}; }
 
+int64_t group_rows(const Tensor& counts) {
+  int64_t n = 0;
+  for (int64_t v : to_ints(counts)) n += v;
+  return n;
+}
+
 ref::CombineSpec combine_spec(const Case& c) {
   ref::CombineSpec s;
   s.act = ref_act(c.dtype);
@@ -111,7 +117,9 @@ void fast_swiglu(FastCtx& ctx, ExpertsImpl impl, const Tensor& X, const int64_t*
   auto w = [&](const char* n) {
     return static_cast<const uint8_t*>(ctx.input(w_prefix + n).data()) + size_t(expert0) * wsz;
   };
-  Tensor& Y = ctx.output(out, X.type, X.shape);
+  int64_t rows = 0;
+  for (int j = 0; j < E_l; ++j) rows += counts[j];
+  Tensor& Y = ctx.output(out, X.type, {rows, c.hidden});
   experts_swiglu(ctx.exec, c.dtype, impl, X.data(), counts, E_l, c.hidden, c.ffn, w("w1"), w("w3"), w("w2"),
                  Y.data());
 }
@@ -133,12 +141,16 @@ void ref_swiglu(RefCtx& r, const std::string& in, const std::function<ref::Count
     const int64_t E_l = int64_t(counts.size());
     const int64_t first = int64_t(q) * expert0_per_rank;
     const Tensor& X = b.at(in);
+    int64_t rows = 0;
+    for (int64_t n : counts) rows += n;
+    ref::Vec xv = to_floats(X);
+    xv.resize(size_t(rows * c.hidden));  // rows past the last group (a padding tail) are no expert's
     r.out.ranks[q][out] = from_floats(
-        ref::swiglu_experts(ref_act(c.dtype), to_floats(X), counts, c.hidden, c.ffn,
+        ref::swiglu_experts(ref_act(c.dtype), xv, counts, c.hidden, c.ffn,
                             slice_weights(b.at(w_prefix + "w1"), first, E_l),
                             slice_weights(b.at(w_prefix + "w3"), first, E_l),
                             slice_weights(b.at(w_prefix + "w2"), first, E_l)),
-        X.type, X.shape);
+        X.type, {rows, c.hidden});
   }
 }
 
@@ -233,8 +245,7 @@ void register_local_stages(std::vector<Stage>& reg) {
     s.outputs = {{"routed_input", CompareClass::exact, Coords::dispatch_row, promise_always},
                  {"token_sorted", CompareClass::exact, Coords::flat, nullptr},
                  {"score_sorted", CompareClass::exact, Coords::flat, nullptr},
-                 {"row_of", CompareClass::exact, Coords::token_k, nullptr},
-                 {"counts_local", CompareClass::exact, Coords::expert, nullptr}};
+                 {"row_of", CompareClass::exact, Coords::token_k, nullptr}};
     s.fast = [](FastCtx& ctx) {
       const Case& c = ctx.c;
       const Tensor& x = ctx.input("x");
@@ -250,8 +261,6 @@ void register_local_stages(std::vector<Stage>& reg) {
                                                            : k::ScoreApply::after_experts,
                       x.data(), perm.as<int32_t>(), ctx.input("topk_scores").as<float>(), N, c.hidden, c.top_k,
                       routed.data(), tok.as<int32_t>(), sc.as<float>(), row_of.as<int32_t>());
-      Tensor& cl = ctx.output("counts_local", ElemType::i64, {c.num_experts});
-      std::memcpy(cl.data(), ctx.input("counts").data(), cl.bytes());
     };
     s.ref = [](RefCtx& r) {
       const Case& c = r.c;
@@ -268,7 +277,6 @@ void register_local_stages(std::vector<Stage>& reg) {
         out["token_sorted"] = ids_tensor(d.token_sorted, ElemType::i32, {N});
         out["score_sorted"] = from_floats(d.score_sorted, ElemType::f32, {N});
         out["row_of"] = ids_tensor(d.row_of, ElemType::i32, {T, c.top_k});
-        out["counts_local"] = from_ints(d.counts, ElemType::i64, {c.num_experts});
       }
     };
     reg.push_back(s);
@@ -283,17 +291,21 @@ void register_local_stages(std::vector<Stage>& reg) {
       return Decision{c.experts.kind == ExpertKind::identity, "experts.kind is not identity"};
     };
     s.primary = [](const Case&) { return true; };
-    s.inputs = fixed_inputs({"routed_input"});
-    s.outputs = {{"routed_output", CompareClass::exact, Coords::dispatch_row, promise_always}};
+    s.inputs = fixed_inputs({"expert_input", "expert_counts"});
+    s.outputs = {{"expert_output", CompareClass::exact, Coords::padded_row, promise_expert_rows}};
     s.fast = [](FastCtx& ctx) {
-      const Tensor& X = ctx.input("routed_input");
-      Tensor& Y = ctx.output("routed_output", X.type, X.shape);
-      std::memcpy(Y.data(), X.data(), X.bytes());
+      const Tensor& X = ctx.input("expert_input");
+      const int64_t rows = group_rows(ctx.input("expert_counts"));
+      Tensor& Y = ctx.output("expert_output", X.type, {rows, ctx.c.hidden});
+      std::memcpy(Y.data(), X.data(), Y.bytes());
     };
     s.ref = [](RefCtx& r) {
       for (size_t q = 0; q < r.in.ranks.size(); ++q) {
-        const Tensor& X = r.in.at("routed_input", int(q));
-        r.out.ranks[q]["routed_output"] = from_floats(to_floats(X), X.type, X.shape);
+        const Tensor& X = r.in.at("expert_input", int(q));
+        const int64_t rows = group_rows(r.in.at("expert_counts", int(q)));
+        ref::Vec v = to_floats(X);
+        v.resize(size_t(rows * r.c.hidden));
+        r.out.ranks[q]["expert_output"] = from_floats(v, X.type, {rows, r.c.hidden});
       }
     };
     reg.push_back(s);
@@ -306,18 +318,18 @@ void register_local_stages(std::vector<Stage>& reg) {
                                           : "SwiGLU, one work list of (expert, tile) items over the group offsets";
     s.applies = [](const Case& c) { return Decision{c.experts.kind == ExpertKind::swiglu, "experts.kind is not swiglu"}; };
     s.primary = [impl](const Case& c) { return c.experts.impl == impl; };
-    s.inputs = fixed_inputs({"routed_input", "counts_local", "w1", "w3", "w2"});
-    s.outputs = {{"routed_output", CompareClass::gemm, Coords::dispatch_row, promise_realistic}};
+    s.inputs = fixed_inputs({"expert_input", "expert_counts", "w1", "w3", "w2"});
+    s.outputs = {{"expert_output", CompareClass::gemm, Coords::padded_row, promise_expert_rows}};
     s.fast = [impl](FastCtx& ctx) {
-      const Tensor& counts = ctx.input("counts_local");
+      const Tensor& counts = ctx.input("expert_counts");
       const int E_l = int(counts.numel());
-      fast_swiglu(ctx, impl, ctx.input("routed_input"), counts.as<int64_t>(), E_l, "", ctx.rank * E_l,
-                  "routed_output");
+      fast_swiglu(ctx, impl, ctx.input("expert_input"), counts.as<int64_t>(), E_l, "", ctx.rank * E_l,
+                  "expert_output");
     };
     s.ref = [](RefCtx& r) {
       const int64_t E_l = r.c.num_experts / int64_t(r.in.ranks.size());
-      ref_swiglu(r, "routed_input", [](const RankBoard& b) { return ref_counts(b.at("counts_local")); }, "", E_l,
-                 "routed_output");
+      ref_swiglu(r, "expert_input", [](const RankBoard& b) { return ref_counts(b.at("expert_counts")); }, "", E_l,
+                 "expert_output");
     };
     reg.push_back(s);
   }

@@ -101,3 +101,19 @@ TEST_CASE("a missing file and a bad --set are bad input", "[cpu][cases]") {
   CHECK(load_error("cases:\n  - name: a\n", {"shape.tokenz=3"}).find("unknown key 'shape.tokenz'") != std::string::npos);
   CHECK(load_error("cases:\n  - name: a\n", {"shape.tokens=x"}).find("--set shape.tokens") != std::string::npos);
 }
+
+TEST_CASE("a case's override never leaks into the defaults of the next case", "[cpu][cases]") {
+  const auto cases = load_cases(write_tmp(R"(defaults:
+  shape: {hidden: 16}
+  data: exact
+cases:
+  - name: a
+    shape: {hidden: 32}
+    data: realistic
+  - name: b
+)"), {});
+  REQUIRE(cases.size() == 2);
+  CHECK(cases[0].hidden == 32);
+  CHECK(cases[1].hidden == 16);
+  CHECK(cases[1].data == DataMode::exact);
+}

@@ -1,0 +1,97 @@
+#include "ep_host.h"
+
+#include <algorithm>
+
+#include "bodies.h"
+
+namespace moev {
+
+std::vector<int64_t> splits_from_counts(const int64_t* counts, int E, int R) {
+  const int E_l = E / R;
+  std::vector<int64_t> s(static_cast<size_t>(R), 0);
+  for (int e = 0; e < E; ++e) s[size_t(e / E_l)] += counts[e];
+  return s;
+}
+
+std::vector<int64_t> permute_map_generic(const int64_t* c, int R, int E_l) {
+  // s_in[p][j]: exclusive prefix over the rank-major order (p major, j minor)
+  std::vector<int64_t> s_in(size_t(R) * size_t(E_l), 0);
+  int64_t run = 0, M = 0;
+  for (int p = 0; p < R; ++p)
+    for (int j = 0; j < E_l; ++j) {
+      s_in[size_t(p * E_l + j)] = run;
+      run += c[p * E_l + j];
+    }
+  M = run;
+  std::vector<int64_t> map;
+  map.reserve(size_t(M));
+  for (int j = 0; j < E_l; ++j)
+    for (int p = 0; p < R; ++p)
+      for (int64_t i = 0; i < c[p * E_l + j]; ++i) map.push_back(s_in[size_t(p * E_l + j)] + i);
+  return map;
+}
+
+PadLayout pad_layout(const int64_t* counts, int E_l, int64_t A, EmptyGroupRows empty, const FaultSet& faults) {
+  PadLayout l;
+  l.rows.resize(size_t(E_l));
+  l.start.assign(size_t(E_l) + 1, 0);
+  int64_t M = 0;
+  for (int j = 0; j < E_l; ++j) {
+    const int64_t n = counts[j] == 0 && empty == EmptyGroupRows::align ? A : counts[j];
+    l.rows[size_t(j)] = (n + A - 1) / A * A;
+    M += counts[j];
+  }
+  for (int j = 0; j < E_l; ++j) {
+    if (faults.has(Fault::offsets_32bit))  // the planted fault: a 32-bit running offset wraps
+      l.start[size_t(j) + 1] = int64_t(int32_t(uint32_t(l.start[size_t(j)]) + uint32_t(l.rows[size_t(j)])));
+    else
+      l.start[size_t(j) + 1] = l.start[size_t(j)] + l.rows[size_t(j)];
+  }
+  l.buffer_rows = l.start[size_t(E_l)];
+  if (empty == EmptyGroupRows::align) l.buffer_rows = std::max(l.buffer_rows, (M + E_l * A + A - 1) / A * A);
+  return l;
+}
+
+std::vector<int64_t> pad_map(const int64_t* counts, const PadLayout& l, const FaultSet& faults) {
+  std::vector<int64_t> map(size_t(l.buffer_rows), -1);
+  int64_t src = 0;
+  for (size_t j = 0; j < l.rows.size(); ++j) {
+    const int64_t pad = l.rows[j] - counts[j];
+    const int64_t first = faults.has(Fault::pad_rows_first) ? l.start[j] + pad : l.start[j];
+    for (int64_t i = 0; i < counts[j]; ++i) map[size_t(first + i)] = src++;
+  }
+  return map;
+}
+
+std::vector<int64_t> unpad_map(const int64_t* counts, const PadLayout& l) {
+  std::vector<int64_t> map;
+  for (size_t j = 0; j < l.rows.size(); ++j)
+    for (int64_t i = 0; i < counts[j]; ++i) map.push_back(l.start[j] + i);
+  return map;
+}
+
+std::vector<int64_t> invert_map(const std::vector<int64_t>& map) {
+  std::vector<int64_t> inv(map.size(), -1);
+  for (size_t q = 0; q < map.size(); ++q) inv[size_t(map[q])] = int64_t(q);
+  return inv;
+}
+
+void apply_row_map(const ExecCtx& ctx, DType dt, const void* src, const int64_t* map, int64_t n, int64_t D, void* dst) {
+  dispatch_dtype(dt, [&](auto tag) {
+    using T = decltype(tag);
+    host_run(ctx, n, k::RowMapBody<T>{static_cast<const T*>(src), map, static_cast<T*>(dst), D});
+  });
+}
+
+}  // namespace moev
+
+namespace moev {
+
+void apply_equal_count(const ExecCtx& ctx, DType dt, const void* src, EqualCountMap m, int64_t n, int64_t D, void* dst) {
+  dispatch_dtype(dt, [&](auto tag) {
+    using T = decltype(tag);
+    host_run(ctx, n, k::FnRowMapBody<T, EqualCountMap>{static_cast<const T*>(src), m, static_cast<T*>(dst), D});
+  });
+}
+
+}  // namespace moev

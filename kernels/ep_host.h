@@ -1,0 +1,61 @@
+// Expert-parallel index math (CONTRACT §3, §4, §7): splits, the rank-major ->
+// expert-major permute (generic table or equal-count transpose), alignment
+// padding. Row maps are int64 (64-bit row arithmetic throughout); a map entry
+// < 0 means "zero row". Data is moved by k::RowMapBody on the executor.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "dtype.h"
+#include "host_exec.h"
+
+namespace moev {
+
+/// input_splits[r] = sum of counts over rank r's expert block (E/R experts).
+std::vector<int64_t> splits_from_counts(const int64_t* counts, int E, int R);
+
+/// Generic permute (CONTRACT §3): recv is rank-major (p, j); the output is
+/// expert-major (j, p). map[q] = source row of output row q.
+std::vector<int64_t> permute_map_generic(const int64_t* recv_counts, int R, int E_l);
+
+/// Equal-count permute (CONTRACT §7): every segment has c rows; the output is
+/// the (R, E_l, c) -> (E_l, R, c) transpose, computed without a table.
+/// `inverse` gives the unpermute (expert-major -> rank-major).
+struct EqualCountMap {
+  int64_t R, E_l, c;
+  int inverse;  // 0: permute, 1: unpermute
+  MOEV_HD int64_t operator()(int64_t o) const {
+    const int64_t outer = inverse ? R : E_l, inner = inverse ? E_l : R;
+    const int64_t a = o / (inner * c), b = (o / c) % inner, i = o % c;  // output (a, b, i)
+    return (b * outer + a) * c + i;                                   // input (b, a, i)
+  }
+};
+
+enum class EmptyGroupRows : uint8_t { zero, align };  // an expert with no rows gets 0 or A rows
+
+struct PadLayout {
+  std::vector<int64_t> rows;    // m_j: padded group sizes
+  std::vector<int64_t> start;   // group start rows (E_l + 1 entries)
+  int64_t buffer_rows = 0;      // >= start[E_l]; the zero tail covers no group
+};
+
+/// m_j = round_up(count_j, A), or A for an empty group under `align`; then a
+/// buffer of round_up(M + E_l*A, A) rows (torchao) under `align`.
+PadLayout pad_layout(const int64_t* counts, int E_l, int64_t A, EmptyGroupRows empty, const FaultSet& faults);
+
+/// Padded row -> source row of the unpadded expert-major buffer (or -1):
+/// each group's real rows first, zero rows after (the fault puts them first).
+std::vector<int64_t> pad_map(const int64_t* counts, const PadLayout& layout, const FaultSet& faults);
+/// Unpadded row -> padded row.
+std::vector<int64_t> unpad_map(const int64_t* counts, const PadLayout& layout);
+/// The inverse of a permutation map: inv[map[q]] = q.
+std::vector<int64_t> invert_map(const std::vector<int64_t>& map);
+
+/// The equal-count transpose (or its inverse) over n rows, by k::FnRowMapBody.
+void apply_equal_count(const ExecCtx& ctx, DType dt, const void* src, EqualCountMap m, int64_t n, int64_t D, void* dst);
+
+/// dst[i] = src[map[i]] (zero row where map[i] < 0) for i in [0, n).
+void apply_row_map(const ExecCtx& ctx, DType dt, const void* src, const int64_t* map, int64_t n, int64_t D, void* dst);
+
+}  // namespace moev

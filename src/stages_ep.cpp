@@ -1,0 +1,345 @@
+// Stage variants of the expert-parallel path (CONTRACT §3, §4, §7): the
+// all-to-all dispatch, the rank-major -> expert-major permute (generic and
+// equal-count), alignment padding, and their inverses on the way back. With
+// ep = 1 they run too (one rank, identity permute), so one pipeline serves all.
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+#include "../kernels/ep_host.h"
+#include "comm.h"
+#include "error.h"
+#include "stages.h"
+
+namespace moev {
+namespace {
+
+Decision always(const Case&) { return {}; }
+
+std::string list_str(const std::vector<int64_t>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? " " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
+std::vector<int64_t> vec_of(const Tensor& t) { return to_ints(t); }
+
+Tensor& out_ints(FastCtx& ctx, const std::string& name, const std::vector<int64_t>& v) {
+  Tensor& t = ctx.output(name, ElemType::i64, {int64_t(v.size())});
+  if (!v.empty()) std::memcpy(t.data(), v.data(), v.size() * 8);
+  return t;
+}
+
+EmptyGroupRows empty_rows(const Case& c) {
+  return c.empty_groups == EmptyGroups::pad ? EmptyGroupRows::align : EmptyGroupRows::zero;
+}
+
+std::vector<int64_t> real_counts_from(const std::vector<int64_t>& recv_counts, int R, int E_l) {
+  std::vector<int64_t> n(size_t(E_l), 0);
+  for (int p = 0; p < R; ++p)
+    for (int j = 0; j < E_l; ++j) n[size_t(j)] += recv_counts[size_t(p * E_l + j)];
+  return n;
+}
+
+/// Whether every received segment (p, j) of this rank holds the same c > 0 rows.
+int64_t uniform_count(const std::vector<int64_t>& rc) {
+  if (rc.empty() || rc[0] == 0) return 0;
+  for (int64_t v : rc)
+    if (v != rc[0]) return 0;
+  return rc[0];
+}
+
+// ---- fast functions ----------------------------------------------------------
+
+void fast_a2a_dispatch(FastCtx& ctx) {
+  const Case& c = ctx.c;
+  const int R = ctx.ranks, E = c.num_experts, E_l = E / R;
+  const Tensor& counts = ctx.input("counts");
+  const Tensor& routed = ctx.input("routed_input");
+  const std::vector<int64_t> in_splits = splits_from_counts(counts.as<int64_t>(), E, R);
+  out_ints(ctx, "input_splits", in_splits);
+  // count exchange: the E counts as R chunks of E_l; rank q receives counts_p[q*E_l + j]
+  Tensor& rc = ctx.output("recv_counts", ElemType::i64, {int64_t(R) * E_l});
+  const std::vector<int64_t> chunk(size_t(R), E_l);
+  ctx.comm->alltoallv(counts.data(), chunk, rc.data(), chunk, sizeof(int64_t), "count exchange");
+  const std::vector<int64_t> recv_counts = vec_of(rc);
+  std::vector<int64_t> out_splits(size_t(R), 0);
+  for (int p = 0; p < R; ++p)
+    for (int j = 0; j < E_l; ++j) out_splits[size_t(p)] += recv_counts[size_t(p * E_l + j)];
+  out_ints(ctx, "output_splits", out_splits);
+  int64_t M = 0;
+  for (int64_t v : out_splits) M += v;
+  Tensor& recv = ctx.output("recv", routed.type, {M, c.hidden});
+  ctx.comm->alltoallv(routed.data(), in_splits, recv.data(), out_splits, size_t(c.hidden) * elem_bytes(routed.type),
+                      "token all-to-all (dispatch)");
+  // overload factor inputs (CONTRACT §12): max received rows, total assignments
+  int64_t mx = M, total = routed.shape[0];
+  ctx.comm->allreduce_max(&mx, 1, "overload max");
+  ctx.comm->allreduce_sum(&total, 1, "overload sum");
+  out_ints(ctx, "overload", {mx, total});
+  std::ostringstream o;
+  o << "rank " << ctx.rank << ": input_splits " << list_str(in_splits) << ", received " << list_str(out_splits)
+    << " per source, " << list_str(real_counts_from(recv_counts, R, E_l)) << " per local expert";
+  if (ctx.rank == 0 && total > 0)
+    o << "; overload factor " << double(mx) / (double(total) / R) << " (max received " << mx << " rows vs balanced "
+      << double(total) / R << ")";
+  ctx.notes.push_back(o.str());
+}
+
+void fast_permute_generic(FastCtx& ctx) {
+  const Case& c = ctx.c;
+  const int R = ctx.ranks, E_l = c.num_experts / R;
+  const Tensor& recv = ctx.input("recv");
+  const std::vector<int64_t> rc = vec_of(ctx.input("recv_counts"));
+  const std::vector<int64_t> map = permute_map_generic(rc.data(), R, E_l);
+  Tensor& out = ctx.output("permuted", recv.type, recv.shape);
+  apply_row_map(ctx.exec, c.dtype, recv.data(), map.data(), int64_t(map.size()), c.hidden, out.data());
+  out_ints(ctx, "expert_counts_real", real_counts_from(rc, R, E_l));
+}
+
+/// Equal-count permute (CONTRACT §7); its precondition is checked on the
+/// received counts of every rank, and all ranks agree before any skips.
+bool equal_count_ready(FastCtx& ctx, int64_t& cnt) {
+  cnt = uniform_count(vec_of(ctx.input("recv_counts")));
+  int64_t not_ready = cnt == 0;
+  ctx.comm->allreduce_max(&not_ready, 1, "equal-count precondition");
+  if (not_ready) {
+    ctx.skip("received segment counts are not all equal and > 0 on every rank");
+    return false;
+  }
+  return true;
+}
+
+void fast_permute_equal(FastCtx& ctx) {
+  const Case& c = ctx.c;
+  const int R = ctx.ranks, E_l = c.num_experts / R;
+  int64_t cnt = 0;
+  if (!equal_count_ready(ctx, cnt)) return;
+  const Tensor& recv = ctx.input("recv");
+  Tensor& out = ctx.output("permuted", recv.type, recv.shape);
+  apply_equal_count(ctx.exec, c.dtype, recv.data(), EqualCountMap{R, E_l, cnt, 0}, recv.shape[0], c.hidden, out.data());
+  out_ints(ctx, "expert_counts_real", std::vector<int64_t>(size_t(E_l), R * cnt));
+  ctx.notes.push_back("rank " + std::to_string(ctx.rank) + ": transpose of (R, E_l, c) = (" + std::to_string(R) + ", " +
+                      std::to_string(E_l) + ", " + std::to_string(cnt) + ")");
+}
+
+void fast_unpermute_generic(FastCtx& ctx) {
+  const Case& c = ctx.c;
+  const int R = ctx.ranks, E_l = c.num_experts / R;
+  const Tensor& in = ctx.input("unpadded");
+  const std::vector<int64_t> rc = vec_of(ctx.input("recv_counts"));
+  const std::vector<int64_t> inv = invert_map(permute_map_generic(rc.data(), R, E_l));
+  Tensor& out = ctx.output("recv_out", in.type, in.shape);
+  apply_row_map(ctx.exec, c.dtype, in.data(), inv.data(), int64_t(inv.size()), c.hidden, out.data());
+}
+
+void fast_unpermute_equal(FastCtx& ctx) {
+  const Case& c = ctx.c;
+  const int R = ctx.ranks, E_l = c.num_experts / R;
+  int64_t cnt = 0;
+  if (!equal_count_ready(ctx, cnt)) return;
+  const Tensor& in = ctx.input("unpadded");
+  Tensor& out = ctx.output("recv_out", in.type, in.shape);
+  apply_equal_count(ctx.exec, c.dtype, in.data(), EqualCountMap{R, E_l, cnt, 1}, in.shape[0], c.hidden, out.data());
+}
+
+void fast_pad(FastCtx& ctx) {
+  const Case& c = ctx.c;
+  const Tensor& in = ctx.input("permuted");
+  const std::vector<int64_t> n = vec_of(ctx.input("expert_counts_real"));
+  const PadLayout l = pad_layout(n.data(), int(n.size()), c.align, empty_rows(c), ctx.exec.faults);
+  const std::vector<int64_t> map = pad_map(n.data(), l, ctx.exec.faults);
+  Tensor& out = ctx.output("expert_input", in.type, {l.buffer_rows, c.hidden});
+  apply_row_map(ctx.exec, c.dtype, in.data(), map.data(), l.buffer_rows, c.hidden, out.data());
+  out_ints(ctx, "expert_counts", l.rows);
+  if (c.align > 1 || c.empty_groups == EmptyGroups::pad)
+    ctx.notes.push_back("rank " + std::to_string(ctx.rank) + ": groups padded to " + list_str(l.rows) + ", " +
+                        std::to_string(l.buffer_rows - in.shape[0]) + " padding rows");
+}
+
+void fast_unpad(FastCtx& ctx) {
+  const Case& c = ctx.c;
+  const Tensor& in = ctx.input("expert_output");
+  const std::vector<int64_t> n = vec_of(ctx.input("expert_counts_real"));
+  const PadLayout l = pad_layout(n.data(), int(n.size()), c.align, empty_rows(c), ctx.exec.faults);
+  const std::vector<int64_t> map = unpad_map(n.data(), l);
+  Tensor& out = ctx.output("unpadded", in.type, {int64_t(map.size()), c.hidden});
+  apply_row_map(ctx.exec, c.dtype, in.data(), map.data(), int64_t(map.size()), c.hidden, out.data());
+}
+
+void fast_a2a_return(FastCtx& ctx) {
+  const Case& c = ctx.c;
+  const Tensor& in = ctx.input("recv_out");
+  std::vector<int64_t> send = vec_of(ctx.input("output_splits")), recv = vec_of(ctx.input("input_splits"));
+  if (ctx.exec.faults.has(Fault::unswapped_combine_splits)) std::swap(send, recv);
+  int64_t N = 0;
+  for (int64_t v : recv) N += v;
+  Tensor& out = ctx.output("routed_output", in.type, {N, c.hidden});
+  ctx.comm->alltoallv(in.data(), send, out.data(), recv, size_t(c.hidden) * elem_bytes(in.type),
+                      "token all-to-all (combine)");
+}
+
+// ---- reference functions (global view) ----------------------------------------
+
+std::vector<ref::Vec> floats_of(const Board& b, const std::string& n) {
+  std::vector<ref::Vec> v;
+  for (size_t q = 0; q < b.ranks.size(); ++q) v.push_back(to_floats(b.at(n, int(q))));
+  return v;
+}
+
+void ref_a2a_dispatch(RefCtx& r) {
+  const Case& c = r.c;
+  const int R = int(r.in.ranks.size()), E_l = c.num_experts / R;
+  std::vector<ref::Ids> ids;
+  for (int q = 0; q < R; ++q) ids.push_back(ref_ids(r.in.at("ids", q)));
+  const ref::EpDispatch d = ref::ep_dispatch(
+      ref_act(c.dtype),
+      c.score_before_experts == Switch::on ? ref::ScoreApply::before_experts : ref::ScoreApply::after_experts,
+      floats_of(r.in, "x"), ids, floats_of(r.in, "topk_scores"), c.hidden, c.top_k, c.num_experts, R);
+  int64_t mx = 0, total = 0;
+  for (int q = 0; q < R; ++q) {
+    RankBoard& out = r.out.ranks[size_t(q)];
+    std::vector<int64_t> in_splits(size_t(R), 0), out_splits(size_t(R), 0);
+    for (int p = 0; p < R; ++p)
+      for (int j = 0; j < E_l; ++j) {
+        out_splits[size_t(p)] += d.recv_counts[size_t(q)][size_t(p * E_l + j)];
+        in_splits[size_t(p)] += d.recv_counts[size_t(p)][size_t(q * E_l + j)];
+      }
+    int64_t M = 0;
+    for (int64_t v : out_splits) M += v;
+    mx = std::max(mx, M);
+    total += r.in.at("ids", q).numel();
+    out["input_splits"] = from_ints(in_splits, ElemType::i64, {R});
+    out["output_splits"] = from_ints(out_splits, ElemType::i64, {R});
+    out["recv_counts"] = from_ints(d.recv_counts[size_t(q)], ElemType::i64, {int64_t(R) * E_l});
+    out["recv"] = from_floats(d.recv[size_t(q)], act_elem(c.dtype), {M, c.hidden});
+  }
+  for (int q = 0; q < R; ++q) r.out.ranks[size_t(q)]["overload"] = from_ints({mx, total}, ElemType::i64, {2});
+}
+
+void ref_permute(RefCtx& r) {
+  const Case& c = r.c;
+  const int R = int(r.in.ranks.size()), E_l = c.num_experts / R;
+  for (int q = 0; q < R; ++q) {
+    const ref::Counts rc = ref_counts(r.in.at("recv_counts", q));
+    const Tensor& recv = r.in.at("recv", q);
+    r.out.ranks[size_t(q)]["permuted"] =
+        from_floats(ref::permute_to_expert_major(to_floats(recv), rc, R, E_l, c.hidden), recv.type, recv.shape);
+    std::vector<int64_t> n(size_t(E_l), 0);
+    for (int p = 0; p < R; ++p)
+      for (int j = 0; j < E_l; ++j) n[size_t(j)] += rc[size_t(p * E_l + j)];
+    r.out.ranks[size_t(q)]["expert_counts_real"] = from_ints(n, ElemType::i64, {E_l});
+  }
+}
+
+void ref_unpermute(RefCtx& r) {
+  const Case& c = r.c;
+  const int R = int(r.in.ranks.size()), E_l = c.num_experts / R;
+  for (int q = 0; q < R; ++q) {
+    const Tensor& in = r.in.at("unpadded", q);
+    r.out.ranks[size_t(q)]["recv_out"] = from_floats(
+        ref::permute_to_rank_major(to_floats(in), ref_counts(r.in.at("recv_counts", q)), R, E_l, c.hidden), in.type,
+        in.shape);
+  }
+}
+
+void ref_pad(RefCtx& r) {
+  const Case& c = r.c;
+  for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+    const Tensor& in = r.in.at("permuted", int(q));
+    ref::Counts sizes;
+    const ref::Vec v = ref::pad_groups(to_floats(in), ref_counts(r.in.at("expert_counts_real", int(q))), c.align,
+                                       c.empty_groups == EmptyGroups::pad, c.hidden, sizes);
+    r.out.ranks[q]["expert_input"] = from_floats(v, in.type, {int64_t(v.size()) / c.hidden, c.hidden});
+    r.out.ranks[q]["expert_counts"] = from_ints(sizes, ElemType::i64, {int64_t(sizes.size())});
+  }
+}
+
+void ref_unpad(RefCtx& r) {
+  const Case& c = r.c;
+  for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+    const Tensor& in = r.in.at("expert_output", int(q));
+    const ref::Vec v = ref::unpad_groups(to_floats(in), ref_counts(r.in.at("expert_counts_real", int(q))),
+                                         ref_counts(r.in.at("expert_counts", int(q))), c.hidden);
+    r.out.ranks[q]["unpadded"] = from_floats(v, in.type, {int64_t(v.size()) / c.hidden, c.hidden});
+  }
+}
+
+void ref_a2a_return(RefCtx& r) {
+  const Case& c = r.c;
+  const int R = int(r.in.ranks.size()), E_l = c.num_experts / R;
+  std::vector<ref::Counts> rc;
+  for (int q = 0; q < R; ++q) rc.push_back(ref_counts(r.in.at("recv_counts", q)));
+  const std::vector<ref::Vec> back = ref::ep_return(floats_of(r.in, "recv_out"), rc, R, E_l, c.hidden);
+  for (int p = 0; p < R; ++p)
+    r.out.ranks[size_t(p)]["routed_output"] =
+        from_floats(back[size_t(p)], act_elem(c.dtype), {int64_t(back[size_t(p)].size()) / c.hidden, c.hidden});
+}
+
+Stage make(const std::string& slot, const std::string& variant, const std::string& summary,
+           std::vector<std::string> inputs, std::vector<OutputSpec> outputs, std::function<void(FastCtx&)> fast,
+           std::function<void(RefCtx&)> ref) {
+  Stage s;
+  s.slot = slot;
+  s.variant = variant;
+  s.summary = summary;
+  s.applies = always;
+  s.primary = [](const Case&) { return true; };
+  s.inputs = fixed_inputs(std::move(inputs));
+  s.outputs = std::move(outputs);
+  s.fast = std::move(fast);
+  s.ref = std::move(ref);
+  return s;
+}
+
+}  // namespace
+
+void register_ep_stages(std::vector<Stage>& reg) {
+  reg.push_back(make("ep_dispatch", "a2a_variable",
+                     "splits from counts, count exchange, token all-to-all-v; rank-major receive (CONTRACT §3)",
+                     {"routed_input", "counts", "x", "ids", "topk_scores"},
+                     {{"input_splits", CompareClass::exact, Coords::flat, nullptr},
+                      {"output_splits", CompareClass::exact, Coords::flat, nullptr},
+                      {"recv_counts", CompareClass::exact, Coords::flat, nullptr},
+                      {"recv", CompareClass::exact, Coords::rank_major_row, promise_always},
+                      {"overload", CompareClass::exact, Coords::flat, nullptr}},
+                     fast_a2a_dispatch, ref_a2a_dispatch));
+  for (PermuteMode m : {PermuteMode::generic, PermuteMode::equal_count}) {
+    const bool eq = m == PermuteMode::equal_count;
+    Stage s = make("ep_permute", eq ? "equal_count" : "generic",
+                   eq ? "transpose (R, E_l, c) -> (E_l, R, c) when every segment has c rows (CONTRACT §7)"
+                      : "index table from the received counts, rank-major -> expert-major (CONTRACT §3)",
+                   {"recv", "recv_counts"},
+                   {{"permuted", CompareClass::exact, Coords::expert_row, promise_always},
+                    {"expert_counts_real", CompareClass::exact, Coords::flat, nullptr}},
+                   eq ? fast_permute_equal : fast_permute_generic, ref_permute);
+    s.primary = [m](const Case& c) { return c.permute == m || (c.permute == PermuteMode::auto_ && m == PermuteMode::equal_count); };
+    if (eq) s.applies = [](const Case& c) { return Decision{c.permute != PermuteMode::generic, "permute: generic"}; };
+    reg.push_back(s);
+  }
+  reg.push_back(make("align_pad", "pad_groups",
+                     "each expert group: real rows, then zero rows to a multiple of align; 64-bit offsets (CONTRACT §4)",
+                     {"permuted", "expert_counts_real"},
+                     {{"expert_input", CompareClass::exact, Coords::padded_row, nullptr},  // a rank may hold only padding
+                      {"expert_counts", CompareClass::exact, Coords::flat, nullptr}},
+                     fast_pad, ref_pad));
+  reg.push_back(make("align_unpad", "unpad_groups", "keeps each group's real rows; padding never reaches the output",
+                     {"expert_output", "expert_counts", "expert_counts_real"},
+                     {{"unpadded", CompareClass::exact, Coords::expert_row, nullptr}}, fast_unpad, ref_unpad));
+  for (PermuteMode m : {PermuteMode::generic, PermuteMode::equal_count}) {
+    const bool eq = m == PermuteMode::equal_count;
+    Stage s = make("ep_unpermute", eq ? "equal_count" : "generic",
+                   eq ? "inverse transpose (E_l, R, c) -> (R, E_l, c)" : "inverse index table, expert-major -> rank-major",
+                   {"unpadded", "recv_counts"}, {{"recv_out", CompareClass::exact, Coords::rank_major_row, nullptr}},
+                   eq ? fast_unpermute_equal : fast_unpermute_generic, ref_unpermute);
+    s.primary = [m](const Case& c) { return c.permute == m || (c.permute == PermuteMode::auto_ && m == PermuteMode::equal_count); };
+    if (eq) s.applies = [](const Case& c) { return Decision{c.permute != PermuteMode::generic, "permute: generic"}; };
+    reg.push_back(s);
+  }
+  reg.push_back(make("ep_combine", "a2a_variable", "reverse all-to-all-v with send/receive splits swapped (CONTRACT §3.5)",
+                     {"recv_out", "input_splits", "output_splits"},
+                     {{"routed_output", CompareClass::exact, Coords::dispatch_row, nullptr}}, fast_a2a_return,
+                     ref_a2a_return));
+}
+
+}  // namespace moev

@@ -1,0 +1,199 @@
+// Expert parallelism: the communicator's failure modes, padding offsets,
+// the EP fault points, and RapidCheck properties over random EP configurations
+// (FRAMEWORKS §16 T-A1..A6, T-P1..P4, T-C1..C2).
+#include <catch2/catch.hpp>
+#include <rapidcheck/catch.h>
+
+#include <algorithm>
+#include <numeric>
+#include <thread>
+
+#include "../kernels/ep_host.h"
+#include "case.h"
+#include "comm.h"
+#include "runner.h"
+
+using namespace moev;
+
+namespace {
+
+Case case_named(const std::string& file, const std::string& name) {
+  for (const Case& c : load_cases(std::string(MOEV_SOURCE_DIR) + "/cases/" + file, {}))
+    if (c.name == name) return c;
+  FAIL("no case " << name << " in " << file);
+  return {};
+}
+
+std::vector<std::string> failing(const CaseReport& r) {
+  std::vector<std::string> v;
+  for (const auto& ch : r.checks)
+    if (ch.outcome != Outcome::PASSED) v.push_back(ch.slot + "/" + ch.tensor);
+  return v;
+}
+
+bool any_starts(const std::vector<std::string>& v, const std::string& prefix) {
+  return std::any_of(v.begin(), v.end(), [&](const std::string& s) { return s.rfind(prefix, 0) == 0; });
+}
+
+}  // namespace
+
+TEST_CASE("a collective that not every rank joins fails with the rank and collective named", "[cpu][comm]") {
+  auto comms = make_local_comms(3, std::chrono::milliseconds(200));
+  std::string msg0, msg1;
+  std::thread t0([&] {
+    try { comms[0]->barrier("test barrier"); } catch (const std::exception& e) { msg0 = e.what(); }
+  });
+  std::thread t1([&] {
+    try { comms[1]->barrier("test barrier"); } catch (const std::exception& e) { msg1 = e.what(); }
+  });
+  t0.join();
+  t1.join();  // rank 2 never arrives
+  const std::string msg = msg0.empty() ? msg1 : msg0;
+  CHECK(msg.find("test barrier") != std::string::npos);
+  CHECK(msg.find("timed out") != std::string::npos);
+  CHECK(msg.find("2 of 3 ranks arrived") != std::string::npos);
+  CHECK_FALSE(msg1.empty());
+}
+
+TEST_CASE("inconsistent all-to-all splits fail on every rank instead of corrupting", "[cpu][comm]") {
+  auto comms = make_local_comms(2, std::chrono::milliseconds(5000));
+  std::vector<std::string> err(2);
+  std::vector<std::thread> th;
+  for (int r = 0; r < 2; ++r)
+    th.emplace_back([&, r] {
+      std::vector<float> send(4, 1.f), recv(8, 0.f);
+      // rank 0 sends 1 row to rank 1, but rank 1 expects 2 from rank 0
+      const std::vector<int64_t> s = r == 0 ? std::vector<int64_t>{1, 1} : std::vector<int64_t>{1, 1};
+      const std::vector<int64_t> rr = r == 0 ? std::vector<int64_t>{1, 1} : std::vector<int64_t>{2, 1};
+      try {
+        comms[size_t(r)]->alltoallv(send.data(), s, recv.data(), rr, 4, "test a2a");
+      } catch (const std::exception& e) {
+        err[size_t(r)] = e.what();
+      }
+    });
+  for (auto& t : th) t.join();
+  CHECK(err[1].find("split mismatch: rank 0 sends 1 rows to rank 1, which expects 2") != std::string::npos);
+  CHECK_FALSE(err[0].empty());
+}
+
+TEST_CASE("group offsets are 64-bit: groups past 2^31 rows; the 32-bit fault wraps", "[cpu][fault][pad]") {
+  const std::vector<int64_t> counts = {int64_t(1) << 30, int64_t(1) << 30, 3, int64_t(1) << 30};
+  const PadLayout good = pad_layout(counts.data(), 4, 8, EmptyGroupRows::zero, FaultSet{});
+  CHECK(good.start[3] == (int64_t(1) << 31) + 8);
+  CHECK(good.start[4] == 3 * (int64_t(1) << 30) + 8);
+  FaultSet f;
+  f.bits = uint32_t(Fault::offsets_32bit);
+  const PadLayout bad = pad_layout(counts.data(), 4, 8, EmptyGroupRows::zero, f);
+  CHECK(bad.start[3] != good.start[3]);
+}
+
+TEST_CASE("fault pad_rows_first is caught by the padding layout check", "[cpu][fault][pad]") {
+  const Case c = case_named("ep.yaml", "ep8_align16[empty_groups=zero]");
+  REQUIRE(run_case(c, RunOptions{}).outcome == Outcome::PASSED);
+  RunOptions o;
+  o.faults.bits = uint32_t(Fault::pad_rows_first);
+  const auto failed = failing(run_case(c, o));
+  CHECK(any_starts(failed, "align_pad/expert_input"));
+}
+
+TEST_CASE("fault unswapped_combine_splits is caught on uneven splits", "[cpu][fault]") {
+  const Case c = case_named("ep4.yaml", "ep4_zero_token_rank");
+  REQUIRE(run_case(c, RunOptions{}).outcome == Outcome::PASSED);
+  RunOptions o;
+  o.faults.bits = uint32_t(Fault::unswapped_combine_splits);
+  const CaseReport r = run_case(c, o);
+  CHECK(r.outcome != Outcome::PASSED);
+  CHECK(any_starts(failing(r), "ep_combine/"));
+}
+
+TEST_CASE("equal-count permute runs where every segment is equal and agrees with generic", "[cpu][permute]") {
+  const CaseReport r = run_case(case_named("ep4.yaml", "ep4_equal_count"), RunOptions{});
+  REQUIRE(r.outcome == Outcome::PASSED);
+  bool ran = false, compared = false;
+  for (const auto& d : r.decisions) ran = ran || (d.slot == "ep_permute" && d.variant == "equal_count" && d.ran && d.primary);
+  for (const auto& ch : r.checks) compared = compared || (ch.slot == "ep_permute" && ch.against == "equal_count");
+  CHECK(ran);
+  CHECK(compared);
+}
+
+TEST_CASE("expert-parallel properties", "[cpu][prop][ep]") {
+  rc::prop("random R, E_l, per-rank T (zeros too) and A: every stage, EP invariance and padding pass", [] {
+    Case c;
+    c.ep = *rc::gen::inRange(1, 6);
+    const int E_l = *rc::gen::inRange(1, 4);
+    c.num_experts = c.ep * E_l;
+    c.top_k = *rc::gen::inRange(1, std::min(c.num_experts, 3) + 1);
+    c.hidden = *rc::gen::inRange<int64_t>(1, 9);
+    c.ffn = *rc::gen::inRange<int64_t>(1, 9);
+    c.seed = *rc::gen::inRange<uint64_t>(0, 100000);
+    for (int r = 0; r < c.ep; ++r)
+      c.tokens_per_rank.push_back(*rc::gen::weightedOneOf<int64_t>({{1, rc::gen::just<int64_t>(0)}, {3, rc::gen::inRange<int64_t>(1, 20)}}));
+    c.align = *rc::gen::element<int64_t>(1, 1, 2, 8);
+    c.empty_groups = *rc::gen::element(EmptyGroups::zero, EmptyGroups::pad);
+    c.permute = *rc::gen::element(PermuteMode::auto_, PermuteMode::generic);
+    c.router.force_load_balance = *rc::gen::element(Switch::off, Switch::on);
+    c.router.hot_expert = *rc::gen::element(-1, -1, 0);
+    c.data = *rc::gen::element(DataMode::exact, DataMode::realistic);
+    c.dtype = *rc::gen::element(DType::fp32, DType::bf16);
+    c.experts.kind = *rc::gen::element(ExpertKind::identity, ExpertKind::swiglu);
+    int64_t total = 0;
+    for (int64_t t : c.tokens_per_rank) total += t;
+    RC_CLASSIFY(std::count(c.tokens_per_rank.begin(), c.tokens_per_rank.end(), 0) > 0, "a rank without tokens");
+    RC_CLASSIFY(total * c.top_k < c.num_experts, "T*K < E");
+    RC_CLASSIFY(c.align > 1, "A > 1");
+    const CaseReport r = run_case(c, RunOptions{});
+    bool invariance = false;
+    for (const auto& ch : r.checks) {
+      invariance = invariance || ch.slot == "ep_invariance";
+      if (ch.outcome != Outcome::PASSED)
+        RC_FAIL(c.summary() + ": " + ch.slot + "/" + ch.variant + "/" + ch.tensor + " " + outcome_name(ch.outcome) + " " + ch.note);
+    }
+    RC_ASSERT(invariance == (c.ep > 1));
+  });
+
+  rc::prop("generic permute is a bijection and equals the equal-count transpose where it applies", [] {
+    const int R = *rc::gen::inRange(1, 6), E_l = *rc::gen::inRange(1, 5);
+    const bool equal = *rc::gen::arbitrary<bool>();
+    const int64_t c = *rc::gen::inRange<int64_t>(1, 5);
+    std::vector<int64_t> counts(static_cast<size_t>(R * E_l));
+    for (auto& v : counts) v = equal ? c : *rc::gen::inRange<int64_t>(0, 5);
+    const std::vector<int64_t> map = permute_map_generic(counts.data(), R, E_l);
+    std::vector<int64_t> sorted = map;
+    std::sort(sorted.begin(), sorted.end());
+    for (size_t i = 0; i < sorted.size(); ++i) RC_ASSERT(sorted[i] == int64_t(i));
+    const std::vector<int64_t> inv = invert_map(map);
+    for (size_t q = 0; q < map.size(); ++q) RC_ASSERT(inv[size_t(map[q])] == int64_t(q));
+    if (equal) {
+      const EqualCountMap fwd{R, E_l, c, 0}, back{R, E_l, c, 1};
+      for (size_t q = 0; q < map.size(); ++q) {
+        RC_ASSERT(fwd(int64_t(q)) == map[q]);
+        RC_ASSERT(back(int64_t(q)) == inv[q]);
+      }
+    }
+  });
+
+  rc::prop("padding layout: groups are multiples of A, data first, pad rows map to nothing, unpad inverts", [] {
+    const int E_l = *rc::gen::inRange(1, 6);
+    const int64_t A = *rc::gen::element<int64_t>(1, 2, 8, 16);
+    const EmptyGroupRows mode = *rc::gen::element(EmptyGroupRows::zero, EmptyGroupRows::align);
+    std::vector<int64_t> n(static_cast<size_t>(E_l));
+    for (auto& v : n) v = *rc::gen::inRange<int64_t>(0, 40);
+    const PadLayout l = pad_layout(n.data(), E_l, A, mode, FaultSet{});
+    const std::vector<int64_t> map = pad_map(n.data(), l, FaultSet{});
+    const std::vector<int64_t> un = unpad_map(n.data(), l);
+    int64_t M = 0, src = 0;
+    for (int64_t v : n) M += v;
+    RC_ASSERT(l.buffer_rows % A == 0);
+    for (int j = 0; j < E_l; ++j) {
+      RC_ASSERT(l.rows[size_t(j)] % A == 0);
+      RC_ASSERT(l.rows[size_t(j)] >= n[size_t(j)]);
+      if (mode == EmptyGroupRows::align && n[size_t(j)] == 0) RC_ASSERT(l.rows[size_t(j)] == A);
+      for (int64_t i = 0; i < l.rows[size_t(j)]; ++i)
+        RC_ASSERT(map[size_t(l.start[size_t(j)] + i)] == (i < n[size_t(j)] ? src + i : -1));
+      src += n[size_t(j)];
+    }
+    for (int64_t q = l.start[size_t(E_l)]; q < l.buffer_rows; ++q) RC_ASSERT(map[size_t(q)] == -1);
+    RC_ASSERT(int64_t(un.size()) == M);
+    for (int64_t i = 0; i < M; ++i) RC_ASSERT(map[size_t(un[size_t(i)])] == i);
+  });
+}
