@@ -17,6 +17,7 @@
 #include <set>
 #include <sstream>
 
+#include "datagen.h"
 #include "error.h"
 
 namespace moev {
@@ -88,9 +89,21 @@ const EnumTable<CompareClass>& compare_class_table() {
   return t;
 }
 
+int64_t Case::tokens_on(int rank) const {
+  if (!tokens_per_rank.empty()) return tokens_per_rank[size_t(rank)];
+  if (tokens_uniform_lo >= 0) {  // a pure function of (seed, rank): every process draws the same
+    const double u = hash_uniform(seed, 0x7043, uint64_t(rank), 0, 0);
+    return tokens_uniform_lo + std::min<int64_t>(int64_t(u * double(tokens_uniform_hi - tokens_uniform_lo + 1)),
+                                                 tokens_uniform_hi - tokens_uniform_lo);
+  }
+  return tokens;
+}
+
 std::string Case::summary() const {
   std::ostringstream o;
-  if (tokens_per_rank.empty()) {
+  if (tokens_uniform_lo >= 0) {
+    o << "T~U[" << tokens_uniform_lo << "," << tokens_uniform_hi << "]";
+  } else if (tokens_per_rank.empty()) {
     o << "T=" << tokens;
   } else {
     o << "T=[";
@@ -250,10 +263,19 @@ const std::vector<Field>& schema() {
     v.push_back(enum_field<OutBuffer>("combine.buffer", out_buffer_table(), [](Case& c) -> OutBuffer& { return c.combine.buffer; }));
     v.push_back(int_field("combine.alias_offset", 1, int64_t(1) << 40, [](Case& c, int64_t x) { c.combine.alias_offset = x; }));
     v.push_back(int_field("ep", 1, 256, [](Case& c, int64_t x) { c.ep = int(x); }));
-    v.push_back({"shape.tokens_per_rank", "list of ep integers >= 0 (overrides shape.tokens per rank)",
+    v.push_back({"shape.tokens_per_rank", "list of ep integers >= 0, or {uniform: [lo, hi]} drawn per rank from the seed",
                  [](Case& c, const Src& s, const std::string& k) {
+                   const std::string valid = "valid: [T_0, T_1, ...] one per EP rank, or {uniform: [lo, hi]}";
+                   if (s.node.IsMap()) {
+                     const YAML::Node u = s.node["uniform"];
+                     if (s.node.size() != 1 || !u || !u.IsSequence() || u.size() != 2)
+                       fail_at(s, k, "expected {uniform: [lo, hi]}", valid);
+                     c.tokens_uniform_lo = as_int({u[0], s.file}, k + ".uniform", 0, 1 << 24);
+                     c.tokens_uniform_hi = as_int({u[1], s.file}, k + ".uniform", c.tokens_uniform_lo, 1 << 24);
+                     return;
+                   }
                    if (!s.node.IsSequence() || s.node.size() == 0)
-                     fail_at(s, k, "expected a non-empty list of token counts", "valid: [T_0, T_1, ...], one per EP rank");
+                     fail_at(s, k, "expected a non-empty list of token counts", valid);
                    c.tokens_per_rank.clear();
                    for (const auto& e : s.node) c.tokens_per_rank.push_back(as_int({e, s.file}, k, 0, 1 << 24));
                  }});

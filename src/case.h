@@ -93,13 +93,14 @@ struct Case {
   std::map<CompareClass, Tolerance> tolerance_override;
   // expert parallelism (CONTRACT §3, §4, §7)
   int ep = 1;                            // R ranks; experts are split in contiguous blocks of E/R
-  std::vector<int64_t> tokens_per_rank;  // empty: every rank has `tokens`
+  std::vector<int64_t> tokens_per_rank;  // empty: every rank has `tokens` (or a draw, below)
+  int64_t tokens_uniform_lo = -1, tokens_uniform_hi = -1;  // >= 0: T_r ~ uniform[lo, hi] from the seed
   int64_t align = 1;                     // A: expert group sizes padded to a multiple of A
   EmptyGroups empty_groups = EmptyGroups::zero;
   PermuteMode permute = PermuteMode::auto_;
 
   int local_experts() const { return num_experts / ep; }
-  int64_t tokens_on(int rank) const { return tokens_per_rank.empty() ? tokens : tokens_per_rank[size_t(rank)]; }
+  int64_t tokens_on(int rank) const;
   std::string summary() const;
 };
 
