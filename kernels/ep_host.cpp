@@ -70,6 +70,23 @@ std::vector<int64_t> unpad_map(const int64_t* counts, const PadLayout& l) {
   return map;
 }
 
+std::vector<int64_t> equal_split_pad_map(const std::vector<int64_t>& splits, int64_t Mstar, const FaultSet& faults) {
+  std::vector<int64_t> map(splits.size() * size_t(Mstar), -1);
+  int64_t src = 0;
+  for (size_t i = 0; i < splits.size(); ++i) {
+    const int64_t first = int64_t(i) * Mstar + (faults.has(Fault::pad_front) ? Mstar - splits[i] : 0);
+    for (int64_t r = 0; r < splits[i]; ++r) map[size_t(first + r)] = src++;
+  }
+  return map;
+}
+
+std::vector<int64_t> equal_split_compact_map(const std::vector<int64_t>& splits, int64_t Mstar) {
+  std::vector<int64_t> map;
+  for (size_t p = 0; p < splits.size(); ++p)
+    for (int64_t r = 0; r < splits[p]; ++r) map.push_back(int64_t(p) * Mstar + r);
+  return map;
+}
+
 std::vector<int64_t> invert_map(const std::vector<int64_t>& map) {
   std::vector<int64_t> inv(map.size(), -1);
   for (size_t q = 0; q < map.size(); ++q) inv[size_t(map[q])] = int64_t(q);

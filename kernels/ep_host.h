@@ -49,6 +49,13 @@ PadLayout pad_layout(const int64_t* counts, int E_l, int64_t A, EmptyGroupRows e
 std::vector<int64_t> pad_map(const int64_t* counts, const PadLayout& layout, const FaultSet& faults);
 /// Unpadded row -> padded row.
 std::vector<int64_t> unpad_map(const int64_t* counts, const PadLayout& layout);
+/// Equal-split padding (CONTRACT §5): chunk i's splits[i] rows go to
+/// [i*Mstar, i*Mstar + splits[i]), zero rows after them (the fault puts the
+/// zeros first). map has R*Mstar entries.
+std::vector<int64_t> equal_split_pad_map(const std::vector<int64_t>& splits, int64_t Mstar, const FaultSet& faults);
+/// Compaction: the first splits[p] rows of each chunk p, in order.
+std::vector<int64_t> equal_split_compact_map(const std::vector<int64_t>& splits, int64_t Mstar);
+
 /// The inverse of a permutation map: inv[map[q]] = q.
 std::vector<int64_t> invert_map(const std::vector<int64_t>& map);
 

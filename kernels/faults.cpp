@@ -13,6 +13,8 @@ const std::vector<FaultInfo>& fault_table() {
       {Fault::pad_rows_first, "pad_rows_first", "alignment padding rows placed before each group's data rows"},
       {Fault::unswapped_combine_splits, "unswapped_combine_splits", "reverse all-to-all sends with the dispatch splits"},
       {Fault::offsets_32bit, "offsets_32bit", "expert group row offsets computed in 32-bit arithmetic"},
+      {Fault::pad_front, "pad_front", "equal-split padding rows placed at the front of each chunk"},
+      {Fault::local_equal_split_decision, "local_equal_split_decision", "equal-split decision taken per rank, not reduced"},
   };
   return t;
 }

@@ -18,6 +18,8 @@ enum class Fault : uint32_t {
   pad_rows_first = 1u << 4,       // §4: alignment padding rows placed before the data rows
   unswapped_combine_splits = 1u << 5,  // §3.5: reverse all-to-all reuses the dispatch splits
   offsets_32bit = 1u << 6,        // §4: expert group row offsets computed in 32-bit arithmetic
+  pad_front = 1u << 7,            // §5.4: equal-split padding placed at the front of each chunk
+  local_equal_split_decision = 1u << 8,  // §5.4: pad/no-pad decided per rank, not reduced over EP
 };
 
 struct FaultSet {

@@ -80,6 +80,11 @@ const EnumTable<PermuteMode>& permute_table() {
       {"auto", PermuteMode::auto_}, {"generic", PermuteMode::generic}, {"equal_count", PermuteMode::equal_count}};
   return t;
 }
+const EnumTable<EqualSplitPolicy>& equal_split_table() {
+  static const EnumTable<EqualSplitPolicy> t = {
+      {"off", EqualSplitPolicy::off}, {"force", EqualSplitPolicy::force}, {"adaptive", EqualSplitPolicy::adaptive}};
+  return t;
+}
 const EnumTable<CompareClass>& compare_class_table() {
   static const EnumTable<CompareClass> t = {{"exact", CompareClass::exact},
                                             {"logits", CompareClass::logits},
@@ -121,6 +126,8 @@ std::string Case::summary() const {
     << " combine=" << enum_name(accumulate_table(), combine.accumulate) << "/"
     << enum_name(placement_table(), combine.placement) << "/" << enum_name(out_buffer_table(), combine.buffer);
   if (ep > 1 || align > 1) {
+    if (equal_split.policy != EqualSplitPolicy::off)
+      o << " equal_split=" << enum_name(equal_split_table(), equal_split.policy) << "@" << equal_split.threshold;
     o << " ep=" << ep << " align=" << align << "/" << enum_name(empty_groups_table(), empty_groups)
       << " permute=" << enum_name(permute_table(), permute);
   }
@@ -282,6 +289,10 @@ const std::vector<Field>& schema() {
     v.push_back(int_field("align", 1, 4096, [](Case& c, int64_t x) { c.align = x; }));
     v.push_back(enum_field<EmptyGroups>("empty_groups", empty_groups_table(), [](Case& c) -> EmptyGroups& { return c.empty_groups; }));
     v.push_back(enum_field<PermuteMode>("permute", permute_table(), [](Case& c) -> PermuteMode& { return c.permute; }));
+    v.push_back(enum_field<EqualSplitPolicy>("equal_split.policy", equal_split_table(),
+                                             [](Case& c) -> EqualSplitPolicy& { return c.equal_split.policy; }));
+    v.push_back({"equal_split.threshold", "number in [0, 10] (padding overhead fraction)",
+                 [](Case& c, const Src& s, const std::string& k) { c.equal_split.threshold = as_real(s, k, 0, 10); }});
     for (const auto& [cname, cls] : compare_class_table()) {
       if (cls == CompareClass::exact) continue;
       const std::string base = std::string("tolerance.") + cname;

@@ -24,6 +24,7 @@ enum class OutBuffer { fresh, alias_x, alias_x_offset };
 enum class Switch { off, on };
 enum class EmptyGroups { zero, pad };           // CONTRACT §4: TE (0 rows) or torchao (A rows)
 enum class PermuteMode { auto_, generic, equal_count };
+enum class EqualSplitPolicy { off, force, adaptive };  // FRAMEWORKS §5.2
 
 template <class E>
 using EnumTable = std::vector<std::pair<const char*, E>>;
@@ -41,6 +42,7 @@ const EnumTable<OutBuffer>& out_buffer_table();
 const EnumTable<Switch>& switch_table();
 const EnumTable<EmptyGroups>& empty_groups_table();
 const EnumTable<PermuteMode>& permute_table();
+const EnumTable<EqualSplitPolicy>& equal_split_table();
 
 template <class E>
 const char* enum_name(const EnumTable<E>& t, E v) {
@@ -98,6 +100,11 @@ struct Case {
   int64_t align = 1;                     // A: expert group sizes padded to a multiple of A
   EmptyGroups empty_groups = EmptyGroups::zero;
   PermuteMode permute = PermuteMode::auto_;
+  // equal-split all-to-all (CONTRACT §5): pad every chunk to M* = max split
+  struct EqualSplit {
+    EqualSplitPolicy policy = EqualSplitPolicy::off;
+    double threshold = 0.10;  // adaptive: pad only when the padding overhead <= threshold
+  } equal_split;
 
   int local_experts() const { return num_experts / ep; }
   int64_t tokens_on(int rank) const;

@@ -21,9 +21,10 @@ namespace {
 
 int cmd_run(const std::vector<std::string>& files, const std::vector<std::string>& sets, int threads,
             const std::string& json, const std::string& dump, const std::vector<std::string>& faults,
-            const std::string& only) {
+            const std::string& only, double timeout_s) {
   RunOptions opt;
   opt.threads = threads;
+  opt.collective_timeout_ms = int(timeout_s * 1000);
   opt.dump_dir = dump;
   if (launched_under_mpi() && mpi_world().rank() != 0) opt.dump_dir.clear();  // rank 0 writes the dump
   for (const auto& f : faults) {
@@ -138,6 +139,9 @@ int main(int argc, char** argv) {
   run->add_option("--dump", dump, "write every stage's inputs and outputs as .npy under this folder");
   run->add_option("--fault", faults, "turn on a planted fault (see `moeverify list`); the run must then fail");
   run->add_option("--case", only, "run only the case of this name");
+  double timeout_s = 30;
+  run->add_option("--collective-timeout", timeout_s, "seconds before an unjoined in-process collective fails")
+      ->check(CLI::Range(0.05, 3600.0));
 
   bool keys = false;
   std::vector<std::string> vfiles, vsets;
@@ -156,7 +160,7 @@ int main(int argc, char** argv) {
   }
   try {
     if (run->parsed()) {
-      const int rc = cmd_run(files, sets, threads, json, dump, faults, only);
+      const int rc = cmd_run(files, sets, threads, json, dump, faults, only, timeout_s);
       mpi_finalize_if_started();
       return rc;
     }

@@ -49,10 +49,11 @@ void print_report(const CaseReport& r, std::ostream& os) {
   os << "   paths:";
   std::string slot;
   for (const auto& d : r.decisions) {
-    if (d.slot != slot) { os << "\n     " << std::left << std::setw(15) << d.slot; slot = d.slot; }
-    if (d.ran) os << " " << d.variant << (d.primary ? "*" : "");
-    else os << " [" << d.variant << ": not taken, " << d.reason << "]";
-    for (const auto& n : d.notes) os << "\n       - " << n;
+    const bool first = d.slot != slot;
+    slot = d.slot;
+    os << "\n     " << std::left << std::setw(15) << (first ? d.slot : "") << " " << d.variant
+       << (d.ran ? (d.primary ? "*" : "") : "  [not taken: " + d.reason + "]");
+    for (const auto& n : d.notes) os << "\n" << std::string(23, ' ') << "- " << n;
   }
   os << "\n   (* = primary: feeds the next stage)\n";
   os << "   " << std::left << std::setw(15) << "stage" << std::setw(19) << "variant" << std::setw(17) << "tensor"

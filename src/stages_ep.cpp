@@ -51,39 +51,138 @@ int64_t uniform_count(const std::vector<int64_t>& rc) {
 
 // ---- fast functions ----------------------------------------------------------
 
-void fast_a2a_dispatch(FastCtx& ctx) {
+/// Splits from counts and the count exchange (CONTRACT §3.2): writes
+/// input_splits, recv_counts and output_splits.
+struct Splits {
+  std::vector<int64_t> in, out, recv_counts;
+  int64_t M = 0;
+};
+
+Splits exchange_counts(FastCtx& ctx) {
   const Case& c = ctx.c;
   const int R = ctx.ranks, E = c.num_experts, E_l = E / R;
   const Tensor& counts = ctx.input("counts");
-  const Tensor& routed = ctx.input("routed_input");
-  const std::vector<int64_t> in_splits = splits_from_counts(counts.as<int64_t>(), E, R);
-  out_ints(ctx, "input_splits", in_splits);
-  // count exchange: the E counts as R chunks of E_l; rank q receives counts_p[q*E_l + j]
+  Splits s;
+  s.in = splits_from_counts(counts.as<int64_t>(), E, R);
+  out_ints(ctx, "input_splits", s.in);
+  // the E counts as R chunks of E_l; rank q receives counts_p[q*E_l + j]
   Tensor& rc = ctx.output("recv_counts", ElemType::i64, {int64_t(R) * E_l});
-  const std::vector<int64_t> chunk(size_t(R), E_l);
+  const std::vector<int64_t> chunk(static_cast<size_t>(R), E_l);
   ctx.comm->alltoallv(counts.data(), chunk, rc.data(), chunk, sizeof(int64_t), "count exchange");
-  const std::vector<int64_t> recv_counts = vec_of(rc);
-  std::vector<int64_t> out_splits(size_t(R), 0);
+  s.recv_counts = vec_of(rc);
+  s.out.assign(size_t(R), 0);
   for (int p = 0; p < R; ++p)
-    for (int j = 0; j < E_l; ++j) out_splits[size_t(p)] += recv_counts[size_t(p * E_l + j)];
-  out_ints(ctx, "output_splits", out_splits);
-  int64_t M = 0;
-  for (int64_t v : out_splits) M += v;
-  Tensor& recv = ctx.output("recv", routed.type, {M, c.hidden});
-  ctx.comm->alltoallv(routed.data(), in_splits, recv.data(), out_splits, size_t(c.hidden) * elem_bytes(routed.type),
-                      "token all-to-all (dispatch)");
-  // overload factor inputs (CONTRACT §12): max received rows, total assignments
-  int64_t mx = M, total = routed.shape[0];
+    for (int j = 0; j < E_l; ++j) s.out[size_t(p)] += s.recv_counts[size_t(p * E_l + j)];
+  out_ints(ctx, "output_splits", s.out);
+  for (int64_t v : s.out) s.M += v;
+  return s;
+}
+
+void overload_and_notes(FastCtx& ctx, const Splits& s, int64_t N) {
+  const int R = ctx.ranks, E_l = ctx.c.num_experts / R;
+  int64_t mx = s.M, total = N;  // CONTRACT §12: max received rows, total assignments
   ctx.comm->allreduce_max(&mx, 1, "overload max");
   ctx.comm->allreduce_sum(&total, 1, "overload sum");
   out_ints(ctx, "overload", {mx, total});
   std::ostringstream o;
-  o << "rank " << ctx.rank << ": input_splits " << list_str(in_splits) << ", received " << list_str(out_splits)
-    << " per source, " << list_str(real_counts_from(recv_counts, R, E_l)) << " per local expert";
+  o << "rank " << ctx.rank << ": input_splits " << list_str(s.in) << ", received " << list_str(s.out)
+    << " per source, " << list_str(real_counts_from(s.recv_counts, R, E_l)) << " per local expert";
   if (ctx.rank == 0 && total > 0)
     o << "; overload factor " << double(mx) / (double(total) / R) << " (max received " << mx << " rows vs balanced "
       << double(total) / R << ")";
   ctx.notes.push_back(o.str());
+}
+
+void fast_a2a_dispatch(FastCtx& ctx) {
+  const Tensor& routed = ctx.input("routed_input");
+  const Splits s = exchange_counts(ctx);
+  Tensor& recv = ctx.output("recv", routed.type, {s.M, ctx.c.hidden});
+  ctx.comm->alltoallv(routed.data(), s.in, recv.data(), s.out, size_t(ctx.c.hidden) * elem_bytes(routed.type),
+                      "token all-to-all (dispatch)");
+  overload_and_notes(ctx, s, routed.shape[0]);
+}
+
+/// The equal-split decision (CONTRACT §5, FRAMEWORKS §5.2): M* = all-reduce
+/// max of the splits; the padding overhead [sum(M*-in) + sum(M*-out)] /
+/// [sum in + sum out] is reduced to its maximum over the EP group *before* any
+/// data collective, so every rank takes the same branch. Returns M* when
+/// padding is used, 0 (with the reason) when not.
+int64_t equal_split_decision(FastCtx& ctx, const std::vector<int64_t>& in, const std::vector<int64_t>& out,
+                             std::string& why) {
+  const Case& c = ctx.c;
+  int64_t mstar = 0;
+  for (int64_t v : in) mstar = std::max(mstar, v);
+  ctx.comm->allreduce_max(&mstar, 1, "equal-split M*");
+  int64_t pad = 0, data = 0;
+  for (int64_t v : in) { pad += mstar - v; data += v; }
+  for (int64_t v : out) { pad += mstar - v; data += v; }
+  int64_t bp = data ? pad * 10000 / data : 0;  // basis points
+  if (!ctx.exec.faults.has(Fault::local_equal_split_decision)) ctx.comm->allreduce_max(&bp, 1, "equal-split overhead");
+  const double overhead = double(bp) / 10000.0;
+  std::ostringstream o;
+  o.precision(3);
+  o << "M*=" << mstar << ", padding overhead " << 100 * overhead << "% (threshold " << 100 * c.equal_split.threshold
+    << "%, policy " << enum_name(equal_split_table(), c.equal_split.policy) << ")";
+  why = o.str();
+  if (mstar == 0) {
+    why = "no rank sends any row";
+    return 0;
+  }
+  if (c.equal_split.policy == EqualSplitPolicy::adaptive && overhead > c.equal_split.threshold) {
+    std::ostringstream n;
+    n.precision(3);
+    n << "padding overhead " << 100 * overhead << "% > threshold " << 100 * c.equal_split.threshold << "% (M*=" << mstar
+      << ")";
+    why = n.str();
+    return 0;
+  }
+  return mstar;
+}
+
+/// pad(X, send splits, M*) -> equal all-to-all -> compact(recv splits).
+void equal_split_exchange(FastCtx& ctx, const Tensor& src, const std::vector<int64_t>& send,
+                          const std::vector<int64_t>& recv, int64_t mstar, Tensor& dst, const char* what) {
+  const Case& c = ctx.c;
+  const int R = ctx.ranks;
+  const std::vector<int64_t> pad = equal_split_pad_map(send, mstar, ctx.exec.faults);
+  Tensor padded = Tensor::alloc(src.type, {R * mstar, c.hidden});
+  apply_row_map(ctx.exec, c.dtype, src.data(), pad.data(), R * mstar, c.hidden, padded.data());
+  Tensor got = Tensor::alloc(src.type, {R * mstar, c.hidden});
+  const std::vector<int64_t> equal(static_cast<size_t>(R), mstar);
+  ctx.comm->alltoallv(padded.data(), equal, got.data(), equal, size_t(c.hidden) * elem_bytes(src.type), what);
+  const std::vector<int64_t> compact = equal_split_compact_map(recv, mstar);
+  apply_row_map(ctx.exec, c.dtype, got.data(), compact.data(), int64_t(compact.size()), c.hidden, dst.data());
+}
+
+void fast_equal_split_dispatch(FastCtx& ctx) {
+  const Tensor& routed = ctx.input("routed_input");
+  const Splits s = exchange_counts(ctx);
+  std::string why;
+  const int64_t mstar = equal_split_decision(ctx, s.in, s.out, why);
+  if (mstar == 0) {
+    ctx.skip(why);
+    return;
+  }
+  Tensor& recv = ctx.output("recv", routed.type, {s.M, ctx.c.hidden});
+  equal_split_exchange(ctx, routed, s.in, s.out, mstar, recv, "equal-split all-to-all (dispatch)");
+  overload_and_notes(ctx, s, routed.shape[0]);
+  if (ctx.rank == 0) ctx.notes.push_back("equal_split: taken, " + why);
+}
+
+void fast_equal_split_return(FastCtx& ctx) {
+  const Tensor& in = ctx.input("recv_out");
+  std::vector<int64_t> send = vec_of(ctx.input("output_splits")), recv = vec_of(ctx.input("input_splits"));
+  std::string why;
+  const int64_t mstar = equal_split_decision(ctx, recv, send, why);
+  if (mstar == 0) {
+    ctx.skip(why);
+    return;
+  }
+  int64_t N = 0;
+  for (int64_t v : recv) N += v;
+  Tensor& out = ctx.output("routed_output", in.type, {N, ctx.c.hidden});
+  equal_split_exchange(ctx, in, send, recv, mstar, out, "equal-split all-to-all (combine)");
+  if (ctx.rank == 0) ctx.notes.push_back("equal_split: taken, " + why);
 }
 
 void fast_permute_generic(FastCtx& ctx) {
@@ -304,6 +403,18 @@ void register_ep_stages(std::vector<Stage>& reg) {
                       {"recv", CompareClass::exact, Coords::rank_major_row, promise_always},
                       {"overload", CompareClass::exact, Coords::flat, nullptr}},
                      fast_a2a_dispatch, ref_a2a_dispatch));
+  reg.back().primary = [](const Case& c) { return c.equal_split.policy == EqualSplitPolicy::off; };
+  {
+    Stage s = make("ep_dispatch", "a2a_equal_split",
+                   "pad every chunk to M* = max split (data first, zeros after), equal all-to-all, compact (CONTRACT §5)",
+                   {"routed_input", "counts", "x", "ids", "topk_scores"}, reg.back().outputs, fast_equal_split_dispatch,
+                   ref_a2a_dispatch);
+    s.applies = [](const Case& c) {
+      return Decision{c.equal_split.policy != EqualSplitPolicy::off, "equal_split.policy: off"};
+    };
+    s.primary = [](const Case& c) { return c.equal_split.policy != EqualSplitPolicy::off; };
+    reg.push_back(s);
+  }
   for (PermuteMode m : {PermuteMode::generic, PermuteMode::equal_count}) {
     const bool eq = m == PermuteMode::equal_count;
     Stage s = make("ep_permute", eq ? "equal_count" : "generic",
@@ -340,6 +451,17 @@ void register_ep_stages(std::vector<Stage>& reg) {
                      {"recv_out", "input_splits", "output_splits"},
                      {{"routed_output", CompareClass::exact, Coords::dispatch_row, nullptr}}, fast_a2a_return,
                      ref_a2a_return));
+  reg.back().primary = [](const Case& c) { return c.equal_split.policy == EqualSplitPolicy::off; };
+  {
+    Stage s = make("ep_combine", "a2a_equal_split", "pad(output_splits) -> equal all-to-all -> compact(input_splits)",
+                   {"recv_out", "input_splits", "output_splits"}, reg.back().outputs, fast_equal_split_return,
+                   ref_a2a_return);
+    s.applies = [](const Case& c) {
+      return Decision{c.equal_split.policy != EqualSplitPolicy::off, "equal_split.policy: off"};
+    };
+    s.primary = [](const Case& c) { return c.equal_split.policy != EqualSplitPolicy::off; };
+    reg.push_back(s);
+  }
 }
 
 }  // namespace moev

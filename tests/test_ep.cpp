@@ -116,7 +116,52 @@ TEST_CASE("equal-count permute runs where every segment is equal and agrees with
   CHECK(compared);
 }
 
+TEST_CASE("fault pad_front is caught: equal-split padding must follow the data", "[cpu][fault][equal_split]") {
+  const Case c = case_named("equal_split.yaml", "equal_split_force");
+  REQUIRE(run_case(c, RunOptions{}).outcome == Outcome::PASSED);
+  RunOptions o;
+  o.faults.bits = uint32_t(Fault::pad_front);
+  const auto failed = failing(run_case(c, o));
+  CHECK(any_starts(failed, "ep_dispatch/recv"));
+}
+
+TEST_CASE("ranks with different local padding overheads take the same equal-split branch", "[cpu][equal_split]") {
+  // threshold 50%: the global overhead (221%) is above it, but some ranks' own
+  // overhead is below it. Reduced, every rank declines the padding (PASSED);
+  // decided locally, ranks disagree and the collective hangs (reported ERROR).
+  const Case c = case_named("equal_split.yaml", "equal_split_adaptive[equal_split.threshold=0.5]");
+  RunOptions o;
+  o.collective_timeout_ms = 500;
+  const CaseReport good = run_case(c, o);
+  CHECK(good.outcome == Outcome::PASSED);
+  bool declined = false;
+  for (const auto& d : good.decisions)
+    declined = declined || (d.variant == "a2a_equal_split" && !d.ran && d.reason.find("> threshold 50%") != std::string::npos);
+  CHECK(declined);
+  o.faults.bits = uint32_t(Fault::local_equal_split_decision);
+  const CaseReport bad = run_case(c, o);
+  CHECK(bad.outcome == Outcome::ERROR);
+  bool hang = false;
+  for (const auto& ch : bad.checks) hang = hang || ch.note.find("timed out") != std::string::npos;
+  CHECK(hang);
+}
+
 TEST_CASE("expert-parallel properties", "[cpu][prop][ep]") {
+  rc::prop("equal-split compact(pad(X, s, M*), s, M*) == X for any M* >= max(s) (Q1)", [] {
+    const int R = *rc::gen::inRange(1, 7);
+    std::vector<int64_t> s(static_cast<size_t>(R));
+    for (auto& v : s) v = *rc::gen::inRange<int64_t>(0, 9);
+    const int64_t mstar = *std::max_element(s.begin(), s.end()) + *rc::gen::inRange<int64_t>(0, 4);
+    const std::vector<int64_t> pad = equal_split_pad_map(s, mstar, FaultSet{});
+    const std::vector<int64_t> compact = equal_split_compact_map(s, mstar);
+    int64_t n = 0;
+    for (int64_t v : s) n += v;
+    RC_ASSERT(int64_t(compact.size()) == n);
+    for (int64_t i = 0; i < n; ++i) RC_ASSERT(pad[size_t(compact[size_t(i)])] == i);  // round trip
+    for (int p = 0; p < R; ++p)  // data first, zeros after, in every chunk
+      for (int64_t r = 0; r < mstar; ++r) RC_ASSERT((pad[size_t(p * mstar + r)] < 0) == (r >= s[size_t(p)]));
+  });
+
   rc::prop("random R, E_l, per-rank T (zeros too) and A: every stage, EP invariance and padding pass", [] {
     Case c;
     c.ep = *rc::gen::inRange(1, 6);
@@ -133,6 +178,8 @@ TEST_CASE("expert-parallel properties", "[cpu][prop][ep]") {
     c.permute = *rc::gen::element(PermuteMode::auto_, PermuteMode::generic);
     c.router.force_load_balance = *rc::gen::element(Switch::off, Switch::on);
     c.router.hot_expert = *rc::gen::element(-1, -1, 0);
+    c.equal_split.policy = *rc::gen::element(EqualSplitPolicy::off, EqualSplitPolicy::force, EqualSplitPolicy::adaptive);
+    c.equal_split.threshold = *rc::gen::element(0.0, 0.1, 1.0);
     c.data = *rc::gen::element(DataMode::exact, DataMode::realistic);
     c.dtype = *rc::gen::element(DType::fp32, DType::bf16);
     c.experts.kind = *rc::gen::element(ExpertKind::identity, ExpertKind::swiglu);
