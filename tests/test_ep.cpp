@@ -12,17 +12,11 @@
 #include "case.h"
 #include "comm.h"
 #include "runner.h"
+#include "test_util.h"
 
 using namespace moev;
 
 namespace {
-
-Case case_named(const std::string& file, const std::string& name) {
-  for (const Case& c : load_cases(std::string(MOEV_SOURCE_DIR) + "/cases/" + file, {}))
-    if (c.name == name) return c;
-  FAIL("no case " << name << " in " << file);
-  return {};
-}
 
 std::vector<std::string> failing(const CaseReport& r) {
   std::vector<std::string> v;

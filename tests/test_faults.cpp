@@ -5,17 +5,11 @@
 
 #include "case.h"
 #include "runner.h"
+#include "test_util.h"
 
 using namespace moev;
 
 namespace {
-
-Case case_named(const std::string& file, const std::string& name) {
-  for (const Case& c : load_cases(std::string(MOEV_SOURCE_DIR) + "/cases/" + file, {}))
-    if (c.name == name) return c;
-  FAIL("no case " << name << " in " << file);
-  return {};
-}
 
 /// Runs the case with and without the fault; returns the failing checks' "slot/tensor" names.
 std::vector<std::string> caught_by(const Case& c, Fault f) {
