@@ -186,6 +186,69 @@ void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* 
   });
 }
 
+namespace {
+
+// Y = round_act(X W) for X (rows, k), W (k, n) row-major: the form that uses a
+// cached transposed W2.
+template <class T>
+void gemm_xw_typed(const T* X, int64_t rows, int64_t k, const T* W, int64_t n, T* Y) {
+  if (rows == 0 || n == 0) return;
+  thread_local std::vector<float> xf, wf;
+  thread_local MatF yf;
+  to_float_block(X, rows, k, k, xf);
+  to_float_block(W, k, n, n, wf);
+  Eigen::Map<const MatF> xm(xf.data(), rows, k);
+  Eigen::Map<const MatF> wm(wf.data(), k, n);
+  yf.resize(rows, n);
+  yf.noalias() = xm * wm;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < n; ++c) Y[r * n + c] = from_float<T>(yf(r, c));
+}
+
+}  // namespace
+
+void experts_swiglu_batched(const ExecCtx& ctx, DType dt, const void* X, int64_t c, int E_l, int64_t D, int64_t F,
+                            const void* W1, const void* W3, const void* W2, uint64_t version,
+                            BatchedWeightCache& cache, void* Y) {
+  dispatch_dtype(dt, [&](auto tag) {
+    using T = decltype(tag);
+    const size_t fd = size_t(F * D);
+    // The planted fault keys the cache on "built at all", not on the version.
+    const bool stale = ctx.faults.has(Fault::stale_weight_cache) ? cache.version == 0 : cache.version != version;
+    if (stale) {
+      cache.w13.resize(size_t(E_l) * 2 * fd * sizeof(T));
+      cache.w2t.resize(size_t(E_l) * fd * sizeof(T));
+      T* w13 = reinterpret_cast<T*>(cache.w13.data());
+      T* w2t = reinterpret_cast<T*>(cache.w2t.data());
+      const T* w1 = static_cast<const T*>(W1);
+      const T* w3 = static_cast<const T*>(W3);
+      const T* w2 = static_cast<const T*>(W2);
+      for (int j = 0; j < E_l; ++j) {
+        std::copy(w1 + j * fd, w1 + (j + 1) * fd, w13 + size_t(j) * 2 * fd);
+        std::copy(w3 + j * fd, w3 + (j + 1) * fd, w13 + size_t(j) * 2 * fd + fd);
+        for (int64_t d = 0; d < D; ++d)
+          for (int64_t f = 0; f < F; ++f) w2t[size_t(j) * fd + size_t(f * D + d)] = w2[size_t(j) * fd + size_t(d * F + f)];
+      }
+      cache.version = version;
+      ++cache.builds;
+    }
+    const T* w13 = reinterpret_cast<const T*>(cache.w13.data());
+    const T* w2t = reinterpret_cast<const T*>(cache.w2t.data());
+    const T* xs = static_cast<const T*>(X);
+    T* ys = static_cast<T*>(Y);
+    std::vector<T> h13(size_t(E_l * c * 2 * F)), H(size_t(E_l * c * F));
+    const int64_t tiles = (c + kGemmTile - 1) / kGemmTile;
+    host_run(ctx, E_l * tiles, [&](int64_t item, int, int) {
+      const int64_t j = item / tiles, r = j * c + (item % tiles) * kGemmTile;
+      const int64_t n = std::min(kGemmTile, (j + 1) * c - r);
+      gemm_typed(xs + r * D, n, D, D, w13 + size_t(j) * 2 * fd, 2 * F, h13.data() + r * 2 * F, 2 * F);
+      const k::SwigluBody<T> act{h13.data(), H.data(), F};
+      for (int64_t q = r; q < r + n; ++q) act(q, 0, 1);
+      gemm_xw_typed(H.data() + r * F, n, F, w2t + size_t(j) * fd, D, ys + r * D);
+    });
+  });
+}
+
 void combine(const ExecCtx& ctx, const CombineArgs& a, const void* init, void* out) {
   dispatch_dtype(a.dt, [&](auto tag) {
     using T = decltype(tag);

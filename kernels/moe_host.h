@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "bodies.h"
 #include "dtype.h"
@@ -42,7 +43,7 @@ void dispatch_gather(const ExecCtx& ctx, DType dt, k::ScoreApply apply, const vo
                      const int32_t* perm, const float* topk_scores, int64_t N, int64_t D, int K,
                      void* routed, int32_t* token_sorted, float* score_sorted, int32_t* row_of);
 
-enum class ExpertsImpl : uint8_t { loop, grouped };
+enum class ExpertsImpl : uint8_t { loop, grouped, batched /* experts_swiglu_batched */ };
 
 /// SwiGLU experts (CONTRACT §8) over expert-major rows: expert j owns
 /// counts[j] consecutive rows of X. W1, W3: (E_l, F, D); W2: (E_l, D, F).
@@ -54,6 +55,23 @@ void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* 
 /// row stride ldy; fp32 accumulation. Single-threaded: callers tile it.
 void gemm_xwT(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W,
               int64_t n, void* Y, int64_t ldy);
+
+/// Fused and transposed weights of the batched experts (CONTRACT §8,
+/// FRAMEWORKS §8.1): W13 = [W1; W3] per expert, (E_l, 2F, D), the first F rows
+/// the W1 part; W2T = W2^T, (E_l, F, D). Keyed by an explicit weight version
+/// that the caller bumps whenever the weights change (no pointer keys).
+struct BatchedWeightCache {
+  uint64_t version = 0;  // 0: empty
+  std::vector<uint8_t> w13, w2t;
+  int builds = 0;
+};
+
+/// Batched equal-count SwiGLU: every one of the E_l experts has exactly c > 0
+/// rows. h13 = X_j W13_j^T (one GEMM of width 2F), H = swiglu(h13),
+/// Y_j = H W2T_j. Rebuilds the cache when `weights_version` differs.
+void experts_swiglu_batched(const ExecCtx& ctx, DType dt, const void* X, int64_t c, int E_l, int64_t D, int64_t F,
+                            const void* W1, const void* W3, const void* W2, uint64_t weights_version,
+                            BatchedWeightCache& cache, void* Y);
 
 struct CombineArgs {
   DType dt = DType::fp32;

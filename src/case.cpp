@@ -39,7 +39,8 @@ const EnumTable<ExpertKind>& expert_kind_table() {
   return t;
 }
 const EnumTable<ExpertsImpl>& experts_impl_table() {
-  static const EnumTable<ExpertsImpl> t = {{"loop", ExpertsImpl::loop}, {"grouped", ExpertsImpl::grouped}};
+  static const EnumTable<ExpertsImpl> t = {
+      {"loop", ExpertsImpl::loop}, {"grouped", ExpertsImpl::grouped}, {"batched", ExpertsImpl::batched}};
   return t;
 }
 const EnumTable<SharedKind>& shared_kind_table() {

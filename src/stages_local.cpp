@@ -333,6 +333,43 @@ void register_local_stages(std::vector<Stage>& reg) {
     };
     reg.push_back(s);
   }
+  {
+    Stage s;
+    s.slot = "experts";
+    s.variant = "swiglu_batched";
+    s.summary = "every local expert has c > 0 rows: fused W13 = [W1; W3] GEMM and cached W2^T (CONTRACT §8)";
+    s.applies = [](const Case& c) { return Decision{c.experts.kind == ExpertKind::swiglu, "experts.kind is not swiglu"}; };
+    s.primary = [](const Case& c) { return c.experts.impl == ExpertsImpl::batched; };
+    s.inputs = fixed_inputs({"expert_input", "expert_counts", "w1", "w3", "w2"});
+    s.outputs = {{"expert_output", CompareClass::gemm, Coords::padded_row, promise_expert_rows}};
+    s.fast = [](FastCtx& ctx) {
+      const Case& c = ctx.c;
+      const std::vector<int64_t> counts = to_ints(ctx.input("expert_counts"));
+      const int E_l = int(counts.size());
+      const int64_t cnt = counts.empty() ? 0 : counts[0];
+      bool equal = cnt > 0;
+      for (int64_t v : counts) equal = equal && v == cnt;
+      if (!equal) {
+        ctx.skip("local expert counts are not all equal and > 0");
+        return;
+      }
+      const Tensor& X = ctx.input("expert_input");
+      const size_t wsz = size_t(c.ffn * c.hidden) * elem_bytes(X.type) * size_t(ctx.rank * E_l);
+      auto w = [&](const char* n) { return static_cast<const uint8_t*>(ctx.input(n).data()) + wsz; };
+      Tensor& Y = ctx.output("expert_output", X.type, {cnt * E_l, c.hidden});
+      BatchedWeightCache cache;  // cold per run; reuse across versions is tested in test_ep.cpp
+      experts_swiglu_batched(ctx.exec, c.dtype, X.data(), cnt, E_l, c.hidden, c.ffn, w("w1"), w("w3"), w("w2"), 1,
+                             cache, Y.data());
+      ctx.notes.push_back("rank " + std::to_string(ctx.rank) + ": batched over (E_l, c) = (" + std::to_string(E_l) +
+                          ", " + std::to_string(cnt) + ")");
+    };
+    s.ref = [](RefCtx& r) {
+      const int64_t E_l = r.c.num_experts / int64_t(r.in.ranks.size());
+      ref_swiglu(r, "expert_input", [](const RankBoard& b) { return ref_counts(b.at("expert_counts")); }, "", E_l,
+                 "expert_output");
+    };
+    reg.push_back(s);
+  }
   // --- shared experts --------------------------------------------------------
   {
     Stage s;

@@ -5,10 +5,12 @@
 #include <rapidcheck/catch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <thread>
 
 #include "../kernels/ep_host.h"
+#include "../kernels/moe_host.h"
 #include "case.h"
 #include "comm.h"
 #include "runner.h"
@@ -138,6 +140,43 @@ TEST_CASE("ranks with different local padding overheads take the same equal-spli
   bool hang = false;
   for (const auto& ch : bad.checks) hang = hang || ch.note.find("timed out") != std::string::npos;
   CHECK(hang);
+}
+
+TEST_CASE("batched experts: the weight cache is rebuilt when the version changes; the stale fault is caught",
+          "[cpu][fault][batched]") {
+  const int E_l = 3;
+  const int64_t c = 70, D = 12, F = 10;  // c > one GEMM tile
+  std::vector<float> X(size_t(E_l * c * D)), W1(size_t(E_l * F * D)), W3(W1.size()), W2(W1.size());
+  float v = 0.f;
+  for (auto* w : {&X, &W1, &W3, &W2})
+    for (auto& e : *w) e = (v = std::fmod(v * 1.7f + 0.37f, 2.f)) - 1.f;
+  const std::vector<int64_t> counts(size_t(E_l), c);
+  auto loop = [&] {
+    std::vector<float> Y(X.size());
+    experts_swiglu(ExecCtx{2, {}}, DType::fp32, ExpertsImpl::loop, X.data(), counts.data(), E_l, D, F, W1.data(),
+                   W3.data(), W2.data(), Y.data());
+    return Y;
+  };
+  auto close = [](const std::vector<float>& a, const std::vector<float>& b) {
+    for (size_t i = 0; i < a.size(); ++i)
+      if (std::fabs(a[i] - b[i]) > 1e-5 + 1e-5 * std::fabs(b[i])) return false;
+    return true;
+  };
+  for (bool fault : {false, true}) {
+    ExecCtx ex{2, {}};
+    if (fault) ex.faults.bits = uint32_t(Fault::stale_weight_cache);
+    BatchedWeightCache cache;
+    std::vector<float> Y(X.size());
+    experts_swiglu_batched(ex, DType::fp32, X.data(), c, E_l, D, F, W1.data(), W3.data(), W2.data(), 1, cache, Y.data());
+    CHECK(close(Y, loop()));  // batched == loop within the GEMM tolerance
+    experts_swiglu_batched(ex, DType::fp32, X.data(), c, E_l, D, F, W1.data(), W3.data(), W2.data(), 1, cache, Y.data());
+    CHECK(cache.builds == 1);  // same version: the cache is reused
+    for (auto& e : W3) e *= 0.5f;  // the weights change in place; the owner bumps the version
+    experts_swiglu_batched(ex, DType::fp32, X.data(), c, E_l, D, F, W1.data(), W3.data(), W2.data(), 2, cache, Y.data());
+    CHECK(close(Y, loop()) == !fault);  // a stale cache gives the old weights' result
+    CHECK(cache.builds == (fault ? 1 : 2));
+    for (auto& e : W3) e *= 2.f;
+  }
 }
 
 TEST_CASE("expert-parallel properties", "[cpu][prop][ep]") {
