@@ -87,6 +87,24 @@ std::vector<int64_t> equal_split_compact_map(const std::vector<int64_t>& splits,
   return map;
 }
 
+std::vector<int64_t> force_lb_counts(int64_t T, int K, int E) {
+  const int64_t N = T * K;
+  std::vector<int64_t> c(static_cast<size_t>(E));
+  for (int e = 0; e < E; ++e) c[size_t(e)] = N / E + (e < N % E ? 1 : 0);
+  return c;
+}
+
+std::vector<int64_t> direct_route_map(int64_t T, int R, int E_l, int64_t Mstar) {
+  std::vector<int64_t> map(size_t(R) * size_t(Mstar), -1);
+  for (int r = 0; r < R; ++r) {
+    int64_t row = 0;
+    for (int j = 0; j < E_l; ++j)
+      for (int64_t t = r; t < T; t += R)
+        if (row < Mstar) map[size_t(r * Mstar + row++)] = t;
+  }
+  return map;
+}
+
 std::vector<int64_t> invert_map(const std::vector<int64_t>& map) {
   std::vector<int64_t> inv(map.size(), -1);
   for (size_t q = 0; q < map.size(); ++q) inv[size_t(map[q])] = int64_t(q);

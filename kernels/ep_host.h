@@ -56,6 +56,17 @@ std::vector<int64_t> equal_split_pad_map(const std::vector<int64_t>& splits, int
 /// Compaction: the first splits[p] rows of each chunk p, in order.
 std::vector<int64_t> equal_split_compact_map(const std::vector<int64_t>& splits, int64_t Mstar);
 
+/// Force-load-balance counts (CONTRACT §6): floor(T*K/E) + [e < T*K mod E].
+std::vector<int64_t> force_lb_counts(int64_t T, int K, int E);
+
+/// The direct equal-split route (CONTRACT §6, FRAMEWORKS §6.3): the padded
+/// send buffer built from x without a gather. Valid only when K == E_l: then
+/// destination r receives tokens t = r mod R, once per local expert, so chunk
+/// r is x[r::R] repeated E_l times, zero rows after, Mstar rows per chunk.
+/// Rows that would overflow a chunk are dropped (only the unguarded fault
+/// produces them). map has R*Mstar entries (-1: zero row).
+std::vector<int64_t> direct_route_map(int64_t T, int R, int E_l, int64_t Mstar);
+
 /// The inverse of a permutation map: inv[map[q]] = q.
 std::vector<int64_t> invert_map(const std::vector<int64_t>& map);
 

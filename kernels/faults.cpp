@@ -14,6 +14,7 @@ const std::vector<FaultInfo>& fault_table() {
       {Fault::unswapped_combine_splits, "unswapped_combine_splits", "reverse all-to-all sends with the dispatch splits"},
       {Fault::offsets_32bit, "offsets_32bit", "expert group row offsets computed in 32-bit arithmetic"},
       {Fault::pad_front, "pad_front", "equal-split padding rows placed at the front of each chunk"},
+      {Fault::direct_route_unguarded, "direct_route_unguarded", "direct equal-split route taken without K == E_l"},
       {Fault::stale_weight_cache, "stale_weight_cache", "batched-expert weight cache ignores the weight version"},
       {Fault::local_equal_split_decision, "local_equal_split_decision", "equal-split decision taken per rank, not reduced"},
   };

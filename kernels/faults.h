@@ -21,6 +21,7 @@ enum class Fault : uint32_t {
   pad_front = 1u << 7,            // §5.4: equal-split padding placed at the front of each chunk
   local_equal_split_decision = 1u << 8,  // §5.4: pad/no-pad decided per rank, not reduced over EP
   stale_weight_cache = 1u << 9,   // §8.1: batched-expert weight cache ignores the weight version
+  direct_route_unguarded = 1u << 10,  // §6.3: direct equal-split route taken without K == E_l
 };
 
 struct FaultSet {

@@ -169,6 +169,55 @@ void fast_equal_split_dispatch(FastCtx& ctx) {
   if (ctx.rank == 0) ctx.notes.push_back("equal_split: taken, " + why);
 }
 
+/// Force-load-balance dispatch (CONTRACT §6): analytic counts and splits on
+/// every rank, no count exchange; the direct equal-split route from x when
+/// K == E_l, else the generic gathered rows with a variable all-to-all.
+void fast_force_lb_dispatch(FastCtx& ctx) {
+  const Case& c = ctx.c;
+  const int R = ctx.ranks, E = c.num_experts, E_l = E / R, K = c.top_k;
+  const Tensor& x = ctx.input("x");
+  const int64_t T = x.shape[0];
+  const std::vector<int64_t> counts = force_lb_counts(T, K, E);
+  Splits s;
+  s.in = splits_from_counts(counts.data(), E, R);
+  // every source sends this rank's block of the same counts
+  for (int p = 0; p < R; ++p)
+    for (int j = 0; j < E_l; ++j) s.recv_counts.push_back(counts[size_t(ctx.rank * E_l + j)]);
+  s.out.assign(size_t(R), 0);
+  for (int p = 0; p < R; ++p)
+    for (int j = 0; j < E_l; ++j) s.out[size_t(p)] += s.recv_counts[size_t(p * E_l + j)];
+  for (int64_t v : s.out) s.M += v;
+  out_ints(ctx, "input_splits", s.in);
+  out_ints(ctx, "output_splits", s.out);
+  out_ints(ctx, "recv_counts", s.recv_counts);
+  Tensor& recv = ctx.output("recv", x.type, {s.M, c.hidden});
+  const int64_t mstar = *std::max_element(s.in.begin(), s.in.end());
+  const bool guard = K == E_l;  // FRAMEWORKS §6.3: the shortcut is only right when E == K*R
+  const bool direct = (guard || ctx.exec.faults.has(Fault::direct_route_unguarded)) && mstar > 0 && mstar % E_l == 0 &&
+                      c.score_before_experts == Switch::off;
+  if (direct) {
+    const std::vector<int64_t> map = direct_route_map(T, R, E_l, mstar);
+    Tensor padded = Tensor::alloc(x.type, {R * mstar, c.hidden});
+    apply_row_map(ctx.exec, c.dtype, x.data(), map.data(), R * mstar, c.hidden, padded.data());
+    Tensor got = Tensor::alloc(x.type, {R * mstar, c.hidden});
+    const std::vector<int64_t> equal(static_cast<size_t>(R), mstar);
+    ctx.comm->alltoallv(padded.data(), equal, got.data(), equal, size_t(c.hidden) * elem_bytes(x.type),
+                        "direct equal-split all-to-all");
+    const std::vector<int64_t> compact = equal_split_compact_map(s.out, mstar);
+    apply_row_map(ctx.exec, c.dtype, got.data(), compact.data(), int64_t(compact.size()), c.hidden, recv.data());
+  } else {
+    const Tensor& routed = ctx.input("routed_input");
+    ctx.comm->alltoallv(routed.data(), s.in, recv.data(), s.out, size_t(c.hidden) * elem_bytes(x.type),
+                        "token all-to-all (force-LB)");
+  }
+  overload_and_notes(ctx, s, T * K);
+  if (ctx.rank == 0)
+    ctx.notes.push_back(std::string("force_lb: analytic splits, no count exchange; ") +
+                        (direct ? "direct equal-split route from x (M*=" + std::to_string(mstar) + ")"
+                                : "generic gather (direct route needs K == E_l: K=" + std::to_string(K) +
+                                      ", E_l=" + std::to_string(E_l) + ")"));
+}
+
 void fast_equal_split_return(FastCtx& ctx) {
   const Tensor& in = ctx.input("recv_out");
   std::vector<int64_t> send = vec_of(ctx.input("output_splits")), recv = vec_of(ctx.input("input_splits"));
@@ -413,6 +462,20 @@ void register_ep_stages(std::vector<Stage>& reg) {
       return Decision{c.equal_split.policy != EqualSplitPolicy::off, "equal_split.policy: off"};
     };
     s.primary = [](const Case& c) { return c.equal_split.policy != EqualSplitPolicy::off; };
+    reg.push_back(s);
+  }
+  {
+    Stage s = make("ep_dispatch", "a2a_force_lb",
+                   "force-LB routing: analytic splits, no count exchange; direct route from x iff K == E_l (CONTRACT §6)",
+                   {"routed_input", "counts", "x", "ids", "topk_scores"}, reg.back().outputs, fast_force_lb_dispatch,
+                   ref_a2a_dispatch);
+    s.applies = [](const Case& c) {
+      bool same_T = true;
+      for (int r = 0; r < c.ep; ++r) same_T = same_T && c.tokens_on(r) == c.tokens_on(0);
+      if (c.router.force_load_balance != Switch::on) return Decision{false, "router.force_load_balance: off"};
+      return Decision{same_T, "ranks have different token counts (analytic splits need equal T)"};
+    };
+    s.primary = [](const Case&) { return false; };
     reg.push_back(s);
   }
   for (PermuteMode m : {PermuteMode::generic, PermuteMode::equal_count}) {

@@ -179,6 +179,24 @@ TEST_CASE("batched experts: the weight cache is rebuilt when the version changes
   }
 }
 
+TEST_CASE("force-LB fast path: analytic splits equal the exchanged ones; the unguarded direct route is caught",
+          "[cpu][fault][force_lb]") {
+  for (const char* name : {"unguarded_shortcut_T6_E8_K2_R2", "unguarded_shortcut_T6_E4_K1_R2"}) {
+    INFO(name);
+    const Case c = case_named("force_lb.yaml", name);
+    const CaseReport good = run_case(c, RunOptions{});
+    REQUIRE(good.outcome == Outcome::PASSED);
+    bool compared = false;  // a2a_force_lb's splits and rows vs the variable path, bitwise
+    for (const auto& ch : good.checks)
+      compared = compared || (ch.variant == "a2a_force_lb" && ch.against == "a2a_variable" &&
+                              ch.tensor.rfind("output_splits", 0) == 0 && ch.outcome == Outcome::PASSED);
+    CHECK(compared);
+    RunOptions o;
+    o.faults.bits = uint32_t(Fault::direct_route_unguarded);
+    CHECK(any_starts(failing(run_case(c, o)), "ep_dispatch/recv"));
+  }
+}
+
 TEST_CASE("expert-parallel properties", "[cpu][prop][ep]") {
   rc::prop("equal-split compact(pad(X, s, M*), s, M*) == X for any M* >= max(s) (Q1)", [] {
     const int R = *rc::gen::inRange(1, 7);
