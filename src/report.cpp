@@ -56,12 +56,12 @@ void print_report(const CaseReport& r, std::ostream& os) {
     for (const auto& n : d.notes) os << "\n" << std::string(23, ' ') << "- " << n;
   }
   os << "\n   (* = primary: feeds the next stage)\n";
-  os << "   " << std::left << std::setw(15) << "stage" << std::setw(19) << "variant" << std::setw(17) << "tensor"
+  os << "   " << std::left << std::setw(15) << "stage" << std::setw(22) << "variant" << std::setw(17) << "tensor"
      << std::setw(19) << "against" << std::setw(17) << "tolerance" << std::setw(14) << "outcome" << std::right
      << std::setw(15) << "mismatch/total" << std::setw(10) << "max_abs" << std::setw(10) << "max_rel"
      << std::setw(9) << "max_ulp" << "\n";
   for (const Check& ch : r.checks) {
-    os << "   " << std::left << std::setw(15) << ch.slot << std::setw(19) << ch.variant << std::setw(17) << ch.tensor
+    os << "   " << std::left << std::setw(15) << ch.slot << std::setw(22) << ch.variant << std::setw(17) << ch.tensor
        << std::setw(19) << ch.against << std::setw(17) << tol_str(ch) << std::setw(14) << outcome_name(ch.outcome)
        << std::right << std::setw(15)
        << (std::to_string(ch.diff.mismatches) + "/" + std::to_string(ch.diff.total)) << std::setw(10)

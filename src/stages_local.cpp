@@ -3,6 +3,9 @@
 // host executor) with the reference function (reference/) of the same stage.
 #include <cstring>
 #include <functional>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "../reference/reference.h"
 #include "stages.h"
@@ -279,6 +282,58 @@ void register_local_stages(std::vector<Stage>& reg) {
         out["row_of"] = ids_tensor(d.row_of, ElemType::i32, {T, c.top_k});
       }
     };
+    reg.push_back(s);
+  }
+  {
+    // FRAMEWORKS §6.2: the stable sort of round-robin ids depends only on
+    // (T*K, E, K), so it is cached under that key. The variant applies only
+    // with force-load-balance routing (a cached order used with top-k routing
+    // would silently be wrong).
+    Stage s;
+    s.slot = "dispatch";
+    s.variant = "force_lb_cached_sort";
+    s.summary = "force-LB only: the sort order of round-robin ids cached by (T*K, E, K), then the same gather";
+    s.applies = [](const Case& c) {
+      return Decision{c.router.force_load_balance == Switch::on, "router.force_load_balance: off"};
+    };
+    s.primary = [](const Case&) { return false; };
+    s.inputs = fixed_inputs({"x", "ids", "topk_scores", "counts"});
+    s.outputs = reg.back().outputs;
+    s.fast = [](FastCtx& ctx) {
+      static std::mutex m;
+      static std::map<std::tuple<int64_t, int, int>, std::vector<int32_t>> cache;
+      const Case& c = ctx.c;
+      const Tensor& x = ctx.input("x");
+      const int64_t T = x.shape[0], N = T * c.top_k;
+      std::vector<int32_t> perm;
+      bool hit = false;
+      {
+        std::lock_guard<std::mutex> lk(m);
+        auto key = std::make_tuple(N, c.num_experts, c.top_k);
+        auto it = cache.find(key);
+        hit = it != cache.end();
+        if (!hit) {
+          std::vector<int32_t> rr(static_cast<size_t>(N));
+          for (int64_t a = 0; a < N; ++a) rr[size_t(a)] = int32_t(a % c.num_experts);  // (t*K + k) mod E
+          std::vector<int32_t> p(static_cast<size_t>(N));
+          expert_sort(ExecCtx{1, ctx.exec.faults}, rr.data(), N, c.num_experts, p.data());
+          it = cache.emplace(key, std::move(p)).first;
+        }
+        perm = it->second;
+      }
+      Tensor& routed = ctx.output("routed_input", x.type, {N, c.hidden});
+      Tensor& tok = ctx.output("token_sorted", ElemType::i32, {N});
+      Tensor& sc = ctx.output("score_sorted", ElemType::f32, {N});
+      Tensor& row_of = ctx.output("row_of", ElemType::i32, {T, c.top_k});
+      dispatch_gather(ctx.exec, c.dtype,
+                      c.score_before_experts == Switch::on ? k::ScoreApply::before_experts : k::ScoreApply::after_experts,
+                      x.data(), perm.data(), ctx.input("topk_scores").as<float>(), N, c.hidden, c.top_k, routed.data(),
+                      tok.as<int32_t>(), sc.as<float>(), row_of.as<int32_t>());
+      ctx.notes.push_back("rank " + std::to_string(ctx.rank) + ": sort order cache " + (hit ? "hit" : "miss") +
+                          " for (T*K, E, K) = (" + std::to_string(N) + ", " + std::to_string(c.num_experts) + ", " +
+                          std::to_string(c.top_k) + ")");
+    };
+    s.ref = reg.back().ref;
     reg.push_back(s);
   }
   // --- experts ---------------------------------------------------------------
