@@ -6,6 +6,7 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <cstring>
+#include <stdexcept>
 #include <vector>
 
 namespace moev {
@@ -22,32 +23,37 @@ void to_float_block(const T* src, int64_t rows, int64_t cols, int64_t ld, std::v
     for (int64_t c = 0; c < cols; ++c) dst[size_t(r * cols + c)] = to_float(src[r * ld + c]);
 }
 
+/// How a GEMM's weight is stored: (n, k) rows multiplied transposed (X W^T,
+/// the nn.Linear layout) or (k, n) multiplied as is (X W, a cached W2^T).
+enum class WeightLayout { n_by_k, k_by_n };
+
+/// The fp32-accumulated product of act-typed X (rows, k; row stride ldx) and
+/// W; the result lives in a thread-local buffer until the next call.
 template <class T>
-void gemm_typed(const T* X, int64_t rows, int64_t k, int64_t ldx, const T* W, int64_t n, T* Y,
-                int64_t ldy) {
-  if (rows == 0 || n == 0) return;
+const MatF& gemm_fp32(const T* X, int64_t rows, int64_t k, int64_t ldx, const T* W, int64_t n, WeightLayout wl) {
   thread_local std::vector<float> xf, wf;
   thread_local MatF yf;
   to_float_block(X, rows, k, ldx, xf);
-  to_float_block(W, n, k, k, wf);
+  const bool nk = wl == WeightLayout::n_by_k;
+  to_float_block(W, nk ? n : k, nk ? k : n, nk ? k : n, wf);
   Eigen::Map<const MatF> xm(xf.data(), rows, k);
-  Eigen::Map<const MatF> wm(wf.data(), n, k);
   yf.resize(rows, n);
-  yf.noalias() = xm * wm.transpose();
+  if (nk) yf.noalias() = xm * Eigen::Map<const MatF>(wf.data(), n, k).transpose();
+  else yf.noalias() = xm * Eigen::Map<const MatF>(wf.data(), k, n);
+  return yf;
+}
+
+/// Y (row stride ldy) = round_act(X W^T) or round_act(X W).
+template <class T>
+void gemm_typed(const T* X, int64_t rows, int64_t k, int64_t ldx, const T* W, int64_t n, T* Y, int64_t ldy,
+                WeightLayout wl = WeightLayout::n_by_k) {
+  if (rows == 0 || n == 0) return;
+  const MatF& yf = gemm_fp32(X, rows, k, ldx, W, n, wl);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < n; ++c) Y[r * ldy + c] = from_float<T>(yf(r, c));
 }
 
 }  // namespace
-
-void gemm_xwT(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W,
-              int64_t n, void* Y, int64_t ldy) {
-  dispatch_dtype(dt, [&](auto tag) {
-    using T = decltype(tag);
-    gemm_typed(static_cast<const T*>(X), rows, k, ldx, static_cast<const T*>(W), n,
-               static_cast<T*>(Y), ldy);
-  });
-}
 
 void router_logits(const ExecCtx& ctx, DType dt, const void* x, const void* wg, int64_t T,
                    int64_t D, int E, float* logits) {
@@ -57,14 +63,9 @@ void router_logits(const ExecCtx& ctx, DType dt, const void* x, const void* wg, 
     const int64_t tiles = (T + kGemmTile - 1) / kGemmTile;
     host_run(ctx, tiles, [&](int64_t tile, int, int) {
       const int64_t r0 = tile * kGemmTile, rows = std::min(kGemmTile, T - r0);
-      // fp32 output: compute into fp32 directly (no act rounding for logits)
-      thread_local std::vector<float> xf, wf;
-      to_float_block(xs + r0 * D, rows, D, D, xf);
-      to_float_block(static_cast<const T_*>(wg), E, D, D, wf);
-      Eigen::Map<const MatF> xm(xf.data(), rows, D);
-      Eigen::Map<const MatF> wm(wf.data(), E, D);
-      Eigen::Map<MatF> lm(logits + r0 * E, rows, E);
-      lm.noalias() = xm * wm.transpose();
+      // logits stay fp32: no rounding to the activation type
+      Eigen::Map<MatF>(logits + r0 * E, rows, E) =
+          gemm_fp32(xs + r0 * D, rows, D, D, static_cast<const T_*>(wg), E, WeightLayout::n_by_k);
     });
   });
 }
@@ -147,6 +148,8 @@ void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* 
     const T* w1 = static_cast<const T*>(W1);
     const T* w3 = static_cast<const T*>(W3);
     const T* w2 = static_cast<const T*>(W2);
+    if (impl == ExpertsImpl::batched)
+      throw std::invalid_argument("experts_swiglu: the batched impl is experts_swiglu_batched (it needs a weight cache)");
     if (impl == ExpertsImpl::loop) {
       // One expert at a time, each GEMM tiled over rows (the per-expert loop).
       for (int j = 0; j < E_l; ++j) {
@@ -186,27 +189,6 @@ void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* 
   });
 }
 
-namespace {
-
-// Y = round_act(X W) for X (rows, k), W (k, n) row-major: the form that uses a
-// cached transposed W2.
-template <class T>
-void gemm_xw_typed(const T* X, int64_t rows, int64_t k, const T* W, int64_t n, T* Y) {
-  if (rows == 0 || n == 0) return;
-  thread_local std::vector<float> xf, wf;
-  thread_local MatF yf;
-  to_float_block(X, rows, k, k, xf);
-  to_float_block(W, k, n, n, wf);
-  Eigen::Map<const MatF> xm(xf.data(), rows, k);
-  Eigen::Map<const MatF> wm(wf.data(), k, n);
-  yf.resize(rows, n);
-  yf.noalias() = xm * wm;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < n; ++c) Y[r * n + c] = from_float<T>(yf(r, c));
-}
-
-}  // namespace
-
 void experts_swiglu_batched(const ExecCtx& ctx, DType dt, const void* X, int64_t c, int E_l, int64_t D, int64_t F,
                             const void* W1, const void* W3, const void* W2, uint64_t version,
                             BatchedWeightCache& cache, void* Y) {
@@ -244,7 +226,7 @@ void experts_swiglu_batched(const ExecCtx& ctx, DType dt, const void* X, int64_t
       gemm_typed(xs + r * D, n, D, D, w13 + size_t(j) * 2 * fd, 2 * F, h13.data() + r * 2 * F, 2 * F);
       const k::SwigluBody<T> act{h13.data(), H.data(), F};
       for (int64_t q = r; q < r + n; ++q) act(q, 0, 1);
-      gemm_xw_typed(H.data() + r * F, n, F, w2t + size_t(j) * fd, D, ys + r * D);
+      gemm_typed(H.data() + r * F, n, F, F, w2t + size_t(j) * fd, D, ys + r * D, D, WeightLayout::k_by_n);
     });
   });
 }

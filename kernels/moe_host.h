@@ -51,11 +51,6 @@ void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* 
                     const int64_t* counts, int E_l, int64_t D, int64_t F, const void* W1,
                     const void* W3, const void* W2, void* Y);
 
-/// Y = round_act(X W^T) for X (rows, k) with row stride ldx, W (n, k), Y with
-/// row stride ldy; fp32 accumulation. Single-threaded: callers tile it.
-void gemm_xwT(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W,
-              int64_t n, void* Y, int64_t ldy);
-
 /// Fused and transposed weights of the batched experts (CONTRACT §8,
 /// FRAMEWORKS §8.1): W13 = [W1; W3] per expert, (E_l, 2F, D), the first F rows
 /// the W1 part; W2T = W2^T, (E_l, F, D). Keyed by an explicit weight version

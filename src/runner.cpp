@@ -17,11 +17,11 @@
 namespace moev {
 namespace {
 
-Check make_check(const Case& c, const Stage& s, const OutputSpec& o, const Tensor* f, const Tensor* r,
-                 const RankBoard& fb, int rank, int ranks, const std::string& against) {
+Check make_check(const Case& c, const std::string& slot, const std::string& variant, const OutputSpec& o,
+                 const Tensor* f, const Tensor* r, const RankBoard& fb, int rank, int ranks, const std::string& against) {
   Check ch;
-  ch.slot = s.slot;
-  ch.variant = s.variant;
+  ch.slot = slot;
+  ch.variant = variant;
   ch.tensor = ranks > 1 ? o.name + "@" + std::to_string(rank) : o.name;
   ch.cls = o.cls;
   ch.tol = tolerance_for(c, o.cls);
@@ -192,7 +192,6 @@ void run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
   chain.ranks.resize(size_t(R));
   for (int r = 0; r < R; ++r)
     for (auto& [n, t] : fast.ranks[size_t(r)]) chain.ranks[size_t(r)][n] = t.clone();
-  const std::string at = R > 1 ? "@" : "";
   auto rank_tag = [&](int r) { return R > 1 ? "@" + std::to_string(r) : std::string(); };
 
   Dumper dump;
@@ -281,7 +280,7 @@ void run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
             const RankBoard& ro = refout.ranks[size_t(r)];
             auto fi = fo.find(o.name);
             auto ri = ro.find(o.name);
-            rep.checks.push_back(make_check(c, *s, o, fi == fo.end() ? nullptr : &fi->second,
+            rep.checks.push_back(make_check(c, s->slot, s->variant, o, fi == fo.end() ? nullptr : &fi->second,
                                             ri == ro.end() ? nullptr : &ri->second, merged.ranks[size_t(r)], r, R,
                                             "reference"));
           }
@@ -309,7 +308,7 @@ void run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
           auto fi = out.ranks[size_t(r)].find(o.name);
           auto pi = primary_out.ranks[size_t(r)].find(o.name);
           if (fi == out.ranks[size_t(r)].end() || pi == primary_out.ranks[size_t(r)].end()) continue;
-          rep.checks.push_back(make_check(c, *s, o, &fi->second, &pi->second, fast.ranks[size_t(r)], r, R, primary->variant));
+          rep.checks.push_back(make_check(c, s->slot, s->variant, o, &fi->second, &pi->second, fast.ranks[size_t(r)], r, R, primary->variant));
         }
     }
     for (int r = 0; r < R; ++r)
@@ -329,11 +328,10 @@ void run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
     }
   }
   // End to end: the fast pipeline's output against the reference chain's.
-  const Stage e2e{"end_to_end", "pipeline", "", nullptr, nullptr, nullptr, {}, nullptr, nullptr, nullptr};
   const OutputSpec oe{"out", CompareClass::end_to_end, Coords::token_col, promise_combined};
   for (int r = 0; r < R; ++r) {
     const bool hf = fast.has("out", r), hc = chain.has("out", r);
-    rep.checks.push_back(make_check(c, e2e, oe, hf ? &fast.at("out", r) : nullptr, hc ? &chain.at("out", r) : nullptr,
+    rep.checks.push_back(make_check(c, "end_to_end", "pipeline", oe, hf ? &fast.at("out", r) : nullptr, hc ? &chain.at("out", r) : nullptr,
                                     fast.ranks[size_t(r)], r, R, "reference chain"));
   }
   dump.finish(c);
@@ -373,10 +371,9 @@ CaseReport run_case(const Case& c, const RunOptions& opt) {
       run_pipeline(c1, o1, in1, false, r1, f1);
       Outcome w1 = Outcome::PASSED;
       for (const auto& ch : r1.checks) w1 = worst(w1, ch.outcome);
-      const Stage inv{"ep_invariance", "ep1_vs_ep" + std::to_string(R), "", nullptr, nullptr, nullptr, {}, nullptr, nullptr, nullptr};
       const OutputSpec oi{"out", c.experts.kind == ExpertKind::identity ? CompareClass::exact : CompareClass::gemm,
                           Coords::token_col, promise_combined};
-      Check ch = make_check(c, inv, oi, fast.has("out", p) ? &fast.at("out", p) : nullptr,
+      Check ch = make_check(c, "ep_invariance", "ep1_vs_ep" + std::to_string(R), oi, fast.has("out", p) ? &fast.at("out", p) : nullptr,
                             f1.has("out", 0) ? &f1.at("out", 0) : nullptr, fast.ranks[size_t(p)], p, R, "EP = 1 run");
       if (w1 != Outcome::PASSED) {
         ch.outcome = worst(ch.outcome, w1);

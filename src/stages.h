@@ -18,6 +18,10 @@ RouterConfig router_config(const Case& c);
 /// Initial value of the combine's scatter target for this rank (CONTRACT §2, §9).
 std::vector<float> combine_init(const Case& c, const RankBoard& in);
 
+/// c when every entry equals the same c > 0, else 0 (the equal-count
+/// precondition of CONTRACT §7 and of the batched experts, §8).
+int64_t uniform_count(const std::vector<int64_t>& v);
+
 /// Routing comparison with near-tie handling (CONTRACT §1, last paragraph).
 void check_routing(CheckCtx& ctx);
 

@@ -41,14 +41,6 @@ std::vector<int64_t> real_counts_from(const std::vector<int64_t>& recv_counts, i
   return n;
 }
 
-/// Whether every received segment (p, j) of this rank holds the same c > 0 rows.
-int64_t uniform_count(const std::vector<int64_t>& rc) {
-  if (rc.empty() || rc[0] == 0) return 0;
-  for (int64_t v : rc)
-    if (v != rc[0]) return 0;
-  return rc[0];
-}
-
 // ---- fast functions ----------------------------------------------------------
 
 /// Splits from counts and the count exchange (CONTRACT §3.2): writes
@@ -139,12 +131,12 @@ int64_t equal_split_decision(FastCtx& ctx, const std::vector<int64_t>& in, const
   return mstar;
 }
 
-/// pad(X, send splits, M*) -> equal all-to-all -> compact(recv splits).
-void equal_split_exchange(FastCtx& ctx, const Tensor& src, const std::vector<int64_t>& send,
+/// Padded send buffer (R*M* rows, built from src by `pad`) -> equal
+/// all-to-all -> compact(recv splits) into dst.
+void equal_split_exchange(FastCtx& ctx, const Tensor& src, const std::vector<int64_t>& pad,
                           const std::vector<int64_t>& recv, int64_t mstar, Tensor& dst, const char* what) {
   const Case& c = ctx.c;
   const int R = ctx.ranks;
-  const std::vector<int64_t> pad = equal_split_pad_map(send, mstar, ctx.exec.faults);
   Tensor padded = Tensor::alloc(src.type, {R * mstar, c.hidden});
   apply_row_map(ctx.exec, c.dtype, src.data(), pad.data(), R * mstar, c.hidden, padded.data());
   Tensor got = Tensor::alloc(src.type, {R * mstar, c.hidden});
@@ -164,7 +156,8 @@ void fast_equal_split_dispatch(FastCtx& ctx) {
     return;
   }
   Tensor& recv = ctx.output("recv", routed.type, {s.M, ctx.c.hidden});
-  equal_split_exchange(ctx, routed, s.in, s.out, mstar, recv, "equal-split all-to-all (dispatch)");
+  equal_split_exchange(ctx, routed, equal_split_pad_map(s.in, mstar, ctx.exec.faults), s.out, mstar, recv,
+                       "equal-split all-to-all (dispatch)");
   overload_and_notes(ctx, s, routed.shape[0]);
   if (ctx.rank == 0) ctx.notes.push_back("equal_split: taken, " + why);
 }
@@ -196,15 +189,8 @@ void fast_force_lb_dispatch(FastCtx& ctx) {
   const bool direct = (guard || ctx.exec.faults.has(Fault::direct_route_unguarded)) && mstar > 0 && mstar % E_l == 0 &&
                       c.score_before_experts == Switch::off;
   if (direct) {
-    const std::vector<int64_t> map = direct_route_map(T, R, E_l, mstar);
-    Tensor padded = Tensor::alloc(x.type, {R * mstar, c.hidden});
-    apply_row_map(ctx.exec, c.dtype, x.data(), map.data(), R * mstar, c.hidden, padded.data());
-    Tensor got = Tensor::alloc(x.type, {R * mstar, c.hidden});
-    const std::vector<int64_t> equal(static_cast<size_t>(R), mstar);
-    ctx.comm->alltoallv(padded.data(), equal, got.data(), equal, size_t(c.hidden) * elem_bytes(x.type),
-                        "direct equal-split all-to-all");
-    const std::vector<int64_t> compact = equal_split_compact_map(s.out, mstar);
-    apply_row_map(ctx.exec, c.dtype, got.data(), compact.data(), int64_t(compact.size()), c.hidden, recv.data());
+    equal_split_exchange(ctx, x, direct_route_map(T, R, E_l, mstar), s.out, mstar, recv,
+                         "direct equal-split all-to-all");
   } else {
     const Tensor& routed = ctx.input("routed_input");
     ctx.comm->alltoallv(routed.data(), s.in, recv.data(), s.out, size_t(c.hidden) * elem_bytes(x.type),
@@ -230,7 +216,8 @@ void fast_equal_split_return(FastCtx& ctx) {
   int64_t N = 0;
   for (int64_t v : recv) N += v;
   Tensor& out = ctx.output("routed_output", in.type, {N, ctx.c.hidden});
-  equal_split_exchange(ctx, in, send, recv, mstar, out, "equal-split all-to-all (combine)");
+  equal_split_exchange(ctx, in, equal_split_pad_map(send, mstar, ctx.exec.faults), recv, mstar, out,
+                       "equal-split all-to-all (combine)");
   if (ctx.rank == 0) ctx.notes.push_back("equal_split: taken, " + why);
 }
 
@@ -441,6 +428,13 @@ Stage make(const std::string& slot, const std::string& variant, const std::strin
 }
 
 }  // namespace
+
+int64_t uniform_count(const std::vector<int64_t>& v) {
+  if (v.empty() || v[0] <= 0) return 0;
+  for (int64_t x : v)
+    if (x != v[0]) return 0;
+  return v[0];
+}
 
 void register_ep_stages(std::vector<Stage>& reg) {
   reg.push_back(make("ep_dispatch", "a2a_variable",

@@ -111,20 +111,23 @@ std::vector<std::string> combine_inputs(const Case& c) {
   return v;
 }
 
+/// Pointer to expert `expert0`'s slice of the (E, ...) weight tensor `name`.
+const void* expert_weights(const FastCtx& ctx, const std::string& name, int expert0) {
+  const Tensor& w = ctx.input(name);
+  return static_cast<const uint8_t*>(w.data()) + size_t(expert0) * size_t(w.numel() / w.shape[0]) * elem_bytes(w.type);
+}
+
 /// Runs SwiGLU experts on `X` rows grouped by `counts` (E_l groups) with the
 /// weights of experts [expert0, expert0 + E_l) of the `w_prefix` tensors.
 void fast_swiglu(FastCtx& ctx, ExpertsImpl impl, const Tensor& X, const int64_t* counts, int E_l,
                  const std::string& w_prefix, int expert0, const std::string& out) {
   const Case& c = ctx.c;
-  const size_t wsz = size_t(c.ffn * c.hidden) * elem_bytes(X.type);
-  auto w = [&](const char* n) {
-    return static_cast<const uint8_t*>(ctx.input(w_prefix + n).data()) + size_t(expert0) * wsz;
-  };
   int64_t rows = 0;
   for (int j = 0; j < E_l; ++j) rows += counts[j];
   Tensor& Y = ctx.output(out, X.type, {rows, c.hidden});
-  experts_swiglu(ctx.exec, c.dtype, impl, X.data(), counts, E_l, c.hidden, c.ffn, w("w1"), w("w3"), w("w2"),
-                 Y.data());
+  experts_swiglu(ctx.exec, c.dtype, impl, X.data(), counts, E_l, c.hidden, c.ffn,
+                 expert_weights(ctx, w_prefix + "w1", expert0), expert_weights(ctx, w_prefix + "w3", expert0),
+                 expert_weights(ctx, w_prefix + "w2", expert0), Y.data());
 }
 
 ref::Vec slice_weights(const Tensor& w, int64_t first, int64_t count) {
@@ -155,6 +158,14 @@ void ref_swiglu(RefCtx& r, const std::string& in, const std::function<ref::Count
                             slice_weights(b.at(w_prefix + "w2"), first, E_l)),
         X.type, {rows, c.hidden});
   }
+}
+
+/// Reference of every routed SwiGLU variant: rank q's experts are the block
+/// [q*E_l, (q+1)*E_l) over the padded groups of expert_input.
+void ref_routed_swiglu(RefCtx& r) {
+  const int64_t E_l = r.c.num_experts / int64_t(r.in.ranks.size());
+  ref_swiglu(r, "expert_input", [](const RankBoard& b) { return ref_counts(b.at("expert_counts")); }, "", E_l,
+             "expert_output");
 }
 
 void register_local_stages(std::vector<Stage>& reg) {
@@ -381,11 +392,7 @@ void register_local_stages(std::vector<Stage>& reg) {
       fast_swiglu(ctx, impl, ctx.input("expert_input"), counts.as<int64_t>(), E_l, "", ctx.rank * E_l,
                   "expert_output");
     };
-    s.ref = [](RefCtx& r) {
-      const int64_t E_l = r.c.num_experts / int64_t(r.in.ranks.size());
-      ref_swiglu(r, "expert_input", [](const RankBoard& b) { return ref_counts(b.at("expert_counts")); }, "", E_l,
-                 "expert_output");
-    };
+    s.ref = ref_routed_swiglu;
     reg.push_back(s);
   }
   {
@@ -401,28 +408,21 @@ void register_local_stages(std::vector<Stage>& reg) {
       const Case& c = ctx.c;
       const std::vector<int64_t> counts = to_ints(ctx.input("expert_counts"));
       const int E_l = int(counts.size());
-      const int64_t cnt = counts.empty() ? 0 : counts[0];
-      bool equal = cnt > 0;
-      for (int64_t v : counts) equal = equal && v == cnt;
-      if (!equal) {
+      const int64_t cnt = uniform_count(counts);
+      if (cnt == 0) {
         ctx.skip("local expert counts are not all equal and > 0");
         return;
       }
       const Tensor& X = ctx.input("expert_input");
-      const size_t wsz = size_t(c.ffn * c.hidden) * elem_bytes(X.type) * size_t(ctx.rank * E_l);
-      auto w = [&](const char* n) { return static_cast<const uint8_t*>(ctx.input(n).data()) + wsz; };
+      const int e0 = ctx.rank * E_l;
       Tensor& Y = ctx.output("expert_output", X.type, {cnt * E_l, c.hidden});
       BatchedWeightCache cache;  // cold per run; reuse across versions is tested in test_ep.cpp
-      experts_swiglu_batched(ctx.exec, c.dtype, X.data(), cnt, E_l, c.hidden, c.ffn, w("w1"), w("w3"), w("w2"), 1,
-                             cache, Y.data());
+      experts_swiglu_batched(ctx.exec, c.dtype, X.data(), cnt, E_l, c.hidden, c.ffn, expert_weights(ctx, "w1", e0),
+                             expert_weights(ctx, "w3", e0), expert_weights(ctx, "w2", e0), 1, cache, Y.data());
       ctx.notes.push_back("rank " + std::to_string(ctx.rank) + ": batched over (E_l, c) = (" + std::to_string(E_l) +
                           ", " + std::to_string(cnt) + ")");
     };
-    s.ref = [](RefCtx& r) {
-      const int64_t E_l = r.c.num_experts / int64_t(r.in.ranks.size());
-      ref_swiglu(r, "expert_input", [](const RankBoard& b) { return ref_counts(b.at("expert_counts")); }, "", E_l,
-                 "expert_output");
-    };
+    s.ref = ref_routed_swiglu;
     reg.push_back(s);
   }
   // --- shared experts --------------------------------------------------------
