@@ -72,7 +72,7 @@ TEST_CASE("inconsistent all-to-all splits fail on every rank instead of corrupti
   CHECK_FALSE(err[0].empty());
 }
 
-TEST_CASE("group offsets are 64-bit: groups past 2^31 rows; the 32-bit fault wraps", "[cpu][fault][pad]") {
+TEST_CASE("group offsets are 64-bit: groups past 2^31 rows, and the 32-bit fault wraps", "[cpu][fault][pad]") {
   const std::vector<int64_t> counts = {int64_t(1) << 30, int64_t(1) << 30, 3, int64_t(1) << 30};
   const PadLayout good = pad_layout(counts.data(), 4, 8, EmptyGroupRows::zero, FaultSet{});
   CHECK(good.start[3] == (int64_t(1) << 31) + 8);
@@ -142,7 +142,7 @@ TEST_CASE("ranks with different local padding overheads take the same equal-spli
   CHECK(hang);
 }
 
-TEST_CASE("batched experts: the weight cache is rebuilt when the version changes; the stale fault is caught",
+TEST_CASE("batched experts: the weight cache is rebuilt when the version changes, and the stale fault is caught",
           "[cpu][fault][batched]") {
   const int E_l = 3;
   const int64_t c = 70, D = 12, F = 10;  // c > one GEMM tile
@@ -179,7 +179,7 @@ TEST_CASE("batched experts: the weight cache is rebuilt when the version changes
   }
 }
 
-TEST_CASE("force-LB fast path: analytic splits equal the exchanged ones; the unguarded direct route is caught",
+TEST_CASE("force-LB fast path: analytic splits equal the exchanged ones, and the unguarded direct route is caught",
           "[cpu][fault][force_lb]") {
   for (const char* name : {"unguarded_shortcut_T6_E8_K2_R2", "unguarded_shortcut_T6_E4_K1_R2"}) {
     INFO(name);
