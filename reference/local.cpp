@@ -58,6 +58,52 @@ Vec swiglu_experts(Act act, const Vec& X, const Counts& counts, int64_t D, int64
   return Y;
 }
 
+Vec swiglu_magnitude(const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1, const Vec& W3,
+                     const Vec& W2) {
+  using MatD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  Vec M(X.size(), 0.f);
+  int64_t row = 0;
+  for (size_t j = 0; j < counts.size(); ++j) {
+    const int64_t n = counts[j];
+    MatD xj(n, D), w1(F, D), w3(F, D), w2(D, F);
+    for (int64_t i = 0; i < n * D; ++i) xj.data()[i] = X[size_t(row * D + i)];
+    for (int64_t i = 0; i < F * D; ++i) {
+      w1.data()[i] = W1[size_t(int64_t(j) * F * D + i)];
+      w3.data()[i] = W3[size_t(int64_t(j) * F * D + i)];
+      w2.data()[i] = W2[size_t(int64_t(j) * D * F + i)];
+    }
+    const MatD h1 = xj * w1.transpose(), h3 = xj * w3.transpose();
+    const MatD m1 = xj.cwiseAbs() * w1.cwiseAbs().transpose(), m3 = xj.cwiseAbs() * w3.cwiseAbs().transpose();
+    MatD Heff(n, F);
+    for (int64_t i = 0; i < n * F; ++i) {
+      const double a = h1.data()[i], b = h3.data()[i];
+      const double sig = 1.0 / (1.0 + std::exp(-a));
+      const double silu = a * sig, dsilu = sig * (1.0 + a * (1.0 - sig));
+      // first-order propagation of an error of m1 in h1 and of m3 in h3
+      Heff.data()[i] = std::fabs(silu * b) + std::fabs(dsilu * b) * m1.data()[i] + std::fabs(silu) * m3.data()[i];
+    }
+    const MatD y = Heff * w2.cwiseAbs().transpose();
+    for (int64_t i = 0; i < n * D; ++i) M[size_t(row * D + i)] = f32(y.data()[i]);
+    row += n;
+  }
+  return M;
+}
+
+Vec combine_magnitude(const CombineSpec& s, const Vec& rows_magnitude, const Ids& token_sorted,
+                      const Vec& score_sorted, const Vec& init_magnitude, const Vec& shared_magnitude, int64_t T,
+                      int64_t D) {
+  std::vector<double> m(init_magnitude.begin(), init_magnitude.end());
+  for (size_t i = 0; i < token_sorted.size(); ++i) {
+    const double w = s.apply == ScoreApply::after_experts ? std::fabs(double(score_sorted[i])) : 1.0;
+    for (int64_t c = 0; c < D; ++c)
+      m[size_t(token_sorted[i] * D + c)] += w * rows_magnitude[i * size_t(D) + size_t(c)];
+  }
+  Vec out(size_t(T * D));
+  for (int64_t i = 0; i < T * D; ++i)
+    out[size_t(i)] = f32(m[size_t(i)] + (s.shared_add == SharedAdd::add_after ? shared_magnitude[size_t(i)] : 0.0));
+  return out;
+}
+
 Vec combine(const CombineSpec& s, const Vec& routed_out, const Ids& token_sorted,
             const Vec& score_sorted, const Vec& init, const Vec& shared, int64_t T, int64_t D) {
   Vec out = init;

@@ -45,8 +45,17 @@ struct RouterOut {
   Counts counts;     // (E)
 };
 
-/// CONTRACT §1 on given logits; bias has E entries.
+/// CONTRACT §1 on given logits; bias has E entries. The composition of the
+/// three steps below.
 RouterOut route(const RouterSpec& spec, const Vec& logits, const Vec& bias, int64_t T);
+/// Step 1: softmax (max subtracted, fp64) or sigmoid, rounded to fp32. (T, E).
+Vec router_scores(const RouterSpec& spec, const Vec& logits, int64_t T);
+/// Steps 2-4 and 6 on given scores: choice = scores + bias in fp32, group
+/// masking (-inf), ids (T, K) by descending choice, ties to the lower id.
+void select_experts(const RouterSpec& spec, const Vec& scores, const Vec& bias, int64_t T, Vec& choice, Ids& ids);
+/// Steps 5, 7, 8 for given ids: the unbiased scores at ids, normalised and
+/// scaled. An id outside [0, E) gives NaN (it can match nothing).
+Vec topk_scores_for(const RouterSpec& spec, const Vec& scores, const Ids& ids, int64_t T);
 
 enum class ScoreApply { after_experts, before_experts };
 
@@ -68,6 +77,15 @@ LocalDispatch local_dispatch(Act act, ScoreApply apply, const Vec& x, const Ids&
 Vec swiglu_experts(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F,
                    const Vec& W1, const Vec& W3, const Vec& W2);
 
+/// Error scale of swiglu_experts (CONTRACT §15): element (i, j) of expert
+/// output is bounded by a multiple of the unit roundoff times
+///   M_ij = sum_f Heff_if |W2_jf|,  Heff = |H| + |silu'(h1) h3| m1 + |silu(h1)| m3,
+/// with m1 = |X| |W1|^T, m3 = |X| |W3|^T: the sum of the absolute values of
+/// every term, with a first-order propagation of the errors of h1 and h3. It
+/// is >= |Y| and does not shrink under cancellation. Same layout as the output.
+Vec swiglu_magnitude(const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1, const Vec& W3,
+                     const Vec& W2);
+
 enum class Accumulate { per_add, fp32_accumulate };
 enum class SharedAdd { none, add_after };
 
@@ -83,6 +101,14 @@ struct CombineSpec {
 /// out += shared (one rounding) when shared_add == add_after.
 Vec combine(const CombineSpec& spec, const Vec& routed_out, const Ids& token_sorted,
             const Vec& score_sorted, const Vec& init, const Vec& shared, int64_t T, int64_t D);
+
+/// Error scale of combine's output given the error scales of its inputs:
+/// init + sum over the token's rows of |score| * row scale (no |score| under
+/// before_experts, where the score is already inside the row) + the shared
+/// expert's scale under add_after. Layout (T, D).
+Vec combine_magnitude(const CombineSpec& spec, const Vec& rows_magnitude, const Ids& token_sorted,
+                      const Vec& score_sorted, const Vec& init_magnitude, const Vec& shared_magnitude, int64_t T,
+                      int64_t D);
 
 }  // namespace ref
 

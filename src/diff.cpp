@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
 
 namespace moev {
 
@@ -86,8 +87,10 @@ bool same_bits(const Tensor& a, const Tensor& b, int64_t i) {
 }  // namespace
 
 DiffResult diff_tensors(const Tensor& fast, const Tensor& ref, CompareClass cls, Tolerance tol,
-                        const CoordFn& coords, const std::vector<uint8_t>* mask) {
+                        const CoordFn& coords, const std::vector<uint8_t>* mask, const Tensor* scale) {
   DiffResult r;
+  if (scale && (scale->type != ElemType::f32 || scale->numel() != ref.numel()))
+    throw std::logic_error("diff_tensors: the error scale must be f32 with the reference's element count");
   if (fast.type != ref.type || fast.shape != ref.shape) {
     r.structural = std::string("fast ") + elem_name(fast.type) + fast.shape_str() + " vs reference " +
                    elem_name(ref.type) + ref.shape_str();
@@ -105,8 +108,17 @@ DiffResult diff_tensors(const Tensor& fast, const Tensor& ref, CompareClass cls,
     bool ok;
     if (cls == CompareClass::exact || !is_float) {
       ok = same_bits(fast, ref, i);
+    } else if (std::isnan(f) || std::isnan(g)) {
+      ok = std::isnan(f) && std::isnan(g);
+    } else if (std::isinf(f) || std::isinf(g)) {
+      ok = f == g;
     } else {
-      ok = std::fabs(f - g) <= tol.atol + tol.rtol * std::fabs(g) || (std::isinf(f) && f == g);
+      const double s = scale ? std::max(std::fabs(g), double(scale->as<float>()[i])) : std::fabs(g);
+      const double bound = tol.atol + tol.rtol * s;
+      const double err = std::fabs(f - g);
+      ok = err <= bound;
+      if (bound > 0) r.max_bound_ratio = std::max(r.max_bound_ratio, err / bound);
+      else if (err > 0) r.max_bound_ratio = INFINITY;
     }
     if (is_float && !(std::isnan(f) && std::isnan(g))) {
       const double ad = std::fabs(f - g);

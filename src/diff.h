@@ -39,10 +39,19 @@ struct DiffResult {
   std::vector<Mismatch> first, last;
   bool both_all_zero = false;
   std::string structural;  // non-empty when dtype or shape differ
+  /// Largest |fast - ref| / (atol + rtol * scale) over the compared elements
+  /// (tolerance classes only): how much of the error bound was used.
+  double max_bound_ratio = 0;
 };
 
 /// `mask`, when given, selects the elements compared (others are skipped).
+/// Tolerance classes pass element i when |fast - ref| <= atol + rtol * s_i,
+/// with s_i = max(|ref_i|, scale_i) when `scale` (an f32 tensor of the same
+/// element count: the sum of |terms| behind element i, CONTRACT §15) is given,
+/// else |ref_i|; NaN at the same place in both agrees, as do equal infinities.
+/// Exact classes (and integer tensors) compare bits.
 DiffResult diff_tensors(const Tensor& fast, const Tensor& ref, CompareClass cls, Tolerance tol,
-                        const CoordFn& coords, const std::vector<uint8_t>* mask = nullptr);
+                        const CoordFn& coords, const std::vector<uint8_t>* mask = nullptr,
+                        const Tensor* scale = nullptr);
 
 }  // namespace moev

@@ -52,14 +52,29 @@ bool promise_combined(const Case& c, const RankBoard& b);
 /// Expert outputs: promised when the rank holds real (non-padding) rows.
 bool promise_expert_rows(const Case& c, const RankBoard& b);
 
+/// The error scale of an output (CONTRACT §15): per element, the sum of the
+/// absolute values of the terms behind it, computed by the reference from the
+/// stage's inputs on one rank; an f32 tensor with the output's element count.
+using Magnitude = std::function<Tensor(const Case&, const RankBoard& inputs, int rank, int ranks)>;
+
 struct OutputSpec {
+  OutputSpec(std::string n, CompareClass c, Coords co, Promise p, Magnitude m = {})
+      : name(std::move(n)), cls(c), coords(co), promised(std::move(p)), magnitude(std::move(m)) {}
   std::string name;
   CompareClass cls = CompareClass::exact;
   Coords coords = Coords::flat;
   /// Whether the case promises non-zero data here: then two all-zero tensors
   /// with elements are NOT_VERIFIED, not PASSED. Empty: no promise.
   Promise promised;
+  /// Tolerance classes: the bound is atol + rtol * max(|ref|, magnitude).
+  /// Empty: atol + rtol * |ref|.
+  Magnitude magnitude;
 };
+
+/// The error scale of the combined output `out` of one rank, from the
+/// reference chain's board of that rank (its dispatch, scores, weights and
+/// combine init): what the end-to-end and EP-invariance checks scale by.
+Tensor combined_magnitude(const Case& c, const RankBoard& chain);
 
 /// What a fast function sees for one rank.
 struct FastCtx {

@@ -17,8 +17,23 @@
 namespace moev {
 namespace {
 
+/// Why a combined output can legitimately be all zero: the routed scores
+/// vanish in the activation dtype. Said in the NOT_VERIFIED note.
+std::string all_zero_reason(const RankBoard& b) {
+  auto it = b.find("score_sorted");
+  if (it == b.end()) return "";
+  double mx = 0;
+  for (float v : to_floats(it->second)) mx = std::max(mx, double(std::fabs(v)));
+  std::ostringstream o;
+  o << "; the largest routed score is " << mx
+    << (mx == 0 ? " (every score is zero)" : " (score-weighted rows may round to zero in the activation dtype)")
+    << ", so this data cannot show a wrong combine: raise router.route_scale or change the seed";
+  return o.str();
+}
+
 Check make_check(const Case& c, const std::string& slot, const std::string& variant, const OutputSpec& o,
-                 const Tensor* f, const Tensor* r, const RankBoard& fb, int rank, int ranks, const std::string& against) {
+                 const Tensor* f, const Tensor* r, const RankBoard& fb, int rank, int ranks, const std::string& against,
+                 const Tensor* scale = nullptr) {
   Check ch;
   ch.slot = slot;
   ch.variant = variant;
@@ -31,7 +46,12 @@ Check make_check(const Case& c, const std::string& slot, const std::string& vari
     ch.note = std::string(!f ? "fast" : "reference") + " produced no '" + o.name + "'";
     return ch;
   }
-  ch.diff = diff_tensors(*f, *r, o.cls, ch.tol, coords_for(o.coords, *f, fb, rank, ranks));
+  Tensor own_scale;
+  if (!scale && o.magnitude && o.cls != CompareClass::exact && f->type == r->type && f->shape == r->shape) {
+    own_scale = o.magnitude(c, fb, rank, ranks);
+    scale = &own_scale;
+  }
+  ch.diff = diff_tensors(*f, *r, o.cls, ch.tol, coords_for(o.coords, *f, fb, rank, ranks), nullptr, scale);
   if (!ch.diff.structural.empty()) {
     ch.outcome = Outcome::INCORRECT;
     ch.note = ch.diff.structural;
@@ -39,7 +59,13 @@ Check make_check(const Case& c, const std::string& slot, const std::string& vari
     ch.outcome = Outcome::INCORRECT;
   } else if (o.promised && o.promised(c, fb) && ch.diff.both_all_zero) {
     ch.outcome = Outcome::NOT_VERIFIED;
-    ch.note = "both tensors are all zero where the case promises data";
+    ch.note = "both tensors are all zero where the case promises data" + (o.name == "out" ? all_zero_reason(fb) : "");
+  }
+  if (scale && ch.diff.structural.empty()) {
+    std::ostringstream n;
+    n.precision(3);
+    n << "bound atol + rtol * max(|ref|, sum of |terms|) (CONTRACT §15); largest error/bound " << ch.diff.max_bound_ratio;
+    ch.note += (ch.note.empty() ? "" : "; ") + n.str();
   }
   return ch;
 }
@@ -184,7 +210,9 @@ std::string run_fast(const Stage& s, const Case& c, const RunOptions& opt, const
 /// The pipeline on R ranks with the given inputs: every slot's applicable
 /// variants against the reference, the primary feeding the next slot, and the
 /// end-to-end reference chain. `fast` ends holding every primary output.
-void run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBoard>& inputs, bool use_mpi,
+/// Returns false when a stage had no variant to feed the next one (the case
+/// is then ERROR and stops there).
+bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBoard>& inputs, bool use_mpi,
                   CaseReport& rep, Board& fast) {
   const int R = int(inputs.size());
   fast.ranks = inputs;
@@ -287,7 +315,25 @@ void run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
       }
       ran.push_back({s, out});
     }
-    if (ran.empty()) continue;  // every variant failed: later slots have no inputs
+    if (ran.empty()) {
+      // Every variant failed or declined: later slots have no inputs. The
+      // case ends here as ERROR (the failures are already checks); the next
+      // case still runs.
+      bool failed = false;
+      for (const auto& ch : rep.checks) failed = failed || (ch.slot == slot && ch.outcome == Outcome::ERROR);
+      if (!failed) {
+        Check ch;
+        ch.slot = slot;
+        ch.variant = "-";
+        ch.tensor = "-";
+        ch.outcome = Outcome::ERROR;
+        ch.note = "no variant of this stage ran";
+        rep.checks.push_back(ch);
+      }
+      rep.notes.push_back("the case stopped at stage " + slot + ": no variant produced outputs for the next stage");
+      dump.finish(c);
+      return false;
+    }
     // The primary feeds the next slot: the one the case asks for, else the first that ran.
     const Stage* primary = ran.front().first;
     Board primary_out = ran.front().second;
@@ -327,14 +373,19 @@ void run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
         for (auto& [n, t] : next.ranks[size_t(r)]) chain.ranks[size_t(r)][n] = t;
     }
   }
-  // End to end: the fast pipeline's output against the reference chain's.
-  const OutputSpec oe{"out", CompareClass::end_to_end, Coords::token_col, promise_combined};
+  // End to end: the fast pipeline's output against the reference chain's,
+  // with the error scale of the chain's combine (it also scales the EP
+  // invariance check, so it stays on the fast board as out_magnitude).
+  const OutputSpec oe{"out", CompareClass::end_to_end, Coords::token_col, promise_combined, nullptr};
   for (int r = 0; r < R; ++r) {
     const bool hf = fast.has("out", r), hc = chain.has("out", r);
+    if (hc) fast.ranks[size_t(r)]["out_magnitude"] = combined_magnitude(c, chain.ranks[size_t(r)]);
     rep.checks.push_back(make_check(c, "end_to_end", "pipeline", oe, hf ? &fast.at("out", r) : nullptr, hc ? &chain.at("out", r) : nullptr,
-                                    fast.ranks[size_t(r)], r, R, "reference chain"));
+                                    fast.ranks[size_t(r)], r, R, "reference chain",
+                                    hc ? &fast.at("out_magnitude", r) : nullptr));
   }
   dump.finish(c);
+  return true;
 }
 
 }  // namespace
@@ -351,11 +402,11 @@ CaseReport run_case(const Case& c, const RunOptions& opt) {
   std::vector<RankBoard> inputs(static_cast<size_t>(R));
   for (int r = 0; r < R; ++r) inputs[size_t(r)] = make_inputs(c, r, c.tokens_on(r));
   Board fast;
-  run_pipeline(c, opt, inputs, use_mpi, rep, fast);
+  const bool completed = run_pipeline(c, opt, inputs, use_mpi, rep, fast);
 
   // EP invariance (CONTRACT §3): each rank's output equals an EP = 1 run on
   // that rank's tokens; bitwise when the experts are row-wise exact.
-  if (R > 1) {
+  if (R > 1 && completed) {
     Case c1 = c;
     c1.ep = 1;
     c1.tokens_per_rank.clear();
@@ -370,14 +421,23 @@ CaseReport run_case(const Case& c, const RunOptions& opt) {
       for (auto& [n, t] : inputs[size_t(p)]) in1[0][n] = t.clone();
       run_pipeline(c1, o1, in1, false, r1, f1);
       Outcome w1 = Outcome::PASSED;
-      for (const auto& ch : r1.checks) w1 = worst(w1, ch.outcome);
-      const OutputSpec oi{"out", c.experts.kind == ExpertKind::identity ? CompareClass::exact : CompareClass::gemm,
-                          Coords::token_col, promise_combined};
+      const Check* first_bad = nullptr;
+      for (const auto& ch : r1.checks) {
+        if (ch.outcome != Outcome::PASSED && !first_bad) first_bad = &ch;
+        w1 = worst(w1, ch.outcome);
+      }
+      const bool exact = c.experts.kind == ExpertKind::identity;
+      const OutputSpec oi{"out", exact ? CompareClass::exact : CompareClass::gemm, Coords::token_col, promise_combined,
+                          nullptr};
       Check ch = make_check(c, "ep_invariance", "ep1_vs_ep" + std::to_string(R), oi, fast.has("out", p) ? &fast.at("out", p) : nullptr,
-                            f1.has("out", 0) ? &f1.at("out", 0) : nullptr, fast.ranks[size_t(p)], p, R, "EP = 1 run");
-      if (w1 != Outcome::PASSED) {
+                            f1.has("out", 0) ? &f1.at("out", 0) : nullptr, fast.ranks[size_t(p)], p, R, "EP = 1 run",
+                            !exact && f1.has("out_magnitude", 0) ? &f1.at("out_magnitude", 0) : nullptr);
+      if (first_bad) {
         ch.outcome = worst(ch.outcome, w1);
-        ch.note = std::string("the EP = 1 run of this rank's tokens was ") + outcome_name(w1);
+        ch.note = std::string("the EP = 1 run of this rank's tokens was ") + outcome_name(w1) + " at " + first_bad->slot +
+                  "/" + first_bad->variant + "/" + first_bad->tensor + " against " + first_bad->against +
+                  (first_bad->note.empty() ? "" : " (" + first_bad->note + ")") +
+                  (ch.note.empty() ? "" : "; " + ch.note);
       }
       rep.checks.push_back(ch);
     }

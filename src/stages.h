@@ -15,6 +15,8 @@ ref::Ids ref_ids(const Tensor& t);
 ref::Counts ref_counts(const Tensor& t);
 Tensor ids_tensor(const ref::Ids& v, ElemType t, std::vector<int64_t> shape);
 RouterConfig router_config(const Case& c);
+/// The reference router's spec for the case (CONTRACT §1).
+ref::RouterSpec ref_router_spec(const Case& c);
 /// Initial value of the combine's scatter target for this rank (CONTRACT §2, §9).
 std::vector<float> combine_init(const Case& c, const RankBoard& in);
 

@@ -39,6 +39,19 @@ RouterConfig router_config(const Case& c) {
   return r;
 }
 
+ref::RouterSpec ref_router_spec(const Case& c) {
+  ref::RouterSpec spec;
+  spec.E = c.num_experts;
+  spec.K = c.top_k;
+  spec.groups = c.router.groups;
+  spec.limited_groups = c.router.limited_groups;
+  spec.score = c.router.score == k::ScoreFunc::softmax ? ref::Score::softmax : ref::Score::sigmoid;
+  spec.selection = c.router.force_load_balance == Switch::on ? ref::Selection::force_load_balance : ref::Selection::topk;
+  spec.route_norm = c.router.route_norm == Switch::on;
+  spec.route_scale = c.router.route_scale;
+  return spec;
+}
+
 std::vector<float> combine_init(const Case& c, const RankBoard& in) {
   const Tensor& x = in.at("x");
   const int64_t n = x.numel();
@@ -136,7 +149,60 @@ ref::Vec slice_weights(const Tensor& w, int64_t first, int64_t count) {
   return ref::Vec(all.begin() + first * per, all.begin() + (first + count) * per);
 }
 
+/// Error scale of SwiGLU over the first sum(counts) rows of X with the
+/// weights of experts [first, first + counts.size()) of the `w_prefix` tensors.
+Tensor swiglu_scale(const Case& c, const RankBoard& b, const Tensor& X, const ref::Counts& counts,
+                    const std::string& w_prefix, int64_t first) {
+  int64_t rows = 0;
+  for (int64_t n : counts) rows += n;
+  ref::Vec xv = to_floats(X);
+  xv.resize(size_t(rows * c.hidden));
+  const int64_t E_l = int64_t(counts.size());
+  return from_floats(ref::swiglu_magnitude(xv, counts, c.hidden, c.ffn, slice_weights(b.at(w_prefix + "w1"), first, E_l),
+                                           slice_weights(b.at(w_prefix + "w3"), first, E_l),
+                                           slice_weights(b.at(w_prefix + "w2"), first, E_l)),
+                     ElemType::f32, {rows, c.hidden});
+}
+
+Tensor routed_swiglu_scale(const Case& c, const RankBoard& b, int rank, int ranks) {
+  const ref::Counts counts = ref_counts(b.at("expert_counts"));
+  return swiglu_scale(c, b, b.at("expert_input"), counts, "", int64_t(rank) * (c.num_experts / ranks));
+}
+
+/// |v| elementwise, as an f32 error scale.
+ref::Vec abs_of(const Tensor& t) {
+  ref::Vec v = to_floats(t);
+  for (float& x : v) x = std::fabs(x);
+  return v;
+}
+
+/// Error scale of the shared expert's output on x.
+ref::Vec shared_scale(const Case& c, const RankBoard& b) {
+  const Tensor& x = b.at("x");
+  if (c.shared.kind == SharedKind::swiglu) return to_floats(swiglu_scale(c, b, x, {x.shape[0]}, "shared_", 0));
+  return abs_of(x);
+}
+
 }  // namespace
+
+Tensor combined_magnitude(const Case& c, const RankBoard& b) {
+  const Tensor& x = b.at("x");
+  const int64_t T = x.shape[0];
+  // Rows of the rank's own dispatch (all E experts), as the experts see them.
+  const Tensor& routed = b.at("routed_input");
+  const ref::Vec rows = c.experts.kind == ExpertKind::swiglu
+                            ? to_floats(swiglu_scale(c, b, routed, ref_counts(b.at("counts")), "", 0))
+                            : abs_of(routed);
+  const bool shared = c.shared.kind != SharedKind::none;
+  const ref::Vec sh = shared ? shared_scale(c, b) : ref::Vec{};
+  ref::Vec init = c.combine.buffer == OutBuffer::fresh && shared && c.shared.order == SharedOrder::init_with_shared
+                      ? sh
+                      : combine_init(c, b);
+  for (float& v : init) v = std::fabs(v);
+  return from_floats(ref::combine_magnitude(combine_spec(c), rows, ref_ids(b.at("token_sorted")),
+                                            to_floats(b.at("score_sorted")), init, sh, T, c.hidden),
+                     ElemType::f32, x.shape);
+}
 
 void ref_swiglu(RefCtx& r, const std::string& in, const std::function<ref::Counts(const RankBoard&)>& counts_of,
                 const std::string& w_prefix, int64_t expert0_per_rank, const std::string& out) {
@@ -222,16 +288,7 @@ void register_local_stages(std::vector<Stage>& reg) {
     };
     s.ref = [](RefCtx& r) {
       const Case& c = r.c;
-      ref::RouterSpec spec;
-      spec.E = c.num_experts;
-      spec.K = c.top_k;
-      spec.groups = c.router.groups;
-      spec.limited_groups = c.router.limited_groups;
-      spec.score = c.router.score == k::ScoreFunc::softmax ? ref::Score::softmax : ref::Score::sigmoid;
-      spec.selection = c.router.force_load_balance == Switch::on ? ref::Selection::force_load_balance
-                                                                 : ref::Selection::topk;
-      spec.route_norm = c.router.route_norm == Switch::on;
-      spec.route_scale = c.router.route_scale;
+      const ref::RouterSpec spec = ref_router_spec(c);
       for (size_t q = 0; q < r.in.ranks.size(); ++q) {
         const Tensor& l = r.in.at("logits", int(q));
         const int64_t T = l.shape[0];
@@ -385,7 +442,7 @@ void register_local_stages(std::vector<Stage>& reg) {
     s.applies = [](const Case& c) { return Decision{c.experts.kind == ExpertKind::swiglu, "experts.kind is not swiglu"}; };
     s.primary = [impl](const Case& c) { return c.experts.impl == impl; };
     s.inputs = fixed_inputs({"expert_input", "expert_counts", "w1", "w3", "w2"});
-    s.outputs = {{"expert_output", CompareClass::gemm, Coords::padded_row, promise_expert_rows}};
+    s.outputs = {{"expert_output", CompareClass::gemm, Coords::padded_row, promise_expert_rows, routed_swiglu_scale}};
     s.fast = [impl](FastCtx& ctx) {
       const Tensor& counts = ctx.input("expert_counts");
       const int E_l = int(counts.numel());
@@ -403,7 +460,7 @@ void register_local_stages(std::vector<Stage>& reg) {
     s.applies = [](const Case& c) { return Decision{c.experts.kind == ExpertKind::swiglu, "experts.kind is not swiglu"}; };
     s.primary = [](const Case& c) { return c.experts.impl == ExpertsImpl::batched; };
     s.inputs = fixed_inputs({"expert_input", "expert_counts", "w1", "w3", "w2"});
-    s.outputs = {{"expert_output", CompareClass::gemm, Coords::padded_row, promise_expert_rows}};
+    s.outputs = {{"expert_output", CompareClass::gemm, Coords::padded_row, promise_expert_rows, routed_swiglu_scale}};
     s.fast = [](FastCtx& ctx) {
       const Case& c = ctx.c;
       const std::vector<int64_t> counts = to_ints(ctx.input("expert_counts"));
@@ -460,7 +517,10 @@ void register_local_stages(std::vector<Stage>& reg) {
     };
     s.primary = [](const Case&) { return true; };
     s.inputs = fixed_inputs({"x", "shared_w1", "shared_w3", "shared_w2"});
-    s.outputs = {{"shared_out", CompareClass::gemm, Coords::token_col, promise_realistic}};
+    s.outputs = {{"shared_out", CompareClass::gemm, Coords::token_col, promise_realistic,
+                  [](const Case& c, const RankBoard& b, int, int) {
+                    return from_floats(shared_scale(c, b), ElemType::f32, b.at("x").shape);
+                  }}};
     s.fast = [](FastCtx& ctx) {
       const Tensor& x = ctx.input("x");
       const int64_t rows = x.shape[0];

@@ -1,0 +1,106 @@
+#include "random_case.h"
+
+#include <algorithm>
+#include <random>
+#include <sstream>
+#include <vector>
+
+namespace moev {
+namespace {
+
+struct Draw {
+  std::mt19937_64 g;
+  int64_t in(int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(g); }
+  bool chance(double p) { return std::uniform_real_distribution<double>(0, 1)(g) < p; }
+  template <class T>
+  T pick(const std::vector<T>& v) { return v[size_t(in(0, int64_t(v.size()) - 1))]; }
+};
+
+std::vector<int> divisors(int n) {
+  std::vector<int> d;
+  for (int i = 1; i <= n; ++i)
+    if (n % i == 0) d.push_back(i);
+  return d;
+}
+
+}  // namespace
+
+std::string random_case_yaml(uint64_t seed, uint64_t index) {
+  Draw d{std::mt19937_64(seed * 0x9E3779B97F4A7C15ull + index)};
+  std::ostringstream y;
+  y.precision(17);
+  // Experts and EP ranks: E a multiple of ep; E_l = 1 and K = E happen often.
+  const int ep = int(d.pick<int64_t>({1, 1, 1, 2, 2, 3, 4, 4, 7, 8}));
+  const int E_l = int(d.pick<int64_t>({1, 1, 2, 2, 3, 4, 8}));
+  const int E = ep * E_l * (ep == 1 ? int(d.pick<int64_t>({1, 2, 3, 4, 8, 16})) : 1);
+  const int K = d.chance(0.15) ? std::min(E, 32) : int(d.in(1, std::min(E, 8)));
+  const bool big = d.chance(0.03);  // T*K past the counting sort's chunk size
+  const int64_t T = big ? d.in(600, 1200) : d.pick<int64_t>({0, 1, 2, 3, 5, 8, 13, 16, 31, 48});
+  const int64_t D = big ? d.in(1, 8) : d.pick<int64_t>({1, 2, 3, 7, 8, 16, 33});
+  const int64_t F = d.pick<int64_t>({1, 3, 8, 16, 24});
+  const char* dtype = d.pick<const char*>({"fp32", "bf16", "fp16"});
+  y << "{name: r" << index << ", seed: " << d.in(0, 1000000) << ", dtype: " << dtype
+    << ", data: " << d.pick<const char*>({"exact", "realistic"}) << ", ep: " << ep;
+  y << ", shape: {experts: " << E << ", top_k: " << K << ", hidden: " << D << ", ffn: " << F;
+  // Tokens per rank: equal, a list with zeros, or a seeded uniform draw.
+  std::vector<int64_t> per_rank(size_t(ep), T);
+  const int tmode = ep > 1 ? int(d.in(0, 2)) : 0;
+  if (tmode == 1) {
+    y << ", tokens_per_rank: [";
+    for (int r = 0; r < ep; ++r) {
+      per_rank[size_t(r)] = d.chance(0.25) ? 0 : d.in(0, 24);
+      y << (r ? ", " : "") << per_rank[size_t(r)];
+    }
+    y << "]";
+  } else if (tmode == 2) {
+    const int64_t lo = d.in(0, 8), hi = lo + d.in(0, 16);
+    y << ", tokens_per_rank: {uniform: [" << lo << ", " << hi << "]}";
+    std::fill(per_rank.begin(), per_rank.end(), lo);  // the smallest a rank can draw
+  } else {
+    y << ", tokens: " << T;
+  }
+  y << "}";
+  // Router: score, bias, groups, force-LB, norm, scale, hot expert.
+  y << ", router: {score: " << d.pick<const char*>({"softmax", "sigmoid"})
+    << ", bias: " << d.pick<const char*>({"off", "on"});
+  std::vector<int> groups;
+  for (int g : divisors(E))
+    if (g > 1 && E / g >= 2 && g <= 64) groups.push_back(g);
+  if (!groups.empty() && d.chance(0.3)) {
+    const int G = d.pick(groups);
+    const int min_kept = (K + E / G - 1) / (E / G);
+    y << ", groups: " << G << ", limited_groups: " << d.in(min_kept, G);
+  }
+  y << ", force_load_balance: " << (d.chance(0.2) ? "on" : "off")
+    << ", route_norm: " << d.pick<const char*>({"off", "on"});
+  if (d.chance(0.5)) y << ", route_scale: " << d.pick<const char*>({"0.5", "2.5", "16", "76.8", "1000", "1e6", "0.001"});
+  if (d.chance(0.2)) y << ", hot_expert: " << d.in(0, E - 1);
+  y << "}";
+  // Experts, shared experts, combine.
+  y << ", experts: {kind: " << d.pick<const char*>({"identity", "swiglu"})
+    << ", impl: " << d.pick<const char*>({"loop", "grouped", "batched"}) << "}";
+  const char* shared = d.pick<const char*>({"none", "none", "identity", "swiglu"});
+  const bool init_with_shared = std::string(shared) != "none" && d.chance(0.5);
+  y << ", shared_experts: {kind: " << shared << ", order: " << (init_with_shared ? "init_with_shared" : "add_after") << "}";
+  y << ", score_before_experts: " << (d.chance(0.3) ? "on" : "off");
+  int64_t min_T = *std::min_element(per_rank.begin(), per_rank.end());
+  std::string buffer = "fresh";
+  if (std::string(shared) == "identity" && init_with_shared && min_T > 0 && d.chance(0.6))
+    buffer = min_T * D > 1 && d.chance(0.5) ? "alias_x_offset" : "alias_x";
+  y << ", combine: {accumulate: " << d.pick<const char*>({"per_add", "fp32_accumulate"})
+    << ", placement: " << d.pick<const char*>({"out_of_place", "in_place"}) << ", buffer: " << buffer;
+  if (buffer == "alias_x_offset") y << ", alias_offset: " << d.in(1, min_T * D - 1);
+  y << "}";
+  // EP-only keys are valid (and exercised) at ep = 1 too.
+  y << ", align: " << d.pick<int64_t>({1, 1, 2, 4, 8, 16, 128}) << ", empty_groups: " << d.pick<const char*>({"zero", "pad"})
+    << ", permute: " << d.pick<const char*>({"auto", "generic", "equal_count"});
+  y << ", equal_split: {policy: " << d.pick<const char*>({"off", "force", "adaptive"})
+    << ", threshold: " << d.pick<const char*>({"0", "0.1", "0.5", "3"}) << "}";
+  // Tolerance overrides only loosen: a user who widens a tolerance must not
+  // get a false alarm from it.
+  if (d.chance(0.1)) y << ", tolerance: {gemm: {rtol: 0.05, atol: 0.05}, end_to_end: {rtol: 0.05}, scores: {atol: 1e-6}, logits: {rtol: 1e-4}}";
+  y << "}";
+  return y.str();
+}
+
+}  // namespace moev
