@@ -356,7 +356,9 @@ void register_local_stages(std::vector<Stage>& reg) {
     // FRAMEWORKS §6.2: the stable sort of round-robin ids depends only on
     // (T*K, E, K), so it is cached under that key. The variant applies only
     // with force-load-balance routing (a cached order used with top-k routing
-    // would silently be wrong).
+    // would silently be wrong). Each rank has its own cache, as each process
+    // does under mpirun: in-process ranks sharing one would make which rank
+    // misses first, and so the report, depend on thread scheduling.
     Stage s;
     s.slot = "dispatch";
     s.variant = "force_lb_cached_sort";
@@ -369,7 +371,7 @@ void register_local_stages(std::vector<Stage>& reg) {
     s.outputs = reg.back().outputs;
     s.fast = [](FastCtx& ctx) {
       static std::mutex m;
-      static std::map<std::tuple<int64_t, int, int>, std::vector<int32_t>> cache;
+      static std::map<std::tuple<int, int64_t, int, int>, std::vector<int32_t>> cache;
       const Case& c = ctx.c;
       const Tensor& x = ctx.input("x");
       const int64_t T = x.shape[0], N = T * c.top_k;
@@ -377,7 +379,7 @@ void register_local_stages(std::vector<Stage>& reg) {
       bool hit = false;
       {
         std::lock_guard<std::mutex> lk(m);
-        auto key = std::make_tuple(N, c.num_experts, c.top_k);
+        auto key = std::make_tuple(ctx.rank, N, c.num_experts, c.top_k);
         auto it = cache.find(key);
         hit = it != cache.end();
         if (!hit) {
