@@ -137,14 +137,23 @@ void dispatch_gather(const ExecCtx& ctx, DType dt, k::ScoreApply apply, const vo
 void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* X,
                     const int64_t* counts, int E_l, int64_t D, int64_t F, const void* W1,
                     const void* W3, const void* W2, void* Y) {
+  int64_t rows = 0;
+  for (int j = 0; j < E_l; ++j) rows += counts[j];
+  std::vector<uint8_t> h13_buf(size_t(rows * 2 * F) * dtype_bytes(dt)), H_buf(size_t(rows * F) * dtype_bytes(dt));
+  experts_swiglu(ctx, dt, impl, X, counts, E_l, D, F, W1, W3, W2, Y, SwigluIntermediates{h13_buf.data(), H_buf.data()});
+}
+
+void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* X,
+                    const int64_t* counts, int E_l, int64_t D, int64_t F, const void* W1,
+                    const void* W3, const void* W2, void* Y, const SwigluIntermediates& mid) {
   dispatch_dtype(dt, [&](auto tag) {
     using T = decltype(tag);
     const T* xs = static_cast<const T*>(X);
     T* ys = static_cast<T*>(Y);
     std::vector<int64_t> off(size_t(E_l) + 1, 0);
     for (int j = 0; j < E_l; ++j) off[size_t(j) + 1] = off[size_t(j)] + counts[j];
-    const int64_t rows = off[size_t(E_l)];
-    std::vector<T> h13(size_t(rows * 2 * F)), H(size_t(rows * F));
+    T* const h13 = static_cast<T*>(mid.h13);
+    T* const H = static_cast<T*>(mid.H);
     const T* w1 = static_cast<const T*>(W1);
     const T* w3 = static_cast<const T*>(W3);
     const T* w2 = static_cast<const T*>(W2);
@@ -158,13 +167,13 @@ void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* 
         auto tile_rows = [&](int64_t t) { return std::min(kGemmTile, n - t * kGemmTile); };
         host_run(ctx, tiles, [&](int64_t t, int, int) {
           const int64_t r = r0 + t * kGemmTile;
-          gemm_typed(xs + r * D, tile_rows(t), D, D, w1 + j * F * D, F, h13.data() + r * 2 * F, 2 * F);
-          gemm_typed(xs + r * D, tile_rows(t), D, D, w3 + j * F * D, F, h13.data() + r * 2 * F + F, 2 * F);
+          gemm_typed(xs + r * D, tile_rows(t), D, D, w1 + j * F * D, F, h13 + r * 2 * F, 2 * F);
+          gemm_typed(xs + r * D, tile_rows(t), D, D, w3 + j * F * D, F, h13 + r * 2 * F + F, 2 * F);
         });
-        host_run(ctx, n, k::SwigluBody<T>{h13.data() + r0 * 2 * F, H.data() + r0 * F, F});
+        host_run(ctx, n, k::SwigluBody<T>{h13 + r0 * 2 * F, H + r0 * F, F});
         host_run(ctx, tiles, [&](int64_t t, int, int) {
           const int64_t r = r0 + t * kGemmTile;
-          gemm_typed(H.data() + r * F, tile_rows(t), F, F, w2 + j * D * F, D, ys + r * D, D);
+          gemm_typed(H + r * F, tile_rows(t), F, F, w2 + j * D * F, D, ys + r * D, D);
         });
       }
     } else {
@@ -179,11 +188,11 @@ void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* 
       host_run(ctx, int64_t(item_row.size()), [&](int64_t it, int, int) {
         const int64_t r = item_row[size_t(it)], j = item_expert[size_t(it)];
         const int64_t n = std::min(kGemmTile, off[size_t(j) + 1] - r);
-        gemm_typed(xs + r * D, n, D, D, w1 + j * F * D, F, h13.data() + r * 2 * F, 2 * F);
-        gemm_typed(xs + r * D, n, D, D, w3 + j * F * D, F, h13.data() + r * 2 * F + F, 2 * F);
-        const k::SwigluBody<T> act{h13.data(), H.data(), F};
+        gemm_typed(xs + r * D, n, D, D, w1 + j * F * D, F, h13 + r * 2 * F, 2 * F);
+        gemm_typed(xs + r * D, n, D, D, w3 + j * F * D, F, h13 + r * 2 * F + F, 2 * F);
+        const k::SwigluBody<T> act{h13, H, F};
         for (int64_t q = r; q < r + n; ++q) act(q, 0, 1);
-        gemm_typed(H.data() + r * F, n, F, F, w2 + j * D * F, D, ys + r * D, D);
+        gemm_typed(H + r * F, n, F, F, w2 + j * D * F, D, ys + r * D, D);
       });
     }
   });
@@ -192,6 +201,14 @@ void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* 
 void experts_swiglu_batched(const ExecCtx& ctx, DType dt, const void* X, int64_t c, int E_l, int64_t D, int64_t F,
                             const void* W1, const void* W3, const void* W2, uint64_t version,
                             BatchedWeightCache& cache, void* Y) {
+  std::vector<uint8_t> h13_buf(size_t(E_l * c * 2 * F) * dtype_bytes(dt)), H_buf(size_t(E_l * c * F) * dtype_bytes(dt));
+  experts_swiglu_batched(ctx, dt, X, c, E_l, D, F, W1, W3, W2, version, cache, Y,
+                         SwigluIntermediates{h13_buf.data(), H_buf.data()});
+}
+
+void experts_swiglu_batched(const ExecCtx& ctx, DType dt, const void* X, int64_t c, int E_l, int64_t D, int64_t F,
+                            const void* W1, const void* W3, const void* W2, uint64_t version,
+                            BatchedWeightCache& cache, void* Y, const SwigluIntermediates& mid) {
   dispatch_dtype(dt, [&](auto tag) {
     using T = decltype(tag);
     const size_t fd = size_t(F * D);
@@ -218,15 +235,16 @@ void experts_swiglu_batched(const ExecCtx& ctx, DType dt, const void* X, int64_t
     const T* w2t = reinterpret_cast<const T*>(cache.w2t.data());
     const T* xs = static_cast<const T*>(X);
     T* ys = static_cast<T*>(Y);
-    std::vector<T> h13(size_t(E_l * c * 2 * F)), H(size_t(E_l * c * F));
+    T* const h13 = static_cast<T*>(mid.h13);
+    T* const H = static_cast<T*>(mid.H);
     const int64_t tiles = (c + kGemmTile - 1) / kGemmTile;
     host_run(ctx, E_l * tiles, [&](int64_t item, int, int) {
       const int64_t j = item / tiles, r = j * c + (item % tiles) * kGemmTile;
       const int64_t n = std::min(kGemmTile, (j + 1) * c - r);
-      gemm_typed(xs + r * D, n, D, D, w13 + size_t(j) * 2 * fd, 2 * F, h13.data() + r * 2 * F, 2 * F);
-      const k::SwigluBody<T> act{h13.data(), H.data(), F};
+      gemm_typed(xs + r * D, n, D, D, w13 + size_t(j) * 2 * fd, 2 * F, h13 + r * 2 * F, 2 * F);
+      const k::SwigluBody<T> act{h13, H, F};
       for (int64_t q = r; q < r + n; ++q) act(q, 0, 1);
-      gemm_typed(H.data() + r * F, n, F, F, w2t + size_t(j) * fd, D, ys + r * D, D, WeightLayout::k_by_n);
+      gemm_typed(H + r * F, n, F, F, w2t + size_t(j) * fd, D, ys + r * D, D, WeightLayout::k_by_n);
     });
   });
 }

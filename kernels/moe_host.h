@@ -45,8 +45,21 @@ void dispatch_gather(const ExecCtx& ctx, DType dt, k::ScoreApply apply, const vo
 
 enum class ExpertsImpl : uint8_t { loop, grouped, batched /* experts_swiglu_batched */ };
 
+/// The SwiGLU intermediates, caller-owned, in dtype: h13 (rows, 2F) holds
+/// [h1 | h3] = [round(X W1^T) | round(X W3^T)] per row, H (rows, F) the
+/// activation round(silu(h1) * h3) (CONTRACT §8). Written so that the
+/// activation can be checked on its own, given the same GEMM outputs.
+struct SwigluIntermediates {
+  void* h13;
+  void* H;
+};
+
 /// SwiGLU experts (CONTRACT §8) over expert-major rows: expert j owns
 /// counts[j] consecutive rows of X. W1, W3: (E_l, F, D); W2: (E_l, D, F).
+void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* X,
+                    const int64_t* counts, int E_l, int64_t D, int64_t F, const void* W1,
+                    const void* W3, const void* W2, void* Y, const SwigluIntermediates& mid);
+/// The same with intermediates it allocates and drops.
 void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* X,
                     const int64_t* counts, int E_l, int64_t D, int64_t F, const void* W1,
                     const void* W3, const void* W2, void* Y);
@@ -64,6 +77,10 @@ struct BatchedWeightCache {
 /// Batched equal-count SwiGLU: every one of the E_l experts has exactly c > 0
 /// rows. h13 = X_j W13_j^T (one GEMM of width 2F), H = swiglu(h13),
 /// Y_j = H W2T_j. Rebuilds the cache when `weights_version` differs.
+void experts_swiglu_batched(const ExecCtx& ctx, DType dt, const void* X, int64_t c, int E_l, int64_t D, int64_t F,
+                            const void* W1, const void* W3, const void* W2, uint64_t weights_version,
+                            BatchedWeightCache& cache, void* Y, const SwigluIntermediates& mid);
+/// The same with intermediates it allocates and drops.
 void experts_swiglu_batched(const ExecCtx& ctx, DType dt, const void* X, int64_t c, int E_l, int64_t D, int64_t F,
                             const void* W1, const void* W3, const void* W2, uint64_t weights_version,
                             BatchedWeightCache& cache, void* Y);

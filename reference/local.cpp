@@ -29,10 +29,15 @@ LocalDispatch local_dispatch(Act act, ScoreApply apply, const Vec& x, const Ids&
   return d;
 }
 
-Vec swiglu_experts(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F,
-                   const Vec& W1, const Vec& W3, const Vec& W2) {
+SwigluTrace swiglu_experts_traced(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F,
+                                  const Vec& W1, const Vec& W3, const Vec& W2) {
   using MatD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  Vec Y(X.size(), 0.f);
+  int64_t rows = 0;
+  for (int64_t n : counts) rows += n;
+  SwigluTrace o;
+  o.Y.assign(X.size(), 0.f);
+  o.h13.assign(size_t(rows * 2 * F), 0.f);
+  o.H.assign(size_t(rows * F), 0.f);
   int64_t row = 0;
   for (size_t j = 0; j < counts.size(); ++j) {
     const int64_t n = counts[j];
@@ -45,17 +50,73 @@ Vec swiglu_experts(Act act, const Vec& X, const Counts& counts, int64_t D, int64
     }
     const MatD h1 = xj * w1.transpose(), h3 = xj * w3.transpose();
     MatD H(n, F);
-    for (int64_t i = 0; i < n * F; ++i) {
-      const float a = round_act(act, f32(h1.data()[i]));
-      const float b = round_act(act, f32(h3.data()[i]));
-      const float silu = f32(double(a) / (1.0 + std::exp(-double(a))));
-      H.data()[i] = round_act(act, f32(double(silu) * b));
-    }
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t f = 0; f < F; ++f) {
+        const float a = round_act(act, f32(h1(r, f)));
+        const float b = round_act(act, f32(h3(r, f)));
+        o.h13[size_t((row + r) * 2 * F + f)] = a;
+        o.h13[size_t((row + r) * 2 * F + F + f)] = b;
+        const float silu = f32(double(a) / (1.0 + std::exp(-double(a))));
+        H(r, f) = round_act(act, f32(double(silu) * b));
+        o.H[size_t((row + r) * F + f)] = float(H(r, f));
+      }
     const MatD y = H * w2.transpose();
-    for (int64_t i = 0; i < n * D; ++i) Y[size_t(row * D + i)] = round_act(act, f32(y.data()[i]));
+    for (int64_t i = 0; i < n * D; ++i) o.Y[size_t(row * D + i)] = round_act(act, f32(y.data()[i]));
     row += n;
   }
-  return Y;
+  return o;
+}
+
+Vec swiglu_experts(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1, const Vec& W3,
+                   const Vec& W2) {
+  return swiglu_experts_traced(act, X, counts, D, F, W1, W3, W2).Y;
+}
+
+Vec swiglu_hidden(Act act, const Vec& h13, int64_t rows, int64_t F, Vec& halfwidth) {
+  // fp32 silu and product carry a few fp32 roundings (and exp's error): the
+  // exact value v is known to about 2^-20 relative. Any rounding of a value
+  // in v (1 -+ 2^-20) is accepted; a dropped or extra rounding to act moves
+  // H by far more for bf16/fp16.
+  const double eps = std::ldexp(1.0, -20);
+  // Below about 2^-120 relative to |h3| an fp32 silu underflows (exp(-a)
+  // overflows to inf for a < -88.7, giving -0): those values carry no
+  // information about a rounding point, so they get that much absolute room.
+  const double tiny = std::ldexp(1.0, -118);
+  Vec H(size_t(rows * F));
+  halfwidth.assign(size_t(rows * F), 0.f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t f = 0; f < F; ++f) {
+      const double a = h13[size_t(r * 2 * F + f)], b = h13[size_t(r * 2 * F + F + f)];
+      const double v = a / (1.0 + std::exp(-a)) * b;
+      const float mid = round_act(act, f32(v));
+      const double room = eps * std::fabs(v) + tiny * std::fabs(b);
+      const float lo = round_act(act, f32(v - room)), hi = round_act(act, f32(v + room));
+      H[size_t(r * F + f)] = mid;
+      halfwidth[size_t(r * F + f)] = std::isfinite(mid) ? std::max(hi - mid, mid - lo) : 0.f;
+    }
+  return H;
+}
+
+Vec swiglu_h13_magnitude(const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1, const Vec& W3) {
+  int64_t rows = 0;
+  for (int64_t n : counts) rows += n;
+  Vec m(size_t(rows * 2 * F), 0.f);
+  int64_t row = 0;
+  for (size_t j = 0; j < counts.size(); ++j) {
+    for (int64_t r = row; r < row + counts[j]; ++r)
+      for (int64_t f = 0; f < F; ++f) {
+        double m1 = 0, m3 = 0;
+        for (int64_t d = 0; d < D; ++d) {
+          const double x = std::fabs(double(X[size_t(r * D + d)]));
+          m1 += x * std::fabs(double(W1[size_t((int64_t(j) * F + f) * D + d)]));
+          m3 += x * std::fabs(double(W3[size_t((int64_t(j) * F + f) * D + d)]));
+        }
+        m[size_t(r * 2 * F + f)] = f32(m1);
+        m[size_t(r * 2 * F + F + f)] = f32(m3);
+      }
+    row += counts[j];
+  }
+  return m;
 }
 
 Vec swiglu_magnitude(const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1, const Vec& W3,

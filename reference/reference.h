@@ -77,6 +77,23 @@ LocalDispatch local_dispatch(Act act, ScoreApply apply, const Vec& x, const Ids&
 Vec swiglu_experts(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F,
                    const Vec& W1, const Vec& W3, const Vec& W2);
 
+/// swiglu_experts with its intermediates at the contract's rounding points:
+/// h13 (rows, 2F) = [h1 | h3] rounded to act, H (rows, F), Y (rows, D).
+struct SwigluTrace {
+  Vec h13, H, Y;
+};
+SwigluTrace swiglu_experts_traced(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F,
+                                  const Vec& W1, const Vec& W3, const Vec& W2);
+
+/// The activation H = round_act(silu(h1) * h3) (CONTRACT §8) of given
+/// [h1 | h3] rows, computed in fp64: what H must be given those GEMM outputs.
+/// halfwidth[i] is how far a correct fp32 computation may land from H[i]
+/// (one act rounding of a value within 2^-20 relative of the exact one).
+Vec swiglu_hidden(Act act, const Vec& h13, int64_t rows, int64_t F, Vec& halfwidth);
+
+/// Error scale of h13: [|X| |W1|^T | |X| |W3|^T] per row (CONTRACT §15).
+Vec swiglu_h13_magnitude(const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1, const Vec& W3);
+
 /// Error scale of swiglu_experts (CONTRACT §15): element (i, j) of expert
 /// output is bounded by a multiple of the unit roundoff times
 ///   M_ij = sum_f Heff_if |W2_jf|,  Heff = |H| + |silu'(h1) h3| m1 + |silu(h1)| m3,

@@ -91,7 +91,8 @@ const EnumTable<CompareClass>& compare_class_table() {
                                             {"logits", CompareClass::logits},
                                             {"scores", CompareClass::scores},
                                             {"gemm", CompareClass::gemm},
-                                            {"end_to_end", CompareClass::end_to_end}};
+                                            {"end_to_end", CompareClass::end_to_end},
+                                            {"rounding", CompareClass::rounding}};
   return t;
 }
 
@@ -295,7 +296,7 @@ const std::vector<Field>& schema() {
     v.push_back({"equal_split.threshold", "number in [0, 10] (padding overhead fraction)",
                  [](Case& c, const Src& s, const std::string& k) { c.equal_split.threshold = as_real(s, k, 0, 10); }});
     for (const auto& [cname, cls] : compare_class_table()) {
-      if (cls == CompareClass::exact) continue;
+      if (cls == CompareClass::exact || cls == CompareClass::rounding) continue;
       const std::string base = std::string("tolerance.") + cname;
       for (const char* part : {"rtol", "atol"}) {
         const bool is_rtol = std::string(part) == "rtol";

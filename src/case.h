@@ -55,8 +55,10 @@ struct Tolerance {
   double rtol = 0, atol = 0;
 };
 
-/// Comparison classes of the tolerance table (STYLE 4).
-enum class CompareClass { exact, logits, scores, gemm, end_to_end };
+/// Comparison classes of the tolerance table (STYLE 4). `rounding`: equal up
+/// to the act rounding of a value known to a few fp32 ulps (the bound is the
+/// per-element half-width the reference gives; not overridable).
+enum class CompareClass { exact, logits, scores, gemm, end_to_end, rounding };
 const EnumTable<CompareClass>& compare_class_table();
 
 struct Case {

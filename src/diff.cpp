@@ -35,6 +35,8 @@ int exit_status(Outcome o) {
 Tolerance default_tolerance(CompareClass cls, DType act) {
   switch (cls) {
     case CompareClass::exact: return {0, 0};
+    // the bound is the per-element half-width passed as the error scale
+    case CompareClass::rounding: return {1, 0};
     // fp32 logits and scores: fp32 accumulation / fp32 exp against an fp64 reference
     case CompareClass::logits: return {1e-5, 1e-5};
     case CompareClass::scores: return {1e-5, 1e-7};
@@ -52,6 +54,7 @@ Tolerance default_tolerance(CompareClass cls, DType act) {
 }
 
 Tolerance tolerance_for(const Case& c, CompareClass cls) {
+  if (cls == CompareClass::rounding) return default_tolerance(cls, c.dtype);
   auto it = c.tolerance_override.find(cls);
   Tolerance t = default_tolerance(cls, c.dtype);
   if (it != c.tolerance_override.end()) {
@@ -113,7 +116,9 @@ DiffResult diff_tensors(const Tensor& fast, const Tensor& ref, CompareClass cls,
     } else if (std::isinf(f) || std::isinf(g)) {
       ok = f == g;
     } else {
-      const double s = scale ? std::max(std::fabs(g), double(scale->as<float>()[i])) : std::fabs(g);
+      const double s = cls == CompareClass::rounding ? (scale ? double(scale->as<float>()[i]) : 0.0)
+                       : scale ? std::max(std::fabs(g), double(scale->as<float>()[i]))
+                               : std::fabs(g);
       const double bound = tol.atol + tol.rtol * s;
       const double err = std::fabs(f - g);
       ok = err <= bound;

@@ -49,7 +49,8 @@ using Promise = std::function<bool(const Case&, const RankBoard&)>;
 bool promise_always(const Case& c, const RankBoard& b);
 bool promise_realistic(const Case& c, const RankBoard& b);
 bool promise_combined(const Case& c, const RankBoard& b);
-/// Expert outputs: promised when the rank holds real (non-padding) rows.
+/// Expert outputs: promised when the rank holds real (non-padding) rows that
+/// are not all zero.
 bool promise_expert_rows(const Case& c, const RankBoard& b);
 
 /// The error scale of an output (CONTRACT §15): per element, the sum of the
@@ -69,6 +70,12 @@ struct OutputSpec {
   /// Tolerance classes: the bound is atol + rtol * max(|ref|, magnitude).
   /// Empty: atol + rtol * |ref|.
   Magnitude magnitude;
+  /// When set, this output is checked against what the reference derives
+  /// from the variant's own other outputs (the SwiGLU activation from the
+  /// fast GEMM outputs), not against the reference stage; it writes the
+  /// per-element error scale. Such outputs are not compared across variants.
+  std::function<Tensor(const Case&, const RankBoard& fast_merged, Tensor& scale)> from_fast;
+  std::string from_fast_label;
 };
 
 /// The error scale of the combined output `out` of one rank, from the

@@ -132,15 +132,18 @@ const void* expert_weights(const FastCtx& ctx, const std::string& name, int expe
 
 /// Runs SwiGLU experts on `X` rows grouped by `counts` (E_l groups) with the
 /// weights of experts [expert0, expert0 + E_l) of the `w_prefix` tensors.
+/// The intermediates are written as `mid`h13 and `mid`hidden.
 void fast_swiglu(FastCtx& ctx, ExpertsImpl impl, const Tensor& X, const int64_t* counts, int E_l,
-                 const std::string& w_prefix, int expert0, const std::string& out) {
+                 const std::string& w_prefix, int expert0, const std::string& out, const std::string& mid) {
   const Case& c = ctx.c;
   int64_t rows = 0;
   for (int j = 0; j < E_l; ++j) rows += counts[j];
   Tensor& Y = ctx.output(out, X.type, {rows, c.hidden});
+  Tensor& h13 = ctx.output(mid + "h13", X.type, {rows, 2 * c.ffn});
+  Tensor& H = ctx.output(mid + "hidden", X.type, {rows, c.ffn});
   experts_swiglu(ctx.exec, c.dtype, impl, X.data(), counts, E_l, c.hidden, c.ffn,
                  expert_weights(ctx, w_prefix + "w1", expert0), expert_weights(ctx, w_prefix + "w3", expert0),
-                 expert_weights(ctx, w_prefix + "w2", expert0), Y.data());
+                 expert_weights(ctx, w_prefix + "w2", expert0), Y.data(), SwigluIntermediates{h13.data(), H.data()});
 }
 
 ref::Vec slice_weights(const Tensor& w, int64_t first, int64_t count) {
@@ -167,6 +170,58 @@ Tensor swiglu_scale(const Case& c, const RankBoard& b, const Tensor& X, const re
 Tensor routed_swiglu_scale(const Case& c, const RankBoard& b, int rank, int ranks) {
   const ref::Counts counts = ref_counts(b.at("expert_counts"));
   return swiglu_scale(c, b, b.at("expert_input"), counts, "", int64_t(rank) * (c.num_experts / ranks));
+}
+
+/// Where a SwiGLU runs: its input rows, their groups, and whose weights.
+struct SwigluSite {
+  std::string input, w_prefix, mid;
+  std::function<ref::Counts(const RankBoard&)> counts_of;
+  std::function<int64_t(const Case&, int rank, int ranks)> first_expert;
+};
+
+const SwigluSite& routed_site() {
+  static const SwigluSite s{"expert_input", "", "expert_",
+                            [](const RankBoard& b) { return ref_counts(b.at("expert_counts")); },
+                            [](const Case& c, int rank, int ranks) { return int64_t(rank) * (c.num_experts / ranks); }};
+  return s;
+}
+
+const SwigluSite& shared_site() {
+  static const SwigluSite s{"x", "shared_", "shared_", [](const RankBoard& b) { return ref::Counts{b.at("x").shape[0]}; },
+                            [](const Case&, int, int) { return int64_t(0); }};
+  return s;
+}
+
+/// The intermediates of a SwiGLU as checked outputs (issue 11: an extra
+/// rounding inside the activation hid under the GEMM tolerance): h13 against
+/// the reference within the GEMM bound, and H against the activation the
+/// reference computes from the fast h13 itself, up to one act rounding.
+std::vector<OutputSpec> swiglu_mid_outputs(const SwigluSite& site, Coords co) {
+  const SwigluSite* st = &site;
+  OutputSpec h13(site.mid + "h13", CompareClass::gemm, co, nullptr,
+                 [st](const Case& c, const RankBoard& b, int rank, int ranks) {
+                   const ref::Counts counts = st->counts_of(b);
+                   int64_t rows = 0;
+                   for (int64_t n : counts) rows += n;
+                   ref::Vec xv = to_floats(b.at(st->input));
+                   xv.resize(size_t(rows * c.hidden));
+                   const int64_t first = st->first_expert(c, rank, ranks), E_l = int64_t(counts.size());
+                   return from_floats(ref::swiglu_h13_magnitude(xv, counts, c.hidden, c.ffn,
+                                                                slice_weights(b.at(st->w_prefix + "w1"), first, E_l),
+                                                                slice_weights(b.at(st->w_prefix + "w3"), first, E_l)),
+                                      ElemType::f32, {rows, 2 * c.ffn});
+                 });
+  OutputSpec hidden(site.mid + "hidden", CompareClass::rounding, co, nullptr);
+  hidden.from_fast = [st](const Case& c, const RankBoard& b, Tensor& scale) {
+    const Tensor& h13 = b.at(st->mid + "h13");
+    const int64_t rows = h13.shape[0];
+    ref::Vec half;
+    const ref::Vec H = ref::swiglu_hidden(ref_act(c.dtype), to_floats(h13), rows, c.ffn, half);
+    scale = from_floats(half, ElemType::f32, {rows, c.ffn});
+    return from_floats(H, h13.type, {rows, c.ffn});
+  };
+  hidden.from_fast_label = "ref on fast h13";
+  return {h13, hidden};
 }
 
 /// |v| elementwise, as an f32 error scale.
@@ -205,7 +260,7 @@ Tensor combined_magnitude(const Case& c, const RankBoard& b) {
 }
 
 void ref_swiglu(RefCtx& r, const std::string& in, const std::function<ref::Counts(const RankBoard&)>& counts_of,
-                const std::string& w_prefix, int64_t expert0_per_rank, const std::string& out) {
+                const std::string& w_prefix, int64_t expert0_per_rank, const std::string& out, const std::string& mid) {
   const Case& c = r.c;
   for (size_t q = 0; q < r.in.ranks.size(); ++q) {
     const RankBoard& b = r.in.ranks[q];
@@ -217,12 +272,12 @@ void ref_swiglu(RefCtx& r, const std::string& in, const std::function<ref::Count
     for (int64_t n : counts) rows += n;
     ref::Vec xv = to_floats(X);
     xv.resize(size_t(rows * c.hidden));  // rows past the last group (a padding tail) are no expert's
-    r.out.ranks[q][out] = from_floats(
-        ref::swiglu_experts(ref_act(c.dtype), xv, counts, c.hidden, c.ffn,
-                            slice_weights(b.at(w_prefix + "w1"), first, E_l),
-                            slice_weights(b.at(w_prefix + "w3"), first, E_l),
-                            slice_weights(b.at(w_prefix + "w2"), first, E_l)),
-        X.type, {rows, c.hidden});
+    const ref::SwigluTrace tr = ref::swiglu_experts_traced(ref_act(c.dtype), xv, counts, c.hidden, c.ffn,
+                                                           slice_weights(b.at(w_prefix + "w1"), first, E_l),
+                                                           slice_weights(b.at(w_prefix + "w3"), first, E_l),
+                                                           slice_weights(b.at(w_prefix + "w2"), first, E_l));
+    r.out.ranks[q][out] = from_floats(tr.Y, X.type, {rows, c.hidden});
+    r.out.ranks[q][mid + "h13"] = from_floats(tr.h13, X.type, {rows, 2 * c.ffn});
   }
 }
 
@@ -231,7 +286,7 @@ void ref_swiglu(RefCtx& r, const std::string& in, const std::function<ref::Count
 void ref_routed_swiglu(RefCtx& r) {
   const int64_t E_l = r.c.num_experts / int64_t(r.in.ranks.size());
   ref_swiglu(r, "expert_input", [](const RankBoard& b) { return ref_counts(b.at("expert_counts")); }, "", E_l,
-             "expert_output");
+             "expert_output", "expert_");
 }
 
 void register_local_stages(std::vector<Stage>& reg) {
@@ -445,11 +500,12 @@ void register_local_stages(std::vector<Stage>& reg) {
     s.primary = [impl](const Case& c) { return c.experts.impl == impl; };
     s.inputs = fixed_inputs({"expert_input", "expert_counts", "w1", "w3", "w2"});
     s.outputs = {{"expert_output", CompareClass::gemm, Coords::padded_row, promise_expert_rows, routed_swiglu_scale}};
+    for (auto& o : swiglu_mid_outputs(routed_site(), Coords::padded_row)) s.outputs.push_back(o);
     s.fast = [impl](FastCtx& ctx) {
       const Tensor& counts = ctx.input("expert_counts");
       const int E_l = int(counts.numel());
       fast_swiglu(ctx, impl, ctx.input("expert_input"), counts.as<int64_t>(), E_l, "", ctx.rank * E_l,
-                  "expert_output");
+                  "expert_output", "expert_");
     };
     s.ref = ref_routed_swiglu;
     reg.push_back(s);
@@ -463,6 +519,7 @@ void register_local_stages(std::vector<Stage>& reg) {
     s.primary = [](const Case& c) { return c.experts.impl == ExpertsImpl::batched; };
     s.inputs = fixed_inputs({"expert_input", "expert_counts", "w1", "w3", "w2"});
     s.outputs = {{"expert_output", CompareClass::gemm, Coords::padded_row, promise_expert_rows, routed_swiglu_scale}};
+    for (auto& o : swiglu_mid_outputs(routed_site(), Coords::padded_row)) s.outputs.push_back(o);
     s.fast = [](FastCtx& ctx) {
       const Case& c = ctx.c;
       const std::vector<int64_t> counts = to_ints(ctx.input("expert_counts"));
@@ -475,9 +532,12 @@ void register_local_stages(std::vector<Stage>& reg) {
       const Tensor& X = ctx.input("expert_input");
       const int e0 = ctx.rank * E_l;
       Tensor& Y = ctx.output("expert_output", X.type, {cnt * E_l, c.hidden});
+      Tensor& h13 = ctx.output("expert_h13", X.type, {cnt * E_l, 2 * c.ffn});
+      Tensor& H = ctx.output("expert_hidden", X.type, {cnt * E_l, c.ffn});
       BatchedWeightCache cache;  // cold per run; reuse across versions is tested in test_ep.cpp
       experts_swiglu_batched(ctx.exec, c.dtype, X.data(), cnt, E_l, c.hidden, c.ffn, expert_weights(ctx, "w1", e0),
-                             expert_weights(ctx, "w3", e0), expert_weights(ctx, "w2", e0), 1, cache, Y.data());
+                             expert_weights(ctx, "w3", e0), expert_weights(ctx, "w2", e0), 1, cache, Y.data(),
+                             SwigluIntermediates{h13.data(), H.data()});
       ctx.notes.push_back("rank " + std::to_string(ctx.rank) + ": batched over (E_l, c) = (" + std::to_string(E_l) +
                           ", " + std::to_string(cnt) + ")");
     };
@@ -523,13 +583,15 @@ void register_local_stages(std::vector<Stage>& reg) {
                   [](const Case& c, const RankBoard& b, int, int) {
                     return from_floats(shared_scale(c, b), ElemType::f32, b.at("x").shape);
                   }}};
+    for (auto& o : swiglu_mid_outputs(shared_site(), Coords::token_col)) s.outputs.push_back(o);
     s.fast = [](FastCtx& ctx) {
       const Tensor& x = ctx.input("x");
       const int64_t rows = x.shape[0];
-      fast_swiglu(ctx, ExpertsImpl::loop, x, &rows, 1, "shared_", 0, "shared_out");
+      fast_swiglu(ctx, ExpertsImpl::loop, x, &rows, 1, "shared_", 0, "shared_out", "shared_");
     };
     s.ref = [](RefCtx& r) {
-      ref_swiglu(r, "x", [](const RankBoard& b) { return ref::Counts{b.at("x").shape[0]}; }, "shared_", 0, "shared_out");
+      ref_swiglu(r, "x", [](const RankBoard& b) { return ref::Counts{b.at("x").shape[0]}; }, "shared_", 0, "shared_out",
+                 "shared_");
     };
     reg.push_back(s);
   }
