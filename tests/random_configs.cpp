@@ -2,6 +2,7 @@
 // loads each through the case loader and runs it: every one must PASS. A false
 // alarm on a valid configuration is as much a defect as a missed bug.
 //   random_configs COUNT [SEED]   exit 0 when no case is INCORRECT or ERROR
+//   random_configs print SEED INDEX...   the YAML of those draws
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -17,6 +18,11 @@
 using namespace moev;
 
 int main(int argc, char** argv) {
+  if (argc > 2 && std::string(argv[1]) == "print") {
+    for (int i = 3; i < argc; ++i)
+      std::cout << "  - " << random_case_yaml(std::strtoull(argv[2], nullptr, 10), std::strtoull(argv[i], nullptr, 10)) << "\n";
+    return 0;
+  }
   const uint64_t count = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 1000;
   const uint64_t seed = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 20261122;
   const std::string path = "random_configs_" + std::to_string(::getpid()) + ".yaml";
