@@ -530,6 +530,9 @@ YAML::Node parse_one(const std::string& text, const std::string& file, const std
     bad_input(at_line_col(file, e.mark) + ": YAML nested " + std::to_string(e.depth()) +
               " levels deep, the parser's limit; valid: a case file nests a few levels (cases, a case, a section)");
   } catch (const YAML::ParserException& e) {
+    if (e.msg == YAML::ErrorMsg::EOF_IN_SCALAR)
+      bad_input(at_line_col(file, e.mark) + ": unclosed quote: the text ends inside a quoted string; " +
+                "valid: close the quote, or write the value unquoted");
     bad_input(at_line_col(file, e.mark) + ": YAML syntax error: " + printable(e.msg) + "; " + valid);
   } catch (const YAML::Exception& e) {
     bad_input(at_line_col(file, e.mark) + ": YAML error: " + printable(e.msg) + "; " + valid);
@@ -706,6 +709,9 @@ std::vector<Case> load_cases(const std::string& path, const std::vector<std::str
     size_t count = 1;
     if (entry["sweep"]) {
       const YAML::Node sw = entry["sweep"];
+      YAML::Node sweep_key;  // sweep-wide messages point at the word "sweep"
+      for (const auto& kv : entry)
+        if (kv.first.Scalar() == "sweep") sweep_key = kv.first;
       if (!sw.IsMap()) fail_at({sw, path}, "sweep", "expected a mapping key -> list", "valid: sweep: {dtype: [fp32, bf16]}");
       check_keys(sw, path, "sweep", "valid: a case key such as shape.top_k or dtype");
       for (const auto& kv : sw) {
@@ -720,7 +726,7 @@ std::vector<Case> load_cases(const std::string& path, const std::vector<std::str
         // The product is counted (saturating) before anything is expanded.
         count = std::min(count * std::min(kv.second.size(), kMaxCasesPerFile + 1), kMaxCasesPerFile + 1);
         if (out.size() + count > kMaxCasesPerFile)
-          fail_at({sw, path}, "sweep",
+          fail_at({sweep_key, path}, "sweep",
                   "expands the file to more than " + std::to_string(kMaxCasesPerFile) + " cases",
                   "valid: at most " + std::to_string(kMaxCasesPerFile) + " cases per file after expansion");
         std::vector<Src> vals;
