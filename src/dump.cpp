@@ -50,7 +50,9 @@ const char* file_kind(mode_t m) {
   return "not a regular file";
 }
 
-std::string parent_of(const std::string& path) {
+/// The folder holding `path`; trailing slashes are not a level ("out/" is in ".").
+std::string parent_of(std::string path) {
+  while (path.size() > 1 && path.back() == '/') path.pop_back();
   const std::string p = std::filesystem::path(path).parent_path().string();
   return p.empty() ? "." : p;
 }

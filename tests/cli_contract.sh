@@ -2,7 +2,7 @@
 # The command-line contract: exit statuses, one-line errors for bad input,
 # --json, --dump (loaded by NumPy), list/validate/--version, planted faults.
 set -u
-bin=$1
+bin=$(realpath "$1")
 src=$2
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -123,6 +123,11 @@ r = json.load(open(os.path.join(tmp, "names.json")))
 assert {c["name"] for c in r["cases"]} == want and r["outcome"] == "PASSED", r["outcome"]
 print("ok   dump names: %d distinct folders inside the dump folder; manifest.json and --json parse" % len(folders))
 PY
+
+# A new --dump folder given with a trailing slash, as the README does.
+(cd "$tmp" && "$bin" run "$tmp/small.yaml" --threads 2 --dump fresh_dump/ >/dev/null 2>"$tmp/err") &&
+  [ -f "$tmp/fresh_dump/small/manifest.json" ] && echo "ok   --dump fresh_dump/ is created" ||
+  { echo "FAIL --dump fresh_dump/:"; cat "$tmp/err"; fails=$((fails + 1)); }
 
 # The estimate is never below the measured peak (a mid-size case, ~1 s).
 expect memory-estimate 0 "$bin" run "$src"/cases/basic.yaml --case exact_fp32 --set shape.tokens=4096 --set shape.hidden=256 \
