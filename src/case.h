@@ -113,10 +113,28 @@ struct Case {
   std::string summary() const;
 };
 
+/// At most this many cases per file after sweep expansion: a sweep's size is
+/// checked before it is expanded, so a 10^8-case sweep is refused, not grown.
+constexpr size_t kMaxCasesPerFile = 10000;
+/// Case files larger than this are refused before they are parsed.
+constexpr size_t kMaxCaseFileBytes = size_t(16) << 20;
+/// A case name (before the sweep suffix) has at most this many characters.
+constexpr size_t kMaxCaseNameChars = 200;
+
 /// Loads every case of a YAML file (sweeps expanded). `overrides` are
 /// "path=value" strings from `--set`, applied on top of each case. Throws
-/// Error(bad_input) with "file:line:column: what is wrong; what would be valid".
+/// Error(bad_input) with one line "file:line:column: what is wrong; what would
+/// be valid" for every malformed input: YAML syntax, a second document,
+/// complex or duplicate keys (also a dotted key against its nested form),
+/// unknown keys, out-of-range values, unclosed quotes, control bytes,
+/// oversized files and sweeps.
 std::vector<Case> load_cases(const std::string& path, const std::vector<std::string>& overrides);
+
+/// A user-supplied value made safe to echo in a one-line message: bytes
+/// outside printable ASCII are written as \xNN (a NUL cannot cut the line,
+/// a newline cannot split it), and more than `max_chars` characters are cut
+/// with "..." (a 1 MiB value is not echoed whole).
+std::string printable(const std::string& s, size_t max_chars = 80);
 
 /// Every settable key with its type and valid values, for `moeverify validate --keys`
 /// and the README.

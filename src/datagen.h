@@ -15,8 +15,9 @@ namespace moev {
 /// Counter-based hash -> uniform in [0, 1).
 double hash_uniform(uint64_t seed, uint64_t stream, uint64_t rank, uint64_t row, uint64_t col);
 
-/// The generated inputs of one rank: x (T, D) act [its storage has
-/// combine.alias_offset extra elements after it, filled with data], wg (E, D)
+/// The generated inputs of one rank: x (T, D) act [with combine.buffer
+/// alias_x_offset its storage has combine.alias_offset extra elements after
+/// it, filled with data], wg (E, D)
 /// act, bias (E) fp32, w1/w3 (E, F, D), w2 (E, D, F), shared_w1/w3 (1, F, D),
 /// shared_w2 (1, D, F) act.
 std::map<std::string, Tensor> make_inputs(const Case& c, int rank, int64_t tokens);

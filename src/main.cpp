@@ -3,14 +3,20 @@
 // 4 NOT_VERIFIED, 5 NOT_SUPPORTED (the worst outcome of the run decides).
 #include <CLI/CLI.hpp>
 
-#include <fstream>
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
 #include <iostream>
+#include <sstream>
 #include <thread>
 
 #include "case.h"
 #include "comm.h"
 #include "cuda_probe.h"
+#include "dump.h"
 #include "error.h"
+#include "memory_estimate.h"
 #include "registry.h"
 #include "runner.h"
 #include "version.h"
@@ -19,15 +25,63 @@ using namespace moev;
 
 namespace {
 
-int cmd_run(const std::vector<std::string>& files, const std::vector<std::string>& sets, int threads,
-            const std::string& json, const std::string& dump, const std::vector<std::string>& faults,
-            const std::string& only, double timeout_s) {
+// ---- option values: parsed here, so that a bad one says what is wrong -------
+
+int parse_int_option(const std::string& flag, const std::string& text, int lo, int hi) {
+  const std::string valid = "valid: an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+  errno = 0;
+  char* end = nullptr;
+  const long long v = std::strtoll(text.c_str(), &end, 10);
+  if (text.empty() || std::isspace(static_cast<unsigned char>(text[0])) || *end != '\0' || errno == ERANGE)
+    bad_input(flag + ": expected an integer, got '" + printable(text) + "'; " + valid);
+  if (v < lo || v > hi) bad_input(flag + ": " + text + " is out of range; " + valid);
+  return int(v);
+}
+
+double parse_real_option(const std::string& flag, const std::string& text, double lo, double hi) {
+  std::ostringstream valid;
+  valid << "valid: a number in [" << lo << ", " << hi << "]";
+  errno = 0;
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  if (text.empty() || std::isspace(static_cast<unsigned char>(text[0])) || *end != '\0' || !std::isfinite(v))
+    bad_input(flag + ": expected a finite number, got '" + printable(text) + "'; " + valid.str());
+  if (v < lo || v > hi) bad_input(flag + ": " + text + " is out of range; " + valid.str());
+  return v;
+}
+
+/// The memory limit and where it came from, for the refusal message.
+struct MemoryLimit {
+  uint64_t bytes = 0;
+  std::string origin;
+};
+
+MemoryLimit memory_limit(const CLI::App* cmd, const std::string& text) {
+  if (cmd->count("--max-memory")) return {parse_memory_size(text, "--max-memory"), "--max-memory " + printable(text)};
+  const uint64_t b = default_memory_limit();
+  return {b, "the default, 80% of physical memory; set it with --max-memory"};
+}
+
+struct RunArgs {
+  std::vector<std::string> files, sets, faults;
+  std::string threads, json, dump, only, timeout = "30", max_memory;
+};
+
+int cmd_run(const CLI::App* cmd, const RunArgs& a) {
+  const bool mpi = launched_under_mpi();
+  const bool writer = !mpi || mpi_world().rank() == 0;  // rank 0 prints and writes
   RunOptions opt;
+  const int threads = cmd->count("--threads") ? parse_int_option("--threads", a.threads, 1, 256)
+                                               : int(std::max(1u, std::thread::hardware_concurrency()));
   opt.threads = threads;
-  opt.collective_timeout_ms = int(timeout_s * 1000);
-  opt.dump_dir = dump;
-  if (launched_under_mpi() && mpi_world().rank() != 0) opt.dump_dir.clear();  // rank 0 writes the dump
-  for (const auto& f : faults) {
+  opt.collective_timeout_ms = int(parse_real_option("--collective-timeout", a.timeout, 0.05, 3600.0) * 1000);
+  const MemoryLimit limit = memory_limit(cmd, a.max_memory);
+  if (cmd->count("--case") && a.only.empty())
+    bad_input("--case: the name is empty; valid: a case name as `moeverify validate FILE` lists it");
+  const bool want_json = cmd->count("--json") > 0, want_dump = cmd->count("--dump") > 0;
+  if (want_json && a.json.empty()) bad_input("--json: the path is empty; valid: a file path such as report.json");
+  if (want_dump && a.dump.empty()) bad_input("--dump: the path is empty; valid: a folder path such as dump/");
+  for (const auto& f : a.faults) {
     try {
       opt.faults.bits |= uint32_t(parse_fault(f));
     } catch (const std::invalid_argument& e) {
@@ -35,12 +89,11 @@ int cmd_run(const std::vector<std::string>& files, const std::vector<std::string
     }
   }
   std::vector<std::pair<std::string, std::vector<Case>>> all;
-  for (const auto& f : files) all.push_back({f, load_cases(f, sets)});  // validate everything before running
+  for (const auto& f : a.files) all.push_back({f, load_cases(f, a.sets)});  // validate everything before running
+  const bool select = cmd->count("--case") > 0;
+  auto selected = [&](const Case& c) { return !select || c.name == a.only; };
   // Under mpirun every process runs every case (one rank each); rank 0 prints.
-  const bool mpi = launched_under_mpi();
   const int world = mpi ? mpi_world().size() : 0;
-  std::ostream null_stream(nullptr);
-  std::ostream& out = !mpi || mpi_world().rank() == 0 ? std::cout : null_stream;
   std::vector<std::string> skipped;
   for (auto& [file, cases] : all) {
     std::vector<Case> keep;
@@ -50,13 +103,31 @@ int cmd_run(const std::vector<std::string>& files, const std::vector<std::string
     }
     cases = keep;
   }
+  size_t total = 0;
+  for (const auto& [file, cases] : all)
+    for (const auto& c : cases) total += selected(c);
+  if (total == 0)
+    bad_input(!select ? "no case with ep " + std::to_string(world) + " to run under mpirun -np " + std::to_string(world)
+                      : "--case " + printable(a.only) + ": no case of that name in the given files; " +
+                            "valid: a name as `moeverify validate FILE` lists it");
+  // Everything that can be refused is refused before the first case runs:
+  // memory, then the output paths.
+  for (const auto& [file, cases] : all)
+    for (const auto& c : cases)
+      if (selected(c)) check_case_memory(c, threads, limit.bytes, limit.origin);
+  if (writer && want_json) check_output_file("--json", a.json);
+  if (writer && want_dump) prepare_dump_root(a.dump);
+  if (writer) opt.dump_dir = a.dump;
+
+  std::ostream null_stream(nullptr);
+  std::ostream& out = writer ? std::cout : null_stream;
   std::vector<CaseReport> reports;
   Outcome worst_all = Outcome::PASSED;
   out << "moeverify " << MOEVERIFY_VERSION << "  threads=" << threads;
   if (mpi) out << "  mpi ranks=" << world;
   if (opt.faults.bits) {
     out << "  PLANTED FAULTS:";
-    for (const auto& f : faults) out << " " << f;
+    for (const auto& f : a.faults) out << " " << f;
   }
   out << "\n";
   if (!skipped.empty()) {
@@ -64,42 +135,45 @@ int cmd_run(const std::vector<std::string>& files, const std::vector<std::string
     for (const auto& n : skipped) out << " " << n;
     out << "\n";
   }
-  size_t total = 0, done = 0;
-  for (const auto& [file, cases] : all)
-    for (const auto& c : cases) total += only.empty() || c.name == only;
-  if (total == 0)
-    bad_input(only.empty() ? "no case with ep " + std::to_string(world) + " to run under mpirun -np " + std::to_string(world)
-                           : "--case " + only + ": no case of that name in the given files");
+  size_t done = 0;
   for (const auto& [file, cases] : all) {
     for (const auto& c : cases) {
-      if (!only.empty() && c.name != only) continue;
+      if (!selected(c)) continue;
       ++done;
-      if (&out == &std::cout) std::cerr << "[" << done << "/" << total << "] " << c.name << "\n";
+      if (writer) std::cerr << "[" << done << "/" << total << "] " << c.name << "\n";
+      reset_peak_rss();
       reports.push_back(run_case(c, opt));
+      const uint64_t measured = peak_rss_bytes();
       print_report(reports.back(), out);
+      out << "   " << memory_line(estimate_case_bytes(c, threads), measured) << "\n";
       worst_all = worst(worst_all, reports.back().outcome);
     }
   }
   print_tolerance_table(reports, out);
   size_t passed = 0;
   for (const auto& r : reports) passed += r.outcome == Outcome::PASSED;
-  out << "\n" << passed << " of " << reports.size() << " case(s) PASSED; overall " << outcome_name(worst_all)
-            << "\n";
-  if (!json.empty() && &out == &std::cout) {
-    std::ofstream o(json);
-    if (!o) runtime_error("cannot write --json file " + json);
-    o << reports_json(reports, files.size() == 1 ? files[0] : "(several)");
+  out << "\n" << passed << " of " << reports.size() << " case(s) PASSED; overall " << outcome_name(worst_all) << "\n";
+  if (writer && want_json) {
+    const std::string err =
+        write_file(a.json, {reports_json(reports, a.files.size() == 1 ? a.files[0] : "(several)")});
+    if (!err.empty()) bad_input("--json: " + err + "; valid: a writable file path such as report.json");
   }
   return exit_status(worst_all);
 }
 
-int cmd_validate(const std::vector<std::string>& files, const std::vector<std::string>& sets, bool keys) {
+int cmd_validate(const CLI::App* cmd, const std::vector<std::string>& files, const std::vector<std::string>& sets,
+                 bool keys, const std::string& max_memory) {
+  const MemoryLimit limit = memory_limit(cmd, max_memory);
   if (keys) {
     for (const auto& [k, h] : case_keys()) std::cout << "  " << k << ": " << h << "\n";
     if (files.empty()) return 0;
   }
+  if (files.empty()) bad_input("validate: give case files, or --keys");
+  // The memory estimate as `run` would make it with its default thread count.
+  const int threads = int(std::max(1u, std::thread::hardware_concurrency()));
   for (const auto& f : files) {
     const auto cases = load_cases(f, sets);
+    for (const auto& c : cases) check_case_memory(c, threads, limit.bytes, limit.origin);
     std::cout << f << ": " << cases.size() << " case(s) valid\n";
     for (const auto& c : cases) std::cout << "  " << c.name << ": " << c.summary() << "\n";
   }
@@ -121,6 +195,25 @@ int cmd_list() {
   return 0;
 }
 
+/// A command-line parse error as one line: an unknown command is named, and
+/// CLI11's multi-line texts are joined.
+std::string cli_error(const CLI::App& app, const CLI::ParseError& e, int argc, char** argv) {
+  const std::string valid = "valid: run, validate or list (see moeverify --help)";
+  if (app.get_subcommands().empty()) {
+    for (int i = 1; i < argc; ++i) {
+      const std::string arg = argv[i];
+      if (!arg.empty() && arg[0] == '-') continue;
+      return "unknown command '" + printable(arg) + "'; " + valid;
+    }
+    if (argc == 1) return "no command given; " + valid;
+  }
+  std::string msg = e.what();
+  for (char& ch : msg)
+    if (ch == '\n') ch = ' ';
+  const std::string sub = app.get_subcommands().empty() ? "" : app.get_subcommands().front()->get_name() + " ";
+  return printable(msg, 300) + "; valid: see `moeverify " + sub + "--help`";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -128,52 +221,55 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", std::string("moeverify ") + MOEVERIFY_VERSION);
   app.require_subcommand(1);
 
-  std::vector<std::string> files, sets, faults;
-  int threads = int(std::max(1u, std::thread::hardware_concurrency()));
-  std::string json, dump, only;
+  RunArgs ra;
+  const std::string mem_help = "refuse a case whose estimated peak memory exceeds this (512M, 8G, 1.5GiB; "
+                               "default 80% of physical memory)";
   auto* run = app.add_subcommand("run", "run every case of the files: reference vs fast, stage by stage");
-  run->add_option("files", files, "case files (YAML)")->required();
-  run->add_option("--set", sets, "override a case key for every case, e.g. --set shape.tokens=128");
-  run->add_option("--threads", threads, "host executor threads")->check(CLI::Range(1, 256));
-  run->add_option("--json", json, "also write the report as JSON to this file");
-  run->add_option("--dump", dump, "write every stage's inputs and outputs as .npy under this folder");
-  run->add_option("--fault", faults, "turn on a planted fault (see `moeverify list`); the run must then fail");
-  run->add_option("--case", only, "run only the case of this name");
-  double timeout_s = 30;
-  run->add_option("--collective-timeout", timeout_s, "seconds before an unjoined in-process collective fails")
-      ->check(CLI::Range(0.05, 3600.0));
+  run->add_option("files", ra.files, "case files (YAML)")->required();
+  run->add_option("--set", ra.sets, "override a case key for every case, e.g. --set shape.tokens=128");
+  run->add_option("--threads", ra.threads, "host executor threads, 1 to 256 (default: the core count)")
+      ->type_name("INT");
+  run->add_option("--json", ra.json, "also write the report as JSON to this file");
+  run->add_option("--dump", ra.dump, "write every stage's inputs and outputs as .npy under this folder");
+  run->add_option("--fault", ra.faults, "turn on a planted fault (see `moeverify list`); the run must then fail");
+  run->add_option("--case", ra.only, "run only the case of this name");
+  run->add_option("--collective-timeout", ra.timeout,
+                  "seconds before an unjoined in-process collective fails, 0.05 to 3600 (default 30)")
+      ->type_name("SECONDS");
+  run->add_option("--max-memory", ra.max_memory, mem_help)->type_name("SIZE");
 
   bool keys = false;
   std::vector<std::string> vfiles, vsets;
+  std::string vmax_memory;
   auto* val = app.add_subcommand("validate", "check case files without running them");
   val->add_option("files", vfiles, "case files (YAML)");
   val->add_option("--set", vsets, "override a case key, as for run");
   val->add_flag("--keys", keys, "list every case key with its valid values");
+  val->add_option("--max-memory", vmax_memory, mem_help)->type_name("SIZE");
 
   app.add_subcommand("list", "list registered paths, their stages, and the planted faults");
 
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    const int rc = app.exit(e);
-    return rc == 0 ? 0 : 2;
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
+    std::cerr << "moeverify: " << cli_error(app, e, argc, argv) << "\n";
+    return 2;
   }
   try {
     if (run->parsed()) {
-      const int rc = cmd_run(files, sets, threads, json, dump, faults, only, timeout_s);
+      const int rc = cmd_run(run, ra);
       mpi_finalize_if_started();
       return rc;
     }
-    if (val->parsed()) {
-      if (vfiles.empty() && !keys) bad_input("validate: give case files, or --keys");
-      return cmd_validate(vfiles, vsets, keys);
-    }
+    if (val->parsed()) return cmd_validate(val, vfiles, vsets, keys, vmax_memory);
     return cmd_list();
   } catch (const Error& e) {
-    std::cerr << "moeverify: " << e.what() << "\n";
+    // The last guard of "one line": messages escape user text themselves.
+    std::cerr << "moeverify: " << printable(e.what(), 4000) << "\n";
     return e.kind == ErrorKind::bad_input ? 2 : 3;
   } catch (const std::exception& e) {
-    std::cerr << "moeverify: internal error: " << e.what() << "\n";
+    std::cerr << "moeverify: internal error: " << printable(e.what(), 4000) << "\n";
     return 3;
   }
 }

@@ -1,16 +1,35 @@
 // Reports: a fixed-shape human table, JSON, and .npy tensors (STYLE 6).
+// What a check says is bounded: a note longer than kMaxNoteChars and a list
+// of more than kMaxNotes notes are cut, with the count of what was left out,
+// in the table and in the JSON alike (a bug once grew one line past 64 MiB).
 #include <cmath>
 #include <cstring>
-#include <fstream>
 #include <iomanip>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 
+#include "dump.h"
 #include "error.h"
 #include "runner.h"
 
 namespace moev {
 namespace {
+
+constexpr size_t kMaxNoteChars = 2000;
+constexpr size_t kMaxNotes = 100;
+
+std::string capped(const std::string& s) {
+  if (s.size() <= kMaxNoteChars) return s;
+  return s.substr(0, kMaxNoteChars) + "... (" + std::to_string(s.size() - kMaxNoteChars) + " more chars)";
+}
+
+std::vector<std::string> capped(const std::vector<std::string>& v) {
+  std::vector<std::string> o;
+  for (size_t i = 0; i < v.size() && i < kMaxNotes; ++i) o.push_back(capped(v[i]));
+  if (v.size() > kMaxNotes) o.push_back("... (" + std::to_string(v.size() - kMaxNotes) + " more notes)");
+  return o;
+}
 
 std::string num(double v) {
   if (std::isinf(v)) return "inf";
@@ -20,22 +39,10 @@ std::string num(double v) {
   return o.str();
 }
 
-std::string json_str(const std::string& s) {
-  std::string o = "\"";
-  for (char ch : s) {
-    if (ch == '"' || ch == '\\') o += '\\';
-    if (static_cast<unsigned char>(ch) < 0x20) { o += ' '; continue; }
-    o += ch;
-  }
-  return o + "\"";
-}
+using Json = nlohmann::ordered_json;
 
-std::string json_num(double v) {
-  if (!std::isfinite(v)) return "null";
-  std::ostringstream o;
-  o << std::setprecision(9) << v;
-  return o.str();
-}
+/// NaN and infinities have no JSON number: they are written as null.
+Json json_num(double v) { return std::isfinite(v) ? Json(v) : Json(nullptr); }
 
 std::string tol_str(const Check& ch) {
   if (ch.cls == CompareClass::exact) return "bitwise";
@@ -52,8 +59,8 @@ void print_report(const CaseReport& r, std::ostream& os) {
     const bool first = d.slot != slot;
     slot = d.slot;
     os << "\n     " << std::left << std::setw(15) << (first ? d.slot : "") << " " << d.variant
-       << (d.ran ? (d.primary ? "*" : "") : "  [not taken: " + d.reason + "]");
-    for (const auto& n : d.notes) os << "\n" << std::string(23, ' ') << "- " << n;
+       << (d.ran ? (d.primary ? "*" : "") : "  [not taken: " + capped(d.reason) + "]");
+    for (const auto& n : capped(d.notes)) os << "\n" << std::string(23, ' ') << "- " << n;
   }
   os << "\n   (* = primary: feeds the next stage)\n";
   os << "   " << std::left << std::setw(15) << "stage" << std::setw(22) << "variant" << std::setw(17) << "tensor"
@@ -67,16 +74,16 @@ void print_report(const CaseReport& r, std::ostream& os) {
        << (std::to_string(ch.diff.mismatches) + "/" + std::to_string(ch.diff.total)) << std::setw(10)
        << num(ch.diff.max_abs) << std::setw(10) << num(ch.diff.max_rel) << std::setw(9) << num(ch.diff.max_ulp)
        << "\n";
-    if (!ch.note.empty()) os << "      note: " << ch.note << "\n";
+    if (!ch.note.empty()) os << "      note: " << capped(ch.note) << "\n";
     auto show = [&](const std::vector<Mismatch>& ms, const char* label) {
       for (const auto& m : ms)
-        os << "      " << label << " mismatch " << m.coords << ": fast " << num(m.fast) << " vs " << num(m.ref)
+        os << "      " << label << " mismatch " << capped(m.coords) << ": fast " << num(m.fast) << " vs " << num(m.ref)
            << "\n";
     };
     show(ch.diff.first, "first");
     show(ch.diff.last, "last ");
   }
-  for (const auto& n : r.notes) os << "   note: " << n << "\n";
+  for (const auto& n : capped(r.notes)) os << "   note: " << n << "\n";
   os << "   => " << outcome_name(r.outcome) << "  (" << std::fixed << std::setprecision(3) << r.seconds << " s)\n";
   os.unsetf(std::ios::fixed);
 }
@@ -97,46 +104,54 @@ void print_tolerance_table(const std::vector<CaseReport>& reports, std::ostream&
 }
 
 std::string reports_json(const std::vector<CaseReport>& reports, const std::string& file) {
-  std::ostringstream o;
   Outcome all = Outcome::PASSED;
   for (const auto& r : reports) all = worst(all, r.outcome);
-  o << "{\n  \"file\": " << json_str(file) << ",\n  \"outcome\": " << json_str(outcome_name(all))
-    << ",\n  \"cases\": [";
-  for (size_t i = 0; i < reports.size(); ++i) {
-    const CaseReport& r = reports[i];
-    o << (i ? "," : "") << "\n    {\"name\": " << json_str(r.c.name) << ", \"source\": " << json_str(r.c.source)
-      << ", \"config\": " << json_str(r.c.summary()) << ", \"seed\": " << r.c.seed
-      << ", \"outcome\": " << json_str(outcome_name(r.outcome)) << ", \"seconds\": " << json_num(r.seconds)
-      << ",\n     \"paths\": [";
-    for (size_t j = 0; j < r.decisions.size(); ++j) {
-      const auto& d = r.decisions[j];
-      o << (j ? ", " : "") << "\n       {\"slot\": " << json_str(d.slot) << ", \"variant\": " << json_str(d.variant)
-        << ", \"taken\": " << (d.ran ? "true" : "false") << ", \"primary\": " << (d.primary ? "true" : "false")
-        << ", \"reason\": " << json_str(d.reason) << ", \"notes\": [";
-      for (size_t k = 0; k < d.notes.size(); ++k) o << (k ? ", " : "") << json_str(d.notes[k]);
-      o << "]}";
+  Json doc;
+  doc["file"] = file;
+  doc["outcome"] = outcome_name(all);
+  doc["cases"] = Json::array();
+  for (const CaseReport& r : reports) {
+    Json jc;
+    jc["name"] = r.c.name;
+    jc["source"] = r.c.source;
+    jc["config"] = r.c.summary();
+    jc["seed"] = r.c.seed;
+    jc["outcome"] = outcome_name(r.outcome);
+    jc["seconds"] = json_num(r.seconds);
+    jc["paths"] = Json::array();
+    for (const auto& d : r.decisions)
+      jc["paths"].push_back({{"slot", d.slot},
+                             {"variant", d.variant},
+                             {"taken", d.ran},
+                             {"primary", d.primary},
+                             {"reason", capped(d.reason)},
+                             {"notes", capped(d.notes)}});
+    jc["checks"] = Json::array();
+    for (const Check& ch : r.checks) {
+      Json first = Json::array();
+      for (const auto& m : ch.diff.first)
+        first.push_back({{"at", capped(m.coords)}, {"fast", json_num(m.fast)}, {"ref", json_num(m.ref)}});
+      jc["checks"].push_back({{"stage", ch.slot},
+                              {"variant", ch.variant},
+                              {"tensor", ch.tensor},
+                              {"against", ch.against},
+                              {"class", enum_name(compare_class_table(), ch.cls)},
+                              {"rtol", json_num(ch.tol.rtol)},
+                              {"atol", json_num(ch.tol.atol)},
+                              {"outcome", outcome_name(ch.outcome)},
+                              {"total", ch.diff.total},
+                              {"mismatches", ch.diff.mismatches},
+                              {"max_abs", json_num(ch.diff.max_abs)},
+                              {"max_rel", json_num(ch.diff.max_rel)},
+                              {"max_ulp", json_num(ch.diff.max_ulp)},
+                              {"note", capped(ch.note)},
+                              {"first", first}});
     }
-    o << "],\n     \"checks\": [";
-    for (size_t j = 0; j < r.checks.size(); ++j) {
-      const Check& ch = r.checks[j];
-      o << (j ? "," : "") << "\n       {\"stage\": " << json_str(ch.slot) << ", \"variant\": " << json_str(ch.variant)
-        << ", \"tensor\": " << json_str(ch.tensor) << ", \"against\": " << json_str(ch.against)
-        << ", \"class\": " << json_str(enum_name(compare_class_table(), ch.cls)) << ", \"rtol\": " << json_num(ch.tol.rtol)
-        << ", \"atol\": " << json_num(ch.tol.atol) << ", \"outcome\": " << json_str(outcome_name(ch.outcome))
-        << ", \"total\": " << ch.diff.total << ", \"mismatches\": " << ch.diff.mismatches
-        << ", \"max_abs\": " << json_num(ch.diff.max_abs) << ", \"max_rel\": " << json_num(ch.diff.max_rel)
-        << ", \"max_ulp\": " << json_num(ch.diff.max_ulp) << ", \"note\": " << json_str(ch.note) << ", \"first\": [";
-      for (size_t k = 0; k < ch.diff.first.size(); ++k)
-        o << (k ? ", " : "") << "{\"at\": " << json_str(ch.diff.first[k].coords) << ", \"fast\": "
-          << json_num(ch.diff.first[k].fast) << ", \"ref\": " << json_num(ch.diff.first[k].ref) << "}";
-      o << "]}";
-    }
-    o << "],\n     \"notes\": [";
-    for (size_t k = 0; k < r.notes.size(); ++k) o << (k ? ", " : "") << json_str(r.notes[k]);
-    o << "]}";
+    jc["notes"] = capped(r.notes);
+    doc["cases"].push_back(std::move(jc));
   }
-  o << "\n  ]\n}\n";
-  return o.str();
+  // Invalid UTF-8 (a case name is user text) is replaced by U+FFFD, never a throw.
+  return doc.dump(2, ' ', false, Json::error_handler_t::replace) + "\n";
 }
 
 void write_npy(const std::string& path, const Tensor& t) {
@@ -154,14 +169,11 @@ void write_npy(const std::string& path, const Tensor& t) {
   std::string header = std::string("{'descr': '") + descr + "', 'fortran_order': False, 'shape': " + shape + ", }";
   const size_t total = 10 + header.size() + 1;
   header += std::string((64 - total % 64) % 64, ' ') + "\n";
-  std::ofstream f(path, std::ios::binary);
-  if (!f) runtime_error("cannot write " + path);
   const uint16_t hlen = uint16_t(header.size());
-  f.write("\x93NUMPY\x01\x00", 8);
-  f.put(char(hlen & 0xff));
-  f.put(char(hlen >> 8));
-  f.write(header.data(), std::streamsize(header.size()));
-  f.write(static_cast<const char*>(t.data()), std::streamsize(t.bytes()));
+  const char preamble[10] = {'\x93', 'N', 'U', 'M', 'P', 'Y', '\x01', '\x00', char(hlen & 0xff), char(hlen >> 8)};
+  const std::string err = write_file(path, {std::string_view(preamble, sizeof preamble), header,
+                                            std::string_view(static_cast<const char*>(t.data()), t.bytes())});
+  if (!err.empty()) runtime_error("--dump: " + err);
 }
 
 }  // namespace moev

@@ -3,15 +3,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <iomanip>
 #include <set>
-#include <sstream>
 #include <thread>
 
 #include "comm.h"
 #include "datagen.h"
+#include "dump.h"
 #include "error.h"
 
 namespace moev {
@@ -70,35 +68,6 @@ Check make_check(const Case& c, const std::string& slot, const std::string& vari
   }
   return ch;
 }
-
-std::string dump_name(std::string s) {
-  for (char& ch : s)
-    if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '.' && ch != '-' && ch != '_') ch = '_';
-  return s;
-}
-
-struct Dumper {
-  std::string dir;
-  std::vector<std::string> manifest;
-  void put(const std::string& name, const Tensor& t) {
-    if (dir.empty()) return;
-    const std::string file = dump_name(name) + ".npy";
-    write_npy(dir + "/" + file, t);
-    std::ostringstream o;
-    o << "{\"file\": \"" << file << "\", \"dtype\": \"" << elem_name(t.type) << "\", \"shape\": [";
-    for (size_t i = 0; i < t.shape.size(); ++i) o << (i ? ", " : "") << t.shape[i];
-    o << "]}";
-    manifest.push_back(o.str());
-  }
-  void finish(const Case& c) {
-    if (dir.empty()) return;
-    std::ofstream m(dir + "/manifest.json");
-    m << "{\"case\": \"" << c.name << "\", \"note\": \"bf16 and fp16 tensors are stored as uint16 bit patterns\", "
-      << "\"tensors\": [\n  ";
-    for (size_t i = 0; i < manifest.size(); ++i) m << (i ? ",\n  " : "") << manifest[i];
-    m << "\n]}\n";
-  }
-};
 
 }  // namespace
 
@@ -225,8 +194,7 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
 
   Dumper dump;
   if (!opt.dump_dir.empty()) {
-    dump.dir = opt.dump_dir + "/" + dump_name(c.name);
-    std::filesystem::create_directories(dump.dir);
+    dump.open(opt.dump_dir, c.name);
     for (int r = 0; r < R; ++r)
       for (auto& [n, t] : fast.ranks[size_t(r)]) dump.put("input." + n + rank_tag(r), t);
   }

@@ -2,7 +2,7 @@
 # The command-line contract: exit statuses, one-line errors for bad input,
 # --json, --dump (loaded by NumPy), list/validate/--version, planted faults.
 set -u
-bin=$1
+bin=$(realpath "$1")
 src=$2
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -65,6 +65,81 @@ ref = np.load(os.path.join(d, "combine.out_of_place.out.ref.npy"))
 assert (fast == ref).all()
 print("ok   dump: %d tensors load in NumPy; fast combine == reference bitwise" % seen)
 PY
+
+# --- issue 11 §5: memory, sweeps over lists, dump names, JSON of odd names ---
+printf 'cases:\n  - name: huge\n    shape: {tokens: 16777216, hidden: 65536}\n' >"$tmp/huge.yaml"
+expect memory-refused 2 "$bin" run "$tmp/huge.yaml" --max-memory 8G
+grep -qE "huge.yaml:2: case 'huge': estimated peak memory [0-9.]+ [KMGTPE]iB exceeds the limit 8.0 GiB \(--max-memory 8G\)" "$tmp/err" ||
+  { echo "FAIL memory refusal names the estimate and the limit:"; cat "$tmp/err"; fails=$((fails + 1)); }
+printf 'cases:\n  - name: small\n    shape: {tokens: 8, hidden: 8, ffn: 8, experts: 4, top_k: 2}\n' >"$tmp/small.yaml"
+for size in 512M 8G 1.5GiB 1.5gib 65536K 1T 4294967296 64MB; do
+  expect "max-memory-$size" 0 "$bin" validate "$tmp/small.yaml" --max-memory "$size"
+done
+expect max-memory-below-estimate 2 "$bin" validate "$tmp/small.yaml" --max-memory 1M
+grep -q "exceeds the limit 1.0 MiB (--max-memory 1M)" "$tmp/err" || { echo "FAIL 1M limit:"; cat "$tmp/err"; fails=$((fails + 1)); }
+
+cat >"$tmp/list_sweep.yaml" <<'YAML'
+cases:
+  - name: split
+    ep: 2
+    shape: {hidden: 8, ffn: 8, experts: 4, top_k: 2}
+    sweep: {shape.tokens_per_rank: [[1, 2], [3, 4], {uniform: [0, 3]}]}
+YAML
+expect sweep-over-lists 0 "$bin" run "$tmp/list_sweep.yaml" --threads 2
+for n in 'split[shape.tokens_per_rank=[1,2]]' 'split[shape.tokens_per_rank=[3,4]]' 'split[shape.tokens_per_rank={uniform:[0,3]}]'; do
+  grep -qF "== case $n " "$tmp/out" || { echo "FAIL sweep over lists: no case $n"; fails=$((fails + 1)); }
+done
+
+cat >"$tmp/names.yaml" <<'YAML'
+defaults:
+  shape: {tokens: 4, hidden: 8, ffn: 8, experts: 4, top_k: 2}
+cases:
+  - name: ".."
+  - name: "."
+  - name: "x y"
+  - name: "x_y"
+  - name: 'q"uote\back'
+  - name: "../../escape"
+YAML
+mkdir -p "$tmp/names_dump"
+expect dump-names 0 "$bin" run "$tmp/names.yaml" --threads 2 --dump "$tmp/names_dump/d" --json "$tmp/names.json"
+/usr/bin/python3 - "$tmp" <<'PY' || fails=$((fails + 1))
+import json, os, sys
+tmp = sys.argv[1]
+root = os.path.realpath(os.path.join(tmp, "names_dump", "d"))
+want = {"..", ".", "x y", "x_y", 'q"uote\\back', "../../escape"}
+assert os.listdir(os.path.join(tmp, "names_dump")) == ["d"], os.listdir(os.path.join(tmp, "names_dump"))
+folders = os.listdir(root)
+assert len(folders) == len(want), folders
+got = set()
+for f in folders:
+    d = os.path.realpath(os.path.join(root, f))
+    assert os.path.dirname(d) == root and f not in (".", ".."), f
+    m = json.load(open(os.path.join(d, "manifest.json")))
+    assert m["tensors"] and all(os.path.exists(os.path.join(d, t["file"])) for t in m["tensors"]), f
+    got.add(m["case"])
+assert got == want, got
+r = json.load(open(os.path.join(tmp, "names.json")))
+assert {c["name"] for c in r["cases"]} == want and r["outcome"] == "PASSED", r["outcome"]
+print("ok   dump names: %d distinct folders inside the dump folder; manifest.json and --json parse" % len(folders))
+PY
+
+# A new --dump folder given with a trailing slash, as the README does.
+(cd "$tmp" && "$bin" run "$tmp/small.yaml" --threads 2 --dump fresh_dump/ >/dev/null 2>"$tmp/err") &&
+  [ -f "$tmp/fresh_dump/small/manifest.json" ] && echo "ok   --dump fresh_dump/ is created" ||
+  { echo "FAIL --dump fresh_dump/:"; cat "$tmp/err"; fails=$((fails + 1)); }
+
+# The estimate is never below the measured peak (a mid-size case, ~1 s).
+expect memory-estimate 0 "$bin" run "$src"/cases/basic.yaml --case exact_fp32 --set shape.tokens=4096 --set shape.hidden=256 \
+  --set shape.top_k=4 --threads 2
+line=$(grep -m1 "memory: estimated" "$tmp/out")
+est=$(sed -E 's/.*estimated ([0-9.]+) MiB.*/\1/' <<<"$line")
+meas=$(sed -E 's/.*measured peak ([0-9.]+) MiB.*/\1/' <<<"$line")
+if [ -n "$line" ] && awk -v e="$est" -v m="$meas" 'BEGIN { exit !(m > 50 && e >= m) }'; then
+  echo "ok   estimate $est MiB >= measured peak $meas MiB"
+else
+  echo "FAIL memory line '$line': the estimate must be at least the measured peak (> 50 MiB)"; fails=$((fails + 1))
+fi
 
 echo "cli contract: $fails failure(s)"
 [ "$fails" = 0 ]

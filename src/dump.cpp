@@ -1,0 +1,210 @@
+#include "dump.h"
+
+#include <fcntl.h>
+#include <linux/magic.h>
+#include <sys/stat.h>
+#include <sys/vfs.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "error.h"
+#include "runner.h"
+
+namespace moev {
+namespace {
+
+std::string errno_text(int e) { return std::strerror(e); }
+
+/// The kernel pseudo file system `path` lies on ("" for a real one). Writes
+/// to such files are accepted by open() and then fail or vanish
+/// (/proc/version takes the open and fails the write).
+std::string pseudo_fs(const std::string& path) {
+  struct statfs sf {};
+  if (statfs(path.c_str(), &sf) != 0) return "";
+  struct Known {
+    long magic;
+    const char* name;
+  };
+  static const Known known[] = {{PROC_SUPER_MAGIC, "proc"},     {SYSFS_MAGIC, "sysfs"},
+                                {CGROUP_SUPER_MAGIC, "cgroup"}, {CGROUP2_SUPER_MAGIC, "cgroup2"},
+                                {DEBUGFS_MAGIC, "debugfs"},     {SECURITYFS_MAGIC, "securityfs"},
+                                {TRACEFS_MAGIC, "tracefs"},     {BPF_FS_MAGIC, "bpf"}};
+  for (const auto& k : known)
+    if (static_cast<long>(sf.f_type) == k.magic) return k.name;
+  return "";
+}
+
+const char* file_kind(mode_t m) {
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  if (S_ISSOCK(m)) return "a socket";
+  if (S_ISDIR(m)) return "a folder";
+  if (S_ISREG(m)) return "a file";
+  return "not a regular file";
+}
+
+/// The folder holding `path`; trailing slashes are not a level ("out/" is in ".").
+std::string parent_of(std::string path) {
+  while (path.size() > 1 && path.back() == '/') path.pop_back();
+  const std::string p = std::filesystem::path(path).parent_path().string();
+  return p.empty() ? "." : p;
+}
+
+/// The parent folder of a path to be created exists, is a folder and is not
+/// on a pseudo file system.
+void check_parent(const std::string& flag, const std::string& path, const std::string& valid) {
+  const std::string parent = parent_of(path), shown = printable(path, 200);
+  struct stat st {};
+  if (stat(parent.c_str(), &st) != 0)
+    bad_input(flag + " " + shown + ": the folder " + printable(parent, 200) + " does not exist (" +
+              errno_text(errno) + "); " + valid);
+  if (!S_ISDIR(st.st_mode)) bad_input(flag + " " + shown + ": " + printable(parent, 200) + " is not a folder; " + valid);
+  const std::string fs = pseudo_fs(parent);
+  if (!fs.empty())
+    bad_input(flag + " " + shown + ": lies on the kernel's " + fs + " file system, which keeps nothing written; " + valid);
+}
+
+std::string hash8(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (const char ch : s) {
+    h ^= static_cast<unsigned char>(ch);
+    h *= 1099511628211ull;
+  }
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%08x", unsigned(h ^ (h >> 32)));
+  return buf;
+}
+
+}  // namespace
+
+std::string dump_folder_name(const std::string& case_name) {
+  constexpr size_t kMaxChars = 100;
+  std::string s;
+  bool leading = true;
+  for (const char ch : case_name) {
+    const bool keep = std::isalnum(static_cast<unsigned char>(ch)) || ch == '.' || ch == '-' || ch == '_';
+    s += keep && !(leading && ch == '.') ? ch : '_';
+    leading = false;
+  }
+  if (s.size() > kMaxChars) s.resize(kMaxChars);
+  if (s != case_name || s.empty()) s += "-" + hash8(case_name);
+  return s;
+}
+
+void Dumper::open(const std::string& root, const std::string& case_name) {
+  // Folders handed out in this process: a second case of the same name (from
+  // another file) gets "-2", "-3", ... rather than overwriting the first.
+  static std::mutex mu;
+  static std::set<std::string> used;
+  const std::lock_guard<std::mutex> lock(mu);
+  const std::string base = root + "/" + dump_folder_name(case_name);
+  dir = base;
+  for (int n = 2; !used.insert(dir).second; ++n) dir = base + "-" + std::to_string(n);
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) runtime_error("--dump: cannot create " + printable(dir, 200) + ": " + ec.message());
+  manifest_.clear();
+}
+
+void Dumper::put(const std::string& name, const Tensor& t) {
+  if (dir.empty()) return;
+  std::string file;
+  for (const char ch : name)  // tensor names come from the registry: dots, '@' for a rank
+    file += std::isalnum(static_cast<unsigned char>(ch)) || ch == '.' || ch == '-' || ch == '_' ? ch : '_';
+  file += ".npy";
+  write_npy(dir + "/" + file, t);
+  manifest_.push_back({file, elem_name(t.type), t.shape});
+}
+
+void Dumper::finish(const Case& c) {
+  if (dir.empty()) return;
+  nlohmann::ordered_json m;
+  m["case"] = c.name;
+  m["note"] = "bf16 and fp16 tensors are stored as uint16 bit patterns";
+  m["tensors"] = nlohmann::ordered_json::array();
+  for (const Entry& e : manifest_)
+    m["tensors"].push_back({{"file", e.file}, {"dtype", e.dtype}, {"shape", e.shape}});
+  // Invalid UTF-8 in a case name is replaced (U+FFFD), never a throw.
+  const std::string text = m.dump(1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + "\n";
+  const std::string err = write_file(dir + "/manifest.json", {text});
+  if (!err.empty()) runtime_error("--dump: " + err);
+}
+
+void prepare_dump_root(const std::string& dir) {
+  const std::string valid = "valid: a writable folder (created when missing, in an existing folder)";
+  if (dir.empty()) bad_input("--dump: the path is empty; " + valid);
+  const std::string shown = printable(dir, 200);
+  struct stat st {};
+  if (stat(dir.c_str(), &st) == 0) {
+    if (!S_ISDIR(st.st_mode)) bad_input("--dump " + shown + ": exists and is " + file_kind(st.st_mode) + "; " + valid);
+  } else {
+    if (errno != ENOENT) bad_input("--dump " + shown + ": " + errno_text(errno) + "; " + valid);
+    check_parent("--dump", dir, valid);
+    if (mkdir(dir.c_str(), 0755) != 0)
+      bad_input("--dump " + shown + ": cannot create the folder (" + errno_text(errno) + "); " + valid);
+  }
+  const std::string fs = pseudo_fs(dir);
+  if (!fs.empty())
+    bad_input("--dump " + shown + ": lies on the kernel's " + fs + " file system, which keeps nothing written; " + valid);
+  const std::string probe = dir + "/.moeverify-probe-" + std::to_string(getpid());
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) bad_input("--dump " + shown + ": cannot create files in it (" + errno_text(errno) + "); " + valid);
+  ::close(fd);
+  ::unlink(probe.c_str());
+}
+
+void check_output_file(const std::string& flag, const std::string& path) {
+  const std::string valid = "valid: a writable file path such as report.json";
+  if (path.empty()) bad_input(flag + ": the path is empty; " + valid);
+  const std::string shown = printable(path, 200);
+  struct stat st {};
+  if (stat(path.c_str(), &st) == 0) {
+    if (!S_ISREG(st.st_mode) && !S_ISFIFO(st.st_mode))
+      bad_input(flag + " " + shown + ": is " + file_kind(st.st_mode) + "; " + valid);
+    const std::string fs = pseudo_fs(path);
+    if (!fs.empty())
+      bad_input(flag + " " + shown + ": lies on the kernel's " + fs + " file system, which keeps nothing written; " +
+                valid);
+    if (S_ISFIFO(st.st_mode)) return;  // opening a FIFO for writing waits for its reader
+    const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);  // no truncation yet
+    if (fd < 0) bad_input(flag + " " + shown + ": cannot be opened for writing (" + errno_text(errno) + "); " + valid);
+    ::close(fd);
+    return;
+  }
+  if (errno != ENOENT) bad_input(flag + " " + shown + ": " + errno_text(errno) + "; " + valid);
+  check_parent(flag, path, valid);
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) bad_input(flag + " " + shown + ": cannot be created (" + errno_text(errno) + "); " + valid);
+  ::close(fd);
+  ::unlink(path.c_str());
+}
+
+std::string write_file(const std::string& path, const std::vector<std::string_view>& parts) {
+  const std::string shown = printable(path, 200);
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return "cannot open " + shown + " for writing (" + errno_text(errno) + ")";
+  for (const std::string_view part : parts) {
+    size_t done = 0;
+    while (done < part.size()) {
+      const ssize_t n = ::write(fd, part.data() + done, part.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        const int e = n < 0 ? errno : EIO;
+        ::close(fd);
+        return "cannot write " + shown + " (" + errno_text(e) + ")";
+      }
+      done += size_t(n);
+    }
+  }
+  if (::close(fd) != 0) return "cannot write " + shown + " (" + errno_text(errno) + " at close)";
+  return "";
+}
+
+}  // namespace moev

@@ -1,0 +1,63 @@
+// Output files of a run: --dump (every stage's inputs and outputs as .npy in
+// one folder per case, with a manifest.json) and the checks and writes for
+// --json. Every output path is checked before any case runs, and every write
+// is checked through its close, so a full disk or a pseudo file is reported,
+// never a success with nothing written.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "case.h"
+#include "tensor.h"
+
+namespace moev {
+
+/// Writes the tensors of one case under its own folder of the dump root.
+/// With an empty `dir` (dumping off) put and finish do nothing.
+struct Dumper {
+  std::string dir;  // the case's folder; empty: no dump
+
+  /// Creates the case's folder under `root` (prepare_dump_root made sure
+  /// `root` is a writable folder): dump_folder_name(case_name), made unique
+  /// within the process (two files may both hold a case of that name).
+  void open(const std::string& root, const std::string& case_name);
+  /// Writes `t` as <name>.npy and records it in the manifest.
+  void put(const std::string& name, const Tensor& t);
+  /// Writes manifest.json: {"case", "note", "tensors": [{"file", "dtype", "shape"}]}.
+  void finish(const Case& c);
+
+ private:
+  struct Entry {
+    std::string file, dtype;
+    std::vector<int64_t> shape;
+  };
+  std::vector<Entry> manifest_;
+};
+
+/// A case's folder name: bytes outside [A-Za-z0-9._-] become '_', leading
+/// dots too (never '.', '..' or a hidden folder), at most 100 characters;
+/// when that changed the name, "-" and 8 hex digits of a hash of the original
+/// follow, so "x y" and "x_y" get distinct folders.
+std::string dump_folder_name(const std::string& case_name);
+
+/// --dump preflight: `dir` is an existing folder, or one that can be made in
+/// an existing folder; files can be created in it; it is not on a kernel
+/// pseudo file system. Creates it. Throws Error(bad_input) naming --dump.
+void prepare_dump_root(const std::string& dir);
+
+/// --json-style preflight of an output file: a non-empty path to an existing
+/// regular file (or FIFO) that opens for writing, or a new file that can be
+/// created in an existing folder, not on a kernel pseudo file system (where
+/// writes vanish). Creates nothing it does not remove. Throws
+/// Error(bad_input) naming `flag`.
+void check_output_file(const std::string& flag, const std::string& path);
+
+/// Writes `parts` in order to `path` (created or truncated) and closes it.
+/// Returns "" on success, else what failed with strerror: every write and the
+/// close are checked (a full device fails at write or close time).
+std::string write_file(const std::string& path, const std::vector<std::string_view>& parts);
+
+}  // namespace moev

@@ -1,0 +1,192 @@
+// The peak-memory estimate and its limit. The estimate is deliberately
+// generous: the runner keeps every stage's fast and reference outputs for all
+// ranks (stage isolation, DESIGN.md idea 5) plus the EP = 1 invariance rerun,
+// and the reference converts whole tensors to float. It must never be below
+// what a case really uses; `moeverify run` prints it beside the measured peak
+// of every case so that this stays checked.
+#include "memory_estimate.h"
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+#include "error.h"
+#include "tensor.h"
+
+namespace moev {
+namespace {
+
+// Live copies of each kind of tensor at the peak, counted from the runner and
+// the stages, then fitted to the measured peak RSS of cases that each stress
+// one term (and kept 1.2x to 2x above it: see tests/cli_contract.sh, which
+// runs a mid-size case and compares). "Act" copies are in the case's dtype,
+// "float" copies are the reference's fp32 views of the same elements.
+//  - token rows (x, shared_out, out): fast board, reference chain, a slot's
+//    variants and its reference; measured about 7-8 fp32 copies.
+constexpr double kTokenAct = 6, kTokenFloat = 4;
+//  - routed rows (routed_input, recv, permuted, unpadded, recv_out,
+//    routed_output), per row routed: measured about 12 fp32 copies.
+constexpr double kRoutedAct = 11, kRoutedFloat = 4;
+//  - padded rows (expert_input, expert_output) incl. worst-case alignment
+//    padding, E * A rows in all: measured about 5 fp32 copies.
+constexpr double kPaddedAct = 5, kPaddedFloat = 2;
+//  - SwiGLU intermediates per padded row and ffn column: h13 (2F) and H (F)
+//    in the fast path, fp32 in the reference.
+constexpr double kSwigluAct = 3, kSwigluFloat = 3;
+//  - (T, E) router tensors: logits, scores, the selection copy on both boards
+//    and in the reference; measured about 7 fp32 copies.
+constexpr double kTokenExpert = 9;
+//  - (T, K) index tensors (ids, topk_scores, row_of, token_sorted,
+//    score_sorted) on both boards, and the reference's int64 copies.
+constexpr double kTokenKBytes = 120;
+//  - weights: every rank's inputs on the fast board and the chain (each rank
+//    generates the global weights), the rerun's clone, the batched cache, the
+//    reference's fp32 conversion; measured 2R + 1.4 fp32 copies.
+constexpr double kWeightActPerRank = 2, kWeightActExtra = 2, kWeightFloat = 2;
+// The process itself: binary, libraries, allocator slack (about 8 MiB measured).
+constexpr double kBaseBytes = 32.0 * (1 << 20);
+// Per thread (rank threads and executor threads): stack pages touched and
+// thread-local GEMM buffers (see the per-thread term below).
+constexpr double kThreadBytes = 2.0 * (1 << 20);
+
+/// The estimate of one pipeline over ranks holding `tokens` in all, at most
+/// `tokens_max` on one rank, with `ranks` ranks.
+double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ranks, int threads) {
+  const double s = double(elem_bytes(act_elem(c.dtype)));
+  const double D = double(c.hidden), F = double(c.ffn), E = double(c.num_experts), K = double(c.top_k);
+  const double A = double(c.align);
+  const bool swiglu = c.experts.kind == ExpertKind::swiglu;
+  const bool shared_swiglu = c.shared.kind == SharedKind::swiglu;
+  // Worst-case alignment padding: every group rounded up to A, and with
+  // empty_groups: pad an empty group holding A rows: E * A rows over all ranks.
+  const double pad_rows = A > 1 ? E * A : 0;
+  const double routed = tokens * K;
+  const double padded = routed + pad_rows;
+  // Equal-split all-to-all: every (source, destination) chunk padded to the
+  // largest split, at most one rank's T * K rows: R * R * T_max * K rows.
+  const bool equal = ranks > 1 && (c.equal_split.policy != EqualSplitPolicy::off ||
+                                   c.router.force_load_balance == Switch::on);
+  const double equal_rows = equal ? ranks * ranks * tokens_max * K : 0;
+  const double tail = c.combine.buffer == OutBuffer::alias_x_offset ? double(c.combine.alias_offset) : 0;
+
+  double b = 0;
+  b += tokens * D * (kTokenAct * s + kTokenFloat * 4) + ranks * tail * (4 * s + 4);
+  b += routed * D * (kRoutedAct * s + kRoutedFloat * 4);
+  b += padded * D * (kPaddedAct * s + kPaddedFloat * 4);
+  if (swiglu) b += padded * F * (kSwigluAct * s + kSwigluFloat * 4);
+  if (shared_swiglu) b += tokens * F * (kSwigluAct * s + kSwigluFloat * 4);
+  b += equal_rows * D * (3 * s + 4);
+  b += tokens * E * 4 * kTokenExpert;
+  b += routed * kTokenKBytes;
+  // Weights (elements of one copy): gate, routed experts, shared expert.
+  const double w = E * D + (swiglu ? 3 * E * F * D : 0) + (shared_swiglu ? 3 * F * D : 0);
+  b += w * ((kWeightActPerRank * ranks + kWeightActExtra) * s + kWeightFloat * 4);
+  // Per thread: the GEMM's thread-local fp32 copies of one weight matrix (at
+  // most 2F x D or E x D), a 64-row tile of X and of the product.
+  const double nthreads = ranks + double(threads);
+  const double per_thread = 4 * (std::max(2 * F * D, E * D) + 64 * (D + F) + 64 * std::max(2 * F, E));
+  b += nthreads * (per_thread + kThreadBytes);
+  return b;
+}
+
+}  // namespace
+
+double estimate_case_bytes(const Case& c, int threads) {
+  double total = 0, most = 0;
+  for (int r = 0; r < c.ep; ++r) {
+    total += double(c.tokens_on(r));
+    most = std::max(most, double(c.tokens_on(r)));
+  }
+  double b = kBaseBytes + pipeline_bytes(c, total, most, double(c.ep), threads);
+  // EP invariance: an EP = 1 rerun of each rank's tokens, one at a time,
+  // while the EP run's boards are still held.
+  if (c.ep > 1) b += pipeline_bytes(c, most, most, 1, threads);
+  return b;
+}
+
+uint64_t default_memory_limit() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return uint64_t(8) << 30;  // unknown: a modest 8 GiB
+  return uint64_t(double(pages) * double(page) * 0.8);
+}
+
+uint64_t parse_memory_size(const std::string& text, const std::string& flag) {
+  const std::string valid = "valid: a size such as 512M, 8G or 1.5GiB (units B, K, M, G, T; powers of 1024)";
+  auto fail = [&](const std::string& what) { bad_input(flag + ": " + what + "; " + valid); };
+  size_t i = 0;
+  while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.')) ++i;
+  const std::string number = text.substr(0, i);
+  std::string unit = text.substr(i);
+  if (number.empty() || std::count(number.begin(), number.end(), '.') > 1 || number == ".")
+    fail("expected a size, got '" + printable(text) + "'");
+  for (char& ch : unit) ch = char(std::toupper(static_cast<unsigned char>(ch)));
+  double scale = 0;
+  const char* units = "BKMGT";
+  for (int p = 0; p < 5; ++p) {
+    const std::string u(1, units[p]);
+    if (unit == u || (p > 0 && (unit == u + "B" || unit == u + "IB")) || (p == 0 && unit.empty()))
+      scale = std::ldexp(1.0, 10 * p);
+  }
+  if (scale == 0) fail("unknown unit '" + printable(unit) + "' in '" + printable(text) + "'");
+  const double v = std::strtod(number.c_str(), nullptr) * scale;
+  if (!(v >= 1)) fail("the size '" + printable(text) + "' is below one byte");
+  if (v > 1e18) fail("the size '" + printable(text) + "' is beyond any machine");
+  return uint64_t(v);
+}
+
+std::string format_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  int u = 0;
+  while (u < 6 && bytes >= 1024) {
+    bytes /= 1024;
+    ++u;
+  }
+  char buf[64];
+  if (bytes >= 1e6) std::snprintf(buf, sizeof buf, "%.3g %s", bytes, units[u]);
+  else std::snprintf(buf, sizeof buf, "%.1f %s", bytes, units[u]);
+  return buf;
+}
+
+void check_case_memory(const Case& c, int threads, uint64_t limit_bytes, const std::string& limit_origin) {
+  const double est = estimate_case_bytes(c, threads);
+  if (est <= double(limit_bytes)) return;
+  bad_input(c.source + ": case '" + printable(c.name) + "': estimated peak memory " + format_bytes(est) +
+            " exceeds the limit " + format_bytes(double(limit_bytes)) + " (" + limit_origin +
+            "); valid: smaller shapes (tokens, hidden, ffn, experts, align), or a larger --max-memory");
+}
+
+bool reset_peak_rss() {
+  std::ofstream f("/proc/self/clear_refs");
+  if (!f) return false;
+  f << "5";
+  f.flush();
+  return bool(f);
+}
+
+uint64_t peak_rss_bytes() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmHWM:", 0) == 0) return uint64_t(std::strtoull(line.c_str() + 6, nullptr, 10)) * 1024;
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return uint64_t(u.ru_maxrss) * 1024;  // Linux: kilobytes
+}
+
+std::string memory_line(double estimated_bytes, uint64_t measured_bytes) {
+  auto mib = [](double b) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.1f MiB", b / double(1 << 20));
+    return std::string(buf);
+  };
+  return "memory: estimated " + mib(estimated_bytes) + ", measured peak " + mib(double(measured_bytes));
+}
+
+}  // namespace moev

@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# Malformed-input corpus (issue 11 §5): every item must exit 2 with exactly
+# one line on stderr, of printable ASCII and at most 1000 characters, that
+# contains the fragment the item expects. Files are tests/bad_inputs/*.yaml;
+# what cannot live in a text file (NUL and control bytes, megabyte values,
+# deep nesting, oversized files) is generated here.
+# Usage: bad_input_corpus.sh MOEVERIFY SOURCE_DIR
+set -u
+bin=$1
+src=$2
+dir=$src/tests/bad_inputs
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+passed=0
+failed=0
+
+# item NAME FRAGMENT ARGS...: runs moeverify ARGS and checks the contract.
+item() {
+  local name=$1 frag=$2
+  shift 2
+  timeout 60 "$bin" "$@" >"$tmp/out" 2>"$tmp/err" </dev/null
+  local rc=$? lines chars why=""
+  lines=$(wc -l <"$tmp/err")
+  chars=$(wc -c <"$tmp/err")
+  if [ "$rc" != 2 ]; then
+    why="exit $rc, expected 2"
+  elif [ "$lines" != 1 ] || [ "$(tail -c 1 "$tmp/err" | od -An -c | tr -d ' ')" != '\n' ]; then
+    why="$lines line(s) on stderr, expected exactly one"
+  elif [ "$chars" -gt 1000 ]; then
+    why="the line has $chars characters, more than 1000"
+  elif LC_ALL=C grep -q '[^[:print:]]' "$tmp/err"; then
+    why="the line has non-printable bytes"
+  elif ! grep -qF -- "$frag" "$tmp/err"; then
+    why="the line lacks '$frag'"
+  fi
+  if [ -z "$why" ]; then
+    echo "ok   $name: $(head -c 200 "$tmp/err")"
+    passed=$((passed + 1))
+  else
+    echo "FAIL $name: $why"
+    head -c 600 "$tmp/err" | cat -v
+    echo
+    failed=$((failed + 1))
+  fi
+}
+
+v() { item "$1" "$2" validate "$dir/$1.yaml"; }  # a corpus file, with its expected fragment
+ok_file=$dir/valid_small.yaml
+basic=$src/cases/basic.yaml
+
+# --- exit 3 before: complex keys, a folder, --set syntax, output paths -------
+v complex_key_top "complex_key_top.yaml:1:3: key: expected a plain key"
+v complex_key_sweep "complex_key_sweep.yaml:3:15: sweep: expected a plain key"
+v complex_key_case "complex YAML key"
+item folder_as_case_file "is a folder, not a case file" run "$dir"
+item set_unclosed_list "--set shape.tokens:1:1: YAML syntax error" validate "$ok_file" --set 'shape.tokens=[1,'
+item set_unclosed_map "--set dtype:1:1: YAML syntax error" validate "$ok_file" --set 'dtype={'
+touch "$tmp/a_file"
+item json_missing_folder "the folder $tmp/missing does not exist" run "$ok_file" --json "$tmp/missing/r.json"
+item json_under_a_file "Not a directory" run "$ok_file" --json "$tmp/a_file/r.json"
+item json_is_a_folder "--json $tmp: is a folder" run "$ok_file" --json "$tmp"
+item json_new_file_in_proc "proc file system" run "$ok_file" --json /proc/moev-report.json
+item dump_missing_folder "the folder $tmp/missing does not exist" run "$ok_file" --dump "$tmp/missing/d"
+item dump_is_a_file "exists and is a file" run "$ok_file" --dump "$tmp/a_file"
+item dump_under_a_file "Not a directory" run "$ok_file" --dump "$tmp/a_file/d"
+item dump_in_proc "proc file system" run "$ok_file" --dump /proc/moev-dump
+item dump_in_sys "sysfs file system" run "$ok_file" --dump /sys/moev-dump
+item dump_is_a_device "exists and is a character device" run "$ok_file" --dump /dev/null
+
+# --- exit 0 before: duplicates, documents, empty and odd option values -------
+v duplicate_key_case "duplicate_key_case.yaml:4:5: dtype: duplicate key (first at line 3)"
+v duplicate_key_nested "shape.tokens: duplicate key"
+v duplicate_dotted_nested "shape.tokens: set twice in one mapping (also at"
+v duplicate_section "shape: duplicate key"
+v duplicate_cases "duplicate_cases.yaml:3:1: cases: duplicate key"
+v duplicate_defaults_key "seed: duplicate key"
+v duplicate_sweep_key "sweep.dtype: duplicate key"
+v sweep_and_fixed "sweep.dtype: the case also sets dtype at"
+v second_document "second_document.yaml:4:1: a second YAML document"
+v second_document_after_end "a second YAML document"
+item case_empty_name "--case: the name is empty" run "$ok_file" --case ''
+item collective_timeout_nan "--collective-timeout: expected a finite number, got 'nan'" run "$ok_file" --collective-timeout nan
+item collective_timeout_inf "--collective-timeout: expected a finite number, got 'inf'" run "$ok_file" --collective-timeout inf
+item collective_timeout_zero "--collective-timeout: 0 is out of range" run "$ok_file" --collective-timeout 0
+item json_dev_full "--json /dev/full: is a character device" run "$ok_file" --json /dev/full
+item json_proc_version "--json /proc/version: lies on the kernel's proc file system" run "$ok_file" --json /proc/version
+item json_empty "--json: the path is empty" run "$ok_file" --json ''
+item dump_empty "--dump: the path is empty" run "$ok_file" --dump ''
+item set_twice "--set dtype: given twice" validate "$ok_file" --set dtype=bf16 --set dtype=fp16
+
+# --- vague messages before ----------------------------------------------------
+python3 -c "print('cases:\n  - name: a\n    shape: ' + '[' * 3000 + ']' * 3000)" >"$tmp/deep.yaml"
+item deep_nesting "levels deep, the parser's limit" validate "$tmp/deep.yaml"
+printf 'cases:\n  - name: a\n    dtype: fp\0003\n' >"$tmp/nul_value.yaml"
+item nul_in_value "nul_value.yaml:3:14: control byte \\x00" validate "$tmp/nul_value.yaml"
+printf 'cases:\n  - name: a\n    dt\000ype: fp32\n' >"$tmp/nul_key.yaml"
+item nul_in_key "nul_key.yaml:3:7: control byte \\x00" validate "$tmp/nul_key.yaml"
+printf 'cases:\n  - name: a\n    dtype: fp\00132\n' >"$tmp/ctrl.yaml"
+item control_byte "ctrl.yaml:3:14: control byte \\x01" validate "$tmp/ctrl.yaml"
+printf 'cases:\n  - name: a\n    dtype: \033[31mred\n' >"$tmp/esc.yaml"
+item terminal_escape "control byte \\x1b" validate "$tmp/esc.yaml"
+item set_control_byte "--set dtype:1:3: control byte \\x07" validate "$ok_file" --set "dtype=fp$(printf '\007')32"
+python3 -c "print('cases:\n  - name: a\n    dtype: ' + 'x' * (1 << 20))" >"$tmp/mib_value.yaml"
+item mib_value "dtype: unknown value 'xxxxxxxx" validate "$tmp/mib_value.yaml"
+python3 -c "print('cases:\n  - name: a\n    ' + 'k' * 1000 + ': 1')" >"$tmp/long_key.yaml"
+item long_key "kkkkkkkk...: unknown key" validate "$tmp/long_key.yaml"
+python3 -c "print('cases:\n  - name: a\n    ' + 'k' * (1 << 20) + ': 1')" >"$tmp/mib_key.yaml"
+item mib_key "mib_key.yaml:3:1048581: YAML syntax error" validate "$tmp/mib_key.yaml"
+python3 -c "print('cases:\n  - name: ' + 'n' * (1 << 20))" >"$tmp/mib_name.yaml"
+item mib_name "name: the name has 1048576 characters; valid: at most 200" validate "$tmp/mib_name.yaml"
+item set_mib_value "unknown value 'vvvvvvvv" validate "$ok_file" --set "dtype=$(python3 -c "print('v' * 100000)")"
+item set_invalid_utf8 "unknown value 'fp32\\xff'" validate "$ok_file" --set "dtype=fp32$(printf '\377')"
+v unclosed_double_quote "unclosed_double_quote.yaml:3:12: unclosed quote"
+v unclosed_single_quote_swallows "unclosed_single_quote_swallows.yaml:2:11: unclosed quote"
+item set_unclosed_quote "--set dtype:1:6: unclosed quote: the text ends inside a quoted string" validate "$ok_file" --set 'dtype="fp32'
+item unknown_command "unknown command 'frobnicate'" frobnicate "$ok_file"
+item no_command "no command given"
+item threads_not_a_number "--threads: expected an integer, got 'abc'; valid: an integer in [1, 256]" run "$ok_file" --threads abc
+item threads_zero "--threads: 0 is out of range" run "$ok_file" --threads 0
+item threads_float "--threads: expected an integer, got '1e3'" run "$ok_file" --threads 1e3
+item unknown_option "--frob" run "$ok_file" --frob
+
+# --- memory: estimated before anything is allocated -------------------------
+v huge_tokens_hidden "case 'huge': estimated peak memory"
+item huge_tokens_hidden_limit "exceeds the limit 1.0 GiB (--max-memory 1G)" run "$dir/huge_tokens_hidden.yaml" --max-memory 1G
+item align_4096 "case 'wide_align': estimated peak memory" run "$dir/align_4096.yaml" --max-memory 4G
+item ep256_swiglu "case 'ep256': estimated peak memory" run "$dir/ep256_swiglu.yaml" --max-memory 2G
+item set_tokens_over_limit "exceeds the limit 64.0 MiB" run "$ok_file" --set shape.tokens=1000000 --max-memory 64M
+item validate_over_limit "exceeds the limit 512.0 KiB" validate "$ok_file" --max-memory 512K
+v huge_sweep "huge_sweep.yaml:4:5: sweep: expands the file to more than 10000 cases"
+python3 - "$tmp/many.yaml" <<'PY'
+import sys
+vals = ", ".join(str(i) for i in range(6000))
+open(sys.argv[1], "w").write(f"cases:\n  - name: a\n    sweep: {{seed: [{vals}]}}\n  - name: b\n    sweep: {{seed: [{vals}]}}\n")
+PY
+item sweeps_over_file_cap "many.yaml:5:5: sweep: expands the file to more than 10000 cases" validate "$tmp/many.yaml"
+item max_memory_garbage "--max-memory: expected a size, got 'lots'" run "$ok_file" --max-memory lots
+item max_memory_zero "--max-memory: the size '0' is below one byte" run "$ok_file" --max-memory 0
+item max_memory_unit "--max-memory: unknown unit 'X'" run "$ok_file" --max-memory 12X
+item max_memory_negative "--max-memory: expected a size, got '-5G'" run "$ok_file" --max-memory -5G
+item max_memory_two_dots "--max-memory: expected a size, got '1.2.3G'" run "$ok_file" --max-memory 1.2.3G
+item max_memory_empty "--max-memory: expected a size, got ''" validate "$ok_file" --max-memory ''
+
+# --- the rest of the contract ---------------------------------------------------
+v empty "empty.yaml: file: the case file is empty"
+v only_comment "the case file is empty"
+item dev_null_case_file "the case file is empty" validate /dev/null
+v top_level_list "top_level_list.yaml:1:1: file: expected a mapping at the top"
+v unknown_top_key "unknown_top_key.yaml:1:1: case: unknown top-level key"
+v no_cases "cases: missing or empty"
+v unknown_case_key "unknown_case_key.yaml:3:25: shape.topk: unknown key"
+v out_of_range "shape.tokens: value -1 is out of range"
+v duplicate_name_after_sweep "duplicate case name 'a[seed=1]'"
+v name_with_newline "the name 'a\\x0ab' contains a control character"
+v tokens_per_rank_length "has 3 entries for ep 2"
+python3 -c "
+import sys
+f = open(sys.argv[1], 'w')
+f.write('cases:\n  - name: a\n')
+f.write(('#' + 'c' * 1023 + '\n') * (17 * 1024))" "$tmp/big.yaml"
+item file_over_16mib "the case file is larger than 16 MiB" validate "$tmp/big.yaml"
+item missing_file "cannot open the case file" validate "$tmp/none.yaml"
+item no_such_case "--case nope: no case of that name" run "$ok_file" --case nope
+item bad_fault "--fault" run "$ok_file" --fault no_such_fault
+item set_unknown_key "unknown key 'shape.tokenz'" validate "$ok_file" --set shape.tokenz=3
+item set_no_equals "--set dtype: expected key=value" validate "$ok_file" --set dtype
+item validate_nothing "validate: give case files, or --keys" validate
+
+echo "bad-input corpus: $passed passed, $failed failed"
+[ "$failed" = 0 ] && [ "$passed" -ge 60 ]
