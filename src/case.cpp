@@ -319,7 +319,7 @@ const std::vector<Field>& schema() {
         const CompareClass cl = cls;
         v.push_back({base + "." + part, "number in [0, 1]", [cl, is_rtol](Case& c, const Src& s, const std::string& k) {
                        const double x = as_real(s, k, 0, 1);
-                       Tolerance& t = c.tolerance_override[cl];
+                       Case::ToleranceOverride& t = c.tolerance_override[cl];
                        (is_rtol ? t.rtol : t.atol) = x;
                      }});
       }

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -94,7 +95,12 @@ struct Case {
     OutBuffer buffer = OutBuffer::fresh;
     int64_t alias_offset = 1;  // elements between x and the aliasing view
   } combine;
-  std::map<CompareClass, Tolerance> tolerance_override;
+  /// A case's override of a class of the tolerance table: only the parts set
+  /// replace the table's (0 is a valid override: bitwise for that part).
+  struct ToleranceOverride {
+    std::optional<double> rtol, atol;
+  };
+  std::map<CompareClass, ToleranceOverride> tolerance_override;
   // expert parallelism (CONTRACT §3, §4, §7)
   int ep = 1;                            // R ranks; experts are split in contiguous blocks of E/R
   std::vector<int64_t> tokens_per_rank;  // empty: every rank has `tokens` (or a draw, below)

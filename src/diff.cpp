@@ -58,8 +58,8 @@ Tolerance tolerance_for(const Case& c, CompareClass cls) {
   auto it = c.tolerance_override.find(cls);
   Tolerance t = default_tolerance(cls, c.dtype);
   if (it != c.tolerance_override.end()) {
-    if (it->second.rtol > 0) t.rtol = it->second.rtol;
-    if (it->second.atol > 0) t.atol = it->second.atol;
+    if (it->second.rtol) t.rtol = *it->second.rtol;
+    if (it->second.atol) t.atol = *it->second.atol;
   }
   return t;
 }

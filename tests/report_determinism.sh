@@ -10,7 +10,7 @@ for f in "$@"; do
   first=""
   bad=0
   for i in 1 2 3 4; do
-    out=$("$bin" run "$f" --threads 2 2>/dev/null | sed -E 's/\([0-9.]+ s\)//')
+    out=$("$bin" run "$f" --threads 2 2>/dev/null | sed -E 's/\([0-9.]+ s\)//; s/measured peak [0-9.]+ MiB//')
     if [ -z "$first" ]; then
       first=$out
     elif [ "$out" != "$first" ]; then

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include "case.h"
+#include "diff.h"
 #include "error.h"
 
 using namespace moev;
@@ -116,4 +117,16 @@ cases:
   CHECK(cases[0].hidden == 32);
   CHECK(cases[1].hidden == 16);
   CHECK(cases[1].data == DataMode::exact);
+}
+
+TEST_CASE("a tolerance override of 0 applies, and only the parts given replace the table", "[cpu][cases]") {
+  const auto cases = load_cases(write_tmp("cases:\n  - name: a\n    dtype: bf16\n    tolerance: {gemm: {atol: 0}, scores: {rtol: 0, atol: 0}}\n"), {});
+  REQUIRE(cases.size() == 1);
+  const Tolerance table = default_tolerance(CompareClass::gemm, DType::bf16);
+  REQUIRE(table.atol > 0);
+  CHECK(tolerance_for(cases[0], CompareClass::gemm).atol == 0);
+  CHECK(tolerance_for(cases[0], CompareClass::gemm).rtol == table.rtol);
+  CHECK(tolerance_for(cases[0], CompareClass::scores).rtol == 0);
+  CHECK(tolerance_for(cases[0], CompareClass::scores).atol == 0);
+  CHECK(tolerance_for(cases[0], CompareClass::logits).rtol == default_tolerance(CompareClass::logits, DType::bf16).rtol);
 }
