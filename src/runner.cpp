@@ -128,7 +128,10 @@ std::string run_fast(const Stage& s, const Case& c, const RunOptions& opt, const
   const int R = int(in.ranks.size());
   std::vector<std::string> skip(static_cast<size_t>(R)), err(static_cast<size_t>(R));
   auto one = [&](int r, Comm* comm) {
-    ExecCtx ex{opt.threads, opt.faults};
+    // In-process ranks share the machine: each gets its share of the
+    // threads, so R ranks never run R x threads OpenMP workers (results do
+    // not depend on the thread count).
+    ExecCtx ex{use_mpi ? opt.threads : std::max(1, opt.threads / R), opt.faults};
     FastCtx ctx{c, r, R, ex, comm, in.ranks[size_t(r)], out.ranks[size_t(r)], notes[size_t(r)], &skip[size_t(r)]};
     try {
       s.fast(ctx);

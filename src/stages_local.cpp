@@ -146,10 +146,10 @@ void fast_swiglu(FastCtx& ctx, ExpertsImpl impl, const Tensor& X, const int64_t*
                  expert_weights(ctx, w_prefix + "w2", expert0), Y.data(), SwigluIntermediates{h13.data(), H.data()});
 }
 
+/// The weights of experts [first, first + count) of an (E, ...) tensor.
 ref::Vec slice_weights(const Tensor& w, int64_t first, int64_t count) {
-  const ref::Vec all = to_floats(w);
   const int64_t per = w.numel() / w.shape[0];
-  return ref::Vec(all.begin() + first * per, all.begin() + (first + count) * per);
+  return to_floats(w.view(w.type, {count * per}, w.offset_bytes + size_t(first * per) * elem_bytes(w.type)));
 }
 
 /// Error scale of SwiGLU over the first sum(counts) rows of X with the

@@ -1,6 +1,8 @@
 #include "tensor.h"
 
 #include <cstring>
+
+#include <xxhash.h>
 #include <stdexcept>
 
 namespace moev {
@@ -122,11 +124,6 @@ double value_at(const Tensor& t, int64_t i) {
   return 0;
 }
 
-uint64_t checksum(const Tensor& t) {
-  uint64_t h = 1469598103934665603ull;
-  const uint8_t* p = static_cast<const uint8_t*>(t.data());
-  for (size_t i = 0; i < t.bytes(); ++i) h = (h ^ p[i]) * 1099511628211ull;
-  return h;
-}
+uint64_t checksum(const Tensor& t) { return XXH3_64bits(t.data(), t.bytes()); }
 
 }  // namespace moev

@@ -49,7 +49,7 @@ std::vector<int64_t> to_ints(const Tensor& t);
 Tensor from_ints(const std::vector<int64_t>& v, ElemType t, std::vector<int64_t> shape);
 /// Value i as double (floats and ints alike).
 double value_at(const Tensor& t, int64_t i);
-/// FNV-1a of the bytes: detects a modified input.
+/// XXH3 of the bytes: detects a modified input.
 uint64_t checksum(const Tensor& t);
 
 }  // namespace moev
