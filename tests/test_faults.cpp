@@ -54,3 +54,10 @@ TEST_CASE("fault pointer_alias_guard is caught by the input-unchanged check", "[
       caught_by(case_named("inplace.yaml", "in_place_alias_x_offset[dtype=bf16]"), Fault::pointer_alias_guard);
   CHECK(contains(failed, "combine/x"));
 }
+
+TEST_CASE("fault sort_chunk_offset is caught by the multi-chunk sort case", "[cpu][fault]") {
+  // T*K = 4400 >= 4096 with threads 2: two sort chunks (one chunk hides the fault)
+  const auto failed = caught_by(case_named("edge.yaml", "multi_chunk_sort"), Fault::sort_chunk_offset);
+  CHECK(contains(failed, "dispatch/token_sorted"));
+  CHECK(contains(failed, "dispatch/routed_input"));
+}
