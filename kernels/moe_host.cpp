@@ -82,7 +82,9 @@ void router_route(const ExecCtx& ctx, const RouterConfig& cfg, const float* logi
                      cfg.groups, cfg.limited_groups, cfg.route_scale, cfg.score,
                      cfg.selection, cfg.norm,
                      ctx.faults.has(Fault::highest_id_tiebreak) ? k::TieBreak::higher_id
-                                                                : k::TieBreak::lower_id};
+                                                                : k::TieBreak::lower_id,
+                     ctx.faults.has(Fault::softmax_no_max) ? k::SoftmaxShift::none : k::SoftmaxShift::subtract_max,
+                     ctx.faults.has(Fault::group_tie_higher) ? k::GroupTie::higher_group : k::GroupTie::lower_group};
   host_run(ctx, T, body);
   expert_histogram(ctx, ids, T * cfg.K, cfg.E, counts);
 }

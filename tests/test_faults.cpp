@@ -61,3 +61,17 @@ TEST_CASE("fault sort_chunk_offset is caught by the multi-chunk sort case", "[cp
   CHECK(contains(failed, "dispatch/token_sorted"));
   CHECK(contains(failed, "dispatch/routed_input"));
 }
+
+TEST_CASE("fault softmax_no_max is caught by the routing scores check on large logits", "[cpu][fault]") {
+  // logits past 88.7: exp overflows to inf without the max shift, inf / inf = NaN
+  const auto failed = caught_by(case_named("router.yaml", "softmax_large_logits"), Fault::softmax_no_max);
+  CHECK(contains(failed, "routing/scores"));
+}
+
+TEST_CASE("fault group_tie_higher is caught on exact group-score ties", "[cpu][fault]") {
+  for (const char* name : {"group_score_ties[router.score=softmax]", "group_score_ties[router.score=sigmoid]"}) {
+    INFO(name);
+    const auto failed = caught_by(case_named("router.yaml", name), Fault::group_tie_higher);
+    CHECK(contains(failed, "routing/ids"));
+  }
+}
