@@ -23,6 +23,8 @@ enum class Accumulate : uint8_t { per_add, fp32_accumulate };
 enum class ScoreApply : uint8_t { after_experts, before_experts };
 enum class SharedAdd : uint8_t { none, add_after };
 enum class CombineOrder : uint8_t { ascending_row, descending_row /* planted fault */ };
+enum class SoftmaxShift : uint8_t { subtract_max, none /* planted fault */ };
+enum class GroupTie : uint8_t { lower_group, higher_group /* planted fault */ };
 
 MOEV_HD inline float k_exp(float v) { return expf(v); }
 
@@ -43,6 +45,8 @@ struct RouterBody {
   Selection selection;
   RouteNorm norm;
   TieBreak tie;
+  SoftmaxShift shift = SoftmaxShift::subtract_max;
+  GroupTie group_tie = GroupTie::lower_group;
 
   MOEV_HD void operator()(int64_t t, int lane, int) const {
     if (lane != 0) return;
@@ -50,8 +54,11 @@ struct RouterBody {
     float* s = scores + t * E;
     float* c = choice + t * E;
     if (score == ScoreFunc::softmax) {
+      // exp(l - max) never overflows; exp(l) does past l ~ 88.7 in fp32 (inf / inf
+      // = NaN). The planted fault drops the shift (FRAMEWORKS §1.2 step 2).
       float m = l[0];
       for (int e = 1; e < E; ++e) m = l[e] > m ? l[e] : m;
+      if (shift == SoftmaxShift::none) m = 0.f;
       float sum = 0.f;
       for (int e = 0; e < E; ++e) { s[e] = k_exp(l[e] - m); sum += s[e]; }
       for (int e = 0; e < E; ++e) s[e] = s[e] / sum;
@@ -102,7 +109,8 @@ struct RouterBody {
     for (int n = 0; n < limited_groups; ++n) {
       int best = -1;
       for (int g = 0; g < groups; ++g)
-        if (!keep[g] && (best < 0 || gs[g] > gs[best])) best = g;
+        if (!keep[g] && (best < 0 || gs[g] > gs[best] || (group_tie == GroupTie::higher_group && gs[g] == gs[best])))
+          best = g;
       keep[best] = true;
     }
     for (int g = 0; g < groups; ++g)

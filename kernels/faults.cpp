@@ -17,6 +17,12 @@ const std::vector<FaultInfo>& fault_table() {
       {Fault::direct_route_unguarded, "direct_route_unguarded", "direct equal-split route taken without K == E_l"},
       {Fault::stale_weight_cache, "stale_weight_cache", "batched-expert weight cache ignores the weight version"},
       {Fault::local_equal_split_decision, "local_equal_split_decision", "equal-split decision taken per rank, not reduced"},
+      {Fault::sort_chunk_offset, "sort_chunk_offset",
+       "multi-chunk expert sort scans offsets in (chunk, expert) order: rows leave expert-major order (FRAMEWORKS §2.1)"},
+      {Fault::softmax_no_max, "softmax_no_max",
+       "router softmax computes exp(l) without subtracting the row max: inf / inf past l ~ 88.7 (FRAMEWORKS §1.2)"},
+      {Fault::group_tie_higher, "group_tie_higher",
+       "group-limited routing keeps the higher group on equal group scores (FRAMEWORKS §1.2 step 4, §1.7)"},
   };
   return t;
 }

@@ -22,6 +22,9 @@ enum class Fault : uint32_t {
   local_equal_split_decision = 1u << 8,  // §5.4: pad/no-pad decided per rank, not reduced over EP
   stale_weight_cache = 1u << 9,   // §8.1: batched-expert weight cache ignores the weight version
   direct_route_unguarded = 1u << 10,  // §6.3: direct equal-split route taken without K == E_l
+  sort_chunk_offset = 1u << 11,   // §2.1: multi-chunk counting sort scans offsets (chunk, expert), not (expert, chunk)
+  softmax_no_max = 1u << 12,      // §1.2: router softmax without subtracting the row max (exp overflows)
+  group_tie_higher = 1u << 13,    // §1.2 step 4: equal group scores keep the higher group
 };
 
 struct FaultSet {

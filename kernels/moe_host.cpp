@@ -82,7 +82,9 @@ void router_route(const ExecCtx& ctx, const RouterConfig& cfg, const float* logi
                      cfg.groups, cfg.limited_groups, cfg.route_scale, cfg.score,
                      cfg.selection, cfg.norm,
                      ctx.faults.has(Fault::highest_id_tiebreak) ? k::TieBreak::higher_id
-                                                                : k::TieBreak::lower_id};
+                                                                : k::TieBreak::lower_id,
+                     ctx.faults.has(Fault::softmax_no_max) ? k::SoftmaxShift::none : k::SoftmaxShift::subtract_max,
+                     ctx.faults.has(Fault::group_tie_higher) ? k::GroupTie::higher_group : k::GroupTie::lower_group};
   host_run(ctx, T, body);
   expert_histogram(ctx, ids, T * cfg.K, cfg.E, counts);
 }
@@ -99,14 +101,25 @@ void expert_sort(const ExecCtx& ctx, const int32_t* ids, int64_t N, int E, int32
     int64_t* h = hist.data() + c * E;
     for (int64_t a = c * per; a < std::min(N, (c + 1) * per); ++a) ++h[ids[a]];
   });
-  // exclusive scan in (expert, chunk) order
+  // exclusive scan in (expert, chunk) order. The planted fault scans in
+  // (chunk, expert) order: with one chunk (N < 4096 or one thread) the two
+  // agree, with two or more the rows stop being expert-major (FRAMEWORKS §2.1).
   int64_t run = 0;
-  for (int e = 0; e < E; ++e)
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t v = hist[size_t(c * E + e)];
-      hist[size_t(c * E + e)] = run;
-      run += v;
-    }
+  if (ctx.faults.has(Fault::sort_chunk_offset)) {
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int e = 0; e < E; ++e) {
+        const int64_t v = hist[size_t(c * E + e)];
+        hist[size_t(c * E + e)] = run;
+        run += v;
+      }
+  } else {
+    for (int e = 0; e < E; ++e)
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t v = hist[size_t(c * E + e)];
+        hist[size_t(c * E + e)] = run;
+        run += v;
+      }
+  }
   if (ctx.faults.has(Fault::unstable_sort)) {
     std::vector<int64_t> count(size_t(E), 0), start(size_t(E), 0);
     for (int64_t a = 0; a < N; ++a) ++count[size_t(ids[a])];

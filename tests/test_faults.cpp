@@ -50,7 +50,31 @@ TEST_CASE("fault unordered_combine is caught where bf16 rounding depends on orde
 }
 
 TEST_CASE("fault pointer_alias_guard is caught by the input-unchanged check", "[cpu][fault]") {
-  const auto failed =
-      caught_by(case_named("inplace.yaml", "in_place_alias_x_offset[dtype=bf16]"), Fault::pointer_alias_guard);
-  CHECK(contains(failed, "combine/x"));
+  // a view 5 elements into x, and one 400 of 640 bf16 elements in (issue 11 §4)
+  for (const char* name : {"in_place_alias_x_offset[dtype=bf16]", "in_place_alias_x_far_offset"}) {
+    INFO(name);
+    const auto failed = caught_by(case_named("inplace.yaml", name), Fault::pointer_alias_guard);
+    CHECK(contains(failed, "combine/x"));
+  }
+}
+
+TEST_CASE("fault sort_chunk_offset is caught by the multi-chunk sort case", "[cpu][fault]") {
+  // T*K = 4400 >= 4096 with threads 2: two sort chunks (one chunk hides the fault)
+  const auto failed = caught_by(case_named("edge.yaml", "multi_chunk_sort"), Fault::sort_chunk_offset);
+  CHECK(contains(failed, "dispatch/token_sorted"));
+  CHECK(contains(failed, "dispatch/routed_input"));
+}
+
+TEST_CASE("fault softmax_no_max is caught by the routing scores check on large logits", "[cpu][fault]") {
+  // logits past 88.7: exp overflows to inf without the max shift, inf / inf = NaN
+  const auto failed = caught_by(case_named("router.yaml", "softmax_large_logits"), Fault::softmax_no_max);
+  CHECK(contains(failed, "routing/scores"));
+}
+
+TEST_CASE("fault group_tie_higher is caught on exact group-score ties", "[cpu][fault]") {
+  for (const char* name : {"group_score_ties[router.score=softmax]", "group_score_ties[router.score=sigmoid]"}) {
+    INFO(name);
+    const auto failed = caught_by(case_named("router.yaml", name), Fault::group_tie_higher);
+    CHECK(contains(failed, "routing/ids"));
+  }
 }

@@ -4,7 +4,11 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <limits>
 #include <random>
+#include <utility>
+#include <vector>
 
 #include "../kernels/dtype.h"
 #include "../reference/reference.h"
@@ -57,4 +61,111 @@ TEST_CASE("known rounding values", "[cpu][numeric]") {
   CHECK(to_float(from_float<bf16>(1.00390625f)) == 1.f);     // 1 + 2^-8: tie, to even
   CHECK(to_float(from_float<bf16>(1.01171875f)) == 1.015625f);  // 1 + 3*2^-8: tie, to even (up)
   CHECK(std::isnan(to_float(from_float<bf16>(std::nanf("")))));
+}
+
+// Non-finite values and overflow (issue 11 §4): the random and neighbourhood
+// tests above skip non-finite inputs. IEEE conversion to a narrower format
+// keeps infinities, turns every NaN into a NaN (a payload that lives only in
+// the low 16 bits must not truncate to the all-zero mantissa of an infinity),
+// and rounds finite values past the largest finite one (by half an ulp or
+// more, ties to even) to infinity. Checked for the kernels' bit-level
+// conversions (kernels/dtype.h) and the reference's arithmetic ones
+// (reference/numeric.cpp) alike.
+TEST_CASE("conversions keep infinities and NaNs and overflow to infinity", "[cpu][numeric]") {
+  const float inf = std::numeric_limits<float>::infinity();
+  auto kernel_bf16 = [](float v) { return to_float(from_float<bf16>(v)); };
+  auto kernel_fp16 = [](float v) { return to_float(from_float<fp16>(v)); };
+  auto ref_bf16 = [](float v) { return ref::round_act(ref::Act::bf16, v); };
+  auto ref_fp16 = [](float v) { return ref::round_act(ref::Act::fp16, v); };
+  struct Conv {
+    const char* name;
+    std::function<float(float)> f;
+  };
+  const std::vector<Conv> convs = {{"kernel bf16", kernel_bf16}, {"kernel fp16", kernel_fp16},
+                                   {"reference bf16", ref_bf16}, {"reference fp16", ref_fp16}};
+
+  SECTION("infinities stay infinities of the same sign") {
+    for (const auto& c : convs) {
+      INFO(c.name);
+      CHECK(c.f(inf) == inf);
+      CHECK(c.f(-inf) == -inf);
+    }
+    CHECK(from_float<bf16>(inf).bits == 0x7f80u);
+    CHECK(from_float<bf16>(-inf).bits == 0xff80u);
+    CHECK(from_float<fp16>(inf).bits == 0x7c00u);
+    CHECK(from_float<fp16>(-inf).bits == 0xfc00u);
+  }
+
+  SECTION("every NaN stays a NaN: both signs, quiet and signalling, payload high or low") {
+    const uint32_t nans[] = {
+        0x7fc00000u, 0xffc00000u,  // quiet, no payload
+        0x7fffffffu, 0xffffffffu,  // quiet, every payload bit
+        0x7fc00001u, 0xffc0ffffu,  // quiet, payload in the low 16 bits
+        0x7f800001u, 0xff800001u,  // signalling, lowest payload bit only
+        0x7f80ffffu, 0xff80ffffu,  // signalling, payload only in the low 16 bits
+        0x7f808000u, 0x7f807fffu,  // signalling, payload at / below bf16's rounding bit
+        0x7fa00000u, 0xffbfffffu,  // signalling, payload in the high bits
+        0x7f801000u, 0x7f800fffu,  // signalling, payload at / below fp16's rounding bit
+    };
+    for (uint32_t u : nans) {
+      const float v = bits_to_f(u);
+      REQUIRE(std::isnan(v));
+      for (const auto& c : convs) {
+        INFO(c.name << " of NaN 0x" << std::hex << u);
+        const float r = c.f(v);
+        CHECK(std::isnan(r));  // not inf, not a number
+      }
+      INFO("NaN 0x" << std::hex << u);
+      const uint16_t b = from_float<bf16>(v).bits, h = from_float<fp16>(v).bits;
+      CHECK((b & 0x7f80u) == 0x7f80u);
+      CHECK((b & 0x007fu) != 0u);  // a NaN pattern, not the infinity 0x7f80
+      CHECK((h & 0x7c00u) == 0x7c00u);
+      CHECK((h & 0x03ffu) != 0u);
+    }
+  }
+
+  SECTION("every 16-bit NaN and infinity pattern widens to a NaN and an infinity") {
+    for (uint32_t s : {0x0000u, 0x8000u}) {
+      for (uint32_t m = 0; m < 0x80u; ++m) {
+        const float v = to_float(bf16{uint16_t(s | 0x7f80u | m)});
+        INFO("bf16 0x" << std::hex << (s | 0x7f80u | m));
+        CHECK((m == 0 ? v == (s ? -inf : inf) : std::isnan(v)));
+      }
+      for (uint32_t m = 0; m < 0x400u; ++m) {
+        const float v = to_float(fp16{uint16_t(s | 0x7c00u | m)});
+        INFO("fp16 0x" << std::hex << (s | 0x7c00u | m));
+        CHECK((m == 0 ? v == (s ? -inf : inf) : std::isnan(v)));
+      }
+    }
+  }
+
+  SECTION("finite values past the largest finite overflow per round-to-nearest-even") {
+    const float bf16_max = bits_to_f(0x7f7f0000u);  // 255 * 2^120
+    const float fp16_max = 65504.f;
+    const std::pair<float, float> bf16_cases[] = {
+        {std::numeric_limits<float>::max(), inf},
+        {bits_to_f(0x7f7f8000u), inf},       // the exact midpoint to 2^128: ties to even (0x7f80) = inf
+        {bits_to_f(0x7f7f7fffu), bf16_max},  // just below the midpoint
+        {bf16_max, bf16_max},
+    };
+    const std::pair<float, float> fp16_cases[] = {
+        {std::numeric_limits<float>::max(), inf},
+        {1e10f, inf},
+        {65520.f, inf},              // the midpoint 65504 + 16: ties to even (0x7c00) = inf
+        {65519.99609375f, fp16_max}, // one fp32 ulp below it
+        {fp16_max, fp16_max},
+    };
+    for (float sign : {1.f, -1.f}) {
+      for (const auto& [v, want] : bf16_cases) {
+        INFO("bf16 of " << sign * v);
+        CHECK(kernel_bf16(sign * v) == sign * want);
+        CHECK(ref_bf16(sign * v) == sign * want);
+      }
+      for (const auto& [v, want] : fp16_cases) {
+        INFO("fp16 of " << sign * v);
+        CHECK(kernel_fp16(sign * v) == sign * want);
+        CHECK(ref_fp16(sign * v) == sign * want);
+      }
+    }
+  }
 }

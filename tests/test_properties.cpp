@@ -90,6 +90,42 @@ std::vector<float> small_ints(size_t n) {
   return *rc::gen::container<std::vector<float>>(n, rc::gen::map(rc::gen::inRange(-8, 9), [](int v) { return float(v); }));
 }
 
+/// An integer in [lo, hi) over the whole range at every test size (inRange
+/// alone narrows the range for the first tests, which would put nearly every
+/// buffer at the start of its allocation).
+rc::Gen<size_t> uniform(size_t lo, size_t hi) { return rc::gen::resize(rc::kNominalSize, rc::gen::inRange(lo, hi)); }
+
+/// A 4-byte aligned byte buffer (float and int32 inputs may sit in it).
+struct Words {
+  std::vector<uint32_t> w;
+  size_t bytes = 0;
+  uint8_t* p() { return reinterpret_cast<uint8_t*>(w.data()); }
+  const uint8_t* p() const { return reinterpret_cast<const uint8_t*>(w.data()); }
+};
+
+/// `n` bytes copied from src (zeros when src is null).
+Words raw_words(const void* src, size_t n) {
+  Words b;
+  b.w.assign(n / 4 + 1, 0u);
+  b.bytes = n;
+  if (src && n) std::memcpy(b.p(), src, n);
+  return b;
+}
+
+/// Values stored as the activation type dt.
+Words act_words(const std::vector<float>& v, DType dt) {
+  Words b = raw_words(nullptr, v.size() * dtype_bytes(dt));
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (dt == DType::fp32) {
+      std::memcpy(b.p() + 4 * i, &v[i], 4);
+    } else {
+      const uint16_t h = dt == DType::bf16 ? from_float<bf16>(v[i]).bits : from_float<fp16>(v[i]).bits;
+      std::memcpy(b.p() + 2 * i, &h, 2);
+    }
+  }
+  return b;
+}
+
 }  // namespace
 
 TEST_CASE("local dispatch", "[cpu][prop]") {
@@ -184,44 +220,83 @@ TEST_CASE("combine", "[cpu][prop]") {
     RC_ASSERT(std::fabs(lhs - rhs) <= 1e-6 * (mag + 1) * (r.K + 2));
   });
 
-  rc::prop("in-place equals out-of-place bitwise for random overlaps; inputs untouched (T-S1)", [] {
+  // FRAMEWORKS §9.2 pitfalls: the guard must check the caller's buffer against
+  // EVERY protected input by byte range, not only x (the one FK checks) and not
+  // only the first range it is given. The buffer shares one allocation with a
+  // drawn input (x, routed_output, score_sorted, row_of, token_sorted or
+  // shared_out, in the order the pipeline passes them: src/stages_local.cpp
+  // combine_inputs) at random offsets, in a drawn dtype; the other inputs live
+  // in their own allocations.
+  rc::prop("in-place equals out-of-place bitwise for random overlaps with any protected input; inputs untouched (T-S1)",
+           [] {
     const Routing r = *gen_routing();
     RC_PRE(r.T > 0);
-    const int64_t D = *rc::gen::inRange<int64_t>(1, 7), N = r.T * r.K, TD = r.T * D;
+    const DType dt = *rc::gen::element(DType::fp32, DType::bf16, DType::fp16);
+    const size_t ab = dtype_bytes(dt);
+    const int64_t D = int64_t(*uniform(1, 33)), N = r.T * r.K, TD = r.T * D;  // overlaps of hundreds of elements
     std::vector<float> s(static_cast<size_t>(N));
     for (auto& v : s) v = float(*rc::gen::inRange(1, 64)) / 16.f;
     const Dispatched d = dispatch_fp32(r, std::vector<float>(size_t(TD), 0.f), s, D, 1);
-    // One allocation holds routed_out at ro_off and the caller's buffer at buf_off.
-    const int64_t total = N * D + TD + *rc::gen::inRange<int64_t>(0, 2 * (N * D + TD) + 2);
-    std::vector<float> arena = small_ints(size_t(total));
-    const int64_t ro_off = *rc::gen::inRange<int64_t>(0, total - N * D + 1);
-    const int64_t buf_off = *rc::gen::inRange<int64_t>(0, total - TD + 1);
-    const bool overlap = buf_off < ro_off + N * D && ro_off < buf_off + TD;
-    RC_CLASSIFY(overlap, "buffer overlaps routed_out");
-    const std::vector<float> ro_before(arena.begin() + ro_off, arena.begin() + ro_off + N * D);
-    const std::vector<float> init(arena.begin() + buf_off, arena.begin() + buf_off + TD);
+    enum In { kX, kRouted, kScore, kRowOf, kTokenSorted, kShared, kNum };
+    const char* names[kNum] = {"x", "routed_output", "score_sorted", "row_of", "token_sorted", "shared_out"};
+    // pre-call contents of every input, 4-byte aligned
+    std::vector<Words> before(kNum);
+    before[kX] = act_words(small_ints(size_t(TD)), dt);
+    before[kRouted] = act_words(small_ints(size_t(N * D)), dt);
+    before[kScore] = raw_words(d.score_sorted.data(), size_t(N) * 4);
+    before[kRowOf] = raw_words(d.row_of.data(), size_t(N) * 4);
+    before[kTokenSorted] = raw_words(d.token_sorted.data(), size_t(N) * 4);
+    before[kShared] = act_words(small_ints(size_t(TD)), dt);
+    const size_t elem[kNum] = {ab, ab, 4, 4, 4, ab};
+    const int target = *rc::gen::element(0, 1, 2, 3, 4, 5);
+    const size_t in_bytes = before[size_t(target)].bytes, buf_bytes = size_t(TD) * ab;
+    // One allocation holds the target input at in_off and the caller's buffer at buf_off.
+    const size_t total = in_bytes + buf_bytes + ab * *uniform(0, 2 * (in_bytes + buf_bytes) / ab + 2);
+    Words arena = act_words(small_ints(total / ab), dt);
+    const size_t in_off = elem[target] * *uniform(0, (total - in_bytes) / elem[target] + 1);
+    const size_t buf_off = ab * *uniform(0, (total - buf_bytes) / ab + 1);
+    std::memcpy(arena.p() + in_off, before[size_t(target)].p(), in_bytes);
+    const bool overlap = buf_off < in_off + in_bytes && in_off < buf_off + buf_bytes;
+    const size_t overlap_elems =
+        overlap ? (std::min(buf_off + buf_bytes, in_off + in_bytes) - std::max(buf_off, in_off)) / ab : 0;
+    RC_CLASSIFY(overlap, std::string("buffer overlaps ") + names[target]);
+    RC_CLASSIFY(!overlap, "no overlap");
+    RC_CLASSIFY(overlap_elems >= 100, "overlap of >= 100 elements");
+    const Words init = raw_words(arena.p() + buf_off, buf_bytes);
+    std::vector<Words> own = before;  // the non-target inputs' own allocations
+    uint8_t* ptr[kNum];
+    for (int i = 0; i < kNum; ++i) ptr[i] = i == target ? arena.p() + in_off : own[size_t(i)].p();
+
     CombineArgs a;
-    a.dt = DType::fp32;
-    a.score_sorted = d.score_sorted.data();
-    a.row_of = d.row_of.data();
+    a.dt = dt;
     a.T = r.T;
     a.D = D;
     a.K = r.K;
     a.acc = *rc::gen::element(k::Accumulate::per_add, k::Accumulate::fp32_accumulate);
-    a.routed_out = ro_before.data();
-    std::vector<float> expect(static_cast<size_t>(TD));
-    combine(ExecCtx{1, {}}, a, init.data(), expect.data());
-    a.routed_out = arena.data() + ro_off;
-    std::vector<float> fallback(size_t(TD), NAN);
-    const ByteRange inputs[] = {{arena.data() + ro_off, size_t(N * D) * 4}, {d.score_sorted.data(), size_t(N) * 4},
-                                {d.row_of.data(), size_t(N) * 4}};
-    const char* names[] = {"routed_out", "score_sorted", "row_of"};
-    const InPlaceResult res =
-        combine_in_place(ExecCtx{*rc::gen::inRange(1, 4), {}}, a, arena.data() + buf_off, fallback.data(), inputs, names, 3);
+    a.shared_add = *rc::gen::element(k::SharedAdd::none, k::SharedAdd::add_after);
+    // expected: out-of-place on private copies of every input
+    a.routed_out = before[kRouted].p();
+    a.score_sorted = reinterpret_cast<const float*>(before[kScore].p());
+    a.row_of = reinterpret_cast<const int32_t*>(before[kRowOf].p());
+    a.shared = before[kShared].p();
+    Words expect = raw_words(nullptr, buf_bytes);
+    combine(ExecCtx{1, {}}, a, init.p(), expect.p());
+
+    a.routed_out = ptr[kRouted];
+    a.score_sorted = reinterpret_cast<const float*>(ptr[kScore]);
+    a.row_of = reinterpret_cast<const int32_t*>(ptr[kRowOf]);
+    a.shared = ptr[kShared];
+    ByteRange inputs[kNum];
+    for (int i = 0; i < kNum; ++i) inputs[i] = {ptr[i], before[size_t(i)].bytes};
+    Words fallback = raw_words(nullptr, buf_bytes);
+    const InPlaceResult res = combine_in_place(ExecCtx{*rc::gen::inRange(1, 4), {}}, a, arena.p() + buf_off,
+                                               fallback.p(), inputs, names, kNum);
     RC_ASSERT((res.placement == Placement::out_of_place_fallback) == overlap);
-    const float* got = res.placement == Placement::in_place ? arena.data() + buf_off : fallback.data();
-    RC_ASSERT(std::memcmp(got, expect.data(), size_t(TD) * 4) == 0);
-    RC_ASSERT(std::memcmp(arena.data() + ro_off, ro_before.data(), size_t(N * D) * 4) == 0);
+    const uint8_t* got = res.placement == Placement::in_place ? arena.p() + buf_off : fallback.p();
+    RC_ASSERT(std::memcmp(got, expect.p(), buf_bytes) == 0);
+    RC_LOG() << "buffer shares an allocation with " << names[target] << ", overlap " << overlap_elems
+             << " elements, placement " << (res.placement == Placement::in_place ? "in_place" : "fallback") << "\n";
+    for (int i = 0; i < kNum; ++i) RC_ASSERT(std::memcmp(ptr[i], before[size_t(i)].p(), before[size_t(i)].bytes) == 0);
   });
 }
 
