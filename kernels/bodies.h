@@ -25,6 +25,7 @@ enum class SharedAdd : uint8_t { none, add_after };
 enum class CombineOrder : uint8_t { ascending_row, descending_row /* planted fault */ };
 enum class SoftmaxShift : uint8_t { subtract_max, none /* planted fault */ };
 enum class GroupTie : uint8_t { lower_group, higher_group /* planted fault */ };
+enum class SiluRounding : uint8_t { fused, rounded_to_act /* planted fault */ };
 
 MOEV_HD inline float k_exp(float v) { return expf(v); }
 
@@ -161,13 +162,15 @@ struct SwigluBody {
   const T* h13;  // (rows, 2F)
   T* H;          // (rows, F)
   int64_t F;
+  SiluRounding silu_rounding = SiluRounding::fused;
 
   MOEV_HD void operator()(int64_t r, int lane, int lanes) const {
     const T* h1 = h13 + r * 2 * F;
     const T* h3 = h1 + F;
     for (int64_t f = lane; f < F; f += lanes) {
       const float a = to_float(h1[f]);
-      const float silu = a / (1.f + k_exp(-a));
+      float silu = a / (1.f + k_exp(-a));
+      if (silu_rounding == SiluRounding::rounded_to_act) silu = to_float(from_float<T>(silu));
       H[r * F + f] = from_float<T>(silu * to_float(h3[f]));
     }
   }

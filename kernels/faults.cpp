@@ -23,6 +23,10 @@ const std::vector<FaultInfo>& fault_table() {
        "router softmax computes exp(l) without subtracting the row max: inf / inf past l ~ 88.7 (FRAMEWORKS §1.2)"},
       {Fault::group_tie_higher, "group_tie_higher",
        "group-limited routing keeps the higher group on equal group scores (FRAMEWORKS §1.2 step 4, §1.7)"},
+      {Fault::silu_rounded, "silu_rounded",
+       "SwiGLU rounds silu(h1) to the activation dtype before the product, where the contract fuses it (CONTRACT §8, §14)"},
+      {Fault::direct_route_score_before, "direct_route_score_before",
+       "direct equal-split route from x taken under score_before_experts: unscaled rows are sent (FRAMEWORKS §6.3)"},
   };
   return t;
 }

@@ -25,6 +25,8 @@ enum class Fault : uint32_t {
   sort_chunk_offset = 1u << 11,   // §2.1: multi-chunk counting sort scans offsets (chunk, expert), not (expert, chunk)
   softmax_no_max = 1u << 12,      // §1.2: router softmax without subtracting the row max (exp overflows)
   group_tie_higher = 1u << 13,    // §1.2 step 4: equal group scores keep the higher group
+  silu_rounded = 1u << 14,        // §8.2: silu(h1) rounded to the activation dtype before the product
+  direct_route_score_before = 1u << 15,  // §6.3: direct route from x taken under score_before_experts
 };
 
 struct FaultSet {

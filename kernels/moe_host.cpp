@@ -12,6 +12,10 @@
 namespace moev {
 namespace {
 
+k::SiluRounding silu_rounding(const ExecCtx& ctx) {
+  return ctx.faults.has(Fault::silu_rounded) ? k::SiluRounding::rounded_to_act : k::SiluRounding::fused;
+}
+
 constexpr int64_t kGemmTile = 64;  // fixed row tile: results independent of thread count
 
 using MatF = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -183,7 +187,7 @@ void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* 
           gemm_typed(xs + r * D, tile_rows(t), D, D, w1 + j * F * D, F, h13 + r * 2 * F, 2 * F);
           gemm_typed(xs + r * D, tile_rows(t), D, D, w3 + j * F * D, F, h13 + r * 2 * F + F, 2 * F);
         });
-        host_run(ctx, n, k::SwigluBody<T>{h13 + r0 * 2 * F, H + r0 * F, F});
+        host_run(ctx, n, k::SwigluBody<T>{h13 + r0 * 2 * F, H + r0 * F, F, silu_rounding(ctx)});
         host_run(ctx, tiles, [&](int64_t t, int, int) {
           const int64_t r = r0 + t * kGemmTile;
           gemm_typed(H + r * F, tile_rows(t), F, F, w2 + j * D * F, D, ys + r * D, D);
@@ -203,7 +207,7 @@ void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* 
         const int64_t n = std::min(kGemmTile, off[size_t(j) + 1] - r);
         gemm_typed(xs + r * D, n, D, D, w1 + j * F * D, F, h13 + r * 2 * F, 2 * F);
         gemm_typed(xs + r * D, n, D, D, w3 + j * F * D, F, h13 + r * 2 * F + F, 2 * F);
-        const k::SwigluBody<T> act{h13, H, F};
+        const k::SwigluBody<T> act{h13, H, F, silu_rounding(ctx)};
         for (int64_t q = r; q < r + n; ++q) act(q, 0, 1);
         gemm_typed(H + r * F, n, F, F, w2 + j * D * F, D, ys + r * D, D);
       });
@@ -255,7 +259,7 @@ void experts_swiglu_batched(const ExecCtx& ctx, DType dt, const void* X, int64_t
       const int64_t j = item / tiles, r = j * c + (item % tiles) * kGemmTile;
       const int64_t n = std::min(kGemmTile, (j + 1) * c - r);
       gemm_typed(xs + r * D, n, D, D, w13 + size_t(j) * 2 * fd, 2 * F, h13 + r * 2 * F, 2 * F);
-      const k::SwigluBody<T> act{h13, H, F};
+      const k::SwigluBody<T> act{h13, H, F, silu_rounding(ctx)};
       for (int64_t q = r; q < r + n; ++q) act(q, 0, 1);
       gemm_typed(H + r * F, n, F, F, w2t + size_t(j) * fd, D, ys + r * D, D, WeightLayout::k_by_n);
     });

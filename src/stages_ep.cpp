@@ -185,9 +185,12 @@ void fast_force_lb_dispatch(FastCtx& ctx) {
   out_ints(ctx, "recv_counts", s.recv_counts);
   Tensor& recv = ctx.output("recv", x.type, {s.M, c.hidden});
   const int64_t mstar = *std::max_element(s.in.begin(), s.in.end());
-  const bool guard = K == E_l;  // FRAMEWORKS §6.3: the shortcut is only right when E == K*R
-  const bool direct = (guard || ctx.exec.faults.has(Fault::direct_route_unguarded)) && mstar > 0 && mstar % E_l == 0 &&
-                      c.score_before_experts == Switch::off;
+  // FRAMEWORKS §6.3: the shortcut is only right when E == K*R, and only for
+  // the score applied after the experts (routed_input holds x * score otherwise).
+  const bool guard = K == E_l || ctx.exec.faults.has(Fault::direct_route_unguarded);
+  const bool scores_after =
+      c.score_before_experts == Switch::off || ctx.exec.faults.has(Fault::direct_route_score_before);
+  const bool direct = guard && scores_after && mstar > 0 && mstar % E_l == 0;
   if (direct) {
     equal_split_exchange(ctx, x, direct_route_map(T, R, E_l, mstar), s.out, mstar, recv,
                          "direct equal-split all-to-all");
@@ -200,8 +203,12 @@ void fast_force_lb_dispatch(FastCtx& ctx) {
   if (ctx.rank == 0)
     ctx.notes.push_back(std::string("force_lb: analytic splits, no count exchange; ") +
                         (direct ? "direct equal-split route from x (M*=" + std::to_string(mstar) + ")"
-                                : "generic gather (direct route needs K == E_l: K=" + std::to_string(K) +
-                                      ", E_l=" + std::to_string(E_l) + ")"));
+                         : !guard ? "generic gather (direct route needs K == E_l: K=" + std::to_string(K) +
+                                        ", E_l=" + std::to_string(E_l) + ")"
+                         : !scores_after ? std::string("generic gather (direct route needs the score applied after "
+                                                       "the experts; score_before_experts is on)")
+                                         : "generic gather (direct route needs M* a positive multiple of E_l: M*=" +
+                                               std::to_string(mstar) + ", E_l=" + std::to_string(E_l) + ")"));
 }
 
 void fast_equal_split_return(FastCtx& ctx) {

@@ -78,3 +78,15 @@ TEST_CASE("fault group_tie_higher is caught on exact group-score ties", "[cpu][f
     CHECK(contains(failed, "routing/ids"));
   }
 }
+
+TEST_CASE("fault silu_rounded is caught by the activation check, given the same GEMM outputs", "[cpu][fault]") {
+  // bf16: rounding silu(h1) before the product moves H by an ulp on many
+  // elements; the expert output's GEMM bound alone would hide most of them.
+  const auto failed = caught_by(case_named("basic.yaml", "realistic_bf16"), Fault::silu_rounded);
+  CHECK(contains(failed, "experts/expert_hidden"));
+}
+
+TEST_CASE("fault direct_route_score_before is caught: the direct route would send unscaled rows", "[cpu][fault]") {
+  const auto failed = caught_by(case_named("force_lb.yaml", "direct_route_K_eq_El_score_before"), Fault::direct_route_score_before);
+  CHECK(contains(failed, "ep_dispatch/recv@0"));
+}
