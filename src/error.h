@@ -7,7 +7,7 @@
 
 namespace moev {
 
-enum class ErrorKind { bad_input, runtime };
+enum class ErrorKind { bad_input, runtime, not_supported /* a requested path this build cannot run: exit 5 */ };
 
 struct Error : std::runtime_error {
   ErrorKind kind;

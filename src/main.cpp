@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <sstream>
+#include <chrono>
 #include <thread>
 
 #include "case.h"
@@ -16,6 +17,7 @@
 #include "cuda_probe.h"
 #include "dump.h"
 #include "error.h"
+#include "fuzz.h"
 #include "memory_estimate.h"
 #include "registry.h"
 #include "runner.h"
@@ -195,10 +197,95 @@ int cmd_list() {
   return 0;
 }
 
+uint64_t parse_u64_option(const std::string& flag, const std::string& text) {
+  errno = 0;
+  char* end = nullptr;
+  const unsigned long long v = std::strtoull(text.c_str(), &end, 10);
+  if (text.empty() || !std::isdigit(static_cast<unsigned char>(text[0])) || *end != '\0' || errno == ERANGE)
+    bad_input(flag + ": expected a non-negative integer, got '" + printable(text) + "'; valid: 0 to 2^64-1");
+  return v;
+}
+
+FaultSet parse_faults(const std::vector<std::string>& names, std::string* flags = nullptr) {
+  FaultSet fs;
+  for (const auto& f : names) {
+    try {
+      fs.bits |= uint32_t(parse_fault(f));
+    } catch (const std::invalid_argument& e) {
+      bad_input(std::string("--fault: ") + e.what());
+    }
+    if (flags) *flags += " --fault " + f;
+  }
+  return fs;
+}
+
+/// The backend flag: only the host executor runs whole pipelines so far.
+void check_backend(const std::string& backend) {
+  if (backend == "host") return;
+  if (backend == "cuda")
+    throw Error(ErrorKind::not_supported, "NOT_SUPPORTED: --backend cuda: this moeverify runs the pipeline on the "
+                                          "host executor only; the CUDA backend is not built yet");
+  bad_input("--backend: unknown backend '" + printable(backend) + "'; valid: host | cuda");
+}
+
+struct FuzzArgs {
+  std::string seconds, iterations, seed, jobs = "1", backend = "host", out = "fuzz-failures", json;
+  std::vector<std::string> faults;
+  bool no_shrink = false;
+};
+
+int cmd_fuzz(const CLI::App* cmd, const FuzzArgs& a) {
+  check_backend(a.backend);
+  FuzzOptions o;
+  if (cmd->count("--seconds")) o.seconds = parse_real_option("--seconds", a.seconds, 0.1, 1e7);
+  if (cmd->count("--iterations")) o.iterations = parse_u64_option("--iterations", a.iterations);
+  if (o.seconds <= 0 && o.iterations == 0) o.seconds = 60;
+  o.seed = cmd->count("--seed") ? parse_u64_option("--seed", a.seed)
+                                : uint64_t(std::chrono::system_clock::now().time_since_epoch().count()) % 1000000007u;
+  o.jobs = parse_int_option("--jobs", a.jobs, 1, 256);
+  o.faults = parse_faults(a.faults, &o.fault_flags);
+  o.out_dir = a.out;
+  o.shrink = !a.no_shrink;
+  if (cmd->count("--json")) {
+    if (a.json.empty()) bad_input("--json: the path is empty; valid: a file path such as fuzz.json");
+    check_output_file("--json", a.json);
+  }
+  if (a.out.empty()) bad_input("--out: the path is empty; valid: a folder for the shrunk failures");
+  const FuzzResult r = fuzz(o, std::cerr);
+  print_fuzz_result(r, std::cout);
+  if (cmd->count("--json")) {
+    const std::string err = write_file(a.json, {fuzz_json(r)});
+    if (!err.empty()) bad_input("--json: " + err);
+  }
+  return r.failures.empty() ? 0 : 1;
+}
+
+struct SelftestArgs {
+  std::string cases = MOEVERIFY_SOURCE_DIR "/cases", seed = "1", budget = "400", jobs = "1", json;
+};
+
+int cmd_selftest(const CLI::App* cmd, const SelftestArgs& a) {
+  SelftestOptions o;
+  o.cases_dir = a.cases;
+  o.seed = parse_u64_option("--seed", a.seed);
+  o.fuzz_budget = parse_u64_option("--budget", a.budget);
+  o.jobs = parse_int_option("--jobs", a.jobs, 1, 256);
+  if (cmd->count("--json")) check_output_file("--json", a.json);
+  const std::vector<SelftestRow> rows = selftest(o, std::cerr);
+  print_selftest(rows, std::cout);
+  if (cmd->count("--json")) {
+    const std::string err = write_file(a.json, {selftest_json(rows)});
+    if (!err.empty()) bad_input("--json: " + err);
+  }
+  for (const auto& r : rows)
+    if (!r.caught) return 1;
+  return 0;
+}
+
 /// A command-line parse error as one line: an unknown command is named, and
 /// CLI11's multi-line texts are joined.
 std::string cli_error(const CLI::App& app, const CLI::ParseError& e, int argc, char** argv) {
-  const std::string valid = "valid: run, validate or list (see moeverify --help)";
+  const std::string valid = "valid: run, validate, list, fuzz or selftest (see moeverify --help)";
   if (app.get_subcommands().empty()) {
     for (int i = 1; i < argc; ++i) {
       const std::string arg = argv[i];
@@ -249,6 +336,28 @@ int main(int argc, char** argv) {
 
   app.add_subcommand("list", "list registered paths, their stages, and the planted faults");
 
+  FuzzArgs fa;
+  auto* fz = app.add_subcommand("fuzz", "random valid configurations of every path; failures shrunk to YAML cases");
+  fz->add_option("--seconds", fa.seconds, "stop after this many seconds (default 60 when --iterations is not given)")
+      ->type_name("SECONDS");
+  fz->add_option("--iterations", fa.iterations, "stop after this many configurations")->type_name("N");
+  fz->add_option("--seed", fa.seed, "the stream of configurations (default: from the clock; printed first)")
+      ->type_name("N");
+  fz->add_option("--jobs", fa.jobs, "configurations run at once (default 1)")->type_name("N");
+  fz->add_option("--backend", fa.backend, "host (default) | cuda");
+  fz->add_option("--fault", fa.faults, "turn on a planted fault: the fuzz must then find it");
+  fz->add_option("--out", fa.out, "folder for the shrunk failing cases (default fuzz-failures, made on the first)");
+  fz->add_option("--json", fa.json, "also write the result as JSON");
+  fz->add_flag("--no-shrink", fa.no_shrink, "write failures as drawn");
+
+  SelftestArgs sa;
+  auto* st = app.add_subcommand("selftest", "show that every planted fault is caught by a case, the fuzz or a probe");
+  st->add_option("--cases", sa.cases, "the shipped case files (default: this build's source cases/)");
+  st->add_option("--seed", sa.seed, "the fuzz stream (default 1)")->type_name("N");
+  st->add_option("--budget", sa.budget, "fuzz configurations per fault (default 400)")->type_name("N");
+  st->add_option("--jobs", sa.jobs, "configurations run at once (default 1)")->type_name("N");
+  st->add_option("--json", sa.json, "also write the table as JSON");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -263,11 +372,13 @@ int main(int argc, char** argv) {
       return rc;
     }
     if (val->parsed()) return cmd_validate(val, vfiles, vsets, keys, vmax_memory);
+    if (fz->parsed()) return cmd_fuzz(fz, fa);
+    if (st->parsed()) return cmd_selftest(st, sa);
     return cmd_list();
   } catch (const Error& e) {
     // The last guard of "one line": messages escape user text themselves.
     std::cerr << "moeverify: " << printable(e.what(), 4000) << "\n";
-    return e.kind == ErrorKind::bad_input ? 2 : 3;
+    return e.kind == ErrorKind::bad_input ? 2 : e.kind == ErrorKind::not_supported ? exit_status(Outcome::NOT_SUPPORTED) : 3;
   } catch (const std::exception& e) {
     std::cerr << "moeverify: internal error: " << printable(e.what(), 4000) << "\n";
     return 3;

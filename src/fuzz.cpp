@@ -1,0 +1,494 @@
+#include "fuzz.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <ostream>
+#include <sstream>
+#include <thread>
+
+#include "../kernels/ep_host.h"
+#include "../kernels/moe_host.h"
+#include "case.h"
+#include "dump.h"
+#include "error.h"
+#include "random_case.h"
+#include "runner.h"
+
+namespace moev {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+/// What one configuration gave: the first check that did not pass.
+struct Verdict {
+  Outcome outcome = Outcome::PASSED;
+  std::string check;  // slot/variant/tensor, tensor without its @rank
+  std::string key;    // slot/tensor: what shrinking must keep failing
+  std::string note;
+};
+
+std::string without_rank(const std::string& t) { return t.substr(0, t.find('@')); }
+
+Verdict verdict_of(const CaseReport& r) {
+  Verdict v;
+  v.outcome = r.outcome;
+  if (r.outcome == Outcome::PASSED) return v;
+  for (const Check& ch : r.checks) {
+    if (ch.outcome != r.outcome) continue;  // the check that decided the outcome
+    v.check = ch.slot + "/" + ch.variant + "/" + without_rank(ch.tensor);
+    v.key = ch.slot + "/" + without_rank(ch.tensor);
+    std::ostringstream o;
+    if (!ch.diff.first.empty())
+      o << ch.diff.mismatches << " mismatch(es), first " << ch.diff.first[0].coords << ": fast " << ch.diff.first[0].fast
+        << " vs " << ch.diff.first[0].ref << " (" << ch.against << ")" << (ch.note.empty() ? "" : "; ");
+    o << ch.note;
+    v.note = o.str();
+    break;
+  }
+  return v;
+}
+
+/// Threads per configuration: part of the draw (the multi-chunk sort and the
+/// thread-count independence need more than one), fixed by the index.
+int threads_of(uint64_t index) { return 1 + int(index % 2); }
+
+Case load_one(const std::string& yaml, const std::string& origin) {
+  return load_cases_text("cases:\n  - " + yaml + "\n", origin, {}).at(0);
+}
+
+Verdict run_yaml(const std::string& yaml, const FuzzOptions& o, int threads) {
+  const Case c = load_one(yaml, "fuzz");
+  RunOptions ro;
+  ro.threads = threads;
+  ro.faults = o.faults;
+  ro.collective_timeout_ms = o.collective_timeout_ms;
+  try {
+    return verdict_of(run_case(c, ro));
+  } catch (const std::exception& e) {
+    return Verdict{Outcome::ERROR, "run/-/-", "run/-", e.what()};
+  }
+}
+
+std::string flow(const YAML::Node& n) {
+  YAML::Emitter e;
+  e << YAML::Flow << n;
+  return e.c_str();
+}
+
+int64_t int_at(const YAML::Node& n, const char* a, const char* b, int64_t dflt) {
+  return n[a] && n[a][b] && n[a][b].IsScalar() ? n[a][b].as<int64_t>() : dflt;
+}
+
+/// Smaller configurations near `n`, most shrinking first: fewer tokens and
+/// ranks, smaller D, F, E, K, then options switched back to their defaults.
+/// Invalid ones are dropped by the loader.
+std::vector<YAML::Node> shrink_candidates(const YAML::Node& n) {
+  std::vector<YAML::Node> out;
+  auto with = [&](const auto& edit) {
+    YAML::Node c = YAML::Clone(n);
+    edit(c);
+    out.push_back(c);
+  };
+  const YAML::Node shape = n["shape"];
+  if (shape && shape["tokens_per_rank"]) {
+    const YAML::Node tpr = shape["tokens_per_rank"];
+    const int64_t hi = tpr.IsSequence() ? [&] {
+      int64_t m = 0;
+      for (const auto& e : tpr) m = std::max(m, e.as<int64_t>());
+      return m;
+    }() : tpr["uniform"][1].as<int64_t>();
+    with([&](YAML::Node& c) {
+      c["shape"].remove("tokens_per_rank");
+      c["shape"]["tokens"] = hi;
+    });
+    if (tpr.IsSequence())
+      for (size_t i = 0; i < tpr.size(); ++i)
+        if (tpr[i].as<int64_t>() > 0)
+          with([&](YAML::Node& c) { c["shape"]["tokens_per_rank"][i] = tpr[i].as<int64_t>() / 2; });
+  }
+  const int ep = n["ep"] ? n["ep"].as<int>() : 1;
+  for (int r = 1; r < ep; r *= 2)
+    if (ep % r == 0)
+      with([&](YAML::Node& c) {
+        c["ep"] = r;
+        if (c["shape"]["tokens_per_rank"]) {
+          YAML::Node tpr = c["shape"]["tokens_per_rank"];
+          if (tpr.IsSequence()) {
+            YAML::Node cut(YAML::NodeType::Sequence);
+            for (int i = 0; i < r; ++i) cut.push_back(tpr[i]);
+            c["shape"]["tokens_per_rank"] = cut;
+          }
+        }
+      });
+  const struct { const char* key; int64_t floor; } dims[] = {
+      {"tokens", 0}, {"experts", 1}, {"top_k", 1}, {"hidden", 1}, {"ffn", 1}};
+  for (const auto& d : dims) {
+    const int64_t v = int_at(n, "shape", d.key, -1);
+    if (v < 0) continue;
+    for (int64_t cand : {d.floor, d.floor + 1, v / 4, v / 2, v - 1})
+      if (cand >= d.floor && cand < v) with([&](YAML::Node& c) { c["shape"][d.key] = cand; });
+  }
+  for (const char* section : {"router", "experts", "shared_experts", "combine", "equal_split", "tolerance"})
+    if (n[section]) with([&](YAML::Node& c) { c.remove(section); });
+  for (const char* section : {"router", "experts", "shared_experts", "combine", "equal_split", "tolerance"})
+    if (n[section] && n[section].IsMap() && n[section].size() > 1)
+      for (const auto& kv : n[section]) {
+        const std::string k = kv.first.Scalar();
+        with([&](YAML::Node& c) { c[section].remove(k); });
+      }
+  for (const char* key : {"score_before_experts", "align", "empty_groups", "permute", "dtype", "data"})
+    if (n[key]) with([&](YAML::Node& c) { c.remove(key); });
+  return out;
+}
+
+/// Shrinks a failing configuration while it fails the same check (slot and
+/// tensor) with the same outcome; at most `budget` configurations are run.
+std::string shrink(const std::string& yaml, const Verdict& v, const FuzzOptions& o, int threads, int budget, int& runs) {
+  YAML::Node cur = YAML::Load(yaml);
+  bool improved = true;
+  while (improved && runs < budget) {
+    improved = false;
+    for (const YAML::Node& cand : shrink_candidates(cur)) {
+      if (runs >= budget) break;
+      const std::string text = flow(cand);
+      try {
+        load_one(text, "shrink");
+      } catch (const Error&) {
+        continue;  // not a valid configuration
+      }
+      ++runs;
+      const Verdict w = run_yaml(text, o, threads);
+      if (w.outcome == v.outcome && w.key == v.key) {
+        cur = cand;
+        improved = true;
+        break;
+      }
+    }
+  }
+  return flow(cur);
+}
+
+int64_t tokens_of(const std::string& yaml) {
+  const Case c = load_one(yaml, "fuzz");
+  int64_t t = 0;
+  for (int r = 0; r < c.ep; ++r) t = std::max(t, c.tokens_on(r));
+  return t;
+}
+
+/// Writes the shrunk case with its repro line under --out (created on the
+/// first failure); "" (and a note) when it cannot be written.
+std::string write_failure(const FuzzOptions& o, FuzzFailure& f) {
+  YAML::Node n = YAML::Load(f.shrunk);
+  const std::string name = "fuzz_" + std::to_string(o.seed) + "_" + std::to_string(f.index);
+  n["name"] = name;
+  const std::string path = o.out_dir + "/" + name + ".yaml";
+  std::ostringstream body;
+  body << "# moeverify fuzz: seed " << o.seed << ", configuration " << f.index << ", " << outcome_name(f.outcome)
+       << " at " << f.check << "\n"
+       << "# drawn: " << f.yaml << "\n"
+       << "# repro: moeverify run " << path << " --threads " << threads_of(f.index) << o.fault_flags << "\n"
+       << "cases:\n  - " << flow(n) << "\n";
+  std::error_code ec;
+  std::filesystem::create_directories(o.out_dir, ec);
+  const std::string err = ec ? ec.message() : write_file(path, {body.str()});
+  if (!err.empty()) {
+    f.note += "; the shrunk case could not be written to " + path + ": " + err;
+    return "";
+  }
+  return path;
+}
+
+}  // namespace
+
+FuzzResult fuzz(const FuzzOptions& o, std::ostream& progress) {
+  if (o.seconds <= 0 && o.iterations == 0) bad_input("fuzz: give --seconds or --iterations");
+  FuzzResult res;
+  res.seed = o.seed;
+  res.fault_flags = o.fault_flags;
+  progress << "fuzz: seed " << o.seed << " (replay: moeverify fuzz --seed " << o.seed << ")" << std::endl;
+  const auto t0 = Clock::now();
+  std::atomic<uint64_t> next{0}, done{0}, passed{0}, uninformative{0};
+  std::atomic<bool> stop{false};
+  std::mutex m;
+  auto worker = [&] {
+    while (!stop) {
+      const uint64_t i = next++;
+      if ((o.iterations && i >= o.iterations) || (o.seconds > 0 && since(t0) >= o.seconds)) break;
+      const std::string yaml = random_case_yaml(o.seed, i);
+      Verdict v;
+      try {
+        v = run_yaml(yaml, o, threads_of(i));
+      } catch (const std::exception& e) {  // the generator drew a configuration the loader refuses
+        v = Verdict{Outcome::ERROR, "generator/-/-", "generator/-", e.what()};
+      }
+      if (v.outcome == Outcome::PASSED) {
+        ++passed;
+      } else if (v.outcome == Outcome::NOT_VERIFIED || v.outcome == Outcome::NOT_SUPPORTED) {
+        // Data that cannot show a bug (an all-zero reference, say): counted
+        // and shown, never a failure.
+        ++uninformative;
+        std::lock_guard<std::mutex> lk(m);
+        ++res.uninformative_checks[v.check];
+      } else {
+        FuzzFailure f;
+        f.index = i;
+        f.outcome = v.outcome;
+        f.check = v.check;
+        f.note = v.note;
+        f.yaml = yaml;
+        const bool loads = v.key != "generator/-";
+        f.shrunk = o.shrink && loads ? shrink(yaml, v, o, threads_of(i), 400, f.shrink_runs) : yaml;
+        f.shrunk_tokens = loads ? tokens_of(f.shrunk) : -1;
+        std::lock_guard<std::mutex> lk(m);
+        if (!o.out_dir.empty()) f.file = write_failure(o, f);
+        res.failures.push_back(f);
+        if (o.stop_at_first) stop = true;
+      }
+      ++done;
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int j = 0; j < std::max(1, o.jobs); ++j) pool.emplace_back(worker);
+  // Progress from this thread while the workers run.
+  auto last = Clock::now();
+  while (true) {
+    const uint64_t finished = done.load();
+    if ((o.iterations && finished >= o.iterations) || stop || (o.seconds > 0 && since(t0) >= o.seconds)) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (std::chrono::duration<double>(Clock::now() - last).count() >= 2.0) {
+      last = Clock::now();
+      size_t fails;
+      {
+        std::lock_guard<std::mutex> lk(m);
+        fails = res.failures.size();
+      }
+      progress << "fuzz: " << finished << " configurations (" << std::fixed << std::setprecision(0)
+               << 60.0 * double(finished) / std::max(1e-9, since(t0)) << "/min), " << fails << " failure(s), "
+               << uninformative.load() << " uninformative" << std::endl;
+      progress.unsetf(std::ios::fixed);
+    }
+  }
+  for (auto& t : pool) t.join();
+  std::sort(res.failures.begin(), res.failures.end(),
+            [](const FuzzFailure& a, const FuzzFailure& b) { return a.index < b.index; });
+  res.configurations = done;
+  res.passed = passed;
+  res.uninformative = uninformative;
+  res.seconds = since(t0);
+  return res;
+}
+
+void print_fuzz_result(const FuzzResult& r, std::ostream& os) {
+  os << "\nfuzz: seed " << r.seed << ", " << r.configurations << " configurations in " << std::fixed
+     << std::setprecision(1) << r.seconds << " s (" << std::setprecision(0)
+     << 60.0 * double(r.configurations) / std::max(1e-9, r.seconds) << "/min)\n";
+  os.unsetf(std::ios::fixed);
+  os << "   " << std::left << std::setw(16) << "PASSED" << r.passed << "\n"
+     << "   " << std::setw(16) << "uninformative" << r.uninformative << "  (NOT_VERIFIED: data that cannot show a bug)\n"
+     << "   " << std::setw(16) << "failures" << r.failures.size() << "\n";
+  for (const auto& [check, n] : r.uninformative_checks) os << "      uninformative at " << check << ": " << n << "\n";
+  for (const auto& f : r.failures) {
+    os << "\n   FAIL configuration " << f.index << ": " << outcome_name(f.outcome) << " at " << f.check << "\n";
+    if (!f.note.empty()) os << "      " << f.note.substr(0, 300) << "\n";
+    os << "      drawn:  " << f.yaml << "\n      shrunk: " << f.shrunk << "  (" << f.shrunk_tokens << " tokens per rank, "
+       << f.shrink_runs << " configurations run to shrink it)\n";
+    if (!f.file.empty())
+      os << "      repro:  moeverify run " << f.file << " --threads " << threads_of(f.index) << r.fault_flags << "\n";
+  }
+  os << std::right;
+}
+
+std::string fuzz_json(const FuzzResult& r) {
+  nlohmann::json j;
+  j["seed"] = r.seed;
+  j["seconds"] = r.seconds;
+  j["configurations"] = r.configurations;
+  j["passed"] = r.passed;
+  j["uninformative"] = r.uninformative;
+  j["failures"] = nlohmann::json::array();
+  j["files"] = nlohmann::json::array();
+  for (const auto& f : r.failures) {
+    j["failures"].push_back({{"index", f.index},
+                             {"outcome", outcome_name(f.outcome)},
+                             {"check", f.check},
+                             {"note", f.note.substr(0, 2000)},
+                             {"drawn", f.yaml},
+                             {"shrunk", f.shrunk},
+                             {"shrunk_tokens", f.shrunk_tokens},
+                             {"threads", threads_of(f.index)},
+                             {"file", f.file}});
+    if (!f.file.empty()) j["files"].push_back(f.file);
+  }
+  return j.dump(2) + "\n";
+}
+
+// ---- selftest -----------------------------------------------------------------
+
+namespace {
+
+/// Probes for faults that case-sized data cannot reach: each calls the
+/// kernel entry point the fault lives in, on data built for it, and compares
+/// with what the contract says, computed here independently. true: caught.
+struct Probe {
+  Fault fault;
+  const char* what;
+  bool (*caught)(const FaultSet&);
+};
+
+// CONTRACT §4: group starts past 2^31 rows need 64-bit offsets.
+bool probe_offsets(const FaultSet& f) {
+  const int64_t A = 16;
+  const std::vector<int64_t> counts = {(int64_t(1) << 31) - 5, 7, 1 << 20};
+  const PadLayout l = pad_layout(counts.data(), int(counts.size()), A, EmptyGroupRows::zero, f);
+  int64_t start = 0;
+  for (size_t j = 0; j < counts.size(); ++j) {
+    if (l.start[j] != start) return true;
+    start += (counts[j] + A - 1) / A * A;
+  }
+  return l.start[counts.size()] != start;
+}
+
+// FRAMEWORKS §8.1: the batched cache must be rebuilt when the weight version changes.
+bool probe_weight_cache(const FaultSet& f) {
+  const int E_l = 2;
+  const int64_t c = 3, D = 4, F = 5;
+  std::vector<float> X(size_t(E_l * c * D), 0.5f), W1(size_t(E_l * F * D), 0.25f), W3(W1.size(), 0.5f),
+      W2(W1.size(), 0.125f), Y(X.size()), Y_loop(X.size());
+  const std::vector<int64_t> counts(size_t(E_l), c);
+  const ExecCtx ex{1, f};
+  BatchedWeightCache cache;
+  experts_swiglu_batched(ex, DType::fp32, X.data(), c, E_l, D, F, W1.data(), W3.data(), W2.data(), 1, cache, Y.data());
+  for (auto& w : W3) w = -w;  // new weights, new version
+  experts_swiglu_batched(ex, DType::fp32, X.data(), c, E_l, D, F, W1.data(), W3.data(), W2.data(), 2, cache, Y.data());
+  experts_swiglu(ExecCtx{1, {}}, DType::fp32, ExpertsImpl::loop, X.data(), counts.data(), E_l, D, F, W1.data(),
+                 W3.data(), W2.data(), Y_loop.data());
+  for (size_t i = 0; i < Y.size(); ++i)
+    if (std::fabs(Y[i] - Y_loop[i]) > 1e-5f * (1.f + std::fabs(Y_loop[i]))) return true;
+  return false;
+}
+
+const std::vector<Probe>& probes() {
+  static const std::vector<Probe> p = {
+      {Fault::offsets_32bit, "pad_layout with a group past 2^31 rows", probe_offsets},
+      {Fault::stale_weight_cache, "batched experts after a weight-version bump", probe_weight_cache},
+  };
+  return p;
+}
+
+std::vector<std::string> case_files(const std::string& dir) {
+  std::vector<std::string> files;
+  for (const std::string& d : {dir, dir + "/regressions"}) {
+    if (!std::filesystem::is_directory(d)) continue;
+    for (const auto& e : std::filesystem::directory_iterator(d))
+      if (e.is_regular_file() && e.path().extension() == ".yaml") files.push_back(e.path().string());
+  }
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+}  // namespace
+
+std::vector<SelftestRow> selftest(const SelftestOptions& opt, std::ostream& progress) {
+  const std::vector<std::string> files = case_files(opt.cases_dir);
+  if (files.empty())
+    bad_input("selftest: no case files in " + opt.cases_dir + "; valid: --cases DIR with the shipped *.yaml files");
+  std::vector<std::pair<std::string, std::vector<Case>>> shipped;
+  for (const auto& f : files) shipped.push_back({f, load_cases(f, {})});
+  std::vector<SelftestRow> rows;
+  std::ostream null_stream(nullptr);
+  for (const FaultInfo& fi : fault_table()) {
+    const auto t0 = Clock::now();
+    SelftestRow row;
+    row.fault = fi.name;
+    row.what = fi.what;
+    const FaultSet faults{uint32_t(fi.fault)};
+    // 1. A fuzz budget with the fault on, stopped at the first failure.
+    FuzzOptions fo;
+    fo.seed = opt.seed;
+    fo.iterations = opt.fuzz_budget;
+    fo.jobs = opt.jobs;
+    fo.faults = faults;
+    fo.stop_at_first = true;
+    fo.collective_timeout_ms = 2000;
+    const FuzzResult fr = fuzz(fo, null_stream);
+    if (!fr.failures.empty()) {
+      const FuzzFailure& f = fr.failures.front();
+      row.fuzz_configurations = f.index + 1;
+      row.fuzz_check = f.check;
+      row.shrunk_tokens = f.shrunk_tokens;
+    }
+    // 2. The shipped cases, until one catches it.
+    for (const auto& [file, cases] : shipped) {
+      for (const Case& c : cases) {
+        RunOptions ro;
+        ro.threads = 2;
+        ro.faults = faults;
+        ro.collective_timeout_ms = 2000;
+        const Verdict v = verdict_of(run_case(c, ro));
+        if (v.outcome == Outcome::INCORRECT || v.outcome == Outcome::ERROR) {
+          row.case_hit = std::filesystem::path(file).filename().string() + " " + c.name + " at " + v.check;
+          break;
+        }
+      }
+      if (!row.case_hit.empty()) break;
+    }
+    // 3. A probe, where the fault has one.
+    for (const Probe& p : probes())
+      if (p.fault == fi.fault && p.caught(faults)) row.probe = p.what;
+    row.caught = row.fuzz_configurations > 0 || !row.case_hit.empty() || !row.probe.empty();
+    row.by = !row.case_hit.empty() ? "case " + row.case_hit
+             : row.fuzz_configurations ? "fuzz " + row.fuzz_check
+             : !row.probe.empty()      ? "probe: " + row.probe
+                                       : "nothing";
+    row.seconds = since(t0);
+    progress << "selftest: " << fi.name << ": " << (row.caught ? "caught" : "NOT CAUGHT") << " (" << std::fixed
+             << std::setprecision(1) << row.seconds << " s)" << std::endl;
+    progress.unsetf(std::ios::fixed);
+    rows.push_back(row);
+  }
+  return rows;
+}
+
+void print_selftest(const std::vector<SelftestRow>& rows, std::ostream& os) {
+  os << "\nselftest: every planted fault must be caught (shipped cases, a fuzz budget, or a probe)\n";
+  os << "   " << std::left << std::setw(28) << "fault" << std::setw(12) << "outcome" << std::setw(26) << "fuzz"
+     << "first shipped case / probe\n";
+  size_t caught = 0;
+  for (const auto& r : rows) {
+    caught += r.caught;
+    std::string fz = "-";
+    if (r.fuzz_configurations)
+      fz = "after " + std::to_string(r.fuzz_configurations) + " (T<=" + std::to_string(r.shrunk_tokens) + ")";
+    os << "   " << std::setw(28) << r.fault << std::setw(12) << (r.caught ? "caught" : "NOT CAUGHT") << std::setw(26)
+       << fz << (!r.case_hit.empty() ? r.case_hit : !r.probe.empty() ? "probe: " + r.probe : "-") << "\n";
+  }
+  os << std::right << "\n" << caught << " of " << rows.size() << " planted faults caught\n";
+}
+
+std::string selftest_json(const std::vector<SelftestRow>& rows) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const auto& r : rows)
+    j.push_back({{"fault", r.fault},
+                 {"caught", r.caught},
+                 {"by", r.by},
+                 {"fuzz_configurations", r.fuzz_configurations},
+                 {"fuzz_check", r.fuzz_check},
+                 {"fuzz_shrunk_tokens", r.shrunk_tokens},
+                 {"case", r.case_hit},
+                 {"probe", r.probe},
+                 {"seconds", r.seconds}});
+  return nlohmann::json{{"faults", j}}.dump(2) + "\n";
+}
+
+}  // namespace moev

@@ -1,0 +1,86 @@
+// `moeverify fuzz` and `moeverify selftest` (issue 10).
+//
+// fuzz: draws random valid configurations over every case key
+// (src/random_case.cpp), runs each through the same runner as `run`, and
+// shrinks every failure to a small YAML case that reproduces it.
+// selftest: turns on each planted fault in turn and shows that the shipped
+// cases, a fuzz budget, or (for faults no case-sized data can reach) a probe
+// of the kernel entry point catches it.
+#pragma once
+
+#include <cstdint>
+#include <iosfwd>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "diff.h"
+#include "faults.h"
+
+namespace moev {
+
+struct FuzzOptions {
+  uint64_t seed = 1;
+  double seconds = 0;       // 0: no time limit
+  uint64_t iterations = 0;  // 0: no count limit (one of the two must be set)
+  int jobs = 1;             // configurations run at once
+  FaultSet faults;
+  std::string out_dir;      // where shrunk failures are written ("" : nowhere)
+  std::string fault_flags;  // the --fault flags, for the repro line
+  bool shrink = true;
+  bool stop_at_first = false;  // selftest: stop at the first failure
+  int collective_timeout_ms = 5000;
+};
+
+/// A failure: the first check that did not pass, named without its rank.
+struct FuzzFailure {
+  uint64_t index = 0;
+  Outcome outcome = Outcome::INCORRECT;
+  std::string check;     // slot/variant/tensor
+  std::string note;      // that check's note or first mismatch
+  std::string yaml;      // the drawn configuration
+  std::string shrunk;    // the shrunk configuration (== yaml when not shrunk)
+  int shrink_runs = 0;   // configurations run while shrinking
+  int64_t shrunk_tokens = 0;
+  std::string file;      // the written case file ("" when none)
+};
+
+struct FuzzResult {
+  uint64_t seed = 0, configurations = 0, passed = 0, uninformative = 0;
+  std::string fault_flags;  // the --fault flags, for the repro lines
+  double seconds = 0;
+  std::vector<FuzzFailure> failures;
+  std::map<std::string, int> uninformative_checks;  // check -> count
+};
+
+/// Runs the fuzz loop; prints the seed first and a progress line every few
+/// seconds to `progress`.
+FuzzResult fuzz(const FuzzOptions& opt, std::ostream& progress);
+
+void print_fuzz_result(const FuzzResult& r, std::ostream& os);
+std::string fuzz_json(const FuzzResult& r);
+
+struct SelftestOptions {
+  std::string cases_dir;     // shipped case files (*.yaml, regressions/ too)
+  uint64_t seed = 1;
+  uint64_t fuzz_budget = 400;  // configurations per fault
+  int jobs = 1;
+};
+
+struct SelftestRow {
+  std::string fault, what;
+  bool caught = false;
+  std::string by;            // which check caught it first, and where
+  uint64_t fuzz_configurations = 0;  // configurations until the fuzz caught it (0: not by fuzz)
+  int64_t shrunk_tokens = -1;        // tokens of the fuzz failure after shrinking
+  std::string fuzz_check;            // the fuzz failure's check
+  std::string case_hit;              // the first shipped case that caught it
+  std::string probe;                 // the probe that caught it
+  double seconds = 0;
+};
+
+std::vector<SelftestRow> selftest(const SelftestOptions& opt, std::ostream& progress);
+void print_selftest(const std::vector<SelftestRow>& rows, std::ostream& os);
+std::string selftest_json(const std::vector<SelftestRow>& rows);
+
+}  // namespace moev
