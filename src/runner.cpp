@@ -287,7 +287,10 @@ void run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
       }
       ran.push_back({s, out});
     }
-    if (ran.empty()) continue;  // every variant failed: later slots have no inputs
+    if (ran.empty()) {  // every variant failed: later slots have no inputs
+      rep.notes.push_back("pipeline stopped at " + slot + ": every variant failed, so the later stages did not run");
+      break;
+    }
     // The primary feeds the next slot: the one the case asks for, else the first that ran.
     const Stage* primary = ran.front().first;
     Board primary_out = ran.front().second;
