@@ -25,6 +25,7 @@ int cmd_run(const std::vector<std::string>& files, const std::vector<std::string
   RunOptions opt;
   opt.threads = threads;
   opt.collective_timeout_ms = int(timeout_s * 1000);
+  set_mpi_collective_timeout(std::chrono::milliseconds(opt.collective_timeout_ms));  // MPI collectives too
   opt.dump_dir = dump;
   if (launched_under_mpi() && mpi_world().rank() != 0) opt.dump_dir.clear();  // rank 0 writes the dump
   for (const auto& f : faults) {

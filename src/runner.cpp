@@ -115,7 +115,7 @@ void deserialise(const uint8_t* p, RankBoard& out, std::vector<std::string>& not
     for (auto& d : shape) d = int64_t(get_u64(p));
     Tensor t = Tensor::alloc(type, shape, 0);
     const size_t bytes = size_t(get_u64(p));
-    std::memcpy(t.data(), p, bytes);
+    if (bytes) std::memcpy(t.data(), p, bytes);  // an empty tensor's data() may be null
     p += bytes;
     out[name] = t;
   }
