@@ -17,7 +17,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <thread>
 
 #include "comm.h"
@@ -246,6 +245,33 @@ std::string ranks_str(const std::vector<int>& ranks) {
   return s;
 }
 
+/// Ranks grouped by value, groups ordered by their lowest rank.
+template <class T>
+std::vector<std::pair<T, std::vector<int>>> group_ranks(const std::vector<T>& v) {
+  std::vector<std::pair<T, std::vector<int>>> g;
+  for (size_t p = 0; p < v.size(); ++p) {
+    auto it = std::find_if(g.begin(), g.end(), [&](const auto& e) { return e.first == v[p]; });
+    if (it == g.end()) g.push_back({v[p], {int(p)}});
+    else it->second.push_back(int(p));
+  }
+  return g;
+}
+
+std::vector<std::string> split_words(const std::string& s) {
+  std::vector<std::string> w;
+  std::string cur;
+  for (char ch : s) {
+    if (ch == ' ') {
+      if (!cur.empty()) w.push_back(cur);
+      cur.clear();
+    } else {
+      cur += ch;
+    }
+  }
+  if (!cur.empty()) w.push_back(cur);
+  return w;
+}
+
 const char* const kSameInputs = "give every rank the same case files, --set, --case and --fault";
 
 }  // namespace
@@ -259,8 +285,7 @@ void mpi_agree_on_case_count(int64_t num_cases) {
   Comm& w = mpi_world();
   std::vector<int64_t> all(size_t(w.size()));
   w.allgather(&num_cases, sizeof(num_cases), all.data(), "case count agreement");
-  std::map<int64_t, std::vector<int>> groups;
-  for (int p = 0; p < w.size(); ++p) groups[all[size_t(p)]].push_back(p);
+  const auto groups = group_ranks(all);
   if (groups.size() == 1) return;
   std::string msg = "ranks disagree on the number of cases to run:";
   for (const auto& [n, ranks] : groups) msg += " " + ranks_str(ranks) + ": " + std::to_string(n) + ";";
@@ -271,23 +296,38 @@ void mpi_agree_on_case(const std::string& case_name, uint64_t config_hash, const
   Comm& w = mpi_world();
   std::vector<uint64_t> all(size_t(w.size()));
   w.allgather(&config_hash, sizeof(config_hash), all.data(), "case configuration agreement");
-  std::map<uint64_t, std::vector<int>> groups;
-  for (int p = 0; p < w.size(); ++p) groups[all[size_t(p)]].push_back(p);
+  const auto groups = group_ranks(all);
   if (groups.size() == 1) return;
   const std::vector<std::string> names = allgather_strings(w, case_name, "case configuration agreement");
   const std::vector<std::string> sums = allgather_strings(w, summary, "case configuration agreement");
-  std::string msg = "ranks disagree on the configuration of case '" + names[0] + "':";
-  bool same_summary = true;
-  for (const auto& [h, ranks] : groups) {
+  // Each group against the first (the one holding rank 0), by summary words.
+  const int r0 = groups[0].second[0];
+  const std::vector<std::string> words0 = split_words(sums[size_t(r0)]);
+  std::string msg = "ranks disagree on the configuration of case '" + names[size_t(r0)] + "':";
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const int r = groups[g].second[0];
     char hex[32];
-    std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(h));
-    msg += " " + ranks_str(ranks) + " run '" + names[size_t(ranks[0])] + "' (config hash " + hex + ": " +
-           sums[size_t(ranks[0])] + ");";
-    same_summary = same_summary && sums[size_t(ranks[0])] == sums[0];
+    std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(groups[g].first));
+    msg += " " + ranks_str(groups[g].second) + ": config hash " + hex;
+    if (g == 0) {
+      msg += ";";
+      continue;
+    }
+    if (names[size_t(r)] != names[size_t(r0)]) msg += ", case '" + names[size_t(r)] + "'";
+    const std::vector<std::string> words = split_words(sums[size_t(r)]);
+    std::string mine, theirs;
+    for (const auto& x : words)
+      if (std::find(words0.begin(), words0.end(), x) == words0.end()) mine += " " + x;
+    for (const auto& x : words0)
+      if (std::find(words.begin(), words.end(), x) == words.end()) theirs += " " + x;
+    if (!mine.empty() || !theirs.empty())
+      msg += ", differs in" + (mine.empty() ? std::string(" (none)") : mine) + " (rank " + std::to_string(r0) +
+             ":" + (theirs.empty() ? std::string(" (none)") : theirs) + ")";
+    else if (names[size_t(r)] == names[size_t(r0)])
+      msg += ", differs in a setting the summary omits (tolerance, router.hot_expert, tokens_per_rank, "
+             "combine.alias_offset, equal_split.threshold, or --fault)";
+    msg += ";";
   }
-  if (same_summary)
-    msg += " the summaries agree, so the difference is in a setting the summary omits (tolerance, hot_expert, "
-           "tokens_per_rank, alias_offset, equal_split threshold, --fault);";
   bad_input(msg + " " + kSameInputs);
 }
 

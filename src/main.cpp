@@ -68,6 +68,7 @@ int cmd_run(const std::vector<std::string>& files, const std::vector<std::string
   size_t total = 0, done = 0;
   for (const auto& [file, cases] : all)
     for (const auto& c : cases) total += only.empty() || c.name == only;
+  if (mpi) mpi_agree_on_case_count(int64_t(total));  // before any rank can stop alone
   if (total == 0)
     bad_input(only.empty() ? "no case with ep " + std::to_string(world) + " to run under mpirun -np " + std::to_string(world)
                            : "--case " + only + ": no case of that name in the given files");

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "comm.h"
+#include "config_hash.h"
 #include "datagen.h"
 #include "error.h"
 
@@ -348,6 +349,7 @@ CaseReport run_case(const Case& c, const RunOptions& opt) {
   rep.c = c;
   const int R = c.ep;
   const bool use_mpi = launched_under_mpi();
+  if (use_mpi) mpi_agree_on_case(c.name, config_hash(c, opt.faults), c.summary());  // every rank, same case
   if (use_mpi && mpi_world().size() != R)
     bad_input(c.source + ": case " + c.name + " has ep " + std::to_string(R) + " but mpirun started " +
               std::to_string(mpi_world().size()) + " processes; valid: mpirun -np " + std::to_string(R));

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <numeric>
 #include <thread>
 
@@ -13,6 +14,7 @@
 #include "../kernels/moe_host.h"
 #include "case.h"
 #include "comm.h"
+#include "config_hash.h"
 #include "runner.h"
 #include "test_util.h"
 
@@ -227,6 +229,61 @@ TEST_CASE("all-to-all-v properties", "[cpu][prop][comm]") {
       for (int64_t k = row * D; k < int64_t(got[size_t(q)].size()); ++k) RC_ASSERT(got[size_t(q)][size_t(k)] == -1);
     }
   });
+}
+
+TEST_CASE("config_hash changes with every field that affects results, not with the source location", "[cpu][comm]") {
+  const Case base = case_named("ep.yaml", "ep2_basic[experts.kind=identity]");
+  const uint64_t h0 = config_hash(base);
+  Case same = base;
+  same.source = "/elsewhere/copy.yaml:3";
+  CHECK(config_hash(same) == h0);
+  std::vector<std::pair<const char*, std::function<void(Case&)>>> edits = {
+      {"name", [](Case& c) { c.name += "x"; }},
+      {"tokens", [](Case& c) { c.tokens += 1; }},
+      {"hidden", [](Case& c) { c.hidden += 1; }},
+      {"ffn", [](Case& c) { c.ffn += 1; }},
+      {"num_experts", [](Case& c) { c.num_experts *= 2; }},
+      {"top_k", [](Case& c) { c.top_k += 1; }},
+      {"dtype", [](Case& c) { c.dtype = DType::bf16; }},
+      {"seed", [](Case& c) { c.seed += 1; }},
+      {"data", [](Case& c) { c.data = DataMode::realistic; }},
+      {"router.score", [](Case& c) { c.router.score = k::ScoreFunc::sigmoid; }},
+      {"router.bias", [](Case& c) { c.router.bias = Switch::on; }},
+      {"router.groups", [](Case& c) { c.router.groups = 2; }},
+      {"router.limited_groups", [](Case& c) { c.router.limited_groups = 2; }},
+      {"router.force_load_balance", [](Case& c) { c.router.force_load_balance = Switch::on; }},
+      {"router.route_norm", [](Case& c) { c.router.route_norm = Switch::on; }},
+      {"router.route_scale", [](Case& c) { c.router.route_scale = 2.5f; }},
+      {"router.hot_expert", [](Case& c) { c.router.hot_expert = 0; }},
+      {"experts.kind", [](Case& c) { c.experts.kind = ExpertKind::swiglu; }},
+      {"experts.impl", [](Case& c) { c.experts.impl = ExpertsImpl::grouped; }},
+      {"shared.kind", [](Case& c) { c.shared.kind = SharedKind::identity; }},
+      {"shared.order", [](Case& c) { c.shared.order = SharedOrder::init_with_shared; }},
+      {"score_before_experts", [](Case& c) { c.score_before_experts = Switch::on; }},
+      {"combine.accumulate", [](Case& c) { c.combine.accumulate = k::Accumulate::fp32_accumulate; }},
+      {"combine.placement", [](Case& c) { c.combine.placement = CombinePlacement::in_place; }},
+      {"combine.buffer", [](Case& c) { c.combine.buffer = OutBuffer::alias_x; }},
+      {"combine.alias_offset", [](Case& c) { c.combine.alias_offset = 3; }},
+      {"tolerance_override", [](Case& c) { c.tolerance_override[CompareClass::gemm] = Tolerance{1e-3, 1e-5}; }},
+      {"ep", [](Case& c) { c.ep = 4; }},
+      {"tokens_per_rank", [](Case& c) { c.tokens_per_rank = {24, 23}; }},
+      {"tokens_uniform_lo", [](Case& c) { c.tokens_uniform_lo = 0; }},
+      {"tokens_uniform_hi", [](Case& c) { c.tokens_uniform_hi = 9; }},
+      {"align", [](Case& c) { c.align = 8; }},
+      {"empty_groups", [](Case& c) { c.empty_groups = EmptyGroups::pad; }},
+      {"permute", [](Case& c) { c.permute = PermuteMode::generic; }},
+      {"equal_split.policy", [](Case& c) { c.equal_split.policy = EqualSplitPolicy::force; }},
+      {"equal_split.threshold", [](Case& c) { c.equal_split.threshold = 0.25; }},
+  };
+  for (const auto& [field, edit] : edits) {
+    INFO(field);
+    Case c = base;
+    edit(c);
+    CHECK(config_hash(c) != h0);
+  }
+  FaultSet f;
+  f.bits = uint32_t(Fault::unswapped_combine_splits);
+  CHECK(config_hash(base, f) != config_hash(base, FaultSet{}));
 }
 
 TEST_CASE("group offsets are 64-bit: groups past 2^31 rows; the 32-bit fault wraps", "[cpu][fault][pad]") {
