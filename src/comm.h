@@ -2,9 +2,13 @@
 // this interface and never asks which implementation it runs on.
 //   local: R ranks as threads of one process (default; tests and fuzzing)
 //   mpi:   one process per rank under mpirun (host buffers)
-// Every collective checks its arguments across ranks where it can (split
-// consistency, CONTRACT §3 A2) and fails loudly instead of hanging; the local
-// implementation times out with the rank and collective named.
+// Every collective checks its arguments on every rank (split consistency,
+// CONTRACT §3 A2, and the splits against the real buffer sizes), and all
+// ranks agree on the verdict before any data moves: either every rank copies
+// or none does, and no rank leaves a collective while a peer may still read
+// its buffers. A collective that does not complete in time fails with the
+// rank and collective named: the local implementation throws, the MPI one
+// prints and aborts the job (a stopped or dead process cannot be waited out).
 #pragma once
 
 #include <chrono>
@@ -21,18 +25,27 @@ class Comm {
   virtual ~Comm() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  /// All-to-all-v of rows: send_rows[q] rows go to rank q (send buffer in
-  /// destination order), recv_rows[p] rows arrive from rank p (receive buffer
-  /// in source order). Throws when send_rows of p to q != recv_rows of q from p.
-  virtual void alltoallv(const void* send, const std::vector<int64_t>& send_rows, void* recv,
-                         const std::vector<int64_t>& recv_rows, size_t row_bytes, const char* what) = 0;
+  /// All-to-all-v of rows of `row_bytes`: send_rows[q] rows go to rank q
+  /// (send buffer in destination order), recv_rows[p] rows arrive from rank p
+  /// (receive buffer in source order). The buffers hold send_capacity_rows and
+  /// recv_capacity_rows rows. Throws on every rank, before any row moves, when
+  /// on any rank a split list does not have one entry per rank, a split is
+  /// negative, the splits overrun a buffer (sum(send_rows) > send capacity,
+  /// sum(recv_rows) > recv capacity), send_rows of p to q != recv_rows of q
+  /// from p, or the row sizes differ. The message names the collective, the
+  /// rank at fault and the sizes.
+  virtual void alltoallv(const void* send, int64_t send_capacity_rows, const std::vector<int64_t>& send_rows,
+                         void* recv, int64_t recv_capacity_rows, const std::vector<int64_t>& recv_rows,
+                         size_t row_bytes, const char* what) = 0;
   virtual void allreduce_max(int64_t* v, int n, const char* what) = 0;
   virtual void allreduce_sum(int64_t* v, int n, const char* what) = 0;
   /// Every rank contributes `bytes`; recv holds size() blocks in rank order.
   virtual void allgather(const void* send, size_t bytes, void* recv, const char* what) = 0;
   virtual void barrier(const char* what) = 0;
   /// Called when this rank's code failed outside a collective: peers blocked
-  /// in (or entering) a collective fail with `why` instead of waiting.
+  /// in (or entering) a collective fail with `why` instead of waiting (local),
+  /// or the failure is printed at once with the rank (MPI, where peers waiting
+  /// for this rank reach their deadline).
   virtual void abort(const std::string& why) = 0;
 };
 
@@ -43,9 +56,54 @@ std::vector<std::unique_ptr<Comm>> make_local_comms(int R, std::chrono::millisec
 
 /// Whether this process was started by mpirun with more than one rank.
 bool launched_under_mpi();
-/// The MPI world as a Comm (initialises MPI on first use). Throws when this
-/// build has no MPI.
+/// The MPI world as a Comm (initialises MPI on first use, with
+/// MPI_ERRORS_RETURN so that moeverify reports MPI errors itself). Throws
+/// when this build has no MPI.
 Comm& mpi_world();
+/// Deadline of every MPI collective (default 30 s): a collective not complete
+/// by then prints the rank and collective on stderr and aborts the job
+/// (MPI_Abort, exit status 3). May be called before mpi_world().
+void set_mpi_collective_timeout(std::chrono::milliseconds timeout);
+/// Under mpirun every rank must run the same cases with the same settings.
+/// Throws Error(bad_input) on every rank alike, naming the ranks that differ,
+/// when the ranks have different numbers of cases to run ...
+void mpi_agree_on_case_count(int64_t num_cases);
+/// ... or a different configuration for the next case (`config_hash` covers
+/// every field that affects results; `summary` is shown for each group).
+void mpi_agree_on_case(const std::string& case_name, uint64_t config_hash, const std::string& summary);
 void mpi_finalize_if_started();
 
+// ---- shared by the implementations ----------------------------------------
+namespace comm_detail {
+
+/// One rank's verdict on an all-to-all-v, in plain numbers so that it can be
+/// all-gathered (MPI) or read from shared memory (local): every rank derives
+/// the same outcome from all ranks' verdicts.
+enum class A2aFault : int64_t {
+  none = 0,
+  list_length,      // a: send list entries, b: recv list entries (R expected)
+  negative_split,   // a: the split, peer: the rank it is for
+  send_overflow,    // a: sum(send_rows), b: send capacity (rows)
+  recv_overflow,    // a: sum(recv_rows), b: recv capacity (rows)
+  split_mismatch,   // peer sends a rows to this rank, which expects b
+  row_bytes,        // a: this rank's row size, b: rank 0's
+  count_overflow,   // a: a split or offset too large for MPI's int counts
+};
+struct A2aVerdict {
+  int64_t fault = 0;  // A2aFault
+  int64_t a = 0, b = 0, peer = -1;
+  int64_t row_bytes = 0;  // this rank's row size (compared across ranks)
+};
+
+/// This rank's own arguments: list lengths, negative splits, capacities.
+A2aVerdict check_own_a2a(int R, int64_t send_capacity_rows, const std::vector<int64_t>& send_rows,
+                         int64_t recv_capacity_rows, const std::vector<int64_t>& recv_rows, size_t row_bytes);
+/// Marks, on every rank whose verdict is still clean, a row size that
+/// differs from rank 0's.
+void check_row_bytes(std::vector<A2aVerdict>& all);
+/// "" when every rank's verdict is clean; else the message that rank `rank`
+/// throws: its own fault, or the first faulty rank's.
+std::string a2a_failure(const char* what, int rank, const std::vector<A2aVerdict>& all);
+
+}  // namespace comm_detail
 }  // namespace moev

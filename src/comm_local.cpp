@@ -1,15 +1,123 @@
-// In-process communicator: ranks are threads; a collective posts each rank's
-// pointers, meets at a barrier, reads the peers' buffers directly, and meets
-// again so that no buffer is reused while a peer still reads it.
+// In-process communicator: ranks are threads. A collective runs in three
+// steps under one protocol:
+//   1. post: each rank publishes its pointers and arguments in the hub;
+//   2. meet (bounded by the timeout): every rank has posted; each rank now
+//      checks *every* rank's arguments, so all ranks reach the same verdict
+//      from the same data without a further exchange;
+//   3. either all copy from the peers' buffers, or none does and all throw;
+//      in both cases they meet once more (drain) before returning, so no rank
+//      frees or reuses a buffer, or reposts, while a peer may still read it.
+// The drain waits without a deadline: every rank has passed step 2, and
+// between the two meetings a rank only checks and copies, so each arrives.
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
+#include <limits>
 #include <mutex>
 
 #include "comm.h"
 #include "error.h"
 
 namespace moev {
+
+// ---- shared verdict logic (comm.h, comm_detail) ---------------------------
+namespace comm_detail {
 namespace {
+
+std::string describe(int rank, const A2aVerdict& v) {
+  const std::string a = std::to_string(v.a), b = std::to_string(v.b);
+  switch (A2aFault(v.fault)) {
+    case A2aFault::none: return "no fault";
+    case A2aFault::list_length:
+      return "split lists have " + a + " (send) and " + b + " (receive) entries; one per rank expected";
+    case A2aFault::negative_split: return "negative split " + a + " for rank " + std::to_string(v.peer);
+    case A2aFault::send_overflow:
+      return "send splits sum to " + a + " rows but the send buffer holds " + b + " rows";
+    case A2aFault::recv_overflow:
+      return "receive splits sum to " + a + " rows but the receive buffer holds " + b + " rows";
+    case A2aFault::split_mismatch:
+      return "split mismatch: rank " + std::to_string(v.peer) + " sends " + a + " rows to rank " +
+             std::to_string(rank) + ", which expects " + b;
+    case A2aFault::row_bytes: return "row size " + a + " bytes differs from rank 0's " + b + " bytes";
+    case A2aFault::count_overflow: return "split or offset " + a + " exceeds MPI's int counts";
+  }
+  return "fault " + std::to_string(v.fault);
+}
+
+}  // namespace
+
+A2aVerdict check_own_a2a(int R, int64_t send_capacity_rows, const std::vector<int64_t>& send_rows,
+                         int64_t recv_capacity_rows, const std::vector<int64_t>& recv_rows, size_t row_bytes) {
+  A2aVerdict v;
+  v.row_bytes = int64_t(row_bytes);
+  if (int(send_rows.size()) != R || int(recv_rows.size()) != R) {
+    v.fault = int64_t(A2aFault::list_length);
+    v.a = int64_t(send_rows.size());
+    v.b = int64_t(recv_rows.size());
+    return v;
+  }
+  int64_t send_sum = 0, recv_sum = 0;
+  for (int q = 0; q < R; ++q) {
+    for (int64_t s : {send_rows[size_t(q)], recv_rows[size_t(q)]})
+      if (s < 0) {
+        v.fault = int64_t(A2aFault::negative_split);
+        v.a = s;
+        v.peer = q;
+        return v;
+      }
+    send_sum += send_rows[size_t(q)];
+    recv_sum += recv_rows[size_t(q)];
+  }
+  if (send_sum > send_capacity_rows) {
+    v.fault = int64_t(A2aFault::send_overflow);
+    v.a = send_sum;
+    v.b = send_capacity_rows;
+  } else if (recv_sum > recv_capacity_rows) {
+    v.fault = int64_t(A2aFault::recv_overflow);
+    v.a = recv_sum;
+    v.b = recv_capacity_rows;
+  }
+  return v;
+}
+
+void check_row_bytes(std::vector<A2aVerdict>& all) {
+  for (auto& v : all)
+    if (v.fault == 0 && v.row_bytes != all[0].row_bytes) {
+      v.fault = int64_t(A2aFault::row_bytes);
+      v.a = v.row_bytes;
+      v.b = all[0].row_bytes;
+    }
+}
+
+std::string a2a_failure(const char* what, int rank, const std::vector<A2aVerdict>& all) {
+  int first = -1, faulty = 0;
+  for (size_t p = 0; p < all.size(); ++p)
+    if (all[p].fault != 0) {
+      if (first < 0) first = int(p);
+      ++faulty;
+    }
+  if (first < 0) return "";
+  const std::string head = std::string("collective ") + what + " on rank " + std::to_string(rank) + ": ";
+  if (all[size_t(rank)].fault != 0) return head + describe(rank, all[size_t(rank)]) + "; no rank exchanged any row";
+  // The faulty rank reports the detail; the others only point at it.
+  return head + "not run on any rank: rank " + std::to_string(first) + " failed the argument check" +
+         (faulty > 1 ? " (and " + std::to_string(faulty - 1) + " more rank(s))" : "");
+}
+
+}  // namespace comm_detail
+
+namespace {
+
+using comm_detail::A2aFault;
+using comm_detail::A2aVerdict;
+
+/// What one rank publishes for a collective.
+struct Post {
+  const void* ptr = nullptr;
+  std::vector<int64_t> send_rows, recv_rows;
+  int64_t send_capacity_rows = 0, recv_capacity_rows = 0;
+  size_t width = 0;  // row bytes (all-to-all-v), bytes (all-gather), elements (reduce)
+};
 
 struct Hub {
   int R;
@@ -18,10 +126,8 @@ struct Hub {
   std::condition_variable cv;
   int arrived = 0;
   uint64_t generation = 0;
-  std::string failure;  // set by a rank that found the collective's arguments inconsistent
-  std::vector<const void*> ptr;
-  std::vector<std::vector<int64_t>> meta;
-  std::vector<size_t> width;
+  std::string failure;  // a rank failed outside a collective, or a collective timed out
+  std::vector<Post> post;
 };
 
 class LocalComm final : public Comm {
@@ -30,41 +136,78 @@ class LocalComm final : public Comm {
   int rank() const override { return r_; }
   int size() const override { return hub_->R; }
 
-  void alltoallv(const void* send, const std::vector<int64_t>& send_rows, void* recv,
-                 const std::vector<int64_t>& recv_rows, size_t row_bytes, const char* what) override {
+  void alltoallv(const void* send, int64_t send_capacity_rows, const std::vector<int64_t>& send_rows, void* recv,
+                 int64_t recv_capacity_rows, const std::vector<int64_t>& recv_rows, size_t row_bytes,
+                 const char* what) override {
     const int R = hub_->R;
-    if (int(send_rows.size()) != R || int(recv_rows.size()) != R)
-      fail(what, "split lists must have one entry per rank");
-    post(send, send_rows, row_bytes);
+    Post mine;
+    mine.ptr = send;
+    mine.send_rows = send_rows;
+    mine.recv_rows = recv_rows;
+    mine.send_capacity_rows = send_capacity_rows;
+    mine.recv_capacity_rows = recv_capacity_rows;
+    mine.width = row_bytes;
+    post(std::move(mine));
     meet(what);
+    // Every rank's verdict, computed identically on every rank.
+    std::vector<A2aVerdict> all(static_cast<size_t>(R));
     for (int p = 0; p < R; ++p) {
-      if (hub_->meta[size_t(p)][size_t(r_)] != recv_rows[size_t(p)] || hub_->width[size_t(p)] != row_bytes)
-        fail(what, "split mismatch: rank " + std::to_string(p) + " sends " +
-                       std::to_string(hub_->meta[size_t(p)][size_t(r_)]) + " rows to rank " + std::to_string(r_) +
-                       ", which expects " + std::to_string(recv_rows[size_t(p)]));
+      const Post& pp = hub_->post[size_t(p)];
+      all[size_t(p)] = comm_detail::check_own_a2a(R, pp.send_capacity_rows, pp.send_rows, pp.recv_capacity_rows,
+                                                  pp.recv_rows, pp.width);
+    }
+    for (int q = 0; q < R; ++q) {  // q receives from every clean sender p
+      A2aVerdict& v = all[size_t(q)];
+      if (v.fault != 0) continue;
+      for (int p = 0; p < R; ++p) {
+        const std::vector<int64_t>& ps = hub_->post[size_t(p)].send_rows;
+        if (int(ps.size()) != R) continue;  // p itself is faulty
+        const int64_t sent = ps[size_t(q)], expected = hub_->post[size_t(q)].recv_rows[size_t(p)];
+        if (sent != expected) {
+          v.fault = int64_t(A2aFault::split_mismatch);
+          v.a = sent;
+          v.b = expected;
+          v.peer = p;
+          break;
+        }
+      }
+    }
+    comm_detail::check_row_bytes(all);
+    const std::string failure = comm_detail::a2a_failure(what, r_, all);
+    if (!failure.empty()) {
+      drain();
+      runtime_error(failure);
     }
     uint8_t* out = static_cast<uint8_t*>(recv);
     for (int p = 0; p < R; ++p) {
+      const Post& pp = hub_->post[size_t(p)];
       int64_t src_row = 0;
-      for (int q = 0; q < r_; ++q) src_row += hub_->meta[size_t(p)][size_t(q)];
+      for (int q = 0; q < r_; ++q) src_row += pp.send_rows[size_t(q)];
       const size_t n = size_t(recv_rows[size_t(p)]) * row_bytes;
-      if (n) std::memcpy(out, static_cast<const uint8_t*>(hub_->ptr[size_t(p)]) + size_t(src_row) * row_bytes, n);
+      if (n) std::memcpy(out, static_cast<const uint8_t*>(pp.ptr) + size_t(src_row) * row_bytes, n);
       out += n;
     }
-    meet(what);
+    drain();
   }
 
-  void allreduce_max(int64_t* v, int n, const char* what) override { reduce(v, n, what, true); }
-  void allreduce_sum(int64_t* v, int n, const char* what) override { reduce(v, n, what, false); }
+  void allreduce_max(int64_t* v, int n, const char* what) override { reduce(v, n, what, Op::max); }
+  void allreduce_sum(int64_t* v, int n, const char* what) override { reduce(v, n, what, Op::sum); }
 
   void allgather(const void* send, size_t bytes, void* recv, const char* what) override {
-    post(send, {}, bytes);
+    Post mine;
+    mine.ptr = send;
+    mine.width = bytes;
+    post(std::move(mine));
     meet(what);
-    for (int p = 0; p < hub_->R; ++p) {
-      if (hub_->width[size_t(p)] != bytes) fail(what, "ranks contribute different sizes");
-      if (bytes) std::memcpy(static_cast<uint8_t*>(recv) + size_t(p) * bytes, hub_->ptr[size_t(p)], bytes);
+    if (const int p = first_width_mismatch(); p >= 0) {
+      drain();
+      fail_agreed(what, "ranks contribute different sizes (rank " + std::to_string(p) + ": " +
+                            std::to_string(hub_->post[size_t(p)].width) + " bytes, rank 0: " +
+                            std::to_string(hub_->post[0].width) + ")");
     }
-    meet(what);
+    for (int p = 0; p < hub_->R; ++p)
+      if (bytes) std::memcpy(static_cast<uint8_t*>(recv) + size_t(p) * bytes, hub_->post[size_t(p)].ptr, bytes);
+    drain();
   }
 
   void barrier(const char* what) override { meet(what); }
@@ -78,35 +221,45 @@ class LocalComm final : public Comm {
   }
 
  private:
-  void post(const void* p, std::vector<int64_t> meta, size_t width) {
+  enum class Op { max, sum };
+
+  void post(Post p) {
     std::lock_guard<std::mutex> lk(hub_->m);
-    hub_->ptr[size_t(r_)] = p;
-    hub_->meta[size_t(r_)] = std::move(meta);
-    hub_->width[size_t(r_)] = width;
+    hub_->post[size_t(r_)] = std::move(p);
   }
 
-  void reduce(int64_t* v, int n, const char* what, bool is_max) {
-    std::vector<int64_t> mine(v, v + n);
-    post(mine.data(), {}, size_t(n));
+  int first_width_mismatch() const {
+    for (int p = 1; p < hub_->R; ++p)
+      if (hub_->post[size_t(p)].width != hub_->post[0].width) return p;
+    return -1;
+  }
+
+  void reduce(int64_t* v, int n, const char* what, Op op) {
+    std::vector<int64_t> mine(v, v + std::max(n, 0));
+    Post pst;
+    pst.ptr = mine.data();
+    pst.width = size_t(std::max(n, 0));
+    post(std::move(pst));
     meet(what);
+    if (const int p = first_width_mismatch(); p >= 0) {
+      drain();
+      fail_agreed(what, "ranks reduce different lengths (rank " + std::to_string(p) + ": " +
+                            std::to_string(hub_->post[size_t(p)].width) + ", rank 0: " +
+                            std::to_string(hub_->post[0].width) + ")");
+    }
     for (int p = 0; p < hub_->R; ++p) {
-      if (hub_->width[size_t(p)] != size_t(n)) fail(what, "ranks reduce different lengths");
-      const int64_t* o = static_cast<const int64_t*>(hub_->ptr[size_t(p)]);
-      for (int i = 0; i < n; ++i) v[i] = p == 0 ? o[i] : is_max ? std::max(v[i], o[i]) : v[i] + o[i];
+      const int64_t* o = static_cast<const int64_t*>(hub_->post[size_t(p)].ptr);
+      for (int i = 0; i < n; ++i) v[i] = p == 0 ? o[i] : op == Op::max ? std::max(v[i], o[i]) : v[i] + o[i];
     }
-    meet(what);
+    drain();
   }
 
-  [[noreturn]] void fail(const char* what, const std::string& msg) {
-    const std::string full = std::string("collective ") + what + " on rank " + std::to_string(r_) + ": " + msg;
-    {
-      std::lock_guard<std::mutex> lk(hub_->m);
-      if (hub_->failure.empty()) hub_->failure = full;
-    }
-    hub_->cv.notify_all();
-    runtime_error(full);
+  /// A verdict every rank reached alike: each throws it, no hub state changes.
+  [[noreturn]] void fail_agreed(const char* what, const std::string& msg) {
+    runtime_error(std::string("collective ") + what + " on rank " + std::to_string(r_) + ": " + msg);
   }
 
+  /// Step 2: bounded; throws (on every waiting rank) on a failure or timeout.
   void meet(const char* what) {
     std::unique_lock<std::mutex> lk(hub_->m);
     if (!hub_->failure.empty()) runtime_error(hub_->failure);
@@ -119,18 +272,33 @@ class LocalComm final : public Comm {
     }
     const bool ok = hub_->cv.wait_for(lk, hub_->timeout,
                                       [&] { return hub_->generation != gen || !hub_->failure.empty(); });
-    if (!hub_->failure.empty() && hub_->generation == gen) {
-      --hub_->arrived;
-      runtime_error(hub_->failure);
-    }
+    if (hub_->generation != gen) return;  // everyone arrived (a failure set since concerns later collectives)
+    --hub_->arrived;  // leaving unmatched: this rank no longer counts as arrived
+    if (!hub_->failure.empty()) runtime_error(hub_->failure);
     if (!ok) {
-      const int arrived = hub_->arrived;
       hub_->failure = std::string("collective ") + what + " timed out after " +
                       std::to_string(hub_->timeout.count()) + " ms on rank " + std::to_string(r_) + ": only " +
-                      std::to_string(arrived) + " of " + std::to_string(hub_->R) + " ranks arrived (a hang)";
+                      std::to_string(hub_->arrived + 1) + " of " + std::to_string(hub_->R) +
+                      " ranks arrived (a hang)";
       hub_->cv.notify_all();
       runtime_error(hub_->failure);
     }
+  }
+
+  /// Step 3's meeting: every rank has passed meet() for this collective and
+  /// arrives here after a bounded amount of work, so this waits without a
+  /// deadline and ignores failures: leaving early would free or repost a
+  /// buffer that a peer may still read.
+  void drain() {
+    std::unique_lock<std::mutex> lk(hub_->m);
+    const uint64_t gen = hub_->generation;
+    if (++hub_->arrived == hub_->R) {
+      hub_->arrived = 0;
+      ++hub_->generation;
+      hub_->cv.notify_all();
+      return;
+    }
+    hub_->cv.wait(lk, [&] { return hub_->generation != gen; });
   }
 
   std::shared_ptr<Hub> hub_;
@@ -143,9 +311,7 @@ std::vector<std::unique_ptr<Comm>> make_local_comms(int R, std::chrono::millisec
   auto hub = std::make_shared<Hub>();
   hub->R = R;
   hub->timeout = timeout;
-  hub->ptr.resize(size_t(R));
-  hub->meta.resize(size_t(R));
-  hub->width.resize(size_t(R));
+  hub->post.resize(size_t(R));
   std::vector<std::unique_ptr<Comm>> v;
   for (int r = 0; r < R; ++r) v.push_back(std::make_unique<LocalComm>(hub, r));
   return v;

@@ -1,9 +1,23 @@
 // MPI communicator: one process per rank, host buffers (Debian's OpenMPI is
-// not CUDA-aware). Split consistency is checked with an all-to-all of the send
-// counts before every exchange; a mismatch is agreed on by all ranks (an
-// all-reduce) so that every rank throws instead of some hanging.
+// not CUDA-aware).
+//  - Every collective is non-blocking (MPI_I*) and polled with MPI_Test
+//    against a deadline (--collective-timeout): a peer that is stopped, dead,
+//    or stuck elsewhere makes the waiting ranks print their rank and
+//    collective on stderr and MPI_Abort the job, instead of hanging forever.
+//  - An all-to-all-v first exchanges the send counts (split consistency) and
+//    all-gathers every rank's verdict on its arguments (splits against the
+//    buffer capacities included), so every rank throws the same failure, or
+//    every rank moves data; no rank's buffer is overrun.
+//  - MPI_COMM_WORLD uses MPI_ERRORS_RETURN: MPI errors become moeverify
+//    errors with the collective named, not an abort inside the library.
+#include <unistd.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 
 #include "comm.h"
 #include "error.h"
@@ -22,8 +36,26 @@ bool launched_under_mpi() {
   return false;
 }
 
+namespace {
+
+std::chrono::milliseconds g_timeout{30000};
+
+}  // namespace
+
+void set_mpi_collective_timeout(std::chrono::milliseconds timeout) { g_timeout = timeout; }
+
 #if defined(MOEVERIFY_HAVE_MPI)
 namespace {
+
+using comm_detail::A2aFault;
+using comm_detail::A2aVerdict;
+static_assert(sizeof(A2aVerdict) == 5 * sizeof(int64_t), "A2aVerdict is all-gathered as 5 int64");
+
+std::string host_name() {
+  char h[256] = {0};
+  if (gethostname(h, sizeof(h) - 1) != 0) return "?";
+  return h;
+}
 
 void check(int rc, const char* what) {
   if (rc != MPI_SUCCESS) {
@@ -40,66 +72,207 @@ class MpiComm final : public Comm {
     int init = 0;
     MPI_Initialized(&init);
     if (!init) check(MPI_Init(nullptr, nullptr), "MPI_Init");
+    check(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
     MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
     MPI_Comm_size(MPI_COMM_WORLD, &size_);
   }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
 
-  void alltoallv(const void* send, const std::vector<int64_t>& send_rows, void* recv,
-                 const std::vector<int64_t>& recv_rows, size_t row_bytes, const char* what) override {
-    std::vector<int64_t> peer_send(size_t(size_), 0);
-    check(MPI_Alltoall(send_rows.data(), 1, MPI_INT64_T, peer_send.data(), 1, MPI_INT64_T, MPI_COMM_WORLD), what);
-    int64_t bad = -1;
-    for (int p = 0; p < size_; ++p)
-      if (peer_send[size_t(p)] != recv_rows[size_t(p)]) bad = p;
-    int64_t any_bad = bad;
-    check(MPI_Allreduce(MPI_IN_PLACE, &any_bad, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD), what);
-    if (any_bad >= 0)
-      runtime_error(std::string("collective ") + what + " on rank " + std::to_string(rank_) + ": split mismatch" +
-                    (bad >= 0 ? ": rank " + std::to_string(bad) + " sends " + std::to_string(peer_send[size_t(bad)]) +
-                                    " rows, this rank expects " + std::to_string(recv_rows[size_t(bad)])
-                              : " on another rank"));
+  void alltoallv(const void* send, int64_t send_capacity_rows, const std::vector<int64_t>& send_rows, void* recv,
+                 int64_t recv_capacity_rows, const std::vector<int64_t>& recv_rows, size_t row_bytes,
+                 const char* what) override {
+    const size_t R = size_t(size_);
+    A2aVerdict mine = comm_detail::check_own_a2a(size_, send_capacity_rows, send_rows, recv_capacity_rows, recv_rows,
+                                                 row_bytes);
+    // Split consistency: what every peer sends to this rank.
+    std::vector<int64_t> my_send(R, 0), peer_send(R, 0);
+    if (send_rows.size() == R) my_send = send_rows;
+    MPI_Request req;
+    check(MPI_Ialltoall(my_send.data(), 1, MPI_INT64_T, peer_send.data(), 1, MPI_INT64_T, MPI_COMM_WORLD, &req), what);
+    wait(req, what, "MPI_Ialltoall of the splits");
+    std::vector<int> sc(R), sd(R), rc(R), rd(R);
+    if (mine.fault == 0) {
+      for (size_t p = 0; p < R; ++p)
+        if (peer_send[p] != recv_rows[p]) {
+          mine.fault = int64_t(A2aFault::split_mismatch);
+          mine.a = peer_send[p];
+          mine.b = recv_rows[p];
+          mine.peer = int64_t(p);
+          break;
+        }
+    }
+    if (mine.fault == 0) {  // MPI counts and displacements are int (in rows)
+      int64_t so = 0, ro = 0, big = -1;
+      for (size_t p = 0; p < R; ++p) {
+        for (int64_t v : {send_rows[p], recv_rows[p], so, ro})
+          if (v > INT_MAX) big = v;
+        sc[p] = int(send_rows[p]);
+        sd[p] = int(so);
+        rc[p] = int(recv_rows[p]);
+        rd[p] = int(ro);
+        so += send_rows[p];
+        ro += recv_rows[p];
+      }
+      if (row_bytes > size_t(INT_MAX)) big = int64_t(row_bytes);
+      if (big >= 0) {
+        mine.fault = int64_t(A2aFault::count_overflow);
+        mine.a = big;
+      }
+    }
+    // Every rank's verdict, so that all throw alike or none does.
+    std::vector<A2aVerdict> all(R);
+    check(MPI_Iallgather(&mine, 5, MPI_INT64_T, all.data(), 5, MPI_INT64_T, MPI_COMM_WORLD, &req), what);
+    wait(req, what, "MPI_Iallgather of the argument checks");
+    comm_detail::check_row_bytes(all);
+    const std::string failure = comm_detail::a2a_failure(what, rank_, all);
+    if (!failure.empty()) {
+      agreed_failure_ = true;
+      runtime_error(failure);
+    }
+    if (row_bytes == 0) return;  // nothing to move
     MPI_Datatype row;
-    check(MPI_Type_contiguous(int(row_bytes ? row_bytes : 1), MPI_BYTE, &row), what);
-    MPI_Type_commit(&row);
-    std::vector<int> sc(static_cast<size_t>(size_)), sd(static_cast<size_t>(size_)), rc(static_cast<size_t>(size_)), rd(static_cast<size_t>(size_));
+    check(MPI_Type_contiguous(int(row_bytes), MPI_BYTE, &row), what);
+    check(MPI_Type_commit(&row), what);
     int64_t so = 0, ro = 0;
-    for (int p = 0; p < size_; ++p) {
-      sc[size_t(p)] = int(send_rows[size_t(p)]);
-      sd[size_t(p)] = int(so);
-      rc[size_t(p)] = int(recv_rows[size_t(p)]);
-      rd[size_t(p)] = int(ro);
-      so += send_rows[size_t(p)];
-      ro += recv_rows[size_t(p)];
+    for (size_t p = 0; p < R; ++p) {
+      so += send_rows[p];
+      ro += recv_rows[p];
     }
     static char dummy[1];
-    check(MPI_Alltoallv(so ? send : dummy, sc.data(), sd.data(), row, ro ? recv : dummy, rc.data(), rd.data(), row,
-                        MPI_COMM_WORLD),
-          what);
+    const int rcode = MPI_Ialltoallv(so ? send : dummy, sc.data(), sd.data(), row, ro ? recv : dummy, rc.data(),
+                                     rd.data(), row, MPI_COMM_WORLD, &req);
+    if (rcode == MPI_SUCCESS) wait(req, what, "MPI_Ialltoallv");
     MPI_Type_free(&row);
+    check(rcode, what);
   }
-  void allreduce_max(int64_t* v, int n, const char* what) override {
-    check(MPI_Allreduce(MPI_IN_PLACE, v, n, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD), what);
-  }
-  void allreduce_sum(int64_t* v, int n, const char* what) override {
-    check(MPI_Allreduce(MPI_IN_PLACE, v, n, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD), what);
-  }
+
+  void allreduce_max(int64_t* v, int n, const char* what) override { reduce(v, n, MPI_MAX, what); }
+  void allreduce_sum(int64_t* v, int n, const char* what) override { reduce(v, n, MPI_SUM, what); }
+
   void allgather(const void* send, size_t bytes, void* recv, const char* what) override {
+    if (bytes > size_t(INT_MAX)) runtime_error(std::string("collective ") + what + ": " + std::to_string(bytes) +
+                                               " bytes per rank exceed MPI's int counts");
     static char dummy[1];
-    check(MPI_Allgather(bytes ? send : dummy, int(bytes), MPI_BYTE, bytes ? recv : dummy, int(bytes), MPI_BYTE,
-                        MPI_COMM_WORLD),
+    MPI_Request req;
+    check(MPI_Iallgather(bytes ? send : dummy, int(bytes), MPI_BYTE, bytes ? recv : dummy, int(bytes), MPI_BYTE,
+                         MPI_COMM_WORLD, &req),
           what);
+    wait(req, what, "MPI_Iallgather");
   }
-  void barrier(const char* what) override { check(MPI_Barrier(MPI_COMM_WORLD), what); }
-  // Failures are agreed on by the all-reduce after every stage (runner.cpp).
-  void abort(const std::string&) override {}
+
+  void barrier(const char* what) override {
+    MPI_Request req;
+    check(MPI_Ibarrier(MPI_COMM_WORLD, &req), what);
+    wait(req, what, "MPI_Ibarrier");
+  }
+
+  /// A collective that every rank failed alike needs no word here: the
+  /// report carries it. Any other failure is printed at once, because the
+  /// peers may wait for this rank in a collective until their deadline and
+  /// abort the job before any report is printed.
+  void abort(const std::string& why) override {
+    if (agreed_failure_) {
+      agreed_failure_ = false;
+      return;
+    }
+    std::fprintf(stderr, "moeverify: rank %d (%s, pid %d): failed outside a collective: %s\n", rank_,
+                 host_name().c_str(), int(getpid()), why.c_str());
+    std::fflush(stderr);
+  }
 
  private:
+  void reduce(int64_t* v, int n, MPI_Op op, const char* what) {
+    MPI_Request req;
+    check(MPI_Iallreduce(MPI_IN_PLACE, v, n, MPI_INT64_T, op, MPI_COMM_WORLD, &req), what);
+    wait(req, what, "MPI_Iallreduce");
+  }
+
+  /// Polls `req` until it completes; past the deadline, names this rank and
+  /// the collective on stderr and aborts the whole job (a collective cannot
+  /// be cancelled, so there is no way back into lockstep with the peers).
+  void wait(MPI_Request& req, const char* what, const char* call) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (long polls = 0;; ++polls) {
+      int done = 0;
+      check(MPI_Test(&req, &done, MPI_STATUS_IGNORE), what);
+      if (done) return;
+      const auto waited = std::chrono::steady_clock::now() - t0;
+      if (waited > g_timeout) {
+        std::fprintf(stderr,
+                     "moeverify: rank %d (%s, pid %d): collective %s (%s) not complete after %.3g s "
+                     "(--collective-timeout): a peer rank is stopped, dead, or failed outside the collective; "
+                     "aborting the job\n",
+                     rank_, host_name().c_str(), int(getpid()), what, call,
+                     std::chrono::duration<double>(waited).count());
+        std::fflush(stderr);
+        MPI_Abort(MPI_COMM_WORLD, 3);
+        std::_Exit(3);
+      }
+      // Spin briefly (collectives between running ranks finish in
+      // microseconds), then yield the core: ranks may be oversubscribed.
+      if (polls < 2000) std::this_thread::yield();
+      else std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  }
+
   int rank_ = 0, size_ = 1;
+  bool agreed_failure_ = false;
 };
 
 MpiComm* g_world = nullptr;
+
+/// Every rank's string, in rank order (two all-gathers: lengths, then text).
+std::vector<std::string> allgather_strings(Comm& w, const std::string& s, const char* what) {
+  const size_t R = size_t(w.size());
+  std::vector<int64_t> len(R);
+  const int64_t mine = int64_t(s.size());
+  w.allgather(&mine, sizeof(mine), len.data(), what);
+  const size_t mx = size_t(*std::max_element(len.begin(), len.end()));
+  std::string padded = s;
+  padded.resize(mx, '\0');
+  std::vector<char> all(mx * R + 1);
+  w.allgather(padded.data(), mx, all.data(), what);
+  std::vector<std::string> out;
+  for (size_t p = 0; p < R; ++p) out.emplace_back(all.data() + p * mx, size_t(len[p]));
+  return out;
+}
+
+/// "rank 1" or "ranks 0 2 3".
+std::string ranks_str(const std::vector<int>& ranks) {
+  std::string s = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? " " : "") + std::to_string(ranks[i]);
+  return s;
+}
+
+/// Ranks grouped by value, groups ordered by their lowest rank.
+template <class T>
+std::vector<std::pair<T, std::vector<int>>> group_ranks(const std::vector<T>& v) {
+  std::vector<std::pair<T, std::vector<int>>> g;
+  for (size_t p = 0; p < v.size(); ++p) {
+    auto it = std::find_if(g.begin(), g.end(), [&](const auto& e) { return e.first == v[p]; });
+    if (it == g.end()) g.push_back({v[p], {int(p)}});
+    else it->second.push_back(int(p));
+  }
+  return g;
+}
+
+std::vector<std::string> split_words(const std::string& s) {
+  std::vector<std::string> w;
+  std::string cur;
+  for (char ch : s) {
+    if (ch == ' ') {
+      if (!cur.empty()) w.push_back(cur);
+      cur.clear();
+    } else {
+      cur += ch;
+    }
+  }
+  if (!cur.empty()) w.push_back(cur);
+  return w;
+}
+
+const char* const kSameInputs = "give every rank the same case files, --set, --case and --fault";
 
 }  // namespace
 
@@ -108,16 +281,70 @@ Comm& mpi_world() {
   return *g_world;
 }
 
+void mpi_agree_on_case_count(int64_t num_cases) {
+  Comm& w = mpi_world();
+  std::vector<int64_t> all(size_t(w.size()));
+  w.allgather(&num_cases, sizeof(num_cases), all.data(), "case count agreement");
+  const auto groups = group_ranks(all);
+  if (groups.size() == 1) return;
+  std::string msg = "ranks disagree on the number of cases to run:";
+  for (const auto& [n, ranks] : groups) msg += " " + ranks_str(ranks) + ": " + std::to_string(n) + ";";
+  bad_input(msg + " " + kSameInputs);
+}
+
+void mpi_agree_on_case(const std::string& case_name, uint64_t config_hash, const std::string& summary) {
+  Comm& w = mpi_world();
+  std::vector<uint64_t> all(size_t(w.size()));
+  w.allgather(&config_hash, sizeof(config_hash), all.data(), "case configuration agreement");
+  const auto groups = group_ranks(all);
+  if (groups.size() == 1) return;
+  const std::vector<std::string> names = allgather_strings(w, case_name, "case configuration agreement");
+  const std::vector<std::string> sums = allgather_strings(w, summary, "case configuration agreement");
+  // Each group against the first (the one holding rank 0), by summary words.
+  const int r0 = groups[0].second[0];
+  const std::vector<std::string> words0 = split_words(sums[size_t(r0)]);
+  std::string msg = "ranks disagree on the configuration of case '" + names[size_t(r0)] + "':";
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const int r = groups[g].second[0];
+    char hex[32];
+    std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(groups[g].first));
+    msg += " " + ranks_str(groups[g].second) + ": config hash " + hex;
+    if (g == 0) {
+      msg += ";";
+      continue;
+    }
+    if (names[size_t(r)] != names[size_t(r0)]) msg += ", case '" + names[size_t(r)] + "'";
+    const std::vector<std::string> words = split_words(sums[size_t(r)]);
+    std::string mine, theirs;
+    for (const auto& x : words)
+      if (std::find(words0.begin(), words0.end(), x) == words0.end()) mine += " " + x;
+    for (const auto& x : words0)
+      if (std::find(words.begin(), words.end(), x) == words.end()) theirs += " " + x;
+    if (!mine.empty() || !theirs.empty())
+      msg += ", differs in" + (mine.empty() ? std::string(" (none)") : mine) + " (rank " + std::to_string(r0) +
+             ":" + (theirs.empty() ? std::string(" (none)") : theirs) + ")";
+    else if (names[size_t(r)] == names[size_t(r0)])
+      msg += ", differs in a setting the summary omits (tolerance, router.hot_expert, tokens_per_rank, "
+             "combine.alias_offset, equal_split.threshold, or --fault)";
+    msg += ";";
+  }
+  bad_input(msg + " " + kSameInputs);
+}
+
 void mpi_finalize_if_started() {
   if (!g_world) return;
   int fin = 0;
   MPI_Finalized(&fin);
-  if (!fin) MPI_Finalize();
+  if (fin) return;
+  g_world->barrier("finalize");  // under the deadline: MPI_Finalize itself would wait forever for a stopped peer
+  MPI_Finalize();
 }
 #else
 Comm& mpi_world() {
   bad_input("launched under mpirun, but this moeverify was built without MPI (configure with -DMOEVERIFY_MPI=ON)");
 }
+void mpi_agree_on_case_count(int64_t) { mpi_world(); }
+void mpi_agree_on_case(const std::string&, uint64_t, const std::string&) { mpi_world(); }
 void mpi_finalize_if_started() {}
 #endif
 

@@ -77,6 +77,7 @@ int cmd_run(const CLI::App* cmd, const RunArgs& a) {
                                                : int(std::max(1u, std::thread::hardware_concurrency()));
   opt.threads = threads;
   opt.collective_timeout_ms = int(parse_real_option("--collective-timeout", a.timeout, 0.05, 3600.0) * 1000);
+  set_mpi_collective_timeout(std::chrono::milliseconds(opt.collective_timeout_ms));  // MPI collectives too
   const MemoryLimit limit = memory_limit(cmd, a.max_memory);
   if (cmd->count("--case") && a.only.empty())
     bad_input("--case: the name is empty; valid: a case name as `moeverify validate FILE` lists it");
@@ -108,6 +109,7 @@ int cmd_run(const CLI::App* cmd, const RunArgs& a) {
   size_t total = 0;
   for (const auto& [file, cases] : all)
     for (const auto& c : cases) total += selected(c);
+  if (mpi) mpi_agree_on_case_count(int64_t(total));  // before any rank can stop alone
   if (total == 0)
     bad_input(!select ? "no case with ep " + std::to_string(world) + " to run under mpirun -np " + std::to_string(world)
                       : "--case " + printable(a.only) + ": no case of that name in the given files; " +

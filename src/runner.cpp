@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "comm.h"
+#include "config_hash.h"
 #include "datagen.h"
 #include "dump.h"
 #include "error.h"
@@ -111,7 +112,7 @@ void deserialise(const uint8_t* p, RankBoard& out, std::vector<std::string>& not
     for (auto& d : shape) d = int64_t(get_u64(p));
     Tensor t = Tensor::alloc(type, shape, 0);
     const size_t bytes = size_t(get_u64(p));
-    std::memcpy(t.data(), p, bytes);
+    if (bytes) std::memcpy(t.data(), p, bytes);  // an empty tensor's data() may be null
     p += bytes;
     out[name] = t;
   }
@@ -376,6 +377,7 @@ CaseReport run_case(const Case& c, const RunOptions& opt) {
   rep.c = c;
   const int R = c.ep;
   const bool use_mpi = launched_under_mpi();
+  if (use_mpi) mpi_agree_on_case(c.name, config_hash(c, opt.faults), c.summary());  // every rank, same case
   if (use_mpi && mpi_world().size() != R)
     bad_input(c.source + ": case " + c.name + " has ep " + std::to_string(R) + " but mpirun started " +
               std::to_string(mpi_world().size()) + " processes; valid: mpirun -np " + std::to_string(R));

@@ -60,7 +60,7 @@ Splits exchange_counts(FastCtx& ctx) {
   // the E counts as R chunks of E_l; rank q receives counts_p[q*E_l + j]
   Tensor& rc = ctx.output("recv_counts", ElemType::i64, {int64_t(R) * E_l});
   const std::vector<int64_t> chunk(static_cast<size_t>(R), E_l);
-  ctx.comm->alltoallv(counts.data(), chunk, rc.data(), chunk, sizeof(int64_t), "count exchange");
+  ctx.comm->alltoallv(counts.data(), counts.numel(), chunk, rc.data(), rc.numel(), chunk, sizeof(int64_t), "count exchange");
   s.recv_counts = vec_of(rc);
   s.out.assign(size_t(R), 0);
   for (int p = 0; p < R; ++p)
@@ -89,8 +89,8 @@ void fast_a2a_dispatch(FastCtx& ctx) {
   const Tensor& routed = ctx.input("routed_input");
   const Splits s = exchange_counts(ctx);
   Tensor& recv = ctx.output("recv", routed.type, {s.M, ctx.c.hidden});
-  ctx.comm->alltoallv(routed.data(), s.in, recv.data(), s.out, size_t(ctx.c.hidden) * elem_bytes(routed.type),
-                      "token all-to-all (dispatch)");
+  ctx.comm->alltoallv(routed.data(), routed.shape[0], s.in, recv.data(), recv.shape[0], s.out,
+                      size_t(ctx.c.hidden) * elem_bytes(routed.type), "token all-to-all (dispatch)");
   overload_and_notes(ctx, s, routed.shape[0]);
 }
 
@@ -141,7 +141,8 @@ void equal_split_exchange(FastCtx& ctx, const Tensor& src, const std::vector<int
   apply_row_map(ctx.exec, c.dtype, src.data(), pad.data(), R * mstar, c.hidden, padded.data());
   Tensor got = Tensor::alloc(src.type, {R * mstar, c.hidden});
   const std::vector<int64_t> equal(static_cast<size_t>(R), mstar);
-  ctx.comm->alltoallv(padded.data(), equal, got.data(), equal, size_t(c.hidden) * elem_bytes(src.type), what);
+  ctx.comm->alltoallv(padded.data(), padded.shape[0], equal, got.data(), got.shape[0], equal,
+                      size_t(c.hidden) * elem_bytes(src.type), what);
   const std::vector<int64_t> compact = equal_split_compact_map(recv, mstar);
   apply_row_map(ctx.exec, c.dtype, got.data(), compact.data(), int64_t(compact.size()), c.hidden, dst.data());
 }
@@ -196,8 +197,8 @@ void fast_force_lb_dispatch(FastCtx& ctx) {
                          "direct equal-split all-to-all");
   } else {
     const Tensor& routed = ctx.input("routed_input");
-    ctx.comm->alltoallv(routed.data(), s.in, recv.data(), s.out, size_t(c.hidden) * elem_bytes(x.type),
-                        "token all-to-all (force-LB)");
+    ctx.comm->alltoallv(routed.data(), routed.shape[0], s.in, recv.data(), recv.shape[0], s.out,
+                        size_t(c.hidden) * elem_bytes(x.type), "token all-to-all (force-LB)");
   }
   overload_and_notes(ctx, s, T * K);
   if (ctx.rank == 0)
@@ -317,8 +318,8 @@ void fast_a2a_return(FastCtx& ctx) {
   int64_t N = 0;
   for (int64_t v : recv) N += v;
   Tensor& out = ctx.output("routed_output", in.type, {N, c.hidden});
-  ctx.comm->alltoallv(in.data(), send, out.data(), recv, size_t(c.hidden) * elem_bytes(in.type),
-                      "token all-to-all (combine)");
+  ctx.comm->alltoallv(in.data(), in.shape[0], send, out.data(), out.shape[0], recv,
+                      size_t(c.hidden) * elem_bytes(in.type), "token all-to-all (combine)");
 }
 
 // ---- reference functions (global view) ----------------------------------------

@@ -477,7 +477,7 @@ void register_local_stages(std::vector<Stage>& reg) {
       const Tensor& X = ctx.input("expert_input");
       const int64_t rows = group_rows(ctx.input("expert_counts"));
       Tensor& Y = ctx.output("expert_output", X.type, {rows, ctx.c.hidden});
-      std::memcpy(Y.data(), X.data(), Y.bytes());
+      if (Y.bytes()) std::memcpy(Y.data(), X.data(), Y.bytes());  // an empty tensor may have no storage
     };
     s.ref = [](RefCtx& r) {
       for (size_t q = 0; q < r.in.ranks.size(); ++q) {
@@ -559,7 +559,7 @@ void register_local_stages(std::vector<Stage>& reg) {
     s.fast = [](FastCtx& ctx) {
       const Tensor& x = ctx.input("x");
       Tensor& y = ctx.output("shared_out", x.type, x.shape);
-      std::memcpy(y.data(), x.data(), x.bytes());
+      if (x.bytes()) std::memcpy(y.data(), x.data(), x.bytes());  // an empty tensor may have no storage
     };
     s.ref = [](RefCtx& r) {
       for (size_t q = 0; q < r.in.ranks.size(); ++q) {

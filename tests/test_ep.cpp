@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <numeric>
 #include <thread>
 
@@ -13,6 +14,7 @@
 #include "../kernels/moe_host.h"
 #include "case.h"
 #include "comm.h"
+#include "config_hash.h"
 #include "runner.h"
 #include "test_util.h"
 
@@ -51,25 +53,237 @@ TEST_CASE("a collective that not every rank joins fails with the rank and collec
   CHECK_FALSE(msg1.empty());
 }
 
-TEST_CASE("inconsistent all-to-all splits fail on every rank instead of corrupting", "[cpu][comm]") {
-  auto comms = make_local_comms(2, std::chrono::milliseconds(5000));
-  std::vector<std::string> err(2);
+namespace {
+
+/// Runs fn(rank, comm) on R threads over fresh local comms; returns each
+/// rank's exception message ("" when it returned).
+template <class Fn>
+std::vector<std::string> on_ranks(int R, Fn fn, std::chrono::milliseconds timeout = std::chrono::milliseconds(5000)) {
+  auto comms = make_local_comms(R, timeout);
+  std::vector<std::string> err(static_cast<size_t>(R));
   std::vector<std::thread> th;
-  for (int r = 0; r < 2; ++r)
+  for (int r = 0; r < R; ++r)
     th.emplace_back([&, r] {
-      std::vector<float> send(4, 1.f), recv(8, 0.f);
-      // rank 0 sends 1 row to rank 1, but rank 1 expects 2 from rank 0
-      const std::vector<int64_t> s = r == 0 ? std::vector<int64_t>{1, 1} : std::vector<int64_t>{1, 1};
-      const std::vector<int64_t> rr = r == 0 ? std::vector<int64_t>{1, 1} : std::vector<int64_t>{2, 1};
       try {
-        comms[size_t(r)]->alltoallv(send.data(), s, recv.data(), rr, 4, "test a2a");
+        fn(r, *comms[size_t(r)]);
       } catch (const std::exception& e) {
         err[size_t(r)] = e.what();
       }
     });
   for (auto& t : th) t.join();
-  CHECK(err[1].find("split mismatch: rank 0 sends 1 rows to rank 1, which expects 2") != std::string::npos);
-  CHECK_FALSE(err[0].empty());
+  return err;
+}
+
+bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+}  // namespace
+
+TEST_CASE("inconsistent all-to-all splits fail on every rank instead of corrupting", "[cpu][comm]") {
+  // Repeated: the rank that detected the mismatch used to throw (and free its
+  // send buffer) while its peer still copied from it, a use-after-free that
+  // ASan saw in about a third of single runs.
+  for (int rep = 0; rep < 50; ++rep) {
+    const auto err = on_ranks(2, [](int r, Comm& comm) {
+      std::vector<float> send(4, 1.f), recv(8, 0.f);
+      // rank 0 sends 1 row to rank 1, but rank 1 expects 2 from rank 0
+      const std::vector<int64_t> s = {1, 1};
+      const std::vector<int64_t> rr = r == 0 ? std::vector<int64_t>{1, 1} : std::vector<int64_t>{2, 1};
+      comm.alltoallv(send.data(), 4, s, recv.data(), 8, rr, 4, "test a2a");
+      throw std::runtime_error("alltoallv returned on rank " + std::to_string(r));
+    });
+    REQUIRE(has(err[1], "split mismatch: rank 0 sends 1 rows to rank 1, which expects 2"));
+    REQUIRE(has(err[0], "collective test a2a on rank 0: not run on any rank: rank 1 failed the argument check"));
+  }
+}
+
+TEST_CASE("all-to-all splits that overrun a buffer fail on every rank before any row moves", "[cpu][comm]") {
+  // Sender and receiver agree on 3 rows, but the sender's buffer holds 2 (the
+  // unswapped-splits bug): the split check alone would pass and read past it.
+  for (const bool recv_side : {false, true}) {
+    INFO((recv_side ? "receive" : "send") << " buffer too small");
+    for (int rep = 0; rep < 20; ++rep) {
+      std::vector<std::vector<float>> recv(3);
+      const auto err = on_ranks(3, [&](int r, Comm& comm) {
+        std::vector<float> send(size_t(r == 1 && !recv_side ? 2 : 3), 5.f);
+        recv[size_t(r)].assign(size_t(r == 2 && recv_side ? 2 : 3), -1.f);
+        const std::vector<int64_t> s = {1, 1, 1}, rr = {1, 1, 1};
+        comm.alltoallv(send.data(), int64_t(send.size()), s, recv[size_t(r)].data(), int64_t(recv[size_t(r)].size()),
+                       rr, sizeof(float), "test a2a");
+      });
+      const int bad = recv_side ? 2 : 1;
+      for (int r = 0; r < 3; ++r) {
+        INFO("rank " << r << ": " << err[size_t(r)]);
+        REQUIRE(has(err[size_t(r)], "collective test a2a on rank " + std::to_string(r)));
+        if (r == bad)
+          REQUIRE(has(err[size_t(r)], recv_side ? "receive splits sum to 3 rows but the receive buffer holds 2 rows"
+                                                : "send splits sum to 3 rows but the send buffer holds 2 rows"));
+        else
+          REQUIRE(has(err[size_t(r)], "rank " + std::to_string(bad) + " failed the argument check"));
+        for (float v : recv[size_t(r)]) REQUIRE(v == -1.f);  // no rank copied anything
+      }
+    }
+  }
+}
+
+TEST_CASE("all-to-all-v argument faults are named: list length, negative split, row size", "[cpu][comm]") {
+  auto a2a = [](int bad_rank, std::vector<int64_t> bad_send, size_t bad_row_bytes) {
+    return on_ranks(2, [=](int r, Comm& comm) {
+      std::vector<uint8_t> send(64, 1), recv(64, 0);
+      const std::vector<int64_t> ok = {1, 1};
+      comm.alltoallv(send.data(), 8, r == bad_rank ? bad_send : ok, recv.data(), 8, ok,
+                     r == bad_rank ? bad_row_bytes : 4, "test a2a");
+    });
+  };
+  auto e = a2a(1, {1, 1, 1}, 4);
+  CHECK(has(e[1], "split lists have 3 (send) and 2 (receive) entries"));
+  CHECK(has(e[0], "rank 1 failed the argument check"));
+  e = a2a(0, {-1, 3}, 4);
+  CHECK(has(e[0], "negative split -1 for rank 0"));
+  CHECK_FALSE(e[1].empty());
+  e = a2a(1, {1, 1}, 8);
+  CHECK(has(e[1], "row size 8 bytes differs from rank 0's 4 bytes"));
+  CHECK_FALSE(e[0].empty());
+}
+
+TEST_CASE("all-gather and all-reduce of different sizes fail on every rank without a hang", "[cpu][comm]") {
+  for (int rep = 0; rep < 20; ++rep) {
+    auto e = on_ranks(3, [](int r, Comm& comm) {
+      std::vector<uint8_t> mine(size_t(r == 2 ? 3 : 4), 7), all(12, 0);
+      comm.allgather(mine.data(), mine.size(), all.data(), "test gather");
+    });
+    for (const auto& m : e) REQUIRE((has(m, "test gather") && has(m, "ranks contribute different sizes (rank 2: 3 bytes")));
+    e = on_ranks(2, [](int r, Comm& comm) {
+      std::vector<int64_t> v(size_t(r + 1), 1);
+      comm.allreduce_sum(v.data(), int(v.size()), "test reduce");
+    });
+    for (const auto& m : e) REQUIRE(has(m, "ranks reduce different lengths"));
+  }
+}
+
+TEST_CASE("a rank that catches a collective failure can run the next collective with its peers", "[cpu][comm]") {
+  const auto err = on_ranks(3, [](int r, Comm& comm) {
+    std::vector<int64_t> send(3, r), recv(3, -1);
+    try {
+      const std::vector<int64_t> bad = {1, 1, r == 0 ? 2 : 1};  // rank 0 overruns its 3-row buffer
+      comm.alltoallv(send.data(), 3, bad, recv.data(), 3, {1, 1, 1}, 8, "failing a2a");
+    } catch (const std::exception&) {
+    }
+    comm.alltoallv(send.data(), 3, {1, 1, 1}, recv.data(), 3, {1, 1, 1}, 8, "next a2a");
+    for (int p = 0; p < 3; ++p)
+      if (recv[size_t(p)] != p) throw std::runtime_error("wrong row from rank " + std::to_string(p));
+  });
+  for (const auto& m : err) CHECK(m.empty());
+}
+
+TEST_CASE("all-to-all-v properties", "[cpu][prop][comm]") {
+  rc::prop("random splits and capacities: every rank throws, or every rank receives exactly its rows", [] {
+    const int R = *rc::gen::inRange(1, 5);
+    const bool consistent = *rc::gen::weightedOneOf<bool>({{3, rc::gen::just(true)}, {1, rc::gen::just(false)}});
+    std::vector<std::vector<int64_t>> send(static_cast<size_t>(R), std::vector<int64_t>(static_cast<size_t>(R)));
+    for (auto& v : send)
+      for (auto& x : v) x = *rc::gen::inRange<int64_t>(0, 4);
+    std::vector<std::vector<int64_t>> recv(static_cast<size_t>(R), std::vector<int64_t>(static_cast<size_t>(R)));
+    for (int q = 0; q < R; ++q)
+      for (int p = 0; p < R; ++p)
+        recv[size_t(q)][size_t(p)] = consistent ? send[size_t(p)][size_t(q)] : *rc::gen::inRange<int64_t>(0, 4);
+    std::vector<int64_t> send_cap(static_cast<size_t>(R)), recv_cap(static_cast<size_t>(R));
+    bool fits = true;
+    for (int r = 0; r < R; ++r) {
+      const int64_t ns = std::accumulate(send[size_t(r)].begin(), send[size_t(r)].end(), int64_t(0));
+      const int64_t nr = std::accumulate(recv[size_t(r)].begin(), recv[size_t(r)].end(), int64_t(0));
+      send_cap[size_t(r)] = std::max<int64_t>(0, ns + *rc::gen::inRange<int64_t>(-1, 2));
+      recv_cap[size_t(r)] = std::max<int64_t>(0, nr + *rc::gen::inRange<int64_t>(-1, 2));
+      fits = fits && ns <= send_cap[size_t(r)] && nr <= recv_cap[size_t(r)];
+    }
+    bool agree = true;
+    for (int q = 0; q < R; ++q)
+      for (int p = 0; p < R; ++p) agree = agree && recv[size_t(q)][size_t(p)] == send[size_t(p)][size_t(q)];
+    RC_CLASSIFY(agree && fits, "valid");
+    RC_CLASSIFY(!agree, "split mismatch");
+    RC_CLASSIFY(!fits, "buffer overrun");
+    const int64_t D = 3;  // int64 columns; value = (source, destination, row, column)
+    std::vector<std::vector<int64_t>> got(static_cast<size_t>(R));
+    const auto err = on_ranks(R, [&](int r, Comm& comm) {
+      // exactly the capacity: ASan sees any read or write past it
+      std::vector<int64_t> out(size_t(send_cap[size_t(r)] * D));
+      int64_t row = 0;
+      for (int q = 0; q < R; ++q)
+        for (int64_t i = 0; i < send[size_t(r)][size_t(q)] && row < send_cap[size_t(r)]; ++i, ++row)
+          for (int64_t d = 0; d < D; ++d) out[size_t(row * D + d)] = ((r * 8 + q) * 8 + i) * 8 + d;
+      got[size_t(r)].assign(size_t(recv_cap[size_t(r)] * D), -1);
+      comm.alltoallv(out.data(), send_cap[size_t(r)], send[size_t(r)], got[size_t(r)].data(), recv_cap[size_t(r)],
+                     recv[size_t(r)], size_t(D) * sizeof(int64_t), "prop a2a");
+    });
+    const bool ok = agree && fits;
+    for (int r = 0; r < R; ++r) RC_ASSERT(err[size_t(r)].empty() == ok);
+    if (!ok) {
+      for (int r = 0; r < R; ++r)
+        for (int64_t v : got[size_t(r)]) RC_ASSERT(v == -1);  // nobody copied
+      return;
+    }
+    for (int q = 0; q < R; ++q) {
+      int64_t row = 0;
+      for (int p = 0; p < R; ++p)
+        for (int64_t i = 0; i < recv[size_t(q)][size_t(p)]; ++i, ++row)
+          for (int64_t d = 0; d < D; ++d) RC_ASSERT(got[size_t(q)][size_t(row * D + d)] == ((p * 8 + q) * 8 + i) * 8 + d);
+      for (int64_t k = row * D; k < int64_t(got[size_t(q)].size()); ++k) RC_ASSERT(got[size_t(q)][size_t(k)] == -1);
+    }
+  });
+}
+
+TEST_CASE("config_hash changes with every field that affects results, not with the source location", "[cpu][comm]") {
+  const Case base = case_named("ep.yaml", "ep2_basic[experts.kind=identity]");
+  const uint64_t h0 = config_hash(base);
+  Case same = base;
+  same.source = "/elsewhere/copy.yaml:3";
+  CHECK(config_hash(same) == h0);
+  std::vector<std::pair<const char*, std::function<void(Case&)>>> edits = {
+      {"name", [](Case& c) { c.name += "x"; }},
+      {"tokens", [](Case& c) { c.tokens += 1; }},
+      {"hidden", [](Case& c) { c.hidden += 1; }},
+      {"ffn", [](Case& c) { c.ffn += 1; }},
+      {"num_experts", [](Case& c) { c.num_experts *= 2; }},
+      {"top_k", [](Case& c) { c.top_k += 1; }},
+      {"dtype", [](Case& c) { c.dtype = DType::bf16; }},
+      {"seed", [](Case& c) { c.seed += 1; }},
+      {"data", [](Case& c) { c.data = DataMode::realistic; }},
+      {"router.score", [](Case& c) { c.router.score = k::ScoreFunc::sigmoid; }},
+      {"router.bias", [](Case& c) { c.router.bias = Switch::on; }},
+      {"router.groups", [](Case& c) { c.router.groups = 2; }},
+      {"router.limited_groups", [](Case& c) { c.router.limited_groups = 2; }},
+      {"router.force_load_balance", [](Case& c) { c.router.force_load_balance = Switch::on; }},
+      {"router.route_norm", [](Case& c) { c.router.route_norm = Switch::on; }},
+      {"router.route_scale", [](Case& c) { c.router.route_scale = 2.5f; }},
+      {"router.hot_expert", [](Case& c) { c.router.hot_expert = 0; }},
+      {"experts.kind", [](Case& c) { c.experts.kind = ExpertKind::swiglu; }},
+      {"experts.impl", [](Case& c) { c.experts.impl = ExpertsImpl::grouped; }},
+      {"shared.kind", [](Case& c) { c.shared.kind = SharedKind::identity; }},
+      {"shared.order", [](Case& c) { c.shared.order = SharedOrder::init_with_shared; }},
+      {"score_before_experts", [](Case& c) { c.score_before_experts = Switch::on; }},
+      {"combine.accumulate", [](Case& c) { c.combine.accumulate = k::Accumulate::fp32_accumulate; }},
+      {"combine.placement", [](Case& c) { c.combine.placement = CombinePlacement::in_place; }},
+      {"combine.buffer", [](Case& c) { c.combine.buffer = OutBuffer::alias_x; }},
+      {"combine.alias_offset", [](Case& c) { c.combine.alias_offset = 3; }},
+      {"tolerance_override", [](Case& c) { c.tolerance_override[CompareClass::gemm] = Case::ToleranceOverride{1e-3, 1e-5}; }},
+      {"ep", [](Case& c) { c.ep = 4; }},
+      {"tokens_per_rank", [](Case& c) { c.tokens_per_rank = {24, 23}; }},
+      {"tokens_uniform_lo", [](Case& c) { c.tokens_uniform_lo = 0; }},
+      {"tokens_uniform_hi", [](Case& c) { c.tokens_uniform_hi = 9; }},
+      {"align", [](Case& c) { c.align = 8; }},
+      {"empty_groups", [](Case& c) { c.empty_groups = EmptyGroups::pad; }},
+      {"permute", [](Case& c) { c.permute = PermuteMode::generic; }},
+      {"equal_split.policy", [](Case& c) { c.equal_split.policy = EqualSplitPolicy::force; }},
+      {"equal_split.threshold", [](Case& c) { c.equal_split.threshold = 0.25; }},
+  };
+  for (const auto& [field, edit] : edits) {
+    INFO(field);
+    Case c = base;
+    edit(c);
+    CHECK(config_hash(c) != h0);
+  }
+  FaultSet f;
+  f.bits = uint32_t(Fault::unswapped_combine_splits);
+  CHECK(config_hash(base, f) != config_hash(base, FaultSet{}));
 }
 
 TEST_CASE("group offsets are 64-bit: groups past 2^31 rows, and the 32-bit fault wraps", "[cpu][fault][pad]") {

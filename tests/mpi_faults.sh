@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# MPI fault tests (issue 11 §6), each bounded in time; a hang is a failure.
+#   mpi_faults.sh MPIEXEC MOEVERIFY disagree seed|hidden|top_k|fewer_cases
+#       MPMD launch, one rank per file; the second file differs from the
+#       first in one way: every rank must refuse with exit 2 and say so.
+#   mpi_faults.sh MPIEXEC MOEVERIFY signal KILL|STOP
+#       a 2-rank run; once rank 0 is past its first case, rank 1 gets the
+#       signal: the job must end non-zero within the deadline, with mpirun's
+#       note (KILL) or moeverify's collective timeout (STOP) on stderr.
+#   mpi_faults.sh MPIEXEC MOEVERIFY planted CASEFILE
+#       --fault unswapped_combine_splits on 2 ranks: the split check against
+#       the buffer sizes turns it into a clean ERROR naming the collective.
+# The MPI environment (root, oversubscription, loopback) comes from ctest.
+set -u
+mpiexec=$1
+bin=$2
+mode=$3
+arg=${4:-}
+tmp=$(mktemp -d)
+pids=()  # rank processes this script signalled or may have to clean up
+cleanup() {
+  for p in "${pids[@]}"; do
+    kill -0 "$p" 2>/dev/null && { kill -CONT "$p" 2>/dev/null; kill -KILL "$p" 2>/dev/null; }
+  done
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+secs() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
+fail() { echo "FAIL $mode $arg: $*"; for f in "$tmp"/*.log; do [ -f "$f" ] && { echo "--- $f"; tail -40 "$f"; }; done; exit 1; }
+
+# A small EP = 2 case file; variants differ in one setting.
+write_cases() {  # write_cases FILE SEED HIDDEN TOP_K NUM_CASES
+  {
+    echo "defaults:"
+    echo "  data: exact"
+    echo "  seed: $2"
+    echo "  shape: {tokens: 24, hidden: $3, ffn: 16, experts: 8, top_k: $4}"
+    echo "cases:"
+    for i in $(seq 1 "$5"); do
+      echo "  - name: c$i"
+      echo "    ep: 2"
+    done
+  } >"$1"
+}
+
+case $mode in
+disagree)
+  write_cases "$tmp/a.yaml" 5 16 2 2
+  case $arg in
+  seed) write_cases "$tmp/b.yaml" 6 16 2 2; want="differs in seed=6 (rank 0: seed=5)" ;;
+  hidden) write_cases "$tmp/b.yaml" 5 32 2 2; want="differs in D=32 (rank 0: D=16)" ;;
+  top_k) write_cases "$tmp/b.yaml" 5 16 3 2; want="differs in K=3 (rank 0: K=2)" ;;
+  fewer_cases) write_cases "$tmp/b.yaml" 5 16 2 1; want="ranks disagree on the number of cases to run: rank 0: 2; rank 1: 1" ;;
+  *) echo "unknown variant $arg"; exit 2 ;;
+  esac
+  start=$(date +%s.%N)
+  timeout -k 5 60 "$mpiexec" -np 1 "$bin" run "$tmp/a.yaml" --threads 1 --collective-timeout 10 : \
+    -np 1 "$bin" run "$tmp/b.yaml" --threads 1 --collective-timeout 10 >"$tmp/run.log" 2>&1
+  rc=$?
+  echo "exit $rc after $(secs "$start" "$(date +%s.%N)") s"
+  [ "$rc" = 124 ] || [ "$rc" = 137 ] && fail "hang: killed by timeout"
+  [ "$rc" = 2 ] || fail "exit $rc, expected 2 (bad input on every rank)"
+  [ "$arg" = fewer_cases ] || want2="ranks disagree on the configuration of case 'c1': rank 0: config hash"
+  n=$(grep -c -F "$want" "$tmp/run.log")
+  [ "$n" = 2 ] || fail "expected '$want' from both ranks, found it $n time(s)"
+  [ -z "${want2:-}" ] || grep -q -F "$want2" "$tmp/run.log" || fail "no '$want2'"
+  grep -q "PASSED\|INCORRECT\|internal error" "$tmp/run.log" && fail "a case ran although the ranks disagree"
+  echo "ok   disagree $arg: exit 2, both ranks: $want"
+  ;;
+
+signal)
+  [ "$arg" = KILL ] || [ "$arg" = STOP ] || { echo "signal KILL or STOP"; exit 2; }
+  write_cases "$tmp/long.yaml" 5 64 2 400  # far more than fits in the test's time: the signal lands mid-run
+  start=$(date +%s.%N)
+  "$mpiexec" -np 2 "$bin" run "$tmp/long.yaml" --threads 1 --collective-timeout 3 >"$tmp/out.log" 2>"$tmp/err.log" &
+  mpirun_pid=$!
+  target=""
+  for _ in $(seq 1 300); do  # up to 30 s for rank 0 to start its second case
+    if [ -z "$target" ]; then
+      for p in $(pgrep -P "$mpirun_pid"); do
+        tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=1" && target=$p
+      done
+      [ -n "$target" ] && pids+=($(pgrep -P "$mpirun_pid"))  # both ranks, for the cleanup
+    fi
+    [ -n "$target" ] && grep -q "^\[2/400\]" "$tmp/err.log" && break
+    kill -0 "$mpirun_pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  [ -n "$target" ] || { kill -KILL "$mpirun_pid" 2>/dev/null; fail "no rank 1 process under mpirun $mpirun_pid"; }
+  grep -q "^\[2/400\]" "$tmp/err.log" || { kill -KILL "$mpirun_pid" 2>/dev/null; fail "rank 0 never reached its second case"; }
+  sent=$(date +%s.%N)
+  kill -"$arg" "$target"
+  # The job must end by itself: 3 s collective deadline plus MPI_Abort's teardown.
+  ended=""
+  for _ in $(seq 1 300); do
+    kill -0 "$mpirun_pid" 2>/dev/null || { ended=1; break; }
+    sleep 0.1
+  done
+  if [ -z "$ended" ]; then
+    kill -CONT "$target" 2>/dev/null
+    kill -TERM "$mpirun_pid" 2>/dev/null
+    sleep 2
+    kill -KILL "$mpirun_pid" 2>/dev/null
+    wait "$mpirun_pid" 2>/dev/null
+    fail "hang: mpirun still running 30 s after SIG$arg to rank 1 (pid $target)"
+  fi
+  wait "$mpirun_pid"
+  rc=$?
+  now=$(date +%s.%N)
+  echo "exit $rc, $(secs "$sent" "$now") s after SIG$arg to rank 1 (pid $target), $(secs "$start" "$now") s in all"
+  [ "$rc" != 0 ] || fail "exit 0 although rank 1 was sent SIG$arg"
+  if [ "$arg" = KILL ]; then
+    grep -q "process rank 1 with PID [0-9]* on node .* exited on signal 9 (Killed)" "$tmp/err.log" ||
+      fail "no note that rank 1 (pid $target) was killed"
+  else
+    grep -q "moeverify: rank 0 (.*): collective .* not complete after [0-9.]* s (--collective-timeout): a peer rank is stopped, dead" "$tmp/err.log" ||
+      fail "no collective-timeout message from rank 0"
+    [ "$rc" = 3 ] || fail "exit $rc, expected 3 (MPI_Abort with moeverify's ERROR status)"
+  fi
+  grep "moeverify:\|MPI_ABORT\|mpirun noticed" "$tmp/err.log" | sed 's/^/     /'
+  for _ in $(seq 1 20); do kill -0 "$target" 2>/dev/null || break; sleep 0.1; done
+  kill -0 "$target" 2>/dev/null && fail "rank 1 (pid $target) outlived the job"
+  echo "ok   signal $arg: job ended with exit $rc; $(grep -m1 -o "collective .* not complete after [0-9.]* s\|exited on signal 9 (Killed)" "$tmp/err.log")"
+  ;;
+
+planted)
+  timeout -k 5 120 "$mpiexec" -np 2 "$bin" run "$arg" --threads 1 --fault unswapped_combine_splits \
+    --collective-timeout 10 >"$tmp/run.log" 2>&1
+  rc=$?
+  [ "$rc" = 3 ] || fail "exit $rc, expected 3 (ERROR at the combine all-to-all)"
+  grep -q "ep_combine .* ERROR" "$tmp/run.log" || fail "no ERROR at ep_combine in the report"
+  grep -q "collective token all-to-all (combine) on rank [01]: send splits sum to [0-9]* rows but the send buffer holds [0-9]* rows" \
+    "$tmp/run.log" || fail "the report does not name the collective, rank and sizes"
+  grep -q "the case stopped at stage ep_combine" "$tmp/run.log" || fail "no note that the pipeline stopped"
+  grep -q "internal error\|Sanitizer\|runtime error" "$tmp/run.log" && fail "internal error or sanitizer report"
+  echo "ok   planted unswapped_combine_splits under mpirun: exit 3, $(grep -m1 -o "send splits sum to [0-9]* rows but the send buffer holds [0-9]* rows" "$tmp/run.log")"
+  ;;
+
+*) echo "usage: $0 MPIEXEC MOEVERIFY disagree|signal|planted ARG"; exit 2 ;;
+esac
+exit 0
