@@ -20,6 +20,7 @@
 #include "case.h"
 #include "dump.h"
 #include "error.h"
+#include "memory_estimate.h"
 #include "random_case.h"
 #include "runner.h"
 
@@ -136,7 +137,12 @@ std::vector<YAML::Node> shrink_candidates(const YAML::Node& n) {
   for (const auto& d : dims) {
     const int64_t v = int_at(n, "shape", d.key, -1);
     if (v < 0) continue;
-    for (int64_t cand : {d.floor, d.floor + 1, v / 4, v / 2, v - 1})
+    // Small values first, then fractions; small even numbers and v - 2 keep
+    // failures that need a multiple of something (M* % E_l, say).
+    std::vector<int64_t> cands = {d.floor, d.floor + 1, 2, 4, 8, 16, v / 4, v / 4 * 2, v / 2, v - 2, v - 1};
+    std::sort(cands.begin(), cands.end());
+    cands.erase(std::unique(cands.begin(), cands.end()), cands.end());
+    for (int64_t cand : cands)
       if (cand >= d.floor && cand < v) with([&](YAML::Node& c) { c["shape"][d.key] = cand; });
   }
   for (const char* section : {"router", "experts", "shared_experts", "combine", "equal_split", "tolerance"})
@@ -403,8 +409,14 @@ std::vector<SelftestRow> selftest(const SelftestOptions& opt, std::ostream& prog
   const std::vector<std::string> files = case_files(opt.cases_dir);
   if (files.empty())
     bad_input("selftest: no case files in " + opt.cases_dir + "; valid: --cases DIR with the shipped *.yaml files");
-  std::vector<std::pair<std::string, std::vector<Case>>> shipped;
-  for (const auto& f : files) shipped.push_back({f, load_cases(f, {})});
+  // Every shipped case, cheapest first (by the memory estimate), so that a
+  // fault is usually caught before the large shapes run.
+  std::vector<std::pair<std::string, Case>> shipped;
+  for (const auto& f : files)
+    for (Case& c : load_cases(f, {})) shipped.push_back({std::filesystem::path(f).filename().string(), std::move(c)});
+  std::stable_sort(shipped.begin(), shipped.end(), [](const auto& a, const auto& b) {
+    return estimate_case_bytes(a.second, 2) < estimate_case_bytes(b.second, 2);
+  });
   std::vector<SelftestRow> rows;
   std::ostream null_stream(nullptr);
   for (const FaultInfo& fi : fault_table()) {
@@ -429,19 +441,16 @@ std::vector<SelftestRow> selftest(const SelftestOptions& opt, std::ostream& prog
       row.shrunk_tokens = f.shrunk_tokens;
     }
     // 2. The shipped cases, until one catches it.
-    for (const auto& [file, cases] : shipped) {
-      for (const Case& c : cases) {
-        RunOptions ro;
-        ro.threads = 2;
-        ro.faults = faults;
-        ro.collective_timeout_ms = 2000;
-        const Verdict v = verdict_of(run_case(c, ro));
-        if (v.outcome == Outcome::INCORRECT || v.outcome == Outcome::ERROR) {
-          row.case_hit = std::filesystem::path(file).filename().string() + " " + c.name + " at " + v.check;
-          break;
-        }
+    for (const auto& [file, c] : shipped) {
+      RunOptions ro;
+      ro.threads = 2;
+      ro.faults = faults;
+      ro.collective_timeout_ms = 2000;
+      const Verdict v = verdict_of(run_case(c, ro));
+      if (v.outcome == Outcome::INCORRECT || v.outcome == Outcome::ERROR) {
+        row.case_hit = file + " " + c.name + " at " + v.check;
+        break;
       }
-      if (!row.case_hit.empty()) break;
     }
     // 3. A probe, where the fault has one.
     for (const Probe& p : probes())

@@ -36,7 +36,9 @@ std::string random_case_yaml(uint64_t seed, uint64_t index) {
   const int K = d.chance(0.15) ? std::min(E, 32) : int(d.in(1, std::min(E, 8)));
   const bool big = d.chance(0.03);  // T*K past the counting sort's chunk size
   const int64_t T = big ? d.in(600, 1200) : d.pick<int64_t>({0, 1, 2, 3, 5, 8, 13, 16, 31, 48});
-  const int64_t D = big ? d.in(1, 8) : d.pick<int64_t>({1, 2, 3, 7, 8, 16, 33});
+  // Now and then a wide D with few tokens: router logits past exp's fp32 range.
+  const bool wide = !big && d.chance(0.03);
+  const int64_t D = big ? d.in(1, 8) : wide ? d.in(1024, 2048) : d.pick<int64_t>({1, 2, 3, 7, 8, 16, 33});
   const int64_t F = d.pick<int64_t>({1, 3, 8, 16, 24});
   const char* dtype = d.pick<const char*>({"fp32", "bf16", "fp16"});
   y << "{name: r" << index << ", seed: " << d.in(0, 1000000) << ", dtype: " << dtype
