@@ -90,3 +90,16 @@ TEST_CASE("fault direct_route_score_before is caught: the direct route would sen
   const auto failed = caught_by(case_named("force_lb.yaml", "direct_route_K_eq_El_score_before"), Fault::direct_route_score_before);
   CHECK(contains(failed, "ep_dispatch/recv@0"));
 }
+
+TEST_CASE("a run with a planted fault leaves nothing behind for the next run", "[cpu][fault]") {
+  // Found by selftest: the force-LB sort-order cache served an order sorted
+  // under unstable_sort to the clean runs after it.
+  const Case c = case_named("force_lb.yaml", "uneven_T5_E4_K3_R2");
+  RunOptions faulty;
+  faulty.threads = 2;
+  faulty.faults.bits = uint32_t(Fault::unstable_sort);
+  CHECK(run_case(c, faulty).outcome == Outcome::INCORRECT);
+  RunOptions clean;
+  clean.threads = 2;
+  CHECK(run_case(c, clean).outcome == Outcome::PASSED);
+}
