@@ -323,7 +323,7 @@ int main(int argc, char** argv) {
   run->add_option("--fault", ra.faults, "turn on a planted fault (see `moeverify list`); the run must then fail");
   run->add_option("--case", ra.only, "run only the case of this name");
   run->add_option("--collective-timeout", ra.timeout,
-                  "seconds before an unjoined in-process collective fails, 0.05 to 3600 (default 30)")
+                  "seconds before a collective some rank never joins fails (in-process and MPI), 0.05 to 3600 (default 30)")
       ->type_name("SECONDS");
   run->add_option("--max-memory", ra.max_memory, mem_help)->type_name("SIZE");
 
