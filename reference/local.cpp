@@ -1,6 +1,7 @@
 // Reference local dispatch, combine and SwiGLU experts (CONTRACT §2, §8).
 #include <Eigen/Core>
 #include <cmath>
+#include <limits>
 
 #include "reference.h"
 
@@ -87,7 +88,13 @@ Vec swiglu_hidden(Act act, const Vec& h13, int64_t rows, int64_t F, Vec& halfwid
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t f = 0; f < F; ++f) {
       const double a = h13[size_t(r * 2 * F + f)], b = h13[size_t(r * 2 * F + F + f)];
-      const double v = a / (1.0 + std::exp(-a)) * b;
+      // silu in fp32 as the contract computes it: exp(-a) overflows fp32
+      // past a < -88.72 (then silu is -0, and -0 * inf is NaN, where the
+      // fp64 value would still be tiny and give inf), and silu is rounded
+      // to fp32 before the product.
+      double e = std::exp(-a);
+      if (e > double(std::numeric_limits<float>::max())) e = std::numeric_limits<double>::infinity();
+      const double v = double(f32(a / (1.0 + e))) * b;
       const float mid = round_act(act, f32(v));
       const double room = eps * std::fabs(v) + tiny * std::fabs(b);
       const float lo = round_act(act, f32(v - room)), hi = round_act(act, f32(v + room));
