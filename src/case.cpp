@@ -652,7 +652,11 @@ std::vector<std::pair<std::string, std::string>> case_keys() {
 }
 
 std::vector<Case> load_cases(const std::string& path, const std::vector<std::string>& overrides) {
-  const std::string text = read_case_file(path);
+  return load_cases_text(read_case_file(path), path, overrides);
+}
+
+std::vector<Case> load_cases_text(const std::string& text, const std::string& path,
+                                  const std::vector<std::string>& overrides) {
   const std::string top_valid = "valid: a YAML mapping with 'cases' (and optional 'defaults')";
   const YAML::Node root = parse_one(text, path, top_valid);
   {

@@ -135,6 +135,10 @@ constexpr size_t kMaxCaseNameChars = 200;
 /// unknown keys, out-of-range values, unclosed quotes, control bytes,
 /// oversized files and sweeps.
 std::vector<Case> load_cases(const std::string& path, const std::vector<std::string>& overrides);
+/// The same for the text of a case file (a golden manifest's case); `path`
+/// names it in messages.
+std::vector<Case> load_cases_text(const std::string& text, const std::string& path,
+                                  const std::vector<std::string>& overrides);
 
 /// A user-supplied value made safe to echo in a one-line message: bytes
 /// outside printable ASCII are written as \xNN (a NUL cannot cut the line,

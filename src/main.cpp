@@ -16,6 +16,7 @@
 #include "cuda_probe.h"
 #include "dump.h"
 #include "error.h"
+#include "export_check.h"
 #include "memory_estimate.h"
 #include "registry.h"
 #include "runner.h"
@@ -248,6 +249,17 @@ int main(int argc, char** argv) {
   val->add_option("--max-memory", vmax_memory, mem_help)->type_name("SIZE");
 
   app.add_subcommand("list", "list registered paths, their stages, and the planted faults");
+  std::string ex_file, ex_dir, ex_case, ck_dir, ck_actual, ck_json;
+  std::vector<std::string> ex_sets;
+  auto* exp = app.add_subcommand("export", "write a case's inputs and expected stage outputs as .npy + manifest.json");
+  exp->add_option("file", ex_file, "case file (YAML)")->required();
+  exp->add_option("dir", ex_dir, "output folder (one folder per case inside)")->required();
+  exp->add_option("--case", ex_case, "export only the case of this name");
+  exp->add_option("--set", ex_sets, "override a case key, as for run");
+  auto* chk = app.add_subcommand("check", "check an implementation's outputs against the reference, stage by stage");
+  chk->add_option("dir", ck_dir, "a folder written by export (or a folder of them)")->required();
+  chk->add_option("--actual", ck_actual, "the implementation's .npy files (default DIR/actual)");
+  chk->add_option("--json", ck_json, "also write the report as JSON to this file");
 
   try {
     app.parse(argc, argv);
@@ -263,6 +275,8 @@ int main(int argc, char** argv) {
       return rc;
     }
     if (val->parsed()) return cmd_validate(val, vfiles, vsets, keys, vmax_memory);
+    if (exp->parsed()) return cmd_export(ex_file, ex_dir, ex_case, exp->count("--case") > 0, ex_sets);
+    if (chk->parsed()) return cmd_check(ck_dir, ck_actual, chk->count("--actual") > 0, ck_json, chk->count("--json") > 0);
     return cmd_list();
   } catch (const Error& e) {
     // The last guard of "one line": messages escape user text themselves.
