@@ -255,7 +255,7 @@ Case case_from_json(const nlohmann::json& j, const std::string& where) {
   return cs[0];
 }
 
-Tensor read_npy(const std::string& path, ElemType want, const std::vector<int64_t>& want_shape) {
+Tensor read_npy(const std::string& path, ElemType want, const std::vector<int64_t>& want_shape, bool* shape_differs) {
   const std::string shown = printable(path, 200);
   auto broken = [&](const std::string& what) -> void {
     bad_input(shown + ": " + what + "; valid: a NumPy .npy file (np.save) of dtype " + real_dtype(want) +
@@ -318,7 +318,10 @@ Tensor read_npy(const std::string& path, ElemType want, const std::vector<int64_
   if (got.size() == 3 && got[0] == '|') got[0] = '<';
   if (got != want_descr)
     broken("dtype '" + printable(descr) + "' where " + real_dtype(want) + " ('" + want_descr + "') is expected");
-  if (shape != want_shape) broken("shape " + Tensor{want, shape, nullptr, 0}.shape_str() + " is wrong");
+  if (shape != want_shape) {
+    if (!shape_differs) broken("shape " + Tensor{want, shape, nullptr, 0}.shape_str() + " is wrong");
+    *shape_differs = true;
+  }
   Tensor t = Tensor::alloc(want, shape, 0);
   if (bytes.size() - hstart - hlen != t.bytes())
     broken("holds " + std::to_string(bytes.size() - hstart - hlen) + " data bytes where the shape needs " +
@@ -348,7 +351,25 @@ CaseReport run_external(const Case& c, const ActualFn* actual, std::vector<Golde
     Board refout;
     refout.ranks.resize(size_t(R));
     RefCtx rc{c, board, refout};
-    s->ref(rc);
+    bool failed_before = false;
+    for (const auto& ch : rep.checks) failed_before = failed_before || ch.outcome == Outcome::INCORRECT;
+    try {
+      s->ref(rc);
+    } catch (const std::exception& e) {
+      // Outputs of a wrong earlier stage can contradict each other (counts
+      // that do not match the rows): the reference cannot be fed them. That
+      // is part of the earlier failure; otherwise it is an ERROR.
+      Check ch;
+      ch.slot = slot;
+      ch.variant = actual ? "actual" : "reference";
+      ch.tensor = "-";
+      ch.outcome = failed_before ? Outcome::INCORRECT : Outcome::ERROR;
+      ch.note = std::string("the reference cannot run on the previous stages' outputs: ") + e.what() +
+                (failed_before ? " (an earlier stage is already INCORRECT)" : "");
+      rep.checks.push_back(ch);
+      rep.notes.push_back("the check stopped at stage " + slot);
+      break;
+    }
     Board merged = board;
     for (int r = 0; r < R; ++r)
       for (auto& [n, t] : refout.ranks[size_t(r)]) merged.ranks[size_t(r)][n] = t;
@@ -385,9 +406,23 @@ CaseReport run_external(const Case& c, const ActualFn* actual, std::vector<Golde
       for (int r = 0; r < R; ++r) {
         auto e = expected[size_t(r)].find(o.name);
         if (e == expected[size_t(r)].end()) continue;
-        const Tensor* a = (*actual)(o.name, r, e->second);
+        bool shape_differs = false;
+        const Tensor* a = (*actual)(o.name, r, e->second, failed_before ? &shape_differs : nullptr);
         if (!a) {
           missing.insert(o.name);
+          continue;
+        }
+        if (shape_differs) {
+          // An earlier stage was already wrong: a shape that follows from its
+          // wrong outputs (counts, splits) is reported here, not exit 2.
+          Check ch;
+          ch.slot = slot;
+          ch.variant = "actual";
+          ch.tensor = R > 1 ? o.name + "@" + std::to_string(r) : o.name;
+          ch.outcome = Outcome::INCORRECT;
+          ch.note = "shape " + a->shape_str() + " where the reference, fed the previous stages' outputs, gives " +
+                    e->second.shape_str() + " (an earlier stage is already INCORRECT)";
+          rep.checks.push_back(ch);
           continue;
         }
         given[size_t(r)][o.name] = *a;
@@ -453,7 +488,10 @@ int cmd_export(const std::string& file, const std::string& dir, const std::strin
   prepare_dump_root(dir);
   for (const Case& c : chosen) {
     std::vector<GoldenTensor> golden;
-    run_external(c, nullptr, &golden);
+    const CaseReport rep = run_external(c, nullptr, &golden);
+    if (rep.outcome != Outcome::PASSED)
+      runtime_error("export: the reference failed on case " + c.name + ": " +
+                    (rep.checks.empty() ? std::string("?") : rep.checks.back().note));
     const std::string folder = dir + "/" + dump_folder_name(c.name);
     std::error_code ec;
     std::filesystem::create_directories(folder, ec);
@@ -523,12 +561,12 @@ CaseReport check_folder(const std::string& folder, const std::string& actual_dir
     bad_input(printable(actual_dir, 200) + ": no such folder of actual outputs; valid: the implementation's .npy files "
               "under DIR/actual/ (or --actual DIR2), named as in the manifest");
   std::map<std::string, Tensor> loaded;
-  const ActualFn fn = [&](const std::string& name, int rank, const Tensor& expected) -> const Tensor* {
+  const ActualFn fn = [&](const std::string& name, int rank, const Tensor& expected, bool* shape_differs) -> const Tensor* {
     const std::string f = file_for(name, rank, c.ep);
     const std::string p = actual_dir + "/" + f;
     if (!is_file(p)) return nullptr;
     auto it = loaded.find(f);
-    if (it == loaded.end()) it = loaded.emplace(f, read_npy(p, expected.type, expected.shape)).first;
+    if (it == loaded.end()) it = loaded.emplace(f, read_npy(p, expected.type, expected.shape, shape_differs)).first;
     return &it->second;
   };
   return run_external(c, &fn, nullptr);

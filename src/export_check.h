@@ -35,13 +35,18 @@ Case case_from_json(const nlohmann::json& j, const std::string& where);
 /// Reads a NumPy .npy file (little-endian f4, u2, i4 or i8, C order). The
 /// result's type is `want` (u2 data is taken as the bf16/fp16 bits `want`
 /// names); a broken file, another dtype or another shape than `want_shape`
-/// throws Error(bad_input) naming the file and what would be valid.
-Tensor read_npy(const std::string& path, ElemType want, const std::vector<int64_t>& want_shape);
+/// throws Error(bad_input) naming the file and what would be valid, except
+/// that with `shape_differs` another shape sets it and the file's own shape
+/// is kept.
+Tensor read_npy(const std::string& path, ElemType want, const std::vector<int64_t>& want_shape,
+                bool* shape_differs = nullptr);
 
 /// Supplies an implementation's output for (tensor name, rank), validated
-/// against the reference's tensor of the same stage (dtype and shape), or
-/// nullptr when the implementation did not write it.
-using ActualFn = std::function<const Tensor*(const std::string& name, int rank, const Tensor& expected)>;
+/// against the reference's tensor of the same stage (dtype and shape; see
+/// read_npy for `shape_differs`), or nullptr when the implementation did not
+/// write it.
+using ActualFn =
+    std::function<const Tensor*(const std::string& name, int rank, const Tensor& expected, bool* shape_differs)>;
 
 /// One tensor of the golden set.
 struct GoldenTensor {
