@@ -89,7 +89,8 @@ void combine(const CombineArgs& a, int64_t N, const void* init, void* out) {
         drow(a.row_of, size_t(a.T * a.K) * 4), dinit(init, td),
         dsh(a.shared, a.shared_add == k::SharedAdd::add_after ? td : 0), dout(nullptr, td);
     launch(k::CombineBody<T_>{dro.as<T_>(), ds.as<float>(), drow.as<int32_t>(), dinit.as<T_>(), dsh.as<T_>(),
-                              dout.as<T_>(), a.D, a.K, a.apply, a.acc, a.shared_add, k::CombineOrder::ascending_row},
+                              dout.as<T_>(), a.D, a.K, a.apply, a.acc, a.shared_add, k::CombineOrder::ascending_row,
+                              a.smul},
            a.T);
     dout.back(out);
   });

@@ -223,6 +223,10 @@ nlohmann::ordered_json case_to_json(const Case& c) {
   j["router.route_norm"] = enum_name(switch_table(), c.router.route_norm);
   j["router.route_scale"] = double(c.router.route_scale);  // a float is exact as a double
   j["router.hot_expert"] = c.router.hot_expert;
+  j["router.gate_dtype"] = enum_name(gate_dtype_table(), c.router.gate_dtype);
+  j["score_multiply"] = enum_name(score_multiply_table(), c.score_multiply);
+  j["experts.rounding"] = enum_name(experts_rounding_table(), c.experts.rounding);
+  j["experts.compute_dtype"] = enum_name(compute_dtype_table(), c.experts.compute_dtype);
   j["experts.kind"] = enum_name(expert_kind_table(), c.experts.kind);
   j["experts.impl"] = enum_name(experts_impl_table(), c.experts.impl);
   j["shared_experts.kind"] = enum_name(shared_kind_table(), c.shared.kind);
