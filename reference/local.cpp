@@ -162,28 +162,6 @@ Vec swiglu_h13_halfwidth(Act act, const Vec& X, const Counts& counts, int64_t D,
   return half;
 }
 
-Vec swiglu_h13_magnitude(const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1, const Vec& W3) {
-  int64_t rows = 0;
-  for (int64_t n : counts) rows += n;
-  Vec m(size_t(rows * 2 * F), 0.f);
-  int64_t row = 0;
-  for (size_t j = 0; j < counts.size(); ++j) {
-    for (int64_t r = row; r < row + counts[j]; ++r)
-      for (int64_t f = 0; f < F; ++f) {
-        double m1 = 0, m3 = 0;
-        for (int64_t d = 0; d < D; ++d) {
-          const double x = std::fabs(double(X[size_t(r * D + d)]));
-          m1 += x * std::fabs(double(W1[size_t((int64_t(j) * F + f) * D + d)]));
-          m3 += x * std::fabs(double(W3[size_t((int64_t(j) * F + f) * D + d)]));
-        }
-        m[size_t(r * 2 * F + f)] = f32(m1);
-        m[size_t(r * 2 * F + F + f)] = f32(m3);
-      }
-    row += counts[j];
-  }
-  return m;
-}
-
 Vec swiglu_magnitude(const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1, const Vec& W3,
                      const Vec& W2) {
   using MatD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;

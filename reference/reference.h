@@ -126,8 +126,6 @@ Vec swiglu_hidden(Act act, const Vec& h13, int64_t rows, int64_t F, Vec& halfwid
 Vec swiglu_h13_halfwidth(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1,
                          const Vec& W3);
 
-/// Error scale of h13: [|X| |W1|^T | |X| |W3|^T] per row (CONTRACT §15).
-Vec swiglu_h13_magnitude(const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1, const Vec& W3);
 
 /// Error scale of swiglu_experts (CONTRACT §15): element (i, j) of expert
 /// output is bounded by a multiple of the unit roundoff times

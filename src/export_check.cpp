@@ -437,6 +437,7 @@ CaseReport run_external(const Case& c, const ActualFn* actual, std::vector<Golde
     checked += here;
     if (here == 0) {
       not_checked.push_back(slot);
+      rep.decisions.back().variant = "reference (no actual files)";
     } else if (!missing.empty()) {
       std::string m;
       for (const auto& n : missing) m += (m.empty() ? "" : ", ") + n;
