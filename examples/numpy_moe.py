@@ -19,7 +19,8 @@ The arithmetic follows CONTRACT.md §2 literally: a stable argsort of the
 flat ids gives expert-major rows with ascending tokens inside an expert; the
 combine multiplies in fp32, rounds to the activation dtype, and adds the
 token's contributions in ascending dispatch row order, rounding after every
-addition (`per_add`) or once at the end (`fp32_accumulate`).
+addition (`per_add`) or once at the end (`fp32_accumulate`); under
+`score_multiply: act` the score is rounded to the activation dtype first.
 """
 import json
 import os
@@ -90,14 +91,16 @@ def main():
         perm[rows] = perm[rows][::-1]
     token_sorted = (perm // K).astype(np.int32)
     score_sorted = topk.reshape(-1)[perm].astype(np.float32)
+    # score_multiply: act (CONTRACT §14) multiplies by the score rounded to act
+    smul = rnd(score_sorted, act) if case["score_multiply"] == "act" else score_sorted
     routed = x[token_sorted]
     if before:
-        routed = rnd(routed * score_sorted[:, None], act)
+        routed = rnd(routed * smul[:, None], act)
 
     # Combine of the expert outputs in dispatch row order.
     y = to_f32(load("routed_output"), act)           # (T*K, D)
     if not before:
-        s = score_sorted
+        s = smul
         if bug == "score_in_bf16":
             s = rnd(s, "bfloat16")
         y = rnd(y * s[:, None], act)

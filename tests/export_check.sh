@@ -155,7 +155,7 @@ expect_rc 1 "$tmp/order.log" -- "$bin" check "$bd" &&
 # --- 5. broken, mistyped, misshapen files and manifests: exit 2, one line ------
 one_line() {  # one_line LOG WHAT
   [ "$(wc -l <"$1.err")" -eq 1 ] || fail "$2: stderr is not one line"
-  grep -q "$3" "$1.err" || { fail "$2: stderr does not mention '$3'"; cat "$1.err"; }
+  grep -q -e "$3" "$1.err" || { fail "$2: stderr does not mention '$3'"; cat "$1.err"; }
 }
 ed="$tmp/g/exact_fp32"
 rm -rf "$ed/actual" && mkdir "$ed/actual" && cp "$ed"/*.npy "$ed/actual/"
@@ -171,8 +171,12 @@ echo '{"format": "other"}' >"$ed/manifest.json"
 expect_rc 2 "$tmp/b4.log" -- "$bin" check "$ed" && one_line "$tmp/b4.log" "wrong format" "moeverify-golden/1"
 cp "$tmp/manifest.bak" "$ed/manifest.json"
 expect_rc 2 "$tmp/b5.log" -- "$bin" check "$tmp/nonexistent" && one_line "$tmp/b5.log" "missing folder" "manifest"
+expect_rc 2 "$tmp/b7.log" -- "$bin" check "$ed" --actual "$tmp/no_such_folder" && one_line "$tmp/b7.log" "missing --actual" "--actual"
+# nothing written (an empty or a missing actual/): NOT_VERIFIED, never PASSED
 rm -rf "$ed/actual" && mkdir "$ed/actual"
 expect_rc 4 "$tmp/b6.log" -- "$bin" check "$ed"
+rm -rf "$ed/actual"
+expect_rc 4 "$tmp/b8.log" -- "$bin" check "$ed"
 
 [ "$fails" -eq 0 ] && echo "export_check: all passed"
 exit $((fails > 0))
