@@ -28,12 +28,12 @@ enum class GroupTie : uint8_t { lower_group, higher_group /* planted fault */ };
 /// The SwiGLU activation's rounding points (CONTRACT §8, §14 `experts.rounding`):
 /// `fused` rounds once, H = round(silu(h1) * h3); `rounded_to_act` rounds
 /// silu(h1) to the activation dtype first, as every torchtitan expert path
-/// does (FRAMEWORKS §8). The planted fault silu_rounded applies the second
+/// does (FRAMEWORKS §8.1: silu and mul in bf16). The planted fault silu_rounded applies the second
 /// where the case says `fused`.
 enum class SiluRounding : uint8_t { fused, rounded_to_act };
 /// The score multiply (CONTRACT §14 `score_multiply`): `fp32` multiplies by
 /// the fp32 score, `act` by the score rounded to the activation dtype first
-/// (torchtitan ezpz PR #11: `routed_output * score.to(bf16)`).
+/// (FRAMEWORKS §2.2 step 1, the FK variant: ezpz PR #11 `routed_output * score.to(bf16)`).
 enum class ScoreMultiply : uint8_t { fp32, act };
 
 MOEV_HD inline float k_exp(float v) { return expf(v); }

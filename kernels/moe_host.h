@@ -25,8 +25,8 @@ struct RouterConfig {
 
 /// Where the router GEMM's result is rounded (CONTRACT §14 `router.gate_dtype`):
 /// `fp32` keeps the fp32 accumulation; `act` rounds each logit to the
-/// activation dtype, then widens it back (torchtitan on CPU, where
-/// autocast(float32) is ignored).
+/// activation dtype, then widens it back (torchtitan on CPU, where the fp32
+/// gate autocast of FRAMEWORKS §0 "Dtypes" is ignored).
 enum class GateDtype : uint8_t { fp32, act };
 
 /// logits (T, E) fp32 = float(x) (T, D) * float(wg)^T, wg (E, D) in dtype,

@@ -72,8 +72,8 @@ Decision always(const Case&) { return {}; }
 
 /// The conventions of a SwiGLU site (CONTRACT §14): experts.rounding applies
 /// to the routed and the shared experts (torchtitan's FeedForward rounds
-/// silu(h1) too, FRAMEWORKS §8), the compute dtype to the routed experts only
-/// (GroupedExperts casts to bf16; the shared FeedForward runs in act).
+/// silu(h1) too), the compute dtype to the routed experts only (FRAMEWORKS
+/// §8.1: GroupedExperts casts X and W to bf16; the shared FeedForward runs in act).
 /// `mid` is the site's intermediate prefix: "expert_" (routed) or "shared_".
 SwigluConventions swiglu_conventions(const Case& c, const std::string& mid) {
   return {c.experts.rounding, mid == "expert_" ? c.experts.compute_dtype : ComputeDtype::act};
