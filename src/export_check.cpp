@@ -17,6 +17,7 @@
 #include "datagen.h"
 #include "dump.h"
 #include "error.h"
+#include "memory_estimate.h"
 #include "stages.h"
 
 namespace moev {
@@ -490,7 +491,10 @@ int cmd_export(const std::string& file, const std::string& dir, const std::strin
   if (chosen.empty())
     bad_input("--case " + printable(only) + ": no case of that name in " + printable(file, 200) +
               "; valid: a name as `moeverify validate FILE` lists it");
-  prepare_dump_root(dir);
+  // The estimate of `run` bounds the reference chain's memory from above.
+  for (const Case& c : chosen)
+    check_case_memory(c, 1, default_memory_limit(), "the default, 80% of physical memory");
+  prepare_dump_root(dir, "export DIR");
   for (const Case& c : chosen) {
     std::vector<GoldenTensor> golden;
     const CaseReport rep = run_external(c, nullptr, &golden);
@@ -561,6 +565,7 @@ CaseReport check_folder(const std::string& folder, const std::string& actual_dir
     bad_input(printable(mpath, 200) + ": needs \"case\", \"ranks\" and \"tensors\"; " + valid);
   Case c = case_from_json(m["case"], mpath);
   c.source = mpath;
+  check_case_memory(c, 1, default_memory_limit(), "the default, 80% of physical memory");
   if (m["ranks"].get<int64_t>() != c.ep)
     bad_input(printable(mpath, 200) + ": \"ranks\" is " + m["ranks"].dump() + " but the case has ep " +
               std::to_string(c.ep) + "; " + valid);
