@@ -91,6 +91,7 @@ const EnumTable<EqualSplitPolicy>& equal_split_table() {
       {"off", EqualSplitPolicy::off}, {"force", EqualSplitPolicy::force}, {"adaptive", EqualSplitPolicy::adaptive}};
   return t;
 }
+
 const EnumTable<GateDtype>& gate_dtype_table() {
   static const EnumTable<GateDtype> t = {{"fp32", GateDtype::fp32}, {"act", GateDtype::act}};
   return t;
