@@ -69,7 +69,7 @@ TEST_CASE("read_npy reads what write_npy writes and refuses the rest", "[cpu]") 
   std::filesystem::remove_all(dir);
 }
 
-TEST_CASE("check passes the reference's own outputs and names the first wrong stage", "[cpu]") {
+TEST_CASE("check passes the reference outputs and names the first wrong stage", "[cpu]") {
   for (const char* name : {"exact_fp32", "realistic_bf16"}) {
     const Case c = case_named("basic.yaml", name);
     std::vector<GoldenTensor> golden;
