@@ -25,7 +25,16 @@ enum class SharedAdd : uint8_t { none, add_after };
 enum class CombineOrder : uint8_t { ascending_row, descending_row /* planted fault */ };
 enum class SoftmaxShift : uint8_t { subtract_max, none /* planted fault */ };
 enum class GroupTie : uint8_t { lower_group, higher_group /* planted fault */ };
-enum class SiluRounding : uint8_t { fused, rounded_to_act /* planted fault */ };
+/// The SwiGLU activation's rounding points (CONTRACT §8, §14 `experts.rounding`):
+/// `fused` rounds once, H = round(silu(h1) * h3); `rounded_to_act` rounds
+/// silu(h1) to the activation dtype first, as every torchtitan expert path
+/// does (FRAMEWORKS §8.1: silu and mul in bf16). The planted fault silu_rounded applies the second
+/// where the case says `fused`.
+enum class SiluRounding : uint8_t { fused, rounded_to_act };
+/// The score multiply (CONTRACT §14 `score_multiply`): `fp32` multiplies by
+/// the fp32 score, `act` by the score rounded to the activation dtype first
+/// (FRAMEWORKS §2.2 step 1, the FK variant: ezpz PR #11 `routed_output * score.to(bf16)`).
+enum class ScoreMultiply : uint8_t { fp32, act };
 
 MOEV_HD inline float k_exp(float v) { return expf(v); }
 
@@ -135,11 +144,13 @@ struct GatherBody {
   int64_t D;
   int K;
   ScoreApply apply;
+  ScoreMultiply smul = ScoreMultiply::fp32;
 
   MOEV_HD void operator()(int64_t i, int lane, int lanes) const {
     const int32_t a = perm[i];
     const int64_t t = a / K;
     const float s = topk_scores[a];
+    const float sm = smul == ScoreMultiply::act ? round_to<T>(s) : s;
     if (lane == 0) {
       token_sorted[i] = int32_t(t);
       score_sorted[i] = s;
@@ -148,7 +159,7 @@ struct GatherBody {
     const T* src = x + t * D;
     T* dst = routed + i * D;
     if (apply == ScoreApply::before_experts) {
-      for (int64_t c = lane; c < D; c += lanes) dst[c] = from_float<T>(to_float(src[c]) * s);
+      for (int64_t c = lane; c < D; c += lanes) dst[c] = from_float<T>(to_float(src[c]) * sm);
     } else {
       for (int64_t c = lane; c < D; c += lanes) dst[c] = src[c];
     }
@@ -156,7 +167,8 @@ struct GatherBody {
 };
 
 /// SwiGLU activation for row r: H = round(silu(float(h1)) * float(h3)) in fp32
-/// (CONTRACT §8). h13 holds rows of width 2F: [h1 | h3] (W13 order, §8.1).
+/// (CONTRACT §8), with silu(h1) rounded to T first under rounded_to_act
+/// (§14). h13 holds rows of width 2F: [h1 | h3] (W13 order, §8.1).
 template <class T>
 struct SwigluBody {
   const T* h13;  // (rows, 2F)
@@ -196,6 +208,7 @@ struct CombineBody {
   Accumulate acc;
   SharedAdd shared_add;
   CombineOrder order;
+  ScoreMultiply smul = ScoreMultiply::fp32;
 
   MOEV_HD void operator()(int64_t t, int lane, int lanes) const {
     int32_t rows[kMaxTopK];
@@ -214,7 +227,8 @@ struct CombineBody {
       for (int k = 0; k < K; ++k) {
         const int32_t r = rows[k];
         float y = to_float(routed_out[int64_t(r) * D + c]);
-        if (apply == ScoreApply::after_experts) y = round_to<T>(y * score_sorted[r]);
+        if (apply == ScoreApply::after_experts)
+          y = round_to<T>(y * (smul == ScoreMultiply::act ? round_to<T>(score_sorted[r]) : score_sorted[r]));
         if (acc == Accumulate::per_add) v = round_to<T>(v + y);
         else wide += y;
       }

@@ -65,14 +65,14 @@ DeviceStatus probe() {
 
 void dispatch_gather(DType dt, k::ScoreApply apply, const void* x, int64_t T, const int32_t* perm,
                      const float* topk_scores, int64_t N, int64_t D, int K, void* routed, int32_t* token_sorted,
-                     float* score_sorted, int32_t* row_of) {
+                     float* score_sorted, int32_t* row_of, k::ScoreMultiply smul) {
   dispatch_dtype(dt, [&](auto tag) {
     using T_ = decltype(tag);
     Staged dx(x, size_t(T * D) * sizeof(T_)), dp(perm, size_t(N) * 4), ds(topk_scores, size_t(N) * 4);
     Staged dr(nullptr, size_t(N * D) * sizeof(T_)), dt_(nullptr, size_t(N) * 4), dss(nullptr, size_t(N) * 4),
         drow(nullptr, size_t(N) * 4);
     launch(k::GatherBody<T_>{dx.as<T_>(), dp.as<int32_t>(), ds.as<float>(), dr.as<T_>(), dt_.as<int32_t>(),
-                             dss.as<float>(), drow.as<int32_t>(), D, K, apply},
+                             dss.as<float>(), drow.as<int32_t>(), D, K, apply, smul},
            N);
     dr.back(routed);
     dt_.back(token_sorted);
@@ -89,7 +89,8 @@ void combine(const CombineArgs& a, int64_t N, const void* init, void* out) {
         drow(a.row_of, size_t(a.T * a.K) * 4), dinit(init, td),
         dsh(a.shared, a.shared_add == k::SharedAdd::add_after ? td : 0), dout(nullptr, td);
     launch(k::CombineBody<T_>{dro.as<T_>(), ds.as<float>(), drow.as<int32_t>(), dinit.as<T_>(), dsh.as<T_>(),
-                              dout.as<T_>(), a.D, a.K, a.apply, a.acc, a.shared_add, k::CombineOrder::ascending_row},
+                              dout.as<T_>(), a.D, a.K, a.apply, a.acc, a.shared_add, k::CombineOrder::ascending_row,
+                              a.smul},
            a.T);
     dout.back(out);
   });

@@ -22,7 +22,7 @@ DeviceStatus probe();
 /// The gather body on the device (see dispatch_gather).
 void dispatch_gather(DType dt, k::ScoreApply apply, const void* x, int64_t T, const int32_t* perm,
                      const float* topk_scores, int64_t N, int64_t D, int K, void* routed, int32_t* token_sorted,
-                     float* score_sorted, int32_t* row_of);
+                     float* score_sorted, int32_t* row_of, k::ScoreMultiply smul = k::ScoreMultiply::fp32);
 
 /// The ordered combine body on the device (see combine).
 void combine(const CombineArgs& a, int64_t N, const void* init, void* out);

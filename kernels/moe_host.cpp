@@ -12,8 +12,30 @@
 namespace moev {
 namespace {
 
-k::SiluRounding silu_rounding(const ExecCtx& ctx) {
-  return ctx.faults.has(Fault::silu_rounded) ? k::SiluRounding::rounded_to_act : k::SiluRounding::fused;
+/// The case's activation rounding (CONTRACT §14), or the planted fault's
+/// extra rounding where the case says `fused`.
+k::SiluRounding silu_rounding(const ExecCtx& ctx, const SwigluConventions& conv) {
+  return ctx.faults.has(Fault::silu_rounded) ? k::SiluRounding::rounded_to_act : conv.rounding;
+}
+
+/// n values of dtype dt rounded to bf16 (ComputeDtype::bf16).
+std::vector<bf16> to_bf16(DType dt, const void* src, int64_t n) {
+  std::vector<bf16> out(static_cast<size_t>(n));
+  dispatch_dtype(dt, [&](auto tag) {
+    using T = decltype(tag);
+    const T* s = static_cast<const T*>(src);
+    for (int64_t i = 0; i < n; ++i) out[size_t(i)] = from_float<bf16>(to_float(s[i]));
+  });
+  return out;
+}
+
+/// n bf16 values rounded to dtype dt.
+void from_bf16(DType dt, const std::vector<bf16>& src, void* dst) {
+  dispatch_dtype(dt, [&](auto tag) {
+    using T = decltype(tag);
+    T* d = static_cast<T*>(dst);
+    for (size_t i = 0; i < src.size(); ++i) d[i] = from_float<T>(to_float(src[i]));
+  });
 }
 
 constexpr int64_t kGemmTile = 64;  // fixed row tile: results independent of thread count
@@ -60,16 +82,20 @@ void gemm_typed(const T* X, int64_t rows, int64_t k, int64_t ldx, const T* W, in
 }  // namespace
 
 void router_logits(const ExecCtx& ctx, DType dt, const void* x, const void* wg, int64_t T,
-                   int64_t D, int E, float* logits) {
+                   int64_t D, int E, float* logits, GateDtype gate) {
   dispatch_dtype(dt, [&](auto tag) {
     using T_ = decltype(tag);
     const T_* xs = static_cast<const T_*>(x);
     const int64_t tiles = (T + kGemmTile - 1) / kGemmTile;
     host_run(ctx, tiles, [&](int64_t tile, int, int) {
       const int64_t r0 = tile * kGemmTile, rows = std::min(kGemmTile, T - r0);
-      // logits stay fp32: no rounding to the activation type
-      Eigen::Map<MatF>(logits + r0 * E, rows, E) =
+      // logits stay fp32 (no rounding to the activation type) unless the
+      // case selects gate_dtype act (CONTRACT §14)
+      float* l = logits + r0 * E;
+      Eigen::Map<MatF>(l, rows, E) =
           gemm_fp32(xs + r0 * D, rows, D, D, static_cast<const T_*>(wg), E, WeightLayout::n_by_k);
+      if (gate == GateDtype::act)
+        for (int64_t i = 0; i < rows * E; ++i) l[i] = round_to<T_>(l[i]);
     });
   });
 }
@@ -142,11 +168,12 @@ void expert_sort(const ExecCtx& ctx, const int32_t* ids, int64_t N, int E, int32
 
 void dispatch_gather(const ExecCtx& ctx, DType dt, k::ScoreApply apply, const void* x,
                      const int32_t* perm, const float* topk_scores, int64_t N, int64_t D, int K,
-                     void* routed, int32_t* token_sorted, float* score_sorted, int32_t* row_of) {
+                     void* routed, int32_t* token_sorted, float* score_sorted, int32_t* row_of,
+                     k::ScoreMultiply smul) {
   dispatch_dtype(dt, [&](auto tag) {
     using T = decltype(tag);
     k::GatherBody<T> body{static_cast<const T*>(x), perm, topk_scores, static_cast<T*>(routed),
-                          token_sorted, score_sorted, row_of, D, K, apply};
+                          token_sorted, score_sorted, row_of, D, K, apply, smul};
     host_run(ctx, N, body);
   });
 }
@@ -162,7 +189,20 @@ void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* 
 
 void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* X,
                     const int64_t* counts, int E_l, int64_t D, int64_t F, const void* W1,
-                    const void* W3, const void* W2, void* Y, const SwigluIntermediates& mid) {
+                    const void* W3, const void* W2, void* Y, const SwigluIntermediates& mid,
+                    SwigluConventions conv) {
+  if (conv.compute == ComputeDtype::bf16 && dt != DType::bf16) {
+    // X and the weights rounded to bf16, the whole SwiGLU in bf16, Y rounded back.
+    int64_t rows = 0;
+    for (int j = 0; j < E_l; ++j) rows += counts[j];
+    const std::vector<bf16> xb = to_bf16(dt, X, rows * D), w1 = to_bf16(dt, W1, E_l * F * D),
+                            w3 = to_bf16(dt, W3, E_l * F * D), w2 = to_bf16(dt, W2, E_l * D * F);
+    std::vector<bf16> yb(static_cast<size_t>(rows * D));
+    experts_swiglu(ctx, DType::bf16, impl, xb.data(), counts, E_l, D, F, w1.data(), w3.data(), w2.data(), yb.data(),
+                   mid, SwigluConventions{conv.rounding, ComputeDtype::act});
+    from_bf16(dt, yb, Y);
+    return;
+  }
   dispatch_dtype(dt, [&](auto tag) {
     using T = decltype(tag);
     const T* xs = static_cast<const T*>(X);
@@ -187,7 +227,7 @@ void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* 
           gemm_typed(xs + r * D, tile_rows(t), D, D, w1 + j * F * D, F, h13 + r * 2 * F, 2 * F);
           gemm_typed(xs + r * D, tile_rows(t), D, D, w3 + j * F * D, F, h13 + r * 2 * F + F, 2 * F);
         });
-        host_run(ctx, n, k::SwigluBody<T>{h13 + r0 * 2 * F, H + r0 * F, F, silu_rounding(ctx)});
+        host_run(ctx, n, k::SwigluBody<T>{h13 + r0 * 2 * F, H + r0 * F, F, silu_rounding(ctx, conv)});
         host_run(ctx, tiles, [&](int64_t t, int, int) {
           const int64_t r = r0 + t * kGemmTile;
           gemm_typed(H + r * F, tile_rows(t), F, F, w2 + j * D * F, D, ys + r * D, D);
@@ -207,7 +247,7 @@ void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* 
         const int64_t n = std::min(kGemmTile, off[size_t(j) + 1] - r);
         gemm_typed(xs + r * D, n, D, D, w1 + j * F * D, F, h13 + r * 2 * F, 2 * F);
         gemm_typed(xs + r * D, n, D, D, w3 + j * F * D, F, h13 + r * 2 * F + F, 2 * F);
-        const k::SwigluBody<T> act{h13, H, F, silu_rounding(ctx)};
+        const k::SwigluBody<T> act{h13, H, F, silu_rounding(ctx, conv)};
         for (int64_t q = r; q < r + n; ++q) act(q, 0, 1);
         gemm_typed(H + r * F, n, F, F, w2 + j * D * F, D, ys + r * D, D);
       });
@@ -225,7 +265,20 @@ void experts_swiglu_batched(const ExecCtx& ctx, DType dt, const void* X, int64_t
 
 void experts_swiglu_batched(const ExecCtx& ctx, DType dt, const void* X, int64_t c, int E_l, int64_t D, int64_t F,
                             const void* W1, const void* W3, const void* W2, uint64_t version,
-                            BatchedWeightCache& cache, void* Y, const SwigluIntermediates& mid) {
+                            BatchedWeightCache& cache, void* Y, const SwigluIntermediates& mid,
+                            SwigluConventions conv) {
+  if (conv.compute == ComputeDtype::bf16 && dt != DType::bf16) {
+    // As experts_swiglu: bf16 inputs and weights. The cache then holds bf16
+    // weights: a caller must not share one cache between compute dtypes
+    // under one weight version (the stage uses a fresh cache per run).
+    const std::vector<bf16> xb = to_bf16(dt, X, E_l * c * D), w1 = to_bf16(dt, W1, E_l * F * D),
+                            w3 = to_bf16(dt, W3, E_l * F * D), w2 = to_bf16(dt, W2, E_l * D * F);
+    std::vector<bf16> yb(static_cast<size_t>(E_l * c * D));
+    experts_swiglu_batched(ctx, DType::bf16, xb.data(), c, E_l, D, F, w1.data(), w3.data(), w2.data(), version, cache,
+                           yb.data(), mid, SwigluConventions{conv.rounding, ComputeDtype::act});
+    from_bf16(dt, yb, Y);
+    return;
+  }
   dispatch_dtype(dt, [&](auto tag) {
     using T = decltype(tag);
     const size_t fd = size_t(F * D);
@@ -259,7 +312,7 @@ void experts_swiglu_batched(const ExecCtx& ctx, DType dt, const void* X, int64_t
       const int64_t j = item / tiles, r = j * c + (item % tiles) * kGemmTile;
       const int64_t n = std::min(kGemmTile, (j + 1) * c - r);
       gemm_typed(xs + r * D, n, D, D, w13 + size_t(j) * 2 * fd, 2 * F, h13 + r * 2 * F, 2 * F);
-      const k::SwigluBody<T> act{h13, H, F, silu_rounding(ctx)};
+      const k::SwigluBody<T> act{h13, H, F, silu_rounding(ctx, conv)};
       for (int64_t q = r; q < r + n; ++q) act(q, 0, 1);
       gemm_typed(H + r * F, n, F, F, w2t + size_t(j) * fd, D, ys + r * D, D, WeightLayout::k_by_n);
     });
@@ -273,7 +326,8 @@ void combine(const ExecCtx& ctx, const CombineArgs& a, const void* init, void* o
                            static_cast<const T*>(init), static_cast<const T*>(a.shared),
                            static_cast<T*>(out), a.D, a.K, a.apply, a.acc, a.shared_add,
                            ctx.faults.has(Fault::unordered_combine) ? k::CombineOrder::descending_row
-                                                                    : k::CombineOrder::ascending_row};
+                                                                    : k::CombineOrder::ascending_row,
+                           a.smul};
     host_run(ctx, a.T, body);
   });
 }

@@ -23,9 +23,16 @@ struct RouterConfig {
   k::RouteNorm norm = k::RouteNorm::off;
 };
 
-/// logits (T, E) fp32 = float(x) (T, D) * float(wg)^T, wg (E, D) in dtype.
+/// Where the router GEMM's result is rounded (CONTRACT §14 `router.gate_dtype`):
+/// `fp32` keeps the fp32 accumulation; `act` rounds each logit to the
+/// activation dtype, then widens it back (torchtitan on CPU, where the fp32
+/// gate autocast of FRAMEWORKS §0 "Dtypes" is ignored).
+enum class GateDtype : uint8_t { fp32, act };
+
+/// logits (T, E) fp32 = float(x) (T, D) * float(wg)^T, wg (E, D) in dtype,
+/// rounded to dtype under GateDtype::act.
 void router_logits(const ExecCtx& ctx, DType dt, const void* x, const void* wg, int64_t T,
-                   int64_t D, int E, float* logits);
+                   int64_t D, int E, float* logits, GateDtype gate = GateDtype::fp32);
 
 /// CONTRACT §1 steps 1-9 on given logits. `choice` is (T, E) scratch.
 void router_route(const ExecCtx& ctx, const RouterConfig& cfg, const float* logits,
@@ -41,9 +48,22 @@ void expert_sort(const ExecCtx& ctx, const int32_t* ids, int64_t N, int E, int32
 /// Local dispatch (CONTRACT §2): see k::GatherBody for the outputs.
 void dispatch_gather(const ExecCtx& ctx, DType dt, k::ScoreApply apply, const void* x,
                      const int32_t* perm, const float* topk_scores, int64_t N, int64_t D, int K,
-                     void* routed, int32_t* token_sorted, float* score_sorted, int32_t* row_of);
+                     void* routed, int32_t* token_sorted, float* score_sorted, int32_t* row_of,
+                     k::ScoreMultiply smul = k::ScoreMultiply::fp32);
 
 enum class ExpertsImpl : uint8_t { loop, grouped, batched /* experts_swiglu_batched */ };
+
+/// The dtype the expert GEMMs run in (CONTRACT §14 `experts.compute_dtype`):
+/// `act`, or `bf16`: X and the weights rounded to bf16, GEMMs in bf16 with
+/// fp32 accumulation (h13 and H in bf16), Y rounded to the activation dtype
+/// (torchtitan GroupedExperts casts with .bfloat16(), FRAMEWORKS §8.1).
+enum class ComputeDtype : uint8_t { act, bf16 };
+
+/// The numeric conventions of one SwiGLU call (CONTRACT §14).
+struct SwigluConventions {
+  k::SiluRounding rounding = k::SiluRounding::fused;
+  ComputeDtype compute = ComputeDtype::act;
+};
 
 /// The SwiGLU intermediates, caller-owned, in dtype: h13 (rows, 2F) holds
 /// [h1 | h3] = [round(X W1^T) | round(X W3^T)] per row, H (rows, F) the
@@ -56,9 +76,11 @@ struct SwigluIntermediates {
 
 /// SwiGLU experts (CONTRACT §8) over expert-major rows: expert j owns
 /// counts[j] consecutive rows of X. W1, W3: (E_l, F, D); W2: (E_l, D, F).
+/// Under ComputeDtype::bf16 the intermediates are bf16 (whatever dt is).
 void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* X,
                     const int64_t* counts, int E_l, int64_t D, int64_t F, const void* W1,
-                    const void* W3, const void* W2, void* Y, const SwigluIntermediates& mid);
+                    const void* W3, const void* W2, void* Y, const SwigluIntermediates& mid,
+                    SwigluConventions conv = {});
 /// The same with intermediates it allocates and drops.
 void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* X,
                     const int64_t* counts, int E_l, int64_t D, int64_t F, const void* W1,
@@ -79,7 +101,8 @@ struct BatchedWeightCache {
 /// Y_j = H W2T_j. Rebuilds the cache when `weights_version` differs.
 void experts_swiglu_batched(const ExecCtx& ctx, DType dt, const void* X, int64_t c, int E_l, int64_t D, int64_t F,
                             const void* W1, const void* W3, const void* W2, uint64_t weights_version,
-                            BatchedWeightCache& cache, void* Y, const SwigluIntermediates& mid);
+                            BatchedWeightCache& cache, void* Y, const SwigluIntermediates& mid,
+                            SwigluConventions conv = {});
 /// The same with intermediates it allocates and drops.
 void experts_swiglu_batched(const ExecCtx& ctx, DType dt, const void* X, int64_t c, int E_l, int64_t D, int64_t F,
                             const void* W1, const void* W3, const void* W2, uint64_t weights_version,
@@ -96,6 +119,7 @@ struct CombineArgs {
   k::ScoreApply apply = k::ScoreApply::after_experts;
   k::Accumulate acc = k::Accumulate::per_add;
   k::SharedAdd shared_add = k::SharedAdd::none;
+  k::ScoreMultiply smul = k::ScoreMultiply::fp32;
 };
 
 /// Out-of-place combine: out = init + ordered scatter (init and out distinct).

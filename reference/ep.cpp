@@ -10,7 +10,8 @@ using std::size_t;
 namespace ref {
 
 EpDispatch ep_dispatch(Act act, ScoreApply apply, const std::vector<Vec>& x, const std::vector<Ids>& ids,
-                       const std::vector<Vec>& topk_scores, int64_t D, int K, int E, int R) {
+                       const std::vector<Vec>& topk_scores, int64_t D, int K, int E, int R,
+                       ScoreMultiply smul) {
   const int E_l = E / R;
   EpDispatch d;
   d.recv.assign(size_t(R), {});
@@ -23,7 +24,8 @@ EpDispatch ep_dispatch(Act act, ScoreApply apply, const std::vector<Vec>& x, con
         for (int64_t t = 0; t < T; ++t)
           for (int k = 0; k < K; ++k) {
             if (ids[size_t(p)][size_t(t * K + k)] != e) continue;
-            const float s = topk_scores[size_t(p)][size_t(t * K + k)];
+            const float s0 = topk_scores[size_t(p)][size_t(t * K + k)];
+            const float s = smul == ScoreMultiply::act ? round_act(act, s0) : s0;
             for (int64_t c = 0; c < D; ++c) {
               const float v = x[size_t(p)][size_t(t * D + c)];
               d.recv[size_t(q)].push_back(apply == ScoreApply::before_experts ? round_act(act, f32(double(v) * s)) : v);

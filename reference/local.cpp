@@ -8,7 +8,7 @@
 namespace ref {
 
 LocalDispatch local_dispatch(Act act, ScoreApply apply, const Vec& x, const Ids& ids,
-                             const Vec& topk_scores, int64_t T, int64_t D, int K, int E) {
+                             const Vec& topk_scores, int64_t T, int64_t D, int K, int E, ScoreMultiply smul) {
   LocalDispatch d;
   d.counts.assign(size_t(E), 0);
   d.row_of.assign(size_t(T * K), -1);
@@ -18,12 +18,13 @@ LocalDispatch local_dispatch(Act act, ScoreApply apply, const Vec& x, const Ids&
         const int64_t a = t * K + k;
         if (ids[size_t(a)] != e) continue;
         const float s = topk_scores[size_t(a)];
+        const float sm = smul == ScoreMultiply::act ? round_act(act, s) : s;
         d.row_of[size_t(a)] = int32_t(d.token_sorted.size());
         d.token_sorted.push_back(int32_t(t));
         d.score_sorted.push_back(s);
         for (int64_t c = 0; c < D; ++c) {
           const float v = x[size_t(t * D + c)];
-          d.routed.push_back(apply == ScoreApply::before_experts ? round_act(act, f32(double(v) * s)) : v);
+          d.routed.push_back(apply == ScoreApply::before_experts ? round_act(act, f32(double(v) * sm)) : v);
         }
         ++d.counts[size_t(e)];
       }
@@ -31,7 +32,11 @@ LocalDispatch local_dispatch(Act act, ScoreApply apply, const Vec& x, const Ids&
 }
 
 SwigluTrace swiglu_experts_traced(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F,
-                                  const Vec& W1, const Vec& W3, const Vec& W2) {
+                                  const Vec& W1, const Vec& W3, const Vec& W2, SiluRounding rounding,
+                                  Compute compute) {
+  // ca: the dtype the GEMMs and the activation round to; the inputs are
+  // rounded to it first (exact when ca == act).
+  const Act ca = compute == Compute::bf16 ? Act::bf16 : act;
   using MatD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   int64_t rows = 0;
   for (int64_t n : counts) rows += n;
@@ -43,26 +48,28 @@ SwigluTrace swiglu_experts_traced(Act act, const Vec& X, const Counts& counts, i
   for (size_t j = 0; j < counts.size(); ++j) {
     const int64_t n = counts[j];
     MatD xj(n, D), w1(F, D), w3(F, D), w2(D, F);
-    for (int64_t i = 0; i < n * D; ++i) xj.data()[i] = X[size_t(row * D + i)];
+    for (int64_t i = 0; i < n * D; ++i) xj.data()[i] = round_act(ca, X[size_t(row * D + i)]);
     for (int64_t i = 0; i < F * D; ++i) {
-      w1.data()[i] = W1[size_t(int64_t(j) * F * D + i)];
-      w3.data()[i] = W3[size_t(int64_t(j) * F * D + i)];
-      w2.data()[i] = W2[size_t(int64_t(j) * D * F + i)];
+      w1.data()[i] = round_act(ca, W1[size_t(int64_t(j) * F * D + i)]);
+      w3.data()[i] = round_act(ca, W3[size_t(int64_t(j) * F * D + i)]);
+      w2.data()[i] = round_act(ca, W2[size_t(int64_t(j) * D * F + i)]);
     }
     const MatD h1 = xj * w1.transpose(), h3 = xj * w3.transpose();
     MatD H(n, F);
     for (int64_t r = 0; r < n; ++r)
       for (int64_t f = 0; f < F; ++f) {
-        const float a = round_act(act, f32(h1(r, f)));
-        const float b = round_act(act, f32(h3(r, f)));
+        const float a = round_act(ca, f32(h1(r, f)));
+        const float b = round_act(ca, f32(h3(r, f)));
         o.h13[size_t((row + r) * 2 * F + f)] = a;
         o.h13[size_t((row + r) * 2 * F + F + f)] = b;
-        const float silu = f32(double(a) / (1.0 + std::exp(-double(a))));
-        H(r, f) = round_act(act, f32(double(silu) * b));
+        float silu = f32(double(a) / (1.0 + std::exp(-double(a))));
+        if (rounding == SiluRounding::torchtitan) silu = round_act(ca, silu);
+        H(r, f) = round_act(ca, f32(double(silu) * b));
         o.H[size_t((row + r) * F + f)] = float(H(r, f));
       }
     const MatD y = H * w2.transpose();
-    for (int64_t i = 0; i < n * D; ++i) o.Y[size_t(row * D + i)] = round_act(act, f32(y.data()[i]));
+    for (int64_t i = 0; i < n * D; ++i)
+      o.Y[size_t(row * D + i)] = round_act(act, round_act(ca, f32(y.data()[i])));
     row += n;
   }
   return o;
@@ -73,7 +80,7 @@ Vec swiglu_experts(Act act, const Vec& X, const Counts& counts, int64_t D, int64
   return swiglu_experts_traced(act, X, counts, D, F, W1, W3, W2).Y;
 }
 
-Vec swiglu_hidden(Act act, const Vec& h13, int64_t rows, int64_t F, Vec& halfwidth) {
+Vec swiglu_hidden(Act act, const Vec& h13, int64_t rows, int64_t F, Vec& halfwidth, SiluRounding rounding) {
   // fp32 silu and product carry a few fp32 roundings (and exp's error): the
   // exact value v is known to about 2^-20 relative. Any rounding of a value
   // in v (1 -+ 2^-20) is accepted; a dropped or extra rounding to act moves
@@ -94,7 +101,25 @@ Vec swiglu_hidden(Act act, const Vec& h13, int64_t rows, int64_t F, Vec& halfwid
       // to fp32 before the product.
       double e = std::exp(-a);
       if (e > double(std::numeric_limits<float>::max())) e = std::numeric_limits<double>::infinity();
-      const double v = double(f32(a / (1.0 + e))) * b;
+      const double silu = double(f32(a / (1.0 + e)));
+      if (rounding == SiluRounding::torchtitan) {
+        // silu(h1) itself is rounded to act: an fp32 silu within eps of the
+        // exact one may round to either neighbour of a midpoint, and each
+        // choice gives its own product, rounded once more.
+        const double sroom = eps * std::fabs(silu) + tiny;
+        const double cands[3] = {round_act(act, f32(silu - sroom)), round_act(act, f32(silu)),
+                                 round_act(act, f32(silu + sroom))};
+        const float mid = round_act(act, f32(cands[1] * b));
+        float width = 0.f;
+        for (double sc : cands) {
+          const double p = sc * b, room = eps * std::fabs(p) + tiny * std::fabs(b);
+          for (double pv : {p - room, p + room}) width = std::max(width, std::fabs(round_act(act, f32(pv)) - mid));
+        }
+        H[size_t(r * F + f)] = mid;
+        halfwidth[size_t(r * F + f)] = std::isfinite(mid) ? width : 0.f;
+        continue;
+      }
+      const double v = silu * b;
       const float mid = round_act(act, f32(v));
       const double room = eps * std::fabs(v) + tiny * std::fabs(b);
       const float lo = round_act(act, f32(v - room)), hi = round_act(act, f32(v + room));
@@ -104,26 +129,44 @@ Vec swiglu_hidden(Act act, const Vec& h13, int64_t rows, int64_t F, Vec& halfwid
   return H;
 }
 
-Vec swiglu_h13_magnitude(const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1, const Vec& W3) {
+Vec gemm_magnitude(const Vec& X, const Vec& W, int64_t rows, int64_t D, int64_t n) {
+  Vec m(size_t(rows * n), 0.f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < n; ++j) {
+      double s = 0;
+      for (int64_t d = 0; d < D; ++d) s += std::fabs(double(X[size_t(r * D + d)])) * std::fabs(double(W[size_t(j * D + d)]));
+      m[size_t(r * n + j)] = f32(s);
+    }
+  return m;
+}
+
+Vec swiglu_h13_halfwidth(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1,
+                         const Vec& W3) {
   int64_t rows = 0;
   for (int64_t n : counts) rows += n;
-  Vec m(size_t(rows * 2 * F), 0.f);
+  const double gamma = double(D + 2) * std::ldexp(1.0, -24);
+  Vec half(size_t(rows * 2 * F), 0.f);
   int64_t row = 0;
   for (size_t j = 0; j < counts.size(); ++j) {
     for (int64_t r = row; r < row + counts[j]; ++r)
-      for (int64_t f = 0; f < F; ++f) {
-        double m1 = 0, m3 = 0;
-        for (int64_t d = 0; d < D; ++d) {
-          const double x = std::fabs(double(X[size_t(r * D + d)]));
-          m1 += x * std::fabs(double(W1[size_t((int64_t(j) * F + f) * D + d)]));
-          m3 += x * std::fabs(double(W3[size_t((int64_t(j) * F + f) * D + d)]));
+      for (int64_t f = 0; f < F; ++f)
+        for (int part = 0; part < 2; ++part) {
+          const Vec& W = part == 0 ? W1 : W3;
+          double v = 0, m = 0;
+          for (int64_t d = 0; d < D; ++d) {
+            const double x = round_act(act, X[size_t(r * D + d)]);
+            const double w = round_act(act, W[size_t((int64_t(j) * F + f) * D + d)]);
+            v += x * w;
+            m += std::fabs(x * w);
+          }
+          const double room = gamma * m + std::ldexp(1.0, -126);
+          const float mid = round_act(act, f32(v));
+          const float lo = round_act(act, f32(v - room)), hi = round_act(act, f32(v + room));
+          half[size_t(r * 2 * F + part * F + f)] = std::isfinite(mid) ? std::max(hi - mid, mid - lo) : 0.f;
         }
-        m[size_t(r * 2 * F + f)] = f32(m1);
-        m[size_t(r * 2 * F + F + f)] = f32(m3);
-      }
     row += counts[j];
   }
-  return m;
+  return half;
 }
 
 Vec swiglu_magnitude(const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1, const Vec& W3,
@@ -180,7 +223,8 @@ Vec combine(const CombineSpec& s, const Vec& routed_out, const Ids& token_sorted
     const int64_t t = token_sorted[i];
     for (int64_t c = 0; c < D; ++c) {
       float y = routed_out[i * size_t(D) + size_t(c)];
-      if (s.apply == ScoreApply::after_experts) y = round_act(s.act, f32(double(y) * score_sorted[i]));
+      const float sc = s.smul == ScoreMultiply::act ? round_act(s.act, score_sorted[i]) : score_sorted[i];
+      if (s.apply == ScoreApply::after_experts) y = round_act(s.act, f32(double(y) * sc));
       float& o = out[size_t(t * D + c)];
       if (s.acc == Accumulate::per_add) o = round_act(s.act, f32(double(o) + y));
       else wide[size_t(t * D + c)] = f32(double(wide[size_t(t * D + c)]) + y);

@@ -34,8 +34,28 @@ struct RouterSpec {
   float route_scale = 1.f;
 };
 
-/// logits (T, E) = x (T, D) * wg (E, D)^T accumulated in fp64, rounded to fp32.
-Vec router_logits(const Vec& x, const Vec& wg, int64_t T, int64_t D, int E);
+/// CONTRACT §14 `router.gate_dtype`: logits kept in fp32, or rounded to act.
+enum class GateDtype { fp32, act };
+/// CONTRACT §14 `score_multiply`: the fp32 score, or the score rounded to act.
+enum class ScoreMultiply { fp32, act };
+/// CONTRACT §14 `experts.rounding`: H = round(silu(h1) h3) (`fused`), or
+/// a = round(silu(h1)), H = round(a h3) (`torchtitan`).
+enum class SiluRounding { fused, torchtitan };
+/// CONTRACT §14 `experts.compute_dtype`: GEMMs in act, or X, weights, h13,
+/// H and the GEMM result in bf16 and Y rounded to act.
+enum class Compute { act, bf16 };
+
+/// logits (T, E) = x (T, D) * wg (E, D)^T accumulated in fp64, rounded to
+/// fp32 (and then to `act` under GateDtype::act).
+Vec router_logits(const Vec& x, const Vec& wg, int64_t T, int64_t D, int E, GateDtype gate = GateDtype::fp32,
+                  Act act = Act::fp32);
+/// Error scale of X W^T (CONTRACT §15): sum_k |x_ik| |w_jk|, (rows, n).
+Vec gemm_magnitude(const Vec& X, const Vec& W, int64_t rows, int64_t D, int64_t n);
+/// Under GateDtype::act: how far a correct logit round_act(fp32-accumulated
+/// x wg^T) may land from router_logits' value, per element: any act rounding
+/// of a value within the fp32 accumulation bound (D + 2) 2^-24 sum |x w| of
+/// the exact one. Mostly 0, so a missing or extra rounding of the logits fails.
+Vec router_logits_halfwidth(const Vec& x, const Vec& wg, int64_t T, int64_t D, int E, Act act);
 
 struct RouterOut {
   Vec scores;        // (T, E) fp32
@@ -70,7 +90,8 @@ struct LocalDispatch {
 /// CONTRACT §2 dispatch: for each expert e ascending, each token t ascending,
 /// each k with ids[t,k] == e, emit one row.
 LocalDispatch local_dispatch(Act act, ScoreApply apply, const Vec& x, const Ids& ids,
-                             const Vec& topk_scores, int64_t T, int64_t D, int K, int E);
+                             const Vec& topk_scores, int64_t T, int64_t D, int K, int E,
+                             ScoreMultiply smul = ScoreMultiply::fp32);
 
 /// CONTRACT §8 SwiGLU over expert-major rows (expert j owns counts[j] rows).
 /// W1, W3: (E_l, F, D); W2: (E_l, D, F). GEMMs in fp64, rounded to act.
@@ -82,17 +103,29 @@ Vec swiglu_experts(Act act, const Vec& X, const Counts& counts, int64_t D, int64
 struct SwigluTrace {
   Vec h13, H, Y;
 };
+/// Under Compute::bf16, h13 and H hold bf16 values and Y is the bf16 result
+/// rounded to act.
 SwigluTrace swiglu_experts_traced(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F,
-                                  const Vec& W1, const Vec& W3, const Vec& W2);
+                                  const Vec& W1, const Vec& W3, const Vec& W2,
+                                  SiluRounding rounding = SiluRounding::fused, Compute compute = Compute::act);
 
 /// The activation H = round_act(silu(h1) * h3) (CONTRACT §8) of given
 /// [h1 | h3] rows, computed in fp64: what H must be given those GEMM outputs.
 /// halfwidth[i] is how far a correct fp32 computation may land from H[i]
-/// (one act rounding of a value within 2^-20 relative of the exact one).
-Vec swiglu_hidden(Act act, const Vec& h13, int64_t rows, int64_t F, Vec& halfwidth);
+/// (one act rounding of a value within 2^-20 relative of the exact one; under
+/// SiluRounding::torchtitan, either rounding of silu(h1) such a value allows).
+Vec swiglu_hidden(Act act, const Vec& h13, int64_t rows, int64_t F, Vec& halfwidth,
+                  SiluRounding rounding = SiluRounding::fused);
 
-/// Error scale of h13: [|X| |W1|^T | |X| |W3|^T] per row (CONTRACT §15).
-Vec swiglu_h13_magnitude(const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1, const Vec& W3);
+/// How far a correct h13 = [round(X W1^T) | round(X W3^T)] (fp32 or better
+/// accumulation, CONTRACT §8) may land from swiglu_experts_traced's h13, per
+/// element: any `act` rounding of a value within (D + 2) 2^-24 sum |x w| of
+/// the exact product of X and the weights rounded to `act`. Mostly 0 for
+/// bf16/fp16, so a wrong rounding of X, the weights or the result fails where
+/// the GEMM tolerance would hide it (experts.compute_dtype, CONTRACT §14).
+Vec swiglu_h13_halfwidth(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1,
+                         const Vec& W3);
+
 
 /// Error scale of swiglu_experts (CONTRACT §15): element (i, j) of expert
 /// output is bounded by a multiple of the unit roundoff times
@@ -111,6 +144,7 @@ struct CombineSpec {
   ScoreApply apply = ScoreApply::after_experts;
   Accumulate acc = Accumulate::per_add;
   SharedAdd shared_add = SharedAdd::none;
+  ScoreMultiply smul = ScoreMultiply::fp32;
 };
 
 /// CONTRACT §2 combine: out = init; for i = 0..N-1 ascending,
@@ -141,7 +175,8 @@ struct EpDispatch {
   std::vector<Counts> recv_counts;
 };
 EpDispatch ep_dispatch(Act act, ScoreApply apply, const std::vector<Vec>& x, const std::vector<Ids>& ids,
-                       const std::vector<Vec>& topk_scores, int64_t D, int K, int E, int R);
+                       const std::vector<Vec>& topk_scores, int64_t D, int K, int E, int R,
+                       ScoreMultiply smul = ScoreMultiply::fp32);
 
 /// Rank-major (p, j) rows -> expert-major (j, p) rows of one rank.
 Vec permute_to_expert_major(const Vec& recv, const Counts& recv_counts, int R, int E_l, int64_t D);

@@ -10,15 +10,30 @@
 
 namespace ref {
 
-Vec router_logits(const Vec& x, const Vec& wg, int64_t T, int64_t D, int E) {
+Vec router_logits(const Vec& x, const Vec& wg, int64_t T, int64_t D, int E, GateDtype gate, Act act) {
   using MatD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   MatD xm(T, D), wm(E, D);
   for (int64_t i = 0; i < T * D; ++i) xm.data()[i] = x[size_t(i)];
   for (int64_t i = 0; i < int64_t(E) * D; ++i) wm.data()[i] = wg[size_t(i)];
   const MatD l = xm * wm.transpose();
   Vec out(size_t(T * E));
-  for (int64_t i = 0; i < T * E; ++i) out[size_t(i)] = f32(l.data()[i]);
+  for (int64_t i = 0; i < T * E; ++i)
+    out[size_t(i)] = gate == GateDtype::act ? round_act(act, f32(l.data()[i])) : f32(l.data()[i]);
   return out;
+}
+
+Vec router_logits_halfwidth(const Vec& x, const Vec& wg, int64_t T, int64_t D, int E, Act act) {
+  const Vec exact_f32 = router_logits(x, wg, T, D, E);
+  const Vec mag = gemm_magnitude(x, wg, T, D, E);
+  const double gamma = double(D + 2) * std::ldexp(1.0, -24);
+  Vec half(size_t(T * E), 0.f);
+  for (size_t i = 0; i < half.size(); ++i) {
+    const double v = exact_f32[i], room = gamma * mag[i] + std::ldexp(1.0, -126);
+    const float mid = round_act(act, exact_f32[i]);
+    const float lo = round_act(act, f32(v - room)), hi = round_act(act, f32(v + room));
+    half[i] = std::isfinite(mid) ? std::max(hi - mid, mid - lo) : 0.f;
+  }
+  return half;
 }
 
 Vec router_scores(const RouterSpec& s, const Vec& logits, int64_t T) {

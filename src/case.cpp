@@ -91,6 +91,28 @@ const EnumTable<EqualSplitPolicy>& equal_split_table() {
       {"off", EqualSplitPolicy::off}, {"force", EqualSplitPolicy::force}, {"adaptive", EqualSplitPolicy::adaptive}};
   return t;
 }
+
+const EnumTable<GateDtype>& gate_dtype_table() {
+  static const EnumTable<GateDtype> t = {{"fp32", GateDtype::fp32}, {"act", GateDtype::act}};
+  return t;
+}
+
+const EnumTable<k::ScoreMultiply>& score_multiply_table() {
+  static const EnumTable<k::ScoreMultiply> t = {{"fp32", k::ScoreMultiply::fp32}, {"act", k::ScoreMultiply::act}};
+  return t;
+}
+
+const EnumTable<k::SiluRounding>& experts_rounding_table() {
+  static const EnumTable<k::SiluRounding> t = {{"fused", k::SiluRounding::fused},
+                                               {"torchtitan", k::SiluRounding::rounded_to_act}};
+  return t;
+}
+
+const EnumTable<ComputeDtype>& compute_dtype_table() {
+  static const EnumTable<ComputeDtype> t = {{"act", ComputeDtype::act}, {"bf16", ComputeDtype::bf16}};
+  return t;
+}
+
 const EnumTable<CompareClass>& compare_class_table() {
   static const EnumTable<CompareClass> t = {{"exact", CompareClass::exact},
                                             {"logits", CompareClass::logits},
@@ -138,6 +160,14 @@ std::string Case::summary() const {
     o << " ep=" << ep << " align=" << align << "/" << enum_name(empty_groups_table(), empty_groups)
       << " permute=" << enum_name(permute_table(), permute);
   }
+  // Framework conventions (CONTRACT §14): named only when not the default.
+  if (router.gate_dtype != GateDtype::fp32) o << " gate_dtype=" << enum_name(gate_dtype_table(), router.gate_dtype);
+  if (score_multiply != k::ScoreMultiply::fp32)
+    o << " score_multiply=" << enum_name(score_multiply_table(), score_multiply);
+  if (experts.rounding != k::SiluRounding::fused)
+    o << " experts.rounding=" << enum_name(experts_rounding_table(), experts.rounding);
+  if (experts.compute_dtype != ComputeDtype::act)
+    o << " experts.compute_dtype=" << enum_name(compute_dtype_table(), experts.compute_dtype);
   return o.str();
 }
 
@@ -278,6 +308,10 @@ const std::vector<Field>& schema() {
                    c.router.route_scale = float(x);
                  }});
     v.push_back(int_field("router.hot_expert", -1, 4095, [](Case& c, int64_t x) { c.router.hot_expert = int(x); }));
+    v.push_back(enum_field<GateDtype>("router.gate_dtype", gate_dtype_table(), [](Case& c) -> GateDtype& { return c.router.gate_dtype; }));
+    v.push_back(enum_field<k::ScoreMultiply>("score_multiply", score_multiply_table(), [](Case& c) -> k::ScoreMultiply& { return c.score_multiply; }));
+    v.push_back(enum_field<k::SiluRounding>("experts.rounding", experts_rounding_table(), [](Case& c) -> k::SiluRounding& { return c.experts.rounding; }));
+    v.push_back(enum_field<ComputeDtype>("experts.compute_dtype", compute_dtype_table(), [](Case& c) -> ComputeDtype& { return c.experts.compute_dtype; }));
     v.push_back(enum_field<ExpertKind>("experts.kind", expert_kind_table(), [](Case& c) -> ExpertKind& { return c.experts.kind; }));
     v.push_back(enum_field<ExpertsImpl>("experts.impl", experts_impl_table(), [](Case& c) -> ExpertsImpl& { return c.experts.impl; }));
     v.push_back(enum_field<SharedKind>("shared_experts.kind", shared_kind_table(), [](Case& c) -> SharedKind& { return c.shared.kind; }));

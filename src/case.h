@@ -44,6 +44,11 @@ const EnumTable<Switch>& switch_table();
 const EnumTable<EmptyGroups>& empty_groups_table();
 const EnumTable<PermuteMode>& permute_table();
 const EnumTable<EqualSplitPolicy>& equal_split_table();
+// Framework conventions (CONTRACT §14, FRAMEWORKS §8, §9)
+const EnumTable<GateDtype>& gate_dtype_table();
+const EnumTable<k::ScoreMultiply>& score_multiply_table();
+const EnumTable<k::SiluRounding>& experts_rounding_table();
+const EnumTable<ComputeDtype>& compute_dtype_table();
 
 template <class E>
 const char* enum_name(const EnumTable<E>& t, E v) {
@@ -79,16 +84,22 @@ struct Case {
     Switch route_norm = Switch::off;
     float route_scale = 1.f;
     int hot_expert = -1;  // >= 0: +1 selection bias on this expert (it enters every top-k)
+    GateDtype gate_dtype = GateDtype::fp32;  // CONTRACT §14: logits rounded to act under `act`
   } router;
   struct Experts {
     ExpertKind kind = ExpertKind::identity;
     ExpertsImpl impl = ExpertsImpl::loop;
+    // CONTRACT §14: `torchtitan` rounds silu(h1) to act before the product
+    // (routed and shared experts); `bf16` runs the routed experts' GEMMs in bf16.
+    k::SiluRounding rounding = k::SiluRounding::fused;
+    ComputeDtype compute_dtype = ComputeDtype::act;
   } experts;
   struct Shared {
     SharedKind kind = SharedKind::none;
     SharedOrder order = SharedOrder::add_after;
   } shared;
   Switch score_before_experts = Switch::off;
+  k::ScoreMultiply score_multiply = k::ScoreMultiply::fp32;  // CONTRACT §14: score rounded to act under `act`
   struct Combine {
     k::Accumulate accumulate = k::Accumulate::per_add;
     CombinePlacement placement = CombinePlacement::out_of_place;
@@ -135,7 +146,8 @@ constexpr size_t kMaxCaseNameChars = 200;
 /// unknown keys, out-of-range values, unclosed quotes, control bytes,
 /// oversized files and sweeps.
 std::vector<Case> load_cases(const std::string& path, const std::vector<std::string>& overrides);
-/// The same for the text of a case file; `path` names it in messages.
+/// The same for the text of a case file (a golden manifest's case); `path`
+/// names it in messages.
 std::vector<Case> load_cases_text(const std::string& text, const std::string& path,
                                   const std::vector<std::string>& overrides);
 

@@ -37,7 +37,7 @@ struct Fnv {
 // A field added to Case must be added below too: this guard fails the build
 // on the one platform CI builds (x86-64, libstdc++) when Case grows.
 #if defined(__x86_64__) && defined(__GLIBCXX__) && !defined(_GLIBCXX_DEBUG)
-static_assert(sizeof(Case) == 320, "Case changed: hash the new field in config_hash(), then update this size");
+static_assert(sizeof(Case) == 328, "Case changed: hash the new field in config_hash(), then update this size");
 #endif
 
 uint64_t config_hash(const Case& c) {
@@ -65,6 +65,11 @@ uint64_t config_hash(const Case& c) {
   f.e(c.shared.kind);
   f.e(c.shared.order);
   f.e(c.score_before_experts);
+  // the framework conventions (CONTRACT §14)
+  f.e(c.router.gate_dtype);
+  f.e(c.score_multiply);
+  f.e(c.experts.rounding);
+  f.e(c.experts.compute_dtype);
   f.e(c.combine.accumulate);
   f.e(c.combine.placement);
   f.e(c.combine.buffer);

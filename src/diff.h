@@ -23,6 +23,11 @@ int exit_status(Outcome o);
 /// override a class. `exact` is always {0, 0}.
 Tolerance default_tolerance(CompareClass cls, DType act);
 Tolerance tolerance_for(const Case& c, CompareClass cls);
+/// The constant c of the GEMM error bound (CONTRACT §15): GEMM and
+/// end-to-end outputs pass when |fast - ref| <= atol + c * u_act * s with s
+/// the sum of |terms| behind the element, so c = rtol / u_act, u_act the unit
+/// roundoff of the activation dtype (2^-24 fp32, 2^-8 bf16, 2^-11 fp16).
+double gemm_bound_constant(DType act);
 
 struct Mismatch {
   int64_t index = 0;

@@ -137,25 +137,25 @@ void Dumper::finish(const Case& c) {
   if (!err.empty()) runtime_error("--dump: " + err);
 }
 
-void prepare_dump_root(const std::string& dir) {
+void prepare_dump_root(const std::string& dir, const std::string& flag) {
   const std::string valid = "valid: a writable folder (created when missing, in an existing folder)";
-  if (dir.empty()) bad_input("--dump: the path is empty; " + valid);
+  if (dir.empty()) bad_input(flag + ": the path is empty; " + valid);
   const std::string shown = printable(dir, 200);
   struct stat st {};
   if (stat(dir.c_str(), &st) == 0) {
-    if (!S_ISDIR(st.st_mode)) bad_input("--dump " + shown + ": exists and is " + file_kind(st.st_mode) + "; " + valid);
+    if (!S_ISDIR(st.st_mode)) bad_input(flag + " " + shown + ": exists and is " + file_kind(st.st_mode) + "; " + valid);
   } else {
-    if (errno != ENOENT) bad_input("--dump " + shown + ": " + errno_text(errno) + "; " + valid);
-    check_parent("--dump", dir, valid);
+    if (errno != ENOENT) bad_input(flag + " " + shown + ": " + errno_text(errno) + "; " + valid);
+    check_parent(flag, dir, valid);
     if (mkdir(dir.c_str(), 0755) != 0)
-      bad_input("--dump " + shown + ": cannot create the folder (" + errno_text(errno) + "); " + valid);
+      bad_input(flag + " " + shown + ": cannot create the folder (" + errno_text(errno) + "); " + valid);
   }
   const std::string fs = pseudo_fs(dir);
   if (!fs.empty())
-    bad_input("--dump " + shown + ": lies on the kernel's " + fs + " file system, which keeps nothing written; " + valid);
+    bad_input(flag + " " + shown + ": lies on the kernel's " + fs + " file system, which keeps nothing written; " + valid);
   const std::string probe = dir + "/.moeverify-probe-" + std::to_string(getpid());
   const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) bad_input("--dump " + shown + ": cannot create files in it (" + errno_text(errno) + "); " + valid);
+  if (fd < 0) bad_input(flag + " " + shown + ": cannot create files in it (" + errno_text(errno) + "); " + valid);
   ::close(fd);
   ::unlink(probe.c_str());
 }

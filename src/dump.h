@@ -45,8 +45,9 @@ std::string dump_folder_name(const std::string& case_name);
 
 /// --dump preflight: `dir` is an existing folder, or one that can be made in
 /// an existing folder; files can be created in it; it is not on a kernel
-/// pseudo file system. Creates it. Throws Error(bad_input) naming --dump.
-void prepare_dump_root(const std::string& dir);
+/// pseudo file system. Creates it. Throws Error(bad_input) naming `flag`
+/// (--dump, or `export DIR`).
+void prepare_dump_root(const std::string& dir, const std::string& flag = "--dump");
 
 /// --json-style preflight of an output file: a non-empty path to an existing
 /// regular file (or FIFO) that opens for writing, or a new file that can be

@@ -153,7 +153,8 @@ std::vector<YAML::Node> shrink_candidates(const YAML::Node& n) {
         const std::string k = kv.first.Scalar();
         with([&](YAML::Node& c) { c[section].remove(k); });
       }
-  for (const char* key : {"score_before_experts", "align", "empty_groups", "permute", "dtype", "data"})
+  for (const char* key : {"score_before_experts", "align", "empty_groups", "permute", "dtype", "data",
+                          "router.gate_dtype", "score_multiply", "experts.rounding", "experts.compute_dtype"})
     if (n[key]) with([&](YAML::Node& c) { c.remove(key); });
   return out;
 }

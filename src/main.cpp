@@ -18,6 +18,7 @@
 #include "dump.h"
 #include "error.h"
 #include "fuzz.h"
+#include "export_check.h"
 #include "memory_estimate.h"
 #include "registry.h"
 #include "runner.h"
@@ -287,7 +288,7 @@ int cmd_selftest(const CLI::App* cmd, const SelftestArgs& a) {
 /// A command-line parse error as one line: an unknown command is named, and
 /// CLI11's multi-line texts are joined.
 std::string cli_error(const CLI::App& app, const CLI::ParseError& e, int argc, char** argv) {
-  const std::string valid = "valid: run, validate, list, fuzz or selftest (see moeverify --help)";
+  const std::string valid = "valid: run, validate, list, fuzz, selftest, export or check (see moeverify --help)";
   if (app.get_subcommands().empty()) {
     for (int i = 1; i < argc; ++i) {
       const std::string arg = argv[i];
@@ -337,6 +338,17 @@ int main(int argc, char** argv) {
   val->add_option("--max-memory", vmax_memory, mem_help)->type_name("SIZE");
 
   app.add_subcommand("list", "list registered paths, their stages, and the planted faults");
+  std::string ex_file, ex_dir, ex_case, ck_dir, ck_actual, ck_json;
+  std::vector<std::string> ex_sets;
+  auto* exp = app.add_subcommand("export", "write a case's inputs and expected stage outputs as .npy + manifest.json");
+  exp->add_option("file", ex_file, "case file (YAML)")->required();
+  exp->add_option("dir", ex_dir, "output folder (one folder per case inside)")->required();
+  exp->add_option("--case", ex_case, "export only the case of this name");
+  exp->add_option("--set", ex_sets, "override a case key, as for run");
+  auto* chk = app.add_subcommand("check", "check an implementation's outputs against the reference, stage by stage");
+  chk->add_option("dir", ck_dir, "a folder written by export (or a folder of them)")->required();
+  chk->add_option("--actual", ck_actual, "the implementation's .npy files (default DIR/actual)");
+  chk->add_option("--json", ck_json, "also write the report as JSON to this file");
 
   FuzzArgs fa;
   auto* fz = app.add_subcommand("fuzz", "random valid configurations of every path; failures shrunk to YAML cases");
@@ -376,6 +388,8 @@ int main(int argc, char** argv) {
     if (val->parsed()) return cmd_validate(val, vfiles, vsets, keys, vmax_memory);
     if (fz->parsed()) return cmd_fuzz(fz, fa);
     if (st->parsed()) return cmd_selftest(st, sa);
+    if (exp->parsed()) return cmd_export(ex_file, ex_dir, ex_case, exp->count("--case") > 0, ex_sets);
+    if (chk->parsed()) return cmd_check(ck_dir, ck_actual, chk->count("--actual") > 0, ck_json, chk->count("--json") > 0);
     return cmd_list();
   } catch (const Error& e) {
     // The last guard of "one line": messages escape user text themselves.

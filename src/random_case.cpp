@@ -101,6 +101,11 @@ std::string random_case_yaml(uint64_t seed, uint64_t index) {
   // Tolerance overrides only loosen: a user who widens a tolerance must not
   // get a false alarm from it.
   if (d.chance(0.1)) y << ", tolerance: {gemm: {rtol: 0.05, atol: 0.05}, end_to_end: {rtol: 0.05}, scores: {atol: 1e-6}, logits: {rtol: 1e-4}}";
+  // Framework conventions (CONTRACT §14).
+  y << ", router.gate_dtype: " << d.pick<const char*>({"fp32", "fp32", "act"});
+  y << ", score_multiply: " << d.pick<const char*>({"fp32", "fp32", "act"});
+  y << ", experts.rounding: " << d.pick<const char*>({"fused", "fused", "torchtitan"});
+  y << ", experts.compute_dtype: " << d.pick<const char*>({"act", "act", "bf16"});
   y << "}";
   return y.str();
 }

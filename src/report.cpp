@@ -91,13 +91,15 @@ void print_report(const CaseReport& r, std::ostream& os) {
 void print_tolerance_table(const std::vector<CaseReport>& reports, std::ostream& os) {
   std::set<DType> dts;
   for (const auto& r : reports) dts.insert(r.c.dtype);
-  os << "\ntolerance table (pass: |fast - ref| <= atol + rtol * |ref|; exact classes are bitwise):\n";
+  os << "\ntolerance table (pass: |fast - ref| <= atol + rtol * |ref|; gemm and end_to_end: atol + rtol * max(|ref|, "
+        "sum of |terms|) with rtol = c * u_act (CONTRACT §15); rounding: one act rounding; exact classes are bitwise):\n";
   for (const auto& [name, cls] : compare_class_table()) {
     if (cls == CompareClass::exact) continue;
     os << "   " << std::left << std::setw(12) << name;
     for (DType d : dts) {
       const Tolerance t = default_tolerance(cls, d);
       os << "  " << dtype_name(d) << ": rtol " << num(t.rtol) << " atol " << num(t.atol);
+      if (cls == CompareClass::gemm || cls == CompareClass::end_to_end) os << " c " << num(gemm_bound_constant(d));
     }
     os << "\n";
   }

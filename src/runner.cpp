@@ -371,6 +371,12 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
 
 }  // namespace
 
+Check check_output(const Case& c, const std::string& slot, const std::string& variant, const OutputSpec& o,
+                   const Tensor* actual, const Tensor* expected, const RankBoard& board, int rank, int ranks,
+                   const std::string& against, const Tensor* scale) {
+  return make_check(c, slot, variant, o, actual, expected, board, rank, ranks, against, scale);
+}
+
 CaseReport run_case(const Case& c, const RunOptions& opt) {
   const auto t0 = std::chrono::steady_clock::now();
   CaseReport rep;

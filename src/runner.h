@@ -37,6 +37,13 @@ struct CaseReport {
 
 CaseReport run_case(const Case& c, const RunOptions& opt);
 
+/// One output compared as `run` compares it (class, tolerance, error scale,
+/// data promise, MoE coordinates from `board`): for `moeverify check`, which
+/// compares an implementation's outputs without running a fast stage.
+Check check_output(const Case& c, const std::string& slot, const std::string& variant, const OutputSpec& o,
+                   const Tensor* actual, const Tensor* expected, const RankBoard& board, int rank, int ranks,
+                   const std::string& against, const Tensor* scale = nullptr);
+
 /// Human table (stdout) and JSON (--json) of a run.
 void print_report(const CaseReport& r, std::ostream& os);
 void print_tolerance_table(const std::vector<CaseReport>& reports, std::ostream& os);

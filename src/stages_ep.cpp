@@ -338,7 +338,8 @@ void ref_a2a_dispatch(RefCtx& r) {
   const ref::EpDispatch d = ref::ep_dispatch(
       ref_act(c.dtype),
       c.score_before_experts == Switch::on ? ref::ScoreApply::before_experts : ref::ScoreApply::after_experts,
-      floats_of(r.in, "x"), ids, floats_of(r.in, "topk_scores"), c.hidden, c.top_k, c.num_experts, R);
+      floats_of(r.in, "x"), ids, floats_of(r.in, "topk_scores"), c.hidden, c.top_k, c.num_experts, R,
+      c.score_multiply == k::ScoreMultiply::act ? ref::ScoreMultiply::act : ref::ScoreMultiply::fp32);
   int64_t mx = 0, total = 0;
   for (int q = 0; q < R; ++q) {
     RankBoard& out = r.out.ranks[size_t(q)];

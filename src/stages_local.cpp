@@ -70,6 +70,28 @@ namespace {
 
 Decision always(const Case&) { return {}; }
 
+/// The conventions of a SwiGLU site (CONTRACT §14): experts.rounding applies
+/// to the routed and the shared experts (torchtitan's FeedForward rounds
+/// silu(h1) too), the compute dtype to the routed experts only (FRAMEWORKS
+/// §8.1: GroupedExperts casts X and W to bf16; the shared FeedForward runs in act).
+/// `mid` is the site's intermediate prefix: "expert_" (routed) or "shared_".
+SwigluConventions swiglu_conventions(const Case& c, const std::string& mid) {
+  return {c.experts.rounding, mid == "expert_" ? c.experts.compute_dtype : ComputeDtype::act};
+}
+/// The dtype of a site's intermediates h13 and H.
+ElemType mid_type(const Case& c, const SwigluConventions& v) {
+  return v.compute == ComputeDtype::bf16 ? ElemType::bf16 : act_elem(c.dtype);
+}
+ref::Act mid_act(const Case& c, const SwigluConventions& v) {
+  return v.compute == ComputeDtype::bf16 ? ref::Act::bf16 : ref_act(c.dtype);
+}
+ref::SiluRounding ref_rounding(const SwigluConventions& v) {
+  return v.rounding == k::SiluRounding::rounded_to_act ? ref::SiluRounding::torchtitan : ref::SiluRounding::fused;
+}
+ref::ScoreMultiply ref_smul(const Case& c) {
+  return c.score_multiply == k::ScoreMultiply::act ? ref::ScoreMultiply::act : ref::ScoreMultiply::fp32;
+}
+
 int64_t group_rows(const Tensor& counts) {
   int64_t n = 0;
   for (int64_t v : to_ints(counts)) n += v;
@@ -83,6 +105,7 @@ ref::CombineSpec combine_spec(const Case& c) {
   s.acc = c.combine.accumulate == k::Accumulate::per_add ? ref::Accumulate::per_add : ref::Accumulate::fp32_accumulate;
   s.shared_add = c.shared.kind != SharedKind::none && c.shared.order == SharedOrder::add_after ? ref::SharedAdd::add_after
                                                                                                 : ref::SharedAdd::none;
+  s.smul = ref_smul(c);
   return s;
 }
 
@@ -101,6 +124,7 @@ CombineArgs combine_args(const FastCtx& ctx) {
   const bool add_after = c.shared.kind != SharedKind::none && c.shared.order == SharedOrder::add_after;
   a.shared_add = add_after ? k::SharedAdd::add_after : k::SharedAdd::none;
   a.shared = add_after ? ctx.input("shared_out").data() : nullptr;
+  a.smul = c.score_multiply;
   return a;
 }
 
@@ -138,12 +162,14 @@ void fast_swiglu(FastCtx& ctx, ExpertsImpl impl, const Tensor& X, const int64_t*
   const Case& c = ctx.c;
   int64_t rows = 0;
   for (int j = 0; j < E_l; ++j) rows += counts[j];
+  const SwigluConventions conv = swiglu_conventions(c, mid);
   Tensor& Y = ctx.output(out, X.type, {rows, c.hidden});
-  Tensor& h13 = ctx.output(mid + "h13", X.type, {rows, 2 * c.ffn});
-  Tensor& H = ctx.output(mid + "hidden", X.type, {rows, c.ffn});
+  Tensor& h13 = ctx.output(mid + "h13", mid_type(c, conv), {rows, 2 * c.ffn});
+  Tensor& H = ctx.output(mid + "hidden", mid_type(c, conv), {rows, c.ffn});
   experts_swiglu(ctx.exec, c.dtype, impl, X.data(), counts, E_l, c.hidden, c.ffn,
                  expert_weights(ctx, w_prefix + "w1", expert0), expert_weights(ctx, w_prefix + "w3", expert0),
-                 expert_weights(ctx, w_prefix + "w2", expert0), Y.data(), SwigluIntermediates{h13.data(), H.data()});
+                 expert_weights(ctx, w_prefix + "w2", expert0), Y.data(), SwigluIntermediates{h13.data(), H.data()},
+                 conv);
 }
 
 /// The weights of experts [first, first + count) of an (E, ...) tensor.
@@ -194,11 +220,14 @@ const SwigluSite& shared_site() {
 
 /// The intermediates of a SwiGLU as checked outputs (issue 11: an extra
 /// rounding inside the activation hid under the GEMM tolerance): h13 against
-/// the reference within the GEMM bound, and H against the activation the
-/// reference computes from the fast h13 itself, up to one act rounding.
+/// the reference up to the rounding an fp32 accumulation allows (class
+/// rounding: mostly bitwise in bf16/fp16, so a wrong input or result
+/// rounding under experts.compute_dtype fails too), and H against the
+/// activation the reference computes from the fast h13 itself, up to one
+/// act rounding.
 std::vector<OutputSpec> swiglu_mid_outputs(const SwigluSite& site, Coords co) {
   const SwigluSite* st = &site;
-  OutputSpec h13(site.mid + "h13", CompareClass::gemm, co, nullptr,
+  OutputSpec h13(site.mid + "h13", CompareClass::rounding, co, nullptr,
                  [st](const Case& c, const RankBoard& b, int rank, int ranks) {
                    const ref::Counts counts = st->counts_of(b);
                    int64_t rows = 0;
@@ -206,7 +235,8 @@ std::vector<OutputSpec> swiglu_mid_outputs(const SwigluSite& site, Coords co) {
                    ref::Vec xv = to_floats(b.at(st->input));
                    xv.resize(size_t(rows * c.hidden));
                    const int64_t first = st->first_expert(c, rank, ranks), E_l = int64_t(counts.size());
-                   return from_floats(ref::swiglu_h13_magnitude(xv, counts, c.hidden, c.ffn,
+                   return from_floats(ref::swiglu_h13_halfwidth(mid_act(c, swiglu_conventions(c, st->mid)), xv, counts,
+                                                                c.hidden, c.ffn,
                                                                 slice_weights(b.at(st->w_prefix + "w1"), first, E_l),
                                                                 slice_weights(b.at(st->w_prefix + "w3"), first, E_l)),
                                       ElemType::f32, {rows, 2 * c.ffn});
@@ -215,8 +245,9 @@ std::vector<OutputSpec> swiglu_mid_outputs(const SwigluSite& site, Coords co) {
   hidden.from_fast = [st](const Case& c, const RankBoard& b, Tensor& scale) {
     const Tensor& h13 = b.at(st->mid + "h13");
     const int64_t rows = h13.shape[0];
+    const SwigluConventions conv = swiglu_conventions(c, st->mid);
     ref::Vec half;
-    const ref::Vec H = ref::swiglu_hidden(ref_act(c.dtype), to_floats(h13), rows, c.ffn, half);
+    const ref::Vec H = ref::swiglu_hidden(mid_act(c, conv), to_floats(h13), rows, c.ffn, half, ref_rounding(conv));
     scale = from_floats(half, ElemType::f32, {rows, c.ffn});
     return from_floats(H, h13.type, {rows, c.ffn});
   };
@@ -272,12 +303,13 @@ void ref_swiglu(RefCtx& r, const std::string& in, const std::function<ref::Count
     for (int64_t n : counts) rows += n;
     ref::Vec xv = to_floats(X);
     xv.resize(size_t(rows * c.hidden));  // rows past the last group (a padding tail) are no expert's
-    const ref::SwigluTrace tr = ref::swiglu_experts_traced(ref_act(c.dtype), xv, counts, c.hidden, c.ffn,
-                                                           slice_weights(b.at(w_prefix + "w1"), first, E_l),
-                                                           slice_weights(b.at(w_prefix + "w3"), first, E_l),
-                                                           slice_weights(b.at(w_prefix + "w2"), first, E_l));
+    const SwigluConventions conv = swiglu_conventions(c, mid);
+    const ref::SwigluTrace tr = ref::swiglu_experts_traced(
+        ref_act(c.dtype), xv, counts, c.hidden, c.ffn, slice_weights(b.at(w_prefix + "w1"), first, E_l),
+        slice_weights(b.at(w_prefix + "w3"), first, E_l), slice_weights(b.at(w_prefix + "w2"), first, E_l),
+        ref_rounding(conv), conv.compute == ComputeDtype::bf16 ? ref::Compute::bf16 : ref::Compute::act);
     r.out.ranks[q][out] = from_floats(tr.Y, X.type, {rows, c.hidden});
-    r.out.ranks[q][mid + "h13"] = from_floats(tr.h13, X.type, {rows, 2 * c.ffn});
+    r.out.ranks[q][mid + "h13"] = from_floats(tr.h13, mid_type(c, conv), {rows, 2 * c.ffn});
   }
 }
 
@@ -296,7 +328,9 @@ void register_local_stages(std::vector<Stage>& reg) {
     s.slot = "router_logits";
     s.variant = "gemm_fp32";
     s.summary = "logits = float(x) * float(Wg)^T, fp32 accumulation (CONTRACT §1)";
-    s.applies = always;
+    s.applies = [](const Case& c) {
+      return Decision{c.router.gate_dtype == GateDtype::fp32, "router.gate_dtype: act"};
+    };
     s.primary = [](const Case&) { return true; };
     s.inputs = fixed_inputs({"x", "wg"});
     s.outputs = {{"logits", CompareClass::logits, Coords::token_expert, nullptr}};
@@ -312,6 +346,45 @@ void register_local_stages(std::vector<Stage>& reg) {
         r.out.ranks[q]["logits"] = from_floats(
             ref::router_logits(to_floats(x), to_floats(r.in.at("wg", int(q))), x.shape[0], r.c.hidden, r.c.num_experts),
             ElemType::f32, {x.shape[0], r.c.num_experts});
+      }
+    };
+    reg.push_back(s);
+  }
+  {
+    // CONTRACT §14 router.gate_dtype act (torchtitan on CPU, where
+    // autocast(float32) is ignored): each logit rounded to act. The fast
+    // logit must be an act rounding of a value within the fp32 accumulation
+    // bound of the exact one (class rounding; the half-width is mostly 0), so
+    // a missing rounding fails where a GEMM tolerance would hide it.
+    Stage s;
+    s.slot = "router_logits";
+    s.variant = "gemm_act";
+    s.summary = "logits = round_act(x * Wg^T), then fp32 (CONTRACT §14 router.gate_dtype: act)";
+    s.applies = [](const Case& c) {
+      return Decision{c.router.gate_dtype == GateDtype::act, "router.gate_dtype: fp32"};
+    };
+    s.primary = [](const Case&) { return true; };
+    s.inputs = fixed_inputs({"x", "wg"});
+    s.outputs = {{"logits", CompareClass::rounding, Coords::token_expert, nullptr,
+                  [](const Case& c, const RankBoard& b, int, int) {
+                    const Tensor& x = b.at("x");
+                    return from_floats(ref::router_logits_halfwidth(to_floats(x), to_floats(b.at("wg")), x.shape[0],
+                                                                    c.hidden, c.num_experts, ref_act(c.dtype)),
+                                       ElemType::f32, {x.shape[0], c.num_experts});
+                  }}};
+    s.fast = [](FastCtx& ctx) {
+      const Tensor& x = ctx.input("x");
+      Tensor& l = ctx.output("logits", ElemType::f32, {x.shape[0], ctx.c.num_experts});
+      router_logits(ctx.exec, ctx.c.dtype, x.data(), ctx.input("wg").data(), x.shape[0], ctx.c.hidden,
+                    ctx.c.num_experts, l.as<float>(), GateDtype::act);
+    };
+    s.ref = [](RefCtx& r) {
+      for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+        const Tensor& x = r.in.at("x", int(q));
+        r.out.ranks[q]["logits"] =
+            from_floats(ref::router_logits(to_floats(x), to_floats(r.in.at("wg", int(q))), x.shape[0], r.c.hidden,
+                                           r.c.num_experts, ref::GateDtype::act, ref_act(r.c.dtype)),
+                        ElemType::f32, {x.shape[0], r.c.num_experts});
       }
     };
     reg.push_back(s);
@@ -386,7 +459,7 @@ void register_local_stages(std::vector<Stage>& reg) {
                       c.score_before_experts == Switch::on ? k::ScoreApply::before_experts
                                                            : k::ScoreApply::after_experts,
                       x.data(), perm.as<int32_t>(), ctx.input("topk_scores").as<float>(), N, c.hidden, c.top_k,
-                      routed.data(), tok.as<int32_t>(), sc.as<float>(), row_of.as<int32_t>());
+                      routed.data(), tok.as<int32_t>(), sc.as<float>(), row_of.as<int32_t>(), c.score_multiply);
     };
     s.ref = [](RefCtx& r) {
       const Case& c = r.c;
@@ -397,7 +470,8 @@ void register_local_stages(std::vector<Stage>& reg) {
         const ref::LocalDispatch d = ref::local_dispatch(
             ref_act(c.dtype),
             c.score_before_experts == Switch::on ? ref::ScoreApply::before_experts : ref::ScoreApply::after_experts,
-            to_floats(x), ref_ids(in.at("ids")), to_floats(in.at("topk_scores")), T, c.hidden, c.top_k, c.num_experts);
+            to_floats(x), ref_ids(in.at("ids")), to_floats(in.at("topk_scores")), T, c.hidden, c.top_k, c.num_experts,
+            ref_smul(c));
         RankBoard& out = r.out.ranks[q];
         out["routed_input"] = from_floats(d.routed, x.type, {N, c.hidden});
         out["token_sorted"] = ids_tensor(d.token_sorted, ElemType::i32, {N});
@@ -455,7 +529,7 @@ void register_local_stages(std::vector<Stage>& reg) {
       dispatch_gather(ctx.exec, c.dtype,
                       c.score_before_experts == Switch::on ? k::ScoreApply::before_experts : k::ScoreApply::after_experts,
                       x.data(), perm.data(), ctx.input("topk_scores").as<float>(), N, c.hidden, c.top_k, routed.data(),
-                      tok.as<int32_t>(), sc.as<float>(), row_of.as<int32_t>());
+                      tok.as<int32_t>(), sc.as<float>(), row_of.as<int32_t>(), c.score_multiply);
       ctx.notes.push_back("rank " + std::to_string(ctx.rank) + ": sort order cache " + (hit ? "hit" : "miss") +
                           " for (T*K, E, K) = (" + std::to_string(N) + ", " + std::to_string(c.num_experts) + ", " +
                           std::to_string(c.top_k) + ")");
@@ -534,12 +608,13 @@ void register_local_stages(std::vector<Stage>& reg) {
       const Tensor& X = ctx.input("expert_input");
       const int e0 = ctx.rank * E_l;
       Tensor& Y = ctx.output("expert_output", X.type, {cnt * E_l, c.hidden});
-      Tensor& h13 = ctx.output("expert_h13", X.type, {cnt * E_l, 2 * c.ffn});
-      Tensor& H = ctx.output("expert_hidden", X.type, {cnt * E_l, c.ffn});
+      const SwigluConventions conv = swiglu_conventions(c, "expert_");
+      Tensor& h13 = ctx.output("expert_h13", mid_type(c, conv), {cnt * E_l, 2 * c.ffn});
+      Tensor& H = ctx.output("expert_hidden", mid_type(c, conv), {cnt * E_l, c.ffn});
       BatchedWeightCache cache;  // cold per run; reuse across versions is tested in test_ep.cpp
       experts_swiglu_batched(ctx.exec, c.dtype, X.data(), cnt, E_l, c.hidden, c.ffn, expert_weights(ctx, "w1", e0),
                              expert_weights(ctx, "w3", e0), expert_weights(ctx, "w2", e0), 1, cache, Y.data(),
-                             SwigluIntermediates{h13.data(), H.data()});
+                             SwigluIntermediates{h13.data(), H.data()}, conv);
       ctx.notes.push_back("rank " + std::to_string(ctx.rank) + ": batched over (E_l, c) = (" + std::to_string(E_l) +
                           ", " + std::to_string(cnt) + ")");
     };

@@ -47,13 +47,17 @@ int main() {
       std::vector<uint8_t> rh(static_cast<size_t>(N * D) * eb), rd(rh.size());
       std::vector<int32_t> th(static_cast<size_t>(N)), td(static_cast<size_t>(N)), oh(static_cast<size_t>(N)), od(static_cast<size_t>(N));
       std::vector<float> sh(static_cast<size_t>(N)), sd(static_cast<size_t>(N));
-      for (k::ScoreApply apply : {k::ScoreApply::after_experts, k::ScoreApply::before_experts}) {
-        dispatch_gather(ExecCtx{2, {}}, dt, apply, x.data(), perm.data(), scores.data(), N, D, K, rh.data(), th.data(),
-                        sh.data(), oh.data());
-        cuda::dispatch_gather(dt, apply, x.data(), T, perm.data(), scores.data(), N, D, K, rd.data(), td.data(),
-                              sd.data(), od.data());
-        failures += rh != rd || th != td || oh != od || std::memcmp(sh.data(), sd.data(), sh.size() * 4) != 0;
-      }
+      // score_multiply act (CONTRACT §14) before the experts; the fp32 multiply
+      // runs last so that rh holds plain rows for the combine below.
+      for (k::ScoreMultiply smul : {k::ScoreMultiply::act, k::ScoreMultiply::fp32})
+        for (k::ScoreApply apply : {k::ScoreApply::before_experts, k::ScoreApply::after_experts}) {
+          dispatch_gather(ExecCtx{2, {}}, dt, apply, x.data(), perm.data(), scores.data(), N, D, K, rh.data(),
+                          th.data(), sh.data(), oh.data(), smul);
+          cuda::dispatch_gather(dt, apply, x.data(), T, perm.data(), scores.data(), N, D, K, rd.data(), td.data(),
+                                sd.data(), od.data(), smul);
+          failures += rh != rd || th != td || oh != od || std::memcmp(sh.data(), sd.data(), sh.size() * 4) != 0;
+        }
+      for (k::ScoreMultiply smul : {k::ScoreMultiply::fp32, k::ScoreMultiply::act})
       for (k::Accumulate acc : {k::Accumulate::per_add, k::Accumulate::fp32_accumulate}) {
         CombineArgs a;
         a.dt = dt;
@@ -64,6 +68,7 @@ int main() {
         a.D = D;
         a.K = K;
         a.acc = acc;
+        a.smul = smul;
         std::vector<uint8_t> init(static_cast<size_t>(T * D) * eb, 0), ch(init.size()), cd(init.size());
         combine(ExecCtx{2, {}}, a, init.data(), ch.data());
         cuda::combine(a, N, init.data(), cd.data());

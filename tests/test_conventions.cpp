@@ -1,0 +1,130 @@
+// Framework conventions (CONTRACT §14): for each option, fast == reference on
+// random shapes and dtypes (RapidCheck), and a fixed case showing where the
+// option and the default give different results, so neither can silently
+// stand in for the other.
+#include <catch2/catch.hpp>
+#include <rapidcheck/catch.h>
+
+#include <cstring>
+
+#include "case.h"
+#include "runner.h"
+#include "test_util.h"
+
+using namespace moev;
+
+namespace {
+
+/// A realistic SwiGLU case with the given extra keys (YAML flow mapping body).
+Case conv_case(const std::string& keys) {
+  const std::string text = "cases:\n  - {name: conv, data: realistic, seed: 3, experts: {kind: swiglu}, "
+                           "shape: {tokens: 40, hidden: 24, ffn: 32, experts: 8, top_k: 2}, " +
+                           keys + "}\n";
+  return load_cases_text(text, "test_conventions", {}).at(0);
+}
+
+CaseReport run_kept(const Case& c) {
+  RunOptions o;
+  o.threads = 2;
+  o.keep = RunOptions::Keep::fast_board;
+  return run_case(c, o);
+}
+
+/// Elements where tensor `name` of rank 0 differs bitwise between two runs.
+int64_t differing(const CaseReport& a, const CaseReport& b, const std::string& name) {
+  const Tensor& x = a.fast.at(name, 0);
+  const Tensor& y = b.fast.at(name, 0);
+  REQUIRE(x.type == y.type);
+  REQUIRE(x.shape == y.shape);
+  const size_t eb = elem_bytes(x.type);
+  int64_t n = 0;
+  for (int64_t i = 0; i < x.numel(); ++i)
+    n += std::memcmp(static_cast<const uint8_t*>(x.data()) + size_t(i) * eb,
+                     static_cast<const uint8_t*>(y.data()) + size_t(i) * eb, eb) != 0;
+  return n;
+}
+
+void require_passed(const CaseReport& r) {
+  for (const auto& ch : r.checks)
+    if (ch.outcome != Outcome::PASSED)
+      FAIL(r.c.summary() << ": " << ch.slot << "/" << ch.variant << "/" << ch.tensor << " " << outcome_name(ch.outcome)
+                         << " " << ch.note);
+  REQUIRE(r.outcome == Outcome::PASSED);
+}
+
+struct Option {
+  const char* key;      // the option's YAML, as a flow mapping entry
+  const char* tensor;   // where it first changes a result
+  const char* dtype;    // a dtype in which it must change it
+};
+
+const Option kOptions[] = {
+    {"router.gate_dtype: act", "logits", "bf16"},
+    {"score_multiply: act", "out", "bf16"},
+    {"experts.rounding: torchtitan", "expert_hidden", "bf16"},
+    {"experts.compute_dtype: bf16", "expert_output", "fp32"},
+};
+
+}  // namespace
+
+TEST_CASE("conventions differ from the defaults where CONTRACT 14 says", "[cpu]") {
+  for (const Option& o : kOptions) {
+    INFO(o.key << " in " << o.dtype);
+    const std::string base = std::string("dtype: ") + o.dtype + ", router: {route_norm: on, route_scale: 2.5}";
+    const CaseReport def = run_kept(conv_case(base));
+    const CaseReport opt = run_kept(conv_case(base + ", " + o.key));
+    require_passed(def);
+    require_passed(opt);
+    CHECK(differing(def, opt, o.tensor) > 0);
+  }
+}
+
+TEST_CASE("conventions are no-ops where they round to what is already there", "[cpu]") {
+  // In fp32 the act roundings of gate_dtype, score_multiply and
+  // experts.rounding are the identity; in bf16 so is compute_dtype bf16.
+  for (const Option& o : kOptions) {
+    const bool bf16_compute = std::string(o.key) == "experts.compute_dtype: bf16";
+    const std::string base = std::string("dtype: ") + (bf16_compute ? "bf16" : "fp32");
+    INFO(o.key << " in " << base);
+    const CaseReport def = run_kept(conv_case(base));
+    const CaseReport opt = run_kept(conv_case(base + ", " + o.key));
+    require_passed(opt);
+    CHECK(differing(def, opt, "out") == 0);
+  }
+}
+
+TEST_CASE("conventions fast equals reference", "[cpu][prop]") {
+  rc::prop("every convention option and their combinations, random shapes, dtypes, EP and impls", [] {
+    const char* dt = *rc::gen::element("fp32", "bf16", "fp16");
+    const int ep = *rc::gen::element(1, 1, 2);
+    const int E = ep * *rc::gen::inRange(1, 5);
+    const int K = *rc::gen::inRange(1, std::min(E, 4) + 1);
+    const int64_t T = *rc::gen::element<int64_t>(0, 1, 3, 8, 17, 32);
+    const char* gate = *rc::gen::element("fp32", "act");
+    const char* smul = *rc::gen::element("fp32", "act");
+    const char* rounding = *rc::gen::element("fused", "torchtitan");
+    const char* compute = *rc::gen::element("act", "bf16");
+    const char* impl = *rc::gen::element("loop", "grouped", "batched");
+    const char* before = *rc::gen::element("off", "on");
+    const char* shared = *rc::gen::element("none", "swiglu");
+    const int64_t D = *rc::gen::element<int64_t>(1, 5, 16), F = *rc::gen::element<int64_t>(1, 8, 12);
+    std::ostringstream y;
+    y << "cases:\n  - {name: p, data: realistic, seed: " << *rc::gen::inRange(0, 100000) << ", dtype: " << dt
+      << ", ep: " << ep << ", shape: {tokens: " << T << ", hidden: " << D << ", ffn: " << F << ", experts: " << E
+      << ", top_k: " << K << "}, experts: {kind: swiglu, impl: " << impl << ", rounding: " << rounding
+      << ", compute_dtype: " << compute << "}, router: {gate_dtype: " << gate << ", route_norm: on}, score_multiply: "
+      << smul << ", score_before_experts: " << before << ", shared_experts: {kind: " << shared << "}}\n";
+    RC_CLASSIFY(std::string(gate) == "act", "gate act");
+    RC_CLASSIFY(std::string(smul) == "act", "score act");
+    RC_CLASSIFY(std::string(rounding) == "torchtitan", "torchtitan rounding");
+    RC_CLASSIFY(std::string(compute) == "bf16", "bf16 compute");
+    const Case c = load_cases_text(y.str(), "prop", {}).at(0);
+    RunOptions o;
+    o.threads = *rc::gen::inRange(1, 3);
+    const CaseReport r = run_case(c, o);
+    for (const auto& ch : r.checks)
+      if (ch.outcome != Outcome::PASSED && ch.outcome != Outcome::NOT_VERIFIED)
+        RC_FAIL(c.summary() + ": " + ch.slot + "/" + ch.variant + "/" + ch.tensor + " " + outcome_name(ch.outcome) +
+                " " + ch.note);
+  });
+}
