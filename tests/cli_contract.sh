@@ -135,7 +135,12 @@ expect memory-estimate 0 "$bin" run "$src"/cases/basic.yaml --case exact_fp32 --
 line=$(grep -m1 "memory: estimated" "$tmp/out")
 est=$(sed -E 's/.*estimated ([0-9.]+) MiB.*/\1/' <<<"$line")
 meas=$(sed -E 's/.*measured peak ([0-9.]+) MiB.*/\1/' <<<"$line")
-if [ -n "$line" ] && awk -v e="$est" -v m="$meas" 'BEGIN { exit !(m > 50 && e >= m) }'; then
+if [ -n "${MOEVERIFY_SANITIZED:-}" ]; then
+  # AddressSanitizer's shadow memory and quarantine inflate the resident size:
+  # the estimate is of the tool's own allocations, so this comparison is made
+  # only in the normal build.
+  echo "skip estimate >= measured peak under sanitizers ($line)"
+elif [ -n "$line" ] && awk -v e="$est" -v m="$meas" 'BEGIN { exit !(m > 50 && e >= m) }'; then
   echo "ok   estimate $est MiB >= measured peak $meas MiB"
 else
   echo "FAIL memory line '$line': the estimate must be at least the measured peak (> 50 MiB)"; fails=$((fails + 1))
