@@ -17,6 +17,7 @@
 #include "case.h"
 #include "datagen.h"
 #include "runner.h"
+#include "stages.h"
 #include "test_util.h"
 
 using namespace moev;
@@ -144,15 +145,7 @@ struct RefSplits {
 
 RefSplits reference_splits(const Case& c) {
   const int R = c.ep, E = c.num_experts, E_l = E / R;
-  ref::RouterSpec spec;
-  spec.E = E;
-  spec.K = c.top_k;
-  spec.groups = c.router.groups;
-  spec.limited_groups = c.router.limited_groups;
-  spec.score = c.router.score == k::ScoreFunc::softmax ? ref::Score::softmax : ref::Score::sigmoid;
-  spec.selection = c.router.force_load_balance == Switch::on ? ref::Selection::force_load_balance : ref::Selection::topk;
-  spec.route_norm = c.router.route_norm == Switch::on;
-  spec.route_scale = c.router.route_scale;
+  const ref::RouterSpec spec = ref_router_spec(c);
   RefSplits s;
   s.in.assign(size_t(R), std::vector<int64_t>(size_t(R), 0));
   for (int q = 0; q < R; ++q) {

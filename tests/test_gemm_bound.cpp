@@ -59,9 +59,9 @@ CoordFn flat() {
 }  // namespace
 
 TEST_CASE("gemm bound passes cancellation that a flat rtol fails", "[cpu]") {
-  // verdicts.yaml r28: scores applied before the experts with route_scale
+  // regressions/verdicts.yaml r28: scores applied before the experts with route_scale
   // 1e6 make sums of |terms| of ~1e6 whose results nearly cancel.
-  const Case c = case_named("verdicts.yaml", "r28");
+  const Case c = case_named("regressions/verdicts.yaml", "r28");
   const ExpertGemm g = expert_gemm(c);
   const Tolerance tol = tolerance_for(c, CompareClass::gemm);
   const DiffResult bound = diff_tensors(g.fast, g.ref, CompareClass::gemm, tol, flat(), nullptr, &g.scale);
@@ -74,7 +74,7 @@ TEST_CASE("gemm bound passes cancellation that a flat rtol fails", "[cpu]") {
 
 TEST_CASE("gemm bound and flat rtol both fail a wrong operand", "[cpu]") {
   for (const char* name : {"r28", "r799"}) {
-    const Case c = case_named("verdicts.yaml", name);
+    const Case c = case_named("regressions/verdicts.yaml", name);
     const ExpertGemm g = expert_gemm(c);
     const Tolerance tol = tolerance_for(c, CompareClass::gemm);
     const DiffResult bound = diff_tensors(g.fast, g.wrong, CompareClass::gemm, tol, flat(), nullptr, &g.scale);
