@@ -376,7 +376,7 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
-    std::cerr << "moeverify: " << cli_error(app, e, argc, argv) << "\n";
+    std::cerr << ("moeverify: " + cli_error(app, e, argc, argv) + "\n");  // one write: ranks share stderr
     return 2;
   }
   try {
@@ -393,10 +393,10 @@ int main(int argc, char** argv) {
     return cmd_list();
   } catch (const Error& e) {
     // The last guard of "one line": messages escape user text themselves.
-    std::cerr << "moeverify: " << printable(e.what(), 4000) << "\n";
+    std::cerr << ("moeverify: " + printable(e.what(), 4000) + "\n");  // one write: ranks share stderr
     return e.kind == ErrorKind::bad_input ? 2 : e.kind == ErrorKind::not_supported ? exit_status(Outcome::NOT_SUPPORTED) : 3;
   } catch (const std::exception& e) {
-    std::cerr << "moeverify: internal error: " << printable(e.what(), 4000) << "\n";
+    std::cerr << ("moeverify: internal error: " + printable(e.what(), 4000) + "\n");
     return 3;
   }
 }
