@@ -218,6 +218,10 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
       VariantDecision* vd = nullptr;
       for (auto& d : rep.decisions)
         if (d.slot == s->slot && d.variant == s->variant) vd = &d;
+      if (opt.progress) opt.progress(s->slot, s->variant);
+      using clock = std::chrono::steady_clock;
+      auto since = [](clock::time_point t) { return std::chrono::duration<double>(clock::now() - t).count(); };
+      auto tc = clock::now();
       const std::vector<std::string> inputs_used = s->inputs(c);
       std::vector<std::vector<uint64_t>> sums(static_cast<size_t>(R));
       for (int r = 0; r < R; ++r)
@@ -226,7 +230,11 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
       out.ranks.resize(size_t(R));
       std::vector<std::vector<std::string>> notes(static_cast<size_t>(R));
       std::string skipped;
+      vd->compare_seconds += since(tc);
+      const auto tf = clock::now();
       const std::string err = run_fast(*s, c, opt, fast, out, notes, skipped, use_mpi);
+      vd->fast_seconds = since(tf);
+      tc = clock::now();
       for (int r = 0; r < R; ++r)
         for (const auto& n : notes[size_t(r)]) vd->notes.push_back(n);
       if (!err.empty()) {
@@ -256,10 +264,14 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
             ch.note = "input '" + inputs_used[i] + "' was modified by the fast stage";
             rep.checks.push_back(ch);
           }
+      vd->compare_seconds += since(tc);
+      const auto tr = clock::now();
       Board refout;
       refout.ranks.resize(size_t(R));
       RefCtx rctx{c, fast, refout};
       s->ref(rctx);
+      vd->ref_seconds = since(tr);
+      tc = clock::now();
       Board merged = fast;  // this variant's outputs over its inputs
       for (int r = 0; r < R; ++r)
         for (auto& [n, t] : out.ranks[size_t(r)]) merged.ranks[size_t(r)][n] = t;
@@ -293,6 +305,7 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
                                             "reference"));
           }
       }
+      vd->compare_seconds += since(tc);
       ran.push_back({s, out});
     }
     if (ran.empty()) {
@@ -329,6 +342,16 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
     // the output's own class (bitwise for exact outputs).
     for (const auto& [s, out] : ran) {
       if (s == primary) continue;
+      const auto tx = std::chrono::steady_clock::now();
+      struct AddTime {  // the cross-variant comparisons count as this variant's comparison time
+        std::chrono::steady_clock::time_point t0;
+        double* to;
+        ~AddTime() { *to += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); }
+      };
+      double* cmp = nullptr;
+      for (auto& d : rep.decisions)
+        if (d.slot == s->slot && d.variant == s->variant) cmp = &d.compare_seconds;
+      AddTime add{tx, cmp};
       for (const OutputSpec& o : s->outputs)
         for (int r = 0; r < R; ++r) {
           if (o.from_fast) continue;
@@ -430,6 +453,7 @@ CaseReport run_case(const Case& c, const RunOptions& opt) {
       rep.checks.push_back(ch);
     }
   }
+  if (opt.progress) opt.progress("", "");
   if (opt.keep == RunOptions::Keep::fast_board) rep.fast = fast;
   for (const auto& ch : rep.checks) rep.outcome = worst(rep.outcome, ch.outcome);
   rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -2,6 +2,7 @@
 // same inputs, then the end-to-end chain; produces a CaseReport.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,9 @@ struct RunOptions {
   std::string dump_dir;  // empty: no dump
   enum class Keep { nothing, fast_board } keep = Keep::nothing;
   int collective_timeout_ms = 30000;  // local comm: a collective not joined by every rank fails after this
+  /// Called before each stage variant runs (slot, variant) and once with
+  /// ("", "") when the case ends: drives a progress line on a terminal.
+  std::function<void(const std::string& slot, const std::string& variant)> progress;
 };
 
 struct VariantDecision {
@@ -23,6 +27,10 @@ struct VariantDecision {
   bool ran = false, primary = false;
   std::string reason;               // why it did not run
   std::vector<std::string> notes;   // what it reported (fast path taken, ...)
+  /// Wall seconds of this variant, summed over ranks run one after another:
+  /// the fast function (all ranks, with their collectives), its reference
+  /// on the same inputs, and the comparisons (input checks included).
+  double fast_seconds = 0, ref_seconds = 0, compare_seconds = 0;
 };
 
 struct CaseReport {
