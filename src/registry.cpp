@@ -62,6 +62,11 @@ const std::vector<std::string>& slot_order() {
   return s;
 }
 
+const std::string& magnitude_slot() {
+  static const std::string s = "dispatch";  // routed_input, counts, token_sorted, score_sorted
+  return s;
+}
+
 const std::vector<Stage>& registry() {
   static const std::vector<Stage> reg = [] {
     std::vector<Stage> r;

@@ -82,6 +82,9 @@ struct OutputSpec {
 /// reference chain's board of that rank (its dispatch, scores, weights and
 /// combine init): what the end-to-end and EP-invariance checks scale by.
 Tensor combined_magnitude(const Case& c, const RankBoard& chain);
+/// The slot after which every input of combined_magnitude is on the chain
+/// board: the runner computes the end-to-end error scale there.
+const std::string& magnitude_slot();
 
 /// What a fast function sees for one rank.
 struct FastCtx {

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstring>
 #include <iomanip>
+#include <map>
 #include <set>
 #include <thread>
 
@@ -196,6 +197,36 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
     for (auto& [n, t] : fast.ranks[size_t(r)]) chain.ranks[size_t(r)][n] = t.clone();
   auto rank_tag = [&](int r) { return R > 1 ? "@" + std::to_string(r) : std::string(); };
 
+  // Streaming (DESIGN.md, "Scale and backends"). last_read[n]: the last slot
+  // (index into slot_order) whose applicable variants read tensor n. After
+  // that slot, n leaves both boards unless it is integer metadata (small,
+  // and it names mismatches in MoE coordinates) or the final output; so the
+  // boards hold a few stages' rows, not the whole pipeline's.
+  std::map<std::string, size_t> last_read;
+  for (size_t i = 0; i < slot_order().size(); ++i)
+    for (const Stage& s : registry())
+      if (s.slot == slot_order()[i] && s.applies(c).applies)
+        for (const auto& n : s.inputs(c)) last_read[n] = i;
+  const bool keep_fast = opt.keep == RunOptions::Keep::fast_board;
+  auto drop_dead = [&](Board& b, size_t slot_index) {
+    for (RankBoard& rb : b.ranks)
+      for (auto it = rb.begin(); it != rb.end();) {
+        const auto lr = last_read.find(it->first);
+        const bool metadata = it->second.type == ElemType::i32 || it->second.type == ElemType::i64;
+        const bool dead = !metadata && it->first != "out" && it->first != "out_magnitude" &&
+                          (lr == last_read.end() || lr->second <= slot_index);
+        it = dead ? rb.erase(it) : std::next(it);
+      }
+  };
+  // While every tensor of the chain equals the fast board's bit for bit, the
+  // chain's next step is the primary's reference on the same inputs, already
+  // computed for the stage check: it is reused, and an output that equals the
+  // fast one shares its storage. The first difference (a tolerance-class
+  // output, a wrong stage) ends the sharing: from there the chain runs its own
+  // reference steps.
+  bool chain_is_fast = true;
+  size_t slot_index = size_t(-1);
+
   Dumper dump;
   if (!opt.dump_dir.empty()) {
     dump.open(opt.dump_dir, c.name);
@@ -204,6 +235,7 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
   }
 
   for (const std::string& slot : slot_order()) {
+    ++slot_index;
     std::vector<const Stage*> runs;
     for (const Stage& s : registry()) {
       if (s.slot != slot) continue;
@@ -214,6 +246,7 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
     if (runs.empty()) continue;
     std::string adopt_reason;
     std::vector<std::pair<const Stage*, Board>> ran;
+    std::map<const Stage*, Board> refs;  // each variant's reference outputs, for the chain
     for (const Stage* s : runs) {
       VariantDecision* vd = nullptr;
       for (auto& d : rep.decisions)
@@ -307,6 +340,7 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
       }
       vd->compare_seconds += since(tc);
       ran.push_back({s, out});
+      if (s->primary(c) || ran.size() == 1) refs[s] = std::move(refout);
     }
     if (ran.empty()) {
       // Every variant failed or declined: later slots have no inputs. The
@@ -368,7 +402,18 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
       rep.notes.push_back(adopt_reason);
       for (int r = 0; r < R; ++r)
         for (auto& [n, t] : primary_out.ranks[size_t(r)]) chain.ranks[size_t(r)][n] = t.clone();
+    } else if (chain_is_fast && refs.count(primary)) {
+      for (int r = 0; r < R; ++r)
+        for (auto& [n, t] : refs[primary].ranks[size_t(r)]) {
+          const auto fi = fast.ranks[size_t(r)].find(n);
+          const bool same = fi != fast.ranks[size_t(r)].end() && fi->second.type == t.type &&
+                            fi->second.shape == t.shape &&
+                            (t.bytes() == 0 || std::memcmp(fi->second.data(), t.data(), t.bytes()) == 0);
+          chain.ranks[size_t(r)][n] = same ? fi->second : t;
+          chain_is_fast = chain_is_fast && same;
+        }
     } else {
+      chain_is_fast = false;
       Board next;
       next.ranks.resize(size_t(R));
       RefCtx rc{c, chain, next};
@@ -376,14 +421,24 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
       for (int r = 0; r < R; ++r)
         for (auto& [n, t] : next.ranks[size_t(r)]) chain.ranks[size_t(r)][n] = t;
     }
+    if (!adopt_reason.empty()) chain_is_fast = false;
+    refs.clear();
+    ran.clear();
+    primary_out = Board{};
+    // The end-to-end error scale reads the chain's routed rows: computed as
+    // soon as the chain has them, so they need not live to the end.
+    if (slot == magnitude_slot())
+      for (int r = 0; r < R; ++r) chain.ranks[size_t(r)]["out_magnitude"] = combined_magnitude(c, chain.ranks[size_t(r)]);
+    drop_dead(chain, slot_index);
+    if (!keep_fast) drop_dead(fast, slot_index);
   }
   // End to end: the fast pipeline's output against the reference chain's,
   // with the error scale of the chain's combine (it also scales the EP
   // invariance check, so it stays on the fast board as out_magnitude).
   const OutputSpec oe{"out", CompareClass::end_to_end, Coords::token_col, promise_combined, nullptr};
   for (int r = 0; r < R; ++r) {
-    const bool hf = fast.has("out", r), hc = chain.has("out", r);
-    if (hc) fast.ranks[size_t(r)]["out_magnitude"] = combined_magnitude(c, chain.ranks[size_t(r)]);
+    const bool hf = fast.has("out", r), hc = chain.has("out", r) && chain.has("out_magnitude", r);
+    if (hc) fast.ranks[size_t(r)]["out_magnitude"] = chain.at("out_magnitude", r);
     rep.checks.push_back(make_check(c, "end_to_end", "pipeline", oe, hf ? &fast.at("out", r) : nullptr, hc ? &chain.at("out", r) : nullptr,
                                     fast.ranks[size_t(r)], r, R, "reference chain",
                                     hc ? &fast.at("out_magnitude", r) : nullptr));
