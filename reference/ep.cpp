@@ -9,10 +9,14 @@ using std::size_t;
 
 namespace ref {
 
-EpDispatch ep_dispatch(Act act, ScoreApply apply, const std::vector<Vec>& x, const std::vector<Ids>& ids,
-                       const std::vector<Vec>& topk_scores, int64_t D, int K, int E, int R,
-                       ScoreMultiply smul) {
+namespace {
+void put_row(Bytes& out, const uint8_t* row, size_t n) { out.insert(out.end(), row, row + n); }
+}  // namespace
+
+EpDispatch ep_dispatch(Act act, ScoreApply apply, const std::vector<RowsRef>& x, const std::vector<Ids>& ids,
+                       const std::vector<Vec>& topk_scores, int K, int E, int R, ScoreMultiply smul) {
   const int E_l = E / R;
+  const size_t eb = act_bytes(act);
   EpDispatch d;
   d.recv.assign(size_t(R), {});
   d.recv_counts.assign(size_t(R), Counts(size_t(R) * size_t(E_l), 0));
@@ -21,14 +25,21 @@ EpDispatch ep_dispatch(Act act, ScoreApply apply, const std::vector<Vec>& x, con
       for (int j = 0; j < E_l; ++j) {
         const int e = q * E_l + j;
         const int64_t T = int64_t(ids[size_t(p)].size()) / K;
+        const size_t rb = x[size_t(p)].row_bytes;
         for (int64_t t = 0; t < T; ++t)
           for (int k = 0; k < K; ++k) {
             if (ids[size_t(p)][size_t(t * K + k)] != e) continue;
-            const float s0 = topk_scores[size_t(p)][size_t(t * K + k)];
-            const float s = smul == ScoreMultiply::act ? round_act(act, s0) : s0;
-            for (int64_t c = 0; c < D; ++c) {
-              const float v = x[size_t(p)][size_t(t * D + c)];
-              d.recv[size_t(q)].push_back(apply == ScoreApply::before_experts ? round_act(act, f32(double(v) * s)) : v);
+            const uint8_t* row = x[size_t(p)].row(t);
+            Bytes& out = d.recv[size_t(q)];
+            if (apply == ScoreApply::after_experts) {
+              put_row(out, row, rb);
+            } else {
+              const float s0 = topk_scores[size_t(p)][size_t(t * K + k)];
+              const float s = smul == ScoreMultiply::act ? round_act(act, s0) : s0;
+              const size_t at = out.size();
+              out.resize(at + rb);
+              for (size_t c = 0; c < rb / eb; ++c)
+                encode_act(act, round_act(act, f32(double(decode_act(act, row + c * eb)) * s)), &out[at + c * eb]);
             }
             ++d.recv_counts[size_t(q)][size_t(p * E_l + j)];
           }
@@ -55,68 +66,69 @@ int64_t expert_major_start(const Counts& c, int p, int j, int R, int E_l) {
 }
 }  // namespace
 
-Vec permute_to_expert_major(const Vec& recv, const Counts& c, int R, int E_l, int64_t D) {
-  Vec out;
-  out.reserve(recv.size());
+Bytes permute_to_expert_major(RowsRef recv, const Counts& c, int R, int E_l) {
+  Bytes out;
+  out.reserve(size_t(recv.rows) * recv.row_bytes);
   for (int j = 0; j < E_l; ++j)
     for (int p = 0; p < R; ++p) {
       const int64_t s = rank_major_start(c, p, j, E_l);
-      for (int64_t i = 0; i < c[size_t(p * E_l + j)] * D; ++i) out.push_back(recv[size_t(s * D + i)]);
+      for (int64_t i = 0; i < c[size_t(p * E_l + j)]; ++i) put_row(out, recv.row(s + i), recv.row_bytes);
     }
   return out;
 }
 
-Vec permute_to_rank_major(const Vec& rows, const Counts& c, int R, int E_l, int64_t D) {
-  Vec out;
-  out.reserve(rows.size());
+Bytes permute_to_rank_major(RowsRef rows, const Counts& c, int R, int E_l) {
+  Bytes out;
+  out.reserve(size_t(rows.rows) * rows.row_bytes);
   for (int p = 0; p < R; ++p)
     for (int j = 0; j < E_l; ++j) {
       const int64_t s = expert_major_start(c, p, j, R, E_l);
-      for (int64_t i = 0; i < c[size_t(p * E_l + j)] * D; ++i) out.push_back(rows[size_t(s * D + i)]);
+      for (int64_t i = 0; i < c[size_t(p * E_l + j)]; ++i) put_row(out, rows.row(s + i), rows.row_bytes);
     }
   return out;
 }
 
-Vec pad_groups(const Vec& rows, const Counts& counts, int64_t A, bool empty_align, int64_t D, Counts& sizes) {
-  Vec out;
+Bytes pad_groups(RowsRef rows, const Counts& counts, int64_t A, bool empty_align, Counts& sizes) {
+  Bytes out;
   sizes.clear();
+  const size_t rb = rows.row_bytes;
   int64_t src = 0, M = 0;
   for (int64_t n : counts) {
     int64_t m = n;
     if (n == 0 && empty_align) m = A;
     while (m % A) ++m;
     sizes.push_back(m);
-    for (int64_t i = 0; i < n * D; ++i) out.push_back(rows[size_t(src * D + i)]);
-    for (int64_t i = 0; i < (m - n) * D; ++i) out.push_back(0.f);
+    for (int64_t i = 0; i < n; ++i) put_row(out, rows.row(src + i), rb);
+    out.resize(out.size() + size_t(m - n) * rb, 0);
     src += n;
     M += n;
   }
   if (empty_align) {
     int64_t len = M + int64_t(counts.size()) * A;
     while (len % A) ++len;
-    while (int64_t(out.size()) < len * D) out.push_back(0.f);
+    out.resize(size_t(len) * rb, 0);
   }
   return out;
 }
 
-Vec unpad_groups(const Vec& rows, const Counts& counts, const Counts& sizes, int64_t D) {
-  Vec out;
+Bytes unpad_groups(RowsRef rows, const Counts& counts, const Counts& sizes) {
+  Bytes out;
   int64_t start = 0;
   for (size_t j = 0; j < counts.size(); ++j) {
-    for (int64_t i = 0; i < counts[j] * D; ++i) out.push_back(rows[size_t(start * D + i)]);
+    for (int64_t i = 0; i < counts[j]; ++i) put_row(out, rows.row(start + i), rows.row_bytes);
     start += sizes[j];
   }
   return out;
 }
 
-std::vector<Vec> ep_return(const std::vector<Vec>& recv_out, const std::vector<Counts>& rc, int R, int E_l, int64_t D) {
-  std::vector<Vec> back(static_cast<size_t>(R));
+std::vector<Bytes> ep_return(const std::vector<RowsRef>& recv_out, const std::vector<Counts>& rc, int R, int E_l) {
+  std::vector<Bytes> back(static_cast<size_t>(R));
   for (int p = 0; p < R; ++p)
     for (int q = 0; q < R; ++q) {
       const int64_t s = rank_major_start(rc[size_t(q)], p, 0, E_l);
       int64_t n = 0;
       for (int j = 0; j < E_l; ++j) n += rc[size_t(q)][size_t(p * E_l + j)];
-      for (int64_t i = 0; i < n * D; ++i) back[size_t(p)].push_back(recv_out[size_t(q)][size_t(s * D + i)]);
+      for (int64_t i = 0; i < n; ++i) put_row(back[size_t(p)], recv_out[size_t(q)].row(s + i), recv_out[size_t(q)].row_bytes);
     }
   return back;
 }

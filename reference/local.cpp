@@ -7,11 +7,12 @@
 
 namespace ref {
 
-LocalDispatch local_dispatch(Act act, ScoreApply apply, const Vec& x, const Ids& ids,
+LocalDispatch local_dispatch(Act act, ScoreApply apply, RowsRef x, const Ids& ids,
                              const Vec& topk_scores, int64_t T, int64_t D, int K, int E, ScoreMultiply smul) {
   LocalDispatch d;
   d.counts.assign(size_t(E), 0);
   d.row_of.assign(size_t(T * K), -1);
+  const size_t eb = act_bytes(act);
   for (int e = 0; e < E; ++e)
     for (int64_t t = 0; t < T; ++t)
       for (int k = 0; k < K; ++k) {
@@ -22,10 +23,13 @@ LocalDispatch local_dispatch(Act act, ScoreApply apply, const Vec& x, const Ids&
         d.row_of[size_t(a)] = int32_t(d.token_sorted.size());
         d.token_sorted.push_back(int32_t(t));
         d.score_sorted.push_back(s);
-        for (int64_t c = 0; c < D; ++c) {
-          const float v = x[size_t(t * D + c)];
-          d.routed.push_back(apply == ScoreApply::before_experts ? round_act(act, f32(double(v) * sm)) : v);
-        }
+        const uint8_t* row = x.row(t);
+        const size_t at = d.routed.size();
+        d.routed.insert(d.routed.end(), row, row + x.row_bytes);  // the row as it is, or:
+        if (apply == ScoreApply::before_experts)
+          for (int64_t c = 0; c < D; ++c)
+            encode_act(act, round_act(act, f32(double(decode_act(act, row + size_t(c) * eb)) * sm)),
+                       &d.routed[at + size_t(c) * eb]);
         ++d.counts[size_t(e)];
       }
   return d;
@@ -215,14 +219,14 @@ Vec combine_magnitude(const CombineSpec& s, const Vec& rows_magnitude, const Ids
   return out;
 }
 
-Vec combine(const CombineSpec& s, const Vec& routed_out, const Ids& token_sorted,
+Vec combine(const CombineSpec& s, RowsRef routed_out, const Ids& token_sorted,
             const Vec& score_sorted, const Vec& init, const Vec& shared, int64_t T, int64_t D) {
   Vec out = init;
   Vec wide = init;  // fp32 accumulators for Accumulate::fp32_accumulate
   for (size_t i = 0; i < token_sorted.size(); ++i) {
     const int64_t t = token_sorted[i];
     for (int64_t c = 0; c < D; ++c) {
-      float y = routed_out[i * size_t(D) + size_t(c)];
+      float y = decode_act(s.act, routed_out.row(int64_t(i)) + size_t(c) * act_bytes(s.act));
       const float sc = s.smul == ScoreMultiply::act ? round_act(s.act, score_sorted[i]) : score_sorted[i];
       if (s.apply == ScoreApply::after_experts) y = round_act(s.act, f32(double(y) * sc));
       float& o = out[size_t(t * D + c)];

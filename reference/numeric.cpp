@@ -1,6 +1,7 @@
 // Rounding to the activation type, written as arithmetic on the value (scale to
 // an integer quantum, nearbyint, scale back) rather than on bit patterns.
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "reference.h"
@@ -19,6 +20,58 @@ float round_act(Act act, float v) {
   const double r = std::ldexp(std::nearbyint(std::ldexp(static_cast<double>(v), -q)), q);
   if (std::fabs(r) > max_finite) return std::copysign(std::numeric_limits<float>::infinity(), v);
   return static_cast<float>(r);
+}
+
+size_t act_bytes(Act act) { return act == Act::fp32 ? 4 : 2; }
+
+float decode_act(Act act, const uint8_t* p) {
+  if (act == Act::fp32) {
+    float f;
+    std::memcpy(&f, p, 4);
+    return f;
+  }
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  if (act == Act::bf16) {
+    const uint32_t u = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  // fp16: sign, 5 exponent bits (bias 15), 10 fraction bits
+  const int ex = (h >> 10) & 31, fr = h & 1023;
+  const double m = ex == 0    ? std::ldexp(double(fr), -24)
+                   : ex == 31 ? (fr ? std::numeric_limits<double>::quiet_NaN() : std::numeric_limits<double>::infinity())
+                              : std::ldexp(double(1024 + fr), ex - 25);
+  return float(h >> 15 ? -m : m);
+}
+
+void encode_act(Act act, float v, uint8_t* p) {
+  if (act == Act::fp32) {
+    std::memcpy(p, &v, 4);
+    return;
+  }
+  uint16_t h = 0;
+  if (act == Act::bf16) {
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    h = std::isnan(v) ? uint16_t(0x7FC0 | ((u >> 16) & 0x8000)) : uint16_t(u >> 16);  // exact: v is a bf16 value
+  } else {
+    const uint16_t sign = std::signbit(v) ? 0x8000 : 0;
+    const double a = std::fabs(double(v));
+    if (std::isnan(v)) {
+      h = 0x7E00;
+    } else if (std::isinf(v)) {
+      h = uint16_t(sign | 0x7C00);
+    } else if (a < std::ldexp(1.0, -14)) {  // subnormal or zero: a = fr * 2^-24
+      h = uint16_t(sign | uint16_t(std::ldexp(a, 24)));
+    } else {
+      int e = 0;
+      const double m = std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1) = (1 + fr/1024) * 2^(e-1)
+      h = uint16_t(sign | uint16_t((e - 1 + 15) << 10) | uint16_t(std::ldexp(m, 11) - 1024));
+    }
+  }
+  std::memcpy(p, &h, 2);
 }
 
 }  // namespace ref

@@ -5,6 +5,7 @@
 // exact in fp32), so an exact comparison is a comparison of floats.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -22,6 +23,25 @@ inline float f32(double v) { return static_cast<float>(v); }
 using Vec = std::vector<float>;
 using Ids = std::vector<int32_t>;
 using Counts = std::vector<int64_t>;
+
+/// Rows of activations kept as the bytes of their type (4 per element for
+/// fp32, 2 for bf16 and fp16). Data movement (dispatch, all-to-all, permute,
+/// padding) copies rows without converting them, so the reference of a bf16
+/// path holds bf16 bytes, not floats: half the memory, and the copy is the
+/// whole cost. Values are decoded only where the contract computes.
+using Bytes = std::vector<uint8_t>;
+struct RowsRef {
+  const uint8_t* data = nullptr;
+  int64_t rows = 0;
+  size_t row_bytes = 0;
+  const uint8_t* row(int64_t i) const { return data + size_t(i) * row_bytes; }
+};
+size_t act_bytes(Act act);
+/// The value of one element of type `act` stored at p (IEEE layouts, host
+/// byte order; bf16 is the upper half of an fp32).
+float decode_act(Act act, const uint8_t* p);
+/// Stores v, which must be representable in `act` (round_act first), at p.
+void encode_act(Act act, float v, uint8_t* p);
 
 enum class Score { softmax, sigmoid };
 enum class Selection { topk, force_load_balance };
@@ -80,7 +100,7 @@ Vec topk_scores_for(const RouterSpec& spec, const Vec& scores, const Ids& ids, i
 enum class ScoreApply { after_experts, before_experts };
 
 struct LocalDispatch {
-  Vec routed;          // (N, D): expert-major, ascending token inside an expert
+  Bytes routed;        // (N, D) in act: expert-major, ascending token inside an expert
   Ids token_sorted;    // (N)
   Vec score_sorted;    // (N)
   Ids row_of;          // (T*K): dispatch row of assignment a = t*K + k
@@ -89,7 +109,7 @@ struct LocalDispatch {
 
 /// CONTRACT §2 dispatch: for each expert e ascending, each token t ascending,
 /// each k with ids[t,k] == e, emit one row.
-LocalDispatch local_dispatch(Act act, ScoreApply apply, const Vec& x, const Ids& ids,
+LocalDispatch local_dispatch(Act act, ScoreApply apply, RowsRef x, const Ids& ids,
                              const Vec& topk_scores, int64_t T, int64_t D, int K, int E,
                              ScoreMultiply smul = ScoreMultiply::fp32);
 
@@ -150,7 +170,7 @@ struct CombineSpec {
 /// CONTRACT §2 combine: out = init; for i = 0..N-1 ascending,
 /// out[token_sorted[i]] (+)= round(routed_out[i] * score_sorted[i]); then
 /// out += shared (one rounding) when shared_add == add_after.
-Vec combine(const CombineSpec& spec, const Vec& routed_out, const Ids& token_sorted,
+Vec combine(const CombineSpec& spec, RowsRef routed_out, const Ids& token_sorted,
             const Vec& score_sorted, const Vec& init, const Vec& shared, int64_t T, int64_t D);
 
 /// Error scale of combine's output given the error scales of its inputs:
@@ -171,30 +191,30 @@ namespace ref {
 /// before_experts). Returns per rank q the rank-major rows; recv_counts[q] is
 /// (R, E_l): recv_counts[q][p*E_l + j].
 struct EpDispatch {
-  std::vector<Vec> recv;
+  std::vector<Bytes> recv;  // per rank q: (rows, D) in act, rank-major
   std::vector<Counts> recv_counts;
 };
-EpDispatch ep_dispatch(Act act, ScoreApply apply, const std::vector<Vec>& x, const std::vector<Ids>& ids,
-                       const std::vector<Vec>& topk_scores, int64_t D, int K, int E, int R,
+EpDispatch ep_dispatch(Act act, ScoreApply apply, const std::vector<RowsRef>& x, const std::vector<Ids>& ids,
+                       const std::vector<Vec>& topk_scores, int K, int E, int R,
                        ScoreMultiply smul = ScoreMultiply::fp32);
 
 /// Rank-major (p, j) rows -> expert-major (j, p) rows of one rank.
-Vec permute_to_expert_major(const Vec& recv, const Counts& recv_counts, int R, int E_l, int64_t D);
+Bytes permute_to_expert_major(RowsRef recv, const Counts& recv_counts, int R, int E_l);
 /// The inverse: expert-major (j, p) -> rank-major (p, j).
-Vec permute_to_rank_major(const Vec& rows, const Counts& recv_counts, int R, int E_l, int64_t D);
+Bytes permute_to_rank_major(RowsRef rows, const Counts& recv_counts, int R, int E_l);
 
 /// Alignment padding (CONTRACT §4) of expert-major rows with group sizes
 /// `counts`: each group's rows, then zero rows up to round_up(count, A) (an
 /// empty group gets A rows when empty_align); under empty_align the buffer is
 /// round_up(M + E_l*A, A) rows with a zero tail. Returns the rows and writes
-/// the padded group sizes.
-Vec pad_groups(const Vec& rows, const Counts& counts, int64_t A, bool empty_align, int64_t D, Counts& padded_sizes);
+/// the padded group sizes. (Zero bytes are +0 in every activation type.)
+Bytes pad_groups(RowsRef rows, const Counts& counts, int64_t A, bool empty_align, Counts& padded_sizes);
 /// Keeps the first counts[j] rows of each padded group.
-Vec unpad_groups(const Vec& rows, const Counts& counts, const Counts& padded_sizes, int64_t D);
+Bytes unpad_groups(RowsRef rows, const Counts& counts, const Counts& padded_sizes);
 
 /// Reverse all-to-all (CONTRACT §3.5): rank p gets back, for each q ascending,
 /// the rows q received from p, in the order p sent them.
-std::vector<Vec> ep_return(const std::vector<Vec>& recv_out, const std::vector<Counts>& recv_counts, int R, int E_l,
-                           int64_t D);
+std::vector<Bytes> ep_return(const std::vector<RowsRef>& recv_out, const std::vector<Counts>& recv_counts, int R,
+                             int E_l);
 
 }  // namespace ref

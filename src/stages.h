@@ -14,6 +14,11 @@ ref::Act ref_act(DType d);
 ref::Ids ref_ids(const Tensor& t);
 ref::Counts ref_counts(const Tensor& t);
 Tensor ids_tensor(const ref::Ids& v, ElemType t, std::vector<int64_t> shape);
+/// A (rows, D) activation tensor as the reference reads it: its bytes, in place.
+ref::RowsRef rows_of(const Tensor& t);
+/// The reference's rows as a (rows, cols) tensor of type t, taking over the
+/// bytes (no copy).
+Tensor rows_tensor(ref::Bytes&& b, ElemType t, int64_t cols);
 RouterConfig router_config(const Case& c);
 /// The reference router's spec for the case (CONTRACT §1).
 ref::RouterSpec ref_router_spec(const Case& c);

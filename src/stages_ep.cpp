@@ -330,15 +330,21 @@ std::vector<ref::Vec> floats_of(const Board& b, const std::string& n) {
   return v;
 }
 
+std::vector<ref::RowsRef> rows_of_ranks(const Board& b, const std::string& n) {
+  std::vector<ref::RowsRef> v;
+  for (size_t q = 0; q < b.ranks.size(); ++q) v.push_back(rows_of(b.at(n, int(q))));
+  return v;
+}
+
 void ref_a2a_dispatch(RefCtx& r) {
   const Case& c = r.c;
   const int R = int(r.in.ranks.size()), E_l = c.num_experts / R;
   std::vector<ref::Ids> ids;
   for (int q = 0; q < R; ++q) ids.push_back(ref_ids(r.in.at("ids", q)));
-  const ref::EpDispatch d = ref::ep_dispatch(
+  ref::EpDispatch d = ref::ep_dispatch(
       ref_act(c.dtype),
       c.score_before_experts == Switch::on ? ref::ScoreApply::before_experts : ref::ScoreApply::after_experts,
-      floats_of(r.in, "x"), ids, floats_of(r.in, "topk_scores"), c.hidden, c.top_k, c.num_experts, R,
+      rows_of_ranks(r.in, "x"), ids, floats_of(r.in, "topk_scores"), c.top_k, c.num_experts, R,
       c.score_multiply == k::ScoreMultiply::act ? ref::ScoreMultiply::act : ref::ScoreMultiply::fp32);
   int64_t mx = 0, total = 0;
   for (int q = 0; q < R; ++q) {
@@ -356,7 +362,7 @@ void ref_a2a_dispatch(RefCtx& r) {
     out["input_splits"] = from_ints(in_splits, ElemType::i64, {R});
     out["output_splits"] = from_ints(out_splits, ElemType::i64, {R});
     out["recv_counts"] = from_ints(d.recv_counts[size_t(q)], ElemType::i64, {int64_t(R) * E_l});
-    out["recv"] = from_floats(d.recv[size_t(q)], act_elem(c.dtype), {M, c.hidden});
+    out["recv"] = rows_tensor(std::move(d.recv[size_t(q)]), act_elem(c.dtype), c.hidden);
   }
   for (int q = 0; q < R; ++q) r.out.ranks[size_t(q)]["overload"] = from_ints({mx, total}, ElemType::i64, {2});
 }
@@ -368,7 +374,7 @@ void ref_permute(RefCtx& r) {
     const ref::Counts rc = ref_counts(r.in.at("recv_counts", q));
     const Tensor& recv = r.in.at("recv", q);
     r.out.ranks[size_t(q)]["permuted"] =
-        from_floats(ref::permute_to_expert_major(to_floats(recv), rc, R, E_l, c.hidden), recv.type, recv.shape);
+        rows_tensor(ref::permute_to_expert_major(rows_of(recv), rc, R, E_l), recv.type, c.hidden);
     std::vector<int64_t> n(size_t(E_l), 0);
     for (int p = 0; p < R; ++p)
       for (int j = 0; j < E_l; ++j) n[size_t(j)] += rc[size_t(p * E_l + j)];
@@ -381,9 +387,9 @@ void ref_unpermute(RefCtx& r) {
   const int R = int(r.in.ranks.size()), E_l = c.num_experts / R;
   for (int q = 0; q < R; ++q) {
     const Tensor& in = r.in.at("unpadded", q);
-    r.out.ranks[size_t(q)]["recv_out"] = from_floats(
-        ref::permute_to_rank_major(to_floats(in), ref_counts(r.in.at("recv_counts", q)), R, E_l, c.hidden), in.type,
-        in.shape);
+    r.out.ranks[size_t(q)]["recv_out"] =
+        rows_tensor(ref::permute_to_rank_major(rows_of(in), ref_counts(r.in.at("recv_counts", q)), R, E_l), in.type,
+                    c.hidden);
   }
 }
 
@@ -392,9 +398,10 @@ void ref_pad(RefCtx& r) {
   for (size_t q = 0; q < r.in.ranks.size(); ++q) {
     const Tensor& in = r.in.at("permuted", int(q));
     ref::Counts sizes;
-    const ref::Vec v = ref::pad_groups(to_floats(in), ref_counts(r.in.at("expert_counts_real", int(q))), c.align,
-                                       c.empty_groups == EmptyGroups::pad, c.hidden, sizes);
-    r.out.ranks[q]["expert_input"] = from_floats(v, in.type, {int64_t(v.size()) / c.hidden, c.hidden});
+    r.out.ranks[q]["expert_input"] =
+        rows_tensor(ref::pad_groups(rows_of(in), ref_counts(r.in.at("expert_counts_real", int(q))), c.align,
+                                    c.empty_groups == EmptyGroups::pad, sizes),
+                    in.type, c.hidden);
     r.out.ranks[q]["expert_counts"] = from_ints(sizes, ElemType::i64, {int64_t(sizes.size())});
   }
 }
@@ -403,9 +410,10 @@ void ref_unpad(RefCtx& r) {
   const Case& c = r.c;
   for (size_t q = 0; q < r.in.ranks.size(); ++q) {
     const Tensor& in = r.in.at("expert_output", int(q));
-    const ref::Vec v = ref::unpad_groups(to_floats(in), ref_counts(r.in.at("expert_counts_real", int(q))),
-                                         ref_counts(r.in.at("expert_counts", int(q))), c.hidden);
-    r.out.ranks[q]["unpadded"] = from_floats(v, in.type, {int64_t(v.size()) / c.hidden, c.hidden});
+    r.out.ranks[q]["unpadded"] =
+        rows_tensor(ref::unpad_groups(rows_of(in), ref_counts(r.in.at("expert_counts_real", int(q))),
+                                      ref_counts(r.in.at("expert_counts", int(q)))),
+                    in.type, c.hidden);
   }
 }
 
@@ -414,10 +422,9 @@ void ref_a2a_return(RefCtx& r) {
   const int R = int(r.in.ranks.size()), E_l = c.num_experts / R;
   std::vector<ref::Counts> rc;
   for (int q = 0; q < R; ++q) rc.push_back(ref_counts(r.in.at("recv_counts", q)));
-  const std::vector<ref::Vec> back = ref::ep_return(floats_of(r.in, "recv_out"), rc, R, E_l, c.hidden);
+  std::vector<ref::Bytes> back = ref::ep_return(rows_of_ranks(r.in, "recv_out"), rc, R, E_l);
   for (int p = 0; p < R; ++p)
-    r.out.ranks[size_t(p)]["routed_output"] =
-        from_floats(back[size_t(p)], act_elem(c.dtype), {int64_t(back[size_t(p)].size()) / c.hidden, c.hidden});
+    r.out.ranks[size_t(p)]["routed_output"] = rows_tensor(std::move(back[size_t(p)]), act_elem(c.dtype), c.hidden);
 }
 
 Stage make(const std::string& slot, const std::string& variant, const std::string& summary,

@@ -22,6 +22,22 @@ ref::Ids ref_ids(const Tensor& t) {
 
 ref::Counts ref_counts(const Tensor& t) { return to_ints(t); }
 
+ref::RowsRef rows_of(const Tensor& t) {
+  const int64_t rows = t.shape.empty() ? 0 : t.shape[0];
+  size_t row_bytes = elem_bytes(t.type);  // from the shape: a tensor with no rows still has a row size
+  for (size_t i = 1; i < t.shape.size(); ++i) row_bytes *= size_t(t.shape[i]);
+  return {static_cast<const uint8_t*>(t.data()), rows, row_bytes};
+}
+
+Tensor rows_tensor(ref::Bytes&& b, ElemType t, int64_t cols) {
+  Tensor o;
+  o.type = t;
+  const size_t row_bytes = size_t(cols) * elem_bytes(t);
+  o.shape = {int64_t(b.size() / row_bytes), cols};
+  o.storage = std::make_shared<std::vector<uint8_t>>(std::move(b));
+  return o;
+}
+
 Tensor ids_tensor(const ref::Ids& v, ElemType t, std::vector<int64_t> shape) {
   return from_ints(std::vector<int64_t>(v.begin(), v.end()), t, std::move(shape));
 }
@@ -136,7 +152,7 @@ void ref_combine(RefCtx& r) {
     const bool add_after = c.shared.kind != SharedKind::none && c.shared.order == SharedOrder::add_after;
     const ref::Vec shared = add_after ? to_floats(in.at("shared_out")) : ref::Vec{};
     r.out.ranks[q]["out"] = from_floats(
-        ref::combine(combine_spec(c), to_floats(in.at("routed_output")), ref_ids(in.at("token_sorted")),
+        ref::combine(combine_spec(c), rows_of(in.at("routed_output")), ref_ids(in.at("token_sorted")),
                      to_floats(in.at("score_sorted")), combine_init(c, in), shared, x.shape[0], c.hidden),
         x.type, x.shape);
   }
@@ -467,13 +483,13 @@ void register_local_stages(std::vector<Stage>& reg) {
         const RankBoard& in = r.in.ranks[q];
         const Tensor& x = in.at("x");
         const int64_t T = x.shape[0], N = T * c.top_k;
-        const ref::LocalDispatch d = ref::local_dispatch(
+        ref::LocalDispatch d = ref::local_dispatch(
             ref_act(c.dtype),
             c.score_before_experts == Switch::on ? ref::ScoreApply::before_experts : ref::ScoreApply::after_experts,
-            to_floats(x), ref_ids(in.at("ids")), to_floats(in.at("topk_scores")), T, c.hidden, c.top_k, c.num_experts,
+            rows_of(x), ref_ids(in.at("ids")), to_floats(in.at("topk_scores")), T, c.hidden, c.top_k, c.num_experts,
             ref_smul(c));
         RankBoard& out = r.out.ranks[q];
-        out["routed_input"] = from_floats(d.routed, x.type, {N, c.hidden});
+        out["routed_input"] = rows_tensor(std::move(d.routed), x.type, c.hidden);
         out["token_sorted"] = ids_tensor(d.token_sorted, ElemType::i32, {N});
         out["score_sorted"] = from_floats(d.score_sorted, ElemType::f32, {N});
         out["row_of"] = ids_tensor(d.row_of, ElemType::i32, {T, c.top_k});
