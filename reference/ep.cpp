@@ -20,6 +20,12 @@ EpDispatch ep_dispatch(Act act, ScoreApply apply, const std::vector<RowsRef>& x,
   EpDispatch d;
   d.recv.assign(size_t(R), {});
   d.recv_counts.assign(size_t(R), Counts(size_t(R) * size_t(E_l), 0));
+  for (int q = 0; q < R; ++q) {  // rows rank q receives: one per assignment to its experts
+    size_t rows = 0;
+    for (int p = 0; p < R; ++p)
+      for (int32_t e : ids[size_t(p)]) rows += e / E_l == q;
+    d.recv[size_t(q)].reserve(rows * (x.empty() ? 0 : x[0].row_bytes));
+  }
   for (int q = 0; q < R; ++q)
     for (int p = 0; p < R; ++p)
       for (int j = 0; j < E_l; ++j) {
@@ -90,6 +96,7 @@ Bytes permute_to_rank_major(RowsRef rows, const Counts& c, int R, int E_l) {
 
 Bytes pad_groups(RowsRef rows, const Counts& counts, int64_t A, bool empty_align, Counts& sizes) {
   Bytes out;
+  out.reserve(size_t(rows.rows + int64_t(counts.size() + 1) * A) * rows.row_bytes);  // at most A rows per group, and the tail
   sizes.clear();
   const size_t rb = rows.row_bytes;
   int64_t src = 0, M = 0;
@@ -113,6 +120,9 @@ Bytes pad_groups(RowsRef rows, const Counts& counts, int64_t A, bool empty_align
 
 Bytes unpad_groups(RowsRef rows, const Counts& counts, const Counts& sizes) {
   Bytes out;
+  int64_t n = 0;
+  for (int64_t v : counts) n += v;
+  out.reserve(size_t(n) * rows.row_bytes);
   int64_t start = 0;
   for (size_t j = 0; j < counts.size(); ++j) {
     for (int64_t i = 0; i < counts[j]; ++i) put_row(out, rows.row(start + i), rows.row_bytes);
@@ -123,6 +133,12 @@ Bytes unpad_groups(RowsRef rows, const Counts& counts, const Counts& sizes) {
 
 std::vector<Bytes> ep_return(const std::vector<RowsRef>& recv_out, const std::vector<Counts>& rc, int R, int E_l) {
   std::vector<Bytes> back(static_cast<size_t>(R));
+  for (int p = 0; p < R; ++p) {
+    int64_t n = 0;
+    for (int q = 0; q < R; ++q)
+      for (int j = 0; j < E_l; ++j) n += rc[size_t(q)][size_t(p * E_l + j)];
+    back[size_t(p)].reserve(size_t(n) * (recv_out.empty() ? 0 : recv_out[0].row_bytes));
+  }
   for (int p = 0; p < R; ++p)
     for (int q = 0; q < R; ++q) {
       const int64_t s = rank_major_start(rc[size_t(q)], p, 0, E_l);

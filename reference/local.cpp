@@ -13,6 +13,7 @@ LocalDispatch local_dispatch(Act act, ScoreApply apply, RowsRef x, const Ids& id
   d.counts.assign(size_t(E), 0);
   d.row_of.assign(size_t(T * K), -1);
   const size_t eb = act_bytes(act);
+  d.routed.reserve(ids.size() * x.row_bytes);
   for (int e = 0; e < E; ++e)
     for (int64_t t = 0; t < T; ++t)
       for (int k = 0; k < K; ++k) {
