@@ -27,6 +27,12 @@ const std::vector<FaultInfo>& fault_table() {
        "SwiGLU rounds silu(h1) to the activation dtype before the product, where the contract fuses it (CONTRACT §8, §14)"},
       {Fault::direct_route_score_before, "direct_route_score_before",
        "direct equal-split route from x taken under score_before_experts: unscaled rows are sent (FRAMEWORKS §6.3)"},
+      {Fault::sp_b1_index, "sp_b1_index",
+       "SP shard and combine use the B = 1 index t + nlt*s with B > 1 (FRAMEWORKS §10.3, before torchtitan #3604)"},
+      {Fault::sp_even_combine, "sp_even_combine",
+       "SP combine offsets rank s by its own row count, as if tokens were evenly sharded (torchtitan #3577)"},
+      {Fault::sp_tail_pad_score, "sp_tail_pad_score",
+       "tail SP pad rows are routed to expert 0 with the router's score, not 0 (FRAMEWORKS §10.2, torchtitan #3193)"},
   };
   return t;
 }

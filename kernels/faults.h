@@ -27,6 +27,9 @@ enum class Fault : uint32_t {
   group_tie_higher = 1u << 13,    // §1.2 step 4: equal group scores keep the higher group
   silu_rounded = 1u << 14,        // §8.2: silu(h1) rounded to the activation dtype before the product
   direct_route_score_before = 1u << 15,  // §6.3: direct route from x taken under score_before_experts
+  sp_b1_index = 1u << 16,         // §10.3: the B = 1 SP index t + nlt*s used with B > 1 (pre-#3604)
+  sp_even_combine = 1u << 17,     // §10.3, #3577: SP combine takes the local row count for nlt (evenly sharded)
+  sp_tail_pad_score = 1u << 18,   // §10.2: tail pad rows keep the router's score instead of 0
 };
 
 struct FaultSet {

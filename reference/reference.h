@@ -217,4 +217,33 @@ Bytes unpad_groups(RowsRef rows, const Counts& counts, const Counts& padded_size
 std::vector<Bytes> ep_return(const std::vector<RowsRef>& recv_out, const std::vector<Counts>& recv_counts, int R,
                              int E_l);
 
+// ---- sequence parallel (CONTRACT §10; reference/sp.cpp) ----------------------
+
+enum class SpPadding { virtual_, tail };
+
+/// Which token each SP rank holds, found by walking the sequences (not by a
+/// local -> global formula). `position[i]` is the place of SP-layout row i
+/// (SP rank after SP rank, each rank's local tokens in order) in the padded
+/// global sequence of nlt*S rows; position >= T marks a tail pad row.
+/// rows_per_rank[s] is SP rank s's row count.
+struct SpShard {
+  int64_t nlt = 0;
+  Counts rows_per_rank;
+  Counts position;
+};
+/// T = B*L tokens (flattened b*L + l) over S SP ranks. virtual: B = 1 ranks
+/// take consecutive chunks of nlt = ceil(T/S) tokens of the sequence (the last
+/// ones may be short or empty); B > 1 (requires L % S == 0) each rank takes
+/// positions [s*L/S, (s+1)*L/S) of every sequence b in turn. tail: the
+/// flattened tokens plus (-T) mod S pad rows, cut in S chunks of nlt.
+SpShard sp_shard(int64_t T, int64_t B, int64_t S, SpPadding padding);
+/// x rows (T, D) -> the SP layout: row i is x[position[i]], zeros for pad rows.
+Vec sp_shard_rows(const SpShard& sh, const Vec& x, int64_t T, int64_t D);
+/// Combine output in the SP layout -> the global buffer of nlt*S rows
+/// (rows nobody holds stay zero); the caller keeps the first T rows.
+Vec sp_global_rows(const SpShard& sh, const Vec& out, int64_t S, int64_t D);
+/// Tail pad rows (position >= T) routed to expert 0 with score 0 for all K;
+/// counts (E) recomputed from the ids.
+void sp_route_pad_rows(const SpShard& sh, int64_t T, int K, int E, Ids& ids, Vec& topk_scores, Counts& counts);
+
 }  // namespace ref

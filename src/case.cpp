@@ -113,6 +113,11 @@ const EnumTable<ComputeDtype>& compute_dtype_table() {
   return t;
 }
 
+const EnumTable<SpPadding>& sp_padding_table() {
+  static const EnumTable<SpPadding> t = {{"virtual", SpPadding::virtual_}, {"tail", SpPadding::tail}};
+  return t;
+}
+
 const EnumTable<CompareClass>& compare_class_table() {
   static const EnumTable<CompareClass> t = {{"exact", CompareClass::exact},
                                             {"logits", CompareClass::logits},
@@ -345,6 +350,11 @@ const std::vector<Field>& schema() {
                                              [](Case& c) -> EqualSplitPolicy& { return c.equal_split.policy; }));
     v.push_back({"equal_split.threshold", "number in [0, 10] (padding overhead fraction)",
                  [](Case& c, const Src& s, const std::string& k) { c.equal_split.threshold = as_real(s, k, 0, 10); }});
+    // sequence parallel (CONTRACT §10)
+    v.push_back(int_field("sp", 1, 256, [](Case& c, int64_t x) { c.sp = int(x); }));
+    v.push_back(int_field("shape.batch", 1, 1 << 24, [](Case& c, int64_t x) { c.batch = x; }));
+    v.push_back(int_field("shape.seq_len", 0, 1 << 24, [](Case& c, int64_t x) { c.seq_len = x; }));
+    v.push_back(enum_field<SpPadding>("sp_padding", sp_padding_table(), [](Case& c) -> SpPadding& { return c.sp_padding; }));
     for (const auto& [cname, cls] : compare_class_table()) {
       if (cls == CompareClass::exact || cls == CompareClass::rounding) continue;
       const std::string base = std::string("tolerance.") + cname;
@@ -488,6 +498,28 @@ void validate(const Case& c, const Flat& flat) {
   if (c.shared.kind == SharedKind::none && c.shared.order == SharedOrder::init_with_shared)
     fail("shared_experts.order", "init_with_shared needs a shared expert",
          "valid: shared_experts.kind identity | swiglu, or order add_after");
+  // sequence parallel (CONTRACT §10, FRAMEWORKS §10.3)
+  const int64_t B = c.batch;
+  if (B > 1 && (!c.tokens_per_rank.empty() || c.tokens_uniform_lo >= 0))
+    fail("shape.batch", "batch " + std::to_string(B) + " with per-rank token counts",
+         "valid: batch 1 with shape.tokens_per_rank, or shape.batch with shape.seq_len (every EP rank holds batch*seq_len tokens)");
+  if (B > 1 && c.tokens % B != 0)
+    fail("shape.batch", "tokens " + std::to_string(c.tokens) + " are not batch " + std::to_string(B) + " sequences",
+         "valid: tokens a multiple of batch, or shape.seq_len instead of shape.tokens");
+  const int64_t seq = c.tokens / B;
+  if (c.sp > 1 && B > 1 && c.sp_padding == SpPadding::virtual_ && seq % c.sp != 0)
+    fail(flat.count("shape.seq_len") ? "shape.seq_len" : flat.count("shape.batch") ? "shape.batch" : "sp",
+         "virtual SP padding with batch " + std::to_string(B) + " needs seq_len % sp == 0, but seq_len " +
+             std::to_string(seq) + " % sp " + std::to_string(c.sp) + " = " + std::to_string(seq % c.sp) +
+             " (the per-sequence shard index would keep the wrong rows, torchtitan #3604)",
+         "valid: seq_len a multiple of " + std::to_string(c.sp) + ", batch 1, or sp_padding: tail");
+  if (c.sp > 1 && c.router.force_load_balance == Switch::on)
+    fail("sp", "force-load-balance routing depends on a token's row on its rank (CONTRACT section 1 step 6), which sequence "
+               "parallelism changes, so the SP run cannot equal the sp = 1 run",
+         "valid: sp 1, or router.force_load_balance off");
+  if (c.sp > 1 && c.combine.buffer != OutBuffer::fresh)
+    fail("combine.buffer", "an output buffer aliasing x with sp > 1: each SP rank's x is its own shard",
+         "valid: buffer: fresh with sp > 1");
 }
 
 Case build_case(const Flat& flat, const std::string& source) {
@@ -497,7 +529,16 @@ Case build_case(const Flat& flat, const std::string& source) {
     auto it = flat.find(f.path);
     if (it != flat.end()) f.set(c, it->second, f.path);
   }
+  // shape.seq_len gives the tokens: T = batch * seq_len (CONTRACT §10).
+  if (flat.count("shape.seq_len")) {
+    if (flat.count("shape.tokens") && c.tokens != c.batch * c.seq_len)
+      bad_input(where(flat.at("shape.tokens")) + ": shape.tokens: " + std::to_string(c.tokens) +
+                " disagrees with batch * seq_len = " + std::to_string(c.batch * c.seq_len) +
+                "; valid: either shape.tokens or shape.seq_len (with shape.batch)");
+    c.tokens = c.batch * c.seq_len;
+  }
   validate(c, flat);
+  c.seq_len = c.tokens / c.batch;  // one value for a case however it was written
   return c;
 }
 

@@ -13,6 +13,7 @@
 #include "../kernels/bodies.h"
 #include "../kernels/dtype.h"
 #include "../kernels/moe_host.h"
+#include "../kernels/sp_host.h"
 
 namespace moev {
 
@@ -49,6 +50,7 @@ const EnumTable<GateDtype>& gate_dtype_table();
 const EnumTable<k::ScoreMultiply>& score_multiply_table();
 const EnumTable<k::SiluRounding>& experts_rounding_table();
 const EnumTable<ComputeDtype>& compute_dtype_table();
+const EnumTable<SpPadding>& sp_padding_table();  // CONTRACT §10
 
 template <class E>
 const char* enum_name(const EnumTable<E>& t, E v) {
@@ -124,6 +126,14 @@ struct Case {
     EqualSplitPolicy policy = EqualSplitPolicy::off;
     double threshold = 0.10;  // adaptive: pad only when the padding overhead <= threshold
   } equal_split;
+  // sequence parallel (CONTRACT §10): each EP rank's T = batch * seq_len
+  // tokens are shared by `sp` SP ranks. SP ranks are a separate axis from the
+  // EP ranks (FRAMEWORKS §10: the TP axis); one EP rank's board holds its SP
+  // ranks' shards stacked (kernels/sp_host.h "SP layout").
+  int sp = 1;
+  int64_t batch = 1;    // B; L = T / B
+  int64_t seq_len = 0;  // L: shape.seq_len gives tokens = B*L; the loader stores tokens / B (0 in a Case built in code)
+  SpPadding sp_padding = SpPadding::virtual_;
 
   int local_experts() const { return num_experts / ep; }
   int64_t tokens_on(int rank) const;

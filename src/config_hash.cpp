@@ -37,7 +37,7 @@ struct Fnv {
 // A field added to Case must be added below too: this guard fails the build
 // on the one platform CI builds (x86-64, libstdc++) when Case grows.
 #if defined(__x86_64__) && defined(__GLIBCXX__) && !defined(_GLIBCXX_DEBUG)
-static_assert(sizeof(Case) == 328, "Case changed: hash the new field in config_hash(), then update this size");
+static_assert(sizeof(Case) == 360, "Case changed: hash the new field in config_hash(), then update this size");
 #endif
 
 uint64_t config_hash(const Case& c) {
@@ -92,6 +92,11 @@ uint64_t config_hash(const Case& c) {
   f.e(c.permute);
   f.e(c.equal_split.policy);
   f.f64(c.equal_split.threshold);
+  // sequence parallel (CONTRACT §10)
+  f.i64(c.sp);
+  f.i64(c.batch);
+  f.i64(c.seq_len);
+  f.e(c.sp_padding);
   f.str(c.summary());  // whatever summary() shows is covered even if a field is missed above
   return f.h;
 }

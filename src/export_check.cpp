@@ -202,7 +202,8 @@ void check_routing_external(const Case& c, const Board& ref, const Board& merged
 nlohmann::ordered_json case_to_json(const Case& c) {
   nlohmann::ordered_json j;
   j["name"] = c.name;
-  if (c.ep == 1 && c.tokens_per_rank.empty() && c.tokens_uniform_lo < 0) {
+  // batch > 1 has no per-rank token list (every EP rank holds batch * seq_len)
+  if ((c.ep == 1 || c.batch > 1) && c.tokens_per_rank.empty() && c.tokens_uniform_lo < 0) {
     j["shape.tokens"] = c.tokens;
   } else {
     std::vector<int64_t> t;
@@ -244,6 +245,10 @@ nlohmann::ordered_json case_to_json(const Case& c) {
   j["permute"] = enum_name(permute_table(), c.permute);
   j["equal_split.policy"] = enum_name(equal_split_table(), c.equal_split.policy);
   j["equal_split.threshold"] = c.equal_split.threshold;
+  j["sp"] = c.sp;
+  j["shape.batch"] = c.batch;
+  j["shape.seq_len"] = c.tokens / c.batch;
+  j["sp_padding"] = enum_name(sp_padding_table(), c.sp_padding);
   for (const auto& [cls, o] : c.tolerance_override) {
     const std::string base = std::string("tolerance.") + enum_name(compare_class_table(), cls);
     if (o.rtol) j[base + ".rtol"] = *o.rtol;

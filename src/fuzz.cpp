@@ -133,7 +133,7 @@ std::vector<YAML::Node> shrink_candidates(const YAML::Node& n) {
         }
       });
   const struct { const char* key; int64_t floor; } dims[] = {
-      {"tokens", 0}, {"experts", 1}, {"top_k", 1}, {"hidden", 1}, {"ffn", 1}};
+      {"tokens", 0}, {"seq_len", 0}, {"batch", 1}, {"experts", 1}, {"top_k", 1}, {"hidden", 1}, {"ffn", 1}};
   for (const auto& d : dims) {
     const int64_t v = int_at(n, "shape", d.key, -1);
     if (v < 0) continue;
@@ -154,7 +154,8 @@ std::vector<YAML::Node> shrink_candidates(const YAML::Node& n) {
         with([&](YAML::Node& c) { c[section].remove(k); });
       }
   for (const char* key : {"score_before_experts", "align", "empty_groups", "permute", "dtype", "data",
-                          "router.gate_dtype", "score_multiply", "experts.rounding", "experts.compute_dtype"})
+                          "router.gate_dtype", "score_multiply", "experts.rounding", "experts.compute_dtype", "sp",
+                          "sp_padding"})
     if (n[key]) with([&](YAML::Node& c) { c.remove(key); });
   return out;
 }

@@ -100,14 +100,21 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
 
 double estimate_case_bytes(const Case& c, int threads) {
   double total = 0, most = 0;
+  // Sequence parallel (CONTRACT §10): tail padding adds up to sp - 1 rows per
+  // EP rank; the SP layout, the global nlt*S rows and the kept rows are about
+  // three more (T, D) buffers.
+  const double sp_pad = c.sp > 1 && c.sp_padding == SpPadding::tail ? double(c.sp - 1) : 0;
   for (int r = 0; r < c.ep; ++r) {
-    total += double(c.tokens_on(r));
-    most = std::max(most, double(c.tokens_on(r)));
+    total += double(c.tokens_on(r)) + sp_pad;
+    most = std::max(most, double(c.tokens_on(r)) + sp_pad);
   }
   double b = kBaseBytes + pipeline_bytes(c, total, most, double(c.ep), threads);
+  if (c.sp > 1) b += 3 * total * double(c.hidden) * 4;
   // EP invariance: an EP = 1 rerun of each rank's tokens, one at a time,
   // while the EP run's boards are still held.
   if (c.ep > 1) b += pipeline_bytes(c, most, most, 1, threads);
+  // SP invariance: an sp = 1 rerun of the whole case, after this run's boards.
+  if (c.sp > 1) b += pipeline_bytes(c, total, most, double(c.ep), threads);
   return b;
 }
 

@@ -27,6 +27,14 @@ std::vector<int> divisors(int n) {
 
 std::string random_case_yaml(uint64_t seed, uint64_t index) {
   Draw d{std::mt19937_64(seed * 0x9E3779B97F4A7C15ull + index)};
+  // Sequence parallel (CONTRACT §10) from a stream of its own, so the other
+  // keys draw as before: sp > 1 in about 30% of cases (often more SP ranks
+  // than tokens), virtual or tail padding, B in {2, 3} sequences for a third
+  // of those with equal tokens per EP rank (virtual: L a multiple of sp).
+  Draw ds{std::mt19937_64((seed ^ 0x5350ull) * 0x9E3779B97F4A7C15ull + index)};
+  const int sp = ds.chance(0.3) ? int(ds.pick<int64_t>({2, 3, 4, 8})) : 1;
+  const bool sp_tail = ds.chance(0.5);
+  const int64_t sp_batch = sp > 1 && ds.chance(0.33) ? ds.pick<int64_t>({2, 3}) : 1;
   std::ostringstream y;
   y.precision(17);
   // Experts and EP ranks: E a multiple of ep; E_l = 1 and K = E happen often.
@@ -58,10 +66,16 @@ std::string random_case_yaml(uint64_t seed, uint64_t index) {
     const int64_t lo = d.in(0, 8), hi = lo + d.in(0, 16);
     y << ", tokens_per_rank: {uniform: [" << lo << ", " << hi << "]}";
     std::fill(per_rank.begin(), per_rank.end(), lo);  // the smallest a rank can draw
+  } else if (sp_batch > 1) {
+    int64_t L = T / sp_batch;
+    if (!sp_tail) L = L / sp * sp;
+    y << ", batch: " << sp_batch << ", seq_len: " << L;
+    std::fill(per_rank.begin(), per_rank.end(), sp_batch * L);
   } else {
     y << ", tokens: " << T;
   }
   y << "}";
+  if (sp > 1) y << ", sp: " << sp << ", sp_padding: " << (sp_tail ? "tail" : "virtual");
   // Router: score, bias, groups, force-LB, norm, scale, hot expert.
   y << ", router: {score: " << d.pick<const char*>({"softmax", "sigmoid"})
     << ", bias: " << d.pick<const char*>({"off", "on"});
@@ -73,7 +87,8 @@ std::string random_case_yaml(uint64_t seed, uint64_t index) {
     const int min_kept = (K + E / G - 1) / (E / G);
     y << ", groups: " << G << ", limited_groups: " << d.in(min_kept, G);
   }
-  y << ", force_load_balance: " << (d.chance(0.2) ? "on" : "off")
+  const bool force_lb = d.chance(0.2) && sp == 1;  // SP refuses force-LB routing (src/case.cpp)
+  y << ", force_load_balance: " << (force_lb ? "on" : "off")
     << ", route_norm: " << d.pick<const char*>({"off", "on"});
   if (d.chance(0.5)) y << ", route_scale: " << d.pick<const char*>({"0.5", "2.5", "16", "76.8", "1000", "1e6", "0.001"});
   if (d.chance(0.2)) y << ", hot_expert: " << d.in(0, E - 1);
@@ -87,7 +102,7 @@ std::string random_case_yaml(uint64_t seed, uint64_t index) {
   y << ", score_before_experts: " << (d.chance(0.3) ? "on" : "off");
   int64_t min_T = *std::min_element(per_rank.begin(), per_rank.end());
   std::string buffer = "fresh";
-  if (std::string(shared) == "identity" && init_with_shared && min_T > 0 && d.chance(0.6))
+  if (std::string(shared) == "identity" && init_with_shared && min_T > 0 && d.chance(0.6) && sp == 1)
     buffer = min_T * D > 1 && d.chance(0.5) ? "alias_x_offset" : "alias_x";
   y << ", combine: {accumulate: " << d.pick<const char*>({"per_add", "fp32_accumulate"})
     << ", placement: " << d.pick<const char*>({"out_of_place", "in_place"}) << ", buffer: " << buffer;

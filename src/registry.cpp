@@ -31,7 +31,9 @@ Tensor& FastCtx::output(const std::string& name, ElemType t, std::vector<int64_t
   return r;
 }
 
-bool promise_always(const Case&, const RankBoard&) { return true; }
+// Tail SP padding (CONTRACT §10) adds zero rows routed to expert 0: a rank may
+// then move nothing but pad rows, and all-zero data is legitimate there.
+bool promise_always(const Case& c, const RankBoard&) { return !(c.sp > 1 && c.sp_padding == SpPadding::tail); }
 bool promise_realistic(const Case& c, const RankBoard&) { return c.data == DataMode::realistic; }
 bool promise_combined(const Case& c, const RankBoard&) {
   return c.data == DataMode::realistic || c.experts.kind == ExpertKind::identity;
@@ -57,8 +59,8 @@ std::function<std::vector<std::string>(const Case&)> fixed_inputs(std::vector<st
 
 const std::vector<std::string>& slot_order() {
   static const std::vector<std::string> s = {
-      "router_logits", "routing", "dispatch", "ep_dispatch", "ep_permute", "align_pad", "experts",
-      "align_unpad", "ep_unpermute", "ep_combine", "shared_experts", "combine"};
+      "sp_shard", "router_logits", "routing", "sp_pad_route", "dispatch", "ep_dispatch", "ep_permute", "align_pad", "experts",
+      "align_unpad", "ep_unpermute", "ep_combine", "shared_experts", "combine", "sp_gather"};
   return s;
 }
 
@@ -72,6 +74,7 @@ const std::vector<Stage>& registry() {
     std::vector<Stage> r;
     register_local_stages(r);
     register_ep_stages(r);
+    register_sp_stages(r);
     return r;
   }();
   return reg;

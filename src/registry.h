@@ -43,7 +43,8 @@ enum class Coords {
 };
 
 /// Data promises: data movement of x is never all zero (x has no zero in
-/// either data mode); GEMM outputs are promised only for realistic data, since
+/// either data mode; tail SP pad rows are the exception, see promise_always);
+/// GEMM outputs are promised only for realistic data, since
 /// exact-mode integer weights may cancel on tiny shapes.
 using Promise = std::function<bool(const Case&, const RankBoard&)>;
 bool promise_always(const Case& c, const RankBoard& b);

@@ -527,6 +527,7 @@ CaseReport run_case(const Case& c, const RunOptions& opt) {
       rep.checks.push_back(ch);
     }
   }
+  if (c.sp > 1 && completed) check_sp_invariance(c, opt, fast, rep);
   if (opt.progress) opt.progress("", "");
   if (opt.keep == RunOptions::Keep::fast_board) rep.fast = fast;
   for (const auto& ch : rep.checks) rep.outcome = worst(rep.outcome, ch.outcome);

@@ -45,6 +45,11 @@ struct CaseReport {
 
 CaseReport run_case(const Case& c, const RunOptions& opt);
 
+/// SP invariance (CONTRACT §10, src/stages_sp.cpp): with sp > 1, every EP
+/// rank's gathered output `sp_out` on the fast board equals the sp = 1 run
+/// of the same inputs; appends one check per EP rank to `rep`.
+void check_sp_invariance(const Case& c, const RunOptions& opt, const Board& fast, CaseReport& rep);
+
 /// One output compared as `run` compares it (class, tolerance, error scale,
 /// data promise, MoE coordinates from `board`): for `moeverify check`, which
 /// compares an implementation's outputs without running a fast stage.

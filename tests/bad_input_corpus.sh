@@ -153,6 +153,11 @@ v out_of_range "shape.tokens: value -1 is out of range"
 v duplicate_name_after_sweep "duplicate case name 'a[seed=1]'"
 v name_with_newline "the name 'a\\x0ab' contains a control character"
 v tokens_per_rank_length "has 3 entries for ep 2"
+# sequence parallel (CONTRACT §10)
+v sp_zero "sp_zero.yaml:3:9: sp: value 0 is out of range"
+v sp_virtual_batch_uneven "sp_virtual_batch_uneven.yaml:4:32: shape.seq_len: virtual SP padding with batch 2 needs seq_len % sp == 0"
+v sp_seq_len_tokens_disagree "shape.tokens: 9 disagrees with batch * seq_len = 8"
+v sp_padding_unknown "sp_padding: unknown value 'front'; valid: virtual | tail"
 python3 -c "
 import sys
 f = open(sys.argv[1], 'w')
