@@ -69,6 +69,11 @@ const std::string& magnitude_slot() {
   return s;
 }
 
+const std::set<std::string>& pipeline_results() {
+  static const std::set<std::string> s = {"out", "out_magnitude", "sp_out"};
+  return s;
+}
+
 const std::vector<Stage>& registry() {
   static const std::vector<Stage> reg = [] {
     std::vector<Stage> r;

@@ -9,6 +9,7 @@
 
 #include <functional>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -86,6 +87,9 @@ Tensor combined_magnitude(const Case& c, const RankBoard& chain);
 /// The slot after which every input of combined_magnitude is on the chain
 /// board: the runner computes the end-to-end error scale there.
 const std::string& magnitude_slot();
+/// Tensors the pipeline hands to the checks after it (end to end, EP and SP
+/// invariance): the streaming runner never drops them.
+const std::set<std::string>& pipeline_results();
 
 /// What a fast function sees for one rank.
 struct FastCtx {

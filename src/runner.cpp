@@ -210,7 +210,7 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
   // Streaming (DESIGN.md, "Scale and backends"). last_read[n]: the last slot
   // (index into slot_order) whose applicable variants read tensor n. After
   // that slot, n leaves both boards unless it is integer metadata (small,
-  // and it names mismatches in MoE coordinates) or the final output; so the
+  // and it names mismatches in MoE coordinates) or a result of the pipeline; so the
   // boards hold a few stages' rows, not the whole pipeline's.
   std::map<std::string, size_t> last_read;
   for (size_t i = 0; i < slot_order().size(); ++i)
@@ -223,7 +223,7 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
       for (auto it = rb.begin(); it != rb.end();) {
         const auto lr = last_read.find(it->first);
         const bool metadata = it->second.type == ElemType::i32 || it->second.type == ElemType::i64;
-        const bool dead = !metadata && it->first != "out" && it->first != "out_magnitude" &&
+        const bool dead = !metadata && !pipeline_results().count(it->first) &&
                           (lr == last_read.end() || lr->second <= slot_index);
         it = dead ? rb.erase(it) : std::next(it);
       }
