@@ -1,8 +1,13 @@
 #include "diff.h"
 
+#include <omp.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+#include <type_traits>
+#include <vector>
 
 namespace moev {
 
@@ -78,25 +83,266 @@ Tolerance tolerance_for(const Case& c, CompareClass cls) {
 
 namespace {
 
-// Distance in units in the last place of the tensor's own type.
-double ulp_distance(ElemType t, double a, double b) {
-  if (std::isnan(a) || std::isnan(b)) return INFINITY;
-  auto ordered = [&](double v) -> int64_t {
-    uint32_t u = 0;
-    int bits = 32;
-    if (t == ElemType::f32) { const float f = float(v); std::memcpy(&u, &f, 4); }
-    else if (t == ElemType::bf16) { u = from_float<bf16>(float(v)).bits; bits = 16; }
-    else { u = from_float<fp16>(float(v)).bits; bits = 16; }
-    const uint32_t sign = 1u << (bits - 1);
-    return (u & sign) ? -int64_t(u & (sign - 1)) : int64_t(u);
-  };
-  return double(std::llabs(ordered(a) - ordered(b)));
+// --- element access, one overload set per element type -----------------------
+// value(): the element as a double (exact for every type but int64 past 2^53,
+// as the report has always shown it). raw(): the bits, for bitwise equality.
+// ordered(): floats' bits as a signed integer in value order (sign-magnitude
+// to two's complement, so -0 and +0 are both 0): ULP distances are
+// differences of ordered() values.
+inline double value(float v) { return v; }
+inline double value(bf16 v) { return to_float(v); }
+inline double value(fp16 v) { return to_float(v); }
+inline double value(int32_t v) { return v; }
+inline double value(int64_t v) { return double(v); }
+inline uint32_t raw(float v) { return f32_bits(v); }
+inline uint16_t raw(bf16 v) { return v.bits; }
+inline uint16_t raw(fp16 v) { return v.bits; }
+inline int64_t ordered(float v) {
+  const uint32_t u = f32_bits(v);
+  return (u & 0x80000000u) ? -int64_t(u & 0x7fffffffu) : int64_t(u);
+}
+inline int64_t ordered(bf16 v) { return (v.bits & 0x8000u) ? -int64_t(v.bits & 0x7fffu) : int64_t(v.bits); }
+inline int64_t ordered(fp16 v) { return (v.bits & 0x8000u) ? -int64_t(v.bits & 0x7fffu) : int64_t(v.bits); }
+
+template <class T> constexpr bool kIsFloat = !std::is_integral<T>::value;
+
+/// The magnitude and infinity bit patterns of a float type's raw().
+template <class T> struct FloatBits;
+template <> struct FloatBits<float> { static constexpr uint32_t abs = 0x7fffffffu, inf = 0x7f800000u; };
+template <> struct FloatBits<bf16> { static constexpr uint32_t abs = 0x7fffu, inf = 0x7f80u; };
+template <> struct FloatBits<fp16> { static constexpr uint32_t abs = 0x7fffu, inf = 0x7c00u; };
+
+/// How an element passes: bitwise (exact classes, integer tensors);
+/// `rounding`: |f - g| <= atol + rtol * scale_i (0 without a scale);
+/// `relative`: |f - g| <= atol + rtol * max(|g|, scale_i) (|g| without one).
+enum class Rule { bitwise, rounding, relative };
+
+struct Hit {
+  int64_t index;
+  double fast, ref;
+};
+
+/// The mismatches a report keeps, in index order: the first kKeep, and the
+/// last kKeep of those after them. Feeding any subsequence that holds every
+/// block's own window (first and last kKeep) gives the window of the whole
+/// sequence, so per-block windows merge exactly in block order.
+struct Window {
+  static constexpr int kKeep = 3;
+  Hit first[kKeep];
+  Hit last[kKeep];  // a ring: last[n_last % kKeep] is the next slot
+  int n_first = 0;
+  int64_t n_last = 0;
+
+  void add(const Hit& h) {
+    if (n_first < kKeep) first[n_first++] = h;
+    else last[n_last++ % kKeep] = h;
+  }
+  template <class F> void each_last(F&& f) const {
+    const int64_t n = std::min<int64_t>(n_last, kKeep);
+    const int64_t start = n_last <= kKeep ? 0 : n_last % kKeep;
+    for (int64_t k = 0; k < n; ++k) f(last[(start + k) % kKeep]);
+  }
+  template <class F> void each(F&& f) const {
+    for (int k = 0; k < n_first; ++k) f(first[k]);
+    each_last(f);
+  }
+};
+
+/// What one block of elements contributes to a DiffResult. Every field merges
+/// with an order-free operation (sum, max of non-NaN values, or) except the
+/// window, which merges in block order: the result does not depend on the
+/// block size or the thread count.
+struct Partial {
+  int64_t total = 0, mismatches = 0;
+  double max_abs = 0, max_rel = 0, max_ulp = 0, max_bound_ratio = 0;
+  bool any_nonzero = false;
+  Window window;
+
+  void merge(const Partial& o) {
+    total += o.total;
+    mismatches += o.mismatches;
+    max_abs = std::max(max_abs, o.max_abs);
+    max_rel = std::max(max_rel, o.max_rel);
+    max_ulp = std::max(max_ulp, o.max_ulp);
+    max_bound_ratio = std::max(max_bound_ratio, o.max_bound_ratio);
+    any_nonzero = any_nonzero || o.any_nonzero;
+    o.window.each([&](const Hit& h) { window.add(h); });
+  }
+};
+
+/// The typed spans of one comparison. `scale` and `mask` are null when absent.
+template <class T> struct Spans {
+  const T* fast;
+  const T* ref;
+  const float* scale;
+  const uint8_t* mask;
+  Tolerance tol;
+};
+
+/// Element i, the contract of diff_tensors (diff.h) for one element. Max
+/// updates are written std::max(acc, x) so that a NaN x leaves acc as it was.
+template <class T, Rule R, bool kScale>
+inline void visit(Partial& p, const Spans<T>& s, int64_t i) {
+  const T a = s.fast[i], b = s.ref[i];
+  const double f = value(a), g = value(b);
+  ++p.total;
+  p.any_nonzero = p.any_nonzero || f != 0 || g != 0;
+  bool ok = true;
+  if constexpr (!kIsFloat<T>) {
+    ok = a == b;
+    p.max_abs = std::max(p.max_abs, std::fabs(f - g));
+  } else {
+    if constexpr (R == Rule::bitwise) {
+      ok = raw(a) == raw(b);
+    }
+    if (std::isnan(f) || std::isnan(g)) {
+      if constexpr (R != Rule::bitwise) ok = std::isnan(f) && std::isnan(g);
+      if (!(std::isnan(f) && std::isnan(g))) {
+        p.max_abs = INFINITY;
+        p.max_ulp = INFINITY;
+      }
+    } else {
+      if constexpr (R != Rule::bitwise) {
+        if (std::isinf(f) || std::isinf(g)) {
+          ok = f == g;
+        } else {
+          double sc;
+          if constexpr (R == Rule::rounding) sc = kScale ? double(s.scale[i]) : 0.0;
+          else sc = kScale ? std::max(std::fabs(g), double(s.scale[i])) : std::fabs(g);
+          const double bound = s.tol.atol + s.tol.rtol * sc;
+          const double err = std::fabs(f - g);
+          ok = err <= bound;
+          if (bound > 0) p.max_bound_ratio = std::max(p.max_bound_ratio, err / bound);
+          else if (err > 0) p.max_bound_ratio = INFINITY;
+        }
+      }
+      const double ad = std::fabs(f - g);
+      if (!std::isnan(ad)) {
+        p.max_abs = std::max(p.max_abs, ad);
+        if (g != 0) p.max_rel = std::max(p.max_rel, ad / std::fabs(g));
+      } else {
+        p.max_abs = INFINITY;  // equal infinities: inf - inf
+      }
+      p.max_ulp = std::max(p.max_ulp, double(std::llabs(ordered(a) - ordered(b))));
+    }
+  }
+  if (!ok) {
+    ++p.mismatches;
+    p.window.add(Hit{i, f, g});
+  }
 }
 
-bool same_bits(const Tensor& a, const Tensor& b, int64_t i) {
-  const size_t eb = elem_bytes(a.type);
-  return std::memcmp(static_cast<const uint8_t*>(a.data()) + size_t(i) * eb,
-                     static_cast<const uint8_t*>(b.data()) + size_t(i) * eb, eb) == 0;
+template <class T, Rule R, bool kScale>
+void walk(Partial& p, const Spans<T>& s, int64_t begin, int64_t end) {
+  if (s.mask) {
+    for (int64_t i = begin; i < end; ++i)
+      if (s.mask[i]) visit<T, R, kScale>(p, s, i);
+  } else {
+    for (int64_t i = begin; i < end; ++i) visit<T, R, kScale>(p, s, i);
+  }
+}
+
+/// [begin, end) whose fast and reference bytes are equal: adds what walk()
+/// would add, reading the reference only, and returns true; returns false,
+/// adding nothing, where walk() is needed (an element of a tolerance class
+/// whose bound is NaN or negative would fail even at equal bits). With equal
+/// bits, a compared element adds 0 to every error but an infinity, which adds
+/// max_abs = inf (walk() takes inf - inf), and NaN, which adds nothing.
+template <class T, Rule R, bool kScale>
+bool equal_run(Partial& p, const Spans<T>& s, int64_t begin, int64_t end, bool check_bound) {
+  int64_t total = 0;
+  if constexpr (!kIsFloat<T>) {
+    T any = 0;
+    for (int64_t i = begin; i < end; ++i) {
+      const bool in = !s.mask || s.mask[i];
+      total += in;
+      any |= in ? s.ref[i] : T(0);
+    }
+    p.any_nonzero = p.any_nonzero || any != 0;
+  } else {
+    using B = FloatBits<T>;
+    // Branch-free over the run (the unmasked loop vectorises): an OR of the
+    // magnitudes says whether any element is nonzero (NaN included, -0 not),
+    // a count says whether any is infinite.
+    uint32_t any_mag = 0, n_inf = 0;
+    if (!s.mask) {
+      total = end - begin;
+      for (int64_t i = begin; i < end; ++i) {
+        const uint32_t mag = raw(s.ref[i]) & B::abs;
+        any_mag |= mag;
+        n_inf += mag == B::inf;
+      }
+    } else {
+      for (int64_t i = begin; i < end; ++i) {
+        const uint32_t in = s.mask[i] != 0, mag = in ? raw(s.ref[i]) & B::abs : 0u;
+        total += in;
+        any_mag |= mag;
+        n_inf += mag == B::inf;
+      }
+    }
+    if constexpr (R != Rule::bitwise) {
+      if (check_bound) {
+        for (int64_t i = begin; i < end; ++i) {
+          if ((s.mask && !s.mask[i]) || (raw(s.ref[i]) & B::abs) >= B::inf) continue;
+          const double g = value(s.ref[i]);
+          double sc;
+          if constexpr (R == Rule::rounding) sc = kScale ? double(s.scale[i]) : 0.0;
+          else sc = kScale ? std::max(std::fabs(g), double(s.scale[i])) : std::fabs(g);
+          if (!(s.tol.atol + s.tol.rtol * sc >= 0)) return false;
+        }
+      }
+    }
+    p.any_nonzero = p.any_nonzero || any_mag != 0;
+    if (n_inf) p.max_abs = INFINITY;
+  }
+  p.total += total;
+  return true;
+}
+
+/// Elements per block (the unit of parallel work and of merging) and per
+/// run (bytes compared with one memcmp, then rescanned from cache).
+constexpr int64_t kBlockBytes = int64_t(1) << 20;
+constexpr int64_t kRunBytes = int64_t(1) << 16;
+
+template <class T, Rule R, bool kScale>
+Partial compare_block(const Spans<T>& s, int64_t begin, int64_t end, bool check_bound) {
+  Partial p;
+  const int64_t run = kRunBytes / int64_t(sizeof(T));
+  for (int64_t b = begin; b < end; b += run) {
+    const int64_t e = std::min(end, b + run);
+    const bool same = std::memcmp(s.fast + b, s.ref + b, size_t(e - b) * sizeof(T)) == 0;
+    if (!same || !equal_run<T, R, kScale>(p, s, b, e, check_bound)) walk<T, R, kScale>(p, s, b, e);
+  }
+  return p;
+}
+
+template <class T, Rule R, bool kScale>
+Partial compare(const Spans<T>& s, int64_t n) {
+  // A tolerance bound is >= 0 at every element when atol and rtol are finite
+  // and >= 0 and no scale enters it; otherwise equal runs check it.
+  const bool check_bound = kScale || !(s.tol.atol >= 0 && s.tol.rtol >= 0 && std::isfinite(s.tol.atol) &&
+                                       std::isfinite(s.tol.rtol));
+  const int64_t block = kBlockBytes / int64_t(sizeof(T));
+  const int64_t blocks = (n + block - 1) / block;
+  std::vector<Partial> parts(static_cast<size_t>(blocks));
+#pragma omp parallel for schedule(dynamic, 1) if (blocks > 1 && !omp_in_parallel())
+  for (int64_t k = 0; k < blocks; ++k)
+    parts[size_t(k)] = compare_block<T, R, kScale>(s, k * block, std::min(n, (k + 1) * block), check_bound);
+  Partial all;
+  for (const Partial& p : parts) all.merge(p);
+  return all;
+}
+
+template <class T>
+Partial compare_typed(const Tensor& fast, const Tensor& ref, CompareClass cls, Tolerance tol,
+                      const std::vector<uint8_t>* mask, const Tensor* scale) {
+  const Spans<T> s{fast.as<T>(), ref.as<T>(), scale ? scale->as<float>() : nullptr, mask ? mask->data() : nullptr,
+                   tol};
+  const int64_t n = fast.numel();
+  if (!kIsFloat<T> || cls == CompareClass::exact) return compare<T, Rule::bitwise, false>(s, n);
+  if (cls == CompareClass::rounding)
+    return scale ? compare<T, Rule::rounding, true>(s, n) : compare<T, Rule::rounding, false>(s, n);
+  return scale ? compare<T, Rule::relative, true>(s, n) : compare<T, Rule::relative, false>(s, n);
 }
 
 }  // namespace
@@ -112,54 +358,29 @@ DiffResult diff_tensors(const Tensor& fast, const Tensor& ref, CompareClass cls,
     r.mismatches = 1;
     return r;
   }
-  const bool is_float = fast.type == ElemType::f32 || fast.type == ElemType::bf16 || fast.type == ElemType::f16;
-  bool any_nonzero = false;
-  const size_t keep = 3;
-  for (int64_t i = 0; i < fast.numel(); ++i) {
-    if (mask && !(*mask)[size_t(i)]) continue;
-    ++r.total;
-    const double f = value_at(fast, i), g = value_at(ref, i);
-    any_nonzero = any_nonzero || f != 0 || g != 0;
-    bool ok;
-    if (cls == CompareClass::exact || !is_float) {
-      ok = same_bits(fast, ref, i);
-    } else if (std::isnan(f) || std::isnan(g)) {
-      ok = std::isnan(f) && std::isnan(g);
-    } else if (std::isinf(f) || std::isinf(g)) {
-      ok = f == g;
-    } else {
-      const double s = cls == CompareClass::rounding ? (scale ? double(scale->as<float>()[i]) : 0.0)
-                       : scale ? std::max(std::fabs(g), double(scale->as<float>()[i]))
-                               : std::fabs(g);
-      const double bound = tol.atol + tol.rtol * s;
-      const double err = std::fabs(f - g);
-      ok = err <= bound;
-      if (bound > 0) r.max_bound_ratio = std::max(r.max_bound_ratio, err / bound);
-      else if (err > 0) r.max_bound_ratio = INFINITY;
-    }
-    if (is_float && !(std::isnan(f) && std::isnan(g))) {
-      const double ad = std::fabs(f - g);
-      if (!std::isnan(ad)) {
-        r.max_abs = std::max(r.max_abs, ad);
-        if (g != 0) r.max_rel = std::max(r.max_rel, ad / std::fabs(g));
-      } else {
-        r.max_abs = INFINITY;
-      }
-      r.max_ulp = std::max(r.max_ulp, ulp_distance(fast.type, f, g));
-    } else if (!is_float) {
-      r.max_abs = std::max(r.max_abs, std::fabs(f - g));
-    }
-    if (!ok) {
-      ++r.mismatches;
-      Mismatch m{i, coords ? coords(i) : "[" + std::to_string(i) + "]", f, g};
-      if (r.first.size() < keep) r.first.push_back(m);
-      else {
-        r.last.push_back(m);
-        if (r.last.size() > keep) r.last.erase(r.last.begin());
-      }
-    }
+  if (mask && int64_t(mask->size()) < fast.numel())
+    throw std::logic_error("diff_tensors: the mask is shorter than the tensors");
+  Partial p;
+  switch (fast.type) {
+    case ElemType::f32: p = compare_typed<float>(fast, ref, cls, tol, mask, scale); break;
+    case ElemType::bf16: p = compare_typed<bf16>(fast, ref, cls, tol, mask, scale); break;
+    case ElemType::f16: p = compare_typed<fp16>(fast, ref, cls, tol, mask, scale); break;
+    case ElemType::i32: p = compare_typed<int32_t>(fast, ref, cls, tol, mask, scale); break;
+    case ElemType::i64: p = compare_typed<int64_t>(fast, ref, cls, tol, mask, scale); break;
   }
-  r.both_all_zero = r.total > 0 && !any_nonzero;
+  r.total = p.total;
+  r.mismatches = p.mismatches;
+  r.max_abs = p.max_abs;
+  r.max_rel = p.max_rel;
+  r.max_ulp = p.max_ulp;
+  r.max_bound_ratio = p.max_bound_ratio;
+  r.both_all_zero = r.total > 0 && !p.any_nonzero;
+  // Coordinates are named for the reported mismatches only.
+  auto named = [&](const Hit& h) {
+    return Mismatch{h.index, coords ? coords(h.index) : "[" + std::to_string(h.index) + "]", h.fast, h.ref};
+  };
+  for (int k = 0; k < p.window.n_first; ++k) r.first.push_back(named(p.window.first[k]));
+  p.window.each_last([&](const Hit& h) { r.last.push_back(named(h)); });
   return r;
 }
 

@@ -7,10 +7,13 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <iomanip>
 #include <iostream>
 #include <sstream>
 #include <chrono>
 #include <thread>
+
+#include <unistd.h>
 
 #include "case.h"
 #include "comm.h"
@@ -68,6 +71,37 @@ MemoryLimit memory_limit(const CLI::App* cmd, const std::string& text) {
 struct RunArgs {
   std::vector<std::string> files, sets, faults;
   std::string threads, json, dump, only, timeout = "30", max_memory;
+  bool verbose = false;
+};
+
+/// The progress line of `run` on a terminal (stderr): "[3/12] case: slot/variant  4.2 s",
+/// rewritten in place before each stage variant once the case has run for
+/// more than a second, and cleared when the case ends.
+class ProgressLine {
+ public:
+  void start(size_t done, size_t total, const std::string& name) {
+    prefix_ = "[" + std::to_string(done) + "/" + std::to_string(total) + "] " + name;
+    start_ = std::chrono::steady_clock::now();
+  }
+  void update(const std::string& slot, const std::string& variant) {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    if (slot.empty()) {
+      if (shown_) std::cerr << "\r\033[K" << std::flush;
+      shown_ = false;
+      return;
+    }
+    if (s <= 1.0) return;
+    std::ostringstream o;
+    o << "\r\033[K" << prefix_ << ": " << slot << "/" << variant << "  " << std::fixed << std::setprecision(1) << s
+      << " s";
+    std::cerr << o.str() << std::flush;
+    shown_ = true;
+  }
+
+ private:
+  std::string prefix_;
+  std::chrono::steady_clock::time_point start_;
+  bool shown_ = false;
 };
 
 int cmd_run(const CLI::App* cmd, const RunArgs& a) {
@@ -141,15 +175,21 @@ int cmd_run(const CLI::App* cmd, const RunArgs& a) {
     out << "\n";
   }
   size_t done = 0;
+  // On a terminal a transient progress line; otherwise (tests, CI, logs) one
+  // fixed line per case, never a progress line.
+  const bool tty = writer && isatty(STDERR_FILENO);
+  ProgressLine line;
+  if (tty) opt.progress = [&](const std::string& slot, const std::string& variant) { line.update(slot, variant); };
   for (const auto& [file, cases] : all) {
     for (const auto& c : cases) {
       if (!selected(c)) continue;
       ++done;
-      if (writer) std::cerr << "[" << done << "/" << total << "] " << c.name << "\n";
+      if (tty) line.start(done, total, c.name);
+      else if (writer) std::cerr << "[" << done << "/" << total << "] " << c.name << "\n";
       reset_peak_rss();
       reports.push_back(run_case(c, opt));
       const uint64_t measured = peak_rss_bytes();
-      print_report(reports.back(), out);
+      print_report(reports.back(), out, a.verbose ? ReportDetail::every_check : ReportDetail::summary);
       out << "   " << memory_line(estimate_case_bytes(c, threads), measured) << "\n";
       worst_all = worst(worst_all, reports.back().outcome);
     }
@@ -327,6 +367,9 @@ int main(int argc, char** argv) {
                   "seconds before a collective some rank never joins fails (in-process and MPI), 0.05 to 3600 (default 30)")
       ->type_name("SECONDS");
   run->add_option("--max-memory", ra.max_memory, mem_help)->type_name("SIZE");
+  run->add_flag("--verbose", ra.verbose,
+                "show every check of every tensor and rank and every variant note (default: one line per stage "
+                "variant, and the per-tensor rows of checks that did not pass)");
 
   bool keys = false;
   std::vector<std::string> vfiles, vsets;

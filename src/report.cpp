@@ -2,6 +2,7 @@
 // What a check says is bounded: a note longer than kMaxNoteChars and a list
 // of more than kMaxNotes notes are cut, with the count of what was left out,
 // in the table and in the JSON alike (a bug once grew one line past 64 MiB).
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <iomanip>
@@ -51,23 +52,25 @@ std::string tol_str(const Check& ch) {
 
 }  // namespace
 
-void print_report(const CaseReport& r, std::ostream& os) {
-  os << "\n== case " << r.c.name << "  (" << r.c.source << ")\n   " << r.c.summary() << "\n";
-  os << "   paths:";
-  std::string slot;
-  for (const auto& d : r.decisions) {
-    const bool first = d.slot != slot;
-    slot = d.slot;
-    os << "\n     " << std::left << std::setw(15) << (first ? d.slot : "") << " " << d.variant
-       << (d.ran ? (d.primary ? "*" : "") : "  [not taken: " + capped(d.reason) + "]");
-    for (const auto& n : capped(d.notes)) os << "\n" << std::string(23, ' ') << "- " << n;
-  }
-  os << "\n   (* = primary: feeds the next stage)\n";
+namespace {
+
+/// Seconds as the text report prints them: three decimals and " s", the one
+/// form tests/report_determinism.sh strips.
+std::string secs(double v) {
+  std::ostringstream o;
+  o << std::fixed << std::setprecision(3) << v << " s";
+  return o.str();
+}
+
+/// The per-check table: a header, then each check with its note and its
+/// first and last mismatches.
+void print_checks(const std::vector<const Check*>& checks, std::ostream& os) {
   os << "   " << std::left << std::setw(15) << "stage" << std::setw(22) << "variant" << std::setw(17) << "tensor"
      << std::setw(19) << "against" << std::setw(17) << "tolerance" << std::setw(14) << "outcome" << std::right
      << std::setw(15) << "mismatch/total" << std::setw(10) << "max_abs" << std::setw(10) << "max_rel"
      << std::setw(9) << "max_ulp" << "\n";
-  for (const Check& ch : r.checks) {
+  for (const Check* chp : checks) {
+    const Check& ch = *chp;
     os << "   " << std::left << std::setw(15) << ch.slot << std::setw(22) << ch.variant << std::setw(17) << ch.tensor
        << std::setw(19) << ch.against << std::setw(17) << tol_str(ch) << std::setw(14) << outcome_name(ch.outcome)
        << std::right << std::setw(15)
@@ -82,6 +85,104 @@ void print_report(const CaseReport& r, std::ostream& os) {
     };
     show(ch.diff.first, "first");
     show(ch.diff.last, "last ");
+  }
+}
+
+/// One row of the summary: a (slot, variant) with its decision, if any, and
+/// its checks aggregated over ranks and tensors.
+struct VariantRow {
+  std::string slot, variant;
+  const VariantDecision* decision = nullptr;
+  std::vector<const Check*> checks;
+};
+
+/// Rows in decision order, then (slot, variant) pairs that only checks name
+/// (end_to_end, ep_invariance, `moeverify check`) in the order of their first check.
+std::vector<VariantRow> variant_rows(const CaseReport& r) {
+  std::vector<VariantRow> rows;
+  auto find = [&](const std::string& slot, const std::string& variant) -> VariantRow* {
+    for (auto& row : rows)
+      if (row.slot == slot && row.variant == variant) return &row;
+    return nullptr;
+  };
+  for (const auto& d : r.decisions)
+    if (!find(d.slot, d.variant)) rows.push_back({d.slot, d.variant, &d, {}});
+  for (const Check& ch : r.checks) {
+    VariantRow* row = find(ch.slot, ch.variant);
+    if (!row) {
+      rows.push_back({ch.slot, ch.variant, nullptr, {}});
+      row = &rows.back();
+    }
+    row->checks.push_back(&ch);
+  }
+  return rows;
+}
+
+/// Variant notes of the summary: each distinct note once, at most this many.
+constexpr size_t kSummaryNotes = 2;
+
+}  // namespace
+
+// The summary table has one line per (slot, variant): a variant not taken
+// shows its reason; a taken one its worst outcome, the largest max_abs and
+// the largest fraction of a tolerance bound used over its checks (all ranks,
+// all tensors), mismatches over compared elements, and its fast and total
+// (fast + reference + compare) seconds summed over ranks.
+void print_report(const CaseReport& r, std::ostream& os, ReportDetail detail) {
+  const bool every = detail == ReportDetail::every_check;
+  os << "\n== case " << r.c.name << "  (" << r.c.source << ")\n   " << r.c.summary() << "\n";
+  os << "   " << std::left << std::setw(15) << "stage" << std::setw(22) << "variant" << std::setw(14) << "outcome"
+     << std::right << std::setw(7) << "checks" << std::setw(22) << "mismatch/total" << std::setw(10) << "max_abs"
+     << std::setw(11) << "bound_used" << std::setw(11) << "fast" << std::setw(11) << "total" << "\n";
+  std::string slot;
+  for (const VariantRow& row : variant_rows(r)) {
+    const bool first = row.slot != slot;
+    slot = row.slot;
+    const VariantDecision* d = row.decision;
+    const std::string name = row.variant + (d && d->ran && d->primary ? "*" : "");
+    os << "   " << std::left << std::setw(15) << (first ? row.slot : "") << std::setw(22) << name;
+    if (d && !d->ran) {
+      os << "not taken: " << capped(d->reason) << "\n";
+    } else {
+      Outcome o = Outcome::PASSED;
+      int64_t mismatches = 0, total = 0;
+      double max_abs = 0, bound = 0;
+      bool any_tolerance = false;
+      for (const Check* ch : row.checks) {
+        o = worst(o, ch->outcome);
+        mismatches += ch->diff.mismatches;
+        total += ch->diff.total;
+        if (!(ch->diff.max_abs <= max_abs)) max_abs = ch->diff.max_abs;  // NaN wins: it is shown
+        if (ch->cls != CompareClass::exact) {
+          any_tolerance = true;
+          bound = std::max(bound, ch->diff.max_bound_ratio);
+        }
+      }
+      os << std::setw(14) << (row.checks.empty() ? "(no checks)" : outcome_name(o)) << std::right << std::setw(7)
+         << row.checks.size() << std::setw(22) << (std::to_string(mismatches) + "/" + std::to_string(total))
+         << std::setw(10) << num(max_abs) << std::setw(11) << (any_tolerance ? num(bound) : "-");
+      if (d) os << std::setw(11) << secs(d->fast_seconds) << std::setw(11)
+                << secs(d->fast_seconds + d->ref_seconds + d->compare_seconds);
+      os << "\n";
+    }
+    if (!d) continue;
+    std::vector<std::string> notes;
+    for (const auto& n : d->notes)
+      if (every || std::find(notes.begin(), notes.end(), n) == notes.end()) notes.push_back(n);
+    const size_t shown = every ? notes.size() : std::min(notes.size(), kSummaryNotes);
+    std::vector<std::string> kept(notes.begin(), notes.begin() + std::ptrdiff_t(shown));
+    for (const auto& n : capped(kept)) os << std::string(20, ' ') << "- " << n << "\n";
+    if (shown < notes.size())
+      os << std::string(20, ' ') << "- ... (" << notes.size() - shown << " more notes with --verbose)\n";
+  }
+  os << "   (* = primary: feeds the next stage; max_abs, bound_used (error / bound): largest over ranks and "
+        "tensors; seconds summed over ranks)\n";
+  std::vector<const Check*> shown;
+  for (const Check& ch : r.checks)
+    if (every || ch.outcome != Outcome::PASSED) shown.push_back(&ch);
+  if (!shown.empty()) {
+    os << (every ? "   every check:\n" : "   checks not PASSED:\n");
+    print_checks(shown, os);
   }
   for (const auto& n : capped(r.notes)) os << "   note: " << n << "\n";
   os << "   => " << outcome_name(r.outcome) << "  (" << std::fixed << std::setprecision(3) << r.seconds << " s)\n";
@@ -127,7 +228,10 @@ std::string reports_json(const std::vector<CaseReport>& reports, const std::stri
                              {"taken", d.ran},
                              {"primary", d.primary},
                              {"reason", capped(d.reason)},
-                             {"notes", capped(d.notes)}});
+                             {"notes", capped(d.notes)},
+                             {"fast_seconds", json_num(d.fast_seconds)},
+                             {"ref_seconds", json_num(d.ref_seconds)},
+                             {"compare_seconds", json_num(d.compare_seconds)}});
     jc["checks"] = Json::array();
     for (const Check& ch : r.checks) {
       Json first = Json::array();

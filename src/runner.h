@@ -57,8 +57,14 @@ Check check_output(const Case& c, const std::string& slot, const std::string& va
                    const Tensor* actual, const Tensor* expected, const RankBoard& board, int rank, int ranks,
                    const std::string& against, const Tensor* scale = nullptr);
 
-/// Human table (stdout) and JSON (--json) of a run.
-void print_report(const CaseReport& r, std::ostream& os);
+/// How much of a case the human table shows. `summary`: one line per (slot,
+/// variant) aggregated over ranks and tensors, and the per-tensor rows of the
+/// checks that did not pass. `every_check`: every variant note and every
+/// per-tensor row as well (`moeverify run --verbose`).
+enum class ReportDetail { summary, every_check };
+
+/// Human table (stdout) and JSON (--json, every check always) of a run.
+void print_report(const CaseReport& r, std::ostream& os, ReportDetail detail = ReportDetail::summary);
 void print_tolerance_table(const std::vector<CaseReport>& reports, std::ostream& os);
 std::string reports_json(const std::vector<CaseReport>& reports, const std::string& file);
 

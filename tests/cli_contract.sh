@@ -38,6 +38,15 @@ expect no-such-case 2 "$bin" run "$src"/cases/basic.yaml --case nope
 
 expect planted-fault 1 "$bin" run "$src"/cases/edge.yaml --fault highest_id_tiebreak --case 'router_ties[router.score=softmax]'
 grep -q "INCORRECT" "$tmp/out" || { echo "FAIL fault run shows no INCORRECT"; fails=$((fails + 1)); }
+# Without --verbose: the variant's summary line, then the failing tensor's row
+# with its first mismatches; passing tensors' rows only with --verbose.
+grep -qE "^   routing +topk_router\*? +INCORRECT" "$tmp/out" || { echo "FAIL no INCORRECT summary line"; fails=$((fails + 1)); }
+grep -qE "^   routing +topk_router +ids +.*INCORRECT" "$tmp/out" || { echo "FAIL no failing tensor row"; fails=$((fails + 1)); }
+grep -q "first mismatch (token" "$tmp/out" || { echo "FAIL no first mismatch without --verbose"; fails=$((fails + 1)); }
+grep -qE "^   routing +topk_router +scores +.*PASSED" "$tmp/out" && { echo "FAIL a passing tensor row without --verbose"; fails=$((fails + 1)); }
+"$bin" run "$src"/cases/edge.yaml --fault highest_id_tiebreak --case 'router_ties[router.score=softmax]' --verbose \
+  >"$tmp/verbose" 2>/dev/null
+grep -qE "^   routing +topk_router +scores +.*PASSED" "$tmp/verbose" || { echo "FAIL --verbose lacks passing rows"; fails=$((fails + 1)); }
 
 expect json-dump 0 "$bin" run "$src"/cases/basic.yaml --case realistic_bf16 --json "$tmp/r.json" --dump "$tmp/dump"
 /usr/bin/python3 - "$tmp" <<'PY' || fails=$((fails + 1))
