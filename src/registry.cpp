@@ -47,10 +47,7 @@ bool promise_expert_rows(const Case& c, const RankBoard& b) {
   // Rows that are all zero (scores applied before the experts can underflow
   // in fp16) legitimately give zero outputs: no data is promised then.
   auto in = b.find("expert_input");
-  if (in == b.end()) return true;
-  for (float v : to_floats(in->second))
-    if (v != 0) return true;
-  return false;
+  return in == b.end() || any_nonzero(in->second);
 }
 
 std::function<std::vector<std::string>(const Case&)> fixed_inputs(std::vector<std::string> names) {

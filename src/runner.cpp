@@ -201,10 +201,9 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
                   CaseReport& rep, Board& fast) {
   const int R = int(inputs.size());
   fast.ranks = inputs;
-  Board chain;  // the reference chain, from clones of the inputs
-  chain.ranks.resize(size_t(R));
-  for (int r = 0; r < R; ++r)
-    for (auto& [n, t] : fast.ranks[size_t(r)]) chain.ranks[size_t(r)][n] = t.clone();
+  // The reference chain starts from the same input tensors (no stage writes
+  // its inputs: each call is checked for that).
+  Board chain = fast;
   auto rank_tag = [&](int r) { return R > 1 ? "@" + std::to_string(r) : std::string(); };
 
   // Streaming (DESIGN.md, "Scale and backends"). last_read[n]: the last slot
@@ -415,31 +414,35 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
     }
     for (int r = 0; r < R; ++r)
       for (auto& [n, t] : primary_out.ranks[size_t(r)]) fast.ranks[size_t(r)][n] = t;
-    // The reference chain advances with the primary's reference function.
+    // The reference chain advances with the primary's reference function:
+    // reused from the stage check while the chain is the fast board (every
+    // tensor the same storage), else run on the chain. Either way, an output
+    // equal to the fast one, byte for byte, shares the fast storage, so the
+    // chain holds its own copy only where it differs.
+    Board next;
+    next.ranks.resize(size_t(R));
     if (!adopt_reason.empty()) {
       rep.notes.push_back(adopt_reason);
-      for (int r = 0; r < R; ++r)
-        for (auto& [n, t] : primary_out.ranks[size_t(r)]) chain.ranks[size_t(r)][n] = t.clone();
+      next = primary_out;
     } else if (chain_is_fast && refs.count(primary)) {
-      for (int r = 0; r < R; ++r)
-        for (auto& [n, t] : refs[primary].ranks[size_t(r)]) {
-          const auto fi = fast.ranks[size_t(r)].find(n);
-          const bool same = fi != fast.ranks[size_t(r)].end() && fi->second.type == t.type &&
-                            fi->second.shape == t.shape &&
-                            (t.bytes() == 0 || std::memcmp(fi->second.data(), t.data(), t.bytes()) == 0);
-          chain.ranks[size_t(r)][n] = same ? fi->second : t;
-          chain_is_fast = chain_is_fast && same;
-        }
+      next = refs[primary];
     } else {
-      chain_is_fast = false;
-      Board next;
-      next.ranks.resize(size_t(R));
       RefCtx rc{c, chain, next};
       primary->ref(rc);
-      for (int r = 0; r < R; ++r)
-        for (auto& [n, t] : next.ranks[size_t(r)]) chain.ranks[size_t(r)][n] = t;
     }
-    if (!adopt_reason.empty()) chain_is_fast = false;
+    for (int r = 0; r < R; ++r)
+      for (auto& [n, t] : next.ranks[size_t(r)]) {
+        const auto fi = fast.ranks[size_t(r)].find(n);
+        const bool same = fi != fast.ranks[size_t(r)].end() && fi->second.type == t.type && fi->second.shape == t.shape &&
+                          (t.bytes() == 0 || std::memcmp(fi->second.data(), t.data(), t.bytes()) == 0);
+        chain.ranks[size_t(r)][n] = same ? fi->second : t;
+      }
+    chain_is_fast = true;
+    for (int r = 0; r < R; ++r)
+      for (const auto& [n, t] : chain.ranks[size_t(r)]) {
+        const auto fi = fast.ranks[size_t(r)].find(n);
+        if (fi != fast.ranks[size_t(r)].end() && fi->second.storage != t.storage) chain_is_fast = false;
+      }
     refs.clear();
     last_refout = Board{};
     ran.clear();

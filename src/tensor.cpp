@@ -126,4 +126,18 @@ double value_at(const Tensor& t, int64_t i) {
 
 uint64_t checksum(const Tensor& t) { return XXH3_64bits(t.data(), t.bytes()); }
 
+bool any_nonzero(const Tensor& t) {
+  const uint8_t* p = static_cast<const uint8_t*>(t.data());
+  const int64_t n = t.numel();
+  const size_t eb = elem_bytes(t.type);
+  // The magnitude bits of a float (all bits of an integer) are non-zero.
+  const uint64_t mask = t.type == ElemType::f32 ? 0x7FFFFFFFu : t.type == ElemType::bf16 || t.type == ElemType::f16 ? 0x7FFFu : ~0ull;
+  for (int64_t i = 0; i < n; ++i) {
+    uint64_t u = 0;
+    std::memcpy(&u, p + size_t(i) * eb, eb);
+    if (u & mask) return true;
+  }
+  return false;
+}
+
 }  // namespace moev

@@ -49,6 +49,9 @@ std::vector<int64_t> to_ints(const Tensor& t);
 Tensor from_ints(const std::vector<int64_t>& v, ElemType t, std::vector<int64_t> shape);
 /// Value i as double (floats and ints alike).
 double value_at(const Tensor& t, int64_t i);
+/// Whether any element is non-zero (-0.0 counts as zero, NaN as non-zero);
+/// stops at the first one.
+bool any_nonzero(const Tensor& t);
 /// XXH3 of the bytes: detects a modified input.
 uint64_t checksum(const Tensor& t);
 
