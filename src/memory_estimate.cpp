@@ -1,9 +1,9 @@
-// The peak-memory estimate and its limit. The estimate is deliberately
-// generous: the runner keeps every stage's fast and reference outputs for all
-// ranks (stage isolation, DESIGN.md idea 5) plus the EP = 1 invariance rerun,
-// and the reference converts whole tensors to float. It must never be below
-// what a case really uses; `moeverify run` prints it beside the measured peak
-// of every case so that this stays checked.
+// The peak-memory estimate and its limit. The runner streams (DESIGN.md,
+// "Scale and backends"): a slot holds its inputs, each variant's outputs and
+// the reference's, and tensors leave the boards after the last slot that
+// reads them; the reference chain shares every tensor equal to the fast one.
+// The estimate must never be below what a case really uses; `moeverify run`
+// prints it beside the measured peak of every case so that this stays checked.
 #include "memory_estimate.h"
 
 #include <sys/resource.h>
@@ -28,15 +28,23 @@ namespace {
 // one term (and kept 1.2x to 2x above it: see tests/cli_contract.sh, which
 // runs a mid-size case and compares). "Act" copies are in the case's dtype,
 // "float" copies are the reference's fp32 views of the same elements.
-//  - token rows (x, shared_out, out): fast board, reference chain, a slot's
-//    variants and its reference; measured about 7-8 fp32 copies.
-constexpr double kTokenAct = 6, kTokenFloat = 4;
+//  - token rows (x, shared_out, out): fast board, a slot's variants and its
+//    reference in act; the end-to-end error scale and the reference
+//    combine's accumulators in fp32.
+constexpr double kTokenAct = 4, kTokenFloat = 2;
 //  - routed rows (routed_input, recv, permuted, unpadded, recv_out,
-//    routed_output), per row routed: measured about 12 fp32 copies.
-constexpr double kRoutedAct = 11, kRoutedFloat = 4;
+//    routed_output), per row routed, in act: at a slot the input, the
+//    primary's output and the reference's, plus one per extra variant that
+//    may run (equal-count permute, equal-split or force-LB all-to-all) and
+//    the chain's own copy where it differs from the fast rows (SwiGLU).
+constexpr double kRoutedAct = 3.5;
+//  - the reference's fp32 views of one rank's routed rows at a time (the
+//    end-to-end error scale), per row of the largest rank.
+constexpr double kRoutedFloatPerRank = 2;
 //  - padded rows (expert_input, expert_output) incl. worst-case alignment
-//    padding, E * A rows in all: measured about 5 fp32 copies.
-constexpr double kPaddedAct = 5, kPaddedFloat = 2;
+//    padding, E * A rows in all: the same copies as the routed rows (never
+//    both at once), and the SwiGLU reference's fp32 copy of its input.
+constexpr double kPaddedFloat = 1;
 //  - SwiGLU intermediates per padded row and ffn column: h13 (2F) and H (F)
 //    in the fast path, fp32 in the reference.
 constexpr double kSwigluAct = 3, kSwigluFloat = 3;
@@ -78,8 +86,12 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
 
   double b = 0;
   b += tokens * D * (kTokenAct * s + kTokenFloat * 4) + ranks * tail * (4 * s + 4);
-  b += routed * D * (kRoutedAct * s + kRoutedFloat * 4);
-  b += padded * D * (kPaddedAct * s + kPaddedFloat * 4);
+  const bool extra_permute = ranks > 1 && c.permute != PermuteMode::generic;
+  const bool extra_a2a = ranks > 1 && (c.equal_split.policy != EqualSplitPolicy::off ||
+                                       c.router.force_load_balance == Switch::on);
+  const double routed_copies = kRoutedAct + (extra_permute ? 1 : 0) + (extra_a2a ? 1 : 0) + (swiglu ? 1 : 0);
+  // One slot at a time holds these rows: the padded count bounds the routed one.
+  b += padded * D * (routed_copies * s + (swiglu ? kPaddedFloat * 4 : 0)) + tokens_max * K * D * kRoutedFloatPerRank * 4;
   if (swiglu) b += padded * F * (kSwigluAct * s + kSwigluFloat * 4);
   if (shared_swiglu) b += tokens * F * (kSwigluAct * s + kSwigluFloat * 4);
   b += equal_rows * D * (3 * s + 4);
@@ -108,13 +120,15 @@ double estimate_case_bytes(const Case& c, int threads) {
     total += double(c.tokens_on(r)) + sp_pad;
     most = std::max(most, double(c.tokens_on(r)) + sp_pad);
   }
-  double b = kBaseBytes + pipeline_bytes(c, total, most, double(c.ep), threads);
-  if (c.sp > 1) b += 3 * total * double(c.hidden) * 4;
-  // EP invariance: an EP = 1 rerun of each rank's tokens, one at a time,
-  // while the EP run's boards are still held.
-  if (c.ep > 1) b += pipeline_bytes(c, most, most, 1, threads);
-  // SP invariance: an sp = 1 rerun of the whole case, after this run's boards.
-  if (c.sp > 1) b += pipeline_bytes(c, total, most, double(c.ep), threads);
+  const double sp_rows = c.sp > 1 ? 3 * total * double(c.hidden) * 4 : 0;
+  const double main_run = kBaseBytes + pipeline_bytes(c, total, most, double(c.ep), threads) + sp_rows;
+  // After the pipeline only its results stay (out in act, its fp32 error
+  // scale, sp_out) while the invariance reruns run one at a time: an EP = 1
+  // rerun of each rank's tokens, then an sp = 1 rerun of the whole case.
+  const double results = kBaseBytes + sp_rows + total * double(c.hidden) * (2 * double(elem_bytes(act_elem(c.dtype))) + 4);
+  double b = main_run;
+  if (c.ep > 1) b = std::max(b, results + pipeline_bytes(c, most, most, 1, threads));
+  if (c.sp > 1) b = std::max(b, results + pipeline_bytes(c, total, most, double(c.ep), threads));
   return b;
 }
 
