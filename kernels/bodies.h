@@ -7,12 +7,17 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "dtype.h"
 
 namespace moev::k {
 
 constexpr int kMaxTopK = 32;    // per-token scratch in the combine body
+/// Columns of one combine span on the host executor: the span's running
+/// values (kCombineSpan fp32, 1 KiB) stay in L1 while the K routed rows
+/// stream through, and the inner loops over the span are contiguous.
+constexpr int kCombineSpan = 256;
 constexpr int kMaxGroups = 64;  // per-token scratch in group-limited routing
 
 enum class ScoreFunc : uint8_t { softmax, sigmoid };
@@ -22,6 +27,9 @@ enum class TieBreak : uint8_t { lower_id, higher_id /* planted fault */ };
 enum class Accumulate : uint8_t { per_add, fp32_accumulate };
 enum class ScoreApply : uint8_t { after_experts, before_experts };
 enum class SharedAdd : uint8_t { none, add_after };
+/// Where the combine's scatter target starts: the `init` buffer, or zeros
+/// (the default out-of-place combine, which then reads no init buffer).
+enum class CombineInit : uint8_t { buffer, zeros };
 enum class CombineOrder : uint8_t { ascending_row, descending_row /* planted fault */ };
 enum class SoftmaxShift : uint8_t { subtract_max, none /* planted fault */ };
 enum class GroupTie : uint8_t { lower_group, higher_group /* planted fault */ };
@@ -129,6 +137,30 @@ struct RouterBody {
   }
 };
 
+/// Copies the n elements of one row span, as lane `lane` of `lanes`. One
+/// lane (the host executor) copies the contiguous span with memcpy, at copy
+/// speed; several lanes (the CUDA executor) interleave element by element,
+/// so neighbouring threads touch neighbouring elements (coalesced).
+template <class T>
+MOEV_HD inline void copy_row(T* dst, const T* src, int64_t n, int lane, int lanes) {
+  if (lanes == 1) {
+    memcpy(dst, src, size_t(n) * sizeof(T));
+    return;
+  }
+  for (int64_t c = lane; c < n; c += lanes) dst[c] = src[c];
+}
+
+/// Zeroes the n elements of one row span (all-zero bits are +0 in every
+/// activation type), as copy_row splits the work.
+template <class T>
+MOEV_HD inline void zero_row(T* dst, int64_t n, int lane, int lanes) {
+  if (lanes == 1) {
+    memset(dst, 0, size_t(n) * sizeof(T));
+    return;
+  }
+  for (int64_t c = lane; c < n; c += lanes) dst[c] = from_float<T>(0.f);
+}
+
 /// Local dispatch gather (CONTRACT §2) for dispatch row i: perm[i] is the flat
 /// assignment a = t*K + k of row i. Writes the row, token_sorted[i],
 /// score_sorted[i] and the inverse map row_of[a] = i.
@@ -161,7 +193,7 @@ struct GatherBody {
     if (apply == ScoreApply::before_experts) {
       for (int64_t c = lane; c < D; c += lanes) dst[c] = from_float<T>(to_float(src[c]) * sm);
     } else {
-      for (int64_t c = lane; c < D; c += lanes) dst[c] = src[c];
+      copy_row(dst, src, D, lane, lanes);
     }
   }
 };
@@ -192,14 +224,23 @@ struct SwigluBody {
 /// token, row_of[t*K + k], are visited in ascending row order (= ascending
 /// expert id) and each contribution y = round(float(routed_out[row]) * s) is
 /// added per the accumulate mode, starting from init[t]. No atomics: the token
-/// owns its output row. `out` may equal `init` (in-place); it must overlap no
-/// other input, which the caller guarantees (kernels/combine.h).
-template <class T>
+/// owns its output row. `out` may equal `init` (in-place): a span reads its
+/// init values before it writes them; `out` must overlap no other input,
+/// which the caller guarantees (combine_in_place).
+///
+/// Index space: item = token; lane `lane` of `lanes` owns the column spans
+/// [c0, c0 + W) with c0 = (lane + j * lanes) * W. The host executor runs lane
+/// 0 of 1 with W = kCombineSpan: the row is walked in L1-sized spans, each
+/// with contiguous, branch-free inner loops over the span (vectorised). The
+/// CUDA executor runs W = 1: one column per thread, coalesced. Every column
+/// goes through the same operations in the same order whatever W, so the
+/// result is bit-identical across executors and span widths.
+template <class T, int W = 1>
 struct CombineBody {
   const T* routed_out;   // (N, D)
   const float* score_sorted;  // (N)
   const int32_t* row_of;      // (T*K)
-  const T* init;         // (T, D) initial value of the scatter target
+  const T* init;         // (T, D) initial value of the scatter target; unread under CombineInit::zeros
   const T* shared;       // (T, D) added after the scatter when shared_add == add_after
   T* out;                // (T, D)
   int64_t D;
@@ -209,6 +250,7 @@ struct CombineBody {
   SharedAdd shared_add;
   CombineOrder order;
   ScoreMultiply smul = ScoreMultiply::fp32;
+  CombineInit init_from = CombineInit::buffer;
 
   MOEV_HD void operator()(int64_t t, int lane, int lanes) const {
     int32_t rows[kMaxTopK];
@@ -221,21 +263,44 @@ struct CombineBody {
       }
       rows[j] = r;
     }
-    for (int64_t c = lane; c < D; c += lanes) {
-      float v = to_float(init[t * D + c]);
-      float wide = v;
-      for (int k = 0; k < K; ++k) {
-        const int32_t r = rows[k];
-        float y = to_float(routed_out[int64_t(r) * D + c]);
-        if (apply == ScoreApply::after_experts)
-          y = round_to<T>(y * (smul == ScoreMultiply::act ? round_to<T>(score_sorted[r]) : score_sorted[r]));
-        if (acc == Accumulate::per_add) v = round_to<T>(v + y);
-        else wide += y;
-      }
-      if (acc == Accumulate::fp32_accumulate) v = round_to<T>(wide);
-      if (shared_add == SharedAdd::add_after) v = round_to<T>(v + to_float(shared[t * D + c]));
-      out[t * D + c] = from_float<T>(v);
+    for (int64_t c0 = int64_t(lane) * W; c0 < D; c0 += int64_t(lanes) * W)
+      span(t, rows, c0, D - c0 < W ? int(D - c0) : W);
+  }
+
+  /// Columns [c0, c0 + n) of token t, n <= W. v holds the running value:
+  /// representable in T under per_add (rounded after every addition), the
+  /// fp32 sum under fp32_accumulate (rounded once at the end).
+  MOEV_HD void span(int64_t t, const int32_t* rows, int64_t c0, int n) const {
+    float v[W];
+    if (init_from == CombineInit::zeros) {
+      for (int i = 0; i < n; ++i) v[i] = 0.f;
+    } else {
+      const T* in = init + t * D + c0;
+      for (int i = 0; i < n; ++i) v[i] = to_float(in[i]);
     }
+    for (int k = 0; k < K; ++k) {
+      const T* y = routed_out + int64_t(rows[k]) * D + c0;
+      if (apply == ScoreApply::after_experts) {
+        const float s = smul == ScoreMultiply::act ? round_to<T>(score_sorted[rows[k]]) : score_sorted[rows[k]];
+        if (acc == Accumulate::per_add)
+          for (int i = 0; i < n; ++i) v[i] = round_to<T>(v[i] + round_to<T>(to_float(y[i]) * s));
+        else
+          for (int i = 0; i < n; ++i) v[i] += round_to<T>(to_float(y[i]) * s);
+      } else {
+        if (acc == Accumulate::per_add)
+          for (int i = 0; i < n; ++i) v[i] = round_to<T>(v[i] + to_float(y[i]));
+        else
+          for (int i = 0; i < n; ++i) v[i] += to_float(y[i]);
+      }
+    }
+    if (acc == Accumulate::fp32_accumulate)
+      for (int i = 0; i < n; ++i) v[i] = round_to<T>(v[i]);
+    if (shared_add == SharedAdd::add_after) {
+      const T* sh = shared + t * D + c0;
+      for (int i = 0; i < n; ++i) v[i] = round_to<T>(v[i] + to_float(sh[i]));
+    }
+    T* o = out + t * D + c0;
+    for (int i = 0; i < n; ++i) o[i] = from_float<T>(v[i]);
   }
 };
 
@@ -251,12 +316,8 @@ struct RowMapBody {
   MOEV_HD void operator()(int64_t i, int lane, int lanes) const {
     const int64_t m = map[i];
     T* d = dst + i * D;
-    if (m < 0) {
-      for (int64_t c = lane; c < D; c += lanes) d[c] = from_float<T>(0.f);
-    } else {
-      const T* s = src + m * D;
-      for (int64_t c = lane; c < D; c += lanes) d[c] = s[c];
-    }
+    if (m < 0) zero_row(d, D, lane, lanes);
+    else copy_row(d, src + m * D, D, lane, lanes);
   }
 };
 
@@ -269,9 +330,7 @@ struct FnRowMapBody {
   int64_t D;
 
   MOEV_HD void operator()(int64_t i, int lane, int lanes) const {
-    const T* s = src + map(i) * D;
-    T* d = dst + i * D;
-    for (int64_t c = lane; c < D; c += lanes) d[c] = s[c];
+    copy_row(dst + i * D, src + map(i) * D, D, lane, lanes);
   }
 };
 

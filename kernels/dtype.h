@@ -47,11 +47,17 @@ template <class T> MOEV_HD inline T from_float(float f);
 
 template <> MOEV_HD inline float from_float<float>(float f) { return f; }
 
+/// bf16 rounding in 32-bit lanes: RNE by adding 0x7fff plus the kept lsb,
+/// NaN made quiet by setting the top mantissa bit. Written as a select, not a
+/// branch, so that loops over spans vectorise (kernels/bodies.h combine).
+MOEV_HD inline uint32_t bf16_round_bits32(uint32_t u) {
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  const uint32_t quiet_nan = (u | 0x00400000u) & 0xffff0000u;
+  return (u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
+}
+
 template <> MOEV_HD inline bf16 from_float<bf16>(float f) {
-  uint32_t u = f32_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{uint16_t((u >> 16) | 0x40u)};
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return bf16{uint16_t(u >> 16)};
+  return bf16{uint16_t(bf16_round_bits32(f32_bits(f)) >> 16)};
 }
 
 template <> MOEV_HD inline fp16 from_float<fp16>(float f) {
@@ -78,6 +84,9 @@ template <> MOEV_HD inline fp16 from_float<fp16>(float f) {
 
 /// round_act(v): one RNE rounding of an fp32 value to the activation type T.
 template <class T> MOEV_HD inline float round_to(float v) { return to_float(from_float<T>(v)); }
+template <> MOEV_HD inline float round_to<float>(float v) { return v; }
+/// The same value as to_float(from_float<bf16>(v)), without leaving 32-bit lanes.
+template <> MOEV_HD inline float round_to<bf16>(float v) { return f32_from_bits(bf16_round_bits32(f32_bits(v))); }
 
 inline const char* dtype_name(DType d) {
   switch (d) {

@@ -319,17 +319,29 @@ void experts_swiglu_batched(const ExecCtx& ctx, DType dt, const void* X, int64_t
   });
 }
 
-void combine(const ExecCtx& ctx, const CombineArgs& a, const void* init, void* out) {
+namespace {
+
+void combine_impl(const ExecCtx& ctx, const CombineArgs& a, k::CombineInit init_from, const void* init, void* out) {
   dispatch_dtype(a.dt, [&](auto tag) {
     using T = decltype(tag);
-    k::CombineBody<T> body{static_cast<const T*>(a.routed_out), a.score_sorted, a.row_of,
-                           static_cast<const T*>(init), static_cast<const T*>(a.shared),
-                           static_cast<T*>(out), a.D, a.K, a.apply, a.acc, a.shared_add,
-                           ctx.faults.has(Fault::unordered_combine) ? k::CombineOrder::descending_row
-                                                                    : k::CombineOrder::ascending_row,
-                           a.smul};
+    k::CombineBody<T, k::kCombineSpan> body{static_cast<const T*>(a.routed_out), a.score_sorted, a.row_of,
+                                            static_cast<const T*>(init), static_cast<const T*>(a.shared),
+                                            static_cast<T*>(out), a.D, a.K, a.apply, a.acc, a.shared_add,
+                                            ctx.faults.has(Fault::unordered_combine) ? k::CombineOrder::descending_row
+                                                                                     : k::CombineOrder::ascending_row,
+                                            a.smul, init_from};
     host_run(ctx, a.T, body);
   });
+}
+
+}  // namespace
+
+void combine(const ExecCtx& ctx, const CombineArgs& a, const void* init, void* out) {
+  combine_impl(ctx, a, k::CombineInit::buffer, init, out);
+}
+
+void combine_from_zeros(const ExecCtx& ctx, const CombineArgs& a, void* out) {
+  combine_impl(ctx, a, k::CombineInit::zeros, nullptr, out);
 }
 
 bool ranges_overlap(ByteRange a, ByteRange b) {

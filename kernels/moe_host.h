@@ -124,6 +124,9 @@ struct CombineArgs {
 
 /// Out-of-place combine: out = init + ordered scatter (init and out distinct).
 void combine(const ExecCtx& ctx, const CombineArgs& a, const void* init, void* out);
+/// Out-of-place combine from zeros: out = 0 + ordered scatter (CONTRACT §2,
+/// the default target), without reading or allocating an init buffer.
+void combine_from_zeros(const ExecCtx& ctx, const CombineArgs& a, void* out);
 
 struct ByteRange {
   const void* p = nullptr;

@@ -17,6 +17,7 @@
 
 #include <unistd.h>
 
+#include "bench.h"
 #include "case.h"
 #include "comm.h"
 #include "cuda_probe.h"
@@ -273,6 +274,63 @@ void check_backend(const std::string& backend) {
   bad_input("--backend: unknown backend '" + printable(backend) + "'; valid: host | cuda");
 }
 
+struct BenchArgs {
+  std::vector<std::string> files, sets;
+  std::string threads, repeat = "5", warmup = "1", json, plot, only, backend = "host", max_memory;
+  bool sweep = false;
+};
+
+int cmd_bench(const CLI::App* cmd, const BenchArgs& a) {
+  check_backend(a.backend);
+  if (launched_under_mpi()) bad_input("bench: runs its EP ranks in one process; valid: start it without mpirun");
+  BenchOptions o;
+  o.threads = cmd->count("--threads") ? parse_int_option("--threads", a.threads, 1, 256)
+                                      : int(std::max(1u, std::thread::hardware_concurrency()));
+  o.repeat = parse_int_option("--repeat", a.repeat, 1, 100000);
+  o.warmup = parse_int_option("--warmup", a.warmup, 0, 100000);
+  o.sweep = a.sweep;
+  o.sets = a.sets;
+  const MemoryLimit limit = memory_limit(cmd, a.max_memory);
+  if (cmd->count("--case") && a.only.empty())
+    bad_input("--case: the name is empty; valid: a case name as `moeverify validate FILE` lists it");
+  const bool want_json = cmd->count("--json") > 0, want_plot = cmd->count("--plot") > 0;
+  if (want_json && a.json.empty()) bad_input("--json: the path is empty; valid: a file path such as bench.json");
+  if (want_plot && a.plot.empty()) bad_input("--plot: the path is empty; valid: a file path such as bench.svg");
+  std::vector<std::pair<std::string, Case>> selected;
+  for (const auto& f : a.files)
+    for (const auto& c : load_cases(f, a.sets))
+      if (!cmd->count("--case") || c.name == a.only) selected.push_back({f, c});
+  if (selected.empty())
+    bad_input("--case " + printable(a.only) + ": no case of that name in the given files; " +
+              "valid: a name as `moeverify validate FILE` lists it");
+  for (const auto& [f, c] : selected) check_case_memory(c, o.threads, limit.bytes, limit.origin);
+  if (want_json) check_output_file("--json", a.json);
+  if (want_plot) check_output_file("--plot", a.plot);
+  std::cout << "moeverify " << MOEVERIFY_VERSION << " bench  threads=" << o.threads << "  repeat=" << o.repeat
+            << "  warmup=" << o.warmup << "  backend=host\n";
+  std::vector<CaseBench> all;
+  Outcome worst_all = Outcome::PASSED;
+  for (size_t i = 0; i < selected.size(); ++i) {
+    std::cerr << "[" << i + 1 << "/" << selected.size() << "] " << selected[i].second.name << "\n";
+    o.file = selected[i].first;
+    all.push_back(bench_case(selected[i].second, o, std::cerr));
+    print_bench(all.back(), std::cout);
+    worst_all = worst(worst_all, all.back().outcome);
+  }
+  if (worst_all != Outcome::PASSED)
+    std::cout << "\nWARNING: a verifying run was " << outcome_name(worst_all)
+              << ": the timings are of a fast path that is not verified\n";
+  if (want_json) {
+    const std::string err = write_file(a.json, {bench_json(all, o)});
+    if (!err.empty()) bad_input("--json: " + err + "; valid: a writable file path such as bench.json");
+  }
+  if (want_plot) {
+    const std::string err = write_file(a.plot, {bench_svg(all)});
+    if (!err.empty()) bad_input("--plot: " + err + "; valid: a writable file path such as bench.svg");
+  }
+  return exit_status(worst_all);
+}
+
 struct FuzzArgs {
   std::string seconds, iterations, seed, jobs = "1", backend = "host", out = "fuzz-failures", json;
   std::vector<std::string> faults;
@@ -330,7 +388,7 @@ int cmd_selftest(const CLI::App* cmd, const SelftestArgs& a) {
 /// A command-line parse error as one line: an unknown command is named, and
 /// CLI11's multi-line texts are joined.
 std::string cli_error(const CLI::App& app, const CLI::ParseError& e, int argc, char** argv) {
-  const std::string valid = "valid: run, validate, list, fuzz, selftest, export or check (see moeverify --help)";
+  const std::string valid = "valid: run, validate, list, fuzz, selftest, bench, export or check (see moeverify --help)";
   if (app.get_subcommands().empty()) {
     for (int i = 1; i < argc; ++i) {
       const std::string arg = argv[i];
@@ -422,6 +480,20 @@ int main(int argc, char** argv) {
   st->add_option("--jobs", sa.jobs, "configurations run at once (default 1)")->type_name("N");
   st->add_option("--json", sa.json, "also write the table as JSON");
 
+  BenchArgs ba;
+  auto* bn = app.add_subcommand("bench", "time every stage variant against a memcpy of the same bytes (README: Benchmarks)");
+  bn->add_option("files", ba.files, "case files (YAML)")->required();
+  bn->add_option("--set", ba.sets, "override a case key, as for run");
+  bn->add_option("--case", ba.only, "bench only the case of this name");
+  bn->add_option("--threads", ba.threads, "host executor threads, 1 to 256 (default: the core count)")->type_name("INT");
+  bn->add_option("--repeat", ba.repeat, "timed calls of each fast function (default 5)")->type_name("N");
+  bn->add_option("--warmup", ba.warmup, "untimed calls before them (default 1)")->type_name("N");
+  bn->add_option("--json", ba.json, "also write the results as JSON (schema moeverify-bench/1)");
+  bn->add_option("--plot", ba.plot, "also draw the roof shares (and the --sweep growth) as an SVG file");
+  bn->add_flag("--sweep", ba.sweep, "also verify each case at 1/4, 1/2 and 1 of its T, D and R: time and peak memory");
+  bn->add_option("--backend", ba.backend, "host (default) | cuda");
+  bn->add_option("--max-memory", ba.max_memory, mem_help)->type_name("SIZE");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -438,6 +510,7 @@ int main(int argc, char** argv) {
     if (val->parsed()) return cmd_validate(val, vfiles, vsets, keys, vmax_memory);
     if (fz->parsed()) return cmd_fuzz(fz, fa);
     if (st->parsed()) return cmd_selftest(st, sa);
+    if (bn->parsed()) return cmd_bench(bn, ba);
     if (exp->parsed()) return cmd_export(ex_file, ex_dir, ex_case, exp->count("--case") > 0, ex_sets);
     if (chk->parsed()) return cmd_check(ck_dir, ck_actual, chk->count("--actual") > 0, ck_json, chk->count("--json") > 0);
     return cmd_list();

@@ -103,7 +103,8 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
   // Per thread: the GEMM's thread-local fp32 copies of one weight matrix (at
   // most 2F x D or E x D), a 64-row tile of X and of the product.
   const double nthreads = ranks + double(threads);
-  const double per_thread = 4 * (std::max(2 * F * D, E * D) + 64 * (D + F) + 64 * std::max(2 * F, E));
+  const double Fg = swiglu || shared_swiglu ? F : 0;  // F is no GEMM's dimension without SwiGLU
+  const double per_thread = 4 * (std::max(2 * Fg * D, E * D) + 64 * (D + Fg) + 64 * std::max(2 * Fg, E));
   b += nthreads * (per_thread + kThreadBytes);
   return b;
 }

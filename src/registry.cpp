@@ -27,6 +27,9 @@ const Tensor& FastCtx::input(const std::string& name) const {
 
 Tensor& FastCtx::output(const std::string& name, ElemType t, std::vector<int64_t> shape) {
   Tensor& r = out[name];
+  if (buffers == OutputBuffers::reuse && r.storage && r.type == t && r.shape == shape && r.offset_bytes == 0 &&
+      r.storage.use_count() == 1)
+    return r;
   r = Tensor::alloc(t, std::move(shape), 0xFF);
   return r;
 }

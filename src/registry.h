@@ -91,6 +91,13 @@ const std::string& magnitude_slot();
 /// invariance): the streaming runner never drops them.
 const std::set<std::string>& pipeline_results();
 
+/// How FastCtx::output provides a buffer. `fresh`: newly allocated and
+/// poisoned on every call (the runner: no vacuous pass). `reuse`: an output
+/// already on the board under that name, type and shape is handed back as
+/// it is, neither reallocated nor poisoned; `moeverify bench` times repeated
+/// calls this way, so that it measures the fast path, not the allocator.
+enum class OutputBuffers : uint8_t { fresh, reuse };
+
 /// What a fast function sees for one rank.
 struct FastCtx {
   const Case& c;
@@ -101,9 +108,10 @@ struct FastCtx {
   RankBoard& out;
   std::vector<std::string>& notes;  // shown under the stage in the report
   std::string* skipped = nullptr;   // set by skip()
+  OutputBuffers buffers = OutputBuffers::fresh;
 
   const Tensor& input(const std::string& name) const;
-  /// A poisoned (0xFF) output registered under `name`.
+  /// A poisoned (0xFF) output registered under `name` (see OutputBuffers).
   Tensor& output(const std::string& name, ElemType t, std::vector<int64_t> shape);
   /// The variant does not apply to this data (a precondition on received
   /// counts, say); every rank must agree. It is reported as not taken.

@@ -699,10 +699,18 @@ void register_local_stages(std::vector<Stage>& reg) {
     s.inputs = combine_inputs;
     s.outputs = {{"out", CompareClass::exact, Coords::token_col, promise_combined}};
     s.fast = [](FastCtx& ctx) {
+      const Case& c = ctx.c;
       const Tensor& x = ctx.input("x");
-      const Tensor init = from_floats(combine_init(ctx.c, ctx.in), x.type, x.shape);
       Tensor& out = ctx.output("out", x.type, x.shape);
-      combine(ctx.exec, combine_args(ctx), init.data(), out.data());
+      // The default target starts at zeros: no init buffer to build or read.
+      const bool zeros = c.combine.buffer == OutBuffer::fresh &&
+                         !(c.shared.kind != SharedKind::none && c.shared.order == SharedOrder::init_with_shared);
+      if (zeros) {
+        combine_from_zeros(ctx.exec, combine_args(ctx), out.data());
+      } else {
+        const Tensor init = from_floats(combine_init(c, ctx.in), x.type, x.shape);
+        combine(ctx.exec, combine_args(ctx), init.data(), out.data());
+      }
     };
     s.ref = ref_combine;
     reg.push_back(s);

@@ -1,0 +1,521 @@
+#include "bench.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iomanip>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+#include "comm.h"
+#include "error.h"
+#include "memory_estimate.h"
+#include "registry.h"
+#include "runner.h"
+#include "version.h"
+
+namespace moev {
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+double seconds_since(clock_type::time_point t) {
+  return std::chrono::duration<double>(clock_type::now() - t).count();
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/// The roof: the fastest of `repeat` memcpys of `bytes` bytes (after one
+/// untimed copy), split into `threads` contiguous chunks copied in parallel,
+/// as the host executor splits its rows. Buffers are kept between calls.
+double memcpy_seconds(double bytes, int threads, int repeat) {
+  static std::vector<uint8_t> src, dst;
+  const size_t n = size_t(bytes);
+  if (n == 0) return 0;
+  if (src.size() < n) {
+    src.assign(n, 1);  // touched: page faults are not part of the roof
+    dst.assign(n, 0);
+  }
+  const int chunks = std::max(1, threads);
+  auto copy = [&] {
+#pragma omp parallel for num_threads(chunks) schedule(static)
+    for (int i = 0; i < chunks; ++i) {
+      const size_t a = n / size_t(chunks) * size_t(i), b = i + 1 == chunks ? n : n / size_t(chunks) * size_t(i + 1);
+      std::memcpy(dst.data() + a, src.data() + a, b - a);
+    }
+  };
+  copy();
+  double best = 1e300;
+  for (int r = 0; r < std::max(1, repeat); ++r) {
+    const auto t = clock_type::now();
+    copy();
+    best = std::min(best, seconds_since(t));
+  }
+  return best;
+}
+
+/// Bytes of a (rows, D) activation tensor: the rows a data-movement stage moves.
+double row_bytes(const Tensor& t, int64_t D) {
+  return t.shape.size() == 2 && t.shape[1] == D ? double(t.bytes()) : 0.0;
+}
+
+bool is_all_to_all(const std::string& slot) { return slot == "ep_dispatch" || slot == "ep_combine"; }
+
+/// The bytes formula of a stage (README.md, "Benchmarks"), summed over ranks.
+/// `in` is the board the stage read, `out` what it wrote.
+std::pair<double, std::string> bytes_formula(const Stage& s, const Case& c, const Board& in,
+                                             const std::vector<RankBoard>& out) {
+  static const std::vector<std::string> row_moves = {"dispatch", "ep_permute", "ep_unpermute", "align_pad",
+                                                     "align_unpad"};
+  const bool identity = (s.slot == "experts" && s.variant == "identity") ||
+                        (s.slot == "shared_experts" && s.variant == "shared_identity");
+  double written_rows = 0, written = 0, read = 0;
+  for (const RankBoard& b : out)
+    for (const auto& [n, t] : b) {
+      written_rows += row_bytes(t, c.hidden);
+      written += double(t.bytes());
+    }
+  if (is_all_to_all(s.slot)) return {2 * written_rows, "2 x rows received (all-to-all)"};
+  if (identity || std::find(row_moves.begin(), row_moves.end(), s.slot) != row_moves.end())
+    return {2 * written_rows, "2 x rows written"};
+  if (s.slot == "combine") {
+    for (size_t r = 0; r < in.ranks.size(); ++r) read += row_bytes(in.at("routed_output", int(r)), c.hidden);
+    return {read + written_rows, "routed rows read + output rows written"};
+  }
+  for (size_t r = 0; r < in.ranks.size(); ++r)
+    for (const auto& n : s.inputs(c)) read += double(in.at(n, int(r)).bytes());
+  return {read + written, "inputs read + outputs written"};
+}
+
+/// Runs a stage's fast function on every rank of `in` (in-process ranks as
+/// threads with local comms, threads split among them as the runner does)
+/// and returns its wall seconds. Outputs go to `out`, reused between calls
+/// under OutputBuffers::reuse.
+double time_fast_once(const Stage& s, const Case& c, const Board& in, std::vector<RankBoard>& out, int threads,
+                      OutputBuffers buffers, std::string& skipped, std::string& error) {
+  const int R = int(in.ranks.size());
+  auto comms = make_local_comms(R, std::chrono::milliseconds(60000));
+  std::vector<std::string> skip(static_cast<size_t>(R)), err(static_cast<size_t>(R));
+  std::vector<std::vector<std::string>> notes(static_cast<size_t>(R));
+  auto one = [&](int r) {
+    ExecCtx ex{std::max(1, threads / R), FaultSet{}};
+    FastCtx ctx{c, r, R, ex, comms[size_t(r)].get(), in.ranks[size_t(r)], out[size_t(r)], notes[size_t(r)],
+                &skip[size_t(r)], buffers};
+    try {
+      s.fast(ctx);
+    } catch (const std::exception& e) {
+      err[size_t(r)] = e.what();
+      comms[size_t(r)]->abort(e.what());
+    }
+  };
+  const auto t0 = clock_type::now();
+  if (R == 1) {
+    one(0);
+  } else {
+    std::vector<std::thread> th;
+    for (int r = 0; r < R; ++r) th.emplace_back(one, r);
+    for (auto& t : th) t.join();
+  }
+  const double sec = seconds_since(t0);
+  for (int r = 0; r < R; ++r) {
+    if (skipped.empty() && !skip[size_t(r)].empty()) skipped = skip[size_t(r)];
+    if (error.empty() && !err[size_t(r)].empty()) error = "rank " + std::to_string(r) + ": " + err[size_t(r)];
+  }
+  return sec;
+}
+
+StageBench bench_stage(const Stage& s, const VariantDecision& vd, const Case& c, const Board& board,
+                       const BenchOptions& opt) {
+  StageBench b;
+  b.slot = s.slot;
+  b.variant = s.variant;
+  b.ref_seconds = vd.ref_seconds;
+  b.compare_seconds = vd.compare_seconds;
+  const int R = int(board.ranks.size());
+  for (const auto& n : s.inputs(c))
+    for (int r = 0; r < R; ++r)
+      if (!board.has(n, r)) {
+        b.note = "input '" + n + "' is not on the board of the run";
+        return b;
+      }
+  std::vector<RankBoard> out(static_cast<size_t>(R));
+  std::vector<double> times;
+  for (int i = 0; i < opt.warmup + opt.repeat; ++i) {
+    std::string skipped, error;
+    // The first call allocates (and poisons) the outputs; later calls reuse them.
+    const double sec = time_fast_once(s, c, board, out, opt.threads, i == 0 ? OutputBuffers::fresh : OutputBuffers::reuse,
+                                      skipped, error);
+    if (!error.empty() || !skipped.empty()) {
+      b.note = !error.empty() ? "fast stage failed: " + error : "skipped: " + skipped;
+      return b;
+    }
+    if (i >= opt.warmup) times.push_back(sec);
+  }
+  b.ran = true;
+  b.seconds_min = *std::min_element(times.begin(), times.end());
+  b.seconds_median = median(times);
+  std::tie(b.bytes, b.bytes_formula) = bytes_formula(s, c, board, out);
+  b.gbps = b.seconds_min > 0 ? b.bytes / b.seconds_min / 1e9 : 0;
+  b.roof_seconds = memcpy_seconds(b.bytes / 2, opt.threads, opt.repeat);
+  b.roof_gbps = b.roof_seconds > 0 ? b.bytes / b.roof_seconds / 1e9 : 0;
+  b.ratio_to_roof = b.seconds_min > 0 ? b.roof_seconds / b.seconds_min : 0;
+  if (is_all_to_all(s.slot) && b.seconds_min > 0) {
+    b.algbw_gbps = b.bytes / 2 / R / b.seconds_min / 1e9;
+    b.busbw_gbps = b.algbw_gbps * double(R - 1) / double(R);
+  }
+  return b;
+}
+
+/// Growth sweep: the case re-loaded with one of T, D, R scaled by 1/4, 1/2
+/// and 1 (the others as in the case), each verified once.
+std::vector<SweepPoint> run_sweep(const Case& c, const BenchOptions& opt, std::ostream& log) {
+  std::vector<SweepPoint> pts;
+  for (const char* axis : {"T", "D", "R"})
+    for (double scale : {0.25, 0.5, 1.0}) {
+      SweepPoint p;
+      p.axis = axis;
+      p.scale = scale;
+      p.tokens = c.tokens;
+      p.hidden = c.hidden;
+      p.ep = c.ep;
+      const std::string a = axis;
+      if (a == "T") p.tokens = std::max<int64_t>(1, int64_t(double(c.tokens) * scale));
+      if (a == "D") p.hidden = std::max<int64_t>(1, int64_t(double(c.hidden) * scale));
+      if (a == "R") p.ep = std::max(1, int(double(c.ep) * scale));
+      bool duplicate = false;  // R = 1 scales to 1 three times: run it once
+      for (const auto& q : pts) duplicate = duplicate || (q.axis == p.axis && q.tokens == p.tokens && q.hidden == p.hidden && q.ep == p.ep);
+      if (duplicate) continue;
+      std::vector<std::string> sets = opt.sets;
+      sets.push_back("shape.tokens=" + std::to_string(p.tokens));
+      sets.push_back("shape.hidden=" + std::to_string(p.hidden));
+      sets.push_back("ep=" + std::to_string(p.ep));
+      try {
+        const Case* found = nullptr;
+        const std::vector<Case> cases = load_cases(opt.file, sets);
+        for (const auto& k : cases)
+          if (k.name == c.name) found = &k;
+        if (!found) throw Error(ErrorKind::bad_input, "the case is not in the re-loaded file");
+        log << "  sweep " << axis << " x " << scale << ": T=" << p.tokens << " D=" << p.hidden << " R=" << p.ep << "\n";
+        RunOptions ro;
+        ro.threads = opt.threads;
+        reset_peak_rss();
+        const CaseReport rep = run_case(*found, ro);
+        p.peak_rss_bytes = peak_rss_bytes();
+        p.verify_seconds = rep.seconds;
+        p.estimated_bytes = estimate_case_bytes(*found, opt.threads);
+        p.ran = true;
+        if (rep.outcome != Outcome::PASSED) p.note = std::string("run was ") + outcome_name(rep.outcome);
+      } catch (const std::exception& e) {
+        p.note = e.what();
+      }
+      pts.push_back(p);
+    }
+  return pts;
+}
+
+std::string fmt(double v, int prec) {
+  std::ostringstream o;
+  o << std::fixed << std::setprecision(prec) << v;
+  return o.str();
+}
+
+std::string cpu_model() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("model name", 0) == 0) {
+      const size_t p = line.find(':');
+      return p == std::string::npos ? line : line.substr(p + 2);
+    }
+  return "unknown";
+}
+
+std::string xml_escape(const std::string& s) {
+  std::string o;
+  for (char ch : s) {
+    switch (ch) {
+      case '&': o += "&amp;"; break;
+      case '<': o += "&lt;"; break;
+      case '>': o += "&gt;"; break;
+      case '"': o += "&quot;"; break;
+      default: o += ch;
+    }
+  }
+  return o;
+}
+
+}  // namespace
+
+CaseBench bench_case(const Case& c, const BenchOptions& opt, std::ostream& log) {
+  CaseBench cb;
+  cb.c = c;
+  if (opt.sweep) cb.sweep = run_sweep(c, opt, log);  // first: nothing else held while peaks are measured
+  log << "  verifying " << c.name << "\n";
+  RunOptions ro;
+  ro.threads = opt.threads;
+  ro.keep = RunOptions::Keep::fast_board;
+  reset_peak_rss();
+  const CaseReport rep = run_case(c, ro);
+  cb.peak_rss_bytes = peak_rss_bytes();
+  cb.estimated_bytes = estimate_case_bytes(c, opt.threads);
+  cb.outcome = rep.outcome;
+  cb.verify_seconds = rep.seconds;
+  const VariantDecision* dispatch = nullptr;
+  const VariantDecision* combine = nullptr;
+  for (const std::string& slot : slot_order())
+    for (const Stage& s : registry()) {
+      if (s.slot != slot) continue;
+      const VariantDecision* vd = nullptr;
+      for (const auto& d : rep.decisions)
+        if (d.slot == s.slot && d.variant == s.variant) vd = &d;
+      if (!vd || !vd->ran) continue;
+      log << "  timing " << s.slot << "/" << s.variant << "\n";
+      cb.stages.push_back(bench_stage(s, *vd, c, rep.fast, opt));
+      if (!cb.stages.back().ran) continue;
+      if (vd->primary && slot == "dispatch") dispatch = vd, cb.dispatch_seconds = cb.stages.back().seconds_min;
+      if (vd->primary && slot == "combine") combine = vd, cb.combine_seconds = cb.stages.back().seconds_min;
+    }
+  if (dispatch && combine) {
+    for (int r = 0; r < int(rep.fast.ranks.size()); ++r)
+      if (rep.fast.has("routed_input", r)) cb.routed_bytes += row_bytes(rep.fast.at("routed_input", r), c.hidden);
+    cb.routed_memcpy_seconds = memcpy_seconds(cb.routed_bytes, opt.threads, opt.repeat);
+    const double t = cb.dispatch_seconds + cb.combine_seconds;
+    cb.roof_ratio = t > 0 ? 2 * cb.routed_memcpy_seconds / t : 0;
+  }
+  return cb;
+}
+
+void print_bench(const CaseBench& b, std::ostream& os) {
+  const Case& c = b.c;
+  os << "\ncase " << c.name << ": " << c.summary() << "\n";
+  os << "  verified: " << outcome_name(b.outcome) << " in " << fmt(b.verify_seconds, 3) << " s; "
+     << memory_line(b.estimated_bytes, b.peak_rss_bytes) << "\n";
+  os << "  " << std::left << std::setw(16) << "slot" << std::setw(24) << "variant" << std::right << std::setw(10)
+     << "min ms" << std::setw(10) << "med ms" << std::setw(11) << "MB" << std::setw(9) << "GB/s" << std::setw(10)
+     << "roof GB/s" << std::setw(8) << "%roof" << std::setw(10) << "ref ms" << std::setw(10) << "diff ms" << "\n";
+  for (const auto& s : b.stages) {
+    os << "  " << std::left << std::setw(16) << s.slot << std::setw(24) << s.variant << std::right;
+    if (!s.ran) {
+      os << "  not timed: " << s.note << "\n";
+      continue;
+    }
+    os << std::setw(10) << fmt(s.seconds_min * 1e3, 3) << std::setw(10) << fmt(s.seconds_median * 1e3, 3)
+       << std::setw(11) << fmt(s.bytes / 1e6, 1) << std::setw(9) << fmt(s.gbps, 2) << std::setw(10)
+       << fmt(s.roof_gbps, 2) << std::setw(8) << fmt(100 * s.ratio_to_roof, 1) << std::setw(10)
+       << fmt(s.ref_seconds * 1e3, 1) << std::setw(10) << fmt(s.compare_seconds * 1e3, 1) << "\n";
+  }
+  for (const auto& s : b.stages)
+    if (s.ran && is_all_to_all(s.slot))
+      os << "  all-to-all " << s.slot << "/" << s.variant << ": algbw " << fmt(s.algbw_gbps, 2) << " GB/s, busbw "
+         << fmt(s.busbw_gbps, 2) << " GB/s (nccl-tests: busbw = algbw x (R-1)/R)\n";
+  os << "  bytes: ";
+  std::map<std::string, std::vector<std::string>> by_formula;
+  for (const auto& s : b.stages)
+    if (s.ran) by_formula[s.bytes_formula].push_back(s.slot);
+  bool first = true;
+  for (auto& [f, slots] : by_formula) {
+    slots.erase(std::unique(slots.begin(), slots.end()), slots.end());
+    os << (first ? "" : "; ") << f << " (";
+    for (size_t i = 0; i < slots.size(); ++i) os << (i ? ", " : "") << slots[i];
+    os << ")";
+    first = false;
+  }
+  os << "\n";
+  if (b.roof_ratio > 0)
+    os << "  roof-ratio (dispatch + combine): 2 x memcpy of " << fmt(b.routed_bytes / 1e6, 1) << " MB routed rows "
+       << fmt(b.routed_memcpy_seconds * 1e3, 3) << " ms / (dispatch " << fmt(b.dispatch_seconds * 1e3, 3)
+       << " ms + combine " << fmt(b.combine_seconds * 1e3, 3) << " ms) = " << fmt(b.roof_ratio, 3) << "\n";
+  if (!b.sweep.empty()) {
+    os << "  growth (verify time, peak memory):\n";
+    for (const auto& p : b.sweep) {
+      os << "    " << p.axis << " x " << std::left << std::setw(5) << fmt(p.scale, 2) << std::right << " T=" << p.tokens
+         << " D=" << p.hidden << " R=" << p.ep << ": ";
+      if (!p.ran) {
+        os << "not run: " << p.note << "\n";
+        continue;
+      }
+      os << fmt(p.verify_seconds, 3) << " s, " << memory_line(p.estimated_bytes, p.peak_rss_bytes)
+         << (p.note.empty() ? "" : " (" + p.note + ")") << "\n";
+    }
+  }
+}
+
+std::string bench_json(const std::vector<CaseBench>& all, const BenchOptions& opt) {
+  using nlohmann::json;
+  json doc;
+  doc["schema"] = "moeverify-bench/1";
+  char host[256] = {0};
+  gethostname(host, sizeof host - 1);
+  const char* wait = std::getenv("OMP_WAIT_POLICY");
+  doc["machine"] = {{"hostname", host},
+                    {"cpu", cpu_model()},
+                    {"logical_cpus", int(std::thread::hardware_concurrency())},
+                    {"memory_bytes", double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE))},
+                    {"threads", opt.threads},
+                    {"omp_wait_policy", wait ? wait : ""},
+                    {"compiler", __VERSION__},
+                    {"moeverify", MOEVERIFY_VERSION}};
+  doc["repeat"] = opt.repeat;
+  doc["warmup"] = opt.warmup;
+  json cases = json::array();
+  for (const auto& b : all) {
+    const Case& c = b.c;
+    json jc;
+    jc["name"] = c.name;
+    jc["source"] = c.source;
+    jc["config"] = {{"summary", c.summary()}, {"tokens", c.tokens}, {"hidden", c.hidden}, {"ffn", c.ffn},
+                    {"experts", c.num_experts}, {"top_k", c.top_k}, {"ep", c.ep}, {"dtype", dtype_name(c.dtype)}};
+    jc["outcome"] = outcome_name(b.outcome);
+    jc["verify_seconds"] = b.verify_seconds;
+    jc["peak_rss_bytes"] = b.peak_rss_bytes;
+    jc["estimated_bytes"] = b.estimated_bytes;
+    json stages = json::array();
+    for (const auto& s : b.stages) {
+      json js = {{"slot", s.slot}, {"variant", s.variant}, {"backend", s.backend}, {"timed", s.ran}};
+      if (!s.ran) {
+        js["note"] = s.note;
+      } else {
+        js.update({{"seconds_min", s.seconds_min},
+                   {"seconds_median", s.seconds_median},
+                   {"bytes", s.bytes},
+                   {"bytes_formula", s.bytes_formula},
+                   {"gbps", s.gbps},
+                   {"roof_seconds", s.roof_seconds},
+                   {"roof_gbps", s.roof_gbps},
+                   {"ratio_to_roof", s.ratio_to_roof},
+                   {"ref_seconds", s.ref_seconds},
+                   {"compare_seconds", s.compare_seconds}});
+        if (is_all_to_all(s.slot)) js.update({{"algbw_gbps", s.algbw_gbps}, {"busbw_gbps", s.busbw_gbps}});
+      }
+      stages.push_back(js);
+    }
+    jc["stages"] = stages;
+    if (b.roof_ratio > 0)
+      jc["dispatch_combine"] = {{"routed_bytes", b.routed_bytes},
+                                {"memcpy_seconds", b.routed_memcpy_seconds},
+                                {"dispatch_seconds", b.dispatch_seconds},
+                                {"combine_seconds", b.combine_seconds},
+                                {"roof_ratio", b.roof_ratio}};
+    json sw = json::array();
+    for (const auto& p : b.sweep) {
+      json jp = {{"axis", p.axis}, {"scale", p.scale}, {"tokens", p.tokens}, {"hidden", p.hidden},
+                 {"ep", p.ep},     {"ran", p.ran}};
+      if (p.ran)
+        jp.update({{"verify_seconds", p.verify_seconds},
+                   {"peak_rss_bytes", p.peak_rss_bytes},
+                   {"estimated_bytes", p.estimated_bytes}});
+      if (!p.note.empty()) jp["note"] = p.note;
+      sw.push_back(jp);
+    }
+    jc["sweep"] = sw;
+    cases.push_back(jc);
+  }
+  doc["cases"] = cases;
+  return doc.dump(2) + "\n";
+}
+
+std::string bench_svg(const std::vector<CaseBench>& all) {
+  // Layout: per case, a bar chart of ratio_to_roof per timed stage (100% line
+  // marked), then, with a sweep, one panel per axis (T, D, R) plotting verify
+  // time and peak memory against the scale, each normalised to its largest value.
+  const int width = 900, bar_h = 16, label_w = 330, chart_w = 440;
+  std::ostringstream body;
+  int y = 30;
+  body << "<text x=\"10\" y=\"20\" font-size=\"16\" font-weight=\"bold\">moeverify bench: share of the memcpy roof"
+          "</text>\n";
+  for (const auto& b : all) {
+    y += 16;
+    body << "<text x=\"10\" y=\"" << y << "\" font-size=\"13\" font-weight=\"bold\">" << xml_escape(b.c.name + ": " + b.c.summary())
+         << "</text>\n";
+    y += 8;
+    double top = 1.0;
+    for (const auto& s : b.stages)
+      if (s.ran) top = std::max(top, s.ratio_to_roof);
+    const int y0 = y;
+    for (const auto& s : b.stages) {
+      if (!s.ran) continue;
+      const double w = chart_w * s.ratio_to_roof / top;
+      body << "<text x=\"" << label_w - 6 << "\" y=\"" << y + bar_h - 4 << "\" font-size=\"11\" text-anchor=\"end\">"
+           << xml_escape(s.slot + "/" + s.variant) << "</text>\n";
+      body << "<rect x=\"" << label_w << "\" y=\"" << y + 2 << "\" width=\"" << fmt(w, 1) << "\" height=\"" << bar_h - 4
+           << "\" fill=\"" << (s.ratio_to_roof >= 0.7 ? "#2a9d8f" : "#e76f51") << "\"/>\n";
+      body << "<text x=\"" << label_w + int(w) + 4 << "\" y=\"" << y + bar_h - 4 << "\" font-size=\"10\">"
+           << fmt(100 * s.ratio_to_roof, 1) << "% (" << fmt(s.gbps, 2) << " GB/s)</text>\n";
+      y += bar_h;
+    }
+    const double x100 = label_w + chart_w / top;
+    body << "<line x1=\"" << fmt(x100, 1) << "\" y1=\"" << y0 << "\" x2=\"" << fmt(x100, 1) << "\" y2=\"" << y
+         << "\" stroke=\"#264653\" stroke-dasharray=\"4 3\"/>\n";
+    body << "<text x=\"" << fmt(x100, 1) << "\" y=\"" << y + 12 << "\" font-size=\"10\" text-anchor=\"middle\">100% of memcpy"
+         << "</text>\n";
+    y += 20;
+    if (b.roof_ratio > 0) {
+      body << "<text x=\"10\" y=\"" << y << "\" font-size=\"11\">roof-ratio of dispatch + combine: "
+           << fmt(b.roof_ratio, 3) << "</text>\n";
+      y += 16;
+    }
+    if (b.sweep.empty()) continue;
+    y += 10;
+    body << "<text x=\"10\" y=\"" << y << "\" font-size=\"12\">growth with T, D, R (blue: verify time, orange: peak "
+            "memory; each scaled to its largest value)</text>\n";
+    y += 10;
+    const int pw = 260, ph = 120;
+    int px = 40;
+    for (const char* axis : {"T", "D", "R"}) {
+      std::vector<const SweepPoint*> pts;
+      double tmax = 0, mmax = 0;
+      for (const auto& p : b.sweep)
+        if (p.axis == axis && p.ran) {
+          pts.push_back(&p);
+          tmax = std::max(tmax, p.verify_seconds);
+          mmax = std::max(mmax, double(p.peak_rss_bytes));
+        }
+      body << "<rect x=\"" << px << "\" y=\"" << y << "\" width=\"" << pw << "\" height=\"" << ph
+           << "\" fill=\"none\" stroke=\"#999\"/>\n";
+      body << "<text x=\"" << px + pw / 2 << "\" y=\"" << y + ph + 28 << "\" font-size=\"11\" text-anchor=\"middle\">"
+           << axis << " (scale of the case's value)</text>\n";
+      auto sx = [&](double scale) { return px + 10 + (pw - 20) * scale; };
+      for (const char* series : {"t", "m"}) {
+        std::ostringstream poly;
+        for (const auto* p : pts) {
+          const double v = series[0] == 't' ? (tmax > 0 ? p->verify_seconds / tmax : 0)
+                                            : (mmax > 0 ? double(p->peak_rss_bytes) / mmax : 0);
+          const double yy = y + ph - 10 - (ph - 20) * v;
+          poly << fmt(sx(p->scale), 1) << "," << fmt(yy, 1) << " ";
+          body << "<circle cx=\"" << fmt(sx(p->scale), 1) << "\" cy=\"" << fmt(yy, 1) << "\" r=\"3\" fill=\""
+               << (series[0] == 't' ? "#1d3557" : "#f4a261") << "\"/>\n";
+        }
+        if (!pts.empty())
+          body << "<polyline points=\"" << poly.str() << "\" fill=\"none\" stroke=\""
+               << (series[0] == 't' ? "#1d3557" : "#f4a261") << "\" stroke-width=\"2\"/>\n";
+      }
+      for (const auto* p : pts)
+        body << "<text x=\"" << fmt(sx(p->scale), 1) << "\" y=\"" << y + ph + 14 << "\" font-size=\"9\" "
+             << "text-anchor=\"middle\">" << fmt(p->verify_seconds, 2) << "s " << fmt(double(p->peak_rss_bytes) / (1 << 20), 0)
+             << "M</text>\n";
+      px += pw + 30;
+    }
+    y += ph + 40;
+  }
+  std::ostringstream svg;
+  svg << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+      << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << width << "\" height=\"" << y + 20
+      << "\" font-family=\"sans-serif\">\n"
+      << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+      << body.str() << "</svg>\n";
+  return svg.str();
+}
+
+}  // namespace moev

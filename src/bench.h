@@ -1,0 +1,85 @@
+// `moeverify bench`: times every stage variant of a case on the host
+// executor against a memcpy of the same bytes measured in the same run,
+// beside the cost of verifying it (reference, comparison). The bytes formula
+// of each stage and the JSON schema are documented in README.md,
+// "Benchmarks"; bytes_formula() below is the one place they are computed.
+#pragma once
+
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "case.h"
+#include "diff.h"
+
+namespace moev {
+
+struct BenchOptions {
+  int threads = 1;
+  int repeat = 5;   // timed calls of each fast function
+  int warmup = 1;   // untimed calls before them
+  /// Also run the case at 1/4, 1/2 and 1 of its T, D and R (one axis at a
+  /// time) and record verify time and peak memory (the growth plot).
+  bool sweep = false;
+  std::vector<std::string> sets;  // --set overrides, re-applied by the sweep
+  std::string file;               // the case's file, re-loaded by the sweep
+};
+
+/// One stage variant's timings. Seconds are wall time of the fast function on
+/// all ranks together (ranks as threads, as the runner runs them).
+struct StageBench {
+  std::string slot, variant, backend = "host";
+  bool ran = false;
+  std::string note;  // why it was not timed, when ran is false
+  double seconds_min = 0, seconds_median = 0;
+  double bytes = 0;           // traffic by bytes_formula, summed over ranks
+  std::string bytes_formula;  // the formula's name, for the table and JSON
+  double gbps = 0;            // bytes / seconds_min / 1e9
+  double roof_seconds = 0;    // a memcpy moving the same traffic (bytes / 2 copied), min over repeats
+  double roof_gbps = 0, ratio_to_roof = 0;  // ratio = roof_seconds / seconds_min
+  /// All-to-all stages: nccl-tests algbw = average bytes sent per rank /
+  /// seconds, busbw = algbw * (R - 1) / R; 0 elsewhere.
+  double algbw_gbps = 0, busbw_gbps = 0;
+  /// The verification's own cost in the run that built the board.
+  double ref_seconds = 0, compare_seconds = 0;
+};
+
+/// A point of the growth sweep: the case with one of T, D, R scaled.
+struct SweepPoint {
+  std::string axis;  // "T", "D" or "R"
+  double scale = 1;
+  int64_t tokens = 0, hidden = 0;
+  int ep = 1;
+  bool ran = false;
+  std::string note;  // why the point did not run
+  double verify_seconds = 0;
+  double estimated_bytes = 0;
+  uint64_t peak_rss_bytes = 0;
+};
+
+struct CaseBench {
+  Case c;
+  Outcome outcome = Outcome::PASSED;  // of the verifying run
+  double verify_seconds = 0;
+  uint64_t peak_rss_bytes = 0;
+  double estimated_bytes = 0;
+  std::vector<StageBench> stages;
+  /// The issue-7 roof-ratio of local dispatch + combine (primary variants):
+  /// 2 x time(memcpy of the routed rows) / time(dispatch + combine). 0 when
+  /// the case has no such pair.
+  double routed_bytes = 0, routed_memcpy_seconds = 0, dispatch_seconds = 0, combine_seconds = 0, roof_ratio = 0;
+  std::vector<SweepPoint> sweep;
+};
+
+/// Runs the case once (verifying it), then times each stage variant that
+/// ran. Progress lines go to `log`.
+CaseBench bench_case(const Case& c, const BenchOptions& opt, std::ostream& log);
+
+void print_bench(const CaseBench& b, std::ostream& os);
+/// The "moeverify-bench/1" document (README.md, "Benchmarks").
+std::string bench_json(const std::vector<CaseBench>& all, const BenchOptions& opt);
+/// A self-contained SVG: each stage's share of the roof, and the sweep.
+std::string bench_svg(const std::vector<CaseBench>& all);
+
+}  // namespace moev

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# `moeverify bench` (issue 7 item 4) on tiny cases: the JSON follows schema
+# moeverify-bench/1 (README.md, "Benchmarks") with every required key, every
+# ratio finite and positive, busbw = algbw x (R-1)/R for all-to-all stages;
+# --plot writes an SVG that parses as XML; --backend cuda is NOT_SUPPORTED
+# (exit 5). No timing is asserted: machines are noisy.
+set -euo pipefail
+bin=$1
+src=$2
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+"$bin" bench "$src/cases/basic.yaml" --case exact_fp32 --threads 2 --repeat 2 --warmup 1 \
+  --json "$tmp/b.json" --plot "$tmp/b.svg" --sweep > "$tmp/out.txt" 2> "$tmp/err.txt" \
+  || { cat "$tmp/out.txt" "$tmp/err.txt"; echo "bench failed"; exit 1; }
+"$bin" bench "$src/cases/ep.yaml" --case 'ep2_basic[experts.kind=identity]' --threads 2 --repeat 2 --json "$tmp/ep.json" > "$tmp/ep.txt" 2>&1 \
+  || { cat "$tmp/ep.txt"; echo "bench of an EP case failed"; exit 1; }
+grep -q "roof-ratio (dispatch + combine)" "$tmp/out.txt" || { cat "$tmp/out.txt" "$tmp/err.txt"; echo "no roof-ratio line"; exit 1; }
+/usr/bin/python3 - "$tmp/b.json" "$tmp/ep.json" "$tmp/b.svg" <<'PY'
+import json, math, sys, xml.etree.ElementTree as ET
+required = ["slot", "variant", "backend", "seconds_min", "seconds_median", "bytes", "gbps", "roof_gbps", "ratio_to_roof"]
+def positive(v, what):
+    if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+        sys.exit(f"{what} = {v!r}: expected a finite positive number")
+a2a = 0
+for path in sys.argv[1:3]:
+    d = json.load(open(path))
+    if d.get("schema") != "moeverify-bench/1": sys.exit(f"{path}: schema {d.get('schema')!r}")
+    for k in ["hostname", "cpu", "logical_cpus", "threads"]:
+        if k not in d["machine"]: sys.exit(f"{path}: machine.{k} missing")
+    if not d["cases"]: sys.exit(f"{path}: no cases")
+    for c in d["cases"]:
+        for k in ["name", "config", "stages", "outcome", "verify_seconds", "peak_rss_bytes"]:
+            if k not in c: sys.exit(f"{path}: case key {k} missing")
+        if c["outcome"] != "PASSED": sys.exit(f"{path}: case {c['name']} was {c['outcome']}")
+        timed = [s for s in c["stages"] if s.get("timed")]
+        if len(timed) < 3: sys.exit(f"{path}: only {len(timed)} stage variants timed")
+        for s in timed:
+            where = f"{path}: {c['name']} {s.get('slot')}/{s.get('variant')}"
+            for k in required:
+                if k not in s: sys.exit(f"{where}: key {k} missing")
+            if s["backend"] != "host": sys.exit(f"{where}: backend {s['backend']}")
+            for k in ["seconds_min", "seconds_median", "bytes", "gbps", "roof_gbps", "ratio_to_roof"]:
+                positive(s[k], f"{where}: {k}")
+            if s["seconds_median"] < s["seconds_min"]: sys.exit(f"{where}: median below min")
+            if "algbw_gbps" in s:
+                a2a += 1
+                ranks = c["config"]["ep"]
+                positive(s["algbw_gbps"], f"{where}: algbw_gbps")
+                if ranks > 1 and not math.isclose(s["busbw_gbps"], s["algbw_gbps"] * (ranks - 1) / ranks, rel_tol=1e-9):
+                    sys.exit(f"{where}: busbw is not algbw x (R-1)/R")
+        if "dispatch_combine" in c: positive(c["dispatch_combine"]["roof_ratio"], f"{path}: roof_ratio")
+b = json.load(open(sys.argv[1]))
+if not b["cases"][0]["sweep"]: sys.exit("--sweep recorded no points")
+for p in b["cases"][0]["sweep"]:
+    if p["ran"]: positive(p["verify_seconds"], "sweep verify_seconds"); positive(p["peak_rss_bytes"], "sweep peak_rss_bytes")
+if a2a == 0: sys.exit("no all-to-all stage reported algbw")
+root = ET.parse(sys.argv[3]).getroot()
+if not root.tag.endswith("svg") or not list(root.iter("{http://www.w3.org/2000/svg}rect")):
+    sys.exit("the plot is not an SVG with bars")
+print("bench JSON and SVG ok")
+PY
+set +e
+"$bin" bench "$src/cases/basic.yaml" --case exact_fp32 --backend cuda > /dev/null 2> "$tmp/cuda.txt"
+rc=$?
+set -e
+[ "$rc" = 5 ] || { cat "$tmp/cuda.txt"; echo "--backend cuda: exit $rc, expected 5 (NOT_SUPPORTED)"; exit 1; }
+echo "bench ok"
