@@ -227,12 +227,9 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
         it = dead ? rb.erase(it) : std::next(it);
       }
   };
-  // While every tensor of the chain equals the fast board's bit for bit, the
-  // chain's next step is the primary's reference on the same inputs, already
-  // computed for the stage check: it is reused, and an output that equals the
-  // fast one shares its storage. The first difference (a tolerance-class
-  // output, a wrong stage) ends the sharing: from there the chain runs its own
-  // reference steps.
+  // Whether every tensor of the chain is the fast board's own (same
+  // storage): then the chain's next step is the reference already run for the
+  // stage check (see the end of the slot loop).
   bool chain_is_fast = true;
   size_t slot_index = size_t(-1);
 
@@ -394,15 +391,6 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
     for (const auto& [s, out] : ran) {
       if (s == primary) continue;
       const auto tx = std::chrono::steady_clock::now();
-      struct AddTime {  // the cross-variant comparisons count as this variant's comparison time
-        std::chrono::steady_clock::time_point t0;
-        double* to;
-        ~AddTime() { *to += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); }
-      };
-      double* cmp = nullptr;
-      for (auto& d : rep.decisions)
-        if (d.slot == s->slot && d.variant == s->variant) cmp = &d.compare_seconds;
-      AddTime add{tx, cmp};
       for (const OutputSpec& o : s->outputs)
         for (int r = 0; r < R; ++r) {
           if (o.from_fast) continue;
@@ -411,6 +399,9 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
           if (fi == out.ranks[size_t(r)].end() || pi == primary_out.ranks[size_t(r)].end()) continue;
           rep.checks.push_back(make_check(c, s->slot, s->variant, o, &fi->second, &pi->second, fast.ranks[size_t(r)], r, R, primary->variant));
         }
+      for (auto& d : rep.decisions)  // counted as this variant's comparison time
+        if (d.slot == s->slot && d.variant == s->variant)
+          d.compare_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - tx).count();
     }
     for (int r = 0; r < R; ++r)
       for (auto& [n, t] : primary_out.ranks[size_t(r)]) fast.ranks[size_t(r)][n] = t;
