@@ -104,8 +104,10 @@ void register_sp_stages(std::vector<Stage>& reg) {
       const SpLayout l = sp_layout(tokens_of(ctx.in), c.batch, c.sp, c.sp_padding, ctx.exec.faults);
       Tensor& oi = ctx.output("ids", ElemType::i32, ids.shape);
       Tensor& os = ctx.output("topk_scores", ElemType::f32, ids.shape);
-      std::memcpy(oi.data(), ids.data(), ids.bytes());
-      std::memcpy(os.data(), ctx.input("topk_scores").data(), os.bytes());
+      if (ids.bytes()) {  // a rank with no tokens has no storage
+        std::memcpy(oi.data(), ids.data(), ids.bytes());
+        std::memcpy(os.data(), ctx.input("topk_scores").data(), os.bytes());
+      }
       Tensor& counts = ctx.output("counts", ElemType::i64, {int64_t(c.num_experts)});
       sp_route_pad_rows(ctx.exec, l, c.top_k, c.num_experts, oi.as<int32_t>(), os.as<float>(), counts.as<int64_t>());
     };
@@ -148,7 +150,7 @@ void register_sp_stages(std::vector<Stage>& reg) {
       Tensor& g = ctx.output("sp_out_global", out.type, {l.global_rows(), c.hidden});
       apply_row_map(ctx.exec, c.dtype, out.data(), map.data(), l.global_rows(), c.hidden, g.data());
       Tensor& kept = ctx.output("sp_out", out.type, {T, c.hidden});
-      std::memcpy(kept.data(), g.data(), kept.bytes());
+      if (kept.bytes()) std::memcpy(kept.data(), g.data(), kept.bytes());  // no tokens: no storage
     };
     s.ref = [](RefCtx& r) {
       const Case& c = r.c;
