@@ -411,13 +411,13 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
     // equal to the fast one, byte for byte, shares the fast storage, so the
     // chain holds its own copy only where it differs.
     Board next;
-    next.ranks.resize(size_t(R));
     if (!adopt_reason.empty()) {
       rep.notes.push_back(adopt_reason);
       next = primary_out;
     } else if (chain_is_fast && refs.count(primary)) {
       next = refs[primary];
     } else {
+      next.ranks.resize(size_t(R));
       RefCtx rc{c, chain, next};
       primary->ref(rc);
     }
