@@ -226,9 +226,9 @@ Vec combine(const CombineSpec& s, RowsRef routed_out, const Ids& token_sorted,
   Vec wide = init;  // fp32 accumulators for Accumulate::fp32_accumulate
   for (size_t i = 0; i < token_sorted.size(); ++i) {
     const int64_t t = token_sorted[i];
+    const float sc = s.smul == ScoreMultiply::act ? round_act(s.act, score_sorted[i]) : score_sorted[i];
     for (int64_t c = 0; c < D; ++c) {
       float y = decode_act(s.act, routed_out.row(int64_t(i)) + size_t(c) * act_bytes(s.act));
-      const float sc = s.smul == ScoreMultiply::act ? round_act(s.act, score_sorted[i]) : score_sorted[i];
       if (s.apply == ScoreApply::after_experts) y = round_act(s.act, f32(double(y) * sc));
       float& o = out[size_t(t * D + c)];
       if (s.acc == Accumulate::per_add) o = round_act(s.act, f32(double(o) + y));
