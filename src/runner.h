@@ -20,6 +20,12 @@ struct RunOptions {
   /// Called before each stage variant runs (slot, variant) and once with
   /// ("", "") when the case ends: drives a progress line on a terminal.
   std::function<void(const std::string& slot, const std::string& variant)> progress;
+  /// Runs the primary variant of each slot only, with no reference, no
+  /// comparison and no invariance reruns: the fast pipeline's outputs (and
+  /// `out_magnitude`, the end-to-end error scale computed from the fast
+  /// board) for a property that compares two fast runs (EP and SP
+  /// invariance). Such a run reports no checks.
+  bool fast_only = false;
 };
 
 struct VariantDecision {
