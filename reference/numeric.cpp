@@ -10,35 +10,6 @@
 
 namespace ref {
 
-namespace {
-/// 2^k as a double, for -1022 <= k <= 1023 (built from its exponent field:
-/// std::ldexp was most of the reference combine's time at D = 7168).
-double pow2(int k) {
-  const uint64_t u = uint64_t(1023 + k) << 52;
-  double d;
-  std::memcpy(&d, &u, 8);
-  return d;
-}
-}  // namespace
-
-float round_act(Act act, float v) {
-  if (act == Act::fp32 || !std::isfinite(v) || v == 0.f) return v;
-  // significand bits p, smallest normal exponent (frexp convention), largest finite
-  const int p = act == Act::bf16 ? 8 : 11;
-  const int emin = act == Act::bf16 ? -125 : -13;
-  const double max_finite = act == Act::bf16 ? 255.0 * pow2(120) : 65504.0;
-  // The exponent e of v = m 2^e, m in [0.5, 1), read from the double's
-  // exponent field (every nonzero float is a normal double).
-  const double x = static_cast<double>(v);
-  uint64_t bits;
-  std::memcpy(&bits, &x, 8);
-  const int e = int((bits >> 52) & 0x7ff) - 1022;
-  const int q = std::max(e, emin) - p;  // exponent of one unit in the last place
-  const double r = std::nearbyint(x * pow2(-q)) * pow2(q);
-  if (std::fabs(r) > max_finite) return std::copysign(std::numeric_limits<float>::infinity(), v);
-  return static_cast<float>(r);
-}
-
 size_t act_bytes(Act act) { return act == Act::fp32 ? 4 : 2; }
 
 float decode_act(Act act, const uint8_t* p) {

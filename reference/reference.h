@@ -5,17 +5,56 @@
 // exact in fp32), so an exact comparison is a comparison of floats.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <vector>
 
 namespace ref {
 
 enum class Act { fp32, bf16, fp16 };
 
-/// One IEEE round-to-nearest-even of an fp32 value to `act`, computed by
-/// scaling with frexp/ldexp (independent of the bit-twiddling in kernels/).
-float round_act(Act act, float v);
+namespace detail {
+/// 2^k as a double, for -1022 <= k <= 1023 (built from its exponent field:
+/// std::ldexp was most of the reference combine's time at D = 7168).
+inline double pow2(int k) {
+  const uint64_t u = uint64_t(1023 + k) << 52;
+  double d;
+  std::memcpy(&d, &u, 8);
+  return d;
+}
+}  // namespace detail
+
+/// One IEEE round-to-nearest-even of an fp32 value to `act`, computed as
+/// arithmetic on the value: scaled by a power of two to an integer quantum,
+/// rounded, scaled back (independent of the bit-twiddling of the result in
+/// kernels/dtype.h). Inline: the reference combine calls it twice per element.
+inline float round_act(Act act, float v) {
+  if (act == Act::fp32 || !std::isfinite(v) || v == 0.f) return v;
+  // significand bits p, smallest normal exponent (frexp convention), largest finite
+  const int p = act == Act::bf16 ? 8 : 11;
+  const int emin = act == Act::bf16 ? -125 : -13;
+  const double max_finite = act == Act::bf16 ? 255.0 * detail::pow2(120) : 65504.0;
+  // The exponent e of v = m 2^e, m in [0.5, 1), read from the double's
+  // exponent field (every nonzero float is a normal double).
+  const double x = static_cast<double>(v);
+  uint64_t bits;
+  std::memcpy(&bits, &x, 8);
+  const int e = int((bits >> 52) & 0x7ff) - 1022;
+  const int q = std::max(e, emin) - p;  // exponent of one unit in the last place
+  // |x 2^-q| < 2^p: adding 1.5 * 2^52 leaves it where the double's unit is
+  // 1, so the sum rounds it to an integer, ties to even (the default
+  // rounding mode; the build never sets -ffast-math); the sign of a result
+  // that rounds to zero is restored by copysign.
+  const double big = 6755399441055744.0;  // 1.5 * 2^52
+  const double r = std::copysign(((x * detail::pow2(-q) + big) - big) * detail::pow2(q), x);
+  if (std::fabs(r) > max_finite) return std::copysign(std::numeric_limits<float>::infinity(), v);
+  return static_cast<float>(r);
+}
+
 /// An fp32 operation emulated in fp64 then rounded once to fp32: exact for
 /// + - * / because fp64 has more than 2*24+2 significand bits.
 inline float f32(double v) { return static_cast<float>(v); }
