@@ -14,13 +14,14 @@ void put_row(Bytes& out, const uint8_t* row, size_t n) { out.insert(out.end(), r
 }  // namespace
 
 EpDispatch ep_dispatch(Act act, ScoreApply apply, const std::vector<RowsRef>& x, const std::vector<Ids>& ids,
-                       const std::vector<Vec>& topk_scores, int K, int E, int R, ScoreMultiply smul) {
+                       const std::vector<Vec>& topk_scores, int K, int E, int R, ScoreMultiply smul, int only) {
   const int E_l = E / R;
   const size_t eb = act_bytes(act);
   EpDispatch d;
   d.recv.assign(size_t(R), {});
   d.recv_counts.assign(size_t(R), Counts(size_t(R) * size_t(E_l), 0));
   for (int q = 0; q < R; ++q) {  // rows rank q receives: one per assignment to its experts
+    if (only >= 0 && q != only) continue;
     size_t rows = 0;
     for (int p = 0; p < R; ++p)
       for (int32_t e : ids[size_t(p)]) rows += e / E_l == q;
@@ -35,6 +36,8 @@ EpDispatch ep_dispatch(Act act, ScoreApply apply, const std::vector<RowsRef>& x,
         for (int64_t t = 0; t < T; ++t)
           for (int k = 0; k < K; ++k) {
             if (ids[size_t(p)][size_t(t * K + k)] != e) continue;
+            ++d.recv_counts[size_t(q)][size_t(p * E_l + j)];
+            if (only >= 0 && q != only) continue;
             const uint8_t* row = x[size_t(p)].row(t);
             Bytes& out = d.recv[size_t(q)];
             if (apply == ScoreApply::after_experts) {
@@ -47,7 +50,6 @@ EpDispatch ep_dispatch(Act act, ScoreApply apply, const std::vector<RowsRef>& x,
               for (size_t c = 0; c < rb / eb; ++c)
                 encode_act(act, round_act(act, f32(double(decode_act(act, row + c * eb)) * s)), &out[at + c * eb]);
             }
-            ++d.recv_counts[size_t(q)][size_t(p * E_l + j)];
           }
       }
   return d;
@@ -131,9 +133,11 @@ Bytes unpad_groups(RowsRef rows, const Counts& counts, const Counts& sizes) {
   return out;
 }
 
-std::vector<Bytes> ep_return(const std::vector<RowsRef>& recv_out, const std::vector<Counts>& rc, int R, int E_l) {
+std::vector<Bytes> ep_return(const std::vector<RowsRef>& recv_out, const std::vector<Counts>& rc, int R, int E_l,
+                             int only) {
   std::vector<Bytes> back(static_cast<size_t>(R));
   for (int p = 0; p < R; ++p) {
+    if (only >= 0 && p != only) continue;
     int64_t n = 0;
     for (int q = 0; q < R; ++q)
       for (int j = 0; j < E_l; ++j) n += rc[size_t(q)][size_t(p * E_l + j)];
@@ -141,6 +145,7 @@ std::vector<Bytes> ep_return(const std::vector<RowsRef>& recv_out, const std::ve
   }
   for (int p = 0; p < R; ++p)
     for (int q = 0; q < R; ++q) {
+      if (only >= 0 && p != only) break;
       const int64_t s = rank_major_start(rc[size_t(q)], p, 0, E_l);
       int64_t n = 0;
       for (int j = 0; j < E_l; ++j) n += rc[size_t(q)][size_t(p * E_l + j)];

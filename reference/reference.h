@@ -228,14 +228,15 @@ namespace ref {
 /// ascending, each local expert j ascending, each token t of p ascending and
 /// each k with ids_p[t,k] == q*E_l + j, the row x_p[t] (score-multiplied under
 /// before_experts). Returns per rank q the rank-major rows; recv_counts[q] is
-/// (R, E_l): recv_counts[q][p*E_l + j].
+/// (R, E_l): recv_counts[q][p*E_l + j]. only >= 0: the rows of rank `only`
+/// alone (every rank's counts still).
 struct EpDispatch {
   std::vector<Bytes> recv;  // per rank q: (rows, D) in act, rank-major
   std::vector<Counts> recv_counts;
 };
 EpDispatch ep_dispatch(Act act, ScoreApply apply, const std::vector<RowsRef>& x, const std::vector<Ids>& ids,
                        const std::vector<Vec>& topk_scores, int K, int E, int R,
-                       ScoreMultiply smul = ScoreMultiply::fp32);
+                       ScoreMultiply smul = ScoreMultiply::fp32, int only = -1);
 
 /// Rank-major (p, j) rows -> expert-major (j, p) rows of one rank.
 Bytes permute_to_expert_major(RowsRef recv, const Counts& recv_counts, int R, int E_l);
@@ -252,9 +253,10 @@ Bytes pad_groups(RowsRef rows, const Counts& counts, int64_t A, bool empty_align
 Bytes unpad_groups(RowsRef rows, const Counts& counts, const Counts& padded_sizes);
 
 /// Reverse all-to-all (CONTRACT §3.5): rank p gets back, for each q ascending,
-/// the rows q received from p, in the order p sent them.
+/// the rows q received from p, in the order p sent them. only >= 0: rank
+/// `only`'s rows alone.
 std::vector<Bytes> ep_return(const std::vector<RowsRef>& recv_out, const std::vector<Counts>& recv_counts, int R,
-                             int E_l);
+                             int E_l, int only = -1);
 
 // ---- sequence parallel (CONTRACT §10; reference/sp.cpp) ----------------------
 

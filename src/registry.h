@@ -123,6 +123,9 @@ struct RefCtx {
   const Case& c;
   const Board& in;
   Board& out;
+  /// >= 0: only this rank's outputs are wanted (Stage::ref_per_rank); -1: every rank's.
+  int rank = -1;
+  bool wants(int q) const { return rank < 0 || rank == q; }
 };
 
 struct Decision {
@@ -159,6 +162,10 @@ struct Stage {
   std::vector<OutputSpec> outputs;
   std::function<void(FastCtx&)> fast;
   std::function<void(RefCtx&)> ref;
+  /// The reference computes one rank's outputs when RefCtx::rank says so:
+  /// the runner then runs it rank by rank and keeps one rank's reference rows
+  /// at a time (a row stage's reference is as large as its output).
+  bool ref_per_rank = false;
   /// Optional: replaces the per-output comparison (used by routing).
   std::function<void(CheckCtx&)> check;
 };

@@ -126,6 +126,12 @@ void deserialise(const uint8_t* p, RankBoard& out, std::vector<std::string>& not
 /// Whether two variants of a slot have the same reference: the same plain
 /// function reading the same inputs (the variants of one operation, e.g. the
 /// in-place and out-of-place combine, share the reference of that operation).
+/// Same type, shape and bytes (then one may stand for the other).
+bool same_bytes(const Tensor& a, const Tensor& b) {
+  if (a.storage == b.storage && a.offset_bytes == b.offset_bytes && a.type == b.type && a.shape == b.shape) return true;
+  return a.type == b.type && a.shape == b.shape && (b.bytes() == 0 || std::memcmp(a.data(), b.data(), b.bytes()) == 0);
+}
+
 bool same_reference(const Stage& a, const Stage& b, const Case& c) {
   using Fn = void (*)(RefCtx&);
   const Fn* fa = a.ref.target<Fn>();
@@ -227,10 +233,6 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
         it = dead ? rb.erase(it) : std::next(it);
       }
   };
-  // Whether every tensor of the chain is the fast board's own (same
-  // storage): then the chain's next step is the reference already run for the
-  // stage check (see the end of the slot loop).
-  bool chain_is_fast = true;
   size_t slot_index = size_t(-1);
 
   Dumper dump;
@@ -314,49 +316,84 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
       }
       const auto tr = clock::now();
       Board refout;
-      if (last_ref && same_reference(*last_ref, *s, c)) {
-        refout = last_refout;  // the same reference function on the same board: computed once per slot
-      } else {
-        refout.ranks.resize(size_t(R));
-        RefCtx rctx{c, fast, refout};
-        s->ref(rctx);
-        last_ref = s;
-        last_refout = refout;
-      }
-      vd->ref_seconds = since(tr);
-      tc = clock::now();
       Board merged = fast;  // this variant's outputs over its inputs
       for (int r = 0; r < R; ++r)
         for (auto& [n, t] : out.ranks[size_t(r)]) merged.ranks[size_t(r)][n] = t;
-      for (int r = 0; r < R; ++r) {
+      const bool reuse = last_ref && same_reference(*last_ref, *s, c);  // computed once per slot
+      auto check_rank = [&](const OutputSpec& o, int r) {
+        const RankBoard& fo = out.ranks[size_t(r)];
+        const RankBoard& ro = refout.ranks[size_t(r)];
+        auto fi = fo.find(o.name);
+        if (o.from_fast) {
+          Tensor scale;
+          const Tensor expect = o.from_fast(c, merged.ranks[size_t(r)], scale);
+          return make_check(c, s->slot, s->variant, o, fi == fo.end() ? nullptr : &fi->second, &expect,
+                            merged.ranks[size_t(r)], r, R, o.from_fast_label, &scale);
+        }
+        auto ri = ro.find(o.name);
+        return make_check(c, s->slot, s->variant, o, fi == fo.end() ? nullptr : &fi->second,
+                          ri == ro.end() ? nullptr : &ri->second, merged.ranks[size_t(r)], r, R, "reference");
+      };
+      auto dump_rank = [&](int r) {
         for (auto& [n, t] : out.ranks[size_t(r)]) dump.put(s->slot + "." + s->variant + "." + n + rank_tag(r) + ".fast", t);
         for (auto& [n, t] : refout.ranks[size_t(r)]) dump.put(s->slot + "." + s->variant + "." + n + rank_tag(r) + ".ref", t);
-      }
-      if (s->check) {
-        std::vector<Check> checks;
-        CheckCtx cc{c, merged, refout, checks, ""};
-        s->check(cc);
-        for (auto& ch : checks) ch.variant = s->variant;
-        rep.checks.insert(rep.checks.end(), checks.begin(), checks.end());
-        adopt_reason = cc.adopt_fast_reason;
-      } else {
-        for (const OutputSpec& o : s->outputs)
-          for (int r = 0; r < R; ++r) {
-            const RankBoard& fo = out.ranks[size_t(r)];
-            const RankBoard& ro = refout.ranks[size_t(r)];
-            auto fi = fo.find(o.name);
-            if (o.from_fast) {
-              Tensor scale;
-              const Tensor expect = o.from_fast(c, merged.ranks[size_t(r)], scale);
-              rep.checks.push_back(make_check(c, s->slot, s->variant, o, fi == fo.end() ? nullptr : &fi->second,
-                                              &expect, merged.ranks[size_t(r)], r, R, o.from_fast_label, &scale));
-              continue;
-            }
-            auto ri = ro.find(o.name);
-            rep.checks.push_back(make_check(c, s->slot, s->variant, o, fi == fo.end() ? nullptr : &fi->second,
-                                            ri == ro.end() ? nullptr : &ri->second, merged.ranks[size_t(r)], r, R,
-                                            "reference"));
+      };
+      if (s->ref_per_rank && R > 1 && !s->check) {
+        // One rank's reference at a time: computed, compared, then kept only
+        // as the fast output's own storage where the bytes agree.
+        refout.ranks.resize(size_t(R));
+        std::vector<std::vector<Check>> by_output(s->outputs.size());
+        for (int q = 0; q < R; ++q) {
+          auto tq = clock::now();
+          if (reuse) {
+            refout.ranks[size_t(q)] = last_refout.ranks[size_t(q)];
+          } else {
+            Board rq;
+            rq.ranks.resize(size_t(R));
+            RefCtx rctx{c, fast, rq, q};
+            s->ref(rctx);
+            refout.ranks[size_t(q)] = std::move(rq.ranks[size_t(q)]);
           }
+          vd->ref_seconds += since(tq);
+          tq = clock::now();
+          dump_rank(q);
+          for (size_t i = 0; i < s->outputs.size(); ++i) by_output[i].push_back(check_rank(s->outputs[i], q));
+          for (auto& [n, t] : refout.ranks[size_t(q)]) {
+            const auto fi = out.ranks[size_t(q)].find(n);
+            if (fi != out.ranks[size_t(q)].end() && same_bytes(fi->second, t)) t = fi->second;
+          }
+          vd->compare_seconds += since(tq);
+        }
+        for (auto& v : by_output) rep.checks.insert(rep.checks.end(), v.begin(), v.end());
+        if (!reuse) {
+          last_ref = s;
+          last_refout = refout;
+        }
+        tc = clock::now();
+      } else {
+        if (reuse) {
+          refout = last_refout;
+        } else {
+          refout.ranks.resize(size_t(R));
+          RefCtx rctx{c, fast, refout};
+          s->ref(rctx);
+          last_ref = s;
+          last_refout = refout;
+        }
+        vd->ref_seconds = since(tr);
+        tc = clock::now();
+        for (int r = 0; r < R; ++r) dump_rank(r);
+        if (s->check) {
+          std::vector<Check> checks;
+          CheckCtx cc{c, merged, refout, checks, ""};
+          s->check(cc);
+          for (auto& ch : checks) ch.variant = s->variant;
+          rep.checks.insert(rep.checks.end(), checks.begin(), checks.end());
+          adopt_reason = cc.adopt_fast_reason;
+        } else {
+          for (const OutputSpec& o : s->outputs)
+            for (int r = 0; r < R; ++r) rep.checks.push_back(check_rank(o, r));
+        }
       }
       vd->compare_seconds += since(tc);
       ran.push_back({s, out});
@@ -420,16 +457,41 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
       continue;
     }
     // The reference chain advances with the primary's reference function:
-    // reused from the stage check while the chain is the fast board (every
-    // tensor the same storage), else run on the chain. Either way, an output
-    // equal to the fast one, byte for byte, shares the fast storage, so the
-    // chain holds its own copy only where it differs.
+    // reused from the stage check where the chain holds the fast board's own
+    // tensors (same storage) for the stage's inputs and for all integer
+    // metadata (which a reference may read besides its inputs), else run on
+    // the chain. Either way, an output equal to the fast one, byte for byte,
+    // shares the fast storage, so the chain holds its own copy only where it
+    // differs: past routing that is the tolerance-class scores and what they
+    // scale, while the row stages share their rows.
+    bool chain_inputs_fast = true;
+    const std::vector<std::string> primary_inputs = primary->inputs(c);
+    for (int r = 0; r < R; ++r)
+      for (const auto& [n, t] : chain.ranks[size_t(r)]) {
+        const bool metadata = t.type == ElemType::i32 || t.type == ElemType::i64;
+        if (!metadata && std::find(primary_inputs.begin(), primary_inputs.end(), n) == primary_inputs.end()) continue;
+        const auto fi = fast.ranks[size_t(r)].find(n);
+        if (fi == fast.ranks[size_t(r)].end() || fi->second.storage != t.storage || fi->second.offset_bytes != t.offset_bytes)
+          chain_inputs_fast = false;
+      }
     Board next;
     if (!adopt_reason.empty()) {
       rep.notes.push_back(adopt_reason);
       next = primary_out;
-    } else if (chain_is_fast && refs.count(primary)) {
+    } else if (chain_inputs_fast && refs.count(primary)) {
       next = refs[primary];
+    } else if (primary->ref_per_rank && R > 1) {  // one rank's reference rows at a time, as for the stage check
+      next.ranks.resize(size_t(R));
+      for (int q = 0; q < R; ++q) {
+        Board rq;
+        rq.ranks.resize(size_t(R));
+        RefCtx rc{c, chain, rq, q};
+        primary->ref(rc);
+        for (auto& [n, t] : rq.ranks[size_t(q)]) {
+          const auto fi = fast.ranks[size_t(q)].find(n);
+          next.ranks[size_t(q)][n] = fi != fast.ranks[size_t(q)].end() && same_bytes(fi->second, t) ? fi->second : t;
+        }
+      }
     } else {
       next.ranks.resize(size_t(R));
       RefCtx rc{c, chain, next};
@@ -438,15 +500,7 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
     for (int r = 0; r < R; ++r)
       for (auto& [n, t] : next.ranks[size_t(r)]) {
         const auto fi = fast.ranks[size_t(r)].find(n);
-        const bool same = fi != fast.ranks[size_t(r)].end() && fi->second.type == t.type && fi->second.shape == t.shape &&
-                          (t.bytes() == 0 || std::memcmp(fi->second.data(), t.data(), t.bytes()) == 0);
-        chain.ranks[size_t(r)][n] = same ? fi->second : t;
-      }
-    chain_is_fast = true;
-    for (int r = 0; r < R; ++r)
-      for (const auto& [n, t] : chain.ranks[size_t(r)]) {
-        const auto fi = fast.ranks[size_t(r)].find(n);
-        if (fi != fast.ranks[size_t(r)].end() && fi->second.storage != t.storage) chain_is_fast = false;
+        chain.ranks[size_t(r)][n] = fi != fast.ranks[size_t(r)].end() && same_bytes(fi->second, t) ? fi->second : t;
       }
     refs.clear();
     last_refout = Board{};

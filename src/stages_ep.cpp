@@ -345,7 +345,7 @@ void ref_a2a_dispatch(RefCtx& r) {
       ref_act(c.dtype),
       c.score_before_experts == Switch::on ? ref::ScoreApply::before_experts : ref::ScoreApply::after_experts,
       rows_of_ranks(r.in, "x"), ids, floats_of(r.in, "topk_scores"), c.top_k, c.num_experts, R,
-      c.score_multiply == k::ScoreMultiply::act ? ref::ScoreMultiply::act : ref::ScoreMultiply::fp32);
+      c.score_multiply == k::ScoreMultiply::act ? ref::ScoreMultiply::act : ref::ScoreMultiply::fp32, r.rank);
   int64_t mx = 0, total = 0;
   for (int q = 0; q < R; ++q) {
     RankBoard& out = r.out.ranks[size_t(q)];
@@ -362,7 +362,7 @@ void ref_a2a_dispatch(RefCtx& r) {
     out["input_splits"] = from_ints(in_splits, ElemType::i64, {R});
     out["output_splits"] = from_ints(out_splits, ElemType::i64, {R});
     out["recv_counts"] = from_ints(d.recv_counts[size_t(q)], ElemType::i64, {int64_t(R) * E_l});
-    out["recv"] = rows_tensor(std::move(d.recv[size_t(q)]), act_elem(c.dtype), c.hidden);
+    if (r.wants(q)) out["recv"] = rows_tensor(std::move(d.recv[size_t(q)]), act_elem(c.dtype), c.hidden);
   }
   for (int q = 0; q < R; ++q) r.out.ranks[size_t(q)]["overload"] = from_ints({mx, total}, ElemType::i64, {2});
 }
@@ -371,6 +371,7 @@ void ref_permute(RefCtx& r) {
   const Case& c = r.c;
   const int R = int(r.in.ranks.size()), E_l = c.num_experts / R;
   for (int q = 0; q < R; ++q) {
+    if (!r.wants(q)) continue;
     const ref::Counts rc = ref_counts(r.in.at("recv_counts", q));
     const Tensor& recv = r.in.at("recv", q);
     r.out.ranks[size_t(q)]["permuted"] =
@@ -386,6 +387,7 @@ void ref_unpermute(RefCtx& r) {
   const Case& c = r.c;
   const int R = int(r.in.ranks.size()), E_l = c.num_experts / R;
   for (int q = 0; q < R; ++q) {
+    if (!r.wants(q)) continue;
     const Tensor& in = r.in.at("unpadded", q);
     r.out.ranks[size_t(q)]["recv_out"] =
         rows_tensor(ref::permute_to_rank_major(rows_of(in), ref_counts(r.in.at("recv_counts", q)), R, E_l), in.type,
@@ -396,6 +398,7 @@ void ref_unpermute(RefCtx& r) {
 void ref_pad(RefCtx& r) {
   const Case& c = r.c;
   for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+    if (!r.wants(int(q))) continue;
     const Tensor& in = r.in.at("permuted", int(q));
     ref::Counts sizes;
     r.out.ranks[q]["expert_input"] =
@@ -409,6 +412,7 @@ void ref_pad(RefCtx& r) {
 void ref_unpad(RefCtx& r) {
   const Case& c = r.c;
   for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+    if (!r.wants(int(q))) continue;
     const Tensor& in = r.in.at("expert_output", int(q));
     r.out.ranks[q]["unpadded"] =
         rows_tensor(ref::unpad_groups(rows_of(in), ref_counts(r.in.at("expert_counts_real", int(q))),
@@ -422,9 +426,9 @@ void ref_a2a_return(RefCtx& r) {
   const int R = int(r.in.ranks.size()), E_l = c.num_experts / R;
   std::vector<ref::Counts> rc;
   for (int q = 0; q < R; ++q) rc.push_back(ref_counts(r.in.at("recv_counts", q)));
-  std::vector<ref::Bytes> back = ref::ep_return(rows_of_ranks(r.in, "recv_out"), rc, R, E_l);
+  std::vector<ref::Bytes> back = ref::ep_return(rows_of_ranks(r.in, "recv_out"), rc, R, E_l, r.rank);
   for (int p = 0; p < R; ++p)
-    r.out.ranks[size_t(p)]["routed_output"] = rows_tensor(std::move(back[size_t(p)]), act_elem(c.dtype), c.hidden);
+    if (r.wants(p)) r.out.ranks[size_t(p)]["routed_output"] = rows_tensor(std::move(back[size_t(p)]), act_elem(c.dtype), c.hidden);
 }
 
 Stage make(const std::string& slot, const std::string& variant, const std::string& summary,
@@ -440,6 +444,7 @@ Stage make(const std::string& slot, const std::string& variant, const std::strin
   s.outputs = std::move(outputs);
   s.fast = std::move(fast);
   s.ref = std::move(ref);
+  s.ref_per_rank = true;  // every reference above honours RefCtx::rank
   return s;
 }
 

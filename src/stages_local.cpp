@@ -477,9 +477,11 @@ void register_local_stages(std::vector<Stage>& reg) {
                       x.data(), perm.as<int32_t>(), ctx.input("topk_scores").as<float>(), N, c.hidden, c.top_k,
                       routed.data(), tok.as<int32_t>(), sc.as<float>(), row_of.as<int32_t>(), c.score_multiply);
     };
+    s.ref_per_rank = true;
     s.ref = [](RefCtx& r) {
       const Case& c = r.c;
       for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+        if (!r.wants(int(q))) continue;
         const RankBoard& in = r.in.ranks[q];
         const Tensor& x = in.at("x");
         const int64_t T = x.shape[0], N = T * c.top_k;
@@ -571,8 +573,10 @@ void register_local_stages(std::vector<Stage>& reg) {
       Tensor& Y = ctx.output("expert_output", X.type, {rows, ctx.c.hidden});
       if (Y.bytes()) std::memcpy(Y.data(), X.data(), Y.bytes());  // an empty tensor may have no storage
     };
+    s.ref_per_rank = true;
     s.ref = [](RefCtx& r) {
       for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+        if (!r.wants(int(q))) continue;
         const ref::RowsRef X = rows_of(r.in.at("expert_input", int(q)));
         const int64_t rows = group_rows(r.in.at("expert_counts", int(q)));  // a padding tail is no expert's
         r.out.ranks[q]["expert_output"] =
