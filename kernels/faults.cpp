@@ -33,6 +33,14 @@ const std::vector<FaultInfo>& fault_table() {
        "SP combine offsets rank s by its own row count, as if tokens were evenly sharded (torchtitan #3577)"},
       {Fault::sp_tail_pad_score, "sp_tail_pad_score",
        "tail SP pad rows are routed to expert 0 with the router's score, not 0 (FRAMEWORKS §10.2, torchtitan #3193)"},
+      {Fault::bwd_unswapped_splits, "bwd_unswapped_splits",
+       "the all-to-all backward sends with the forward's splits instead of swapping them (FRAMEWORKS §13, §3.5)"},
+      {Fault::bwd_unordered_scatter, "bwd_unordered_scatter",
+       "the token-gradient scatter-add adds a token's K gradients in descending expert order (FRAMEWORKS §13, §9)"},
+      {Fault::bwd_score_grad_rounded, "bwd_score_grad_rounded",
+       "the routing-score gradient sums products rounded to the activation dtype (TransformerEngine #1336)"},
+      {Fault::bwd_pad_grad_kept, "bwd_pad_grad_kept",
+       "the pad backward takes the first M rows of the padded gradient, padding rows included (FRAMEWORKS §13)"},
   };
   return t;
 }

@@ -173,6 +173,7 @@ std::string Case::summary() const {
     o << " experts.rounding=" << enum_name(experts_rounding_table(), experts.rounding);
   if (experts.compute_dtype != ComputeDtype::act)
     o << " experts.compute_dtype=" << enum_name(compute_dtype_table(), experts.compute_dtype);
+  if (backward == Switch::on) o << " backward=on";
   return o.str();
 }
 
@@ -355,6 +356,8 @@ const std::vector<Field>& schema() {
     v.push_back(int_field("shape.batch", 1, 1 << 24, [](Case& c, int64_t x) { c.batch = x; }));
     v.push_back(int_field("shape.seq_len", 0, 1 << 24, [](Case& c, int64_t x) { c.seq_len = x; }));
     v.push_back(enum_field<SpPadding>("sp_padding", sp_padding_table(), [](Case& c) -> SpPadding& { return c.sp_padding; }));
+    // backward of the token path (CONTRACT §13, src/stages_backward.cpp)
+    v.push_back(enum_field<Switch>("backward", switch_table(), [](Case& c) -> Switch& { return c.backward; }));
     for (const auto& [cname, cls] : compare_class_table()) {
       if (cls == CompareClass::exact || cls == CompareClass::rounding) continue;
       const std::string base = std::string("tolerance.") + cname;
@@ -520,6 +523,13 @@ void validate(const Case& c, const Flat& flat) {
   if (c.sp > 1 && c.combine.buffer != OutBuffer::fresh)
     fail("combine.buffer", "an output buffer aliasing x with sp > 1: each SP rank's x is its own shard",
          "valid: buffer: fresh with sp > 1");
+  // backward (CONTRACT §13): what src/stages_backward.cpp does not model is refused here.
+  if (c.backward == Switch::on && c.sp > 1)
+    fail("backward", "the backward of the sequence-parallel shard and gather is not implemented",
+         "valid: backward: off with sp > 1, or sp: 1");
+  if (c.backward == Switch::on && c.combine.buffer != OutBuffer::fresh)
+    fail("backward", "an output buffer aliasing x adds x itself to the output, a gradient path the backward does not model",
+         "valid: combine.buffer: fresh with backward: on");
 }
 
 Case build_case(const Flat& flat, const std::string& source) {

@@ -134,6 +134,7 @@ struct Case {
   int64_t batch = 1;    // B; L = T / B
   int64_t seq_len = 0;  // L: shape.seq_len gives tokens = B*L; the loader stores tokens / B (0 in a Case built in code)
   SpPadding sp_padding = SpPadding::virtual_;
+  Switch backward = Switch::off;
 
   int local_experts() const { return num_experts / ep; }
   int64_t tokens_on(int rank) const;

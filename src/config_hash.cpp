@@ -97,6 +97,7 @@ uint64_t config_hash(const Case& c) {
   f.i64(c.batch);
   f.i64(c.seq_len);
   f.e(c.sp_padding);
+  f.e(c.backward);  // CONTRACT §13
   f.str(c.summary());  // whatever summary() shows is covered even if a field is missed above
   return f.h;
 }

@@ -13,7 +13,7 @@ uint64_t mix(uint64_t z) {
   return z ^ (z >> 31);
 }
 
-enum Stream : uint64_t { kX = 1, kWg, kBias, kW1, kW3, kW2, kSW1, kSW3, kSW2, kTail };
+enum Stream : uint64_t { kX = 1, kWg, kBias, kW1, kW3, kW2, kSW1, kSW3, kSW2, kTail, kGradOut };
 
 double normal(uint64_t seed, uint64_t stream, uint64_t rank, uint64_t row, uint64_t col) {
   const double u1 = std::max(hash_uniform(seed, stream, rank, row, 2 * col), 1e-300);
@@ -77,6 +77,10 @@ std::map<std::string, Tensor> make_inputs(const Case& c, int rank, int64_t T) {
     m["w3"] = fill(c, act, {E, F, D}, kW3, 0, 1.0 / std::sqrt(double(D)), 2);
     m["w2"] = fill(c, act, {E, D, F}, kW2, 0, 1.0 / std::sqrt(double(F)), 2);
   }
+  // The upstream gradient of `out` (CONTRACT §13), a stream of its own: in
+  // exact mode small integers like x, so the backward's sums are exact where
+  // the forward's are.
+  if (c.backward == Switch::on) m["grad_out"] = fill(c, act, {T, D}, kGradOut, rank, 1.0, 0);
   if (c.shared.kind == SharedKind::swiglu) {
     m["shared_w1"] = fill(c, act, {1, F, D}, kSW1, 0, 1.0 / std::sqrt(double(D)), 2);
     m["shared_w3"] = fill(c, act, {1, F, D}, kSW3, 0, 1.0 / std::sqrt(double(D)), 2);

@@ -96,6 +96,14 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
   if (shared_swiglu) b += tokens * F * (kSwigluAct * s + kSwigluFloat * 4);
   b += equal_rows * D * (3 * s + 4);
   b += tokens * E * 4 * kTokenExpert;
+  // Backward (CONTRACT §13, src/stages_backward.cpp): grad_out, grad_x_shared
+  // and grad_x in act on both boards and grad_x's fp32 error scale, per token;
+  // the score gradient and its half-width (fp32, per assignment); and one more
+  // routed copy: combine_bwd reads routed_output beside the gradient rows.
+  if (c.backward == Switch::on) {
+    b += tokens * D * (4 * s + 2 * 4) + routed * 4 * 4;
+    b += padded * D * s;
+  }
   b += routed * kTokenKBytes;
   // Weights (elements of one copy): gate, routed experts, shared expert.
   const double w = E * D + (swiglu ? 3 * E * F * D : 0) + (shared_swiglu ? 3 * F * D : 0);
@@ -126,7 +134,10 @@ double estimate_case_bytes(const Case& c, int threads) {
   // After the pipeline only its results stay (out in act, its fp32 error
   // scale, sp_out) while the invariance reruns run one at a time: an EP = 1
   // rerun of each rank's tokens, then an sp = 1 rerun of the whole case.
-  const double results = kBaseBytes + sp_rows + total * double(c.hidden) * (2 * double(elem_bytes(act_elem(c.dtype))) + 4);
+  // With backward on, grad_x (act) and its fp32 error scale stay too.
+  const double bwd_results = c.backward == Switch::on ? double(elem_bytes(act_elem(c.dtype))) + 4 : 0;
+  const double results =
+      kBaseBytes + sp_rows + total * double(c.hidden) * (2 * double(elem_bytes(act_elem(c.dtype))) + 4 + bwd_results);
   double b = main_run;
   if (c.ep > 1) b = std::max(b, results + pipeline_bytes(c, most, most, 1, threads));
   if (c.sp > 1) b = std::max(b, results + pipeline_bytes(c, total, most, double(c.ep), threads));

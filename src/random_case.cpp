@@ -121,6 +121,10 @@ std::string random_case_yaml(uint64_t seed, uint64_t index) {
   y << ", score_multiply: " << d.pick<const char*>({"fp32", "fp32", "act"});
   y << ", experts.rounding: " << d.pick<const char*>({"fused", "fused", "torchtitan"});
   y << ", experts.compute_dtype: " << d.pick<const char*>({"act", "act", "bf16"});
+  // backward (CONTRACT §13) from a stream of its own, so the other keys draw
+  // as before: on in about 30% of the cases it supports (sp = 1, fresh buffer).
+  Draw db{std::mt19937_64((seed ^ 0x425744ull) * 0x9E3779B97F4A7C15ull + index)};
+  if (db.chance(0.3) && sp == 1 && buffer == "fresh") y << ", backward: on";
   y << "}";
   return y.str();
 }

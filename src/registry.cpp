@@ -60,7 +60,10 @@ std::function<std::vector<std::string>(const Case&)> fixed_inputs(std::vector<st
 const std::vector<std::string>& slot_order() {
   static const std::vector<std::string> s = {
       "sp_shard", "router_logits", "routing", "sp_pad_route", "dispatch", "ep_dispatch", "ep_permute", "align_pad", "experts",
-      "align_unpad", "ep_unpermute", "ep_combine", "shared_experts", "combine", "sp_gather"};
+      "align_unpad", "ep_unpermute", "ep_combine", "shared_experts", "combine", "sp_gather",
+      // backward (CONTRACT §13, src/stages_backward.cpp): the adjoints in reverse order
+      "combine_bwd", "shared_experts_bwd", "ep_combine_bwd", "ep_unpermute_bwd", "align_unpad_bwd", "experts_bwd",
+      "align_pad_bwd", "ep_permute_bwd", "ep_dispatch_bwd", "dispatch_bwd"};
   return s;
 }
 
@@ -70,7 +73,8 @@ const std::string& magnitude_slot() {
 }
 
 const std::set<std::string>& pipeline_results() {
-  static const std::set<std::string> s = {"out", "out_magnitude", "sp_out"};
+  static const std::set<std::string> s = {"out", "out_magnitude", "sp_out", "grad_x", "grad_x_scale",
+                                          "grad_topk_scores", "grad_topk_scores_scale"};
   return s;
 }
 
@@ -80,6 +84,7 @@ const std::vector<Stage>& registry() {
     register_local_stages(r);
     register_ep_stages(r);
     register_sp_stages(r);
+    register_backward_stages(r);
     return r;
   }();
   return reg;

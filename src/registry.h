@@ -91,6 +91,12 @@ const std::string& magnitude_slot();
 /// invariance): the streaming runner never drops them.
 const std::set<std::string>& pipeline_results();
 
+/// An output the runner checks end to end besides `out` (the fast pipeline's
+/// against the reference chain's): the backward's gradients. `scale` names
+/// the chain tensor holding its error scale ("" for none).
+struct EndToEndOutput;
+std::vector<EndToEndOutput> backward_end_to_end(const Case& c);
+
 /// How FastCtx::output provides a buffer. `fresh`: newly allocated and
 /// poisoned on every call (the runner: no vacuous pass). `reuse`: an output
 /// already on the board under that name, type and shape is handed back as
@@ -168,6 +174,11 @@ struct Stage {
   bool ref_per_rank = false;
   /// Optional: replaces the per-output comparison (used by routing).
   std::function<void(CheckCtx&)> check;
+};
+
+struct EndToEndOutput {
+  OutputSpec spec;
+  std::string scale;
 };
 
 /// A fixed input list for Stage::inputs.

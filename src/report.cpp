@@ -65,13 +65,13 @@ std::string secs(double v) {
 /// The per-check table: a header, then each check with its note and its
 /// first and last mismatches.
 void print_checks(const std::vector<const Check*>& checks, std::ostream& os) {
-  os << "   " << std::left << std::setw(15) << "stage" << std::setw(22) << "variant" << std::setw(17) << "tensor"
+  os << "   " << std::left << std::setw(20) << "stage" << std::setw(24) << "variant" << std::setw(17) << "tensor"
      << std::setw(19) << "against" << std::setw(17) << "tolerance" << std::setw(14) << "outcome" << std::right
      << std::setw(15) << "mismatch/total" << std::setw(10) << "max_abs" << std::setw(10) << "max_rel"
      << std::setw(9) << "max_ulp" << "\n";
   for (const Check* chp : checks) {
     const Check& ch = *chp;
-    os << "   " << std::left << std::setw(15) << ch.slot << std::setw(22) << ch.variant << std::setw(17) << ch.tensor
+    os << "   " << std::left << std::setw(20) << ch.slot << std::setw(24) << ch.variant << std::setw(17) << ch.tensor
        << std::setw(19) << ch.against << std::setw(17) << tol_str(ch) << std::setw(14) << outcome_name(ch.outcome)
        << std::right << std::setw(15)
        << (std::to_string(ch.diff.mismatches) + "/" + std::to_string(ch.diff.total)) << std::setw(10)
@@ -131,7 +131,7 @@ constexpr size_t kSummaryNotes = 2;
 void print_report(const CaseReport& r, std::ostream& os, ReportDetail detail) {
   const bool every = detail == ReportDetail::every_check;
   os << "\n== case " << r.c.name << "  (" << r.c.source << ")\n   " << r.c.summary() << "\n";
-  os << "   " << std::left << std::setw(15) << "stage" << std::setw(22) << "variant" << std::setw(14) << "outcome"
+  os << "   " << std::left << std::setw(20) << "stage" << std::setw(24) << "variant" << std::setw(14) << "outcome"
      << std::right << std::setw(7) << "checks" << std::setw(22) << "mismatch/total" << std::setw(10) << "max_abs"
      << std::setw(11) << "bound_used" << std::setw(11) << "fast" << std::setw(11) << "total" << "\n";
   std::string slot;
@@ -140,7 +140,7 @@ void print_report(const CaseReport& r, std::ostream& os, ReportDetail detail) {
     slot = row.slot;
     const VariantDecision* d = row.decision;
     const std::string name = row.variant + (d && d->ran && d->primary ? "*" : "");
-    os << "   " << std::left << std::setw(15) << (first ? row.slot : "") << std::setw(22) << name;
+    os << "   " << std::left << std::setw(20) << (first ? row.slot : "") << std::setw(24) << name;
     if (d && !d->ran) {
       os << "not taken: " << capped(d->reason) << "\n";
     } else {

@@ -525,6 +525,15 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
                                     fast.ranks[size_t(r)], r, R, "reference chain",
                                     hc ? &fast.at("out_magnitude", r) : nullptr));
   }
+  // The backward's gradients end to end (src/stages_backward.cpp), likewise.
+  for (const EndToEndOutput& e : backward_end_to_end(c))
+    for (int r = 0; r < R; ++r) {
+      const std::string& n = e.spec.name;
+      const bool hs = !e.scale.empty() && chain.has(e.scale, r);
+      rep.checks.push_back(make_check(c, "end_to_end", "backward", e.spec, fast.has(n, r) ? &fast.at(n, r) : nullptr,
+                                      chain.has(n, r) ? &chain.at(n, r) : nullptr, fast.ranks[size_t(r)], r, R,
+                                      "reference chain", hs ? &chain.at(e.scale, r) : nullptr));
+    }
   dump.finish(c);
   return true;
 }
@@ -604,6 +613,16 @@ CaseReport run_case(const Case& c, const RunOptions& opt) {
         }
       }
       rep.checks.push_back(ch);
+      // The gradients too (CONTRACT §3 EP invariance, run backwards): bitwise
+      // with identity experts, the only experts the backward runs for now.
+      if (exact)
+        for (const EndToEndOutput& e : backward_end_to_end(c)) {
+          const std::string& n = e.spec.name;
+          const OutputSpec og{n, CompareClass::exact, e.spec.coords, nullptr};
+          rep.checks.push_back(make_check(c, "ep_invariance", "ep1_vs_ep" + std::to_string(R), og,
+                                          fast.has(n, p) ? &fast.at(n, p) : nullptr, f1.has(n, 0) ? &f1.at(n, 0) : nullptr,
+                                          fast.ranks[size_t(p)], p, R, "EP = 1 run"));
+        }
     }
   }
   if (c.sp > 1 && completed && !opt.fast_only) check_sp_invariance(c, opt, fast, rep);

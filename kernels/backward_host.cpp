@@ -1,0 +1,66 @@
+// Host executor of the backward token path (kernels/backward_host.h).
+#include "backward_host.h"
+
+namespace moev {
+namespace {
+
+k::ProductRounding product_rounding(const ExecCtx& ctx) {
+  return ctx.faults.has(Fault::bwd_score_grad_rounded) ? k::ProductRounding::act : k::ProductRounding::fp32;
+}
+
+template <class V>
+void score_grad(const ExecCtx& ctx, const void* token_rows, const void* dispatch_rows, const int32_t* row_of, int64_t T,
+                int64_t D, int K, k::ScoreMultiply smul, float* grad) {
+  const k::ScoreGradBody<V> body{static_cast<const V*>(token_rows), static_cast<const V*>(dispatch_rows), row_of, grad,
+                                 D, K, smul, product_rounding(ctx)};
+  host_run(ctx, T * K, body);
+}
+
+}  // namespace
+
+void combine_backward(const ExecCtx& ctx, DType dt, k::ScoreApply apply, k::ScoreMultiply smul, const void* grad_out,
+                      const void* routed_out, const float* score_sorted, const int32_t* token_sorted,
+                      const int32_t* row_of, int64_t T, int64_t N, int64_t D, int K, void* grad_rows,
+                      float* grad_topk_scores) {
+  dispatch_dtype(dt, [&](auto tag) {
+    using V = decltype(tag);
+    const k::CombineGradRowsBody<V> rows{static_cast<const V*>(grad_out), token_sorted, score_sorted,
+                                         static_cast<V*>(grad_rows), D, apply, smul};
+    host_run(ctx, N, rows);
+    if (apply == k::ScoreApply::after_experts)
+      score_grad<V>(ctx, grad_out, routed_out, row_of, T, D, K, smul, grad_topk_scores);
+  });
+}
+
+void dispatch_backward(const ExecCtx& ctx, DType dt, k::ScoreApply apply, k::ScoreMultiply smul, k::Accumulate acc,
+                       const void* grad_rows, const float* score_sorted, const int32_t* row_of, const void* x,
+                       SharedGrad shared, const void* grad_shared, int64_t T, int64_t D, int K, void* grad_x,
+                       float* grad_topk_scores) {
+  // The combine body adds the score multiply where the forward's dispatch
+  // had it (before_experts), and none where the combine had it.
+  CombineArgs a;
+  a.dt = dt;
+  a.routed_out = grad_rows;
+  a.score_sorted = score_sorted;
+  a.row_of = row_of;
+  a.shared = grad_shared;
+  a.T = T;
+  a.D = D;
+  a.K = K;
+  a.apply = apply == k::ScoreApply::before_experts ? k::ScoreApply::after_experts : k::ScoreApply::before_experts;
+  a.acc = acc;
+  a.shared_add = shared == SharedGrad::add_after ? k::SharedAdd::add_after : k::SharedAdd::none;
+  a.smul = smul;
+  // The scatter's order comes from this path's own fault, not the forward
+  // combine's (unordered_combine), so each fault names one stage.
+  ExecCtx sc = ctx;
+  sc.faults.bits &= ~uint32_t(Fault::unordered_combine);
+  if (ctx.faults.has(Fault::bwd_unordered_scatter)) sc.faults.bits |= uint32_t(Fault::unordered_combine);
+  combine_from_zeros(sc, a, grad_x);
+  if (apply == k::ScoreApply::before_experts)
+    dispatch_dtype(dt, [&](auto tag) {
+      score_grad<decltype(tag)>(ctx, x, grad_rows, row_of, T, D, K, smul, grad_topk_scores);
+    });
+}
+
+}  // namespace moev

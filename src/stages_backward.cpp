@@ -1,0 +1,570 @@
+// Stage variants of the backward token path (`backward: on`; CONTRACT §13,
+// FRAMEWORKS §13): the adjoint of every forward slot, in reverse order, each
+// fast stage against its reference on the same inputs (stage isolation).
+//
+// Slots (after the forward's) and the tensors they write, all prefixed grad_:
+//   combine_bwd        grad_out (T, D) -> grad_routed_output (N, D), and under
+//                      scores after the experts grad_topk_scores (T, K) fp32
+//   shared_experts_bwd grad_out -> grad_x_shared (T, D): the shared expert's
+//                      input gradient (identity: grad_out itself)
+//   ep_combine_bwd     grad_routed_output -> grad_recv_out (M, D): the forward
+//                      all-to-all of the dispatch (the combine's splits swapped)
+//   ep_unpermute_bwd   grad_recv_out -> grad_unpadded: the permute (rank-major
+//                      -> expert-major)
+//   align_unpad_bwd    grad_unpadded -> grad_expert_output: the padding
+//                      (padding rows zero)
+//   experts_bwd        grad_expert_output -> grad_expert_input, sum(expert_counts)
+//                      rows: the rows of some expert group (a padding tail
+//                      past the last group belongs to none and gets none)
+//   align_pad_bwd      grad_expert_input -> grad_permuted (M, D): each group's
+//                      real rows, padding-row gradients dropped
+//   ep_permute_bwd     grad_permuted -> grad_recv: the unpermute
+//   ep_dispatch_bwd    grad_recv -> grad_routed_input (N, D): the combine's
+//                      all-to-all (the dispatch's splits swapped)
+//   dispatch_bwd       grad_routed_input -> grad_x (T, D): the ordered
+//                      scatter-add, K gradients per token in ascending expert
+//                      order, no atomics, + grad_x_shared; under scores before
+//                      the experts also grad_topk_scores
+//
+// Saved forward metadata only (FRAMEWORKS §13 last line): splits, counts,
+// row_of, token_sorted and score_sorted are read from the forward's board,
+// never recomputed from the routing. One backward serves every forward
+// variant of a slot: the forward variants are bit-identical data movements
+// (CONTRACT §5, §6, §7), so the backward of the equal-split and force-LB
+// all-to-all is the variable all-to-all with swapped splits, and only the
+// permute has an equal-count variant of its own.
+//
+// Numerics (README "Backward"): gradient rows are data movement except where
+// a score multiplies them, round_act(float(g) * s) as the forward's multiply;
+// the scatter-add is the forward combine's (accumulate mode and order), so
+// every gradient row is compared bitwise. The score gradient is an fp32
+// dot product over D: compared with the half-width of an fp32 summation
+// against an fp64 reference (class rounding), which flags act-rounded
+// products (TransformerEngine #1336).
+//
+// SwiGLU experts: their gradients (dX, dW1, dW3, dW2) come from another
+// branch; until they are wired every backward slot declines SwiGLU cases with
+// kSwigluGradsMissing. Wiring them is one descriptor in experts_bwd (inputs
+// expert_input, expert_counts, w1, w3, w2, grad_expert_output; output
+// grad_expert_input and the weight gradients) and one in shared_experts_bwd
+// (inputs x, shared_w*, grad_out; output grad_x_shared), then
+// swiglu_grads_wired() returns true.
+#include <cmath>
+#include <cstring>
+
+#include "../kernels/backward_host.h"
+#include "../kernels/ep_host.h"
+#include "../reference/backward.h"
+#include "comm.h"
+#include "stages.h"
+
+namespace moev {
+namespace {
+
+const char* const kSwigluGradsMissing = "SwiGLU expert gradients: wired at merge";
+
+/// Whether the SwiGLU expert gradients are registered (see the file comment).
+bool swiglu_grads_wired() { return false; }
+
+Decision backward_on(const Case& c) {
+  if (c.backward != Switch::on) return {false, "backward: off"};
+  const bool swiglu = c.experts.kind == ExpertKind::swiglu || c.shared.kind == SharedKind::swiglu;
+  if (swiglu && !swiglu_grads_wired()) return {false, kSwigluGradsMissing};
+  return {};
+}
+
+bool scores_before(const Case& c) { return c.score_before_experts == Switch::on; }
+k::ScoreApply apply_of(const Case& c) {
+  return scores_before(c) ? k::ScoreApply::before_experts : k::ScoreApply::after_experts;
+}
+ref::ScoreApply ref_apply(const Case& c) {
+  return scores_before(c) ? ref::ScoreApply::before_experts : ref::ScoreApply::after_experts;
+}
+ref::ScoreMultiply ref_smul(const Case& c) {
+  return c.score_multiply == k::ScoreMultiply::act ? ref::ScoreMultiply::act : ref::ScoreMultiply::fp32;
+}
+bool has_shared(const Case& c) { return c.shared.kind != SharedKind::none; }
+
+int64_t sum_of(const Tensor& t) {
+  int64_t n = 0;
+  for (int64_t v : to_ints(t)) n += v;
+  return n;
+}
+
+/// A data promise for a stage that moves the rows of `input`: its gradient
+/// rows are not all zero when the input's are not (a permute or a drop of
+/// zero padding rows keeps every nonzero row).
+Promise moves_nonzero(const std::string& input) {
+  return [input](const Case&, const RankBoard& b) {
+    auto it = b.find(input);
+    return it != b.end() && any_nonzero(it->second);
+  };
+}
+
+Stage make(const std::string& slot, const std::string& variant, const std::string& summary,
+           std::vector<std::string> inputs, std::vector<OutputSpec> outputs, std::function<void(FastCtx&)> fast,
+           std::function<void(RefCtx&)> ref) {
+  Stage s;
+  s.slot = slot;
+  s.variant = variant;
+  s.summary = summary;
+  s.applies = backward_on;
+  s.primary = [](const Case&) { return true; };
+  s.inputs = fixed_inputs(std::move(inputs));
+  s.outputs = std::move(outputs);
+  s.fast = std::move(fast);
+  s.ref = std::move(ref);
+  return s;
+}
+
+Tensor& rows_out(FastCtx& ctx, const std::string& name, int64_t rows) {
+  return ctx.output(name, act_elem(ctx.c.dtype), {rows, ctx.c.hidden});
+}
+
+/// Error scale (class rounding: the half-width) of the score gradient, from
+/// the stage's inputs: token rows and dispatch rows per the score position.
+Tensor score_grad_scale(const Case& c, const RankBoard& b, int, int) {
+  const bool before = scores_before(c);
+  const Tensor& row_of = b.at("row_of");
+  ref::Vec half;
+  ref::score_grad(ref_act(c.dtype), ref_smul(c), rows_of(b.at(before ? "x" : "grad_out")),
+                  rows_of(b.at(before ? "grad_routed_input" : "routed_output")), ref_ids(row_of), row_of.shape[0],
+                  c.hidden, c.top_k, half);
+  return from_floats(half, ElemType::f32, row_of.shape);
+}
+
+OutputSpec score_grad_spec() {
+  return OutputSpec("grad_topk_scores", CompareClass::rounding, Coords::token_k, nullptr, score_grad_scale);
+}
+
+/// The reference score gradient and its half-width onto `out`.
+void ref_score_grad(const Case& c, const RankBoard& in, RankBoard& out, const std::string& token_rows,
+                    const std::string& dispatch_rows) {
+  const Tensor& row_of = in.at("row_of");
+  ref::Vec half;
+  const ref::Vec g = ref::score_grad(ref_act(c.dtype), ref_smul(c), rows_of(in.at(token_rows)),
+                                     rows_of(in.at(dispatch_rows)), ref_ids(row_of), row_of.shape[0], c.hidden,
+                                     c.top_k, half);
+  out["grad_topk_scores"] = from_floats(g, ElemType::f32, row_of.shape);
+  // Kept for the end-to-end check of the chain (registry pipeline_results).
+  out["grad_topk_scores_scale"] = from_floats(half, ElemType::f32, row_of.shape);
+}
+
+// ---- combine_bwd -------------------------------------------------------------
+
+void fast_combine_bwd(FastCtx& ctx) {
+  const Case& c = ctx.c;
+  const Tensor& g = ctx.input("grad_out");
+  const Tensor& tok = ctx.input("token_sorted");
+  const int64_t T = g.shape[0], N = tok.numel();
+  Tensor& rows = rows_out(ctx, "grad_routed_output", N);
+  float* gs = nullptr;
+  const void* routed = nullptr;
+  if (!scores_before(c)) {
+    gs = ctx.output("grad_topk_scores", ElemType::f32, {T, c.top_k}).as<float>();
+    routed = ctx.input("routed_output").data();
+  }
+  combine_backward(ctx.exec, c.dtype, apply_of(c), c.score_multiply, g.data(), routed,
+                   ctx.input("score_sorted").as<float>(), tok.as<int32_t>(), ctx.input("row_of").as<int32_t>(), T, N,
+                   c.hidden, c.top_k, rows.data(), gs);
+}
+
+void ref_combine_bwd(RefCtx& r) {
+  const Case& c = r.c;
+  for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+    const RankBoard& in = r.in.ranks[q];
+    RankBoard& out = r.out.ranks[q];
+    out["grad_routed_output"] =
+        rows_tensor(ref::combine_grad_rows(ref_act(c.dtype), ref_apply(c), ref_smul(c), rows_of(in.at("grad_out")),
+                                           ref_ids(in.at("token_sorted")), to_floats(in.at("score_sorted"))),
+                    act_elem(c.dtype), c.hidden);
+    if (!scores_before(c)) ref_score_grad(c, in, out, "grad_out", "routed_output");
+  }
+}
+
+// ---- shared_experts_bwd --------------------------------------------------------
+
+void fast_shared_identity_bwd(FastCtx& ctx) {
+  const Tensor& g = ctx.input("grad_out");
+  Tensor& o = ctx.output("grad_x_shared", g.type, g.shape);
+  if (g.bytes()) std::memcpy(o.data(), g.data(), g.bytes());  // an empty tensor may have no storage
+}
+
+void ref_shared_identity_bwd(RefCtx& r) {
+  for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+    const Tensor& g = r.in.at("grad_out", int(q));
+    r.out.ranks[q]["grad_x_shared"] = from_floats(to_floats(g), g.type, g.shape);
+  }
+}
+
+// ---- all-to-all backward (FRAMEWORKS §13, §3.5) -----------------------------------
+
+/// Sends `in` with send splits `send` and receives `recv` splits into `out`:
+/// the all-to-all of a gradient, whose splits are the forward's swapped. The
+/// planted fault bwd_unswapped_splits swaps them back (the forward's roles).
+void a2a_rows(FastCtx& ctx, const std::string& in_name, std::vector<int64_t> send, std::vector<int64_t> recv,
+              const std::string& out_name, const char* what) {
+  if (ctx.exec.faults.has(Fault::bwd_unswapped_splits)) std::swap(send, recv);
+  const Tensor& in = ctx.input(in_name);
+  int64_t rows = 0;
+  for (int64_t v : recv) rows += v;
+  Tensor& out = rows_out(ctx, out_name, rows);
+  ctx.comm->alltoallv(in.data(), in.shape[0], send, out.data(), out.shape[0], recv,
+                      size_t(ctx.c.hidden) * elem_bytes(in.type), what);
+}
+
+/// The combine's all-to-all sent recv_out with output_splits and received
+/// input_splits; its gradient goes the dispatch's way.
+void fast_ep_combine_bwd(FastCtx& ctx) {
+  a2a_rows(ctx, "grad_routed_output", to_ints(ctx.input("input_splits")), to_ints(ctx.input("output_splits")),
+           "grad_recv_out", "gradient all-to-all (combine backward)");
+}
+
+void ref_ep_combine_bwd(RefCtx& r) {
+  const int R = int(r.in.ranks.size()), E_l = r.c.num_experts / R;
+  std::vector<ref::RowsRef> rows;
+  std::vector<ref::Counts> counts;
+  for (int q = 0; q < R; ++q) {
+    rows.push_back(rows_of(r.in.at("grad_routed_output", q)));
+    counts.push_back(ref_counts(r.in.at("counts", q)));
+  }
+  std::vector<ref::Bytes> got = ref::ep_send_rows(rows, counts, R, E_l);
+  for (int q = 0; q < R; ++q)
+    r.out.ranks[size_t(q)]["grad_recv_out"] = rows_tensor(std::move(got[size_t(q)]), act_elem(r.c.dtype), r.c.hidden);
+}
+
+/// The dispatch's all-to-all sent routed_input with input_splits; its
+/// gradient goes back with the splits swapped.
+void fast_ep_dispatch_bwd(FastCtx& ctx) {
+  a2a_rows(ctx, "grad_recv", to_ints(ctx.input("output_splits")), to_ints(ctx.input("input_splits")),
+           "grad_routed_input", "gradient all-to-all (dispatch backward)");
+}
+
+void ref_ep_dispatch_bwd(RefCtx& r) {
+  const int R = int(r.in.ranks.size()), E_l = r.c.num_experts / R;
+  std::vector<ref::RowsRef> rows;
+  std::vector<ref::Counts> rc;
+  for (int q = 0; q < R; ++q) {
+    rows.push_back(rows_of(r.in.at("grad_recv", q)));
+    rc.push_back(ref_counts(r.in.at("recv_counts", q)));
+  }
+  std::vector<ref::Bytes> back = ref::ep_return(rows, rc, R, E_l);
+  for (int p = 0; p < R; ++p)
+    r.out.ranks[size_t(p)]["grad_routed_input"] =
+        rows_tensor(std::move(back[size_t(p)]), act_elem(r.c.dtype), r.c.hidden);
+}
+
+// ---- permutes (CONTRACT §3, §7; FRAMEWORKS §13 "permute by bijection") -------
+
+/// Equal-count precondition (CONTRACT §7) on every rank's received counts;
+/// the ranks agree before any declines, as in the forward.
+bool equal_count_ready(FastCtx& ctx, int64_t& cnt) {
+  cnt = uniform_count(to_ints(ctx.input("recv_counts")));
+  int64_t not_ready = cnt == 0;
+  ctx.comm->allreduce_max(&not_ready, 1, "equal-count precondition (backward)");
+  if (not_ready) ctx.skip("received segment counts are not all equal and > 0 on every rank");
+  return !not_ready;
+}
+
+/// Rank-major -> expert-major (the unpermute's backward, inverse = 0) or back
+/// (the permute's backward, inverse = 1), by the generic table or the
+/// equal-count transpose.
+void fast_permute_rows(FastCtx& ctx, PermuteMode mode, int inverse, const std::string& in_name,
+                       const std::string& out_name) {
+  const Case& c = ctx.c;
+  const int R = ctx.ranks, E_l = c.num_experts / R;
+  const Tensor& in = ctx.input(in_name);
+  if (mode == PermuteMode::equal_count) {
+    int64_t cnt = 0;
+    if (!equal_count_ready(ctx, cnt)) return;
+    Tensor& out = rows_out(ctx, out_name, in.shape[0]);
+    apply_equal_count(ctx.exec, c.dtype, in.data(), EqualCountMap{R, E_l, cnt, inverse}, in.shape[0], c.hidden,
+                      out.data());
+    return;
+  }
+  const std::vector<int64_t> rc = to_ints(ctx.input("recv_counts"));
+  std::vector<int64_t> map = permute_map_generic(rc.data(), R, E_l);
+  if (inverse) map = invert_map(map);
+  Tensor& out = rows_out(ctx, out_name, in.shape[0]);
+  apply_row_map(ctx.exec, c.dtype, in.data(), map.data(), int64_t(map.size()), c.hidden, out.data());
+}
+
+void ref_unpermute_bwd(RefCtx& r) {
+  const int R = int(r.in.ranks.size()), E_l = r.c.num_experts / R;
+  for (int q = 0; q < R; ++q)
+    r.out.ranks[size_t(q)]["grad_unpadded"] =
+        rows_tensor(ref::permute_to_expert_major(rows_of(r.in.at("grad_recv_out", q)),
+                                                 ref_counts(r.in.at("recv_counts", q)), R, E_l),
+                    act_elem(r.c.dtype), r.c.hidden);
+}
+
+void ref_permute_bwd(RefCtx& r) {
+  const int R = int(r.in.ranks.size()), E_l = r.c.num_experts / R;
+  for (int q = 0; q < R; ++q)
+    r.out.ranks[size_t(q)]["grad_recv"] =
+        rows_tensor(ref::permute_to_rank_major(rows_of(r.in.at("grad_permuted", q)),
+                                               ref_counts(r.in.at("recv_counts", q)), R, E_l),
+                    act_elem(r.c.dtype), r.c.hidden);
+}
+
+// ---- padding (CONTRACT §4; FRAMEWORKS §13 "pad backward = slice") -----------------
+
+PadLayout layout_of(FastCtx& ctx, const std::vector<int64_t>& real) {
+  const Case& c = ctx.c;
+  return pad_layout(real.data(), int(real.size()), c.align,
+                    c.empty_groups == EmptyGroups::pad ? EmptyGroupRows::align : EmptyGroupRows::zero, FaultSet{});
+}
+
+/// The unpad's backward: the forward padding of the gradient, padding rows
+/// zero, over the groups' rows (sum of expert_counts).
+void fast_unpad_bwd(FastCtx& ctx) {
+  const std::vector<int64_t> real = to_ints(ctx.input("expert_counts_real"));
+  const PadLayout l = layout_of(ctx, real);
+  const std::vector<int64_t> map = pad_map(real.data(), l, FaultSet{});
+  const int64_t rows = sum_of(ctx.input("expert_counts"));
+  Tensor& out = rows_out(ctx, "grad_expert_output", rows);
+  apply_row_map(ctx.exec, ctx.c.dtype, ctx.input("grad_unpadded").data(), map.data(), rows, ctx.c.hidden, out.data());
+}
+
+void ref_unpad_bwd(RefCtx& r) {
+  const Case& c = r.c;
+  for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+    ref::Counts sizes;
+    ref::Bytes b = ref::pad_groups(rows_of(r.in.at("grad_unpadded", int(q))),
+                                   ref_counts(r.in.at("expert_counts_real", int(q))), c.align,
+                                   c.empty_groups == EmptyGroups::pad, sizes);
+    int64_t rows = 0;
+    for (int64_t n : sizes) rows += n;
+    b.resize(size_t(rows * c.hidden) * elem_bytes(act_elem(c.dtype)));  // the zero tail is no group's
+    r.out.ranks[q]["grad_expert_output"] = rows_tensor(std::move(b), act_elem(c.dtype), c.hidden);
+  }
+}
+
+/// The pad's backward: each group's real rows, the padding rows' gradients
+/// dropped. The planted fault bwd_pad_grad_kept slices the first M rows of
+/// the padded gradient instead, padding rows in place of real ones.
+void fast_pad_bwd(FastCtx& ctx) {
+  const std::vector<int64_t> real = to_ints(ctx.input("expert_counts_real"));
+  const PadLayout l = layout_of(ctx, real);
+  std::vector<int64_t> map = unpad_map(real.data(), l);
+  if (ctx.exec.faults.has(Fault::bwd_pad_grad_kept))
+    for (size_t i = 0; i < map.size(); ++i) map[i] = int64_t(i);
+  Tensor& out = rows_out(ctx, "grad_permuted", int64_t(map.size()));
+  apply_row_map(ctx.exec, ctx.c.dtype, ctx.input("grad_expert_input").data(), map.data(), int64_t(map.size()),
+                ctx.c.hidden, out.data());
+}
+
+void ref_pad_bwd(RefCtx& r) {
+  for (size_t q = 0; q < r.in.ranks.size(); ++q)
+    r.out.ranks[q]["grad_permuted"] =
+        rows_tensor(ref::unpad_groups(rows_of(r.in.at("grad_expert_input", int(q))),
+                                      ref_counts(r.in.at("expert_counts_real", int(q))),
+                                      ref_counts(r.in.at("expert_counts", int(q)))),
+                    act_elem(r.c.dtype), r.c.hidden);
+}
+
+// ---- experts_bwd -----------------------------------------------------------------
+
+void fast_experts_identity_bwd(FastCtx& ctx) {
+  const Tensor& g = ctx.input("grad_expert_output");
+  Tensor& o = rows_out(ctx, "grad_expert_input", g.shape[0]);
+  if (g.bytes()) std::memcpy(o.data(), g.data(), g.bytes());
+}
+
+void ref_experts_identity_bwd(RefCtx& r) {
+  for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+    const ref::RowsRef g = rows_of(r.in.at("grad_expert_output", int(q)));
+    r.out.ranks[q]["grad_expert_input"] =
+        rows_tensor(ref::Bytes(g.data, g.data + size_t(g.rows) * g.row_bytes), act_elem(r.c.dtype), r.c.hidden);
+  }
+}
+
+// ---- dispatch_bwd ----------------------------------------------------------------
+
+std::vector<std::string> dispatch_bwd_inputs(const Case& c) {
+  std::vector<std::string> v = {"grad_routed_input", "row_of", "token_sorted", "score_sorted"};
+  if (scores_before(c)) v.push_back("x");
+  if (has_shared(c)) v.push_back("grad_x_shared");
+  return v;
+}
+
+void fast_dispatch_bwd(FastCtx& ctx) {
+  const Case& c = ctx.c;
+  const Tensor& row_of = ctx.input("row_of");
+  const int64_t T = row_of.shape[0];
+  Tensor& gx = rows_out(ctx, "grad_x", T);
+  float* gs = scores_before(c) ? ctx.output("grad_topk_scores", ElemType::f32, {T, c.top_k}).as<float>() : nullptr;
+  const bool shared = has_shared(c);
+  dispatch_backward(ctx.exec, c.dtype, apply_of(c), c.score_multiply, c.combine.accumulate,
+                    ctx.input("grad_routed_input").data(), ctx.input("score_sorted").as<float>(),
+                    row_of.as<int32_t>(), scores_before(c) ? ctx.input("x").data() : nullptr,
+                    shared ? SharedGrad::add_after : SharedGrad::none,
+                    shared ? ctx.input("grad_x_shared").data() : nullptr, T, c.hidden, c.top_k, gx.data(), gs);
+}
+
+void ref_dispatch_bwd(RefCtx& r) {
+  const Case& c = r.c;
+  for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+    const RankBoard& in = r.in.ranks[q];
+    RankBoard& out = r.out.ranks[q];
+    const int64_t T = in.at("row_of").shape[0];
+    const ref::Vec shared = has_shared(c) ? to_floats(in.at("grad_x_shared")) : ref::Vec{};
+    const ref::Accumulate acc = c.combine.accumulate == k::Accumulate::per_add ? ref::Accumulate::per_add
+                                                                                : ref::Accumulate::fp32_accumulate;
+    out["grad_x"] = from_floats(ref::scatter_add_grad(ref_act(c.dtype), ref_apply(c), ref_smul(c), acc,
+                                                      rows_of(in.at("grad_routed_input")),
+                                                      ref_ids(in.at("token_sorted")), to_floats(in.at("score_sorted")),
+                                                      shared, T, c.hidden),
+                                act_elem(c.dtype), {T, c.hidden});
+    if (scores_before(c)) ref_score_grad(c, in, out, "x", "grad_routed_input");
+    // The end-to-end error scale (CONTRACT §15) of grad_x: the sum of the
+    // absolute values of the terms behind each element. The chain's routing
+    // scores may differ from the fast path's in the last fp32 bits (a routing
+    // tolerance), and every gradient row carries its score.
+    const ref::RowsRef g = rows_of(in.at("grad_routed_input"));
+    const ref::Ids tok = ref_ids(in.at("token_sorted"));
+    const ref::Vec sc = to_floats(in.at("score_sorted"));
+    ref::Vec scale(size_t(T * c.hidden), 0.f);
+    for (size_t i = 0; i < tok.size(); ++i) {
+      const float w = scores_before(c) ? std::fabs(sc[i]) : 1.f;
+      for (int64_t d = 0; d < c.hidden; ++d)
+        scale[size_t(tok[i] * c.hidden + d)] +=
+            w * std::fabs(ref::decode_act(ref_act(c.dtype), g.row(int64_t(i)) + size_t(d) * elem_bytes(act_elem(c.dtype))));
+    }
+    for (size_t e = 0; e < shared.size(); ++e) scale[e] += std::fabs(shared[e]);
+    out["grad_x_scale"] = from_floats(scale, ElemType::f32, {T, c.hidden});
+  }
+}
+
+}  // namespace
+
+std::vector<EndToEndOutput> backward_end_to_end(const Case& c) {
+  if (!backward_on(c).applies) return {};
+  // grad_x in the end-to-end class with its error scale: the chain's routing
+  // scores may differ from the fast ones in the last bits (the routing check's
+  // tolerance). The score gradient of identity experts does not depend on the
+  // scores: the sums of the same rows, within an fp32 summation's half-width.
+  return {{OutputSpec("grad_x", CompareClass::end_to_end, Coords::token_col, nullptr), "grad_x_scale"},
+          {score_grad_spec(), "grad_topk_scores_scale"}};
+}
+
+void register_backward_stages(std::vector<Stage>& reg) {
+  const Promise from_g = moves_nonzero("grad_out");
+  {
+    Stage s = make("combine_bwd", "scores_after",
+                   "grad rows round(G[token] * s) in dispatch order; grad_topk_scores = fp32 sum_d G * y (FRAMEWORKS §13)",
+                   {"grad_out", "routed_output", "score_sorted", "token_sorted", "row_of"},
+                   {{"grad_routed_output", CompareClass::exact, Coords::dispatch_row, nullptr}, score_grad_spec()},
+                   fast_combine_bwd, ref_combine_bwd);
+    s.applies = [](const Case& c) {
+      const Decision d = backward_on(c);
+      if (!d.applies) return d;
+      return Decision{!scores_before(c), "score_before_experts: on (the score gradient is the dispatch's)"};
+    };
+    reg.push_back(s);
+  }
+  {
+    Stage s = make("combine_bwd", "scores_before", "grad rows G[token] in dispatch order (the score multiply was at dispatch)",
+                   {"grad_out", "score_sorted", "token_sorted", "row_of"},
+                   {{"grad_routed_output", CompareClass::exact, Coords::dispatch_row, from_g}}, fast_combine_bwd,
+                   ref_combine_bwd);
+    s.applies = [](const Case& c) {
+      const Decision d = backward_on(c);
+      if (!d.applies) return d;
+      return Decision{scores_before(c), "score_before_experts: off"};
+    };
+    reg.push_back(s);
+  }
+  {
+    Stage s = make("shared_experts_bwd", "shared_identity", "grad_x_shared = grad_out (shared(x) = x)", {"grad_out"},
+                   {{"grad_x_shared", CompareClass::exact, Coords::token_col, from_g}}, fast_shared_identity_bwd,
+                   ref_shared_identity_bwd);
+    s.applies = [](const Case& c) {
+      const Decision d = backward_on(c);
+      if (!d.applies) return d;
+      return Decision{c.shared.kind == SharedKind::identity, "shared_experts.kind is not identity"};
+    };
+    reg.push_back(s);
+  }
+  reg.push_back(make("ep_combine_bwd", "a2a_swapped",
+                     "gradient all-to-all-v: send input_splits, receive output_splits (the combine's swapped, FRAMEWORKS §13)",
+                     {"grad_routed_output", "input_splits", "output_splits", "counts"},
+                     {{"grad_recv_out", CompareClass::exact, Coords::rank_major_row, nullptr}}, fast_ep_combine_bwd,
+                     ref_ep_combine_bwd));
+  for (PermuteMode m : {PermuteMode::generic, PermuteMode::equal_count}) {
+    const bool eq = m == PermuteMode::equal_count;
+    const auto primary = [m](const Case& c) {
+      return c.permute == m || (c.permute == PermuteMode::auto_ && m == PermuteMode::equal_count);
+    };
+    const auto applies = [eq](const Case& c) {
+      const Decision d = backward_on(c);
+      if (!d.applies || !eq) return d;
+      return Decision{c.permute != PermuteMode::generic, "permute: generic"};
+    };
+    Stage u = make("ep_unpermute_bwd", eq ? "equal_count" : "generic",
+                   eq ? "transpose (R, E_l, c) -> (E_l, R, c) of the gradient" : "the permute's table on the gradient",
+                   {"grad_recv_out", "recv_counts"}, {{"grad_unpadded", CompareClass::exact, Coords::expert_row, nullptr}},
+                   [m](FastCtx& ctx) { fast_permute_rows(ctx, m, 0, "grad_recv_out", "grad_unpadded"); },
+                   ref_unpermute_bwd);
+    u.primary = primary;
+    u.applies = applies;
+    reg.push_back(u);
+    Stage p = make("ep_permute_bwd", eq ? "equal_count" : "generic",
+                   eq ? "inverse transpose (E_l, R, c) -> (R, E_l, c) of the gradient"
+                      : "the inverse table on the gradient (inverse scatter, no duplicates)",
+                   {"grad_permuted", "recv_counts"}, {{"grad_recv", CompareClass::exact, Coords::rank_major_row, nullptr}},
+                   [m](FastCtx& ctx) { fast_permute_rows(ctx, m, 1, "grad_permuted", "grad_recv"); }, ref_permute_bwd);
+    p.primary = primary;
+    p.applies = applies;
+    reg.push_back(p);
+  }
+  reg.push_back(make("align_unpad_bwd", "zero_fill", "the gradient padded like the forward: padding rows zero (FRAMEWORKS §13)",
+                     {"grad_unpadded", "expert_counts", "expert_counts_real"},
+                     {{"grad_expert_output", CompareClass::exact, Coords::padded_row, moves_nonzero("grad_unpadded")}},
+                     fast_unpad_bwd, ref_unpad_bwd));
+  {
+    Stage s = make("experts_bwd", "identity", "grad_expert_input = grad_expert_output (Y = X)",
+                   {"grad_expert_output", "expert_counts"},
+                   {{"grad_expert_input", CompareClass::exact, Coords::padded_row, moves_nonzero("grad_expert_output")}},
+                   fast_experts_identity_bwd, ref_experts_identity_bwd);
+    s.applies = [](const Case& c) {
+      const Decision d = backward_on(c);
+      if (!d.applies) return d;
+      return Decision{c.experts.kind == ExpertKind::identity, "experts.kind is not identity"};
+    };
+    reg.push_back(s);
+  }
+  reg.push_back(make("align_pad_bwd", "drop_padding", "each group's real rows; padding-row gradients dropped (FRAMEWORKS §13)",
+                     {"grad_expert_input", "expert_counts", "expert_counts_real"},
+                     {{"grad_permuted", CompareClass::exact, Coords::expert_row, moves_nonzero("grad_expert_input")}},
+                     fast_pad_bwd, ref_pad_bwd));
+  reg.push_back(make("ep_dispatch_bwd", "a2a_swapped",
+                     "gradient all-to-all-v: send output_splits, receive input_splits (the dispatch's swapped, FRAMEWORKS §13)",
+                     {"grad_recv", "input_splits", "output_splits", "recv_counts"},
+                     {{"grad_routed_input", CompareClass::exact, Coords::dispatch_row, nullptr}}, fast_ep_dispatch_bwd,
+                     ref_ep_dispatch_bwd));
+  {
+    Stage s = make("dispatch_bwd", "ordered_scatter",
+                   "grad_x = ordered scatter-add of the K row gradients per token, ascending expert, no atomics; + shared",
+                   {}, {{"grad_x", CompareClass::exact, Coords::token_col, nullptr}}, fast_dispatch_bwd, ref_dispatch_bwd);
+    s.inputs = dispatch_bwd_inputs;
+    s.applies = [](const Case& c) {
+      const Decision d = backward_on(c);
+      if (!d.applies) return d;
+      return Decision{!scores_before(c), "score_before_experts: on"};
+    };
+    reg.push_back(s);
+    Stage b = s;
+    b.variant = "ordered_scatter_scores";
+    b.summary = "score_before_experts: grad_x from round(g * s) rows, ordered; grad_topk_scores = fp32 sum_d g * x";
+    b.outputs.push_back(score_grad_spec());
+    b.applies = [](const Case& c) {
+      const Decision d = backward_on(c);
+      if (!d.applies) return d;
+      return Decision{scores_before(c), "score_before_experts: off"};
+    };
+    reg.push_back(b);
+  }
+}
+
+}  // namespace moev

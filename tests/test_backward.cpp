@@ -1,0 +1,277 @@
+// Backward of the token path (CONTRACT §13, FRAMEWORKS §13; src/stages_backward.cpp):
+// the adjoint identities in fp64 on the fast kernels (exact data, so the
+// fp32 results are the exact values), the round trip of the gradient rows
+// through the whole EP backward (identity experts: every backward stage is
+// data movement, so the gradient arriving at dispatch equals the one leaving
+// the combine bit for bit), determinism across thread counts and runs, the
+// planted backward faults caught on the shipped cases, and the load-time
+// refusals. RapidCheck prints its seed; RC_PARAMS="seed=N" replays.
+#include <catch2/catch.hpp>
+#include <rapidcheck/catch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "../kernels/backward_host.h"
+#include "../kernels/moe_host.h"
+#include "case.h"
+#include "error.h"
+#include "runner.h"
+#include "test_util.h"
+
+using namespace moev;
+
+namespace {
+
+std::vector<std::string> failing(const CaseReport& r) {
+  std::vector<std::string> v;
+  for (const auto& ch : r.checks)
+    if (ch.outcome != Outcome::PASSED) v.push_back(ch.slot + "/" + ch.tensor);
+  return v;
+}
+
+bool any_starts(const std::vector<std::string>& v, const std::string& prefix) {
+  return std::any_of(v.begin(), v.end(), [&](const std::string& s) { return s.rfind(prefix, 0) == 0; });
+}
+
+/// Runs the shipped case clean (it must pass) and with the fault; returns the
+/// failing "slot/tensor" names of the faulty run.
+std::vector<std::string> caught_by(const Case& c, Fault f) {
+  REQUIRE(run_case(c, RunOptions{}).outcome == Outcome::PASSED);
+  RunOptions o;
+  o.faults.bits = uint32_t(f);
+  const CaseReport r = run_case(c, o);
+  CHECK(r.outcome != Outcome::PASSED);
+  return failing(r);
+}
+
+double dot(const std::vector<float>& a, const std::vector<float>& b) {
+  double s = 0;
+  for (size_t i = 0; i < a.size(); ++i) s += double(a[i]) * double(b[i]);
+  return s;
+}
+
+/// A random local routing with exact data: T tokens, K distinct experts out
+/// of E per token (experts with no rows when T*K < E), scores powers of two,
+/// x, G and expert outputs small integers. Every fp32 product and sum below is
+/// then exact, so the fast results are the exact values.
+struct Routing {
+  int64_t T = 0, D = 0, N = 0;
+  int K = 1, E = 1;
+  std::vector<int32_t> ids, perm, token_sorted, row_of;
+  std::vector<float> topk_scores, score_sorted, x, G, Y;
+};
+
+rc::Gen<Routing> gen_routing() {
+  return rc::gen::exec([] {
+    Routing r;
+    r.E = *rc::gen::inRange(1, 9);
+    r.K = *rc::gen::inRange(1, std::min(r.E, 4) + 1);
+    r.T = *rc::gen::weightedOneOf<int64_t>({{1, rc::gen::just<int64_t>(0)}, {4, rc::gen::inRange<int64_t>(1, 12)}});
+    r.D = *rc::gen::inRange<int64_t>(1, 9);
+    r.N = r.T * r.K;
+    for (int64_t t = 0; t < r.T; ++t) {
+      std::vector<int32_t> pool(static_cast<size_t>(r.E));
+      for (int e = 0; e < r.E; ++e) pool[size_t(e)] = e;
+      for (int k = 0; k < r.K; ++k) {
+        const size_t j = size_t(*rc::gen::inRange<int64_t>(int64_t(k), r.E));
+        std::swap(pool[size_t(k)], pool[j]);
+        r.ids.push_back(pool[size_t(k)]);
+        r.topk_scores.push_back(std::ldexp(1.f, -*rc::gen::inRange(0, 6)));
+      }
+    }
+    auto ints = [](int64_t n) {
+      std::vector<float> v;
+      for (int64_t i = 0; i < n; ++i) v.push_back(float(*rc::gen::inRange(-4, 5)));
+      return v;
+    };
+    r.x = ints(r.T * r.D);
+    r.G = ints(r.T * r.D);
+    r.Y = ints(r.N * r.D);
+    return r;
+  });
+}
+
+/// The local dispatch of the routing by the fast path (sort, gather).
+void dispatch(Routing& r, std::vector<float>& routed) {
+  r.perm.assign(size_t(r.N), 0);
+  r.token_sorted.assign(size_t(r.N), 0);
+  r.score_sorted.assign(size_t(r.N), 0.f);
+  r.row_of.assign(size_t(r.N), 0);
+  routed.assign(size_t(r.N * r.D), 0.f);
+  expert_sort(ExecCtx{}, r.ids.data(), r.N, r.E, r.perm.data());
+  dispatch_gather(ExecCtx{}, DType::fp32, k::ScoreApply::after_experts, r.x.data(), r.perm.data(), r.topk_scores.data(),
+                  r.N, r.D, r.K, routed.data(), r.token_sorted.data(), r.score_sorted.data(), r.row_of.data());
+}
+
+}  // namespace
+
+TEST_CASE("backward adjoint identities in fp64 on random routings", "[cpu][backward][property]") {
+  rc::prop("<combine(Y), G> = <Y, s * G[token]> = sum s * grad_s, and <gather(x), g> = <x, scatter_add(g)>", [] {
+    Routing r = *gen_routing();
+    std::vector<int64_t> counts(static_cast<size_t>(r.E), 0);
+    for (int32_t e : r.ids) ++counts[size_t(e)];
+    RC_CLASSIFY(std::count(counts.begin(), counts.end(), 0) > 0, "an expert with no rows");
+    RC_CLASSIFY(r.T == 0, "no tokens");
+    std::vector<float> routed;
+    dispatch(r, routed);
+    // forward combine of Y: out[t] = sum over the token's rows of s * Y[row]
+    CombineArgs a;
+    a.routed_out = r.Y.data();
+    a.score_sorted = r.score_sorted.data();
+    a.row_of = r.row_of.data();
+    a.T = r.T;
+    a.D = r.D;
+    a.K = r.K;
+    std::vector<float> out(size_t(r.T * r.D), 0.f);
+    combine_from_zeros(ExecCtx{}, a, out.data());
+    // its backward: grad rows and the score gradient
+    std::vector<float> grad_rows(size_t(r.N * r.D), NAN), grad_s(size_t(r.N), NAN);
+    combine_backward(ExecCtx{}, DType::fp32, k::ScoreApply::after_experts, k::ScoreMultiply::fp32, r.G.data(),
+                     r.Y.data(), r.score_sorted.data(), r.token_sorted.data(), r.row_of.data(), r.T, r.N, r.D, r.K,
+                     grad_rows.data(), grad_s.data());
+    const double lhs = dot(out, r.G);
+    RC_ASSERT(lhs == dot(r.Y, grad_rows));
+    RC_ASSERT(lhs == dot(r.topk_scores, grad_s));  // combine is linear in the scores too
+    // dispatch: <gather(x), g> = <x, scatter_add(g)> with g = the grad rows
+    std::vector<float> grad_x(size_t(r.T * r.D), NAN);
+    dispatch_backward(ExecCtx{}, DType::fp32, k::ScoreApply::after_experts, k::ScoreMultiply::fp32,
+                      k::Accumulate::per_add, grad_rows.data(), r.score_sorted.data(), r.row_of.data(), r.x.data(),
+                      SharedGrad::none, nullptr, r.T, r.D, r.K, grad_x.data(), nullptr);
+    RC_ASSERT(dot(routed, grad_rows) == dot(r.x, grad_x));
+  });
+}
+
+TEST_CASE("score before the experts: the dispatch backward is the adjoint of the scaled gather", "[cpu][backward][property]") {
+  rc::prop("<gather_s(x), g> = <x, grad_x> = sum s * grad_s", [] {
+    Routing r = *gen_routing();
+    std::vector<float> unscaled;
+    dispatch(r, unscaled);
+    std::vector<float> scaled(size_t(r.N * r.D), 0.f);
+    std::vector<int32_t> tok(size_t(r.N)), row_of(size_t(r.N));
+    std::vector<float> ss(size_t(r.N));
+    dispatch_gather(ExecCtx{}, DType::fp32, k::ScoreApply::before_experts, r.x.data(), r.perm.data(),
+                    r.topk_scores.data(), r.N, r.D, r.K, scaled.data(), tok.data(), ss.data(), row_of.data());
+    std::vector<float> grad_x(size_t(r.T * r.D), NAN), grad_s(size_t(r.N), NAN);
+    dispatch_backward(ExecCtx{}, DType::fp32, k::ScoreApply::before_experts, k::ScoreMultiply::fp32,
+                      k::Accumulate::fp32_accumulate, r.Y.data(), r.score_sorted.data(), r.row_of.data(), r.x.data(),
+                      SharedGrad::none, nullptr, r.T, r.D, r.K, grad_x.data(), grad_s.data());
+    const double lhs = dot(scaled, r.Y);  // Y plays the gradient of the scaled rows
+    RC_ASSERT(lhs == dot(r.x, grad_x));
+    RC_ASSERT(lhs == dot(r.topk_scores, grad_s));
+  });
+}
+
+TEST_CASE("EP backward: the gradient rows come back to dispatch unchanged on random EP configurations", "[cpu][backward][property]") {
+  rc::prop("identity experts: grad_routed_input == grad_routed_output bitwise, every stage passes", [] {
+    Case c;
+    c.backward = Switch::on;
+    c.ep = *rc::gen::inRange(1, 5);
+    const int E_l = *rc::gen::inRange(1, 4);
+    c.num_experts = c.ep * E_l;
+    c.top_k = *rc::gen::inRange(1, std::min(c.num_experts, 3) + 1);
+    c.hidden = *rc::gen::inRange<int64_t>(1, 9);
+    c.seed = *rc::gen::inRange<uint64_t>(0, 100000);
+    for (int r = 0; r < c.ep; ++r)
+      c.tokens_per_rank.push_back(
+          *rc::gen::weightedOneOf<int64_t>({{1, rc::gen::just<int64_t>(0)}, {3, rc::gen::inRange<int64_t>(1, 16)}}));
+    c.align = *rc::gen::element<int64_t>(1, 1, 2, 8);
+    c.empty_groups = *rc::gen::element(EmptyGroups::zero, EmptyGroups::pad);
+    c.permute = *rc::gen::element(PermuteMode::auto_, PermuteMode::generic);
+    c.router.force_load_balance = *rc::gen::element(Switch::off, Switch::on);
+    c.equal_split.policy = *rc::gen::element(EqualSplitPolicy::off, EqualSplitPolicy::force);
+    c.score_before_experts = *rc::gen::element(Switch::off, Switch::on);
+    c.shared.kind = *rc::gen::element(SharedKind::none, SharedKind::identity);
+    c.combine.accumulate = *rc::gen::element(k::Accumulate::per_add, k::Accumulate::fp32_accumulate);
+    c.data = *rc::gen::element(DataMode::exact, DataMode::realistic);
+    c.dtype = *rc::gen::element(DType::fp32, DType::bf16, DType::fp16);
+    RC_CLASSIFY(std::count(c.tokens_per_rank.begin(), c.tokens_per_rank.end(), 0) > 0, "a rank without tokens");
+    RunOptions o;
+    o.keep = RunOptions::Keep::fast_board;
+    const CaseReport r = run_case(c, o);
+    for (const auto& ch : r.checks)
+      if (ch.outcome != Outcome::PASSED)
+        RC_FAIL(c.summary() + ": " + ch.slot + "/" + ch.variant + "/" + ch.tensor + " " + outcome_name(ch.outcome) + " " +
+                ch.note);
+    for (int q = 0; q < c.ep; ++q) {
+      const Tensor& back = r.fast.at("grad_routed_input", q);
+      const Tensor& sent = r.fast.at("grad_routed_output", q);
+      RC_ASSERT(back.shape == sent.shape);
+      RC_ASSERT(back.bytes() == 0 || std::memcmp(back.data(), sent.data(), back.bytes()) == 0);
+    }
+  });
+}
+
+TEST_CASE("gradients are deterministic across thread counts and runs", "[cpu][backward]") {
+  for (const char* name : {"bwd_local_bf16_k4", "bwd_ep4_zero_rank_pad", "bwd_score_before_experts"}) {
+    Case c = case_named("backward.yaml", name);
+    c.tokens = 600;  // rows enough for several threads
+    c.tokens_per_rank.clear();
+    std::vector<std::vector<uint8_t>> seen;
+    for (int threads : {1, 8, 8}) {
+      RunOptions o;
+      o.threads = threads;
+      o.keep = RunOptions::Keep::fast_board;
+      const CaseReport r = run_case(c, o);
+      REQUIRE(r.outcome == Outcome::PASSED);
+      std::vector<uint8_t> bytes;
+      for (int q = 0; q < c.ep; ++q)
+        for (const char* t : {"grad_x", "grad_topk_scores"}) {
+          const Tensor& g = r.fast.at(t, q);
+          const auto* p = static_cast<const uint8_t*>(g.data());
+          bytes.insert(bytes.end(), p, p + g.bytes());
+        }
+      seen.push_back(bytes);
+    }
+    CHECK(seen[0] == seen[1]);
+    CHECK(seen[1] == seen[2]);
+  }
+}
+
+TEST_CASE("fault bwd_unswapped_splits is caught at the gradient all-to-all", "[cpu][backward][fault]") {
+  for (const char* name : {"bwd_ep2_align8", "bwd_ep4_zero_rank_pad"})
+    CHECK(any_starts(caught_by(case_named("backward.yaml", name), Fault::bwd_unswapped_splits), "ep_combine_bwd/"));
+}
+
+TEST_CASE("fault bwd_unordered_scatter is caught by the ordered scatter-add check", "[cpu][backward][fault]") {
+  for (const char* name : {"bwd_local_bf16_k4", "bwd_ep4_zero_rank_pad", "bwd_score_before_experts"})
+    CHECK(any_starts(caught_by(case_named("backward.yaml", name), Fault::bwd_unordered_scatter), "dispatch_bwd/grad_x"));
+}
+
+TEST_CASE("fault bwd_score_grad_rounded is caught by the score gradient check", "[cpu][backward][fault]") {
+  CHECK(any_starts(caught_by(case_named("backward.yaml", "bwd_bf16_realistic"), Fault::bwd_score_grad_rounded),
+                   "combine_bwd/grad_topk_scores"));
+  CHECK(any_starts(caught_by(case_named("backward.yaml", "bwd_score_before_ep2_act_multiply"),
+                             Fault::bwd_score_grad_rounded),
+                   "dispatch_bwd/grad_topk_scores"));
+}
+
+TEST_CASE("fault bwd_pad_grad_kept is caught by the padding backward check", "[cpu][backward][fault]") {
+  for (const char* name : {"bwd_ep2_align8", "bwd_ep4_zero_rank_pad"})
+    CHECK(any_starts(caught_by(case_named("backward.yaml", name), Fault::bwd_pad_grad_kept), "align_pad_bwd/grad_permuted"));
+}
+
+TEST_CASE("backward is refused with sp > 1 and with an output buffer aliasing x", "[cpu][backward]") {
+  const std::string sp = "cases:\n  - name: a\n    sp: 2\n    backward: on\n";
+  CHECK_THROWS_WITH(load_cases_text(sp, "t.yaml", {}),
+                    Catch::Contains("t.yaml:4:15: backward: the backward of the sequence-parallel shard") &&
+                        Catch::Contains("valid: backward: off with sp > 1, or sp: 1"));
+  const std::string alias =
+      "cases:\n  - name: a\n    backward: on\n    shared_experts: {kind: identity, order: init_with_shared}\n"
+      "    combine: {buffer: alias_x}\n";
+  CHECK_THROWS_WITH(load_cases_text(alias, "t.yaml", {}), Catch::Contains("valid: combine.buffer: fresh with backward: on"));
+  CHECK(load_cases_text(sp, "t.yaml", {"backward=off"}).size() == 1);
+}
+
+TEST_CASE("SwiGLU cases decline every backward slot with the reason until the gradients are wired", "[cpu][backward]") {
+  Case c;
+  c.backward = Switch::on;
+  c.experts.kind = ExpertKind::swiglu;
+  const CaseReport r = run_case(c, RunOptions{});
+  CHECK(r.outcome == Outcome::PASSED);
+  bool declined = false;
+  for (const auto& d : r.decisions)
+    if (d.slot == "experts_bwd") declined = !d.ran && d.reason == "SwiGLU expert gradients: wired at merge";
+  CHECK(declined);
+}
