@@ -449,7 +449,7 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
     for (int r = 0; r < R; ++r)
       for (auto& [n, t] : primary_out.ranks[size_t(r)]) fast.ranks[size_t(r)][n] = t;
     if (opt.fast_only) {
-      if (slot == magnitude_slot())
+      if (slot == magnitude_slot() && opt.fast_only_magnitude)
         for (int r = 0; r < R; ++r) fast.ranks[size_t(r)]["out_magnitude"] = combined_magnitude(c, fast.ranks[size_t(r)]);
       ran.clear();
       primary_out = Board{};
@@ -582,6 +582,7 @@ CaseReport run_case(const Case& c, const RunOptions& opt) {
       auto rerun = [&](bool fast_only, CaseReport& r1, Board& f1) {
         r1.c = c1;
         o1.fast_only = fast_only;
+        o1.fast_only_magnitude = !exact;
         std::vector<RankBoard> in1 = {RankBoard{}};
         for (auto& [n, t] : inputs[size_t(p)]) in1[0][n] = t.clone();
         run_pipeline(c1, o1, in1, false, r1, f1);

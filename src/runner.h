@@ -26,6 +26,9 @@ struct RunOptions {
   /// board) for a property that compares two fast runs (EP and SP
   /// invariance). Such a run reports no checks.
   bool fast_only = false;
+  /// With fast_only: whether `out_magnitude` is wanted (a bitwise comparison
+  /// needs no error scale, and computing it reads every routed row).
+  bool fast_only_magnitude = true;
 };
 
 struct VariantDecision {

@@ -245,6 +245,8 @@ void check_sp_invariance(const Case& c, const RunOptions& opt, const Board& fast
   // The sp = 1 run is the fast pipeline alone; only when a comparison fails
   // is it run again with every stage checked, to name its first failing stage.
   o1.fast_only = true;
+  o1.fast_only_magnitude = !(c.data == DataMode::exact && c.experts.kind == ExpertKind::identity &&
+                             c.shared.kind != SharedKind::swiglu);  // the exact condition of sp_invariance_checks
   std::vector<Check> checks;
   sp_invariance_checks(c, run_case(c1, o1), fast, checks);
   bool failed = false;
