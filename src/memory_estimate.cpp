@@ -34,10 +34,12 @@ namespace {
 constexpr double kTokenAct = 4, kTokenFloat = 2;
 //  - routed rows (routed_input, recv, permuted, unpadded, recv_out,
 //    routed_output), per row routed, in act: at a slot the input, the
-//    primary's output and the reference's, plus one per extra variant that
-//    may run (equal-count permute, equal-split or force-LB all-to-all) and
-//    the chain's own copy where it differs from the fast rows (SwiGLU).
-constexpr double kRoutedAct = 3.5;
+//    primary's output and the reference's (one rank's rows at a time with
+//    R > 1: Stage::ref_per_rank), plus one per extra variant that may run
+//    (equal-count permute, equal-split or force-LB all-to-all) and the
+//    chain's own copy where it differs from the fast rows (SwiGLU); and half
+//    a copy of allocator slack.
+constexpr double kRoutedAct = 2.5;
 //  - the reference's fp32 views of one rank's routed rows at a time (the
 //    end-to-end error scale), per row of the largest rank.
 constexpr double kRoutedFloatPerRank = 2;
@@ -89,7 +91,8 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
   const bool extra_permute = ranks > 1 && c.permute != PermuteMode::generic;
   const bool extra_a2a = ranks > 1 && (c.equal_split.policy != EqualSplitPolicy::off ||
                                        c.router.force_load_balance == Switch::on);
-  const double routed_copies = kRoutedAct + (extra_permute ? 1 : 0) + (extra_a2a ? 1 : 0) + (swiglu ? 1 : 0);
+  const double routed_copies =
+      kRoutedAct + 1 / ranks + (extra_permute ? 1 : 0) + (extra_a2a ? 1 : 0) + (swiglu ? 1 : 0);
   // One slot at a time holds these rows: the padded count bounds the routed one.
   b += padded * D * (routed_copies * s + (swiglu ? kPaddedFloat * 4 : 0)) + tokens_max * K * D * kRoutedFloatPerRank * 4;
   if (swiglu) b += padded * F * (kSwigluAct * s + kSwigluFloat * 4);
