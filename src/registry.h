@@ -131,6 +131,8 @@ struct RefCtx {
   Board& out;
   /// >= 0: only this rank's outputs are wanted (Stage::ref_per_rank); -1: every rank's.
   int rank = -1;
+  /// Threads a reference may use over independent ranks (RunOptions::threads).
+  int threads = 1;
   bool wants(int q) const { return rank < 0 || rank == q; }
 };
 

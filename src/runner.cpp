@@ -350,7 +350,7 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
           } else {
             Board rq;
             rq.ranks.resize(size_t(R));
-            RefCtx rctx{c, fast, rq, q};
+            RefCtx rctx{c, fast, rq, q, opt.threads};
             s->ref(rctx);
             refout.ranks[size_t(q)] = std::move(rq.ranks[size_t(q)]);
           }
@@ -375,7 +375,7 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
           refout = last_refout;
         } else {
           refout.ranks.resize(size_t(R));
-          RefCtx rctx{c, fast, refout};
+          RefCtx rctx{c, fast, refout, -1, opt.threads};
           s->ref(rctx);
           last_ref = s;
           last_refout = refout;
@@ -485,7 +485,7 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
       for (int q = 0; q < R; ++q) {
         Board rq;
         rq.ranks.resize(size_t(R));
-        RefCtx rc{c, chain, rq, q};
+        RefCtx rc{c, chain, rq, q, opt.threads};
         primary->ref(rc);
         for (auto& [n, t] : rq.ranks[size_t(q)]) {
           const auto fi = fast.ranks[size_t(q)].find(n);
@@ -494,7 +494,7 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
       }
     } else {
       next.ranks.resize(size_t(R));
-      RefCtx rc{c, chain, next};
+      RefCtx rc{c, chain, next, -1, opt.threads};
       primary->ref(rc);
     }
     for (int r = 0; r < R; ++r)

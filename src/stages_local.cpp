@@ -1,6 +1,7 @@
 // Stage variants of the local (EP = 1) MoE path: router, local dispatch,
 // experts, shared experts, combine. Each pairs a fast function (kernels/ on the
 // host executor) with the reference function (reference/) of the same stage.
+#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -8,6 +9,7 @@
 #include <tuple>
 
 #include "../reference/reference.h"
+#include "error.h"
 #include "stages.h"
 
 namespace moev {
@@ -144,17 +146,31 @@ CombineArgs combine_args(const FastCtx& ctx) {
   return a;
 }
 
+/// The reference combine of every rank, ranks over RefCtx::threads threads
+/// (each rank's sums stay in contract order; ranks are independent).
 void ref_combine(RefCtx& r) {
   const Case& c = r.c;
-  for (size_t q = 0; q < r.in.ranks.size(); ++q) {
-    const RankBoard& in = r.in.ranks[q];
-    const Tensor& x = in.at("x");
-    const bool add_after = c.shared.kind != SharedKind::none && c.shared.order == SharedOrder::add_after;
-    const ref::Vec shared = add_after ? to_floats(in.at("shared_out")) : ref::Vec{};
-    r.out.ranks[q]["out"] = from_floats(
-        ref::combine(combine_spec(c), rows_of(in.at("routed_output")), ref_ids(in.at("token_sorted")),
-                     to_floats(in.at("score_sorted")), combine_init(c, in), shared, x.shape[0], c.hidden),
-        x.type, x.shape);
+  const int R = int(r.in.ranks.size());
+  std::vector<Tensor> outs(static_cast<size_t>(R));
+  std::vector<std::string> errors(static_cast<size_t>(R));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(1, r.threads)) if (r.threads > 1 && R > 1)
+  for (int q = 0; q < R; ++q) {
+    try {
+      const RankBoard& in = r.in.ranks[size_t(q)];
+      const Tensor& x = in.at("x");
+      const bool add_after = c.shared.kind != SharedKind::none && c.shared.order == SharedOrder::add_after;
+      const ref::Vec shared = add_after ? to_floats(in.at("shared_out")) : ref::Vec{};
+      outs[size_t(q)] = from_floats(
+          ref::combine(combine_spec(c), rows_of(in.at("routed_output")), ref_ids(in.at("token_sorted")),
+                       to_floats(in.at("score_sorted")), combine_init(c, in), shared, x.shape[0], c.hidden),
+          x.type, x.shape);
+    } catch (const std::exception& e) {  // no exception may leave an OpenMP region
+      errors[size_t(q)] = e.what();
+    }
+  }
+  for (int q = 0; q < R; ++q) {
+    if (!errors[size_t(q)].empty()) runtime_error(errors[size_t(q)]);
+    r.out.ranks[size_t(q)]["out"] = std::move(outs[size_t(q)]);
   }
 }
 
