@@ -41,6 +41,10 @@ const std::vector<FaultInfo>& fault_table() {
        "the routing-score gradient sums products rounded to the activation dtype (TransformerEngine #1336)"},
       {Fault::bwd_pad_grad_kept, "bwd_pad_grad_kept",
        "the pad backward takes the first M rows of the padded gradient, padding rows included (FRAMEWORKS §13)"},
+      {Fault::overload_global_balanced, "overload_global_balanced",
+       "the overload factor of an entry divides by the whole group's balanced rows, not one rank's share (FRAMEWORKS §12)"},
+      {Fault::overload_cum_final, "overload_cum_final",
+       "max_cum divides the running sums where the timeline ends (0 after the backward), not their peaks (FRAMEWORKS §12)"},
   };
   return t;
 }

@@ -35,6 +35,8 @@ enum class Fault : uint32_t {
   bwd_unordered_scatter = 1u << 25,  // §13, §9: gradient scatter-add not in ascending expert order
   bwd_score_grad_rounded = 1u << 26, // §13, TE #1336: score gradient summed from products rounded to act
   bwd_pad_grad_kept = 1u << 27,      // §13: pad backward slices the padded gradient instead of dropping padding rows
+  overload_global_balanced = 1u << 22,  // §12: entry OF divides by the group's balanced rows, not one rank's share
+  overload_cum_final = 1u << 23,  // §12: max_cum from the running sums where the timeline ends, not their peaks
 };
 
 struct FaultSet {

@@ -287,4 +287,17 @@ Vec sp_global_rows(const SpShard& sh, const Vec& out, int64_t S, int64_t D);
 /// counts (E) recomputed from the ids.
 void sp_route_pad_rows(const SpShard& sh, int64_t T, int K, int E, Ids& ids, Vec& topk_scores, Counts& counts);
 
+/// The overload factor of MoE layer entries (CONTRACT §12) from the rows
+/// each rank received (actual[entry][rank]) and its balanced share
+/// (balanced[entry][rank] = T_r * K): per entry max_r actual / (mean balanced
+/// + 1e-8), their mean and max, and max_cum, the largest over ranks of the
+/// peak prefix sum of actual over that of balanced (+1e-8) along forward
+/// entries 1..N then, with `backward`, backward entries N..1 subtracting.
+struct OverloadRef {
+  std::vector<double> entries;
+  double avg = 0, max = 0, max_cum = 0;
+};
+OverloadRef overload_factors(const std::vector<std::vector<int64_t>>& actual,
+                             const std::vector<std::vector<int64_t>>& balanced, bool backward);
+
 }  // namespace ref

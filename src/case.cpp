@@ -174,6 +174,7 @@ std::string Case::summary() const {
   if (experts.compute_dtype != ComputeDtype::act)
     o << " experts.compute_dtype=" << enum_name(compute_dtype_table(), experts.compute_dtype);
   if (backward == Switch::on) o << " backward=on";
+  if (layers > 1) o << " layers=" << layers;
   return o.str();
 }
 
@@ -358,6 +359,8 @@ const std::vector<Field>& schema() {
     v.push_back(enum_field<SpPadding>("sp_padding", sp_padding_table(), [](Case& c) -> SpPadding& { return c.sp_padding; }));
     // backward of the token path (CONTRACT §13, src/stages_backward.cpp)
     v.push_back(enum_field<Switch>("backward", switch_table(), [](Case& c) -> Switch& { return c.backward; }));
+    // MoE layer entries and the overload factor (CONTRACT §12)
+    v.push_back(int_field("layers", 1, 64, [](Case& c, int64_t x) { c.layers = int(x); }));
     for (const auto& [cname, cls] : compare_class_table()) {
       if (cls == CompareClass::exact || cls == CompareClass::rounding) continue;
       const std::string base = std::string("tolerance.") + cname;

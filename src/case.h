@@ -135,6 +135,11 @@ struct Case {
   int64_t seq_len = 0;  // L: shape.seq_len gives tokens = B*L; the loader stores tokens / B (0 in a Case built in code)
   SpPadding sp_padding = SpPadding::virtual_;
   Switch backward = Switch::off;
+  // MoE layer entries (CONTRACT §12): `layers` pipelines, entry l with router
+  // weights of its own; `layer` is the entry a pipeline runs (set by the
+  // runner, not a key; 0 keeps the single-layer inputs).
+  int layers = 1;
+  int layer = 0;
 
   int local_experts() const { return num_experts / ep; }
   int64_t tokens_on(int rank) const;

@@ -64,12 +64,15 @@ std::map<std::string, Tensor> make_inputs(const Case& c, int rank, int64_t T) {
   const size_t tail = c.combine.buffer == OutBuffer::alias_x_offset ? size_t(c.combine.alias_offset) : 0;
   m["x"] = fill(c, act, {T, D}, kX, rank, 1.0, 0, tail);
   // Router gate, bias and expert weights are global: stream rank 0 everywhere.
-  m["wg"] = fill(c, act, {E, D}, kWg, 0, 1.0 / std::sqrt(double(D)), 1);
+  // Layer entry l (CONTRACT §12) draws its own router gate and bias with l in
+  // that rank slot, so entry 0 keeps the single-layer values.
+  const int lr = c.layer;
+  m["wg"] = fill(c, act, {E, D}, kWg, lr, 1.0 / std::sqrt(double(D)), 1);
   std::vector<float> bias(size_t(E), 0.f);
   if (c.router.bias == Switch::on)
     for (int64_t e = 0; e < E; ++e)
-      bias[size_t(e)] = c.data == DataMode::exact ? float(int(hash_uniform(c.seed, kBias, 0, 0, uint64_t(e)) * 5) - 2) / 64.f
-                                                  : float(normal(c.seed, kBias, 0, 0, uint64_t(e)) * 0.01);
+      bias[size_t(e)] = c.data == DataMode::exact ? float(int(hash_uniform(c.seed, kBias, uint64_t(lr), 0, uint64_t(e)) * 5) - 2) / 64.f
+                                                  : float(normal(c.seed, kBias, uint64_t(lr), 0, uint64_t(e)) * 0.01);
   if (c.router.hot_expert >= 0) bias[size_t(c.router.hot_expert)] += 1.f;
   m["bias"] = from_floats(bias, ElemType::f32, {E});
   if (c.experts.kind == ExpertKind::swiglu) {

@@ -125,6 +125,9 @@ std::string random_case_yaml(uint64_t seed, uint64_t index) {
   // as before: on in about 30% of the cases it supports (sp = 1, fresh buffer).
   Draw db{std::mt19937_64((seed ^ 0x425744ull) * 0x9E3779B97F4A7C15ull + index)};
   if (db.chance(0.3) && sp == 1 && buffer == "fresh") y << ", backward: on";
+  // MoE layer entries (CONTRACT §12): each multiplies the run time, so 2 or 3
+  // in about 10% of the cases.
+  if (db.chance(0.1)) y << ", layers: " << db.in(2, 3);
   y << "}";
   return y.str();
 }

@@ -185,6 +185,16 @@ void print_report(const CaseReport& r, std::ostream& os, ReportDetail detail) {
     print_checks(shown, os);
   }
   for (const auto& n : capped(r.notes)) os << "   note: " << n << "\n";
+  if (r.overload.valid && (r.c.layers > 1 || r.c.ep > 1)) {
+    os << "   overload factor (CONTRACT §12, " << r.overload.entries.size() << " entr"
+       << (r.overload.entries.size() == 1 ? "y" : "ies") << (r.c.backward == Switch::on ? " + backward" : "")
+       << "): avg " << num(r.overload.avg) << "  max " << num(r.overload.max) << "  max_cum " << num(r.overload.max_cum);
+    if (every) {
+      os << "  per entry:";
+      for (double v : r.overload.entries) os << " " << num(v);
+    }
+    os << "\n";
+  }
   os << "   => " << outcome_name(r.outcome) << "  (" << std::fixed << std::setprecision(3) << r.seconds << " s)\n";
   os.unsetf(std::ios::fixed);
 }
@@ -254,6 +264,14 @@ std::string reports_json(const std::vector<CaseReport>& reports, const std::stri
                               {"first", first}});
     }
     jc["notes"] = capped(r.notes);
+    if (r.overload.valid) {  // CONTRACT §12: overload_factor.avg, .max, .max_cum
+      Json entries = Json::array();
+      for (double v : r.overload.entries) entries.push_back(json_num(v));
+      jc["overload_factor"] = {{"avg", json_num(r.overload.avg)},
+                               {"max", json_num(r.overload.max)},
+                               {"max_cum", json_num(r.overload.max_cum)},
+                               {"entries", entries}};
+    }
     doc["cases"].push_back(std::move(jc));
   }
   // Invalid UTF-8 (a case name is user text) is replaced by U+FFFD, never a throw.

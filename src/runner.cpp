@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <iomanip>
 #include <map>
 #include <set>
+#include <sstream>
 #include <thread>
 
 #include "comm.h"
@@ -13,6 +15,8 @@
 #include "datagen.h"
 #include "dump.h"
 #include "error.h"
+#include "../kernels/overload_host.h"
+#include "../reference/reference.h"
 
 namespace moev {
 namespace {
@@ -204,7 +208,7 @@ std::string run_fast(const Stage& s, const Case& c, const RunOptions& opt, const
 /// Returns false when a stage had no variant to feed the next one (the case
 /// is then ERROR and stops there).
 bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBoard>& inputs, bool use_mpi,
-                  CaseReport& rep, Board& fast) {
+                  CaseReport& rep, Board& fast, Board* chain_out = nullptr) {
   const int R = int(inputs.size());
   fast.ranks = inputs;
   // The reference chain starts from the same input tensors (no stage writes
@@ -534,32 +538,22 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
                                       chain.has(n, r) ? &chain.at(n, r) : nullptr, fast.ranks[size_t(r)], r, R,
                                       "reference chain", hs ? &chain.at(e.scale, r) : nullptr));
     }
+  if (chain_out) *chain_out = std::move(chain);
   dump.finish(c);
   return true;
 }
 
 }  // namespace
 
-Check check_output(const Case& c, const std::string& slot, const std::string& variant, const OutputSpec& o,
-                   const Tensor* actual, const Tensor* expected, const RankBoard& board, int rank, int ranks,
-                   const std::string& against, const Tensor* scale) {
-  return make_check(c, slot, variant, o, actual, expected, board, rank, ranks, against, scale);
-}
+namespace {
 
-CaseReport run_case(const Case& c, const RunOptions& opt) {
-  const auto t0 = std::chrono::steady_clock::now();
-  CaseReport rep;
-  rep.c = c;
+/// One MoE layer entry of a case: the pipeline, then the EP and SP
+/// invariance checks; the reference chain's integer metadata in `chain`.
+bool run_entry(const Case& c, const RunOptions& opt, bool use_mpi, CaseReport& rep, Board& fast, Board& chain) {
   const int R = c.ep;
-  const bool use_mpi = launched_under_mpi();
-  if (use_mpi) mpi_agree_on_case(c.name, config_hash(c, opt.faults), c.summary());  // every rank, same case
-  if (use_mpi && mpi_world().size() != R)
-    bad_input(c.source + ": case " + c.name + " has ep " + std::to_string(R) + " but mpirun started " +
-              std::to_string(mpi_world().size()) + " processes; valid: mpirun -np " + std::to_string(R));
   std::vector<RankBoard> inputs(static_cast<size_t>(R));
   for (int r = 0; r < R; ++r) inputs[size_t(r)] = make_inputs(c, r, c.tokens_on(r));
-  Board fast;
-  const bool completed = run_pipeline(c, opt, inputs, use_mpi, rep, fast);
+  const bool completed = run_pipeline(c, opt, inputs, use_mpi, rep, fast, &chain);
 
   // EP invariance (CONTRACT §3): each rank's output equals an EP = 1 run on
   // that rank's tokens; bitwise when the experts are row-wise exact. The
@@ -627,8 +621,111 @@ CaseReport run_case(const Case& c, const RunOptions& opt) {
     }
   }
   if (c.sp > 1 && completed && !opt.fast_only) check_sp_invariance(c, opt, fast, rep);
+  return completed;
+}
+
+/// Rows each rank's experts received in one entry (the all-to-all's
+/// received rows; CONTRACT §12 "tokens received"), from a board's counts.
+std::vector<int64_t> received_rows(const Board& b) {
+  std::vector<int64_t> v;
+  for (int r = 0; r < int(b.ranks.size()); ++r) {
+    int64_t n = 0;
+    const char* name = b.has("recv_counts", r) ? "recv_counts" : "counts";
+    if (b.has(name, r))
+      for (int64_t x : to_ints(b.at(name, r))) n += x;
+    v.push_back(n);
+  }
+  return v;
+}
+
+/// An exact comparison of fast and reference values of the overload factor.
+Check overload_check(const std::string& what, const std::vector<double>& fast, const std::vector<double>& ref) {
+  Check ch;
+  ch.slot = "overload_factor";
+  ch.variant = "running_sums";
+  ch.tensor = what;
+  ch.diff.total = int64_t(ref.size());
+  std::ostringstream note;
+  note.precision(17);
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double f = i < fast.size() ? fast[i] : std::nan("");
+    if (std::memcmp(&f, &ref[i], sizeof f) == 0) continue;
+    if (ch.diff.mismatches++ == 0) note << "entry " << i << ": fast " << f << ", reference " << ref[i];
+    ch.diff.max_abs = std::max(ch.diff.max_abs, std::fabs(f - ref[i]));
+  }
+  if (ch.diff.mismatches > 0 || fast.size() != ref.size()) {
+    ch.outcome = Outcome::INCORRECT;
+    ch.note = fast.size() != ref.size() ? "fast has " + std::to_string(fast.size()) + " values, reference " +
+                                              std::to_string(ref.size())
+                                        : note.str();
+  }
+  return ch;
+}
+
+}  // namespace
+
+Check check_output(const Case& c, const std::string& slot, const std::string& variant, const OutputSpec& o,
+                   const Tensor* actual, const Tensor* expected, const RankBoard& board, int rank, int ranks,
+                   const std::string& against, const Tensor* scale) {
+  return make_check(c, slot, variant, o, actual, expected, board, rank, ranks, against, scale);
+}
+
+CaseReport run_case(const Case& c, const RunOptions& opt) {
+  const auto t0 = std::chrono::steady_clock::now();
+  CaseReport rep;
+  rep.c = c;
+  const int R = c.ep;
+  const bool use_mpi = launched_under_mpi();
+  if (use_mpi) mpi_agree_on_case(c.name, config_hash(c, opt.faults), c.summary());  // every rank, same case
+  if (use_mpi && mpi_world().size() != R)
+    bad_input(c.source + ": case " + c.name + " has ep " + std::to_string(R) + " but mpirun started " +
+              std::to_string(mpi_world().size()) + " processes; valid: mpirun -np " + std::to_string(R));
+  // MoE layer entries (CONTRACT §12) run one after another, each its own
+  // pipeline with its own router weights; with more than one, an entry's
+  // stages are reported as "layer<l>/<slot>".
+  OverloadInput ov;
+  ov.ranks = R;
+  ov.backward = c.backward == Switch::on;
+  std::vector<std::vector<int64_t>> ref_actual, ref_balanced;
+  bool completed = true;
+  for (int l = 0; l < c.layers && completed; ++l) {
+    Case cl = c;
+    const std::string prefix = c.layers > 1 ? "layer" + std::to_string(l + 1) + "/" : "";
+    if (c.layers > 1) {
+      cl.layer = l;
+      cl.name = c.name + "_layer" + std::to_string(l + 1);  // its own --dump folder
+    }
+    CaseReport rl;
+    rl.c = cl;
+    Board fast, chain;
+    completed = run_entry(cl, opt, use_mpi, rl, fast, chain);
+    for (auto& ch : rl.checks) ch.slot = prefix + ch.slot, rep.checks.push_back(std::move(ch));
+    for (auto& d : rl.decisions) d.slot = prefix + d.slot, rep.decisions.push_back(std::move(d));
+    for (auto& n : rl.notes) rep.notes.push_back(prefix + n);
+    if (opt.keep == RunOptions::Keep::fast_board && l == 0) rep.fast = fast;
+    if (!completed) break;
+    std::vector<int64_t> bal;
+    for (int r = 0; r < R; ++r) bal.push_back(c.tokens_on(r) * c.top_k);
+    const std::vector<int64_t> got = received_rows(fast);
+    ov.actual.insert(ov.actual.end(), got.begin(), got.end());
+    ov.balanced.insert(ov.balanced.end(), bal.begin(), bal.end());
+    ++ov.entries;
+    ref_actual.push_back(received_rows(chain));
+    ref_balanced.push_back(bal);
+  }
+  // The overload factor (CONTRACT §12): the running sums a training loop
+  // keeps, from the fast pipeline's received rows, against the reference's
+  // timeline from the reference chain's.
+  if (completed && !opt.fast_only && ov.entries > 0) {
+    const OverloadFactors f = overload_factors(ov, opt.faults);
+    const ref::OverloadRef g = ref::overload_factors(ref_actual, ref_balanced, ov.backward);
+    rep.checks.push_back(overload_check("entries", f.entries, g.entries));
+    rep.checks.push_back(overload_check("avg", {f.avg}, {g.avg}));
+    rep.checks.push_back(overload_check("max", {f.max}, {g.max}));
+    rep.checks.push_back(overload_check("max_cum", {f.max_cum}, {g.max_cum}));
+    rep.overload = {true, f.entries, f.avg, f.max, f.max_cum};
+  }
   if (opt.progress) opt.progress("", "");
-  if (opt.keep == RunOptions::Keep::fast_board) rep.fast = fast;
   for (const auto& ch : rep.checks) rep.outcome = worst(rep.outcome, ch.outcome);
   rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return rep;

@@ -49,7 +49,14 @@ struct CaseReport {
   std::vector<std::string> notes;
   Outcome outcome = Outcome::PASSED;
   double seconds = 0;
-  Board fast;  // every primary fast output, when RunOptions::keep == fast_board
+  Board fast;  // every primary fast output (of layer entry 1), when RunOptions::keep == fast_board
+  /// The overload factor of the case's layer entries (CONTRACT §12) from the
+  /// fast pipeline; the checks compare it with the reference's.
+  struct Overload {
+    bool valid = false;
+    std::vector<double> entries;
+    double avg = 0, max = 0, max_cum = 0;
+  } overload;
 };
 
 CaseReport run_case(const Case& c, const RunOptions& opt);

@@ -238,6 +238,7 @@ void sp_invariance_checks(const Case& c, const CaseReport& r1, const Board& fast
 void check_sp_invariance(const Case& c, const RunOptions& opt, const Board& fast, CaseReport& rep) {
   Case c1 = c;
   c1.sp = 1;
+  c1.layers = 1;  // this layer entry alone (c.layer stays: its router weights)
   RunOptions o1 = opt;
   o1.dump_dir.clear();
   o1.progress = nullptr;
