@@ -41,6 +41,8 @@ const std::vector<FaultInfo>& fault_table() {
        "the routing-score gradient sums products rounded to the activation dtype (TransformerEngine #1336)"},
       {Fault::bwd_pad_grad_kept, "bwd_pad_grad_kept",
        "the pad backward takes the first M rows of the padded gradient, padding rows included (FRAMEWORKS §13)"},
+      {Fault::swiglu_bwd_silu_grad, "swiglu_bwd_silu_grad",
+       "the SwiGLU backward takes silu'(h1) as sigmoid(h1), dropping the h1 sigmoid(h1) (1 - sigmoid(h1)) term (FRAMEWORKS §13)"},
   };
   return t;
 }
