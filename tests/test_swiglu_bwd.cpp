@@ -17,6 +17,8 @@
 #include "../kernels/swiglu_bwd_host.h"
 #include "../reference/reference.h"
 #include "diff.h"
+#include "runner.h"
+#include "test_util.h"
 
 using namespace moev;
 
@@ -276,4 +278,25 @@ TEST_CASE("swiglu backward against forward timing", "[.bench][swiglu_bwd_bench]"
   std::cout << "swiglu experts bf16 rows 4096 D 1024 F 512 E_l 8, 2 threads: forward " << fwd << " s, backward " << bwd
             << " s, ratio " << bwd / fwd << "\n";
   CHECK(bwd > 0);
+}
+
+TEST_CASE("swiglu_bwd_silu_grad is caught on the shipped backward_swiglu cases", "[cpu][swiglu_bwd][fault]") {
+  for (const char* name : {"bwd_swiglu_ep2_bf16", "bwd_swiglu_shared_fp32"}) {
+    const Case c = case_named("backward_swiglu.yaml", name);
+    RunOptions o;
+    o.threads = 2;
+    CHECK(run_case(c, o).outcome == Outcome::PASSED);
+    o.faults = FaultSet{uint32_t(Fault::swiglu_bwd_silu_grad)};
+    const CaseReport r = run_case(c, o);
+    INFO(name);
+    bool input_grad = false, shared_grad = false;
+    for (const auto& ch : r.checks) {
+      if (ch.outcome != Outcome::INCORRECT) continue;
+      input_grad = input_grad || (ch.slot == "experts_bwd" && ch.tensor.rfind("grad_expert_input", 0) == 0);
+      shared_grad = shared_grad || (ch.slot == "shared_experts_bwd" && ch.tensor == "grad_x_shared");
+    }
+    CHECK(r.outcome == Outcome::INCORRECT);
+    CHECK(input_grad);
+    if (std::string(name) == "bwd_swiglu_shared_fp32") CHECK(shared_grad);
+  }
 }
