@@ -45,6 +45,8 @@ const std::vector<FaultInfo>& fault_table() {
        "the overload factor of an entry divides by the whole group's balanced rows, not one rank's share (FRAMEWORKS §12)"},
       {Fault::overload_cum_final, "overload_cum_final",
        "max_cum divides the running sums where the timeline ends (0 after the backward), not their peaks (FRAMEWORKS §12)"},
+      {Fault::swiglu_bwd_silu_grad, "swiglu_bwd_silu_grad",
+       "the SwiGLU backward takes silu'(h1) as sigmoid(h1), dropping the h1 sigmoid(h1) (1 - sigmoid(h1)) term (FRAMEWORKS §13)"},
   };
   return t;
 }

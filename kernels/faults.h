@@ -30,13 +30,15 @@ enum class Fault : uint32_t {
   sp_b1_index = 1u << 16,         // §10.3: the B = 1 SP index t + nlt*s used with B > 1 (pre-#3604)
   sp_even_combine = 1u << 17,     // §10.3, #3577: SP combine takes the local row count for nlt (evenly sharded)
   sp_tail_pad_score = 1u << 18,   // §10.2: tail pad rows keep the router's score instead of 0
-  // backward (FRAMEWORKS §13; bits 24..28)
+  // overload factor (FRAMEWORKS §12)
+  overload_global_balanced = 1u << 22,  // §12: entry OF divides by the group's balanced rows, not one rank's share
+  overload_cum_final = 1u << 23,  // §12: max_cum from the running sums where the timeline ends, not their peaks
+  // backward (FRAMEWORKS §13; bits 24..29)
   bwd_unswapped_splits = 1u << 24,   // §13, §3.5: the all-to-all backward reuses the forward's send/recv splits
   bwd_unordered_scatter = 1u << 25,  // §13, §9: gradient scatter-add not in ascending expert order
   bwd_score_grad_rounded = 1u << 26, // §13, TE #1336: score gradient summed from products rounded to act
   bwd_pad_grad_kept = 1u << 27,      // §13: pad backward slices the padded gradient instead of dropping padding rows
-  overload_global_balanced = 1u << 22,  // §12: entry OF divides by the group's balanced rows, not one rank's share
-  overload_cum_final = 1u << 23,  // §12: max_cum from the running sums where the timeline ends, not their peaks
+  swiglu_bwd_silu_grad = 1u << 29,   // §13, §8: SwiGLU backward takes silu'(h1) as sigmoid(h1)
 };
 
 struct FaultSet {

@@ -195,6 +195,35 @@ Vec swiglu_h13_halfwidth(Act act, const Vec& X, const Counts& counts, int64_t D,
 Vec swiglu_magnitude(const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1, const Vec& W3,
                      const Vec& W2);
 
+/// Gradients of swiglu_experts (reference/swiglu_bwd.cpp): dX (rows, D) in
+/// act values; dW1, dW3 (E_l, F, D) and dW2 (E_l, D, F), the weights'
+/// layouts, in fp32.
+struct SwigluGrads {
+  Vec dX;
+  Vec dW1, dW3;
+  Vec dW2;
+};
+/// Backward of swiglu_experts for the loss <Y, dY> (CONTRACT §13 with §8).
+/// Rounding points (the contract of the fast path), per expert j:
+///   h1, h3 = round_act(X W1_j^T), round_act(X W3_j^T)   (as the forward)
+///   H      = round_act(silu(h1) h3)                     (as the forward)
+///   dH     = round_act(dY W2_j)                         (fp32 or better accumulation)
+///   dh3    = round_act(dH silu(h1))
+///   dh1    = round_act(dH h3 silu'(h1)),  silu'(a) = sig(a) (1 + a (1 - sig(a)))
+///   dX     = round_act(dh1 W1_j + dh3 W3_j)             (one accumulation over 2F, one rounding)
+///   dW1_j  = dh1^T X_j,  dW3_j = dh3^T X_j,  dW2_j = dY_j^T H_j   (fp32 results, no act rounding)
+/// Computed in fp64 from the act-rounded inputs. Only SiluRounding::fused
+/// and Compute::act are defined; the others throw std::invalid_argument.
+SwigluGrads swiglu_experts_backward(Act act, const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
+                                    const Vec& W1, const Vec& W3, const Vec& W2,
+                                    SiluRounding rounding = SiluRounding::fused, Compute compute = Compute::act);
+/// Error scales of swiglu_experts_backward (CONTRACT §15), same layouts: the
+/// sums of |terms| with a first-order propagation of the errors of every
+/// rounded intermediate (h1, h3 from |X||W|^T, dH from |dY||W2|, dh1, dh3
+/// from those). >= |value|, and it does not shrink under cancellation.
+SwigluGrads swiglu_backward_magnitude(const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
+                                      const Vec& W1, const Vec& W3, const Vec& W2);
+
 enum class Accumulate { per_add, fp32_accumulate };
 enum class SharedAdd { none, add_after };
 

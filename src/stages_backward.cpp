@@ -54,6 +54,7 @@
 
 #include "../kernels/backward_host.h"
 #include "../kernels/ep_host.h"
+#include "../kernels/swiglu_bwd_host.h"
 #include "../reference/backward.h"
 #include "comm.h"
 #include "stages.h"
@@ -64,12 +65,18 @@ namespace {
 const char* const kSwigluGradsMissing = "SwiGLU expert gradients: wired at merge";
 
 /// Whether the SwiGLU expert gradients are registered (see the file comment).
-bool swiglu_grads_wired() { return false; }
+bool swiglu_grads_wired() { return true; }
 
 Decision backward_on(const Case& c) {
   if (c.backward != Switch::on) return {false, "backward: off"};
   const bool swiglu = c.experts.kind == ExpertKind::swiglu || c.shared.kind == SharedKind::swiglu;
   if (swiglu && !swiglu_grads_wired()) return {false, kSwigluGradsMissing};
+  // The SwiGLU backward's rounding points are defined for the fused
+  // activation in act only (ref::swiglu_experts_backward).
+  if (swiglu && c.experts.rounding != k::SiluRounding::fused)
+    return {false, "SwiGLU backward: experts.rounding torchtitan has no backward contract (fused only)"};
+  if (c.experts.kind == ExpertKind::swiglu && c.experts.compute_dtype != ComputeDtype::act)
+    return {false, "SwiGLU backward: experts.compute_dtype bf16 has no backward contract (act only)"};
   return {};
 }
 
@@ -84,6 +91,8 @@ ref::ScoreMultiply ref_smul(const Case& c) {
   return c.score_multiply == k::ScoreMultiply::act ? ref::ScoreMultiply::act : ref::ScoreMultiply::fp32;
 }
 bool has_shared(const Case& c) { return c.shared.kind != SharedKind::none; }
+bool routed_swiglu(const Case& c) { return c.experts.kind == ExpertKind::swiglu; }
+bool shared_swiglu(const Case& c) { return c.shared.kind == SharedKind::swiglu; }
 
 int64_t sum_of(const Tensor& t) {
   int64_t n = 0;
@@ -379,12 +388,216 @@ void ref_experts_identity_bwd(RefCtx& r) {
   }
 }
 
+// ---- SwiGLU experts and shared experts backward (kernels/swiglu_bwd_host.h) ------
+
+/// The weights of experts [first, first + count) of an (E, ...) tensor.
+ref::Vec weight_slice(const Tensor& w, int64_t first, int64_t count) {
+  const int64_t per = w.numel() / w.shape[0];
+  return to_floats(w.view(w.type, {count * per}, w.offset_bytes + size_t(first * per) * elem_bytes(w.type)));
+}
+
+const void* weight_ptr(const FastCtx& ctx, const std::string& name, int64_t first) {
+  const Tensor& w = ctx.input(name);
+  return static_cast<const uint8_t*>(w.data()) + size_t(first) * size_t(w.numel() / w.shape[0]) * elem_bytes(w.type);
+}
+
+/// One SwiGLU backward problem in reference values: rows grouped by counts,
+/// the weights of the experts concerned.
+struct SwigluBwdArgs {
+  ref::Vec X, dY, W1, W3, W2;
+  ref::Counts counts;
+  int64_t rows = 0;
+};
+
+/// Routed experts of rank `rank`: experts [rank*E_l, (rank+1)*E_l) over the
+/// groups of expert_input (rows past the last group are no expert's).
+SwigluBwdArgs routed_args(const Case& c, const RankBoard& b, int rank) {
+  SwigluBwdArgs a;
+  a.counts = ref_counts(b.at("expert_counts"));
+  for (int64_t n : a.counts) a.rows += n;
+  a.X = to_floats(b.at("expert_input"));
+  a.X.resize(size_t(a.rows * c.hidden));
+  a.dY = to_floats(b.at("grad_expert_output"));
+  a.dY.resize(size_t(a.rows * c.hidden));
+  const int64_t E_l = int64_t(a.counts.size()), first = int64_t(rank) * E_l;
+  a.W1 = weight_slice(b.at("w1"), first, E_l);
+  a.W3 = weight_slice(b.at("w3"), first, E_l);
+  a.W2 = weight_slice(b.at("w2"), first, E_l);
+  return a;
+}
+
+/// The shared expert: one group of every token.
+SwigluBwdArgs shared_args(const Case&, const RankBoard& b) {
+  SwigluBwdArgs a;
+  a.X = to_floats(b.at("x"));
+  a.dY = to_floats(b.at("grad_out"));
+  a.rows = b.at("x").shape[0];
+  a.counts = {a.rows};
+  a.W1 = to_floats(b.at("shared_w1"));
+  a.W3 = to_floats(b.at("shared_w3"));
+  a.W2 = to_floats(b.at("shared_w2"));
+  return a;
+}
+
+ref::SwigluGrads magnitude_of(const Case& c, const SwigluBwdArgs& a) {
+  return ref::swiglu_backward_magnitude(a.X, a.dY, a.counts, c.hidden, c.ffn, a.W1, a.W3, a.W2);
+}
+
+/// Error scale of one routed gradient output (which: 0 dX, 1 dW1, 2 dW3, 3 dW2).
+Magnitude routed_grad_scale(int which) {
+  return [which](const Case& c, const RankBoard& b, int rank, int) {
+    const SwigluBwdArgs a = routed_args(c, b, rank);
+    const ref::SwigluGrads m = magnitude_of(c, a);
+    const int64_t E_l = int64_t(a.counts.size()), D = c.hidden, F = c.ffn;
+    switch (which) {
+      case 0: return from_floats(m.dX, ElemType::f32, {a.rows, D});
+      case 1: return from_floats(m.dW1, ElemType::f32, {E_l, F, D});
+      case 2: return from_floats(m.dW3, ElemType::f32, {E_l, F, D});
+      default: return from_floats(m.dW2, ElemType::f32, {E_l, D, F});
+    }
+  };
+}
+
+/// Realistic data with a gradient that is not all zero gives a nonzero input gradient.
+Promise swiglu_grad_promise(const std::string& g) {
+  return [g](const Case& c, const RankBoard& b) {
+    auto it = b.find(g);
+    return promise_realistic(c, b) && it != b.end() && any_nonzero(it->second);
+  };
+}
+
+void fast_experts_swiglu_bwd(FastCtx& ctx) {
+  const Case& c = ctx.c;
+  const Tensor& cnt = ctx.input("expert_counts");
+  const int E_l = int(cnt.numel());
+  const int64_t D = c.hidden, F = c.ffn, e0 = int64_t(ctx.rank) * E_l;
+  Tensor& dx = rows_out(ctx, "grad_expert_input", sum_of(cnt));
+  Tensor& g1 = ctx.output("grad_w1", ElemType::f32, {E_l, F, D});
+  Tensor& g3 = ctx.output("grad_w3", ElemType::f32, {E_l, F, D});
+  Tensor& g2 = ctx.output("grad_w2", ElemType::f32, {E_l, D, F});
+  experts_swiglu_backward(ctx.exec, c.dtype, ctx.input("expert_input").data(), ctx.input("grad_expert_output").data(),
+                          cnt.as<int64_t>(), E_l, D, F, weight_ptr(ctx, "w1", e0), weight_ptr(ctx, "w3", e0),
+                          weight_ptr(ctx, "w2", e0), dx.data(), g1.as<float>(), g3.as<float>(), g2.as<float>(),
+                          SwigluConventions{c.experts.rounding, c.experts.compute_dtype});
+}
+
+void ref_experts_swiglu_bwd(RefCtx& r) {
+  const Case& c = r.c;
+  for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+    const SwigluBwdArgs a = routed_args(c, r.in.ranks[q], int(q));
+    const ref::SwigluGrads g = ref::swiglu_experts_backward(ref_act(c.dtype), a.X, a.dY, a.counts, c.hidden, c.ffn,
+                                                            a.W1, a.W3, a.W2);
+    const int64_t E_l = int64_t(a.counts.size());
+    RankBoard& out = r.out.ranks[q];
+    out["grad_expert_input"] = from_floats(g.dX, act_elem(c.dtype), {a.rows, c.hidden});
+    out["grad_w1"] = from_floats(g.dW1, ElemType::f32, {E_l, c.ffn, c.hidden});
+    out["grad_w3"] = from_floats(g.dW3, ElemType::f32, {E_l, c.ffn, c.hidden});
+    out["grad_w2"] = from_floats(g.dW2, ElemType::f32, {E_l, c.hidden, c.ffn});
+  }
+}
+
+void fast_shared_swiglu_bwd(FastCtx& ctx) {
+  const Case& c = ctx.c;
+  const Tensor& x = ctx.input("x");
+  const int64_t T = x.shape[0], D = c.hidden, F = c.ffn;
+  Tensor& dx = rows_out(ctx, "grad_x_shared", T);
+  std::vector<float> dw1(size_t(F * D)), dw3(size_t(F * D)), dw2(size_t(D * F));  // not checked here
+  experts_swiglu_backward(ctx.exec, c.dtype, x.data(), ctx.input("grad_out").data(), &T, 1, D, F,
+                          ctx.input("shared_w1").data(), ctx.input("shared_w3").data(), ctx.input("shared_w2").data(),
+                          dx.data(), dw1.data(), dw3.data(), dw2.data(),
+                          SwigluConventions{c.experts.rounding, ComputeDtype::act});
+}
+
+void ref_shared_swiglu_bwd(RefCtx& r) {
+  const Case& c = r.c;
+  for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+    const SwigluBwdArgs a = shared_args(c, r.in.ranks[q]);
+    const ref::SwigluGrads g = ref::swiglu_experts_backward(ref_act(c.dtype), a.X, a.dY, a.counts, c.hidden, c.ffn,
+                                                            a.W1, a.W3, a.W2);
+    r.out.ranks[q]["grad_x_shared"] = from_floats(g.dX, act_elem(c.dtype), {a.rows, c.hidden});
+  }
+}
+
+/// End-to-end error scales (CONTRACT §15) of grad_x and grad_topk_scores
+/// with SwiGLU experts, from the tokens, the forward metadata and the
+/// weights of one rank: each dispatch row i (token t, expert e by the counts,
+/// score s) is the expert's input x[t] (times s before the experts) with the
+/// output gradient grad_out[t] (times s after). grad_x: sum over the token's
+/// rows of the dX scale (times |s| before the experts) + the shared expert's.
+/// grad_topk_scores: sum_d |grad_out| * forward scale of the row (after) or
+/// sum_d |x| * dX scale (before). Written onto `out` as grad_x_scale and,
+/// with routed SwiGLU experts, grad_topk_scores_scale.
+void swiglu_end_to_end_scales(const Case& c, const RankBoard& in, RankBoard& out) {
+  const int64_t T = in.at("row_of").shape[0], D = c.hidden, K = c.top_k;
+  const ref::Vec x = to_floats(in.at("x")), g = to_floats(in.at("grad_out"));
+  ref::Vec scale(size_t(T * D), 0.f);
+  if (routed_swiglu(c)) {
+    const bool before = scores_before(c);
+    const ref::Ids tok = ref_ids(in.at("token_sorted"));
+    const ref::Vec sc = to_floats(in.at("score_sorted"));
+    const ref::Counts counts = ref_counts(in.at("counts"));
+    const int64_t N = int64_t(tok.size());
+    ref::Vec X(size_t(N * D)), dY(size_t(N * D));
+    for (int64_t i = 0; i < N; ++i)
+      for (int64_t d = 0; d < D; ++d) {
+        const float s = sc[size_t(i)];
+        X[size_t(i * D + d)] = x[size_t(tok[size_t(i)] * D + d)] * (before ? s : 1.f);
+        dY[size_t(i * D + d)] = g[size_t(tok[size_t(i)] * D + d)] * (before ? 1.f : s);
+      }
+    const ref::Vec w1 = to_floats(in.at("w1")), w3 = to_floats(in.at("w3")), w2 = to_floats(in.at("w2"));
+    const ref::SwigluGrads m = ref::swiglu_backward_magnitude(X, dY, counts, D, c.ffn, w1, w3, w2);
+    const ref::Vec fwd = before ? ref::Vec{} : ref::swiglu_magnitude(X, counts, D, c.ffn, w1, w3, w2);
+    // the row's (t, k): row_of maps assignment a = t*K + k to its row
+    const ref::Ids row_of = ref_ids(in.at("row_of"));
+    std::vector<int64_t> assignment(size_t(N), -1);
+    for (size_t a = 0; a < row_of.size(); ++a)
+      if (row_of[a] >= 0 && row_of[a] < N) assignment[size_t(row_of[a])] = int64_t(a);
+    ref::Vec sscale(size_t(T * K), 0.f);
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t t = tok[size_t(i)];
+      const double w = before ? std::fabs(sc[size_t(i)]) : 1.0;
+      double ss = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        scale[size_t(t * D + d)] += float(w * m.dX[size_t(i * D + d)]);
+        ss += before ? std::fabs(x[size_t(t * D + d)]) * m.dX[size_t(i * D + d)]
+                     : std::fabs(g[size_t(t * D + d)]) * fwd[size_t(i * D + d)];
+      }
+      if (assignment[size_t(i)] >= 0) sscale[size_t(assignment[size_t(i)])] = float(ss);
+    }
+    out["grad_topk_scores_scale"] = from_floats(sscale, ElemType::f32, {T, K});
+  } else {
+    // identity experts: the rows themselves (as ref_dispatch_bwd)
+    const ref::Vec gx = to_floats(in.at("grad_routed_input"));
+    const ref::Ids tok = ref_ids(in.at("token_sorted"));
+    const ref::Vec sc = to_floats(in.at("score_sorted"));
+    for (size_t i = 0; i < tok.size(); ++i) {
+      const float w = scores_before(c) ? std::fabs(sc[i]) : 1.f;
+      for (int64_t d = 0; d < D; ++d) scale[size_t(tok[i] * D + d)] += w * std::fabs(gx[i * size_t(D) + size_t(d)]);
+    }
+  }
+  if (shared_swiglu(c)) {
+    const ref::SwigluGrads m = magnitude_of(c, shared_args(c, in));
+    for (size_t e = 0; e < scale.size(); ++e) scale[e] += m.dX[e];
+  } else if (has_shared(c)) {
+    const ref::Vec sh = to_floats(in.at("grad_x_shared"));
+    for (size_t e = 0; e < scale.size(); ++e) scale[e] += std::fabs(sh[e]);
+  }
+  out["grad_x_scale"] = from_floats(scale, ElemType::f32, {T, D});
+}
+
 // ---- dispatch_bwd ----------------------------------------------------------------
 
 std::vector<std::string> dispatch_bwd_inputs(const Case& c) {
   std::vector<std::string> v = {"grad_routed_input", "row_of", "token_sorted", "score_sorted"};
   if (scores_before(c)) v.push_back("x");
   if (has_shared(c)) v.push_back("grad_x_shared");
+  // the SwiGLU end-to-end error scales (swiglu_end_to_end_scales)
+  if (routed_swiglu(c) || shared_swiglu(c))
+    for (const char* n : {"x", "grad_out"}) v.push_back(n);
+  if (routed_swiglu(c))
+    for (const char* n : {"counts", "w1", "w3", "w2"}) v.push_back(n);
+  if (shared_swiglu(c))
+    for (const char* n : {"shared_w1", "shared_w3", "shared_w2"}) v.push_back(n);
   return v;
 }
 
@@ -417,6 +630,10 @@ void ref_dispatch_bwd(RefCtx& r) {
                                                       shared, T, c.hidden),
                                 act_elem(c.dtype), {T, c.hidden});
     if (scores_before(c)) ref_score_grad(c, in, out, "x", "grad_routed_input");
+    if (routed_swiglu(c) || shared_swiglu(c)) {
+      swiglu_end_to_end_scales(c, in, out);
+      continue;
+    }
     // The end-to-end error scale (CONTRACT §15) of grad_x: the sum of the
     // absolute values of the terms behind each element. The chain's routing
     // scores may differ from the fast path's in the last fp32 bits (a routing
@@ -444,6 +661,13 @@ std::vector<EndToEndOutput> backward_end_to_end(const Case& c) {
   // scores may differ from the fast ones in the last bits (the routing check's
   // tolerance). The score gradient of identity experts does not depend on the
   // scores: the sums of the same rows, within an fp32 summation's half-width.
+  // With SwiGLU experts the chain's expert outputs and gradients differ from
+  // the fast ones within the GEMM bound, and so do the score gradients made
+  // from them: end_to_end class with the scale of swiglu_end_to_end_scales.
+  if (routed_swiglu(c))
+    return {{OutputSpec("grad_x", CompareClass::end_to_end, Coords::token_col, nullptr), "grad_x_scale"},
+            {OutputSpec("grad_topk_scores", CompareClass::end_to_end, Coords::token_k, nullptr),
+             "grad_topk_scores_scale"}};
   return {{OutputSpec("grad_x", CompareClass::end_to_end, Coords::token_col, nullptr), "grad_x_scale"},
           {score_grad_spec(), "grad_topk_scores_scale"}};
 }
@@ -483,6 +707,22 @@ void register_backward_stages(std::vector<Stage>& reg) {
       const Decision d = backward_on(c);
       if (!d.applies) return d;
       return Decision{c.shared.kind == SharedKind::identity, "shared_experts.kind is not identity"};
+    };
+    reg.push_back(s);
+  }
+  {
+    Stage s = make("shared_experts_bwd", "shared_swiglu",
+                   "grad_x_shared = dX of the shared SwiGLU expert over every token (ref::swiglu_experts_backward)",
+                   {"x", "shared_w1", "shared_w3", "shared_w2", "grad_out"},
+                   {{"grad_x_shared", CompareClass::gemm, Coords::token_col, swiglu_grad_promise("grad_out"),
+                     [](const Case& c, const RankBoard& b, int, int) {
+                       return from_floats(magnitude_of(c, shared_args(c, b)).dX, ElemType::f32, b.at("x").shape);
+                     }}},
+                   fast_shared_swiglu_bwd, ref_shared_swiglu_bwd);
+    s.applies = [](const Case& c) {
+      const Decision d = backward_on(c);
+      if (!d.applies) return d;
+      return Decision{shared_swiglu(c), "shared_experts.kind is not swiglu"};
     };
     reg.push_back(s);
   }
@@ -531,6 +771,23 @@ void register_backward_stages(std::vector<Stage>& reg) {
       const Decision d = backward_on(c);
       if (!d.applies) return d;
       return Decision{c.experts.kind == ExpertKind::identity, "experts.kind is not identity"};
+    };
+    reg.push_back(s);
+  }
+  {
+    Stage s = make("experts_bwd", "swiglu",
+                   "dX = round(dh1 W1 + dh3 W3), dW1 = dh1^T X, dW3 = dh3^T X, dW2 = dY^T H in fp32 (reference/reference.h)",
+                   {"expert_input", "expert_counts", "w1", "w3", "w2", "grad_expert_output"},
+                   {{"grad_expert_input", CompareClass::gemm, Coords::padded_row,
+                     swiglu_grad_promise("grad_expert_output"), routed_grad_scale(0)},
+                    {"grad_w1", CompareClass::gemm, Coords::flat, nullptr, routed_grad_scale(1)},
+                    {"grad_w3", CompareClass::gemm, Coords::flat, nullptr, routed_grad_scale(2)},
+                    {"grad_w2", CompareClass::gemm, Coords::flat, nullptr, routed_grad_scale(3)}},
+                   fast_experts_swiglu_bwd, ref_experts_swiglu_bwd);
+    s.applies = [](const Case& c) {
+      const Decision d = backward_on(c);
+      if (!d.applies) return d;
+      return Decision{routed_swiglu(c), "experts.kind is not swiglu"};
     };
     reg.push_back(s);
   }

@@ -264,14 +264,25 @@ TEST_CASE("backward is refused with sp > 1 and with an output buffer aliasing x"
   CHECK(load_cases_text(sp, "t.yaml", {"backward=off"}).size() == 1);
 }
 
-TEST_CASE("SwiGLU cases decline every backward slot with the reason until the gradients are wired", "[cpu][backward]") {
+TEST_CASE("SwiGLU cases run experts_bwd swiglu and decline conventions without a backward contract", "[cpu][backward]") {
   Case c;
   c.backward = Switch::on;
   c.experts.kind = ExpertKind::swiglu;
   const CaseReport r = run_case(c, RunOptions{});
   CHECK(r.outcome == Outcome::PASSED);
-  bool declined = false;
+  bool ran = false;
   for (const auto& d : r.decisions)
-    if (d.slot == "experts_bwd") declined = !d.ran && d.reason == "SwiGLU expert gradients: wired at merge";
-  CHECK(declined);
+    if (d.slot == "experts_bwd" && d.ran) ran = true;
+  CHECK(ran);
+  for (int which = 0; which < 2; ++which) {
+    Case t = c;
+    if (which == 0) t.experts.rounding = k::SiluRounding::rounded_to_act;
+    else t.experts.compute_dtype = ComputeDtype::bf16;
+    const CaseReport rt = run_case(t, RunOptions{});
+    CHECK(rt.outcome == Outcome::PASSED);
+    bool declined = false;
+    for (const auto& d : rt.decisions)
+      if (d.slot == "experts_bwd") declined = !d.ran && d.reason.find("no backward contract") != std::string::npos;
+    CHECK(declined);
+  }
 }

@@ -1,0 +1,302 @@
+// SwiGLU expert gradients (reference/swiglu_bwd.cpp, kernels/swiglu_bwd_host.cpp):
+// the reference against central finite differences of the forward reference,
+// the fast path against the reference within the GEMM error bound of
+// CONTRACT §15 (fp32 and bf16, random counts with empty experts), bitwise
+// determinism across thread counts, and the planted fault
+// swiglu_bwd_silu_grad outside the bound. RC_PARAMS="seed=N" replays.
+#include <catch2/catch.hpp>
+#include <rapidcheck/catch.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <iostream>
+#include <random>
+
+#include "../kernels/moe_host.h"
+#include "../kernels/swiglu_bwd_host.h"
+#include "../reference/reference.h"
+#include "diff.h"
+#include "runner.h"
+#include "test_util.h"
+
+using namespace moev;
+
+namespace {
+
+/// One problem: float values already representable in the dtype.
+struct Problem {
+  DType dt = DType::fp32;
+  int E_l = 1;
+  int64_t D = 1, F = 1, rows = 0;
+  std::vector<int64_t> counts;
+  ref::Vec X, dY, W1, W3, W2;
+};
+
+ref::Act act_of(DType d) { return d == DType::fp32 ? ref::Act::fp32 : d == DType::bf16 ? ref::Act::bf16 : ref::Act::fp16; }
+
+Problem make_problem(DType dt, std::vector<int64_t> counts, int64_t D, int64_t F, uint32_t seed) {
+  Problem p;
+  p.dt = dt;
+  p.E_l = int(counts.size());
+  p.D = D;
+  p.F = F;
+  p.counts = std::move(counts);
+  for (int64_t n : p.counts) p.rows += n;
+  std::mt19937 g(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  // weights ~ 1/sqrt(fan-in) so h1 spans silu's curved range
+  auto fill = [&](ref::Vec& v, size_t n, float s) {
+    v.resize(n);
+    for (float& x : v) x = ref::round_act(act_of(dt), s * nd(g));
+  };
+  fill(p.X, size_t(p.rows * D), 1.f);
+  fill(p.dY, size_t(p.rows * D), 1.f);
+  fill(p.W1, size_t(p.E_l * F * D), 2.f / std::sqrt(float(D)));
+  fill(p.W3, size_t(p.E_l * F * D), 1.f / std::sqrt(float(D)));
+  fill(p.W2, size_t(p.E_l * D * F), 1.f / std::sqrt(float(F)));
+  return p;
+}
+
+/// Values in dtype dt as bytes.
+std::vector<uint8_t> encode(DType dt, const ref::Vec& v) {
+  std::vector<uint8_t> b(v.size() * dtype_bytes(dt));
+  dispatch_dtype(dt, [&](auto tag) {
+    using T = decltype(tag);
+    T* o = reinterpret_cast<T*>(b.data());
+    for (size_t i = 0; i < v.size(); ++i) o[i] = from_float<T>(v[i]);
+  });
+  return b;
+}
+
+ref::Vec decode(DType dt, const std::vector<uint8_t>& b) {
+  ref::Vec v(b.size() / dtype_bytes(dt));
+  dispatch_dtype(dt, [&](auto tag) {
+    using T = decltype(tag);
+    const T* s = reinterpret_cast<const T*>(b.data());
+    for (size_t i = 0; i < v.size(); ++i) v[i] = to_float(s[i]);
+  });
+  return v;
+}
+
+struct FastGrads {
+  std::vector<uint8_t> dX;
+  ref::Vec dW1, dW3, dW2;
+};
+
+FastGrads run_fast(const Problem& p, int threads, FaultSet faults = {}) {
+  const auto x = encode(p.dt, p.X), dy = encode(p.dt, p.dY), w1 = encode(p.dt, p.W1), w3 = encode(p.dt, p.W3),
+             w2 = encode(p.dt, p.W2);
+  FastGrads o;
+  // poisoned outputs: every element must be written
+  o.dX.assign(x.size(), 0xff);
+  o.dW1.assign(p.W1.size(), std::nanf(""));
+  o.dW3.assign(p.W3.size(), std::nanf(""));
+  o.dW2.assign(p.W2.size(), std::nanf(""));
+  experts_swiglu_backward(ExecCtx{threads, faults}, p.dt, x.data(), dy.data(), p.counts.data(), p.E_l, p.D, p.F,
+                          w1.data(), w3.data(), w2.data(), o.dX.data(), o.dW1.data(), o.dW3.data(), o.dW2.data());
+  return o;
+}
+
+/// Elements outside |fast - ref| <= atol + rtol * max(|ref|, scale) (the gemm
+/// class of src/diff.h with the error scale of CONTRACT §15); NaN in both agrees.
+int64_t outside(const ref::Vec& fast, const ref::Vec& ref, const ref::Vec& scale, Tolerance tol, double* ratio) {
+  int64_t bad = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (std::isnan(fast[i]) && std::isnan(ref[i])) continue;
+    const double s = std::max(std::fabs(double(ref[i])), double(scale[i]));
+    const double err = std::fabs(double(fast[i]) - double(ref[i]));
+    const double lim = tol.atol + tol.rtol * s;
+    if (ratio) *ratio = std::max(*ratio, err / lim);
+    if (!(err <= lim)) ++bad;
+  }
+  return bad;
+}
+
+struct Verdict {
+  int64_t dX = 0, dW1 = 0, dW3 = 0, dW2 = 0;
+  double ratio = 0;
+  int64_t total() const { return dX + dW1 + dW3 + dW2; }
+};
+
+Verdict compare(const Problem& p, const FastGrads& f) {
+  const ref::SwigluGrads r =
+      ref::swiglu_experts_backward(act_of(p.dt), p.X, p.dY, p.counts, p.D, p.F, p.W1, p.W3, p.W2);
+  const ref::SwigluGrads m = ref::swiglu_backward_magnitude(p.X, p.dY, p.counts, p.D, p.F, p.W1, p.W3, p.W2);
+  const Tolerance tol = default_tolerance(CompareClass::gemm, p.dt);
+  Verdict v;
+  v.dX = outside(decode(p.dt, f.dX), r.dX, m.dX, tol, &v.ratio);
+  v.dW1 = outside(f.dW1, r.dW1, m.dW1, tol, &v.ratio);
+  v.dW3 = outside(f.dW3, r.dW3, m.dW3, tol, &v.ratio);
+  v.dW2 = outside(f.dW2, r.dW2, m.dW2, tol, &v.ratio);
+  return v;
+}
+
+/// <Y, dY> of the forward reference in fp64.
+double loss(const Problem& p) {
+  const ref::Vec Y = ref::swiglu_experts(ref::Act::fp32, p.X, p.counts, p.D, p.F, p.W1, p.W3, p.W2);
+  double s = 0;
+  for (size_t i = 0; i < Y.size(); ++i) s += double(Y[i]) * p.dY[i];
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("swiglu backward reference matches central finite differences of the forward", "[cpu][swiglu_bwd]") {
+  Problem p = make_problem(DType::fp32, {3, 0, 2}, 6, 5, 11);
+  const ref::SwigluGrads g =
+      ref::swiglu_experts_backward(ref::Act::fp32, p.X, p.dY, p.counts, p.D, p.F, p.W1, p.W3, p.W2);
+  // The forward rounds to fp32 at h1, h3, H and Y: a step of 2^-9 keeps that
+  // noise near 1e-4 relative, far below a wrong derivative term.
+  const float h = std::ldexp(1.f, -9);
+  int64_t checked = 0;
+  auto check = [&](ref::Vec& param, const ref::Vec& grad, const char* name) {
+    REQUIRE(param.size() == grad.size());
+    for (size_t i = 0; i < param.size(); ++i) {
+      const float keep = param[i];
+      param[i] = keep + h;
+      const double up = loss(p);
+      param[i] = keep - h;
+      const double down = loss(p);
+      param[i] = keep;
+      const double fd = (up - down) / (double(param[i] + h) - double(param[i] - h));
+      INFO(name << "[" << i << "] fd " << fd << " analytic " << grad[i]);
+      CHECK(std::fabs(fd - grad[i]) <= 2e-3 * (1.0 + std::fabs(fd)));
+      ++checked;
+    }
+  };
+  check(p.X, g.dX, "dX");
+  check(p.W1, g.dW1, "dW1");
+  check(p.W3, g.dW3, "dW3");
+  check(p.W2, g.dW2, "dW2");
+  CHECK(checked == 30 + 3 * 90);
+  // expert 1 has no rows: its weight gradients are exactly zero
+  for (int64_t i = 30; i < 60; ++i) CHECK(g.dW1[size_t(i)] == 0.f);
+}
+
+TEST_CASE("swiglu backward reference refuses conventions without a backward contract", "[cpu][swiglu_bwd]") {
+  const Problem p = make_problem(DType::bf16, {2}, 4, 3, 1);
+  CHECK_THROWS_AS(ref::swiglu_experts_backward(ref::Act::bf16, p.X, p.dY, p.counts, p.D, p.F, p.W1, p.W3, p.W2,
+                                               ref::SiluRounding::torchtitan),
+                  std::invalid_argument);
+  CHECK_THROWS_AS(ref::swiglu_experts_backward(ref::Act::bf16, p.X, p.dY, p.counts, p.D, p.F, p.W1, p.W3, p.W2,
+                                               ref::SiluRounding::fused, ref::Compute::bf16),
+                  std::invalid_argument);
+}
+
+TEST_CASE("swiglu backward fast path is within the gemm bound of the reference", "[cpu][swiglu_bwd]") {
+  rc::prop("random shapes and counts with empty experts in fp32 and bf16", [] {
+    const DType dt = *rc::gen::element(DType::fp32, DType::bf16);
+    const int E_l = *rc::gen::inRange(1, 5);
+    std::vector<int64_t> counts;
+    for (int j = 0; j < E_l; ++j)
+      counts.push_back(*rc::gen::weightedOneOf<int64_t>({{1, rc::gen::just<int64_t>(0)}, {3, rc::gen::inRange<int64_t>(1, 80)}}));
+    const int64_t D = *rc::gen::inRange<int64_t>(1, 40), F = *rc::gen::inRange<int64_t>(1, 72);
+    const Problem p = make_problem(dt, counts, D, F, *rc::gen::arbitrary<uint32_t>());
+    const FastGrads f = run_fast(p, *rc::gen::inRange(1, 4));
+    const Verdict v = compare(p, f);
+    RC_LOG() << "dX " << v.dX << " dW1 " << v.dW1 << " dW3 " << v.dW3 << " dW2 " << v.dW2 << " ratio " << v.ratio;
+    RC_ASSERT(v.total() == 0);
+    for (int j = 0; j < E_l; ++j)
+      if (counts[size_t(j)] == 0) {
+        for (int64_t i = 0; i < F * D; ++i) {
+          RC_ASSERT(f.dW1[size_t(j * F * D + i)] == 0.f);
+          RC_ASSERT(f.dW3[size_t(j * F * D + i)] == 0.f);
+          RC_ASSERT(f.dW2[size_t(j * D * F + i)] == 0.f);
+        }
+      }
+  });
+}
+
+TEST_CASE("swiglu backward fast path is bitwise the same on 1 2 and 3 threads", "[cpu][swiglu_bwd]") {
+  for (DType dt : {DType::fp32, DType::bf16}) {
+    // several row tiles per expert, several weight-gradient tiles
+    const Problem p = make_problem(dt, {150, 0, 70}, 70, 130, 7);
+    const FastGrads a = run_fast(p, 1), b = run_fast(p, 2), c = run_fast(p, 3);
+    CHECK(a.dX == b.dX);
+    CHECK(a.dX == c.dX);
+    for (const FastGrads* o : {&b, &c}) {
+      CHECK(std::memcmp(a.dW1.data(), o->dW1.data(), a.dW1.size() * 4) == 0);
+      CHECK(std::memcmp(a.dW3.data(), o->dW3.data(), a.dW3.size() * 4) == 0);
+      CHECK(std::memcmp(a.dW2.data(), o->dW2.data(), a.dW2.size() * 4) == 0);
+    }
+  }
+}
+
+TEST_CASE("swiglu_bwd_silu_grad fails the gemm bound", "[cpu][swiglu_bwd]") {
+  for (DType dt : {DType::fp32, DType::bf16}) {
+    const Problem p = make_problem(dt, {40, 0, 25}, 24, 32, 3);
+    const Verdict clean = compare(p, run_fast(p, 2));
+    const Verdict bad = compare(p, run_fast(p, 2, FaultSet{uint32_t(Fault::swiglu_bwd_silu_grad)}));
+    INFO("clean ratio " << clean.ratio << " faulty: dX " << bad.dX << " dW1 " << bad.dW1 << " dW3 " << bad.dW3);
+    CHECK(clean.total() == 0);
+    CHECK(bad.dX > 0);
+    CHECK(bad.dW1 > 0);
+    // silu' does not enter dh3 or H
+    CHECK(bad.dW3 == 0);
+    CHECK(bad.dW2 == 0);
+  }
+}
+
+TEST_CASE("swiglu backward fast path refuses conventions without a backward contract", "[cpu][swiglu_bwd]") {
+  const Problem p = make_problem(DType::bf16, {2}, 4, 3, 1);
+  const auto x = encode(p.dt, p.X);
+  std::vector<uint8_t> dx(x.size());
+  ref::Vec w(p.W1.size());
+  for (SwigluConventions conv : {SwigluConventions{k::SiluRounding::rounded_to_act, ComputeDtype::act},
+                                 SwigluConventions{k::SiluRounding::fused, ComputeDtype::bf16}})
+    CHECK_THROWS_AS(experts_swiglu_backward(ExecCtx{}, p.dt, x.data(), x.data(), p.counts.data(), 1, p.D, p.F, x.data(),
+                                            x.data(), x.data(), dx.data(), w.data(), w.data(), w.data(), conv),
+                    std::invalid_argument);
+}
+
+TEST_CASE("swiglu backward against forward timing", "[.bench][swiglu_bwd_bench]") {
+  // rows 4096, D 1024, F 512, E_l 8 (512 rows each), bf16, 2 threads
+  const Problem p = make_problem(DType::bf16, std::vector<int64_t>(8, 512), 1024, 512, 5);
+  const auto x = encode(p.dt, p.X), dy = encode(p.dt, p.dY), w1 = encode(p.dt, p.W1), w3 = encode(p.dt, p.W3),
+             w2 = encode(p.dt, p.W2);
+  std::vector<uint8_t> y(x.size()), dx(x.size());
+  ref::Vec g1(p.W1.size()), g3(p.W3.size()), g2(p.W2.size());
+  const ExecCtx ctx{2, {}};
+  auto secs = [](auto&& f) {
+    double best = 1e30;
+    for (int i = 0; i < 3; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      f();
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return best;
+  };
+  const double fwd = secs([&] {
+    experts_swiglu(ctx, p.dt, ExpertsImpl::grouped, x.data(), p.counts.data(), p.E_l, p.D, p.F, w1.data(), w3.data(),
+                   w2.data(), y.data());
+  });
+  const double bwd = secs([&] {
+    experts_swiglu_backward(ctx, p.dt, x.data(), dy.data(), p.counts.data(), p.E_l, p.D, p.F, w1.data(), w3.data(),
+                            w2.data(), dx.data(), g1.data(), g3.data(), g2.data());
+  });
+  std::cout << "swiglu experts bf16 rows 4096 D 1024 F 512 E_l 8, 2 threads: forward " << fwd << " s, backward " << bwd
+            << " s, ratio " << bwd / fwd << "\n";
+  CHECK(bwd > 0);
+}
+
+TEST_CASE("swiglu_bwd_silu_grad is caught on the shipped backward_swiglu cases", "[cpu][swiglu_bwd][fault]") {
+  for (const char* name : {"bwd_swiglu_ep2_bf16", "bwd_swiglu_shared_fp32"}) {
+    const Case c = case_named("backward_swiglu.yaml", name);
+    RunOptions o;
+    o.threads = 2;
+    CHECK(run_case(c, o).outcome == Outcome::PASSED);
+    o.faults = FaultSet{uint32_t(Fault::swiglu_bwd_silu_grad)};
+    const CaseReport r = run_case(c, o);
+    INFO(name);
+    bool input_grad = false, shared_grad = false;
+    for (const auto& ch : r.checks) {
+      if (ch.outcome != Outcome::INCORRECT) continue;
+      input_grad = input_grad || (ch.slot == "experts_bwd" && ch.tensor.rfind("grad_expert_input", 0) == 0);
+      shared_grad = shared_grad || (ch.slot == "shared_experts_bwd" && ch.tensor == "grad_x_shared");
+    }
+    CHECK(r.outcome == Outcome::INCORRECT);
+    CHECK(input_grad);
+    if (std::string(name) == "bwd_swiglu_shared_fp32") CHECK(shared_grad);
+  }
+}
