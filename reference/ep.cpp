@@ -13,45 +13,24 @@ namespace {
 void put_row(Bytes& out, const uint8_t* row, size_t n) { out.insert(out.end(), row, row + n); }
 }  // namespace
 
-EpDispatch ep_dispatch(Act act, ScoreApply apply, const std::vector<RowsRef>& x, const std::vector<Ids>& ids,
-                       const std::vector<Vec>& topk_scores, int K, int E, int R, ScoreMultiply smul, int only) {
-  const int E_l = E / R;
-  const size_t eb = act_bytes(act);
+EpDispatch ep_dispatch(const std::vector<RowsRef>& routed, const std::vector<Counts>& counts, int R, int E_l,
+                       int only) {
   EpDispatch d;
   d.recv.assign(size_t(R), {});
   d.recv_counts.assign(size_t(R), Counts(size_t(R) * size_t(E_l), 0));
-  for (int q = 0; q < R; ++q) {  // rows rank q receives: one per assignment to its experts
-    if (only >= 0 && q != only) continue;
-    size_t rows = 0;
-    for (int p = 0; p < R; ++p)
-      for (int32_t e : ids[size_t(p)]) rows += e / E_l == q;
-    d.recv[size_t(q)].reserve(rows * (x.empty() ? 0 : x[0].row_bytes));
-  }
   for (int q = 0; q < R; ++q)
-    for (int p = 0; p < R; ++p)
+    for (int p = 0; p < R; ++p) {
+      // walk source p's expert groups up to expert q*E_l
+      int64_t row = 0;
+      for (int e = 0; e < q * E_l; ++e) row += counts[size_t(p)][size_t(e)];
       for (int j = 0; j < E_l; ++j) {
-        const int e = q * E_l + j;
-        const int64_t T = int64_t(ids[size_t(p)].size()) / K;
-        const size_t rb = x[size_t(p)].row_bytes;
-        for (int64_t t = 0; t < T; ++t)
-          for (int k = 0; k < K; ++k) {
-            if (ids[size_t(p)][size_t(t * K + k)] != e) continue;
-            ++d.recv_counts[size_t(q)][size_t(p * E_l + j)];
-            if (only >= 0 && q != only) continue;
-            const uint8_t* row = x[size_t(p)].row(t);
-            Bytes& out = d.recv[size_t(q)];
-            if (apply == ScoreApply::after_experts) {
-              put_row(out, row, rb);
-            } else {
-              const float s0 = topk_scores[size_t(p)][size_t(t * K + k)];
-              const float s = smul == ScoreMultiply::act ? round_act(act, s0) : s0;
-              const size_t at = out.size();
-              out.resize(at + rb);
-              for (size_t c = 0; c < rb / eb; ++c)
-                encode_act(act, round_act(act, f32(double(decode_act(act, row + c * eb)) * s)), &out[at + c * eb]);
-            }
-          }
+        const int64_t n = counts[size_t(p)][size_t(q * E_l + j)];
+        d.recv_counts[size_t(q)][size_t(p * E_l + j)] = n;
+        if (only < 0 || q == only)
+          for (int64_t i = 0; i < n; ++i) put_row(d.recv[size_t(q)], routed[size_t(p)].row(row + i), routed[size_t(p)].row_bytes);
+        row += n;
       }
+    }
   return d;
 }
 

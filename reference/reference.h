@@ -253,19 +253,18 @@ Vec combine_magnitude(const CombineSpec& spec, const Vec& rows_magnitude, const 
 
 namespace ref {
 
-/// Global-view EP dispatch (CONTRACT §3): rank q receives, for each source p
-/// ascending, each local expert j ascending, each token t of p ascending and
-/// each k with ids_p[t,k] == q*E_l + j, the row x_p[t] (score-multiplied under
-/// before_experts). Returns per rank q the rank-major rows; recv_counts[q] is
-/// (R, E_l): recv_counts[q][p*E_l + j]. only >= 0: the rows of rank `only`
-/// alone (every rank's counts still).
+/// Global-view EP dispatch (CONTRACT §3) of each rank's expert-major rows
+/// (routed[p]: expert e owns counts[p][e] consecutive rows): rank q receives,
+/// for each source p ascending, each local expert j ascending, source p's rows
+/// of expert q*E_l + j in their order. Returns per rank q the rank-major rows;
+/// recv_counts[q] is (R, E_l): recv_counts[q][p*E_l + j]. only >= 0: the rows
+/// of rank `only` alone (every rank's counts still).
 struct EpDispatch {
   std::vector<Bytes> recv;  // per rank q: (rows, D) in act, rank-major
   std::vector<Counts> recv_counts;
 };
-EpDispatch ep_dispatch(Act act, ScoreApply apply, const std::vector<RowsRef>& x, const std::vector<Ids>& ids,
-                       const std::vector<Vec>& topk_scores, int K, int E, int R,
-                       ScoreMultiply smul = ScoreMultiply::fp32, int only = -1);
+EpDispatch ep_dispatch(const std::vector<RowsRef>& routed, const std::vector<Counts>& counts, int R, int E_l,
+                       int only = -1);
 
 /// Rank-major (p, j) rows -> expert-major (j, p) rows of one rank.
 Bytes permute_to_expert_major(RowsRef recv, const Counts& recv_counts, int R, int E_l);

@@ -324,12 +324,6 @@ void fast_a2a_return(FastCtx& ctx) {
 
 // ---- reference functions (global view) ----------------------------------------
 
-std::vector<ref::Vec> floats_of(const Board& b, const std::string& n) {
-  std::vector<ref::Vec> v;
-  for (size_t q = 0; q < b.ranks.size(); ++q) v.push_back(to_floats(b.at(n, int(q))));
-  return v;
-}
-
 std::vector<ref::RowsRef> rows_of_ranks(const Board& b, const std::string& n) {
   std::vector<ref::RowsRef> v;
   for (size_t q = 0; q < b.ranks.size(); ++q) v.push_back(rows_of(b.at(n, int(q))));
@@ -339,13 +333,11 @@ std::vector<ref::RowsRef> rows_of_ranks(const Board& b, const std::string& n) {
 void ref_a2a_dispatch(RefCtx& r) {
   const Case& c = r.c;
   const int R = int(r.in.ranks.size()), E_l = c.num_experts / R;
-  std::vector<ref::Ids> ids;
-  for (int q = 0; q < R; ++q) ids.push_back(ref_ids(r.in.at("ids", q)));
-  ref::EpDispatch d = ref::ep_dispatch(
-      ref_act(c.dtype),
-      c.score_before_experts == Switch::on ? ref::ScoreApply::before_experts : ref::ScoreApply::after_experts,
-      rows_of_ranks(r.in, "x"), ids, floats_of(r.in, "topk_scores"), c.top_k, c.num_experts, R,
-      c.score_multiply == k::ScoreMultiply::act ? ref::ScoreMultiply::act : ref::ScoreMultiply::fp32, r.rank);
+  // From the dispatch's expert-major rows (capacity-limited where capacity
+  // applies, CONTRACT §11), not from x and ids again: the stage's own input.
+  std::vector<ref::Counts> counts;
+  for (int q = 0; q < R; ++q) counts.push_back(ref_counts(r.in.at("counts", q)));
+  ref::EpDispatch d = ref::ep_dispatch(rows_of_ranks(r.in, "routed_input"), counts, R, E_l, r.rank);
   int64_t mx = 0, total = 0;
   for (int q = 0; q < R; ++q) {
     RankBoard& out = r.out.ranks[size_t(q)];
@@ -358,7 +350,7 @@ void ref_a2a_dispatch(RefCtx& r) {
     int64_t M = 0;
     for (int64_t v : out_splits) M += v;
     mx = std::max(mx, M);
-    total += r.in.at("ids", q).numel();
+    for (int64_t v : counts[size_t(q)]) total += v;
     out["input_splits"] = from_ints(in_splits, ElemType::i64, {R});
     out["output_splits"] = from_ints(out_splits, ElemType::i64, {R});
     out["recv_counts"] = from_ints(d.recv_counts[size_t(q)], ElemType::i64, {int64_t(R) * E_l});
