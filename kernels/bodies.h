@@ -254,9 +254,11 @@ struct CombineBody {
 
   MOEV_HD void operator()(int64_t t, int lane, int lanes) const {
     int32_t rows[kMaxTopK];
+    int n = 0;  // an assignment dropped by capacity (row -1, CONTRACT §11) adds nothing
     for (int k = 0; k < K; ++k) {
       const int32_t r = row_of[t * K + k];
-      int j = k;
+      if (r < 0) continue;
+      int j = n++;
       while (j > 0 && (order == CombineOrder::ascending_row ? rows[j - 1] > r : rows[j - 1] < r)) {
         rows[j] = rows[j - 1];
         --j;
@@ -264,13 +266,13 @@ struct CombineBody {
       rows[j] = r;
     }
     for (int64_t c0 = int64_t(lane) * W; c0 < D; c0 += int64_t(lanes) * W)
-      span(t, rows, c0, D - c0 < W ? int(D - c0) : W);
+      span(t, rows, n, c0, D - c0 < W ? int(D - c0) : W);
   }
 
-  /// Columns [c0, c0 + n) of token t, n <= W. v holds the running value:
+  /// Columns [c0, c0 + n) of token t, n <= W, from its nrows rows. v holds the running value:
   /// representable in T under per_add (rounded after every addition), the
   /// fp32 sum under fp32_accumulate (rounded once at the end).
-  MOEV_HD void span(int64_t t, const int32_t* rows, int64_t c0, int n) const {
+  MOEV_HD void span(int64_t t, const int32_t* rows, int nrows, int64_t c0, int n) const {
     float v[W];
     if (init_from == CombineInit::zeros) {
       for (int i = 0; i < n; ++i) v[i] = 0.f;
@@ -278,7 +280,7 @@ struct CombineBody {
       const T* in = init + t * D + c0;
       for (int i = 0; i < n; ++i) v[i] = to_float(in[i]);
     }
-    for (int k = 0; k < K; ++k) {
+    for (int k = 0; k < nrows; ++k) {
       const T* y = routed_out + int64_t(rows[k]) * D + c0;
       if (apply == ScoreApply::after_experts) {
         const float s = smul == ScoreMultiply::act ? round_to<T>(score_sorted[rows[k]]) : score_sorted[rows[k]];

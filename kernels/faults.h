@@ -30,6 +30,10 @@ enum class Fault : uint32_t {
   sp_b1_index = 1u << 16,         // §10.3: the B = 1 SP index t + nlt*s used with B > 1 (pre-#3604)
   sp_even_combine = 1u << 17,     // §10.3, #3577: SP combine takes the local row count for nlt (evenly sharded)
   sp_tail_pad_score = 1u << 18,   // §10.2: tail pad rows keep the router's score instead of 0
+  // capacity (FRAMEWORKS §11)
+  capacity_renormalize = 1u << 19,  // §11.1: kept scores renormalised to the token's original sum after a drop
+  capacity_tie_higher = 1u << 20,   // §11.4 D3: equal scores keep the higher token index
+  capacity_overflow = 1u << 21,     // TE #3346: one row past capacity kept (written over the next group's first row)
   // overload factor (FRAMEWORKS §12)
   overload_global_balanced = 1u << 22,  // §12: entry OF divides by the group's balanced rows, not one rank's share
   overload_cum_final = 1u << 23,  // §12: max_cum from the running sums where the timeline ends, not their peaks

@@ -210,6 +210,7 @@ Vec combine_magnitude(const CombineSpec& s, const Vec& rows_magnitude, const Ids
                       int64_t D) {
   std::vector<double> m(init_magnitude.begin(), init_magnitude.end());
   for (size_t i = 0; i < token_sorted.size(); ++i) {
+    if (token_sorted[i] < 0) continue;  // a capacity filler row (CONTRACT §11)
     const double w = s.apply == ScoreApply::after_experts ? std::fabs(double(score_sorted[i])) : 1.0;
     for (int64_t c = 0; c < D; ++c)
       m[size_t(token_sorted[i] * D + c)] += w * rows_magnitude[i * size_t(D) + size_t(c)];
@@ -226,6 +227,7 @@ Vec combine(const CombineSpec& s, RowsRef routed_out, const Ids& token_sorted,
   Vec wide = init;  // fp32 accumulators for Accumulate::fp32_accumulate
   for (size_t i = 0; i < token_sorted.size(); ++i) {
     const int64_t t = token_sorted[i];
+    if (t < 0) continue;  // a capacity filler row (CONTRACT §11): no token
     const float sc = s.smul == ScoreMultiply::act ? round_act(s.act, score_sorted[i]) : score_sorted[i];
     for (int64_t c = 0; c < D; ++c) {
       float y = decode_act(s.act, routed_out.row(int64_t(i)) + size_t(c) * act_bytes(s.act));

@@ -328,4 +328,21 @@ struct OverloadRef {
 OverloadRef overload_factors(const std::vector<std::vector<int64_t>>& actual,
                              const std::vector<std::vector<int64_t>>& balanced, bool backward);
 
+/// Capacity dropping (CONTRACT §11) of one rank's expert-major dispatch
+/// (expert e owns counts[e] consecutive rows, ascending token inside it):
+/// each expert keeps at most cap rows, in their order: by_probs, the rows of
+/// highest score (ties to the lower token index), else the first cap. Kept
+/// scores are not renormalised. pad: every expert gets exactly cap rows, the
+/// kept ones then zero filler rows with score 0 and token -1. row_of maps
+/// each assignment to its new row, -1 where dropped.
+struct CapacityDispatch {
+  Bytes rows;
+  Ids token_sorted;
+  Vec score_sorted;
+  Ids row_of;
+  Counts counts;
+};
+CapacityDispatch capacity_dispatch(RowsRef rows, const Ids& token_sorted, const Vec& score_sorted, const Ids& row_of,
+                                   const Counts& counts, int64_t cap, bool by_probs, bool pad);
+
 }  // namespace ref

@@ -118,6 +118,11 @@ const EnumTable<SpPadding>& sp_padding_table() {
   return t;
 }
 
+const EnumTable<CapacityPolicy>& capacity_policy_table() {
+  static const EnumTable<CapacityPolicy> t = {{"probs", CapacityPolicy::probs}, {"position", CapacityPolicy::position}};
+  return t;
+}
+
 const EnumTable<CompareClass>& compare_class_table() {
   static const EnumTable<CompareClass> t = {{"exact", CompareClass::exact},
                                             {"logits", CompareClass::logits},
@@ -175,6 +180,9 @@ std::string Case::summary() const {
     o << " experts.compute_dtype=" << enum_name(compute_dtype_table(), experts.compute_dtype);
   if (backward == Switch::on) o << " backward=on";
   if (layers > 1) o << " layers=" << layers;
+  if (capacity.factor > 0)
+    o << " capacity=" << capacity.factor << "/" << enum_name(capacity_policy_table(), capacity.policy)
+      << (capacity.pad_to_capacity == Switch::on ? "/pad" : "");
   return o.str();
 }
 
@@ -361,6 +369,13 @@ const std::vector<Field>& schema() {
     v.push_back(enum_field<Switch>("backward", switch_table(), [](Case& c) -> Switch& { return c.backward; }));
     // MoE layer entries and the overload factor (CONTRACT §12)
     v.push_back(int_field("layers", 1, 64, [](Case& c, int64_t x) { c.layers = int(x); }));
+    // capacity and token dropping (CONTRACT §11)
+    v.push_back({"capacity.factor", "number in [0, 1000] (cap = ceil(T*K/E * factor); 0: dropless, the default)",
+                 [](Case& c, const Src& s, const std::string& k) { c.capacity.factor = as_real(s, k, 0, 1000); }});
+    v.push_back(enum_field<CapacityPolicy>("capacity.policy", capacity_policy_table(),
+                                           [](Case& c) -> CapacityPolicy& { return c.capacity.policy; }));
+    v.push_back(enum_field<Switch>("capacity.pad_to_capacity", switch_table(),
+                                   [](Case& c) -> Switch& { return c.capacity.pad_to_capacity; }));
     for (const auto& [cname, cls] : compare_class_table()) {
       if (cls == CompareClass::exact || cls == CompareClass::rounding) continue;
       const std::string base = std::string("tolerance.") + cname;
@@ -530,6 +545,14 @@ void validate(const Case& c, const Flat& flat) {
   if (c.backward == Switch::on && c.sp > 1)
     fail("backward", "the backward of the sequence-parallel shard and gather is not implemented",
          "valid: backward: off with sp > 1, or sp: 1");
+  // capacity (CONTRACT §11): what src/stages_capacity.cpp does not model.
+  if (c.capacity.factor > 0 && c.sp > 1)
+    fail("capacity", "capacity dropping on the sequence-parallel layout is not implemented", "valid: sp: 1 with capacity");
+  if (c.capacity.factor > 0 && c.backward == Switch::on)
+    fail("capacity", "the backward of capacity dropping is not implemented", "valid: backward: off with capacity");
+  if (c.capacity.factor > 0 && c.router.force_load_balance == Switch::on)
+    fail("capacity", "the force-load-balance fast path derives its splits from T, K and E, not from the kept counts",
+         "valid: router.force_load_balance: off with capacity");
   if (c.backward == Switch::on && c.combine.buffer != OutBuffer::fresh)
     fail("backward", "an output buffer aliasing x adds x itself to the output, a gradient path the backward does not model",
          "valid: combine.buffer: fresh with backward: on");

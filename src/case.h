@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "../kernels/bodies.h"
+#include "../kernels/capacity_host.h"
 #include "../kernels/dtype.h"
 #include "../kernels/moe_host.h"
 #include "../kernels/sp_host.h"
@@ -51,6 +52,7 @@ const EnumTable<k::ScoreMultiply>& score_multiply_table();
 const EnumTable<k::SiluRounding>& experts_rounding_table();
 const EnumTable<ComputeDtype>& compute_dtype_table();
 const EnumTable<SpPadding>& sp_padding_table();  // CONTRACT §10
+const EnumTable<CapacityPolicy>& capacity_policy_table();  // CONTRACT §11
 
 template <class E>
 const char* enum_name(const EnumTable<E>& t, E v) {
@@ -140,6 +142,12 @@ struct Case {
   // runner, not a key; 0 keeps the single-layer inputs).
   int layers = 1;
   int layer = 0;
+  // capacity and token dropping (CONTRACT §11): factor 0 is dropless.
+  struct Capacity {
+    double factor = 0;
+    CapacityPolicy policy = CapacityPolicy::probs;
+    Switch pad_to_capacity = Switch::off;
+  } capacity;
 
   int local_experts() const { return num_experts / ep; }
   int64_t tokens_on(int rank) const;

@@ -251,6 +251,9 @@ nlohmann::ordered_json case_to_json(const Case& c) {
   j["sp_padding"] = enum_name(sp_padding_table(), c.sp_padding);
   j["backward"] = enum_name(switch_table(), c.backward);
   j["layers"] = c.layers;  // the golden tensors are entry 1's
+  j["capacity.factor"] = c.capacity.factor;
+  j["capacity.policy"] = enum_name(capacity_policy_table(), c.capacity.policy);
+  j["capacity.pad_to_capacity"] = enum_name(switch_table(), c.capacity.pad_to_capacity);
   for (const auto& [cls, o] : c.tolerance_override) {
     const std::string base = std::string("tolerance.") + enum_name(compare_class_table(), cls);
     if (o.rtol) j[base + ".rtol"] = *o.rtol;

@@ -155,7 +155,7 @@ std::vector<YAML::Node> shrink_candidates(const YAML::Node& n) {
       }
   for (const char* key : {"score_before_experts", "align", "empty_groups", "permute", "dtype", "data",
                           "router.gate_dtype", "score_multiply", "experts.rounding", "experts.compute_dtype", "sp",
-                          "sp_padding", "backward", "layers"})
+                          "sp_padding", "backward", "layers", "capacity"})
     if (n[key]) with([&](YAML::Node& c) { c.remove(key); });
   return out;
 }

@@ -124,10 +124,16 @@ std::string random_case_yaml(uint64_t seed, uint64_t index) {
   // backward (CONTRACT §13) from a stream of its own, so the other keys draw
   // as before: on in about 30% of the cases it supports (sp = 1, fresh buffer).
   Draw db{std::mt19937_64((seed ^ 0x425744ull) * 0x9E3779B97F4A7C15ull + index)};
-  if (db.chance(0.3) && sp == 1 && buffer == "fresh") y << ", backward: on";
+  const bool backward = db.chance(0.3) && sp == 1 && buffer == "fresh";
+  if (backward) y << ", backward: on";
   // MoE layer entries (CONTRACT §12): each multiplies the run time, so 2 or 3
   // in about 10% of the cases.
   if (db.chance(0.1)) y << ", layers: " << db.in(2, 3);
+  // capacity (CONTRACT §11) in about 20% of the cases it supports.
+  if (db.chance(0.2) && sp == 1 && !backward && !force_lb)
+    y << ", capacity: {factor: " << db.pick<const char*>({"0.25", "0.5", "1", "1.25", "4"})
+      << ", policy: " << db.pick<const char*>({"probs", "position"})
+      << ", pad_to_capacity: " << db.pick<const char*>({"off", "on"}) << "}";
   y << "}";
   return y.str();
 }

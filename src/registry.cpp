@@ -34,9 +34,13 @@ Tensor& FastCtx::output(const std::string& name, ElemType t, std::vector<int64_t
   return r;
 }
 
-// Tail SP padding (CONTRACT §10) adds zero rows routed to expert 0: a rank may
-// then move nothing but pad rows, and all-zero data is legitimate there.
-bool promise_always(const Case& c, const RankBoard&) { return !(c.sp > 1 && c.sp_padding == SpPadding::tail); }
+// Tail SP padding (CONTRACT §10) adds zero rows routed to expert 0, and
+// pad_to_capacity (§11) zero filler rows: a rank may then move nothing but
+// such rows, and all-zero data is legitimate there.
+bool promise_always(const Case& c, const RankBoard&) {
+  return !(c.sp > 1 && c.sp_padding == SpPadding::tail) &&
+         !(c.capacity.factor > 0 && c.capacity.pad_to_capacity == Switch::on);
+}
 bool promise_realistic(const Case& c, const RankBoard&) { return c.data == DataMode::realistic; }
 bool promise_combined(const Case& c, const RankBoard&) {
   return c.data == DataMode::realistic || c.experts.kind == ExpertKind::identity;
@@ -59,7 +63,7 @@ std::function<std::vector<std::string>(const Case&)> fixed_inputs(std::vector<st
 
 const std::vector<std::string>& slot_order() {
   static const std::vector<std::string> s = {
-      "sp_shard", "router_logits", "routing", "sp_pad_route", "dispatch", "ep_dispatch", "ep_permute", "align_pad", "experts",
+      "sp_shard", "router_logits", "routing", "sp_pad_route", "dispatch", "capacity", "ep_dispatch", "ep_permute", "align_pad", "experts",
       "align_unpad", "ep_unpermute", "ep_combine", "shared_experts", "combine", "sp_gather",
       // backward (CONTRACT §13, src/stages_backward.cpp): the adjoints in reverse order
       "combine_bwd", "shared_experts_bwd", "ep_combine_bwd", "ep_unpermute_bwd", "align_unpad_bwd", "experts_bwd",
@@ -67,9 +71,10 @@ const std::vector<std::string>& slot_order() {
   return s;
 }
 
-const std::string& magnitude_slot() {
-  static const std::string s = "dispatch";  // routed_input, counts, token_sorted, score_sorted
-  return s;
+const std::string& magnitude_slot(const Case& c) {
+  // routed_input, counts, token_sorted, score_sorted: after capacity drops rows
+  static const std::string dispatch = "dispatch", capacity = "capacity";
+  return c.capacity.factor > 0 ? capacity : dispatch;
 }
 
 const std::set<std::string>& pipeline_results() {
@@ -84,6 +89,7 @@ const std::vector<Stage>& registry() {
     register_local_stages(r);
     register_ep_stages(r);
     register_sp_stages(r);
+    register_capacity_stages(r);
     register_backward_stages(r);
     return r;
   }();

@@ -86,7 +86,7 @@ struct OutputSpec {
 Tensor combined_magnitude(const Case& c, const RankBoard& chain);
 /// The slot after which every input of combined_magnitude is on the chain
 /// board: the runner computes the end-to-end error scale there.
-const std::string& magnitude_slot();
+const std::string& magnitude_slot(const Case& c);
 /// Tensors the pipeline hands to the checks after it (end to end, EP and SP
 /// invariance): the streaming runner never drops them.
 const std::set<std::string>& pipeline_results();

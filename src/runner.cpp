@@ -453,7 +453,7 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
     for (int r = 0; r < R; ++r)
       for (auto& [n, t] : primary_out.ranks[size_t(r)]) fast.ranks[size_t(r)][n] = t;
     if (opt.fast_only) {
-      if (slot == magnitude_slot() && opt.fast_only_magnitude)
+      if (slot == magnitude_slot(c) && opt.fast_only_magnitude)
         for (int r = 0; r < R; ++r) fast.ranks[size_t(r)]["out_magnitude"] = combined_magnitude(c, fast.ranks[size_t(r)]);
       ran.clear();
       primary_out = Board{};
@@ -512,7 +512,7 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
     primary_out = Board{};
     // The end-to-end error scale reads the chain's routed rows: computed as
     // soon as the chain has them, so they need not live to the end.
-    if (slot == magnitude_slot())
+    if (slot == magnitude_slot(c))
       for (int r = 0; r < R; ++r) chain.ranks[size_t(r)]["out_magnitude"] = combined_magnitude(c, chain.ranks[size_t(r)]);
     drop_dead(chain, slot_index);
     if (!keep_fast) drop_dead(fast, slot_index);

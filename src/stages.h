@@ -35,6 +35,7 @@ void check_routing(CheckCtx& ctx);
 void register_local_stages(std::vector<Stage>& reg);
 void register_ep_stages(std::vector<Stage>& reg);
 void register_sp_stages(std::vector<Stage>& reg);  // CONTRACT §10
+void register_capacity_stages(std::vector<Stage>& reg);  // CONTRACT §11
 void register_backward_stages(std::vector<Stage>& reg);  // CONTRACT §13
 
 }  // namespace moev

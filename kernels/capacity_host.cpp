@@ -1,0 +1,101 @@
+#include "capacity_host.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+namespace moev {
+
+int64_t capacity_of(int64_t T, int K, int E, double factor) {
+  return int64_t(std::ceil(double(T) * double(K) / double(E) * factor));
+}
+
+void capacity_select(const ExecCtx& ctx, CapacityPolicy policy, const int64_t* counts, int E, int64_t cap,
+                     const int32_t* token_sorted, const float* score_sorted, uint8_t* keep, int64_t* kept) {
+  std::vector<int64_t> start(size_t(E) + 1, 0);
+  for (int e = 0; e < E; ++e) start[size_t(e) + 1] = start[size_t(e)] + counts[e];
+  // Planted (TransformerEngine #3346 class): one row past capacity kept.
+  const int64_t limit = ctx.faults.has(Fault::capacity_overflow) ? cap + 1 : cap;
+  const bool higher = ctx.faults.has(Fault::capacity_tie_higher);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(1, ctx.threads)) if (ctx.threads > 1)
+  for (int e = 0; e < E; ++e) {
+    const int64_t s = start[size_t(e)], n = counts[e];
+    const int64_t take = std::min(n, limit);
+    std::fill(keep + s, keep + s + n, uint8_t(0));
+    kept[e] = take;
+    if (policy == CapacityPolicy::position || take == n) {
+      std::fill(keep + s, keep + s + take, uint8_t(1));  // rows are in ascending token order
+      continue;
+    }
+    // probs: the `take` highest scores, ties to the lower token index
+    std::vector<int64_t> idx(static_cast<size_t>(n));
+    std::iota(idx.begin(), idx.end(), s);
+    std::partial_sort(idx.begin(), idx.begin() + take, idx.end(), [&](int64_t a, int64_t b) {
+      if (score_sorted[a] != score_sorted[b]) return score_sorted[a] > score_sorted[b];
+      return higher ? token_sorted[a] > token_sorted[b] : token_sorted[a] < token_sorted[b];
+    });
+    for (int64_t i = 0; i < take; ++i) keep[idx[size_t(i)]] = 1;
+  }
+}
+
+void capacity_apply(const ExecCtx& ctx, const int64_t* counts, int E, int64_t cap, bool pad, const uint8_t* keep,
+                    const int64_t* kept, const void* rows, size_t row_bytes, const int32_t* token_sorted,
+                    const float* score_sorted, const int32_t* row_of, int64_t assignments, int K, void* rows_out,
+                    int32_t* token_out, float* score_out, int32_t* row_of_out, int64_t* out_counts) {
+  std::vector<int64_t> in_start(size_t(E) + 1, 0), out_start(size_t(E) + 1, 0);
+  for (int e = 0; e < E; ++e) {
+    in_start[size_t(e) + 1] = in_start[size_t(e)] + counts[e];
+    out_counts[e] = pad ? cap : kept[e];
+    out_start[size_t(e) + 1] = out_start[size_t(e)] + out_counts[e];
+  }
+  const int64_t N = in_start[size_t(E)];
+  std::vector<int32_t> new_row(static_cast<size_t>(N), -1);
+  const auto* src = static_cast<const uint8_t*>(rows);
+  auto* dst = static_cast<uint8_t*>(rows_out);
+  // Planted: the renormalisation Megatron-LM does not do (FRAMEWORKS §11.1):
+  // a token's kept scores scaled back up to its original sum.
+  std::vector<float> sum_all, sum_kept;
+  const bool renorm = ctx.faults.has(Fault::capacity_renormalize);
+  if (renorm) {
+    sum_all.assign(size_t(assignments / std::max(K, 1)), 0.f);
+    sum_kept = sum_all;
+    for (int64_t i = 0; i < N; ++i) {
+      sum_all[size_t(token_sorted[i])] += score_sorted[i];
+      if (keep[i]) sum_kept[size_t(token_sorted[i])] += score_sorted[i];
+    }
+  }
+  auto group = [&](int e) {
+    int64_t o = out_start[size_t(e)];
+    for (int64_t i = in_start[size_t(e)]; i < in_start[size_t(e) + 1]; ++i) {
+      if (!keep[i]) continue;
+      if (o < out_start[size_t(E)]) {  // the planted overflow may reach past the last group
+        std::memcpy(dst + size_t(o) * row_bytes, src + size_t(i) * row_bytes, row_bytes);
+        token_out[o] = token_sorted[i];
+        const int32_t t = token_sorted[i];
+        score_out[o] = renorm && sum_kept[size_t(t)] != sum_all[size_t(t)] && sum_kept[size_t(t)] > 0
+                           ? score_sorted[i] * (sum_all[size_t(t)] / sum_kept[size_t(t)])
+                           : score_sorted[i];
+        new_row[size_t(i)] = int32_t(o);
+      }
+      ++o;
+    }
+    for (; o < out_start[size_t(e) + 1]; ++o) {  // fillers (pad_to_capacity)
+      std::memset(dst + size_t(o) * row_bytes, 0, row_bytes);
+      token_out[o] = -1;
+      score_out[o] = 0.f;
+    }
+  };
+  if (ctx.faults.has(Fault::capacity_overflow)) {
+    // Planted: a group's row past capacity lands on the next group's first
+    // row, written after it (groups from the last to the first).
+    for (int e = E - 1; e >= 0; --e) group(e);
+  } else {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(1, ctx.threads)) if (ctx.threads > 1)
+    for (int e = 0; e < E; ++e) group(e);
+  }
+  for (int64_t a = 0; a < assignments; ++a) row_of_out[a] = row_of[a] >= 0 ? new_row[size_t(row_of[a])] : -1;
+}
+
+}  // namespace moev
