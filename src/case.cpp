@@ -547,11 +547,11 @@ void validate(const Case& c, const Flat& flat) {
          "valid: backward: off with sp > 1, or sp: 1");
   // capacity (CONTRACT §11): what src/stages_capacity.cpp does not model.
   if (c.capacity.factor > 0 && c.sp > 1)
-    fail("capacity", "capacity dropping on the sequence-parallel layout is not implemented", "valid: sp: 1 with capacity");
+    fail("capacity.factor", "capacity dropping on the sequence-parallel layout is not implemented", "valid: sp: 1 with capacity");
   if (c.capacity.factor > 0 && c.backward == Switch::on)
-    fail("capacity", "the backward of capacity dropping is not implemented", "valid: backward: off with capacity");
+    fail("capacity.factor", "the backward of capacity dropping is not implemented", "valid: backward: off with capacity");
   if (c.capacity.factor > 0 && c.router.force_load_balance == Switch::on)
-    fail("capacity", "the force-load-balance fast path derives its splits from T, K and E, not from the kept counts",
+    fail("capacity.factor", "the force-load-balance fast path derives its splits from T, K and E, not from the kept counts",
          "valid: router.force_load_balance: off with capacity");
   if (c.backward == Switch::on && c.combine.buffer != OutBuffer::fresh)
     fail("backward", "an output buffer aliasing x adds x itself to the output, a gradient path the backward does not model",

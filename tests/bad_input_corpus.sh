@@ -160,6 +160,12 @@ v sp_seq_len_tokens_disagree "shape.tokens: 9 disagrees with batch * seq_len = 8
 v sp_padding_unknown "sp_padding: unknown value 'front'; valid: virtual | tail"
 v backward_sp "backward: the backward of the sequence-parallel shard and gather is not implemented; valid: backward: off with sp > 1"
 v backward_unknown "backward: unknown value 'yes please'; valid: off | on"
+# capacity (CONTRACT §11) and layer entries (§12)
+v capacity_negative "capacity_negative.yaml:3:24: capacity.factor: value -1 is out of range; valid: a number in [0, 1000]"
+v capacity_policy "capacity.policy: unknown value 'random'; valid: probs | position"
+v capacity_unknown_key "capacity.min_capacity: unknown key; valid keys here: factor, pad_to_capacity, policy"
+v capacity_sp "capacity_sp.yaml:4:24: capacity.factor: capacity dropping on the sequence-parallel layout is not implemented"
+v layers_zero "layers_zero.yaml:3:13: layers: value 0 is out of range"
 python3 -c "
 import sys
 f = open(sys.argv[1], 'w')
