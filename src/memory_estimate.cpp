@@ -77,7 +77,10 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
   // Worst-case alignment padding: every group rounded up to A, and with
   // empty_groups: pad an empty group holding A rows: E * A rows over all ranks.
   const double pad_rows = A > 1 ? E * A : 0;
-  const double routed = tokens * K;
+  // pad_to_capacity (CONTRACT §11) gives every expert cap rows: up to
+  // factor * T * K (+ E rounding) rows per rank.
+  const bool cap_pad = c.capacity.factor > 0 && c.capacity.pad_to_capacity == Switch::on;
+  const double routed = tokens * K * (cap_pad ? std::max(1.0, c.capacity.factor) : 1.0) + (cap_pad ? E * ranks : 0);
   const double padded = routed + pad_rows;
   // Equal-split all-to-all: every (source, destination) chunk padded to the
   // largest split, at most one rank's T * K rows: R * R * T_max * K rows.
