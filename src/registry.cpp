@@ -61,6 +61,22 @@ std::function<std::vector<std::string>(const Case&)> fixed_inputs(std::vector<st
   return [names](const Case&) { return names; };
 }
 
+Stage make_stage(const std::string& slot, const std::string& variant, const std::string& summary,
+                 std::function<Decision(const Case&)> applies, std::vector<std::string> inputs,
+                 std::vector<OutputSpec> outputs, std::function<void(FastCtx&)> fast, std::function<void(RefCtx&)> ref) {
+  Stage s;
+  s.slot = slot;
+  s.variant = variant;
+  s.summary = summary;
+  s.applies = std::move(applies);
+  s.primary = [](const Case&) { return true; };
+  s.inputs = fixed_inputs(std::move(inputs));
+  s.outputs = std::move(outputs);
+  s.fast = std::move(fast);
+  s.ref = std::move(ref);
+  return s;
+}
+
 const std::vector<std::string>& slot_order() {
   static const std::vector<std::string> s = {
       "sp_shard", "router_logits", "routing", "sp_pad_route", "dispatch", "capacity", "ep_dispatch", "ep_permute", "align_pad", "experts",

@@ -176,6 +176,12 @@ struct Stage {
   bool ref_per_rank = false;
   /// Optional: replaces the per-output comparison (used by routing).
   std::function<void(CheckCtx&)> check;
+  /// Optional: given one rank's reference chain outputs of this stage and the
+  /// fast outputs (checked against the reference on the same inputs), a
+  /// reason for the chain to continue from the fast outputs instead, or "".
+  /// For decisions that a near-tie of tolerance-class inputs may flip
+  /// (capacity's kept rows under scores that differ in the last bits).
+  std::function<std::string(const Case&, const RankBoard& chain, const RankBoard& fast)> chain_adopt;
 };
 
 struct EndToEndOutput {

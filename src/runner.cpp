@@ -501,6 +501,13 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
       RefCtx rc{c, chain, next, -1, opt.threads};
       primary->ref(rc);
     }
+    if (primary->chain_adopt)
+      for (int r = 0; r < R; ++r) {
+        const std::string why = primary->chain_adopt(c, next.ranks[size_t(r)], primary_out.ranks[size_t(r)]);
+        if (why.empty()) continue;
+        next.ranks[size_t(r)] = primary_out.ranks[size_t(r)];
+        rep.notes.push_back(slot + (R > 1 ? " (rank " + std::to_string(r) + ")" : "") + ": " + why);
+      }
     for (int r = 0; r < R; ++r)
       for (auto& [n, t] : next.ranks[size_t(r)]) {
         const auto fi = fast.ranks[size_t(r)].find(n);

@@ -32,6 +32,11 @@ int64_t uniform_count(const std::vector<int64_t>& v);
 /// Routing comparison with near-tie handling (CONTRACT §1, last paragraph).
 void check_routing(CheckCtx& ctx);
 
+/// A primary stage variant with fixed inputs that applies where `applies` says.
+Stage make_stage(const std::string& slot, const std::string& variant, const std::string& summary,
+                 std::function<Decision(const Case&)> applies, std::vector<std::string> inputs,
+                 std::vector<OutputSpec> outputs, std::function<void(FastCtx&)> fast, std::function<void(RefCtx&)> ref);
+
 void register_local_stages(std::vector<Stage>& reg);
 void register_ep_stages(std::vector<Stage>& reg);
 void register_sp_stages(std::vector<Stage>& reg);  // CONTRACT §10

@@ -113,17 +113,8 @@ Promise moves_nonzero(const std::string& input) {
 Stage make(const std::string& slot, const std::string& variant, const std::string& summary,
            std::vector<std::string> inputs, std::vector<OutputSpec> outputs, std::function<void(FastCtx&)> fast,
            std::function<void(RefCtx&)> ref) {
-  Stage s;
-  s.slot = slot;
-  s.variant = variant;
-  s.summary = summary;
-  s.applies = backward_on;
-  s.primary = [](const Case&) { return true; };
-  s.inputs = fixed_inputs(std::move(inputs));
-  s.outputs = std::move(outputs);
-  s.fast = std::move(fast);
-  s.ref = std::move(ref);
-  return s;
+  return make_stage(slot, variant, summary, backward_on, std::move(inputs), std::move(outputs), std::move(fast),
+                    std::move(ref));
 }
 
 Tensor& rows_out(FastCtx& ctx, const std::string& name, int64_t rows) {

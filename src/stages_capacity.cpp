@@ -86,6 +86,19 @@ void register_capacity_stages(std::vector<Stage>& reg) {
       out["row_of"] = ids_tensor(d.row_of, ElemType::i32, row_of.shape);
     }
   };
+  // The reference chain's routing scores may differ from the fast ones in
+  // the last bits (class scores, CONTRACT §1): under policy probs a near-tie
+  // at an expert's cap boundary can then keep another token in the chain.
+  // The stage check above compared the kept rows bitwise on the same inputs;
+  // the chain continues from the fast kept rows when the kept tokens differ
+  // (the analogue of the routing near-tie rule).
+  s.chain_adopt = [](const Case& c, const RankBoard& chain, const RankBoard& fast) -> std::string {
+    if (c.capacity.policy != CapacityPolicy::probs) return "";
+    const auto a = chain.find("token_sorted"), b = fast.find("token_sorted");
+    if (a == chain.end() || b == fast.end() || to_ints(a->second) == to_ints(b->second)) return "";
+    return "the reference chain keeps the fast path's kept rows: its routing scores (within the scores tolerance) "
+           "put a near-tie on the other side of an expert's capacity";
+  };
   reg.push_back(s);
 }
 

@@ -426,16 +426,8 @@ void ref_a2a_return(RefCtx& r) {
 Stage make(const std::string& slot, const std::string& variant, const std::string& summary,
            std::vector<std::string> inputs, std::vector<OutputSpec> outputs, std::function<void(FastCtx&)> fast,
            std::function<void(RefCtx&)> ref) {
-  Stage s;
-  s.slot = slot;
-  s.variant = variant;
-  s.summary = summary;
-  s.applies = always;
-  s.primary = [](const Case&) { return true; };
-  s.inputs = fixed_inputs(std::move(inputs));
-  s.outputs = std::move(outputs);
-  s.fast = std::move(fast);
-  s.ref = std::move(ref);
+  Stage s = make_stage(slot, variant, summary, always, std::move(inputs), std::move(outputs), std::move(fast),
+                       std::move(ref));
   s.ref_per_rank = true;  // every reference above honours RefCtx::rank
   return s;
 }

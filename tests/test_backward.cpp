@@ -24,16 +24,6 @@ using namespace moev;
 
 namespace {
 
-std::vector<std::string> failing(const CaseReport& r) {
-  std::vector<std::string> v;
-  for (const auto& ch : r.checks)
-    if (ch.outcome != Outcome::PASSED) v.push_back(ch.slot + "/" + ch.tensor);
-  return v;
-}
-
-bool any_starts(const std::vector<std::string>& v, const std::string& prefix) {
-  return std::any_of(v.begin(), v.end(), [&](const std::string& s) { return s.rfind(prefix, 0) == 0; });
-}
 
 /// Runs the shipped case clean (it must pass) and with the fault; returns the
 /// failing "slot/tensor" names of the faulty run.

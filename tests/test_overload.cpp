@@ -34,13 +34,6 @@ OverloadInput flat(const std::vector<std::vector<int64_t>>& a, const std::vector
   return in;
 }
 
-std::vector<std::string> failing_tensors(const CaseReport& r) {
-  std::vector<std::string> v;
-  for (const auto& ch : r.checks)
-    if (ch.outcome != Outcome::PASSED) v.push_back(ch.slot + "/" + ch.tensor);
-  return v;
-}
-
 }  // namespace
 
 TEST_CASE("overload factor of two entries on two ranks worked by hand", "[cpu][overload]") {
@@ -155,9 +148,9 @@ TEST_CASE("layer cases pass and name each entry's stages and the overload checks
 TEST_CASE("the planted overload faults are caught on the shipped layer cases", "[cpu][overload][fault]") {
   RunOptions o;
   o.faults.bits = uint32_t(Fault::overload_global_balanced);
-  const auto f1 = failing_tensors(run_case(case_named("layers.yaml", "hot_expert"), o));
+  const auto f1 = failing(run_case(case_named("layers.yaml", "hot_expert"), o));
   CHECK(std::find(f1.begin(), f1.end(), "overload_factor/entries") != f1.end());
   o.faults.bits = uint32_t(Fault::overload_cum_final);
-  const auto f2 = failing_tensors(run_case(case_named("layers.yaml", "three_layers_backward"), o));
+  const auto f2 = failing(run_case(case_named("layers.yaml", "three_layers_backward"), o));
   CHECK(std::find(f2.begin(), f2.end(), "overload_factor/max_cum") != f2.end());
 }
