@@ -1,7 +1,9 @@
 // Reference local dispatch, combine and SwiGLU experts (CONTRACT §2, §8).
 #include <Eigen/Core>
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <thread>
 
 #include "reference.h"
 
@@ -222,20 +224,31 @@ Vec combine_magnitude(const CombineSpec& s, const Vec& rows_magnitude, const Ids
 }
 
 Vec combine(const CombineSpec& s, RowsRef routed_out, const Ids& token_sorted,
-            const Vec& score_sorted, const Vec& init, const Vec& shared, int64_t T, int64_t D) {
+            const Vec& score_sorted, const Vec& init, const Vec& shared, int64_t T, int64_t D, int threads) {
   Vec out = init;
-  Vec wide = init;  // fp32 accumulators for Accumulate::fp32_accumulate
-  for (size_t i = 0; i < token_sorted.size(); ++i) {
-    const int64_t t = token_sorted[i];
-    if (t < 0) continue;  // a capacity filler row (CONTRACT §11): no token
-    const float sc = s.smul == ScoreMultiply::act ? round_act(s.act, score_sorted[i]) : score_sorted[i];
-    for (int64_t c = 0; c < D; ++c) {
-      float y = decode_act(s.act, routed_out.row(int64_t(i)) + size_t(c) * act_bytes(s.act));
-      if (s.apply == ScoreApply::after_experts) y = round_act(s.act, f32(double(y) * sc));
-      float& o = out[size_t(t * D + c)];
-      if (s.acc == Accumulate::per_add) o = round_act(s.act, f32(double(o) + y));
-      else wide[size_t(t * D + c)] = f32(double(wide[size_t(t * D + c)]) + y);
+  // fp32 accumulators for Accumulate::fp32_accumulate (per_add needs none)
+  Vec wide = s.acc == Accumulate::fp32_accumulate ? init : Vec{};
+  auto columns = [&](int64_t c0, int64_t c1) {
+    for (size_t i = 0; i < token_sorted.size(); ++i) {
+      const int64_t t = token_sorted[i];
+      if (t < 0) continue;  // a capacity filler row (CONTRACT §11): no token
+      const float sc = s.smul == ScoreMultiply::act ? round_act(s.act, score_sorted[i]) : score_sorted[i];
+      for (int64_t c = c0; c < c1; ++c) {
+        float y = decode_act(s.act, routed_out.row(int64_t(i)) + size_t(c) * act_bytes(s.act));
+        if (s.apply == ScoreApply::after_experts) y = round_act(s.act, f32(double(y) * sc));
+        float& o = out[size_t(t * D + c)];
+        if (s.acc == Accumulate::per_add) o = round_act(s.act, f32(double(o) + y));
+        else wide[size_t(t * D + c)] = f32(double(wide[size_t(t * D + c)]) + y);
+      }
     }
+  };
+  const int64_t n = std::max<int64_t>(1, std::min<int64_t>(threads, D / 64));
+  if (n <= 1) {
+    columns(0, D);
+  } else {
+    std::vector<std::thread> pool;
+    for (int64_t k = 0; k < n; ++k) pool.emplace_back(columns, D * k / n, D * (k + 1) / n);
+    for (auto& th : pool) th.join();
   }
   if (s.acc == Accumulate::fp32_accumulate)
     for (size_t i = 0; i < out.size(); ++i) out[i] = round_act(s.act, wide[i]);

@@ -12,27 +12,6 @@ namespace ref {
 
 size_t act_bytes(Act act) { return act == Act::fp32 ? 4 : 2; }
 
-float decode_act(Act act, const uint8_t* p) {
-  if (act == Act::fp32) {
-    float f;
-    std::memcpy(&f, p, 4);
-    return f;
-  }
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  if (act == Act::bf16) {
-    const uint32_t u = uint32_t(h) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
-  // fp16: sign, 5 exponent bits (bias 15), 10 fraction bits
-  const int ex = (h >> 10) & 31, fr = h & 1023;
-  const double m = ex == 0    ? std::ldexp(double(fr), -24)
-                   : ex == 31 ? (fr ? std::numeric_limits<double>::quiet_NaN() : std::numeric_limits<double>::infinity())
-                              : std::ldexp(double(1024 + fr), ex - 25);
-  return float(h >> 15 ? -m : m);
-}
 
 void encode_act(Act act, float v, uint8_t* p) {
   if (act == Act::fp32) {

@@ -77,8 +77,29 @@ struct RowsRef {
 };
 size_t act_bytes(Act act);
 /// The value of one element of type `act` stored at p (IEEE layouts, host
-/// byte order; bf16 is the upper half of an fp32).
-float decode_act(Act act, const uint8_t* p);
+/// byte order; bf16 is the upper half of an fp32). Inline: the reference
+/// combine decodes every routed element.
+inline float decode_act(Act act, const uint8_t* p) {
+  if (act == Act::fp32) {
+    float f;
+    std::memcpy(&f, p, 4);
+    return f;
+  }
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  if (act == Act::bf16) {
+    const uint32_t u = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  // fp16: sign, 5 exponent bits (bias 15), 10 fraction bits
+  const int ex = (h >> 10) & 31, fr = h & 1023;
+  const double m = ex == 0    ? std::ldexp(double(fr), -24)
+                   : ex == 31 ? (fr ? std::numeric_limits<double>::quiet_NaN() : std::numeric_limits<double>::infinity())
+                              : std::ldexp(double(1024 + fr), ex - 25);
+  return float(h >> 15 ? -m : m);
+}
 /// Stores v, which must be representable in `act` (round_act first), at p.
 void encode_act(Act act, float v, uint8_t* p);
 
@@ -237,9 +258,11 @@ struct CombineSpec {
 
 /// CONTRACT §2 combine: out = init; for i = 0..N-1 ascending,
 /// out[token_sorted[i]] (+)= round(routed_out[i] * score_sorted[i]); then
-/// out += shared (one rounding) when shared_add == add_after.
+/// out += shared (one rounding) when shared_add == add_after. Columns are
+/// independent: `threads` threads each take a block of columns and walk every
+/// row in that same order, so the result does not depend on `threads`.
 Vec combine(const CombineSpec& spec, RowsRef routed_out, const Ids& token_sorted,
-            const Vec& score_sorted, const Vec& init, const Vec& shared, int64_t T, int64_t D);
+            const Vec& score_sorted, const Vec& init, const Vec& shared, int64_t T, int64_t D, int threads = 1);
 
 /// Error scale of combine's output given the error scales of its inputs:
 /// init + sum over the token's rows of |score| * row scale (no |score| under

@@ -6,6 +6,8 @@
 // prints it beside the measured peak of every case so that this stays checked.
 #include "memory_estimate.h"
 
+#include <malloc.h>
+
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -202,6 +204,10 @@ void check_case_memory(const Case& c, int threads, uint64_t limit_bytes, const s
 }
 
 bool reset_peak_rss() {
+  // main() keeps freed memory in glibc's heaps (no trimming): hand it back
+  // first, so that a case's peak is its own, not the retained heap of the
+  // cases before it.
+  malloc_trim(0);
   std::ofstream f("/proc/self/clear_refs");
   if (!f) return false;
   f << "5";

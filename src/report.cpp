@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <iomanip>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -134,8 +135,32 @@ void print_report(const CaseReport& r, std::ostream& os, ReportDetail detail) {
   os << "   " << std::left << std::setw(20) << "stage" << std::setw(24) << "variant" << std::setw(14) << "outcome"
      << std::right << std::setw(7) << "checks" << std::setw(22) << "mismatch/total" << std::setw(10) << "max_abs"
      << std::setw(11) << "bound_used" << std::setw(11) << "fast" << std::setw(11) << "total" << "\n";
+  // In the summary, a slot none of whose variants applies (and that has no
+  // checks) is not a row of its own: such slots are listed after the table,
+  // grouped by their reasons, so that the table shows what ran.
+  const std::vector<VariantRow> rows = variant_rows(r);
+  std::map<std::string, bool> slot_idle;  // slot -> every variant not taken, no checks
+  std::map<std::string, std::vector<std::string>> slot_reasons;
+  for (const VariantRow& row : rows) {
+    const bool idle = row.decision && !row.decision->ran && row.checks.empty();
+    auto it = slot_idle.emplace(row.slot, true).first;
+    it->second = it->second && idle;
+    auto& rs = slot_reasons[row.slot];
+    if (idle && std::find(rs.begin(), rs.end(), row.decision->reason) == rs.end()) rs.push_back(row.decision->reason);
+  }
+  std::vector<std::pair<std::string, std::vector<std::string>>> idle_groups;  // reasons -> slots, in slot order
   std::string slot;
-  for (const VariantRow& row : variant_rows(r)) {
+  for (const VariantRow& row : rows) {
+    if (!every && slot_idle[row.slot]) {
+      if (row.slot == slot) continue;
+      slot = row.slot;
+      std::string why;
+      for (const auto& reason : slot_reasons[row.slot]) why += (why.empty() ? "" : " / ") + reason;
+      auto g = std::find_if(idle_groups.begin(), idle_groups.end(), [&](const auto& e) { return e.first == why; });
+      if (g == idle_groups.end()) idle_groups.push_back({why, {row.slot}});
+      else g->second.push_back(row.slot);
+      continue;
+    }
     const bool first = row.slot != slot;
     slot = row.slot;
     const VariantDecision* d = row.decision;
@@ -174,6 +199,14 @@ void print_report(const CaseReport& r, std::ostream& os, ReportDetail detail) {
     for (const auto& n : capped(kept)) os << std::string(20, ' ') << "- " << n << "\n";
     if (shown < notes.size())
       os << std::string(20, ' ') << "- ... (" << notes.size() - shown << " more notes with --verbose)\n";
+  }
+  if (!idle_groups.empty()) {
+    os << "   stages not taken (--verbose lists each variant):\n";
+    for (const auto& [why, slots] : idle_groups) {
+      std::string names;
+      for (const auto& n : slots) names += (names.empty() ? "" : ", ") + n;
+      os << "     " << capped(why) << ": " << names << "\n";
+    }
   }
   os << "   (* = primary: feeds the next stage; max_abs, bound_used (error / bound): largest over ranks and "
         "tensors; seconds summed over ranks)\n";

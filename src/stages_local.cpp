@@ -162,7 +162,8 @@ void ref_combine(RefCtx& r) {
       const ref::Vec shared = add_after ? to_floats(in.at("shared_out")) : ref::Vec{};
       outs[size_t(q)] = from_floats(
           ref::combine(combine_spec(c), rows_of(in.at("routed_output")), ref_ids(in.at("token_sorted")),
-                       to_floats(in.at("score_sorted")), combine_init(c, in), shared, x.shape[0], c.hidden),
+                       to_floats(in.at("score_sorted")), combine_init(c, in), shared, x.shape[0], c.hidden,
+                       R >= r.threads ? 1 : r.threads / R),
           x.type, x.shape);
     } catch (const std::exception& e) {  // no exception may leave an OpenMP region
       errors[size_t(q)] = e.what();
@@ -353,427 +354,452 @@ void ref_routed_swiglu(RefCtx& r) {
              "expert_output", "expert_");
 }
 
-void register_local_stages(std::vector<Stage>& reg) {
-  // --- router_logits -------------------------------------------------------
-  {
-    Stage s;
-    s.slot = "router_logits";
-    s.variant = "gemm_fp32";
-    s.summary = "logits = float(x) * float(Wg)^T, fp32 accumulation (CONTRACT §1)";
-    s.applies = [](const Case& c) {
-      return Decision{c.router.gate_dtype == GateDtype::fp32, "router.gate_dtype: act"};
-    };
-    s.primary = [](const Case&) { return true; };
-    s.inputs = fixed_inputs({"x", "wg"});
-    s.outputs = {{"logits", CompareClass::logits, Coords::token_expert, nullptr}};
-    s.fast = [](FastCtx& ctx) {
-      const Tensor& x = ctx.input("x");
-      Tensor& l = ctx.output("logits", ElemType::f32, {x.shape[0], ctx.c.num_experts});
-      router_logits(ctx.exec, ctx.c.dtype, x.data(), ctx.input("wg").data(), x.shape[0], ctx.c.hidden,
-                    ctx.c.num_experts, l.as<float>());
-    };
-    s.ref = [](RefCtx& r) {
-      for (size_t q = 0; q < r.in.ranks.size(); ++q) {
-        const Tensor& x = r.in.at("x", int(q));
-        r.out.ranks[q]["logits"] = from_floats(
-            ref::router_logits(to_floats(x), to_floats(r.in.at("wg", int(q))), x.shape[0], r.c.hidden, r.c.num_experts),
-            ElemType::f32, {x.shape[0], r.c.num_experts});
-      }
-    };
-    reg.push_back(s);
-  }
-  {
-    // CONTRACT §14 router.gate_dtype act (torchtitan on CPU, where
-    // autocast(float32) is ignored): each logit rounded to act. The fast
-    // logit must be an act rounding of a value within the fp32 accumulation
-    // bound of the exact one (class rounding; the half-width is mostly 0), so
-    // a missing rounding fails where a GEMM tolerance would hide it.
-    Stage s;
-    s.slot = "router_logits";
-    s.variant = "gemm_act";
-    s.summary = "logits = round_act(x * Wg^T), then fp32 (CONTRACT §14 router.gate_dtype: act)";
-    s.applies = [](const Case& c) {
-      return Decision{c.router.gate_dtype == GateDtype::act, "router.gate_dtype: fp32"};
-    };
-    s.primary = [](const Case&) { return true; };
-    s.inputs = fixed_inputs({"x", "wg"});
-    s.outputs = {{"logits", CompareClass::rounding, Coords::token_expert, nullptr,
-                  [](const Case& c, const RankBoard& b, int, int) {
-                    const Tensor& x = b.at("x");
-                    return from_floats(ref::router_logits_halfwidth(to_floats(x), to_floats(b.at("wg")), x.shape[0],
-                                                                    c.hidden, c.num_experts, ref_act(c.dtype)),
-                                       ElemType::f32, {x.shape[0], c.num_experts});
-                  }}};
-    s.fast = [](FastCtx& ctx) {
-      const Tensor& x = ctx.input("x");
-      Tensor& l = ctx.output("logits", ElemType::f32, {x.shape[0], ctx.c.num_experts});
-      router_logits(ctx.exec, ctx.c.dtype, x.data(), ctx.input("wg").data(), x.shape[0], ctx.c.hidden,
-                    ctx.c.num_experts, l.as<float>(), GateDtype::act);
-    };
-    s.ref = [](RefCtx& r) {
-      for (size_t q = 0; q < r.in.ranks.size(); ++q) {
-        const Tensor& x = r.in.at("x", int(q));
-        r.out.ranks[q]["logits"] =
-            from_floats(ref::router_logits(to_floats(x), to_floats(r.in.at("wg", int(q))), x.shape[0], r.c.hidden,
-                                           r.c.num_experts, ref::GateDtype::act, ref_act(r.c.dtype)),
-                        ElemType::f32, {x.shape[0], r.c.num_experts});
-      }
-    };
-    reg.push_back(s);
-  }
-  // --- routing -------------------------------------------------------------
-  {
-    Stage s;
-    s.slot = "routing";
-    s.variant = "topk_router";
-    s.summary = "scores, bias, group limit, top-k (lower id wins ties), force-LB, norm, scale, counts (CONTRACT §1)";
-    s.applies = always;
-    s.primary = [](const Case&) { return true; };
-    s.inputs = fixed_inputs({"logits", "bias"});
-    s.outputs = {{"scores", CompareClass::scores, Coords::token_expert, nullptr},
-                 {"ids", CompareClass::exact, Coords::token_k, nullptr},
-                 {"topk_scores", CompareClass::scores, Coords::token_k, nullptr},
-                 {"counts", CompareClass::exact, Coords::expert, nullptr}};
-    s.fast = [](FastCtx& ctx) {
-      const Case& c = ctx.c;
-      const Tensor& l = ctx.input("logits");
+namespace {
+
+// One descriptor per stage variant (DESIGN.md idea 4); register_local_stages
+// lists them in slot order.
+
+Stage router_logits_fp32() {
+  Stage s;
+  s.slot = "router_logits";
+  s.variant = "gemm_fp32";
+  s.summary = "logits = float(x) * float(Wg)^T, fp32 accumulation (CONTRACT §1)";
+  s.applies = [](const Case& c) {
+    return Decision{c.router.gate_dtype == GateDtype::fp32, "router.gate_dtype: act"};
+  };
+  s.primary = [](const Case&) { return true; };
+  s.inputs = fixed_inputs({"x", "wg"});
+  s.outputs = {{"logits", CompareClass::logits, Coords::token_expert, nullptr}};
+  s.fast = [](FastCtx& ctx) {
+    const Tensor& x = ctx.input("x");
+    Tensor& l = ctx.output("logits", ElemType::f32, {x.shape[0], ctx.c.num_experts});
+    router_logits(ctx.exec, ctx.c.dtype, x.data(), ctx.input("wg").data(), x.shape[0], ctx.c.hidden,
+                  ctx.c.num_experts, l.as<float>());
+  };
+  s.ref = [](RefCtx& r) {
+    for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+      const Tensor& x = r.in.at("x", int(q));
+      r.out.ranks[q]["logits"] = from_floats(
+          ref::router_logits(to_floats(x), to_floats(r.in.at("wg", int(q))), x.shape[0], r.c.hidden, r.c.num_experts),
+          ElemType::f32, {x.shape[0], r.c.num_experts});
+    }
+  };
+  return s;
+}
+
+// CONTRACT §14 router.gate_dtype act (torchtitan on CPU, where
+// autocast(float32) is ignored): each logit rounded to act. The fast
+// logit must be an act rounding of a value within the fp32 accumulation
+// bound of the exact one (class rounding; the half-width is mostly 0), so
+// a missing rounding fails where a GEMM tolerance would hide it.
+Stage router_logits_act() {
+  Stage s;
+  s.slot = "router_logits";
+  s.variant = "gemm_act";
+  s.summary = "logits = round_act(x * Wg^T), then fp32 (CONTRACT §14 router.gate_dtype: act)";
+  s.applies = [](const Case& c) {
+    return Decision{c.router.gate_dtype == GateDtype::act, "router.gate_dtype: fp32"};
+  };
+  s.primary = [](const Case&) { return true; };
+  s.inputs = fixed_inputs({"x", "wg"});
+  s.outputs = {{"logits", CompareClass::rounding, Coords::token_expert, nullptr,
+                [](const Case& c, const RankBoard& b, int, int) {
+                  const Tensor& x = b.at("x");
+                  return from_floats(ref::router_logits_halfwidth(to_floats(x), to_floats(b.at("wg")), x.shape[0],
+                                                                  c.hidden, c.num_experts, ref_act(c.dtype)),
+                                     ElemType::f32, {x.shape[0], c.num_experts});
+                }}};
+  s.fast = [](FastCtx& ctx) {
+    const Tensor& x = ctx.input("x");
+    Tensor& l = ctx.output("logits", ElemType::f32, {x.shape[0], ctx.c.num_experts});
+    router_logits(ctx.exec, ctx.c.dtype, x.data(), ctx.input("wg").data(), x.shape[0], ctx.c.hidden,
+                  ctx.c.num_experts, l.as<float>(), GateDtype::act);
+  };
+  s.ref = [](RefCtx& r) {
+    for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+      const Tensor& x = r.in.at("x", int(q));
+      r.out.ranks[q]["logits"] =
+          from_floats(ref::router_logits(to_floats(x), to_floats(r.in.at("wg", int(q))), x.shape[0], r.c.hidden,
+                                         r.c.num_experts, ref::GateDtype::act, ref_act(r.c.dtype)),
+                      ElemType::f32, {x.shape[0], r.c.num_experts});
+    }
+  };
+  return s;
+}
+
+Stage topk_routing() {
+  Stage s;
+  s.slot = "routing";
+  s.variant = "topk_router";
+  s.summary = "scores, bias, group limit, top-k (lower id wins ties), force-LB, norm, scale, counts (CONTRACT §1)";
+  s.applies = always;
+  s.primary = [](const Case&) { return true; };
+  s.inputs = fixed_inputs({"logits", "bias"});
+  s.outputs = {{"scores", CompareClass::scores, Coords::token_expert, nullptr},
+               {"ids", CompareClass::exact, Coords::token_k, nullptr},
+               {"topk_scores", CompareClass::scores, Coords::token_k, nullptr},
+               {"counts", CompareClass::exact, Coords::expert, nullptr}};
+  s.fast = [](FastCtx& ctx) {
+    const Case& c = ctx.c;
+    const Tensor& l = ctx.input("logits");
+    const int64_t T = l.shape[0];
+    Tensor& scores = ctx.output("scores", ElemType::f32, {T, c.num_experts});
+    Tensor choice = Tensor::alloc(ElemType::f32, {T, c.num_experts});
+    Tensor& ids = ctx.output("ids", ElemType::i32, {T, c.top_k});
+    Tensor& ts = ctx.output("topk_scores", ElemType::f32, {T, c.top_k});
+    Tensor& counts = ctx.output("counts", ElemType::i64, {c.num_experts});
+    router_route(ctx.exec, router_config(c), l.as<float>(), ctx.input("bias").as<float>(), T, scores.as<float>(),
+                 choice.as<float>(), ids.as<int32_t>(), ts.as<float>(), counts.as<int64_t>());
+  };
+  s.ref = [](RefCtx& r) {
+    const Case& c = r.c;
+    const ref::RouterSpec spec = ref_router_spec(c);
+    for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+      const Tensor& l = r.in.at("logits", int(q));
       const int64_t T = l.shape[0];
-      Tensor& scores = ctx.output("scores", ElemType::f32, {T, c.num_experts});
-      Tensor choice = Tensor::alloc(ElemType::f32, {T, c.num_experts});
-      Tensor& ids = ctx.output("ids", ElemType::i32, {T, c.top_k});
-      Tensor& ts = ctx.output("topk_scores", ElemType::f32, {T, c.top_k});
-      Tensor& counts = ctx.output("counts", ElemType::i64, {c.num_experts});
-      router_route(ctx.exec, router_config(c), l.as<float>(), ctx.input("bias").as<float>(), T, scores.as<float>(),
-                   choice.as<float>(), ids.as<int32_t>(), ts.as<float>(), counts.as<int64_t>());
-    };
-    s.ref = [](RefCtx& r) {
-      const Case& c = r.c;
-      const ref::RouterSpec spec = ref_router_spec(c);
-      for (size_t q = 0; q < r.in.ranks.size(); ++q) {
-        const Tensor& l = r.in.at("logits", int(q));
-        const int64_t T = l.shape[0];
-        const ref::RouterOut o = ref::route(spec, to_floats(l), to_floats(r.in.at("bias", int(q))), T);
-        RankBoard& out = r.out.ranks[q];
-        out["scores"] = from_floats(o.scores, ElemType::f32, {T, c.num_experts});
-        out["choice"] = from_floats(o.choice, ElemType::f32, {T, c.num_experts});
-        out["ids"] = ids_tensor(o.ids, ElemType::i32, {T, c.top_k});
-        out["topk_scores"] = from_floats(o.topk_scores, ElemType::f32, {T, c.top_k});
-        out["counts"] = from_ints(o.counts, ElemType::i64, {c.num_experts});
-      }
-    };
-    s.check = check_routing;
-    reg.push_back(s);
-  }
-  // --- dispatch (local) ----------------------------------------------------
-  {
-    Stage s;
-    s.slot = "dispatch";
-    s.variant = "local_sort_gather";
-    s.summary = "stable counting sort by (expert, assignment), gather rows (CONTRACT §2)";
-    s.applies = always;
-    s.primary = [](const Case&) { return true; };
-    s.inputs = fixed_inputs({"x", "ids", "topk_scores", "counts"});
-    s.outputs = {{"routed_input", CompareClass::exact, Coords::dispatch_row, promise_always},
-                 {"token_sorted", CompareClass::exact, Coords::flat, nullptr},
-                 {"score_sorted", CompareClass::exact, Coords::flat, nullptr},
-                 {"row_of", CompareClass::exact, Coords::token_k, nullptr}};
-    s.fast = [](FastCtx& ctx) {
-      const Case& c = ctx.c;
-      const Tensor& x = ctx.input("x");
+      const ref::RouterOut o = ref::route(spec, to_floats(l), to_floats(r.in.at("bias", int(q))), T);
+      RankBoard& out = r.out.ranks[q];
+      out["scores"] = from_floats(o.scores, ElemType::f32, {T, c.num_experts});
+      out["choice"] = from_floats(o.choice, ElemType::f32, {T, c.num_experts});
+      out["ids"] = ids_tensor(o.ids, ElemType::i32, {T, c.top_k});
+      out["topk_scores"] = from_floats(o.topk_scores, ElemType::f32, {T, c.top_k});
+      out["counts"] = from_ints(o.counts, ElemType::i64, {c.num_experts});
+    }
+  };
+  s.check = check_routing;
+  return s;
+}
+
+Stage local_sort_gather() {
+  Stage s;
+  s.slot = "dispatch";
+  s.variant = "local_sort_gather";
+  s.summary = "stable counting sort by (expert, assignment), gather rows (CONTRACT §2)";
+  s.applies = always;
+  s.primary = [](const Case&) { return true; };
+  s.inputs = fixed_inputs({"x", "ids", "topk_scores", "counts"});
+  s.outputs = {{"routed_input", CompareClass::exact, Coords::dispatch_row, promise_always},
+               {"token_sorted", CompareClass::exact, Coords::flat, nullptr},
+               {"score_sorted", CompareClass::exact, Coords::flat, nullptr},
+               {"row_of", CompareClass::exact, Coords::token_k, nullptr}};
+  s.fast = [](FastCtx& ctx) {
+    const Case& c = ctx.c;
+    const Tensor& x = ctx.input("x");
+    const int64_t T = x.shape[0], N = T * c.top_k;
+    Tensor perm = Tensor::alloc(ElemType::i32, {N});
+    expert_sort(ctx.exec, ctx.input("ids").as<int32_t>(), N, c.num_experts, perm.as<int32_t>());
+    Tensor& routed = ctx.output("routed_input", x.type, {N, c.hidden});
+    Tensor& tok = ctx.output("token_sorted", ElemType::i32, {N});
+    Tensor& sc = ctx.output("score_sorted", ElemType::f32, {N});
+    Tensor& row_of = ctx.output("row_of", ElemType::i32, {T, c.top_k});
+    dispatch_gather(ctx.exec, c.dtype,
+                    c.score_before_experts == Switch::on ? k::ScoreApply::before_experts
+                                                         : k::ScoreApply::after_experts,
+                    x.data(), perm.as<int32_t>(), ctx.input("topk_scores").as<float>(), N, c.hidden, c.top_k,
+                    routed.data(), tok.as<int32_t>(), sc.as<float>(), row_of.as<int32_t>(), c.score_multiply);
+  };
+  s.ref_per_rank = true;
+  s.ref = [](RefCtx& r) {
+    const Case& c = r.c;
+    for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+      if (!r.wants(int(q))) continue;
+      const RankBoard& in = r.in.ranks[q];
+      const Tensor& x = in.at("x");
       const int64_t T = x.shape[0], N = T * c.top_k;
-      Tensor perm = Tensor::alloc(ElemType::i32, {N});
-      expert_sort(ctx.exec, ctx.input("ids").as<int32_t>(), N, c.num_experts, perm.as<int32_t>());
-      Tensor& routed = ctx.output("routed_input", x.type, {N, c.hidden});
-      Tensor& tok = ctx.output("token_sorted", ElemType::i32, {N});
-      Tensor& sc = ctx.output("score_sorted", ElemType::f32, {N});
-      Tensor& row_of = ctx.output("row_of", ElemType::i32, {T, c.top_k});
-      dispatch_gather(ctx.exec, c.dtype,
-                      c.score_before_experts == Switch::on ? k::ScoreApply::before_experts
-                                                           : k::ScoreApply::after_experts,
-                      x.data(), perm.as<int32_t>(), ctx.input("topk_scores").as<float>(), N, c.hidden, c.top_k,
-                      routed.data(), tok.as<int32_t>(), sc.as<float>(), row_of.as<int32_t>(), c.score_multiply);
-    };
-    s.ref_per_rank = true;
-    s.ref = [](RefCtx& r) {
-      const Case& c = r.c;
-      for (size_t q = 0; q < r.in.ranks.size(); ++q) {
-        if (!r.wants(int(q))) continue;
-        const RankBoard& in = r.in.ranks[q];
-        const Tensor& x = in.at("x");
-        const int64_t T = x.shape[0], N = T * c.top_k;
-        ref::LocalDispatch d = ref::local_dispatch(
-            ref_act(c.dtype),
-            c.score_before_experts == Switch::on ? ref::ScoreApply::before_experts : ref::ScoreApply::after_experts,
-            rows_of(x), ref_ids(in.at("ids")), to_floats(in.at("topk_scores")), T, c.hidden, c.top_k, c.num_experts,
-            ref_smul(c));
-        RankBoard& out = r.out.ranks[q];
-        out["routed_input"] = rows_tensor(std::move(d.routed), x.type, c.hidden);
-        out["token_sorted"] = ids_tensor(d.token_sorted, ElemType::i32, {N});
-        out["score_sorted"] = from_floats(d.score_sorted, ElemType::f32, {N});
-        out["row_of"] = ids_tensor(d.row_of, ElemType::i32, {T, c.top_k});
+      ref::LocalDispatch d = ref::local_dispatch(
+          ref_act(c.dtype),
+          c.score_before_experts == Switch::on ? ref::ScoreApply::before_experts : ref::ScoreApply::after_experts,
+          rows_of(x), ref_ids(in.at("ids")), to_floats(in.at("topk_scores")), T, c.hidden, c.top_k, c.num_experts,
+          ref_smul(c));
+      RankBoard& out = r.out.ranks[q];
+      out["routed_input"] = rows_tensor(std::move(d.routed), x.type, c.hidden);
+      out["token_sorted"] = ids_tensor(d.token_sorted, ElemType::i32, {N});
+      out["score_sorted"] = from_floats(d.score_sorted, ElemType::f32, {N});
+      out["row_of"] = ids_tensor(d.row_of, ElemType::i32, {T, c.top_k});
+    }
+  };
+  return s;
+}
+
+// FRAMEWORKS §6.2: the stable sort of round-robin ids depends only on
+// (T*K, E, K), so it is cached under that key. The variant applies only
+// with force-load-balance routing (a cached order used with top-k routing
+// would silently be wrong). Each rank has its own cache, as each process
+// does under mpirun: in-process ranks sharing one would make which rank
+// misses first, and so the report, depend on thread scheduling.
+Stage force_lb_cached_sort() {
+  Stage s;
+  s.slot = "dispatch";
+  s.variant = "force_lb_cached_sort";
+  s.summary = "force-LB only: the sort order of round-robin ids cached by (T*K, E, K), then the same gather";
+  s.applies = [](const Case& c) {
+    return Decision{c.router.force_load_balance == Switch::on, "router.force_load_balance: off"};
+  };
+  s.primary = [](const Case&) { return false; };
+  s.inputs = fixed_inputs({"x", "ids", "topk_scores", "counts"});
+  s.outputs = local_sort_gather().outputs;
+  s.fast = [](FastCtx& ctx) {
+    static std::mutex m;
+    static std::map<std::tuple<int, int64_t, int, int, uint32_t>, std::vector<int32_t>> cache;
+    const Case& c = ctx.c;
+    const Tensor& x = ctx.input("x");
+    const int64_t T = x.shape[0], N = T * c.top_k;
+    std::vector<int32_t> perm;
+    bool hit = false;
+    {
+      std::lock_guard<std::mutex> lk(m);
+      // The planted faults are part of the key: an order sorted under one
+      // (an unstable sort, say) must not be served to a run without it.
+      auto key = std::make_tuple(ctx.rank, N, c.num_experts, c.top_k, ctx.exec.faults.bits);
+      auto it = cache.find(key);
+      hit = it != cache.end();
+      if (!hit) {
+        std::vector<int32_t> rr(static_cast<size_t>(N));
+        for (int64_t a = 0; a < N; ++a) rr[size_t(a)] = int32_t(a % c.num_experts);  // (t*K + k) mod E
+        std::vector<int32_t> p(static_cast<size_t>(N));
+        expert_sort(ExecCtx{1, ctx.exec.faults}, rr.data(), N, c.num_experts, p.data());
+        it = cache.emplace(key, std::move(p)).first;
       }
-    };
-    reg.push_back(s);
-  }
-  {
-    // FRAMEWORKS §6.2: the stable sort of round-robin ids depends only on
-    // (T*K, E, K), so it is cached under that key. The variant applies only
-    // with force-load-balance routing (a cached order used with top-k routing
-    // would silently be wrong). Each rank has its own cache, as each process
-    // does under mpirun: in-process ranks sharing one would make which rank
-    // misses first, and so the report, depend on thread scheduling.
-    Stage s;
-    s.slot = "dispatch";
-    s.variant = "force_lb_cached_sort";
-    s.summary = "force-LB only: the sort order of round-robin ids cached by (T*K, E, K), then the same gather";
-    s.applies = [](const Case& c) {
-      return Decision{c.router.force_load_balance == Switch::on, "router.force_load_balance: off"};
-    };
-    s.primary = [](const Case&) { return false; };
-    s.inputs = fixed_inputs({"x", "ids", "topk_scores", "counts"});
-    s.outputs = reg.back().outputs;
-    s.fast = [](FastCtx& ctx) {
-      static std::mutex m;
-      static std::map<std::tuple<int, int64_t, int, int, uint32_t>, std::vector<int32_t>> cache;
-      const Case& c = ctx.c;
-      const Tensor& x = ctx.input("x");
-      const int64_t T = x.shape[0], N = T * c.top_k;
-      std::vector<int32_t> perm;
-      bool hit = false;
-      {
-        std::lock_guard<std::mutex> lk(m);
-        // The planted faults are part of the key: an order sorted under one
-        // (an unstable sort, say) must not be served to a run without it.
-        auto key = std::make_tuple(ctx.rank, N, c.num_experts, c.top_k, ctx.exec.faults.bits);
-        auto it = cache.find(key);
-        hit = it != cache.end();
-        if (!hit) {
-          std::vector<int32_t> rr(static_cast<size_t>(N));
-          for (int64_t a = 0; a < N; ++a) rr[size_t(a)] = int32_t(a % c.num_experts);  // (t*K + k) mod E
-          std::vector<int32_t> p(static_cast<size_t>(N));
-          expert_sort(ExecCtx{1, ctx.exec.faults}, rr.data(), N, c.num_experts, p.data());
-          it = cache.emplace(key, std::move(p)).first;
-        }
-        perm = it->second;
-      }
-      Tensor& routed = ctx.output("routed_input", x.type, {N, c.hidden});
-      Tensor& tok = ctx.output("token_sorted", ElemType::i32, {N});
-      Tensor& sc = ctx.output("score_sorted", ElemType::f32, {N});
-      Tensor& row_of = ctx.output("row_of", ElemType::i32, {T, c.top_k});
-      dispatch_gather(ctx.exec, c.dtype,
-                      c.score_before_experts == Switch::on ? k::ScoreApply::before_experts : k::ScoreApply::after_experts,
-                      x.data(), perm.data(), ctx.input("topk_scores").as<float>(), N, c.hidden, c.top_k, routed.data(),
-                      tok.as<int32_t>(), sc.as<float>(), row_of.as<int32_t>(), c.score_multiply);
-      ctx.notes.push_back("rank " + std::to_string(ctx.rank) + ": sort order cache " + (hit ? "hit" : "miss") +
-                          " for (T*K, E, K) = (" + std::to_string(N) + ", " + std::to_string(c.num_experts) + ", " +
-                          std::to_string(c.top_k) + ")");
-    };
-    s.ref = reg.back().ref;
-    reg.push_back(s);
-  }
-  // --- experts ---------------------------------------------------------------
-  {
-    Stage s;
-    s.slot = "experts";
-    s.variant = "identity";
-    s.summary = "Y = X (makes the whole pipeline exact)";
-    s.applies = [](const Case& c) {
-      return Decision{c.experts.kind == ExpertKind::identity, "experts.kind is not identity"};
-    };
-    s.primary = [](const Case&) { return true; };
-    s.inputs = fixed_inputs({"expert_input", "expert_counts"});
-    s.outputs = {{"expert_output", CompareClass::exact, Coords::padded_row, promise_expert_rows}};
-    s.fast = [](FastCtx& ctx) {
-      const Tensor& X = ctx.input("expert_input");
-      const int64_t rows = group_rows(ctx.input("expert_counts"));
-      Tensor& Y = ctx.output("expert_output", X.type, {rows, ctx.c.hidden});
-      if (Y.bytes()) std::memcpy(Y.data(), X.data(), Y.bytes());  // an empty tensor may have no storage
-    };
-    s.ref_per_rank = true;
-    s.ref = [](RefCtx& r) {
-      for (size_t q = 0; q < r.in.ranks.size(); ++q) {
-        if (!r.wants(int(q))) continue;
-        const ref::RowsRef X = rows_of(r.in.at("expert_input", int(q)));
-        const int64_t rows = group_rows(r.in.at("expert_counts", int(q)));  // a padding tail is no expert's
-        r.out.ranks[q]["expert_output"] =
-            rows_tensor(ref::Bytes(X.data, X.data + size_t(rows) * X.row_bytes), r.in.at("expert_input", int(q)).type,
-                        r.c.hidden);
-      }
-    };
-    reg.push_back(s);
-  }
-  for (ExpertsImpl impl : {ExpertsImpl::loop, ExpertsImpl::grouped}) {
-    Stage s;
-    s.slot = "experts";
-    s.variant = std::string("swiglu_") + enum_name(experts_impl_table(), impl);
-    s.summary = impl == ExpertsImpl::loop ? "SwiGLU, one expert at a time, row-tiled GEMMs (CONTRACT §8)"
-                                          : "SwiGLU, one work list of (expert, tile) items over the group offsets";
-    s.applies = [](const Case& c) { return Decision{c.experts.kind == ExpertKind::swiglu, "experts.kind is not swiglu"}; };
-    s.primary = [impl](const Case& c) { return c.experts.impl == impl; };
-    s.inputs = fixed_inputs({"expert_input", "expert_counts", "w1", "w3", "w2"});
-    s.outputs = {{"expert_output", CompareClass::gemm, Coords::padded_row, promise_expert_rows, routed_swiglu_scale}};
-    for (auto& o : swiglu_mid_outputs(routed_site(), Coords::padded_row)) s.outputs.push_back(o);
-    s.fast = [impl](FastCtx& ctx) {
-      const Tensor& counts = ctx.input("expert_counts");
-      const int E_l = int(counts.numel());
-      fast_swiglu(ctx, impl, ctx.input("expert_input"), counts.as<int64_t>(), E_l, "", ctx.rank * E_l,
-                  "expert_output", "expert_");
-    };
-    s.ref = ref_routed_swiglu;
-    reg.push_back(s);
-  }
-  {
-    Stage s;
-    s.slot = "experts";
-    s.variant = "swiglu_batched";
-    s.summary = "every local expert has c > 0 rows: fused W13 = [W1; W3] GEMM and cached W2^T (CONTRACT §8)";
-    s.applies = [](const Case& c) { return Decision{c.experts.kind == ExpertKind::swiglu, "experts.kind is not swiglu"}; };
-    s.primary = [](const Case& c) { return c.experts.impl == ExpertsImpl::batched; };
-    s.inputs = fixed_inputs({"expert_input", "expert_counts", "w1", "w3", "w2"});
-    s.outputs = {{"expert_output", CompareClass::gemm, Coords::padded_row, promise_expert_rows, routed_swiglu_scale}};
-    for (auto& o : swiglu_mid_outputs(routed_site(), Coords::padded_row)) s.outputs.push_back(o);
-    s.fast = [](FastCtx& ctx) {
-      const Case& c = ctx.c;
-      const std::vector<int64_t> counts = to_ints(ctx.input("expert_counts"));
-      const int E_l = int(counts.size());
-      const int64_t cnt = uniform_count(counts);
-      if (cnt == 0) {
-        ctx.skip("local expert counts are not all equal and > 0");
-        return;
-      }
-      const Tensor& X = ctx.input("expert_input");
-      const int e0 = ctx.rank * E_l;
-      Tensor& Y = ctx.output("expert_output", X.type, {cnt * E_l, c.hidden});
-      const SwigluConventions conv = swiglu_conventions(c, "expert_");
-      Tensor& h13 = ctx.output("expert_h13", mid_type(c, conv), {cnt * E_l, 2 * c.ffn});
-      Tensor& H = ctx.output("expert_hidden", mid_type(c, conv), {cnt * E_l, c.ffn});
-      BatchedWeightCache cache;  // cold per run; reuse across versions is tested in test_ep.cpp
-      experts_swiglu_batched(ctx.exec, c.dtype, X.data(), cnt, E_l, c.hidden, c.ffn, expert_weights(ctx, "w1", e0),
-                             expert_weights(ctx, "w3", e0), expert_weights(ctx, "w2", e0), 1, cache, Y.data(),
-                             SwigluIntermediates{h13.data(), H.data()}, conv);
-      ctx.notes.push_back("rank " + std::to_string(ctx.rank) + ": batched over (E_l, c) = (" + std::to_string(E_l) +
-                          ", " + std::to_string(cnt) + ")");
-    };
-    s.ref = ref_routed_swiglu;
-    reg.push_back(s);
-  }
-  // --- shared experts --------------------------------------------------------
-  {
-    Stage s;
-    s.slot = "shared_experts";
-    s.variant = "shared_identity";
-    s.summary = "shared(x) = x";
-    s.applies = [](const Case& c) {
-      return Decision{c.shared.kind == SharedKind::identity, "shared_experts.kind is not identity"};
-    };
-    s.primary = [](const Case&) { return true; };
-    s.inputs = fixed_inputs({"x"});
-    s.outputs = {{"shared_out", CompareClass::exact, Coords::token_col, promise_always}};
-    s.fast = [](FastCtx& ctx) {
-      const Tensor& x = ctx.input("x");
-      Tensor& y = ctx.output("shared_out", x.type, x.shape);
-      if (x.bytes()) std::memcpy(y.data(), x.data(), x.bytes());  // an empty tensor may have no storage
-    };
-    s.ref = [](RefCtx& r) {
-      for (size_t q = 0; q < r.in.ranks.size(); ++q) {
-        const Tensor& x = r.in.at("x", int(q));
-        r.out.ranks[q]["shared_out"] = from_floats(to_floats(x), x.type, x.shape);
-      }
-    };
-    reg.push_back(s);
-  }
-  {
-    Stage s;
-    s.slot = "shared_experts";
-    s.variant = "shared_swiglu";
-    s.summary = "one SwiGLU expert over every token";
-    s.applies = [](const Case& c) {
-      return Decision{c.shared.kind == SharedKind::swiglu, "shared_experts.kind is not swiglu"};
-    };
-    s.primary = [](const Case&) { return true; };
-    s.inputs = fixed_inputs({"x", "shared_w1", "shared_w3", "shared_w2"});
-    s.outputs = {{"shared_out", CompareClass::gemm, Coords::token_col, promise_realistic,
-                  [](const Case& c, const RankBoard& b, int, int) {
-                    return from_floats(shared_scale(c, b), ElemType::f32, b.at("x").shape);
-                  }}};
-    for (auto& o : swiglu_mid_outputs(shared_site(), Coords::token_col)) s.outputs.push_back(o);
-    s.fast = [](FastCtx& ctx) {
-      const Tensor& x = ctx.input("x");
-      const int64_t rows = x.shape[0];
-      fast_swiglu(ctx, ExpertsImpl::loop, x, &rows, 1, "shared_", 0, "shared_out", "shared_");
-    };
-    s.ref = [](RefCtx& r) {
-      ref_swiglu(r, "x", [](const RankBoard& b) { return ref::Counts{b.at("x").shape[0]}; }, "shared_", 0, "shared_out",
-                 "shared_");
-    };
-    reg.push_back(s);
-  }
-  // --- combine ---------------------------------------------------------------
-  {
-    Stage s;
-    s.slot = "combine";
-    s.variant = "out_of_place";
-    s.summary = "out = init + ordered scatter-add in ascending expert order, no atomics (CONTRACT §2, §9)";
-    s.applies = always;
-    s.primary = [](const Case& c) { return c.combine.placement == CombinePlacement::out_of_place; };
-    s.inputs = combine_inputs;
-    s.outputs = {{"out", CompareClass::exact, Coords::token_col, promise_combined}};
-    s.fast = [](FastCtx& ctx) {
-      const Case& c = ctx.c;
-      const Tensor& x = ctx.input("x");
-      Tensor& out = ctx.output("out", x.type, x.shape);
-      // The default target starts at zeros: no init buffer to build or read.
-      const bool zeros = c.combine.buffer == OutBuffer::fresh &&
-                         !(c.shared.kind != SharedKind::none && c.shared.order == SharedOrder::init_with_shared);
-      if (zeros) {
-        combine_from_zeros(ctx.exec, combine_args(ctx), out.data());
-      } else {
-        const Tensor init = from_floats(combine_init(c, ctx.in), x.type, x.shape);
-        combine(ctx.exec, combine_args(ctx), init.data(), out.data());
-      }
-    };
-    s.ref = ref_combine;
-    reg.push_back(s);
-  }
-  {
-    Stage s;
-    s.slot = "combine";
-    s.variant = "in_place";
-    s.summary = "adds into the caller's buffer unless it overlaps any input byte range (CONTRACT §9)";
-    s.applies = always;
-    s.primary = [](const Case& c) { return c.combine.placement == CombinePlacement::in_place; };
-    s.inputs = combine_inputs;
-    s.outputs = {{"out", CompareClass::exact, Coords::token_col, promise_combined}};
-    s.fast = [](FastCtx& ctx) {
-      const Case& c = ctx.c;
-      const Tensor& x = ctx.input("x");
-      Tensor buf;
-      switch (c.combine.buffer) {
-        case OutBuffer::fresh: buf = from_floats(combine_init(c, ctx.in), x.type, x.shape); break;
-        case OutBuffer::alias_x: buf = x; break;
-        case OutBuffer::alias_x_offset:
-          buf = x.view(x.type, x.shape, x.offset_bytes + size_t(c.combine.alias_offset) * elem_bytes(x.type));
-          break;
-      }
-      Tensor fallback = Tensor::alloc(x.type, x.shape);
-      std::vector<ByteRange> ranges;
-      std::vector<const char*> names;
-      for (const auto& n : combine_inputs(c)) {
-        const Tensor& t = ctx.input(n);
-        ranges.push_back({t.data(), t.bytes()});
-        names.push_back(ctx.in.find(n)->first.c_str());
-      }
-      const InPlaceResult res =
-          combine_in_place(ctx.exec, combine_args(ctx), buf.data(), fallback.data(), ranges.data(), names.data(), int(ranges.size()));
-      ctx.out["out"] = res.placement == Placement::in_place ? buf : fallback;
-      ctx.notes.push_back(res.placement == Placement::in_place
-                              ? "in_place: taken (buffer " + std::string(enum_name(out_buffer_table(), c.combine.buffer)) +
-                                    " overlaps no input)"
-                              : "in_place: fell back to out_of_place (" + res.reason + ")");
-    };
-    s.ref = ref_combine;
-    reg.push_back(s);
-  }
+      perm = it->second;
+    }
+    Tensor& routed = ctx.output("routed_input", x.type, {N, c.hidden});
+    Tensor& tok = ctx.output("token_sorted", ElemType::i32, {N});
+    Tensor& sc = ctx.output("score_sorted", ElemType::f32, {N});
+    Tensor& row_of = ctx.output("row_of", ElemType::i32, {T, c.top_k});
+    dispatch_gather(ctx.exec, c.dtype,
+                    c.score_before_experts == Switch::on ? k::ScoreApply::before_experts : k::ScoreApply::after_experts,
+                    x.data(), perm.data(), ctx.input("topk_scores").as<float>(), N, c.hidden, c.top_k, routed.data(),
+                    tok.as<int32_t>(), sc.as<float>(), row_of.as<int32_t>(), c.score_multiply);
+    ctx.notes.push_back("rank " + std::to_string(ctx.rank) + ": sort order cache " + (hit ? "hit" : "miss") +
+                        " for (T*K, E, K) = (" + std::to_string(N) + ", " + std::to_string(c.num_experts) + ", " +
+                        std::to_string(c.top_k) + ")");
+  };
+  s.ref = local_sort_gather().ref;
+  return s;
+}
+
+Stage identity_experts() {
+  Stage s;
+  s.slot = "experts";
+  s.variant = "identity";
+  s.summary = "Y = X (makes the whole pipeline exact)";
+  s.applies = [](const Case& c) {
+    return Decision{c.experts.kind == ExpertKind::identity, "experts.kind is not identity"};
+  };
+  s.primary = [](const Case&) { return true; };
+  s.inputs = fixed_inputs({"expert_input", "expert_counts"});
+  s.outputs = {{"expert_output", CompareClass::exact, Coords::padded_row, promise_expert_rows}};
+  s.fast = [](FastCtx& ctx) {
+    const Tensor& X = ctx.input("expert_input");
+    const int64_t rows = group_rows(ctx.input("expert_counts"));
+    Tensor& Y = ctx.output("expert_output", X.type, {rows, ctx.c.hidden});
+    if (Y.bytes()) std::memcpy(Y.data(), X.data(), Y.bytes());  // an empty tensor may have no storage
+  };
+  s.ref_per_rank = true;
+  s.ref = [](RefCtx& r) {
+    for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+      if (!r.wants(int(q))) continue;
+      const ref::RowsRef X = rows_of(r.in.at("expert_input", int(q)));
+      const int64_t rows = group_rows(r.in.at("expert_counts", int(q)));  // a padding tail is no expert's
+      r.out.ranks[q]["expert_output"] =
+          rows_tensor(ref::Bytes(X.data, X.data + size_t(rows) * X.row_bytes), r.in.at("expert_input", int(q)).type,
+                      r.c.hidden);
+    }
+  };
+  return s;
+}
+
+Stage swiglu_experts(ExpertsImpl impl) {
+  Stage s;
+  s.slot = "experts";
+  s.variant = std::string("swiglu_") + enum_name(experts_impl_table(), impl);
+  s.summary = impl == ExpertsImpl::loop ? "SwiGLU, one expert at a time, row-tiled GEMMs (CONTRACT §8)"
+                                        : "SwiGLU, one work list of (expert, tile) items over the group offsets";
+  s.applies = [](const Case& c) { return Decision{c.experts.kind == ExpertKind::swiglu, "experts.kind is not swiglu"}; };
+  s.primary = [impl](const Case& c) { return c.experts.impl == impl; };
+  s.inputs = fixed_inputs({"expert_input", "expert_counts", "w1", "w3", "w2"});
+  s.outputs = {{"expert_output", CompareClass::gemm, Coords::padded_row, promise_expert_rows, routed_swiglu_scale}};
+  for (auto& o : swiglu_mid_outputs(routed_site(), Coords::padded_row)) s.outputs.push_back(o);
+  s.fast = [impl](FastCtx& ctx) {
+    const Tensor& counts = ctx.input("expert_counts");
+    const int E_l = int(counts.numel());
+    fast_swiglu(ctx, impl, ctx.input("expert_input"), counts.as<int64_t>(), E_l, "", ctx.rank * E_l,
+                "expert_output", "expert_");
+  };
+  s.ref = ref_routed_swiglu;
+  return s;
+}
+
+Stage swiglu_batched() {
+  Stage s;
+  s.slot = "experts";
+  s.variant = "swiglu_batched";
+  s.summary = "every local expert has c > 0 rows: fused W13 = [W1; W3] GEMM and cached W2^T (CONTRACT §8)";
+  s.applies = [](const Case& c) { return Decision{c.experts.kind == ExpertKind::swiglu, "experts.kind is not swiglu"}; };
+  s.primary = [](const Case& c) { return c.experts.impl == ExpertsImpl::batched; };
+  s.inputs = fixed_inputs({"expert_input", "expert_counts", "w1", "w3", "w2"});
+  s.outputs = {{"expert_output", CompareClass::gemm, Coords::padded_row, promise_expert_rows, routed_swiglu_scale}};
+  for (auto& o : swiglu_mid_outputs(routed_site(), Coords::padded_row)) s.outputs.push_back(o);
+  s.fast = [](FastCtx& ctx) {
+    const Case& c = ctx.c;
+    const std::vector<int64_t> counts = to_ints(ctx.input("expert_counts"));
+    const int E_l = int(counts.size());
+    const int64_t cnt = uniform_count(counts);
+    if (cnt == 0) {
+      ctx.skip("local expert counts are not all equal and > 0");
+      return;
+    }
+    const Tensor& X = ctx.input("expert_input");
+    const int e0 = ctx.rank * E_l;
+    Tensor& Y = ctx.output("expert_output", X.type, {cnt * E_l, c.hidden});
+    const SwigluConventions conv = swiglu_conventions(c, "expert_");
+    Tensor& h13 = ctx.output("expert_h13", mid_type(c, conv), {cnt * E_l, 2 * c.ffn});
+    Tensor& H = ctx.output("expert_hidden", mid_type(c, conv), {cnt * E_l, c.ffn});
+    BatchedWeightCache cache;  // cold per run; reuse across versions is tested in test_ep.cpp
+    experts_swiglu_batched(ctx.exec, c.dtype, X.data(), cnt, E_l, c.hidden, c.ffn, expert_weights(ctx, "w1", e0),
+                           expert_weights(ctx, "w3", e0), expert_weights(ctx, "w2", e0), 1, cache, Y.data(),
+                           SwigluIntermediates{h13.data(), H.data()}, conv);
+    ctx.notes.push_back("rank " + std::to_string(ctx.rank) + ": batched over (E_l, c) = (" + std::to_string(E_l) +
+                        ", " + std::to_string(cnt) + ")");
+  };
+  s.ref = ref_routed_swiglu;
+  return s;
+}
+
+Stage shared_identity() {
+  Stage s;
+  s.slot = "shared_experts";
+  s.variant = "shared_identity";
+  s.summary = "shared(x) = x";
+  s.applies = [](const Case& c) {
+    return Decision{c.shared.kind == SharedKind::identity, "shared_experts.kind is not identity"};
+  };
+  s.primary = [](const Case&) { return true; };
+  s.inputs = fixed_inputs({"x"});
+  s.outputs = {{"shared_out", CompareClass::exact, Coords::token_col, promise_always}};
+  s.fast = [](FastCtx& ctx) {
+    const Tensor& x = ctx.input("x");
+    Tensor& y = ctx.output("shared_out", x.type, x.shape);
+    if (x.bytes()) std::memcpy(y.data(), x.data(), x.bytes());  // an empty tensor may have no storage
+  };
+  s.ref = [](RefCtx& r) {
+    for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+      const Tensor& x = r.in.at("x", int(q));
+      r.out.ranks[q]["shared_out"] = from_floats(to_floats(x), x.type, x.shape);
+    }
+  };
+  return s;
+}
+
+Stage shared_swiglu() {
+  Stage s;
+  s.slot = "shared_experts";
+  s.variant = "shared_swiglu";
+  s.summary = "one SwiGLU expert over every token";
+  s.applies = [](const Case& c) {
+    return Decision{c.shared.kind == SharedKind::swiglu, "shared_experts.kind is not swiglu"};
+  };
+  s.primary = [](const Case&) { return true; };
+  s.inputs = fixed_inputs({"x", "shared_w1", "shared_w3", "shared_w2"});
+  s.outputs = {{"shared_out", CompareClass::gemm, Coords::token_col, promise_realistic,
+                [](const Case& c, const RankBoard& b, int, int) {
+                  return from_floats(shared_scale(c, b), ElemType::f32, b.at("x").shape);
+                }}};
+  for (auto& o : swiglu_mid_outputs(shared_site(), Coords::token_col)) s.outputs.push_back(o);
+  s.fast = [](FastCtx& ctx) {
+    const Tensor& x = ctx.input("x");
+    const int64_t rows = x.shape[0];
+    fast_swiglu(ctx, ExpertsImpl::loop, x, &rows, 1, "shared_", 0, "shared_out", "shared_");
+  };
+  s.ref = [](RefCtx& r) {
+    ref_swiglu(r, "x", [](const RankBoard& b) { return ref::Counts{b.at("x").shape[0]}; }, "shared_", 0, "shared_out",
+               "shared_");
+  };
+  return s;
+}
+
+Stage combine_out_of_place() {
+  Stage s;
+  s.slot = "combine";
+  s.variant = "out_of_place";
+  s.summary = "out = init + ordered scatter-add in ascending expert order, no atomics (CONTRACT §2, §9)";
+  s.applies = always;
+  s.primary = [](const Case& c) { return c.combine.placement == CombinePlacement::out_of_place; };
+  s.inputs = combine_inputs;
+  s.outputs = {{"out", CompareClass::exact, Coords::token_col, promise_combined}};
+  s.fast = [](FastCtx& ctx) {
+    const Case& c = ctx.c;
+    const Tensor& x = ctx.input("x");
+    Tensor& out = ctx.output("out", x.type, x.shape);
+    // The default target starts at zeros: no init buffer to build or read.
+    const bool zeros = c.combine.buffer == OutBuffer::fresh &&
+                       !(c.shared.kind != SharedKind::none && c.shared.order == SharedOrder::init_with_shared);
+    if (zeros) {
+      combine_from_zeros(ctx.exec, combine_args(ctx), out.data());
+    } else {
+      const Tensor init = from_floats(combine_init(c, ctx.in), x.type, x.shape);
+      combine(ctx.exec, combine_args(ctx), init.data(), out.data());
+    }
+  };
+  s.ref = ref_combine;
+  return s;
+}
+
+Stage combine_in_place() {
+  Stage s;
+  s.slot = "combine";
+  s.variant = "in_place";
+  s.summary = "adds into the caller's buffer unless it overlaps any input byte range (CONTRACT §9)";
+  s.applies = always;
+  s.primary = [](const Case& c) { return c.combine.placement == CombinePlacement::in_place; };
+  s.inputs = combine_inputs;
+  s.outputs = {{"out", CompareClass::exact, Coords::token_col, promise_combined}};
+  s.fast = [](FastCtx& ctx) {
+    const Case& c = ctx.c;
+    const Tensor& x = ctx.input("x");
+    Tensor buf;
+    switch (c.combine.buffer) {
+      case OutBuffer::fresh: buf = from_floats(combine_init(c, ctx.in), x.type, x.shape); break;
+      case OutBuffer::alias_x: buf = x; break;
+      case OutBuffer::alias_x_offset:
+        buf = x.view(x.type, x.shape, x.offset_bytes + size_t(c.combine.alias_offset) * elem_bytes(x.type));
+        break;
+    }
+    Tensor fallback = Tensor::alloc(x.type, x.shape);
+    std::vector<ByteRange> ranges;
+    std::vector<const char*> names;
+    for (const auto& n : combine_inputs(c)) {
+      const Tensor& t = ctx.input(n);
+      ranges.push_back({t.data(), t.bytes()});
+      names.push_back(ctx.in.find(n)->first.c_str());
+    }
+    const InPlaceResult res =
+        combine_in_place(ctx.exec, combine_args(ctx), buf.data(), fallback.data(), ranges.data(), names.data(), int(ranges.size()));
+    ctx.out["out"] = res.placement == Placement::in_place ? buf : fallback;
+    ctx.notes.push_back(res.placement == Placement::in_place
+                            ? "in_place: taken (buffer " + std::string(enum_name(out_buffer_table(), c.combine.buffer)) +
+                                  " overlaps no input)"
+                            : "in_place: fell back to out_of_place (" + res.reason + ")");
+  };
+  s.ref = ref_combine;
+  return s;
+}
+
+}  // namespace
+
+void register_local_stages(std::vector<Stage>& reg) {
+  reg.push_back(router_logits_fp32());
+  reg.push_back(router_logits_act());
+  reg.push_back(topk_routing());
+  reg.push_back(local_sort_gather());
+  reg.push_back(force_lb_cached_sort());
+  reg.push_back(identity_experts());
+  for (ExpertsImpl impl : {ExpertsImpl::loop, ExpertsImpl::grouped}) reg.push_back(swiglu_experts(impl));
+  reg.push_back(swiglu_batched());
+  reg.push_back(shared_identity());
+  reg.push_back(shared_swiglu());
+  reg.push_back(combine_out_of_place());
+  reg.push_back(combine_in_place());
 }
 
 }  // namespace moev
