@@ -35,6 +35,10 @@ const EnumTable<DataMode>& data_mode_table() {
   static const EnumTable<DataMode> t = {{"exact", DataMode::exact}, {"realistic", DataMode::realistic}};
   return t;
 }
+const EnumTable<Backend>& backend_table() {
+  static const EnumTable<Backend> t = {{"host", Backend::host}, {"cuda", Backend::cuda}};
+  return t;
+}
 const EnumTable<k::ScoreFunc>& score_table() {
   static const EnumTable<k::ScoreFunc> t = {{"softmax", k::ScoreFunc::softmax}, {"sigmoid", k::ScoreFunc::sigmoid}};
   return t;
@@ -155,7 +159,7 @@ std::string Case::summary() const {
     o << "]";
   }
   o << " D=" << hidden << " F=" << ffn << " E=" << num_experts << " K=" << top_k << " "
-    << dtype_name(dtype) << " data=" << enum_name(data_mode_table(), data) << " seed=" << seed
+    << dtype_name(dtype) << " data=" << enum_name(data_mode_table(), data) << " backend=" << enum_name(backend_table(), backend) << " seed=" << seed
     << " router=" << enum_name(score_table(), router.score)
     << (router.force_load_balance == Switch::on ? "+force_lb" : "")
     << (router.bias == Switch::on ? "+bias" : "")
@@ -311,6 +315,7 @@ const std::vector<Field>& schema() {
     v.push_back(enum_field<DType>("dtype", dtype_table(), [](Case& c) -> DType& { return c.dtype; }));
     v.push_back(int_field("seed", 0, std::numeric_limits<int64_t>::max(), [](Case& c, int64_t x) { c.seed = uint64_t(x); }));
     v.push_back(enum_field<DataMode>("data", data_mode_table(), [](Case& c) -> DataMode& { return c.data; }));
+    v.push_back(enum_field<Backend>("backend", backend_table(), [](Case& c) -> Backend& { return c.backend; }));
     v.push_back(enum_field<k::ScoreFunc>("router.score", score_table(), [](Case& c) -> k::ScoreFunc& { return c.router.score; }));
     v.push_back(enum_field<Switch>("router.bias", switch_table(), [](Case& c) -> Switch& { return c.router.bias; }));
     v.push_back(int_field("router.groups", 1, k::kMaxGroups, [](Case& c, int64_t x) { c.router.groups = int(x); }));

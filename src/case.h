@@ -19,6 +19,10 @@
 namespace moev {
 
 enum class DataMode { exact, realistic };
+/// Where the fast path runs (DESIGN.md "Scale and backends"): the host
+/// executor, or the CUDA executor on a GPU. A case on a backend that cannot
+/// run it is NOT_SUPPORTED, never run on another backend in disguise.
+enum class Backend { host, cuda };
 enum class ExpertKind { identity, swiglu };
 enum class SharedKind { none, identity, swiglu };
 enum class SharedOrder { add_after, init_with_shared };
@@ -34,6 +38,7 @@ using EnumTable = std::vector<std::pair<const char*, E>>;
 
 const EnumTable<DType>& dtype_table();
 const EnumTable<DataMode>& data_mode_table();
+const EnumTable<Backend>& backend_table();
 const EnumTable<k::ScoreFunc>& score_table();
 const EnumTable<ExpertKind>& expert_kind_table();
 const EnumTable<ExpertsImpl>& experts_impl_table();
@@ -80,6 +85,7 @@ struct Case {
   DType dtype = DType::fp32;
   uint64_t seed = 1;
   DataMode data = DataMode::exact;
+  Backend backend = Backend::host;
   struct Router {
     k::ScoreFunc score = k::ScoreFunc::softmax;
     Switch bias = Switch::off;

@@ -37,7 +37,7 @@ struct Fnv {
 // A field added to Case must be added below too: this guard fails the build
 // on the one platform CI builds (x86-64, libstdc++) when Case grows.
 #if defined(__x86_64__) && defined(__GLIBCXX__) && !defined(_GLIBCXX_DEBUG)
-static_assert(sizeof(Case) == 384, "Case changed: hash the new field in config_hash(), then update this size");
+static_assert(sizeof(Case) == 392, "Case changed: hash the new field in config_hash(), then update this size");
 #endif
 
 uint64_t config_hash(const Case& c) {
@@ -98,6 +98,7 @@ uint64_t config_hash(const Case& c) {
   f.i64(c.seq_len);
   f.e(c.sp_padding);
   f.e(c.backward);  // CONTRACT §13
+  f.e(c.backend);
   f.i64(c.layers);   // CONTRACT §12
   f.i64(c.layer);
   f.f64(c.capacity.factor);  // CONTRACT §11

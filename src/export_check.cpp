@@ -250,6 +250,7 @@ nlohmann::ordered_json case_to_json(const Case& c) {
   j["shape.seq_len"] = c.tokens / c.batch;
   j["sp_padding"] = enum_name(sp_padding_table(), c.sp_padding);
   j["backward"] = enum_name(switch_table(), c.backward);
+  j["backend"] = enum_name(backend_table(), c.backend);
   j["layers"] = c.layers;  // the golden tensors are entry 1's
   j["capacity.factor"] = c.capacity.factor;
   j["capacity.policy"] = enum_name(capacity_policy_table(), c.capacity.policy);

@@ -5,6 +5,7 @@
 #include <limits>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include <cctype>
 #include <cerrno>
@@ -74,7 +75,7 @@ MemoryLimit memory_limit(const CLI::App* cmd, const std::string& text) {
 
 struct RunArgs {
   std::vector<std::string> files, sets, faults;
-  std::string threads, json, dump, only, timeout = "30", max_memory;
+  std::string threads, json, dump, only, timeout = "30", max_memory, backend;
   bool verbose = false;
 };
 
@@ -130,8 +131,15 @@ int cmd_run(const CLI::App* cmd, const RunArgs& a) {
       bad_input(std::string("--fault: ") + e.what());
     }
   }
+  // --backend is the case key `backend` set for every case (validated there).
+  std::vector<std::string> sets = a.sets;
+  if (cmd->count("--backend")) {
+    if (a.backend != "host" && a.backend != "cuda")
+      bad_input("--backend: unknown backend '" + printable(a.backend) + "'; valid: host | cuda");
+    sets.push_back("backend=" + a.backend);
+  }
   std::vector<std::pair<std::string, std::vector<Case>>> all;
-  for (const auto& f : a.files) all.push_back({f, load_cases(f, a.sets)});  // validate everything before running
+  for (const auto& f : a.files) all.push_back({f, load_cases(f, sets)});  // validate everything before running
   const bool select = cmd->count("--case") > 0;
   auto selected = [&](const Case& c) { return !select || c.name == a.only; };
   // Under mpirun every process runs every case (one rank each); rank 0 prints.
@@ -229,14 +237,38 @@ int cmd_validate(const CLI::App* cmd, const std::vector<std::string>& files, con
   return 0;
 }
 
-int cmd_list() {
-  std::cout << "registered stage variants (slot order; every applicable variant runs, the primary feeds the next slot):\n";
+int cmd_list(bool json) {
+  const CudaStatus cs = cuda_status();
+  auto backends = [](const Stage& s) {
+    std::vector<std::string> v;
+    for (Backend b : s.backends) v.push_back(enum_name(backend_table(), b));
+    return v;
+  };
+  if (json) {
+    nlohmann::json doc;
+    doc["slots"] = slot_order();
+    doc["variants"] = nlohmann::json::array();
+    for (const auto& slot : slot_order())
+      for (const auto& s : registry())
+        if (s.slot == slot)
+          doc["variants"].push_back({{"slot", s.slot}, {"variant", s.variant}, {"summary", s.summary}, {"backends", backends(s)}});
+    doc["cuda"] = {{"built", cs.built}, {"devices", cs.devices}, {"message", cs.message}};
+    doc["faults"] = nlohmann::json::array();
+    for (const auto& f : fault_table()) doc["faults"].push_back({{"name", f.name}, {"what", f.what}});
+    std::cout << doc.dump(2) << "\n";
+    return 0;
+  }
+  std::cout << "registered stage variants (slot order; every applicable variant runs, the primary feeds the next slot;\n"
+               "[the backends that implement it]):\n";
   for (const auto& slot : slot_order()) {
     std::cout << "\n" << slot << "\n";
-    for (const auto& s : registry())
-      if (s.slot == slot) std::cout << "  " << s.variant << ": " << s.summary << "\n";
+    for (const auto& s : registry()) {
+      if (s.slot != slot) continue;
+      std::string b;
+      for (const auto& n : backends(s)) b += (b.empty() ? "" : " ") + n;
+      std::cout << "  " << s.variant << " [" << b << "]: " << s.summary << "\n";
+    }
   }
-  const CudaStatus cs = cuda_status();
   std::cout << "\nCUDA executor: " << (cs.built ? "built" : "not built") << ", " << cs.devices
             << " usable device(s): " << cs.message << "\n";
   std::cout << "\nplanted faults (--fault NAME):\n";
@@ -433,6 +465,7 @@ int main(int argc, char** argv) {
   run->add_option("--dump", ra.dump, "write every stage's inputs and outputs as .npy under this folder");
   run->add_option("--fault", ra.faults, "turn on a planted fault (see `moeverify list`); the run must then fail");
   run->add_option("--case", ra.only, "run only the case of this name");
+  run->add_option("--backend", ra.backend, "host (default) | cuda: where the fast path runs (the case key `backend`)");
   run->add_option("--collective-timeout", ra.timeout,
                   "seconds before a collective some rank never joins fails (in-process and MPI), 0.05 to 3600 (default 30)")
       ->type_name("SECONDS");
@@ -450,7 +483,9 @@ int main(int argc, char** argv) {
   val->add_flag("--keys", keys, "list every case key with its valid values");
   val->add_option("--max-memory", vmax_memory, mem_help)->type_name("SIZE");
 
-  app.add_subcommand("list", "list registered paths, their stages, and the planted faults");
+  bool list_json = false;
+  auto* ls = app.add_subcommand("list", "list registered paths, their stages and backends, and the planted faults");
+  ls->add_flag("--json", list_json, "print the list as JSON (each variant with its `backends`)");
   std::string ex_file, ex_dir, ex_case, ck_dir, ck_actual, ck_json;
   std::vector<std::string> ex_sets;
   auto* exp = app.add_subcommand("export", "write a case's inputs and expected stage outputs as .npy + manifest.json");
@@ -518,7 +553,7 @@ int main(int argc, char** argv) {
     if (bn->parsed()) return cmd_bench(bn, ba);
     if (exp->parsed()) return cmd_export(ex_file, ex_dir, ex_case, exp->count("--case") > 0, ex_sets);
     if (chk->parsed()) return cmd_check(ck_dir, ck_actual, chk->count("--actual") > 0, ck_json, chk->count("--json") > 0);
-    return cmd_list();
+    return cmd_list(list_json);
   } catch (const Error& e) {
     // The last guard of "one line": messages escape user text themselves.
     std::cerr << ("moeverify: " + printable(e.what(), 4000) + "\n");  // one write: ranks share stderr

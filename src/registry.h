@@ -182,6 +182,9 @@ struct Stage {
   /// For decisions that a near-tie of tolerance-class inputs may flip
   /// (capacity's kept rows under scores that differ in the last bits).
   std::function<std::string(const Case&, const RankBoard& chain, const RankBoard& fast)> chain_adopt;
+  /// The backends whose executor implements `fast` (`moeverify list`). A case
+  /// on another backend that needs this variant is NOT_SUPPORTED.
+  std::vector<Backend> backends = {Backend::host};
 };
 
 struct EndToEndOutput {

@@ -132,6 +132,10 @@ constexpr size_t kSummaryNotes = 2;
 void print_report(const CaseReport& r, std::ostream& os, ReportDetail detail) {
   const bool every = detail == ReportDetail::every_check;
   os << "\n== case " << r.c.name << "  (" << r.c.source << ")\n   " << r.c.summary() << "\n";
+  if (r.checks.size() == 1 && r.checks[0].slot == "backend") {  // run_case refused the backend: one line
+    os << "   => " << outcome_name(r.outcome) << ": " << capped(r.checks[0].note) << "\n";
+    return;
+  }
   os << "   " << std::left << std::setw(20) << "stage" << std::setw(24) << "variant" << std::setw(14) << "outcome"
      << std::right << std::setw(7) << "checks" << std::setw(22) << "mismatch/total" << std::setw(10) << "max_abs"
      << std::setw(11) << "bound_used" << std::setw(11) << "fast" << std::setw(11) << "total" << "\n";
@@ -261,6 +265,7 @@ std::string reports_json(const std::vector<CaseReport>& reports, const std::stri
     jc["name"] = r.c.name;
     jc["source"] = r.c.source;
     jc["config"] = r.c.summary();
+    jc["backend"] = enum_name(backend_table(), r.c.backend);
     jc["seed"] = r.c.seed;
     jc["outcome"] = outcome_name(r.outcome);
     jc["seconds"] = json_num(r.seconds);

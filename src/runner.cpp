@@ -12,6 +12,7 @@
 
 #include "comm.h"
 #include "config_hash.h"
+#include "cuda_probe.h"
 #include "datagen.h"
 #include "dump.h"
 #include "error.h"
@@ -677,10 +678,35 @@ Check check_output(const Case& c, const std::string& slot, const std::string& va
   return make_check(c, slot, variant, o, actual, expected, board, rank, ranks, against, scale);
 }
 
+std::string backend_unsupported(const Case& c) {
+  if (c.backend == Backend::host) return "";
+  const CudaStatus cs = cuda_status();
+  if (!cs.built) return "--backend cuda: " + cs.message;
+  if (cs.devices == 0) return "--backend cuda: no usable CUDA device (" + cs.message + ")";
+  std::string missing;
+  for (const Stage& s : registry())
+    if (s.applies(c).applies && std::find(s.backends.begin(), s.backends.end(), c.backend) == s.backends.end())
+      missing += (missing.empty() ? "" : ", ") + s.slot + "/" + s.variant;
+  return missing.empty() ? "" : "--backend cuda: no CUDA implementation of " + missing;
+}
+
 CaseReport run_case(const Case& c, const RunOptions& opt) {
   const auto t0 = std::chrono::steady_clock::now();
   CaseReport rep;
   rep.c = c;
+  // Never a run on another backend in disguise: a case the chosen backend
+  // cannot run whole is NOT_SUPPORTED with the reason, and nothing runs.
+  if (const std::string why = backend_unsupported(c); !why.empty()) {
+    Check ch;
+    ch.slot = "backend";
+    ch.variant = enum_name(backend_table(), c.backend);
+    ch.tensor = "-";
+    ch.outcome = Outcome::NOT_SUPPORTED;
+    ch.note = why;
+    rep.checks.push_back(ch);
+    rep.outcome = Outcome::NOT_SUPPORTED;
+    return rep;
+  }
   const int R = c.ep;
   const bool use_mpi = launched_under_mpi();
   if (use_mpi) mpi_agree_on_case(c.name, config_hash(c, opt.faults), c.summary());  // every rank, same case

@@ -61,6 +61,11 @@ struct CaseReport {
 
 CaseReport run_case(const Case& c, const RunOptions& opt);
 
+/// Why `c` cannot run on its backend ("" when it can): the backend is not
+/// built, has no usable device, or lacks an implementation of a stage
+/// variant the case needs. run_case reports such a case NOT_SUPPORTED.
+std::string backend_unsupported(const Case& c);
+
 /// SP invariance (CONTRACT §10, src/stages_sp.cpp): with sp > 1, every EP
 /// rank's gathered output `sp_out` on the fast board equals the sp = 1 run
 /// of the same inputs; appends one check per EP rank to `rep`.

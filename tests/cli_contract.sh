@@ -23,6 +23,29 @@ expect version 0 "$bin" --version
 grep -q "^moeverify [0-9]" "$tmp/out" || { echo "FAIL version text"; fails=$((fails + 1)); }
 expect list 0 "$bin" list
 grep -q "local_sort_gather" "$tmp/out" || { echo "FAIL list lacks local_sort_gather"; fails=$((fails + 1)); }
+expect list-json 0 "$bin" list --json
+python3 - "$tmp/out" <<'EOF' || fails=$((fails + 1))
+import json, sys
+doc = json.load(open(sys.argv[1]))
+bad = [v for v in doc["variants"] if not v["backends"] or not set(v["backends"]) <= {"host", "cuda"}]
+assert not bad and len(doc["variants"]) > 20, ("list --json: every variant needs a backends list", bad)
+assert {"built", "devices", "message"} <= set(doc["cuda"])
+EOF
+# --backend cuda (issue 12 item 1): where the CUDA pipeline cannot run (no
+# device, or a variant the case needs has no CUDA implementation) every case
+# is NOT_SUPPORTED in one line, exit 5, and no stage runs (no host run in disguise).
+expect backend-cuda 5 "$bin" run "$src"/cases/basic.yaml --backend cuda --json "$tmp/cuda.json"
+n_cases=$(grep -c "^== case" "$tmp/out")
+[ "$n_cases" -gt 1 ] && [ "$(grep -c "=> NOT_SUPPORTED: --backend cuda: " "$tmp/out")" = "$n_cases" ] ||
+  { echo "FAIL backend-cuda: every case must be one NOT_SUPPORTED line"; head -20 "$tmp/out"; fails=$((fails + 1)); }
+! grep -q "router_logits" "$tmp/out" || { echo "FAIL backend-cuda: a stage ran"; fails=$((fails + 1)); }
+python3 -c "import json,sys; d=json.load(open(sys.argv[1])); assert d['outcome']=='NOT_SUPPORTED' and all(c['backend']=='cuda' for c in d['cases'])" "$tmp/cuda.json" ||
+  { echo "FAIL backend-cuda JSON"; fails=$((fails + 1)); }
+printf 'cases:\n  - name: a\n    backend: cuda\n' >"$tmp/cuda.yaml"
+expect backend-key 5 "$bin" run "$tmp/cuda.yaml"
+expect backend-bad 2 "$bin" run "$src"/cases/basic.yaml --backend gpu
+grep -q "^moeverify: --backend: unknown backend 'gpu'; valid: host | cuda$" "$tmp/err" ||
+  { echo "FAIL backend-bad line"; cat "$tmp/err"; fails=$((fails + 1)); }
 expect validate 0 "$bin" validate "$src"/cases/basic.yaml
 expect validate-keys 0 "$bin" validate --keys
 

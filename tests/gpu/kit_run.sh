@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Runs every GPU check from the kit (tests/gpu/kit_build.sh) on a GPU machine
+# and prints a short table last (issue 12 items 7 and 8).
+# Usage: kit_run.sh KIT_DIR [OUT_DIR]   (OUT_DIR default: a temporary folder)
+# The machine needs the NVIDIA driver, cuBLAS and NCCL, found where it keeps
+# them (the Python wheels nvidia-cublas and nvidia-nccl-cu13, or
+# /usr/local/cuda). Exit 0: every check PASSED; 77: no usable CUDA device, so
+# nothing ran (every check SKIPPED, never PASSED); 1: a check failed.
+set -uo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+kit="$(cd "$1" && pwd)"
+out="${2:-$(mktemp -d)}"
+mkdir -p "$out"
+libs="$kit/lib"
+for mod in nvidia.cublas nvidia.nccl nvidia.cuda_runtime; do
+  d=$(python3 -c "import $mod as m; print(list(m.__path__)[0])" 2>/dev/null) || continue
+  [ -d "$d/lib" ] && libs="$libs:$d/lib"
+done
+for d in /usr/local/cuda/lib64 /usr/local/cuda/lib; do [ -d "$d" ] && libs="$libs:$d"; done
+export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export NCCL_SOCKET_IFNAME=lo
+bin="$kit/bin"
+
+echo "== probe (kit commit $(cat "$kit/COMMIT" 2>/dev/null))"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -4
+ldd --version | head -1
+for b in "$bin/"*; do
+  echo "$(basename "$b"): $(ldd "$b" | grep -E 'cublas|nccl|cudart|yaml|mpi' | awk '{print $1 "=>" $3}' | tr '\n' ' ')"
+  ! ldd "$b" | grep "not found" || { echo "kit_run: $(basename "$b") cannot load a library" >&2; exit 1; }
+done
+
+names=() results=() times=()
+check() {  # check NAME COMMAND...: PASSED (exit 0), SKIPPED (77), else FAILED(status)
+  local name="$1"; shift
+  local t0=$SECONDS rc
+  echo "== $name: $*"
+  "$@" > "$out/$name.log" 2>&1
+  rc=$?
+  tail -n 15 "$out/$name.log"
+  names+=("$name"); times+=($((SECONDS - t0)))
+  case $rc in 0) results+=(PASSED) ;; 77) results+=(SKIPPED) ;; *) results+=("FAILED($rc)") ;; esac
+}
+check list "$bin/moeverify" list
+check bodies "$bin/gpu_check"
+if [ "${results[1]}" = SKIPPED ]; then
+  echo "kit_run: no usable CUDA device: every GPU check SKIPPED"
+  exit 77
+fi
+for f in "$root"/cases/*.yaml "$root"/cases/regressions/*.yaml; do
+  n=$(basename "$f" .yaml)
+  check "case.$n" "$bin/moeverify" run "$f" --backend cuda --json "$out/$n.json"
+done
+[ -n "${KIT_SLOW:-}" ] && check case.deepseek_v3 "$bin/moeverify" run "$root/cases/slow/deepseek_v3.yaml" --backend cuda
+
+echo
+echo "== GPU checks on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), logs in $out"
+fail=0
+for i in "${!names[@]}"; do
+  printf '%-40s %-12s %5ss\n' "${names[$i]}" "${results[$i]}" "${times[$i]}"
+  [ "${results[$i]}" = PASSED ] || fail=1
+done
+exit $fail
