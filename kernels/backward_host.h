@@ -1,5 +1,5 @@
 // The backward token path on the host executor (CONTRACT §13, FRAMEWORKS §13):
-// the entry points src/stages_backward.cpp calls. Layouts are the forward's:
+// the entry points src/paths/stages_backward.cpp calls. Layouts are the forward's:
 // dispatch rows (N, D) expert-major, token rows (T, D), assignments (T, K) with
 // row_of[t*K + k] the dispatch row of assignment (t, k), all saved from the
 // forward (FRAMEWORKS §13 last line: never recomputed). Callers own every buffer.

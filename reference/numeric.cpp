@@ -10,8 +10,6 @@
 
 namespace ref {
 
-size_t act_bytes(Act act) { return act == Act::fp32 ? 4 : 2; }
-
 
 void encode_act(Act act, float v, uint8_t* p) {
   if (act == Act::fp32) {

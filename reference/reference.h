@@ -75,7 +75,7 @@ struct RowsRef {
   size_t row_bytes = 0;
   const uint8_t* row(int64_t i) const { return data + size_t(i) * row_bytes; }
 };
-size_t act_bytes(Act act);
+inline size_t act_bytes(Act act) { return act == Act::fp32 ? 4 : 2; }
 /// The value of one element of type `act` stored at p (IEEE layouts, host
 /// byte order; bf16 is the upper half of an fp32). Inline: the reference
 /// combine decodes every routed element.

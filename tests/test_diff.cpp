@@ -1,4 +1,4 @@
-// diff_tensors (src/diff.cpp) against a straightforward per-element
+// diff_tensors (src/engine/diff.cpp) against a straightforward per-element
 // reference written here: one element at a time through value_at, the
 // contract of diff.h read literally. The fast diff compares bytes in runs,
 // walks typed spans in blocks on several threads and merges the blocks; the
@@ -17,7 +17,7 @@ using namespace moev;
 
 namespace {
 
-// The block and run sizes of src/diff.cpp, in bytes: tensors below span
+// The block and run sizes of src/engine/diff.cpp, in bytes: tensors below span
 // several blocks and end in a partial run.
 constexpr int64_t kBlockBytes = int64_t(1) << 20;
 constexpr int64_t kRunBytes = int64_t(1) << 16;

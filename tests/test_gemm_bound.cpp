@@ -1,6 +1,6 @@
 // The GEMM error bound of CONTRACT §15 (issue 9 §2): element (i, j) passes
 // when |fast - ref| <= atol + c * u_act * sum_k |x_ik w_jk| (rtol = c * u_act,
-// src/diff.cpp). Under cancellation a flat rtol * |ref| raises a false alarm
+// src/engine/diff.cpp). Under cancellation a flat rtol * |ref| raises a false alarm
 // that the bound does not; a wrong operand fails both.
 #include <catch2/catch.hpp>
 

@@ -224,7 +224,7 @@ TEST_CASE("combine", "[cpu][prop]") {
   // EVERY protected input by byte range, not only x (the one FK checks) and not
   // only the first range it is given. The buffer shares one allocation with a
   // drawn input (x, routed_output, score_sorted, row_of, token_sorted or
-  // shared_out, in the order the pipeline passes them: src/stages_local.cpp
+  // shared_out, in the order the pipeline passes them: src/paths/stages_local.cpp
   // combine_inputs) at random offsets, in a drawn dtype; the other inputs live
   // in their own allocations.
   rc::prop("in-place equals out-of-place bitwise for random overlaps with any protected input; inputs untouched (T-S1)",

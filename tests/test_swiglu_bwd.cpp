@@ -99,7 +99,7 @@ FastGrads run_fast(const Problem& p, int threads, FaultSet faults = {}) {
 }
 
 /// Elements outside |fast - ref| <= atol + rtol * max(|ref|, scale) (the gemm
-/// class of src/diff.h with the error scale of CONTRACT §15); NaN in both agrees.
+/// class of src/engine/diff.h with the error scale of CONTRACT §15); NaN in both agrees.
 int64_t outside(const ref::Vec& fast, const ref::Vec& ref, const ref::Vec& scale, Tolerance tol, double* ratio) {
   int64_t bad = 0;
   for (size_t i = 0; i < ref.size(); ++i) {

@@ -537,7 +537,7 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
                                     fast.ranks[size_t(r)], r, R, "reference chain",
                                     hc ? &fast.at("out_magnitude", r) : nullptr));
   }
-  // The backward's gradients end to end (src/stages_backward.cpp), likewise.
+  // The backward's gradients end to end (src/paths/stages_backward.cpp), likewise.
   for (const EndToEndOutput& e : backward_end_to_end(c))
     for (int r = 0; r < R; ++r) {
       const std::string& n = e.spec.name;
@@ -560,6 +560,9 @@ namespace {
 bool run_entry(const Case& c, const RunOptions& opt, bool use_mpi, CaseReport& rep, Board& fast, Board& chain) {
   const int R = c.ep;
   std::vector<RankBoard> inputs(static_cast<size_t>(R));
+  // Each rank's inputs are a pure function of (seed, stream, rank, row,
+  // column): ranks are generated on the run's threads.
+#pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(1, opt.threads)) if (opt.threads > 1 && R > 1)
   for (int r = 0; r < R; ++r) inputs[size_t(r)] = make_inputs(c, r, c.tokens_on(r));
   const bool completed = run_pipeline(c, opt, inputs, use_mpi, rep, fast, &chain);
 

@@ -370,7 +370,7 @@ const std::vector<Field>& schema() {
     v.push_back(int_field("shape.batch", 1, 1 << 24, [](Case& c, int64_t x) { c.batch = x; }));
     v.push_back(int_field("shape.seq_len", 0, 1 << 24, [](Case& c, int64_t x) { c.seq_len = x; }));
     v.push_back(enum_field<SpPadding>("sp_padding", sp_padding_table(), [](Case& c) -> SpPadding& { return c.sp_padding; }));
-    // backward of the token path (CONTRACT §13, src/stages_backward.cpp)
+    // backward of the token path (CONTRACT §13, src/paths/stages_backward.cpp)
     v.push_back(enum_field<Switch>("backward", switch_table(), [](Case& c) -> Switch& { return c.backward; }));
     // MoE layer entries and the overload factor (CONTRACT §12)
     v.push_back(int_field("layers", 1, 64, [](Case& c, int64_t x) { c.layers = int(x); }));
@@ -546,11 +546,11 @@ void validate(const Case& c, const Flat& flat) {
   if (c.sp > 1 && c.combine.buffer != OutBuffer::fresh)
     fail("combine.buffer", "an output buffer aliasing x with sp > 1: each SP rank's x is its own shard",
          "valid: buffer: fresh with sp > 1");
-  // backward (CONTRACT §13): what src/stages_backward.cpp does not model is refused here.
+  // backward (CONTRACT §13): what src/paths/stages_backward.cpp does not model is refused here.
   if (c.backward == Switch::on && c.sp > 1)
     fail("backward", "the backward of the sequence-parallel shard and gather is not implemented",
          "valid: backward: off with sp > 1, or sp: 1");
-  // capacity (CONTRACT §11): what src/stages_capacity.cpp does not model.
+  // capacity (CONTRACT §11): what src/paths/stages_capacity.cpp does not model.
   if (c.capacity.factor > 0 && c.sp > 1)
     fail("capacity.factor", "capacity dropping on the sequence-parallel layout is not implemented", "valid: sp: 1 with capacity");
   if (c.capacity.factor > 0 && c.backward == Switch::on)

@@ -87,7 +87,7 @@ std::string random_case_yaml(uint64_t seed, uint64_t index) {
     const int min_kept = (K + E / G - 1) / (E / G);
     y << ", groups: " << G << ", limited_groups: " << d.in(min_kept, G);
   }
-  const bool force_lb = d.chance(0.2) && sp == 1;  // SP refuses force-LB routing (src/case.cpp)
+  const bool force_lb = d.chance(0.2) && sp == 1;  // SP refuses force-LB routing (src/config/case.cpp)
   y << ", force_load_balance: " << (force_lb ? "on" : "off")
     << ", route_norm: " << d.pick<const char*>({"off", "on"});
   if (d.chance(0.5)) y << ", route_scale: " << d.pick<const char*>({"0.5", "2.5", "16", "76.8", "1000", "1e6", "0.001"});

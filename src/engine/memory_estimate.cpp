@@ -104,7 +104,7 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
   if (shared_swiglu) b += tokens * F * (kSwigluAct * s + kSwigluFloat * 4);
   b += equal_rows * D * (3 * s + 4);
   b += tokens * E * 4 * kTokenExpert;
-  // Backward (CONTRACT §13, src/stages_backward.cpp): grad_out, grad_x_shared
+  // Backward (CONTRACT §13, src/paths/stages_backward.cpp): grad_out, grad_x_shared
   // and grad_x in act on both boards and grad_x's fp32 error scale, per token;
   // the score gradient and its half-width (fp32, per assignment); and one more
   // routed copy: combine_bwd reads routed_output beside the gradient rows.

@@ -1,7 +1,7 @@
 // `moeverify fuzz` and `moeverify selftest` (issue 10).
 //
 // fuzz: draws random valid configurations over every case key
-// (src/random_case.cpp), runs each through the same runner as `run`, and
+// (src/config/random_case.cpp), runs each through the same runner as `run`, and
 // shrinks every failure to a small YAML case that reproduces it.
 // selftest: turns on each planted fault in turn and shows that the shipped
 // cases, a fuzz budget, or (for faults no case-sized data can reach) a probe

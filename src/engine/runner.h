@@ -66,7 +66,7 @@ CaseReport run_case(const Case& c, const RunOptions& opt);
 /// variant the case needs. run_case reports such a case NOT_SUPPORTED.
 std::string backend_unsupported(const Case& c);
 
-/// SP invariance (CONTRACT §10, src/stages_sp.cpp): with sp > 1, every EP
+/// SP invariance (CONTRACT §10, src/paths/stages_sp.cpp): with sp > 1, every EP
 /// rank's gathered output `sp_out` on the fast board equals the sp = 1 run
 /// of the same inputs; appends one check per EP rank to `rep`.
 void check_sp_invariance(const Case& c, const RunOptions& opt, const Board& fast, CaseReport& rep);
