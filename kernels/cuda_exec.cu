@@ -1,5 +1,10 @@
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cub/device/device_radix_sort.cuh>
+#include <mutex>
 #include <stdexcept>
 #include <vector>
 
@@ -94,6 +99,164 @@ void combine(const CombineArgs& a, int64_t N, const void* init, void* out) {
            a.T);
     dout.back(out);
   });
+}
+
+}  // namespace moev::cuda
+
+// --- the CUDA device (kernels/device.h) ----------------------------------------
+
+namespace moev::cuda {
+namespace {
+
+__host__ __device__ inline uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// The sum over 8-byte words (zero-padded tail) of mix64(word ^ mix64(index)),
+// as the emulated device computes it; sums commute, so atomics keep it exact.
+__global__ void hash_kernel(const uint8_t* p, size_t n, unsigned long long* out) {
+  const size_t words = (n + 7) / 8;
+  unsigned long long h = 0;
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < words; i += size_t(gridDim.x) * blockDim.x) {
+    uint64_t w = 0;
+    const size_t nb = n - i * 8 < 8 ? n - i * 8 : 8;
+    for (size_t b = 0; b < nb; ++b) w |= uint64_t(p[i * 8 + b]) << (8 * b);
+    h += mix64(w ^ mix64(i));
+  }
+  atomicAdd(out, h);
+}
+
+// Sort keys (expert, a) or (expert, N-1-a) packed in 64 bits; values a.
+__global__ void sort_keys_kernel(const int32_t* ids, int64_t N, bool descending, uint64_t* keys, int32_t* vals) {
+  for (int64_t a = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; a < N; a += int64_t(gridDim.x) * blockDim.x) {
+    keys[a] = uint64_t(ids[a]) * uint64_t(N) + uint64_t(descending ? N - 1 - a : a);
+    vals[a] = int32_t(a);
+  }
+}
+
+#define MOEV_CUBLAS_CHECK(expr)                                                                       \
+  do {                                                                                                \
+    const cublasStatus_t s_ = (expr);                                                                 \
+    if (s_ != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(std::string(#expr) + ": cuBLAS status " + std::to_string(int(s_))); \
+  } while (0)
+
+class CudaDevice final : public Device {
+ public:
+  explicit CudaDevice(std::string name) : name_(std::move(name)) {}
+  ~CudaDevice() override {
+    if (blas_) cublasDestroy(blas_);
+  }
+  std::string name() const override { return name_; }
+  void* alloc(size_t bytes) override {
+    void* p = nullptr;
+    MOEV_CUDA_CHECK(cudaMalloc(&p, bytes));
+    return p;
+  }
+  void release(void* p) override { cudaFree(p); }
+  void upload(void* d, const void* s, size_t n) override { MOEV_CUDA_CHECK(cudaMemcpy(d, s, n, cudaMemcpyHostToDevice)); }
+  void download(void* d, const void* s, size_t n) override { MOEV_CUDA_CHECK(cudaMemcpy(d, s, n, cudaMemcpyDeviceToHost)); }
+  void fill(void* d, uint8_t b, size_t n) override { MOEV_CUDA_CHECK(cudaMemset(d, b, n)); }
+  void copy(void* d, const void* s, size_t n) override { MOEV_CUDA_CHECK(cudaMemcpy(d, s, n, cudaMemcpyDeviceToDevice)); }
+  uint64_t hash(const void* p, size_t n) override {
+    if (n == 0) return 0;
+    unsigned long long* h = static_cast<unsigned long long*>(alloc(8));
+    unsigned long long v = 0;
+    try {
+      MOEV_CUDA_CHECK(cudaMemset(h, 0, 8));
+      const size_t words = (n + 7) / 8;
+      const unsigned blocks = unsigned(std::min<size_t>((words + 255) / 256, 4096));
+      hash_kernel<<<blocks, 256>>>(static_cast<const uint8_t*>(p), n, h);
+      MOEV_CUDA_CHECK(cudaGetLastError());
+      MOEV_CUDA_CHECK(cudaMemcpy(&v, h, 8, cudaMemcpyDeviceToHost));
+    } catch (...) {
+      release(h);
+      throw;
+    }
+    release(h);
+    return v;
+  }
+  void run(const k::RouterBody& b, int64_t n) override { launch(b, n); }
+  void run(const HistogramBody& b, int64_t n) override { launch(b, n); }
+#define MOEV_CUDA_BODIES(T)                                                                   \
+  void run(const k::GatherBody<T>& b, int64_t n) override { launch(b, n); }                   \
+  void run(const k::CombineBody<T, 1>& b, int64_t n) override { launch(b, n); }              \
+  void run(const k::RowMapBody<T>& b, int64_t n) override { launch(b, n); }                   \
+  void run(const k::FnRowMapBody<T, EqualCountMap>& b, int64_t n) override { launch(b, n); } \
+  void run(const RoundBody<T>& b, int64_t n) override { launch(b, n); }                      \
+  void run(const k::SwigluBody<T>& b, int64_t n) override { launch(b, n); }
+  MOEV_CUDA_BODIES(float)
+  MOEV_CUDA_BODIES(bf16)
+  MOEV_CUDA_BODIES(fp16)
+#undef MOEV_CUDA_BODIES
+
+  // CUB radix sort of packed (expert, a) keys: ascending a within an expert,
+  // or descending under the planted fault unstable_sort.
+  void sort(const int32_t* ids, int64_t N, int E, int32_t* perm, bool descending_within) override {
+    if (N == 0) return;
+    const int bits = std::max(1, int(std::ceil(std::log2(double(E) * double(N) + 1))));
+    Staged keys(nullptr, size_t(N) * 8), keys_out(nullptr, size_t(N) * 8), vals(nullptr, size_t(N) * 4);
+    const unsigned blocks = unsigned(std::min<int64_t>((N + 255) / 256, 65535));
+    sort_keys_kernel<<<blocks, 256>>>(ids, N, descending_within, keys.as<uint64_t>(), vals.as<int32_t>());
+    MOEV_CUDA_CHECK(cudaGetLastError());
+    size_t temp_bytes = 0;
+    MOEV_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys.as<uint64_t>(), keys_out.as<uint64_t>(),
+                                                    vals.as<int32_t>(), perm, N, 0, bits));
+    Staged temp(nullptr, std::max<size_t>(temp_bytes, 1));
+    MOEV_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.d, temp_bytes, keys.as<uint64_t>(), keys_out.as<uint64_t>(),
+                                                    vals.as<int32_t>(), perm, N, 0, bits));
+    MOEV_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+
+  // logits (T, E) row-major = x (T, D) wg^T: column-major, logits^T (E x T) =
+  // wg^T (E x D; wg is D x E column-major) times x^T (D x T; x is D x T
+  // column-major). fp32 accumulation; fp32 inputs without TF32 (pedantic).
+  void gemm_logits(DType dt, const void* x, const void* wg, int64_t T, int64_t D, int E, float* logits) override {
+    std::lock_guard<std::mutex> lk(blas_m_);  // a cuBLAS handle serves one thread at a time
+    if (!blas_) MOEV_CUBLAS_CHECK(cublasCreate(&blas_));
+    const cudaDataType t = dt == DType::fp32 ? CUDA_R_32F : dt == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F;
+    const cublasComputeType_t ct = dt == DType::fp32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
+    const float alpha = 1.f, beta = 0.f;
+    MOEV_CUBLAS_CHECK(cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, E, int(T), int(D), &alpha, wg, t, int(D), x, t,
+                                   int(D), &beta, logits, CUDA_R_32F, E, ct, CUBLAS_GEMM_DEFAULT));
+    MOEV_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+
+  // Y^T (n x rows, ld ldy) = W^T (n x k; W is k x n column-major, ld k) times
+  // X^T (k x rows, ld ldx), fp32 accumulation, the result rounded once to dt.
+  void gemm_nt(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n, void* Y,
+               int64_t ldy) override {
+    std::lock_guard<std::mutex> lk(blas_m_);
+    if (!blas_) MOEV_CUBLAS_CHECK(cublasCreate(&blas_));
+    const cudaDataType t = dt == DType::fp32 ? CUDA_R_32F : dt == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F;
+    const cublasComputeType_t ct = dt == DType::fp32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
+    const float alpha = 1.f, beta = 0.f;
+    MOEV_CUBLAS_CHECK(cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, int(n), int(rows), int(k), &alpha, W, t, int(k), X,
+                                   t, int(ldx), &beta, Y, t, int(ldy), ct, CUBLAS_GEMM_DEFAULT));
+    MOEV_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+
+ private:
+  std::string name_;
+  std::mutex blas_m_;
+  cublasHandle_t blas_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<Device> make_device(std::string& why) {
+  const DeviceStatus s = probe();
+  if (s.count == 0) {
+    why = s.message;
+    return nullptr;
+  }
+  const cudaError_t e = cudaSetDevice(0);
+  if (e != cudaSuccess) {
+    why = std::string("cudaSetDevice(0): ") + cudaGetErrorName(e);
+    return nullptr;
+  }
+  return std::make_unique<CudaDevice>("CUDA device 0: " + s.message);
 }
 
 }  // namespace moev::cuda

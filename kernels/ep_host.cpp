@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "bodies.h"
+#include "device.h"
 
 namespace moev {
 
@@ -114,6 +115,19 @@ std::vector<int64_t> invert_map(const std::vector<int64_t>& map) {
 void apply_row_map(const ExecCtx& ctx, DType dt, const void* src, const int64_t* map, int64_t n, int64_t D, void* dst) {
   dispatch_dtype(dt, [&](auto tag) {
     using T = decltype(tag);
+    if (ctx.mirror) {
+      Mirror& m = *ctx.mirror;
+      if (n == 0) return;
+      int64_t src_rows = 0;  // the rows the map reads: what must be on the device
+      for (int64_t i = 0; i < n; ++i) src_rows = std::max(src_rows, map[i] + 1);
+      const size_t out_bytes = size_t(n * D) * sizeof(T);
+      m.device().run(k::RowMapBody<T>{static_cast<const T*>(m.in(src, size_t(src_rows * D) * sizeof(T))),
+                                      static_cast<const int64_t*>(m.in(map, size_t(n) * 8)),
+                                      static_cast<T*>(m.out(dst, out_bytes)), D},
+                     n);
+      m.wrote(dst, out_bytes);
+      return;
+    }
     host_run(ctx, n, k::RowMapBody<T>{static_cast<const T*>(src), map, static_cast<T*>(dst), D});
   });
 }
@@ -125,6 +139,16 @@ namespace moev {
 void apply_equal_count(const ExecCtx& ctx, DType dt, const void* src, EqualCountMap m, int64_t n, int64_t D, void* dst) {
   dispatch_dtype(dt, [&](auto tag) {
     using T = decltype(tag);
+    if (ctx.mirror) {  // the map is a permutation of the n rows
+      Mirror& mr = *ctx.mirror;
+      if (n == 0) return;
+      const size_t bytes = size_t(n * D) * sizeof(T);
+      mr.device().run(k::FnRowMapBody<T, EqualCountMap>{static_cast<const T*>(mr.in(src, bytes)), m,
+                                                        static_cast<T*>(mr.out(dst, bytes)), D},
+                      n);
+      mr.wrote(dst, bytes);
+      return;
+    }
     host_run(ctx, n, k::FnRowMapBody<T, EqualCountMap>{static_cast<const T*>(src), m, static_cast<T*>(dst), D});
   });
 }

@@ -9,9 +9,14 @@
 
 namespace moev {
 
+class Mirror;
+
 struct ExecCtx {
   int threads = 1;
   FaultSet faults;
+  /// Set: the entry points run their bodies on this mirror's device
+  /// (kernels/device.h); null: on the host executor.
+  Mirror* mirror = nullptr;
 };
 
 template <class Body>

@@ -9,6 +9,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "device.h"
+
 namespace moev {
 namespace {
 
@@ -83,6 +85,17 @@ void gemm_typed(const T* X, int64_t rows, int64_t k, int64_t ldx, const T* W, in
 
 void router_logits(const ExecCtx& ctx, DType dt, const void* x, const void* wg, int64_t T,
                    int64_t D, int E, float* logits, GateDtype gate) {
+  if (ctx.mirror) {
+    Mirror& m = *ctx.mirror;
+    const size_t eb = dtype_bytes(dt), n = size_t(T) * size_t(E);
+    float* dl = static_cast<float*>(m.out(logits, n * 4));
+    if (n == 0) return;
+    m.device().gemm_logits(dt, m.in(x, size_t(T * D) * eb), m.in(wg, size_t(E) * size_t(D) * eb), T, D, E, dl);
+    if (gate == GateDtype::act)
+      dispatch_dtype(dt, [&](auto tag) { m.device().run(RoundBody<decltype(tag)>{dl}, int64_t(n)); });
+    m.wrote(logits, n * 4);
+    return;
+  }
   dispatch_dtype(dt, [&](auto tag) {
     using T_ = decltype(tag);
     const T_* xs = static_cast<const T_*>(x);
@@ -115,6 +128,26 @@ void router_route(const ExecCtx& ctx, const RouterConfig& cfg, const float* logi
                                                                 : k::TieBreak::lower_id,
                      ctx.faults.has(Fault::softmax_no_max) ? k::SoftmaxShift::none : k::SoftmaxShift::subtract_max,
                      ctx.faults.has(Fault::group_tie_higher) ? k::GroupTie::higher_group : k::GroupTie::lower_group};
+  if (ctx.mirror) {
+    Mirror& m = *ctx.mirror;
+    const size_t te = size_t(T) * size_t(cfg.E) * 4, tk = size_t(T) * size_t(cfg.K) * 4;
+    k::RouterBody d = body;
+    d.logits = static_cast<const float*>(m.in(logits, te));
+    d.bias = static_cast<const float*>(m.in(bias, size_t(cfg.E) * 4));
+    d.scores = static_cast<float*>(m.out(scores, te));
+    d.choice = static_cast<float*>(m.out(choice, te));
+    d.ids = static_cast<int32_t*>(m.out(ids, tk));
+    d.topk_scores = static_cast<float*>(m.out(topk_scores, tk));
+    int64_t* dc = static_cast<int64_t*>(m.out(counts, size_t(cfg.E) * 8));
+    if (T > 0) m.device().run(d, T);
+    m.device().run(HistogramBody{d.ids, T * cfg.K, dc}, cfg.E);
+    m.wrote(scores, te);
+    m.wrote(choice, te);
+    m.wrote(ids, tk);
+    m.wrote(topk_scores, tk);
+    m.wrote(counts, size_t(cfg.E) * 8);
+    return;
+  }
   host_run(ctx, T, body);
   expert_histogram(ctx, ids, T * cfg.K, cfg.E, counts);
 }
@@ -124,6 +157,13 @@ void router_route(const ExecCtx& ctx, const RouterConfig& cfg, const float* logi
 // for e, so equal keys keep ascending a. The planted fault fills each expert's
 // rows from the back (descending a), an unstable order.
 void expert_sort(const ExecCtx& ctx, const int32_t* ids, int64_t N, int E, int32_t* perm) {
+  if (ctx.mirror) {  // a device sort has no chunks: sort_chunk_offset has no device form
+    Mirror& m = *ctx.mirror;
+    int32_t* dp = static_cast<int32_t*>(m.out(perm, size_t(N) * 4));
+    if (N > 0) m.device().sort(static_cast<const int32_t*>(m.in(ids, size_t(N) * 4)), N, E, dp, ctx.faults.has(Fault::unstable_sort));
+    m.wrote(perm, size_t(N) * 4);
+    return;
+  }
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(ctx.threads, N / 4096 + 1));
   const int64_t per = (N + chunks - 1) / chunks;
   std::vector<int64_t> hist(size_t(chunks * E), 0);
@@ -174,6 +214,26 @@ void dispatch_gather(const ExecCtx& ctx, DType dt, k::ScoreApply apply, const vo
     using T = decltype(tag);
     k::GatherBody<T> body{static_cast<const T*>(x), perm, topk_scores, static_cast<T*>(routed),
                           token_sorted, score_sorted, row_of, D, K, apply, smul};
+    if (ctx.mirror) {
+      Mirror& m = *ctx.mirror;
+      if (N == 0) return;
+      const int64_t tokens = N / K;
+      const size_t rb = size_t(N * D) * sizeof(T);
+      k::GatherBody<T> d = body;
+      d.x = static_cast<const T*>(m.in(x, size_t(tokens * D) * sizeof(T)));
+      d.perm = static_cast<const int32_t*>(m.in(perm, size_t(N) * 4));
+      d.topk_scores = static_cast<const float*>(m.in(topk_scores, size_t(N) * 4));
+      d.routed = static_cast<T*>(m.out(routed, rb));
+      d.token_sorted = static_cast<int32_t*>(m.out(token_sorted, size_t(N) * 4));
+      d.score_sorted = static_cast<float*>(m.out(score_sorted, size_t(N) * 4));
+      d.row_of = static_cast<int32_t*>(m.out(row_of, size_t(N) * 4));
+      m.device().run(d, N);
+      m.wrote(routed, rb);
+      m.wrote(token_sorted, size_t(N) * 4);
+      m.wrote(score_sorted, size_t(N) * 4);
+      m.wrote(row_of, size_t(N) * 4);
+      return;
+    }
     host_run(ctx, N, body);
   });
 }
@@ -201,6 +261,39 @@ void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* 
     experts_swiglu(ctx, DType::bf16, impl, xb.data(), counts, E_l, D, F, w1.data(), w3.data(), w2.data(), yb.data(),
                    mid, SwigluConventions{conv.rounding, ComputeDtype::act});
     from_bf16(dt, yb, Y);
+    return;
+  }
+  if (ctx.mirror) {
+    // On a device: per expert, the two GEMMs into [h1 | h3], the activation
+    // body, the W2 GEMM, each through the entry points (cuBLAS, a grid).
+    // Loop and grouped are the same calls here; compute_dtype bf16 has no
+    // device form (the stage declines it).
+    if (conv.compute == ComputeDtype::bf16 && dt != DType::bf16)
+      throw std::invalid_argument("experts_swiglu: compute_dtype bf16 has no device implementation");
+    const size_t eb = dtype_bytes(dt);
+    const auto* x = static_cast<const uint8_t*>(X);
+    auto* y = static_cast<uint8_t*>(Y);
+    auto* h13 = static_cast<uint8_t*>(mid.h13);
+    auto* H = static_cast<uint8_t*>(mid.H);
+    int64_t r0 = 0;
+    for (int j = 0; j < E_l; r0 += counts[j], ++j) {
+      const int64_t n = counts[j];
+      if (n == 0) continue;
+      const size_t wo = size_t(j) * size_t(F * D) * eb;
+      gemm_nt(ctx, dt, x + size_t(r0 * D) * eb, n, D, D, static_cast<const uint8_t*>(W1) + wo, F, h13 + size_t(r0 * 2 * F) * eb, 2 * F);
+      gemm_nt(ctx, dt, x + size_t(r0 * D) * eb, n, D, D, static_cast<const uint8_t*>(W3) + wo, F,
+              h13 + size_t(r0 * 2 * F + F) * eb, 2 * F);
+      Mirror& m = *ctx.mirror;
+      dispatch_dtype(dt, [&](auto tag) {
+        using T = decltype(tag);
+        T* hp = reinterpret_cast<T*>(H + size_t(r0 * F) * eb);
+        m.device().run(k::SwigluBody<T>{static_cast<const T*>(m.in(h13 + size_t(r0 * 2 * F) * eb, size_t(n * 2 * F) * eb)),
+                                        static_cast<T*>(m.out(hp, size_t(n * F) * eb)), F, silu_rounding(ctx, conv)},
+                       n);
+        m.wrote(hp, size_t(n * F) * eb);
+      });
+      gemm_nt(ctx, dt, H + size_t(r0 * F) * eb, n, F, F, static_cast<const uint8_t*>(W2) + wo, D, y + size_t(r0 * D) * eb, D);
+    }
     return;
   }
   dispatch_dtype(dt, [&](auto tag) {
@@ -321,7 +414,32 @@ void experts_swiglu_batched(const ExecCtx& ctx, DType dt, const void* X, int64_t
 
 namespace {
 
+/// The combine on the mirror's device: one column per lane (W = 1), the same
+/// operations per column as the host's spans, so the bytes agree.
+void combine_device(const ExecCtx& ctx, const CombineArgs& a, k::CombineInit init_from, const void* init, void* out) {
+  Mirror& m = *ctx.mirror;
+  dispatch_dtype(a.dt, [&](auto tag) {
+    using T = decltype(tag);
+    const size_t td = size_t(a.T * a.D) * sizeof(T);
+    if (td == 0) return;
+    const bool shared = a.shared_add == k::SharedAdd::add_after;
+    k::CombineBody<T, 1> d{static_cast<const T*>(m.in(a.routed_out, size_t(a.rows * a.D) * sizeof(T))),
+                           static_cast<const float*>(m.in(a.score_sorted, size_t(a.rows) * 4)),
+                           static_cast<const int32_t*>(m.in(a.row_of, size_t(a.T * a.K) * 4)),
+                           init_from == k::CombineInit::buffer ? static_cast<const T*>(m.in(init, td)) : nullptr,
+                           shared ? static_cast<const T*>(m.in(a.shared, td)) : nullptr,
+                           static_cast<T*>(m.out(out, td)),
+                           a.D, a.K, a.apply, a.acc, a.shared_add,
+                           ctx.faults.has(Fault::unordered_combine) ? k::CombineOrder::descending_row
+                                                                    : k::CombineOrder::ascending_row,
+                           a.smul, init_from};
+    m.device().run(d, a.T);
+    m.wrote(out, td);
+  });
+}
+
 void combine_impl(const ExecCtx& ctx, const CombineArgs& a, k::CombineInit init_from, const void* init, void* out) {
+  if (ctx.mirror) return combine_device(ctx, a, init_from, init, out);
   dispatch_dtype(a.dt, [&](auto tag) {
     using T = decltype(tag);
     k::CombineBody<T, k::kCombineSpan> body{static_cast<const T*>(a.routed_out), a.score_sorted, a.row_of,
@@ -344,6 +462,40 @@ void combine_from_zeros(const ExecCtx& ctx, const CombineArgs& a, void* out) {
   combine_impl(ctx, a, k::CombineInit::zeros, nullptr, out);
 }
 
+void gemm_nt(const ExecCtx& ctx, DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n,
+             void* Y, int64_t ldy) {
+  if (rows == 0 || n == 0) return;
+  const size_t eb = dtype_bytes(dt);
+  if (ctx.mirror) {
+    Mirror& m = *ctx.mirror;
+    // the byte extents of the strided blocks: the last row ends at its last column
+    const size_t xb = size_t((rows - 1) * ldx + k) * eb, yb = size_t((rows - 1) * ldy + n) * eb;
+    m.device().gemm_nt(dt, m.in(X, xb), rows, k, ldx, m.in(W, size_t(n * k) * eb), n, m.out(Y, yb), ldy);
+    m.wrote(Y, yb);
+    return;
+  }
+  dispatch_dtype(dt, [&](auto tag) {
+    using T = decltype(tag);
+    const int64_t tiles = (rows + kGemmTile - 1) / kGemmTile;
+    host_run(ctx, tiles, [&](int64_t t, int, int) {
+      const int64_t r = t * kGemmTile;
+      gemm_typed(static_cast<const T*>(X) + r * ldx, std::min(kGemmTile, rows - r), k, ldx, static_cast<const T*>(W), n,
+                 static_cast<T*>(Y) + r * ldy, ldy);
+    });
+  });
+}
+
+void copy_bytes(const ExecCtx& ctx, void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  if (ctx.mirror) {
+    Mirror& m = *ctx.mirror;
+    m.device().copy(m.out(dst, bytes), m.in(src, bytes), bytes);
+    m.wrote(dst, bytes);
+    return;
+  }
+  std::memcpy(dst, src, bytes);
+}
+
 bool ranges_overlap(ByteRange a, ByteRange b) {
   if (a.bytes == 0 || b.bytes == 0) return false;
   const auto pa = reinterpret_cast<uintptr_t>(a.p), pb = reinterpret_cast<uintptr_t>(b.p);
@@ -353,13 +505,18 @@ bool ranges_overlap(ByteRange a, ByteRange b) {
 InPlaceResult combine_in_place(const ExecCtx& ctx, const CombineArgs& a, void* buf,
                                void* fallback, const ByteRange* inputs,
                                const char* const* names, int num_inputs) {
-  const ByteRange out{buf, size_t(a.T * a.D) * dtype_bytes(a.dt)};
+  // On a device the guard compares the device byte ranges: the buffers the
+  // kernel really reads and writes (a view keeps its offset in its storage's
+  // device copy, so overlap there is overlap on the host and back).
+  Mirror* m = ctx.mirror;
+  auto on_device = [m](ByteRange r) { return m && r.bytes ? ByteRange{m->in(r.p, r.bytes), r.bytes} : r; };
+  const ByteRange out = on_device({buf, size_t(a.T * a.D) * dtype_bytes(a.dt)});
   for (int i = 0; i < num_inputs; ++i) {
     // The planted fault reproduces a data-pointer comparison (FRAMEWORKS §9.2
     // pitfall): a view at an offset inside the same allocation slips through.
     const bool hit = ctx.faults.has(Fault::pointer_alias_guard)
-                         ? (out.bytes && inputs[i].bytes && out.p == inputs[i].p)
-                         : ranges_overlap(out, inputs[i]);
+                         ? (out.bytes && inputs[i].bytes && out.p == on_device(inputs[i]).p)
+                         : ranges_overlap(out, on_device(inputs[i]));
     if (hit) {
       combine(ctx, a, buf, fallback);
       return {Placement::out_of_place_fallback,

@@ -108,11 +108,21 @@ void experts_swiglu_batched(const ExecCtx& ctx, DType dt, const void* X, int64_t
                             const void* W1, const void* W3, const void* W2, uint64_t weights_version,
                             BatchedWeightCache& cache, void* Y);
 
+/// Y (rows, n; row stride ldy) = round_act(X (rows, k; row stride ldx) W^T)
+/// with W (n, k) row-major and fp32 accumulation (the SwiGLU GEMMs).
+void gemm_nt(const ExecCtx& ctx, DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n,
+             void* Y, int64_t ldy);
+
+/// dst = src (bytes bytes, no overlap): identity experts. A memcpy on the
+/// host; a device-to-device copy on the mirror's device.
+void copy_bytes(const ExecCtx& ctx, void* dst, const void* src, size_t bytes);
+
 struct CombineArgs {
   DType dt = DType::fp32;
   const void* routed_out = nullptr;  // (N, D)
   const float* score_sorted = nullptr;
   const int32_t* row_of = nullptr;   // (T*K)
+  int64_t rows = 0;                  // N, the rows of routed_out and score_sorted (read on a device, ExecCtx::mirror)
   const void* shared = nullptr;      // (T, D), read when shared_add == add_after
   int64_t T = 0, D = 0;
   int K = 0;

@@ -44,7 +44,7 @@ python3 -c "import json,sys; d=json.load(open(sys.argv[1])); assert d['outcome']
 printf 'cases:\n  - name: a\n    backend: cuda\n' >"$tmp/cuda.yaml"
 expect backend-key 5 "$bin" run "$tmp/cuda.yaml"
 expect backend-bad 2 "$bin" run "$src"/cases/basic.yaml --backend gpu
-grep -q "^moeverify: --backend: unknown backend 'gpu'; valid: host | cuda$" "$tmp/err" ||
+grep -q "^moeverify: --backend: unknown backend 'gpu'; valid: host | cuda | emulated$" "$tmp/err" ||
   { echo "FAIL backend-bad line"; cat "$tmp/err"; fails=$((fails + 1)); }
 expect validate 0 "$bin" validate "$src"/cases/basic.yaml
 expect validate-keys 0 "$bin" validate --keys

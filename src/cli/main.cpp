@@ -133,8 +133,8 @@ int cmd_run(const CLI::App* cmd, const RunArgs& a) {
   // --backend is the case key `backend` set for every case (validated there).
   std::vector<std::string> sets = a.sets;
   if (cmd->count("--backend")) {
-    if (a.backend != "host" && a.backend != "cuda")
-      bad_input("--backend: unknown backend '" + printable(a.backend) + "'; valid: host | cuda");
+    if (a.backend != "host" && a.backend != "cuda" && a.backend != "emulated")
+      bad_input("--backend: unknown backend '" + printable(a.backend) + "'; valid: host | cuda | emulated");
     sets.push_back("backend=" + a.backend);
   }
   std::vector<std::pair<std::string, std::vector<Case>>> all;
@@ -469,7 +469,9 @@ int main(int argc, char** argv) {
   run->add_option("--dump", ra.dump, "write every stage's inputs and outputs as .npy under this folder");
   run->add_option("--fault", ra.faults, "turn on a planted fault (see `moeverify list`); the run must then fail");
   run->add_option("--case", ra.only, "run only the case of this name");
-  run->add_option("--backend", ra.backend, "host (default) | cuda: where the fast path runs (the case key `backend`)");
+  run->add_option("--backend", ra.backend,
+                  "host (default) | cuda | emulated (the device plumbing on host memory, for testing): where the "
+                  "fast path runs (the case key `backend`)");
   run->add_option("--collective-timeout", ra.timeout,
                   "seconds before a collective some rank never joins fails (in-process and MPI), 0.05 to 3600 (default 30)")
       ->type_name("SECONDS");

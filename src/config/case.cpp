@@ -36,7 +36,7 @@ const EnumTable<DataMode>& data_mode_table() {
   return t;
 }
 const EnumTable<Backend>& backend_table() {
-  static const EnumTable<Backend> t = {{"host", Backend::host}, {"cuda", Backend::cuda}};
+  static const EnumTable<Backend> t = {{"host", Backend::host}, {"cuda", Backend::cuda}, {"emulated", Backend::emulated}};
   return t;
 }
 const EnumTable<k::ScoreFunc>& score_table() {

@@ -20,9 +20,11 @@ namespace moev {
 
 enum class DataMode { exact, realistic };
 /// Where the fast path runs (DESIGN.md "Scale and backends"): the host
-/// executor, or the CUDA executor on a GPU. A case on a backend that cannot
-/// run it is NOT_SUPPORTED, never run on another backend in disguise.
-enum class Backend { host, cuda };
+/// executor, or a device (kernels/device.h): `cuda`, a GPU; `emulated`, the
+/// device plumbing on host memory with the host executor's kernels (no GPU:
+/// it tests the tool, not a GPU). A case on a backend that cannot run it is
+/// NOT_SUPPORTED, never run on another backend in disguise.
+enum class Backend { host, cuda, emulated };
 enum class ExpertKind { identity, swiglu };
 enum class SharedKind { none, identity, swiglu };
 enum class SharedOrder { add_after, init_with_shared };

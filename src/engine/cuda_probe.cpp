@@ -16,4 +16,19 @@ CudaStatus cuda_status() {
 #endif
 }
 
+std::unique_ptr<Device> make_backend_device(Backend backend, int threads, std::string& why) {
+  switch (backend) {
+    case Backend::host: return nullptr;
+    case Backend::emulated: return make_emulated_device(threads);
+    case Backend::cuda:
+#if defined(MOEVERIFY_HAVE_CUDA)
+      return cuda::make_device(why);
+#else
+      why = cuda_status().message;
+      return nullptr;
+#endif
+  }
+  return nullptr;
+}
+
 }  // namespace moev

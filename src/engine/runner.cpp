@@ -154,7 +154,7 @@ std::string run_fast(const Stage& s, const Case& c, const RunOptions& opt, const
     // In-process ranks share the machine: each gets its share of the
     // threads, so R ranks never run R x threads OpenMP workers (results do
     // not depend on the thread count).
-    ExecCtx ex{use_mpi ? opt.threads : std::max(1, opt.threads / R), opt.faults};
+    ExecCtx ex{use_mpi ? opt.threads : std::max(1, opt.threads / R), opt.faults, opt.mirror};
     FastCtx ctx{c, r, R, ex, comm, in.ranks[size_t(r)], out.ranks[size_t(r)], notes[size_t(r)], &skip[size_t(r)]};
     try {
       s.fast(ctx);
@@ -252,7 +252,13 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
     std::vector<const Stage*> runs;
     for (const Stage& s : registry()) {
       if (s.slot != slot) continue;
-      const Decision d = s.applies(c);
+      Decision d = s.applies(c);
+      // On a device a variant without a device form is not taken: never run
+      // on the host in its place (backend_unsupported kept the primary ones).
+      if (d.applies && opt.mirror &&
+          (std::find(s.backends.begin(), s.backends.end(), Backend::cuda) == s.backends.end() ||
+           (s.device_declines && !s.device_declines(c).empty())))
+        d = {false, "no device implementation (backend " + std::string(enum_name(backend_table(), c.backend)) + ")"};
       rep.decisions.push_back({s.slot, s.variant, d.applies, false, d.applies ? "" : d.reason, {}});
       if (d.applies) runs.push_back(&s);
     }
@@ -276,6 +282,18 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
       std::vector<std::vector<uint64_t>> sums(static_cast<size_t>(R));
       for (int r = 0; r < R; ++r)
         for (const auto& n : inputs_used) sums[size_t(r)].push_back(checksum(fast.at(n, r)));
+      // On a device: the stage's inputs are resident there (uploaded the
+      // first time a stage reads them), and hashed there before the call.
+      std::vector<std::vector<uint64_t>> dsums(static_cast<size_t>(R));
+      if (opt.mirror) {
+        for (int r = 0; r < R; ++r)
+          for (const auto& n : inputs_used) {
+            const Tensor& t = fast.at(n, r);
+            if (t.storage) opt.mirror->hold(t.storage->data(), t.storage->size(), t.storage);
+            dsums[size_t(r)].push_back(t.bytes() ? opt.mirror->device_hash(t.data(), t.bytes()) : 0);
+          }
+        opt.mirror->begin_call();
+      }
       Board out;
       out.ranks.resize(size_t(R));
       std::vector<std::vector<std::string>> notes(static_cast<size_t>(R));
@@ -284,6 +302,30 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
       const auto tf = clock::now();
       const std::string err = run_fast(*s, c, opt, fast, out, notes, skipped, use_mpi);
       vd->fast_seconds = since(tf);
+      if (opt.mirror) {
+        // Outputs the host wrote (splits, the host-staged exchange) go to the
+        // device for the next stage; device-written ones are there already
+        // (and on the host: write-through). Then the inputs' device copies
+        // must hash as before the call: a kernel writing past its output
+        // into another buffer shows here, not only where it lands.
+        for (int r = 0; r < R; ++r)
+          for (auto& [n, t] : out.ranks[size_t(r)])
+            if (t.bytes() && !opt.mirror->device_wrote(t.data(), t.bytes())) opt.mirror->host_wrote(t.data(), t.bytes());
+        for (int r = 0; r < R && err.empty(); ++r)
+          for (size_t i = 0; i < inputs_used.size(); ++i) {
+            const Tensor& t = fast.at(inputs_used[i], r);
+            if (!t.bytes() || opt.mirror->device_hash(t.data(), t.bytes()) == dsums[size_t(r)][i]) continue;
+            Check ch;
+            ch.slot = s->slot;
+            ch.variant = s->variant;
+            ch.tensor = inputs_used[i] + rank_tag(r);
+            ch.against = "its device copy before the call";
+            ch.outcome = Outcome::INCORRECT;
+            ch.note = "input '" + inputs_used[i] + "' was modified on the device by the fast stage";
+            rep.checks.push_back(ch);
+          }
+        opt.mirror->end_call();
+      }
       tc = clock::now();
       for (int r = 0; r < R; ++r)
         for (const auto& n : notes[size_t(r)]) vd->notes.push_back(n);
@@ -681,16 +723,32 @@ Check check_output(const Case& c, const std::string& slot, const std::string& va
   return make_check(c, slot, variant, o, actual, expected, board, rank, ranks, against, scale);
 }
 
+namespace {
+/// The body of run_case once the backend is settled (opt.mirror set on a device).
+void run_case_on(const Case& c, const RunOptions& opt, CaseReport& rep, std::chrono::steady_clock::time_point t0);
+}  // namespace
+
 std::string backend_unsupported(const Case& c) {
   if (c.backend == Backend::host) return "";
-  const CudaStatus cs = cuda_status();
-  if (!cs.built) return "--backend cuda: " + cs.message;
-  if (cs.devices == 0) return "--backend cuda: no usable CUDA device (" + cs.message + ")";
+  const std::string flag = std::string("--backend ") + enum_name(backend_table(), c.backend) + ": ";
+  if (c.backend == Backend::cuda) {
+    const CudaStatus cs = cuda_status();
+    if (!cs.built) return flag + cs.message;
+    if (cs.devices == 0) return flag + "no usable CUDA device (" + cs.message + ")";
+  }
+  // The emulated device runs exactly what the CUDA device runs. Every
+  // primary variant the case needs must run there; the others are reported
+  // not taken when the case runs.
   std::string missing;
-  for (const Stage& s : registry())
-    if (s.applies(c).applies && std::find(s.backends.begin(), s.backends.end(), c.backend) == s.backends.end())
-      missing += (missing.empty() ? "" : ", ") + s.slot + "/" + s.variant;
-  return missing.empty() ? "" : "--backend cuda: no CUDA implementation of " + missing;
+  for (const Stage& s : registry()) {
+    if (!s.applies(c).applies || !s.primary(c)) continue;
+    std::string why = std::find(s.backends.begin(), s.backends.end(), Backend::cuda) == s.backends.end()
+                          ? ""
+                          : s.device_declines ? s.device_declines(c) : "";
+    if (std::find(s.backends.begin(), s.backends.end(), Backend::cuda) == s.backends.end() || !why.empty())
+      missing += (missing.empty() ? "" : ", ") + s.slot + "/" + s.variant + (why.empty() ? "" : " (" + why + ")");
+  }
+  return missing.empty() ? "" : flag + "no device implementation of " + missing;
 }
 
 CaseReport run_case(const Case& c, const RunOptions& opt) {
@@ -710,6 +768,22 @@ CaseReport run_case(const Case& c, const RunOptions& opt) {
     rep.outcome = Outcome::NOT_SUPPORTED;
     return rep;
   }
+  // A device backend: one device and one mirror for the whole case (its
+  // layer entries and invariance reruns too), inputs uploaded once.
+  std::string why;
+  std::unique_ptr<Device> device = make_backend_device(c.backend, opt.threads, why);
+  if (c.backend != Backend::host && !device) runtime_error("--backend " + std::string(enum_name(backend_table(), c.backend)) + ": " + why);
+  std::unique_ptr<Mirror> mirror = device ? std::make_unique<Mirror>(*device) : nullptr;
+  RunOptions dopt = opt;
+  dopt.mirror = mirror.get();
+  if (device) rep.notes.push_back("fast path on " + device->name());
+  run_case_on(c, dopt, rep, t0);
+  return rep;
+}
+
+namespace {
+
+void run_case_on(const Case& c, const RunOptions& opt, CaseReport& rep, std::chrono::steady_clock::time_point t0) {
   const int R = c.ep;
   const bool use_mpi = launched_under_mpi();
   if (use_mpi) mpi_agree_on_case(c.name, config_hash(c, opt.faults), c.summary());  // every rank, same case
@@ -764,7 +838,8 @@ CaseReport run_case(const Case& c, const RunOptions& opt) {
   if (opt.progress) opt.progress("", "");
   for (const auto& ch : rep.checks) rep.outcome = worst(rep.outcome, ch.outcome);
   rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return rep;
 }
+
+}  // namespace
 
 }  // namespace moev

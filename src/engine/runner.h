@@ -29,6 +29,9 @@ struct RunOptions {
   /// With fast_only: whether `out_magnitude` is wanted (a bitwise comparison
   /// needs no error scale, and computing it reads every routed row).
   bool fast_only_magnitude = true;
+  /// Set by run_case on a device backend: every fast call runs on its device
+  /// (kernels/device.h), board tensors resident there for the whole case.
+  Mirror* mirror = nullptr;
 };
 
 struct VariantDecision {

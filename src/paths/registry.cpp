@@ -3,6 +3,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "../kernels/device.h"
 #include "error.h"
 #include "stages.h"
 
@@ -31,6 +32,7 @@ Tensor& FastCtx::output(const std::string& name, ElemType t, std::vector<int64_t
       r.storage.use_count() == 1)
     return r;
   r = Tensor::alloc(t, std::move(shape), 0xFF);
+  if (exec.mirror) exec.mirror->hold_output(r.storage->data(), r.storage->size(), r.storage, 0xFF);  // poisoned there too
   return r;
 }
 

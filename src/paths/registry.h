@@ -183,8 +183,12 @@ struct Stage {
   /// (capacity's kept rows under scores that differ in the last bits).
   std::function<std::string(const Case&, const RankBoard& chain, const RankBoard& fast)> chain_adopt;
   /// The backends whose executor implements `fast` (`moeverify list`). A case
-  /// on another backend that needs this variant is NOT_SUPPORTED.
+  /// on another backend whose primary pipeline needs this variant is
+  /// NOT_SUPPORTED; where it is not primary it is reported not taken.
   std::vector<Backend> backends = {Backend::host};
+  /// Optional, with a device backend: why this case's conventions have no
+  /// device form ("" when they do); the case is then NOT_SUPPORTED there.
+  std::function<std::string(const Case&)> device_declines;
 };
 
 struct EndToEndOutput {

@@ -32,6 +32,11 @@ int64_t uniform_count(const std::vector<int64_t>& v);
 /// Routing comparison with near-tie handling (CONTRACT §1, last paragraph).
 void check_routing(CheckCtx& ctx);
 
+/// The backends of a variant whose fast function runs every body and
+/// primitive through the entry points of kernels/ (so on the device of a
+/// mirror) and writes each output on one side only (kernels/device.h).
+inline const std::vector<Backend> kHostAndDevice = {Backend::host, Backend::cuda};
+
 /// A primary stage variant with fixed inputs that applies where `applies` says.
 Stage make_stage(const std::string& slot, const std::string& variant, const std::string& summary,
                  std::function<Decision(const Case&)> applies, std::vector<std::string> inputs,

@@ -134,6 +134,7 @@ CombineArgs combine_args(const FastCtx& ctx) {
   a.routed_out = ctx.input("routed_output").data();
   a.score_sorted = ctx.input("score_sorted").as<float>();
   a.row_of = ctx.input("row_of").as<int32_t>();
+  a.rows = ctx.input("routed_output").shape[0];
   a.T = ctx.input("x").shape[0];
   a.D = c.hidden;
   a.K = c.top_k;
@@ -384,6 +385,7 @@ Stage router_logits_fp32() {
           ElemType::f32, {x.shape[0], r.c.num_experts});
     }
   };
+  s.backends = kHostAndDevice;
   return s;
 }
 
@@ -424,6 +426,7 @@ Stage router_logits_act() {
                       ElemType::f32, {x.shape[0], r.c.num_experts});
     }
   };
+  s.backends = kHostAndDevice;
   return s;
 }
 
@@ -467,6 +470,7 @@ Stage topk_routing() {
     }
   };
   s.check = check_routing;
+  s.backends = kHostAndDevice;
   return s;
 }
 
@@ -518,6 +522,7 @@ Stage local_sort_gather() {
       out["row_of"] = ids_tensor(d.row_of, ElemType::i32, {T, c.top_k});
     }
   };
+  s.backends = kHostAndDevice;
   return s;
 }
 
@@ -575,6 +580,7 @@ Stage force_lb_cached_sort() {
                         std::to_string(c.top_k) + ")");
   };
   s.ref = local_sort_gather().ref;
+  s.backends = kHostAndDevice;
   return s;
 }
 
@@ -593,7 +599,7 @@ Stage identity_experts() {
     const Tensor& X = ctx.input("expert_input");
     const int64_t rows = group_rows(ctx.input("expert_counts"));
     Tensor& Y = ctx.output("expert_output", X.type, {rows, ctx.c.hidden});
-    if (Y.bytes()) std::memcpy(Y.data(), X.data(), Y.bytes());  // an empty tensor may have no storage
+    copy_bytes(ctx.exec, Y.data(), X.data(), Y.bytes());
   };
   s.ref_per_rank = true;
   s.ref = [](RefCtx& r) {
@@ -606,6 +612,7 @@ Stage identity_experts() {
                       r.c.hidden);
     }
   };
+  s.backends = kHostAndDevice;
   return s;
 }
 
@@ -627,6 +634,10 @@ Stage swiglu_experts(ExpertsImpl impl) {
                 "expert_output", "expert_");
   };
   s.ref = ref_routed_swiglu;
+  s.backends = kHostAndDevice;
+  s.device_declines = [](const Case& c) {
+    return c.experts.compute_dtype == ComputeDtype::bf16 && c.dtype != DType::bf16 ? "experts.compute_dtype: bf16" : "";
+  };
   return s;
 }
 
@@ -680,7 +691,7 @@ Stage shared_identity() {
   s.fast = [](FastCtx& ctx) {
     const Tensor& x = ctx.input("x");
     Tensor& y = ctx.output("shared_out", x.type, x.shape);
-    if (x.bytes()) std::memcpy(y.data(), x.data(), x.bytes());  // an empty tensor may have no storage
+    copy_bytes(ctx.exec, y.data(), x.data(), x.bytes());
   };
   s.ref = [](RefCtx& r) {
     for (size_t q = 0; q < r.in.ranks.size(); ++q) {
@@ -688,6 +699,7 @@ Stage shared_identity() {
       r.out.ranks[q]["shared_out"] = from_floats(to_floats(x), x.type, x.shape);
     }
   };
+  s.backends = kHostAndDevice;
   return s;
 }
 
@@ -715,6 +727,7 @@ Stage shared_swiglu() {
     ref_swiglu(r, "x", [](const RankBoard& b) { return ref::Counts{b.at("x").shape[0]}; }, "shared_", 0, "shared_out",
                "shared_");
   };
+  s.backends = kHostAndDevice;
   return s;
 }
 
@@ -742,6 +755,7 @@ Stage combine_out_of_place() {
     }
   };
   s.ref = ref_combine;
+  s.backends = kHostAndDevice;
   return s;
 }
 
@@ -782,6 +796,7 @@ Stage combine_in_place() {
                             : "in_place: fell back to out_of_place (" + res.reason + ")");
   };
   s.ref = ref_combine;
+  s.backends = kHostAndDevice;
   return s;
 }
 

@@ -1,0 +1,224 @@
+#include "device.h"
+
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include "host_exec.h"
+#include "moe_host.h"
+
+namespace moev {
+
+// --- Mirror -------------------------------------------------------------------
+
+Mirror::~Mirror() {
+  for (auto& [p, e] : entries_) dev_.release(e.dev);
+}
+
+Mirror::Map::iterator Mirror::find(const void* p, size_t bytes) {
+  const auto* b = static_cast<const uint8_t*>(p);
+  auto it = entries_.upper_bound(b);
+  if (it == entries_.begin()) return entries_.end();
+  --it;
+  if (!it->second.temporary && it->second.owner.expired()) {  // its storage died: the address may be reused
+    drop(it);
+    return entries_.end();
+  }
+  if (b + bytes > it->first + it->second.bytes) return entries_.end();
+  return it;
+}
+
+Mirror::Map::iterator Mirror::add(const void* p, size_t bytes, const std::shared_ptr<void>* owner, bool upload,
+                                  int poison) {
+  const auto* b = static_cast<const uint8_t*>(p);
+  // An older buffer overlapping this range is stale (its storage died or it
+  // was a smaller view): it goes.
+  for (auto it = entries_.lower_bound(b); it != entries_.end() && it->first < b + bytes;) {
+    auto next = std::next(it);
+    drop(it);
+    it = next;
+  }
+  auto below = entries_.upper_bound(b);
+  if (below != entries_.begin() && std::prev(below)->first + std::prev(below)->second.bytes > b) drop(std::prev(below));
+  Entry e;
+  e.bytes = bytes;
+  e.dev = dev_.alloc(bytes);
+  if (owner) e.owner = *owner;
+  e.temporary = owner == nullptr;
+  if (upload) {
+    dev_.upload(e.dev, p, bytes);
+    ++uploads_;
+  } else if (poison >= 0) {
+    dev_.fill(e.dev, uint8_t(poison), bytes);
+  }
+  bytes_ += bytes;
+  return entries_.emplace(b, e).first;
+}
+
+void Mirror::drop(Map::iterator it) {
+  dev_.release(it->second.dev);
+  bytes_ -= it->second.bytes;
+  entries_.erase(it);
+}
+
+void Mirror::hold(const void* host, size_t bytes, const std::shared_ptr<void>& owner) {
+  if (bytes == 0) return;
+  std::lock_guard<std::mutex> lk(m_);
+  auto it = find(host, bytes);
+  if (it != entries_.end() && !it->second.temporary) return;
+  add(host, bytes, &owner, true, -1);
+}
+
+void Mirror::hold_output(const void* host, size_t bytes, const std::shared_ptr<void>& owner, uint8_t poison) {
+  if (bytes == 0) return;
+  std::lock_guard<std::mutex> lk(m_);
+  add(host, bytes, &owner, false, poison)->second.output = true;
+}
+
+const void* Mirror::in(const void* p, size_t bytes) {
+  if (bytes == 0 || p == nullptr) return nullptr;
+  std::lock_guard<std::mutex> lk(m_);
+  auto it = find(p, bytes);
+  if (it == entries_.end()) {
+    it = add(p, bytes, nullptr, true, -1);
+  } else if (it->second.temporary || (it->second.output && !it->second.device_written)) {
+    dev_.upload(static_cast<uint8_t*>(it->second.dev) + (static_cast<const uint8_t*>(p) - it->first), p, bytes);
+    ++uploads_;
+  }
+  return static_cast<const uint8_t*>(it->second.dev) + (static_cast<const uint8_t*>(p) - it->first);
+}
+
+void* Mirror::out(void* p, size_t bytes) {
+  if (bytes == 0 || p == nullptr) return nullptr;
+  std::lock_guard<std::mutex> lk(m_);
+  auto it = find(p, bytes);
+  // A temporary's device bytes start as the host's (a kernel may write only
+  // part of a range), which write-through keeps equal after. An output keeps
+  // its device poison: the device writes it, the host does not.
+  if (it == entries_.end()) {
+    it = add(p, bytes, nullptr, true, -1);
+  } else if (it->second.temporary) {
+    dev_.upload(static_cast<uint8_t*>(it->second.dev) + (static_cast<uint8_t*>(p) - it->first), p, bytes);
+    ++uploads_;
+  }
+  return static_cast<uint8_t*>(it->second.dev) + (static_cast<uint8_t*>(p) - it->first);
+}
+
+void Mirror::wrote(void* p, size_t bytes) {
+  if (bytes == 0 || p == nullptr) return;
+  std::lock_guard<std::mutex> lk(m_);
+  auto it = find(p, bytes);
+  if (it == entries_.end()) throw std::logic_error("Mirror::wrote: range not on the device");
+  dev_.download(p, static_cast<uint8_t*>(it->second.dev) + (static_cast<uint8_t*>(p) - it->first), bytes);
+  it->second.device_written = true;
+}
+
+void Mirror::host_wrote(const void* p, size_t bytes) {
+  if (bytes == 0 || p == nullptr) return;
+  std::lock_guard<std::mutex> lk(m_);
+  auto it = find(p, bytes);
+  if (it == entries_.end()) return;  // not on the device: nothing to refresh
+  dev_.upload(static_cast<uint8_t*>(it->second.dev) + (static_cast<const uint8_t*>(p) - it->first), p, bytes);
+  ++uploads_;
+}
+
+bool Mirror::device_wrote(const void* p, size_t bytes) {
+  std::lock_guard<std::mutex> lk(m_);
+  auto it = find(p, bytes);
+  return it != entries_.end() && it->second.device_written;
+}
+
+uint64_t Mirror::device_hash(const void* p, size_t bytes) {
+  if (bytes == 0) return 0;
+  std::lock_guard<std::mutex> lk(m_);
+  auto it = find(p, bytes);
+  if (it == entries_.end()) throw std::logic_error("Mirror::device_hash: range not on the device");
+  return dev_.hash(static_cast<const uint8_t*>(it->second.dev) + (static_cast<const uint8_t*>(p) - it->first), bytes);
+}
+
+void Mirror::begin_call() {
+  std::lock_guard<std::mutex> lk(m_);
+  for (auto& [p, e] : entries_) e.device_written = e.output = false;
+}
+
+void Mirror::end_call() {
+  std::lock_guard<std::mutex> lk(m_);
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    const bool dead = it->second.temporary || it->second.owner.expired();
+    if (dead) {
+      auto next = std::next(it);
+      drop(it);
+      it = next;
+    } else {
+      ++it;
+    }
+  }
+}
+
+// --- the emulated device ------------------------------------------------------
+
+namespace {
+
+uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+class EmulatedDevice final : public Device {
+ public:
+  explicit EmulatedDevice(int threads) : ctx_{threads, {}} {}
+  std::string name() const override { return "emulated (host memory, host executor; no GPU)"; }
+  void* alloc(size_t bytes) override { return ::operator new(bytes); }
+  void release(void* p) override { ::operator delete(p); }
+  void upload(void* d, const void* s, size_t n) override { std::memcpy(d, s, n); }
+  void download(void* d, const void* s, size_t n) override { std::memcpy(d, s, n); }
+  void fill(void* d, uint8_t b, size_t n) override { std::memset(d, b, n); }
+  void copy(void* d, const void* s, size_t n) override { std::memmove(d, s, n); }
+  // The same function as the CUDA device's hash kernel: the sum over 8-byte
+  // words (zero-padded tail) of mix64(word ^ mix64(index)).
+  uint64_t hash(const void* p, size_t n) override {
+    const auto* b = static_cast<const uint8_t*>(p);
+    uint64_t h = 0;
+    for (size_t i = 0; i * 8 < n; ++i) {
+      uint64_t w = 0;
+      std::memcpy(&w, b + i * 8, std::min<size_t>(8, n - i * 8));
+      h += mix64(w ^ mix64(i));
+    }
+    return h;
+  }
+  void run(const k::RouterBody& b, int64_t n) override { host_run(ctx_, n, b); }
+  void run(const HistogramBody& b, int64_t n) override { host_run(ctx_, n, b); }
+#define MOEV_EMULATED_BODIES(T)                                                                   \
+  void run(const k::GatherBody<T>& b, int64_t n) override { host_run(ctx_, n, b); }               \
+  void run(const k::CombineBody<T, 1>& b, int64_t n) override { host_run(ctx_, n, b); }          \
+  void run(const k::RowMapBody<T>& b, int64_t n) override { host_run(ctx_, n, b); }               \
+  void run(const k::FnRowMapBody<T, EqualCountMap>& b, int64_t n) override { host_run(ctx_, n, b); } \
+  void run(const RoundBody<T>& b, int64_t n) override { host_run(ctx_, n, b); }                  \
+  void run(const k::SwigluBody<T>& b, int64_t n) override { host_run(ctx_, n, b); }
+  MOEV_EMULATED_BODIES(float)
+  MOEV_EMULATED_BODIES(bf16)
+  MOEV_EMULATED_BODIES(fp16)
+#undef MOEV_EMULATED_BODIES
+  void sort(const int32_t* ids, int64_t N, int E, int32_t* perm, bool descending_within) override {
+    FaultSet f;
+    if (descending_within) f.bits |= uint32_t(Fault::unstable_sort);
+    expert_sort(ExecCtx{ctx_.threads, f}, ids, N, E, perm);
+  }
+  void gemm_logits(DType dt, const void* x, const void* wg, int64_t T, int64_t D, int E, float* logits) override {
+    router_logits(ExecCtx{ctx_.threads, {}}, dt, x, wg, T, D, E, logits);
+  }
+  void gemm_nt(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n, void* Y,
+               int64_t ldy) override {
+    moev::gemm_nt(ExecCtx{ctx_.threads, {}}, dt, X, rows, k, ldx, W, n, Y, ldy);
+  }
+
+ private:
+  ExecCtx ctx_;
+};
+
+}  // namespace
+
+std::unique_ptr<Device> make_emulated_device(int threads) { return std::make_unique<EmulatedDevice>(threads); }
+
+}  // namespace moev

@@ -1,0 +1,167 @@
+// Device execution of the fast path (DESIGN.md idea 2, "Scale and backends";
+// issue 12). A Device owns memory of its own and runs the single-source bodies
+// of bodies.h (and the primitives that differ by nature: sort, GEMM) on it.
+// Two devices: the CUDA device (cuda_exec.cu: a GPU, CUB and cuBLAS) and the
+// emulated device (device.cpp: separate host allocations, the host executor),
+// which runs the same plumbing without a GPU so that CI exercises it.
+//
+// A Mirror pairs host buffers with device buffers for one case. The host entry
+// points of moe_host.h / ep_host.h, given an ExecCtx with a mirror, translate
+// every pointer they are handed to its device copy, run the body on the
+// device, and write what they wrote back to the host at once (write-through):
+// the runner compares every output on the host anyway, and host code between
+// two device calls (splits, the host-staged all-to-all) then always reads
+// valid data. Inputs stay resident: a board tensor is uploaded once per case
+// and every later stage reads its device copy.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "bodies.h"
+#include "ep_host.h"
+
+namespace moev {
+
+struct RouterConfig;
+
+/// Counts of one expert: counts[e] = #{a : ids[a] == e}, one item per expert,
+/// lane 0 walks the N assignments (deterministic, no atomics).
+struct HistogramBody {
+  const int32_t* ids;
+  int64_t N;
+  int64_t* counts;
+  MOEV_HD void operator()(int64_t e, int lane, int) const {
+    if (lane != 0) return;
+    int64_t n = 0;
+    for (int64_t a = 0; a < N; ++a) n += ids[a] == e;
+    counts[e] = n;
+  }
+};
+
+/// Rounds n fp32 values to the activation type T in place (router.gate_dtype act).
+template <class T>
+struct RoundBody {
+  float* v;
+  MOEV_HD void operator()(int64_t i, int lane, int) const {
+    if (lane == 0) v[i] = round_to<T>(v[i]);
+  }
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+  virtual std::string name() const = 0;
+  virtual void* alloc(size_t bytes) = 0;  // bytes > 0; throws when out of memory
+  virtual void release(void* p) = 0;
+  virtual void upload(void* dst, const void* src, size_t bytes) = 0;
+  virtual void download(void* dst, const void* src, size_t bytes) = 0;
+  virtual void fill(void* dst, uint8_t byte, size_t bytes) = 0;
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  /// A hash of the bytes computed on the device (the input-unchanged check
+  /// without bringing the input back).
+  virtual uint64_t hash(const void* p, size_t bytes) = 0;
+
+  // The bodies of bodies.h over items [0, n) (item = block, lane = thread on a GPU).
+  virtual void run(const k::RouterBody& b, int64_t n) = 0;
+  virtual void run(const HistogramBody& b, int64_t n) = 0;
+#define MOEV_DEVICE_BODIES(T)                                                  \
+  virtual void run(const k::GatherBody<T>& b, int64_t n) = 0;                  \
+  virtual void run(const k::CombineBody<T, 1>& b, int64_t n) = 0;             \
+  virtual void run(const k::RowMapBody<T>& b, int64_t n) = 0;                  \
+  virtual void run(const k::FnRowMapBody<T, EqualCountMap>& b, int64_t n) = 0; \
+  virtual void run(const RoundBody<T>& b, int64_t n) = 0;                      \
+  virtual void run(const k::SwigluBody<T>& b, int64_t n) = 0;
+  MOEV_DEVICE_BODIES(float)
+  MOEV_DEVICE_BODIES(bf16)
+  MOEV_DEVICE_BODIES(fp16)
+#undef MOEV_DEVICE_BODIES
+
+  /// Stable sort of the flat ids: perm lists assignments by (ids[a], a); with
+  /// `descending_within` (the planted fault unstable_sort) by (ids[a], -a).
+  virtual void sort(const int32_t* ids, int64_t N, int E, int32_t* perm, bool descending_within) = 0;
+  /// logits (T, E) fp32 = float(x) (T, D) * float(wg)^T (E, D), fp32 accumulation.
+  virtual void gemm_logits(DType dt, const void* x, const void* wg, int64_t T, int64_t D, int E, float* logits) = 0;
+  /// Y (rows, n; row stride ldy) = round_act(X (rows, k; row stride ldx) W^T),
+  /// W (n, k) row-major, fp32 accumulation, one rounding to the type `dt`.
+  virtual void gemm_nt(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n, void* Y,
+                       int64_t ldy) = 0;
+};
+
+/// The emulated device: its memory is separate host allocations, its
+/// executor the host executor with `threads` threads. It exists so that the
+/// device plumbing (uploads, poisoning, pointer translation, residency,
+/// write-back, device-side checks) runs in CI, which has no GPU.
+std::unique_ptr<Device> make_emulated_device(int threads);
+
+/// Host buffers and their device copies, for one case (see the file comment).
+/// Thread-safe: in-process EP ranks call it from their threads.
+class Mirror {
+ public:
+  explicit Mirror(Device& dev) : dev_(dev) {}
+  ~Mirror();
+  Mirror(const Mirror&) = delete;
+  Mirror& operator=(const Mirror&) = delete;
+
+  Device& device() { return dev_; }
+  /// A board tensor's storage [host, host + bytes), alive while `owner` is:
+  /// uploaded now unless already mirrored (then nothing moves).
+  void hold(const void* host, size_t bytes, const std::shared_ptr<void>& owner);
+  /// A new output's storage: its device copy is poisoned like the host copy
+  /// (every byte `poison`), so a kernel that skips an element shows it.
+  void hold_output(const void* host, size_t bytes, const std::shared_ptr<void>& owner, uint8_t poison);
+
+  /// Device address of host range [p, p + bytes) for reading. The host copy
+  /// is the truth (write-through), so what may have changed on the host since
+  /// its upload is uploaded again first: a temporary of the fast function (a
+  /// range inside no held buffer: its host memory may even be a new
+  /// allocation at a freed one's address), and an output of this call that
+  /// no device call wrote (host code may have, e.g. the host-staged exchange).
+  /// A variant that runs on a device writes each output either on the host or
+  /// on the device, never both.
+  const void* in(const void* p, size_t bytes);
+  /// Device address of [p, p + bytes) for writing; wrote() must follow.
+  void* out(void* p, size_t bytes);
+  /// Copies [p, p + bytes) back to the host after a kernel wrote it.
+  void wrote(void* p, size_t bytes);
+  /// Brings [p, p + bytes) to the device after host code wrote it.
+  void host_wrote(const void* p, size_t bytes);
+  /// Whether a device call wrote into [p, p + bytes) since begin_call().
+  bool device_wrote(const void* p, size_t bytes);
+
+  /// Hash, on the device, of the device copy of [p, p + bytes) (held).
+  uint64_t device_hash(const void* p, size_t bytes);
+  /// Starts a fast call: clears the per-call marks.
+  void begin_call();
+  /// Ends it: drops the call's temporaries and every buffer whose owner died.
+  void end_call();
+
+  int64_t uploads() const { return uploads_; }
+  size_t device_bytes() const { return bytes_; }
+
+ private:
+  struct Entry {
+    size_t bytes = 0;
+    void* dev = nullptr;
+    std::weak_ptr<void> owner;  // empty for a temporary of the current call
+    bool temporary = false;
+    bool output = false;          // registered by hold_output() in the current call
+    bool device_written = false;  // by a device call since begin_call()
+  };
+  using Map = std::map<const uint8_t*, Entry>;
+  Map::iterator find(const void* p, size_t bytes);  // the live entry containing the range, or end()
+  Map::iterator add(const void* p, size_t bytes, const std::shared_ptr<void>* owner, bool upload, int poison);
+  void drop(Map::iterator it);
+
+  Device& dev_;
+  std::mutex m_;
+  Map entries_;
+  int64_t uploads_ = 0;
+  size_t bytes_ = 0;
+};
+
+}  // namespace moev
