@@ -1,16 +1,110 @@
 // [gpu] The CUDA executor runs the same kernel bodies as the host executor:
 // gather and ordered combine must agree bitwise for random problems in every
-// dtype. Without a usable device it prints SKIPPED and exits 77, which ctest
-// reports as skipped (never as passed).
+// dtype, and so must the entry points on the CUDA device (routing, sort,
+// gather, combine, row maps through a Mirror). Without a usable device it
+// prints SKIPPED and exits 77, which ctest reports as skipped (never passed).
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "../kernels/cuda_exec.h"
+#include "../kernels/device.h"
 #include "../kernels/moe_host.h"
 
 using namespace moev;
+
+namespace {
+
+/// The entry points on the CUDA device (kernels/device.h: a Mirror, pointers
+/// translated, write-through) against the host executor, bitwise: routing,
+/// the expert sort, gather, combine, row maps. Returns the failures.
+int device_entry_points() {
+  std::string why;
+  std::unique_ptr<Device> dev = cuda::make_device(why);
+  if (!dev) {
+    std::printf("device entry points: no CUDA device (%s)\n", why.c_str());
+    return 1;
+  }
+  Mirror m(*dev);
+  std::mt19937 g(99);
+  int failures = 0;
+  for (int iter = 0; iter < 20; ++iter) {
+    const int E = 8 * (1 + int(g() % 4)), K = 1 + int(g() % 4), groups = E % 4 == 0 ? 4 : 1;
+    const int64_t T = int64_t(g() % 500), D = 1 + int64_t(g() % 300), N = T * K;
+    RouterConfig rc;
+    rc.E = E;
+    rc.K = K;
+    rc.groups = groups;
+    rc.limited_groups = groups > 1 ? 2 : 1;
+    rc.score = iter % 2 ? k::ScoreFunc::sigmoid : k::ScoreFunc::softmax;
+    std::vector<float> logits(static_cast<size_t>(T * E)), bias(static_cast<size_t>(E), 0.f);
+    for (auto& v : logits) v = float(int(g() % 64)) / 16.f;  // exact ties on purpose
+    std::vector<float> sc_h(logits.size()), sc_d(logits.size()), ch_h(logits.size()), ch_d(logits.size());
+    std::vector<int32_t> ids_h(static_cast<size_t>(N)), ids_d(static_cast<size_t>(N));
+    std::vector<float> ts_h(static_cast<size_t>(N)), ts_d(static_cast<size_t>(N));
+    std::vector<int64_t> cnt_h(static_cast<size_t>(E)), cnt_d(static_cast<size_t>(E));
+    const ExecCtx host{2, {}}, on_dev{1, {}, &m};
+    m.begin_call();
+    router_route(host, rc, logits.data(), bias.data(), T, sc_h.data(), ch_h.data(), ids_h.data(), ts_h.data(), cnt_h.data());
+    router_route(on_dev, rc, logits.data(), bias.data(), T, sc_d.data(), ch_d.data(), ids_d.data(), ts_d.data(), cnt_d.data());
+    const bool route_ok = ids_h == ids_d && cnt_h == cnt_d &&
+                          std::memcmp(sc_h.data(), sc_d.data(), sc_h.size() * 4) == 0 &&
+                          std::memcmp(ts_h.data(), ts_d.data(), ts_h.size() * 4) == 0;
+    std::vector<int32_t> p_h(static_cast<size_t>(N)), p_d(static_cast<size_t>(N));
+    expert_sort(host, ids_h.data(), N, E, p_h.data());
+    expert_sort(on_dev, ids_h.data(), N, E, p_d.data());
+    const bool sort_ok = p_h == p_d;
+    bool move_ok = true;
+    for (DType dt : {DType::fp32, DType::bf16, DType::fp16}) {
+      const size_t eb = dtype_bytes(dt);
+      std::vector<uint8_t> x(static_cast<size_t>(T * D) * eb);
+      for (auto& b : x) b = uint8_t(g() % 64);  // small finite values in every type
+      std::vector<uint8_t> r_h(static_cast<size_t>(N * D) * eb), r_d(r_h.size());
+      std::vector<int32_t> t_h(static_cast<size_t>(N)), t_d(t_h.size()), o_h(t_h.size()), o_d(t_h.size());
+      std::vector<float> s_h(static_cast<size_t>(N)), s_d(s_h.size());
+      dispatch_gather(host, dt, k::ScoreApply::after_experts, x.data(), p_h.data(), ts_h.data(), N, D, K, r_h.data(),
+                      t_h.data(), s_h.data(), o_h.data());
+      dispatch_gather(on_dev, dt, k::ScoreApply::after_experts, x.data(), p_h.data(), ts_h.data(), N, D, K, r_d.data(),
+                      t_d.data(), s_d.data(), o_d.data());
+      move_ok = move_ok && r_h == r_d && t_h == t_d && o_h == o_d;
+      for (k::Accumulate acc : {k::Accumulate::per_add, k::Accumulate::fp32_accumulate}) {
+        CombineArgs a;
+        a.dt = dt;
+        a.routed_out = r_h.data();
+        a.score_sorted = s_h.data();
+        a.row_of = o_h.data();
+        a.rows = N;
+        a.T = T;
+        a.D = D;
+        a.K = K;
+        a.acc = acc;
+        std::vector<uint8_t> c_h(x.size()), c_d(x.size());
+        combine_from_zeros(host, a, c_h.data());
+        combine_from_zeros(on_dev, a, c_d.data());
+        move_ok = move_ok && c_h == c_d;
+      }
+      std::vector<int64_t> map(static_cast<size_t>(N));
+      for (int64_t i = 0; i < N; ++i) map[size_t(i)] = (i * 7919) % (N + 1) - 1;  // some zero rows
+      std::vector<uint8_t> m_h(r_h.size()), m_d(r_h.size());
+      apply_row_map(host, dt, r_h.data(), map.data(), N, D, m_h.data());
+      apply_row_map(on_dev, dt, r_h.data(), map.data(), N, D, m_d.data());
+      move_ok = move_ok && m_h == m_d;
+    }
+    m.end_call();
+    if (!(route_ok && sort_ok && move_ok)) {
+      ++failures;
+      std::printf("device entry points differ: T=%lld D=%lld E=%d K=%d route %d sort %d movement %d\n", (long long)T,
+                  (long long)D, E, K, route_ok, sort_ok, move_ok);
+    }
+  }
+  std::printf("device entry points (%s): %d failure(s) in 20 random problems\n", dev->name().c_str(), failures);
+  return failures;
+}
+
+}  // namespace
 
 int main() {
   const cuda::DeviceStatus st = cuda::probe();
@@ -80,6 +174,7 @@ int main() {
       }
     }
   }
+  failures += device_entry_points();
   std::printf("%d failure(s)\n", failures);
   return failures ? 1 : 0;
 }

@@ -279,6 +279,16 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
       auto since = [](clock::time_point t) { return std::chrono::duration<double>(clock::now() - t).count(); };
       auto tc = clock::now();
       const std::vector<std::string> inputs_used = s->inputs(c);
+      auto input_modified = [&](const std::string& tensor, const std::string& against, const std::string& note) {
+        Check ch;
+        ch.slot = s->slot;
+        ch.variant = s->variant;
+        ch.tensor = tensor;
+        ch.against = against;
+        ch.outcome = Outcome::INCORRECT;
+        ch.note = note;
+        rep.checks.push_back(ch);
+      };
       std::vector<std::vector<uint64_t>> sums(static_cast<size_t>(R));
       for (int r = 0; r < R; ++r)
         for (const auto& n : inputs_used) sums[size_t(r)].push_back(checksum(fast.at(n, r)));
@@ -314,15 +324,9 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
         for (int r = 0; r < R && err.empty(); ++r)
           for (size_t i = 0; i < inputs_used.size(); ++i) {
             const Tensor& t = fast.at(inputs_used[i], r);
-            if (!t.bytes() || opt.mirror->device_hash(t.data(), t.bytes()) == dsums[size_t(r)][i]) continue;
-            Check ch;
-            ch.slot = s->slot;
-            ch.variant = s->variant;
-            ch.tensor = inputs_used[i] + rank_tag(r);
-            ch.against = "its device copy before the call";
-            ch.outcome = Outcome::INCORRECT;
-            ch.note = "input '" + inputs_used[i] + "' was modified on the device by the fast stage";
-            rep.checks.push_back(ch);
+            if (t.bytes() && opt.mirror->device_hash(t.data(), t.bytes()) != dsums[size_t(r)][i])
+              input_modified(inputs_used[i] + rank_tag(r), "its device copy before the call",
+                             "input '" + inputs_used[i] + "' was modified on the device by the fast stage");
           }
         opt.mirror->end_call();
       }
@@ -346,16 +350,9 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
       }
       for (int r = 0; r < R; ++r)
         for (size_t i = 0; i < inputs_used.size(); ++i)
-          if (checksum(fast.at(inputs_used[i], r)) != sums[size_t(r)][i]) {
-            Check ch;
-            ch.slot = s->slot;
-            ch.variant = s->variant;
-            ch.tensor = inputs_used[i] + rank_tag(r);
-            ch.against = "its value before the call";
-            ch.outcome = Outcome::INCORRECT;
-            ch.note = "input '" + inputs_used[i] + "' was modified by the fast stage";
-            rep.checks.push_back(ch);
-          }
+          if (checksum(fast.at(inputs_used[i], r)) != sums[size_t(r)][i])
+            input_modified(inputs_used[i] + rank_tag(r), "its value before the call",
+                           "input '" + inputs_used[i] + "' was modified by the fast stage");
       vd->compare_seconds += since(tc);
       if (opt.fast_only) {
         ran.push_back({s, out});
