@@ -45,6 +45,7 @@ Mirror::Map::iterator Mirror::add(const void* p, size_t bytes, const std::shared
   e.dev = dev_.alloc(bytes);
   if (owner) e.owner = *owner;
   e.temporary = owner == nullptr;
+  if (e.temporary) e.thread = std::this_thread::get_id();
   if (upload) {
     dev_.upload(e.dev, p, bytes);
     ++uploads_;
@@ -134,6 +135,16 @@ uint64_t Mirror::device_hash(const void* p, size_t bytes) {
   auto it = find(p, bytes);
   if (it == entries_.end()) throw std::logic_error("Mirror::device_hash: range not on the device");
   return dev_.hash(static_cast<const uint8_t*>(it->second.dev) + (static_cast<const uint8_t*>(p) - it->first), bytes);
+}
+
+void Mirror::release_temporaries() {
+  std::lock_guard<std::mutex> lk(m_);
+  const std::thread::id me = std::this_thread::get_id();
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    auto next = std::next(it);
+    if (it->second.temporary && it->second.thread == me) drop(it);
+    it = next;
+  }
 }
 
 void Mirror::begin_call() {

@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 
 #include "bodies.h"
 #include "ep_host.h"
@@ -133,6 +134,18 @@ class Mirror {
   /// Whether a device call wrote into [p, p + bytes) since begin_call().
   bool device_wrote(const void* p, size_t bytes);
 
+  /// Drops the temporaries the calling thread created. Every entry point
+  /// ends with it (Scope): a temporary's host memory may be freed and reused
+  /// right after, by any rank's thread, with other boundaries; an entry
+  /// outliving it could then be dropped for an overlap while another call
+  /// still reads its device copy.
+  void release_temporaries();
+  /// Calls release_temporaries() when a device entry point returns.
+  struct Scope {
+    Mirror& m;
+    ~Scope() { m.release_temporaries(); }
+  };
+
   /// Hash, on the device, of the device copy of [p, p + bytes) (held).
   uint64_t device_hash(const void* p, size_t bytes);
   /// Starts a fast call: clears the per-call marks.
@@ -149,6 +162,7 @@ class Mirror {
     void* dev = nullptr;
     std::weak_ptr<void> owner;  // empty for a temporary of the current call
     bool temporary = false;
+    std::thread::id thread;     // a temporary's: the thread whose entry point made it
     bool output = false;          // registered by hold_output() in the current call
     bool device_written = false;  // by a device call since begin_call()
   };

@@ -117,6 +117,7 @@ void apply_row_map(const ExecCtx& ctx, DType dt, const void* src, const int64_t*
     using T = decltype(tag);
     if (ctx.mirror) {
       Mirror& m = *ctx.mirror;
+      Mirror::Scope scope{m};
       if (n == 0) return;
       int64_t src_rows = 0;  // the rows the map reads: what must be on the device
       for (int64_t i = 0; i < n; ++i) src_rows = std::max(src_rows, map[i] + 1);
@@ -141,6 +142,7 @@ void apply_equal_count(const ExecCtx& ctx, DType dt, const void* src, EqualCount
     using T = decltype(tag);
     if (ctx.mirror) {  // the map is a permutation of the n rows
       Mirror& mr = *ctx.mirror;
+      Mirror::Scope scope{mr};
       if (n == 0) return;
       const size_t bytes = size_t(n * D) * sizeof(T);
       mr.device().run(k::FnRowMapBody<T, EqualCountMap>{static_cast<const T*>(mr.in(src, bytes)), m,

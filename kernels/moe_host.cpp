@@ -87,6 +87,7 @@ void router_logits(const ExecCtx& ctx, DType dt, const void* x, const void* wg, 
                    int64_t D, int E, float* logits, GateDtype gate) {
   if (ctx.mirror) {
     Mirror& m = *ctx.mirror;
+    Mirror::Scope scope{m};
     const size_t eb = dtype_bytes(dt), n = size_t(T) * size_t(E);
     float* dl = static_cast<float*>(m.out(logits, n * 4));
     if (n == 0) return;
@@ -130,6 +131,7 @@ void router_route(const ExecCtx& ctx, const RouterConfig& cfg, const float* logi
                      ctx.faults.has(Fault::group_tie_higher) ? k::GroupTie::higher_group : k::GroupTie::lower_group};
   if (ctx.mirror) {
     Mirror& m = *ctx.mirror;
+    Mirror::Scope scope{m};
     const size_t te = size_t(T) * size_t(cfg.E) * 4, tk = size_t(T) * size_t(cfg.K) * 4;
     k::RouterBody d = body;
     d.logits = static_cast<const float*>(m.in(logits, te));
@@ -159,6 +161,7 @@ void router_route(const ExecCtx& ctx, const RouterConfig& cfg, const float* logi
 void expert_sort(const ExecCtx& ctx, const int32_t* ids, int64_t N, int E, int32_t* perm) {
   if (ctx.mirror) {  // a device sort has no chunks: sort_chunk_offset has no device form
     Mirror& m = *ctx.mirror;
+    Mirror::Scope scope{m};
     int32_t* dp = static_cast<int32_t*>(m.out(perm, size_t(N) * 4));
     if (N > 0) m.device().sort(static_cast<const int32_t*>(m.in(ids, size_t(N) * 4)), N, E, dp, ctx.faults.has(Fault::unstable_sort));
     m.wrote(perm, size_t(N) * 4);
@@ -216,6 +219,7 @@ void dispatch_gather(const ExecCtx& ctx, DType dt, k::ScoreApply apply, const vo
                           token_sorted, score_sorted, row_of, D, K, apply, smul};
     if (ctx.mirror) {
       Mirror& m = *ctx.mirror;
+      Mirror::Scope scope{m};
       if (N == 0) return;
       const int64_t tokens = N / K;
       const size_t rb = size_t(N * D) * sizeof(T);
@@ -286,6 +290,7 @@ void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* 
       Mirror& m = *ctx.mirror;
       dispatch_dtype(dt, [&](auto tag) {
         using T = decltype(tag);
+        Mirror::Scope scope{m};
         T* hp = reinterpret_cast<T*>(H + size_t(r0 * F) * eb);
         m.device().run(k::SwigluBody<T>{static_cast<const T*>(m.in(h13 + size_t(r0 * 2 * F) * eb, size_t(n * 2 * F) * eb)),
                                         static_cast<T*>(m.out(hp, size_t(n * F) * eb)), F, silu_rounding(ctx, conv)},
@@ -418,6 +423,7 @@ namespace {
 /// operations per column as the host's spans, so the bytes agree.
 void combine_device(const ExecCtx& ctx, const CombineArgs& a, k::CombineInit init_from, const void* init, void* out) {
   Mirror& m = *ctx.mirror;
+  Mirror::Scope scope{m};
   dispatch_dtype(a.dt, [&](auto tag) {
     using T = decltype(tag);
     const size_t td = size_t(a.T * a.D) * sizeof(T);
@@ -468,6 +474,7 @@ void gemm_nt(const ExecCtx& ctx, DType dt, const void* X, int64_t rows, int64_t 
   const size_t eb = dtype_bytes(dt);
   if (ctx.mirror) {
     Mirror& m = *ctx.mirror;
+    Mirror::Scope scope{m};
     // the byte extents of the strided blocks: the last row ends at its last column
     const size_t xb = size_t((rows - 1) * ldx + k) * eb, yb = size_t((rows - 1) * ldy + n) * eb;
     m.device().gemm_nt(dt, m.in(X, xb), rows, k, ldx, m.in(W, size_t(n * k) * eb), n, m.out(Y, yb), ldy);
@@ -489,6 +496,7 @@ void copy_bytes(const ExecCtx& ctx, void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return;
   if (ctx.mirror) {
     Mirror& m = *ctx.mirror;
+    Mirror::Scope scope{m};
     m.device().copy(m.out(dst, bytes), m.in(src, bytes), bytes);
     m.wrote(dst, bytes);
     return;

@@ -63,6 +63,18 @@ TEST_CASE("mirror re-uploads temporaries and host-written outputs, drops the dea
   m.hold_output(o->data(), o->size(), o, 0xFF);
   (*o)[2] = 5;  // host code writes an output (the host-staged exchange)
   CHECK(static_cast<const uint8_t*>(m.in(o->data(), 8))[2] == 5);
+  {
+    // An entry point's temporaries end with it (Mirror::Scope): freed host
+    // memory may come back at once with other boundaries, in any thread.
+    std::vector<uint8_t> t2(32, 2);
+    const size_t before = m.device_bytes();
+    {
+      Mirror::Scope scope{m};
+      m.in(t2.data(), 32);
+      CHECK(m.device_bytes() == before + 32);
+    }
+    CHECK(m.device_bytes() == before - 16);  // this thread's temporaries, tmp's too, are gone; the output stays
+  }
   m.end_call();
   const size_t held = m.device_bytes();
   CHECK(held == 8);  // the temporary is gone, the output stays
