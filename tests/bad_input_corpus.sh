@@ -160,6 +160,7 @@ v sp_seq_len_tokens_disagree "shape.tokens: 9 disagrees with batch * seq_len = 8
 v sp_padding_unknown "sp_padding: unknown value 'front'; valid: virtual | tail"
 v backward_sp "backward: the backward of the sequence-parallel shard and gather is not implemented; valid: backward: off with sp > 1"
 v backward_unknown "backward: unknown value 'yes please'; valid: off | on"
+v backend_unknown "backend_unknown.yaml:3:14: backend: unknown value 'gpu'; valid: host | cuda | emulated"
 # capacity (CONTRACT §11) and layer entries (§12)
 v capacity_negative "capacity_negative.yaml:3:24: capacity.factor: value -1 is out of range; valid: a number in [0, 1000]"
 v capacity_policy "capacity.policy: unknown value 'random'; valid: probs | position"
@@ -178,6 +179,7 @@ item bad_fault "--fault" run "$ok_file" --fault no_such_fault
 item set_unknown_key "unknown key 'shape.tokenz'" validate "$ok_file" --set shape.tokenz=3
 item set_no_equals "--set dtype: expected key=value" validate "$ok_file" --set dtype
 item validate_nothing "validate: give case files, or --keys" validate
+item backend_flag "--backend: unknown backend 'gpu'; valid: host | cuda | emulated" run "$ok_file" --backend gpu
 
 echo "bad-input corpus: $passed passed, $failed failed"
 [ "$failed" = 0 ] && [ "$passed" -ge 60 ]

@@ -297,13 +297,15 @@ FaultSet parse_faults(const std::vector<std::string>& names, std::string* flags 
   return fs;
 }
 
-/// The backend flag: only the host executor runs whole pipelines so far.
-void check_backend(const std::string& backend) {
+/// The backend flag of bench and fuzz, which time and draw on the host
+/// executor only (`run --backend cuda|emulated` runs cases on a device).
+void check_backend(const std::string& command, const std::string& backend) {
   if (backend == "host") return;
-  if (backend == "cuda")
-    throw Error(ErrorKind::not_supported, "NOT_SUPPORTED: --backend cuda: this moeverify runs the pipeline on the "
-                                          "host executor only; the CUDA backend is not built yet");
-  bad_input("--backend: unknown backend '" + printable(backend) + "'; valid: host | cuda");
+  if (backend == "cuda" || backend == "emulated")
+    throw Error(ErrorKind::not_supported, "NOT_SUPPORTED: " + command + " --backend " + backend + ": " + command +
+                                              " runs on the host executor only; `moeverify run --backend " + backend +
+                                              "` runs cases on a device");
+  bad_input("--backend: unknown backend '" + printable(backend) + "'; valid: host | cuda | emulated");
 }
 
 struct BenchArgs {
@@ -313,7 +315,7 @@ struct BenchArgs {
 };
 
 int cmd_bench(const CLI::App* cmd, const BenchArgs& a) {
-  check_backend(a.backend);
+  check_backend("bench", a.backend);
   if (launched_under_mpi()) bad_input("bench: runs its EP ranks in one process; valid: start it without mpirun");
   BenchOptions o;
   o.threads = cmd->count("--threads") ? parse_int_option("--threads", a.threads, 1, 256)
@@ -370,7 +372,7 @@ struct FuzzArgs {
 };
 
 int cmd_fuzz(const CLI::App* cmd, const FuzzArgs& a) {
-  check_backend(a.backend);
+  check_backend("fuzz", a.backend);
   FuzzOptions o;
   if (cmd->count("--seconds")) o.seconds = parse_real_option("--seconds", a.seconds, 0.1, 1e7);
   if (cmd->count("--iterations")) o.iterations = parse_u64_option("--iterations", a.iterations);
@@ -512,7 +514,7 @@ int main(int argc, char** argv) {
   fz->add_option("--seed", fa.seed, "the stream of configurations (default: from the clock; printed first)")
       ->type_name("N");
   fz->add_option("--jobs", fa.jobs, "configurations run at once (default 1)")->type_name("N");
-  fz->add_option("--backend", fa.backend, "host (default) | cuda");
+  fz->add_option("--backend", fa.backend, "host (default); cuda and emulated are NOT_SUPPORTED (run --backend)");
   fz->add_option("--fault", fa.faults, "turn on a planted fault: the fuzz must then find it");
   fz->add_option("--out", fa.out, "folder for the shrunk failing cases (default fuzz-failures, made on the first)");
   fz->add_option("--json", fa.json, "also write the result as JSON");
@@ -537,7 +539,7 @@ int main(int argc, char** argv) {
   bn->add_option("--json", ba.json, "also write the results as JSON (schema moeverify-bench/1)");
   bn->add_option("--plot", ba.plot, "also draw the roof shares (and the --sweep growth) as an SVG file");
   bn->add_flag("--sweep", ba.sweep, "also verify each case at 1/4, 1/2 and 1 of its T, D and R: time and peak memory");
-  bn->add_option("--backend", ba.backend, "host (default) | cuda");
+  bn->add_option("--backend", ba.backend, "host (default); cuda and emulated are NOT_SUPPORTED (run --backend)");
   bn->add_option("--max-memory", ba.max_memory, mem_help)->type_name("SIZE");
 
   try {
