@@ -205,6 +205,7 @@ class CudaDevice final : public Device {
   }
   void run(const k::RouterBody& b, int64_t n) override { launch(b, n); }
   void run(const HistogramBody& b, int64_t n) override { launch(b, n); }
+  void run(const PadRouteBody& b, int64_t n) override { launch(b, n); }
 #define MOEV_CUDA_BODIES(T)                                                                   \
   void run(const k::GatherBody<T>& b, int64_t n) override { launch(b, n); }                   \
   void run(const k::CombineBody<T, 1>& b, int64_t n) override { launch(b, n); }              \

@@ -200,6 +200,7 @@ class EmulatedDevice final : public Device {
   }
   void run(const k::RouterBody& b, int64_t n) override { host_run(ctx_, n, b); }
   void run(const HistogramBody& b, int64_t n) override { host_run(ctx_, n, b); }
+  void run(const PadRouteBody& b, int64_t n) override { host_run(ctx_, n, b); }
 #define MOEV_EMULATED_BODIES(T)                                                                   \
   void run(const k::GatherBody<T>& b, int64_t n) override { host_run(ctx_, n, b); }               \
   void run(const k::CombineBody<T, 1>& b, int64_t n) override { host_run(ctx_, n, b); }          \

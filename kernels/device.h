@@ -25,6 +25,7 @@
 
 #include "bodies.h"
 #include "ep_host.h"
+#include "sp_host.h"
 
 namespace moev {
 
@@ -70,6 +71,7 @@ class Device {
   // The bodies of bodies.h over items [0, n) (item = block, lane = thread on a GPU).
   virtual void run(const k::RouterBody& b, int64_t n) = 0;
   virtual void run(const HistogramBody& b, int64_t n) = 0;
+  virtual void run(const PadRouteBody& b, int64_t n) = 0;
 #define MOEV_DEVICE_BODIES(T)                                                  \
   virtual void run(const k::GatherBody<T>& b, int64_t n) = 0;                  \
   virtual void run(const k::CombineBody<T, 1>& b, int64_t n) = 0;             \

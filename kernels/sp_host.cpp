@@ -4,6 +4,7 @@
 #include "sp_host.h"
 
 #include "bodies.h"
+#include "device.h"
 #include "faults.h"
 
 namespace moev {
@@ -41,35 +42,27 @@ std::vector<int64_t> sp_gather_map(const SpLayout& l) {
   return map;
 }
 
-namespace {
-
-/// One SP-layout row of the tail pad routing: pad rows get K ids of expert 0
-/// and score 0 (the fault keeps the router's score); real rows are untouched.
-struct PadRouteBody {
-  SpLayout l;
-  int K;
-  int32_t* ids;
-  float* topk_scores;
-  bool keep_score;  // planted fault sp_tail_pad_score
-
-  MOEV_HD void operator()(int64_t i, int lane, int) const {
-    if (lane != 0) return;
-    int64_t s = 0;
-    while (s + 1 < l.S && l.offset(s + 1) <= i) ++s;
-    if (l.global(s, i - l.offset(s)) < l.T) return;
-    for (int k = 0; k < K; ++k) {
-      ids[i * K + k] = 0;
-      if (!keep_score) topk_scores[i * K + k] = 0.f;
-    }
-  }
-};
-
-}  // namespace
 
 void sp_route_pad_rows(const ExecCtx& ctx, const SpLayout& l, int K, int E, int32_t* ids, float* topk_scores,
                        int64_t* counts) {
   const int64_t rows = l.offset(l.S - 1) + l.rows(l.S - 1);
-  host_run(ctx, rows, PadRouteBody{l, K, ids, topk_scores, ctx.faults.has(Fault::sp_tail_pad_score)});
+  const PadRouteBody body{l, K, ids, topk_scores, ctx.faults.has(Fault::sp_tail_pad_score)};
+  if (ctx.mirror) {  // ids and scores are read and rewritten in place: in(), then written back
+    Mirror& m = *ctx.mirror;
+    Mirror::Scope scope{m};
+    const size_t n = size_t(rows * K) * 4;
+    PadRouteBody d = body;
+    d.ids = static_cast<int32_t*>(const_cast<void*>(m.in(ids, n)));
+    d.topk_scores = static_cast<float*>(const_cast<void*>(m.in(topk_scores, n)));
+    int64_t* dc = static_cast<int64_t*>(m.out(counts, size_t(E) * 8));
+    if (rows > 0) m.device().run(d, rows);
+    m.device().run(HistogramBody{d.ids, rows * K, dc}, E);
+    m.wrote(ids, n);
+    m.wrote(topk_scores, n);
+    m.wrote(counts, size_t(E) * 8);
+    return;
+  }
+  host_run(ctx, rows, body);
   for (int e = 0; e < E; ++e) counts[e] = 0;
   for (int64_t a = 0; a < rows * K; ++a) ++counts[ids[a]];
 }

@@ -74,6 +74,27 @@ std::vector<int64_t> sp_shard_map(const SpLayout& l);
 /// output, or -1 where no rank wrote (virtual padding: zero).
 std::vector<int64_t> sp_gather_map(const SpLayout& l);
 
+/// One SP-layout row of the tail pad routing: pad rows get K ids of expert 0
+/// and score 0 (the fault keeps the router's score); real rows are untouched.
+struct PadRouteBody {
+  SpLayout l;
+  int K;
+  int32_t* ids;
+  float* topk_scores;
+  bool keep_score;  // planted fault sp_tail_pad_score
+
+  MOEV_HD void operator()(int64_t i, int lane, int) const {
+    if (lane != 0) return;
+    int64_t s = 0;
+    while (s + 1 < l.S && l.offset(s + 1) <= i) ++s;
+    if (l.global(s, i - l.offset(s)) < l.T) return;
+    for (int k = 0; k < K; ++k) {
+      ids[i * K + k] = 0;
+      if (!keep_score) topk_scores[i * K + k] = 0.f;
+    }
+  }
+};
+
 /// Tail pad rows routed to expert 0 with score 0 (FRAMEWORKS §10.2): ids and
 /// topk_scores (rows, K) are rewritten in place for SP-layout rows whose
 /// global row is >= T; counts (E) are the histogram of the resulting ids.

@@ -35,12 +35,12 @@ PY
   fi
   passed=$((passed + ok))
 done
-[ "$passed" -ge 100 ] || { echo "FAIL only $passed cases PASSED on the emulated device (expected at least 100)"; fails=$((fails + 1)); }
+[ "$passed" -ge 120 ] || { echo "FAIL only $passed cases PASSED on the emulated device (expected at least 120)"; fails=$((fails + 1)); }
 grep -q "fast path on emulated" "$tmp/basic.log" || { echo "FAIL the report does not name the device"; fails=$((fails + 1)); }
 # Planted faults of the primitives that run on the device: each must be INCORRECT (exit 1) there.
 for fc in "highest_id_tiebreak edge" "softmax_no_max router" "group_tie_higher router" "unstable_sort edge" \
           "unordered_combine edge" "pointer_alias_guard inplace" "pad_rows_first ep" "direct_route_unguarded force_lb" \
-          "silu_rounded basic"; do
+          "silu_rounded basic" "sp_tail_pad_score sp" "sp_b1_index sp" "sp_even_combine sp"; do
   set -- $fc
   "$bin" run "$src/cases/$2.yaml" --backend emulated --fault "$1" > "$tmp/fault.log" 2>&1
   rc=$?

@@ -84,6 +84,7 @@ void register_sp_stages(std::vector<Stage>& reg) {
         out["sp_tokens"] = from_ints({T}, ElemType::i64, {1});
       }
     };
+    s.backends = kHostAndDevice;
     reg.push_back(s);
   }
   // --- sp_pad_route: tail pad rows to expert 0 with score 0 -------------------
@@ -105,8 +106,8 @@ void register_sp_stages(std::vector<Stage>& reg) {
       Tensor& oi = ctx.output("ids", ElemType::i32, ids.shape);
       Tensor& os = ctx.output("topk_scores", ElemType::f32, ids.shape);
       if (ids.bytes()) {  // a rank with no tokens has no storage
-        std::memcpy(oi.data(), ids.data(), ids.bytes());
-        std::memcpy(os.data(), ctx.input("topk_scores").data(), os.bytes());
+        copy_bytes(ctx.exec, oi.data(), ids.data(), ids.bytes());
+        copy_bytes(ctx.exec, os.data(), ctx.input("topk_scores").data(), os.bytes());
       }
       Tensor& counts = ctx.output("counts", ElemType::i64, {int64_t(c.num_experts)});
       sp_route_pad_rows(ctx.exec, l, c.top_k, c.num_experts, oi.as<int32_t>(), os.as<float>(), counts.as<int64_t>());
@@ -128,6 +129,7 @@ void register_sp_stages(std::vector<Stage>& reg) {
         out["counts"] = from_ints(counts, ElemType::i64, {int64_t(c.num_experts)});
       }
     };
+    s.backends = kHostAndDevice;
     reg.push_back(s);
   }
   // --- sp_gather: the global nlt*S rows, the first T kept ---------------------
@@ -150,7 +152,7 @@ void register_sp_stages(std::vector<Stage>& reg) {
       Tensor& g = ctx.output("sp_out_global", out.type, {l.global_rows(), c.hidden});
       apply_row_map(ctx.exec, c.dtype, out.data(), map.data(), l.global_rows(), c.hidden, g.data());
       Tensor& kept = ctx.output("sp_out", out.type, {T, c.hidden});
-      if (kept.bytes()) std::memcpy(kept.data(), g.data(), kept.bytes());  // no tokens: no storage
+      copy_bytes(ctx.exec, kept.data(), g.data(), kept.bytes());  // no tokens: no storage, no copy
     };
     s.ref = [](RefCtx& r) {
       const Case& c = r.c;
@@ -166,6 +168,7 @@ void register_sp_stages(std::vector<Stage>& reg) {
         o["sp_out"] = from_floats(g, out.type, {T, c.hidden});
       }
     };
+    s.backends = kHostAndDevice;
     reg.push_back(s);
   }
 }
