@@ -20,7 +20,7 @@ Mirror::Map::iterator Mirror::find(const void* p, size_t bytes) {
   auto it = entries_.upper_bound(b);
   if (it == entries_.begin()) return entries_.end();
   --it;
-  if (!it->second.temporary && it->second.owner.expired()) {  // its storage died: the address may be reused
+  if (it->second.kind != Kind::temporary && it->second.owner.expired()) {  // its storage died: the address may be reused
     drop(it);
     return entries_.end();
   }
@@ -43,9 +43,12 @@ Mirror::Map::iterator Mirror::add(const void* p, size_t bytes, const std::shared
   Entry e;
   e.bytes = bytes;
   e.dev = dev_.alloc(bytes);
-  if (owner) e.owner = *owner;
-  e.temporary = owner == nullptr;
-  if (e.temporary) e.thread = std::this_thread::get_id();
+  if (owner) {
+    e.owner = *owner;
+  } else {
+    e.kind = Kind::temporary;
+    e.thread = std::this_thread::get_id();
+  }
   if (upload) {
     dev_.upload(e.dev, p, bytes);
     ++uploads_;
@@ -66,14 +69,14 @@ void Mirror::hold(const void* host, size_t bytes, const std::shared_ptr<void>& o
   if (bytes == 0) return;
   std::lock_guard<std::mutex> lk(m_);
   auto it = find(host, bytes);
-  if (it != entries_.end() && !it->second.temporary) return;
+  if (it != entries_.end() && it->second.kind != Kind::temporary) return;
   add(host, bytes, &owner, true, -1);
 }
 
 void Mirror::hold_output(const void* host, size_t bytes, const std::shared_ptr<void>& owner, uint8_t poison) {
   if (bytes == 0) return;
   std::lock_guard<std::mutex> lk(m_);
-  add(host, bytes, &owner, false, poison)->second.output = true;
+  add(host, bytes, &owner, false, poison)->second.kind = Kind::output;
 }
 
 const void* Mirror::in(const void* p, size_t bytes) {
@@ -82,11 +85,11 @@ const void* Mirror::in(const void* p, size_t bytes) {
   auto it = find(p, bytes);
   if (it == entries_.end()) {
     it = add(p, bytes, nullptr, true, -1);
-  } else if (it->second.temporary || (it->second.output && !it->second.device_written)) {
-    dev_.upload(static_cast<uint8_t*>(it->second.dev) + (static_cast<const uint8_t*>(p) - it->first), p, bytes);
+  } else if (it->second.host_may_be_newer()) {
+    dev_.upload(device_at(it, p), p, bytes);
     ++uploads_;
   }
-  return static_cast<const uint8_t*>(it->second.dev) + (static_cast<const uint8_t*>(p) - it->first);
+  return device_at(it, p);
 }
 
 void* Mirror::out(void* p, size_t bytes) {
@@ -98,11 +101,11 @@ void* Mirror::out(void* p, size_t bytes) {
   // its device poison: the device writes it, the host does not.
   if (it == entries_.end()) {
     it = add(p, bytes, nullptr, true, -1);
-  } else if (it->second.temporary) {
-    dev_.upload(static_cast<uint8_t*>(it->second.dev) + (static_cast<uint8_t*>(p) - it->first), p, bytes);
+  } else if (it->second.kind == Kind::temporary) {
+    dev_.upload(device_at(it, p), p, bytes);
     ++uploads_;
   }
-  return static_cast<uint8_t*>(it->second.dev) + (static_cast<uint8_t*>(p) - it->first);
+  return device_at(it, p);
 }
 
 void Mirror::wrote(void* p, size_t bytes) {
@@ -110,7 +113,7 @@ void Mirror::wrote(void* p, size_t bytes) {
   std::lock_guard<std::mutex> lk(m_);
   auto it = find(p, bytes);
   if (it == entries_.end()) throw std::logic_error("Mirror::wrote: range not on the device");
-  dev_.download(p, static_cast<uint8_t*>(it->second.dev) + (static_cast<uint8_t*>(p) - it->first), bytes);
+  dev_.download(p, device_at(it, p), bytes);
   it->second.device_written = true;
 }
 
@@ -119,7 +122,7 @@ void Mirror::host_wrote(const void* p, size_t bytes) {
   std::lock_guard<std::mutex> lk(m_);
   auto it = find(p, bytes);
   if (it == entries_.end()) return;  // not on the device: nothing to refresh
-  dev_.upload(static_cast<uint8_t*>(it->second.dev) + (static_cast<const uint8_t*>(p) - it->first), p, bytes);
+  dev_.upload(device_at(it, p), p, bytes);
   ++uploads_;
 }
 
@@ -134,7 +137,7 @@ uint64_t Mirror::device_hash(const void* p, size_t bytes) {
   std::lock_guard<std::mutex> lk(m_);
   auto it = find(p, bytes);
   if (it == entries_.end()) throw std::logic_error("Mirror::device_hash: range not on the device");
-  return dev_.hash(static_cast<const uint8_t*>(it->second.dev) + (static_cast<const uint8_t*>(p) - it->first), bytes);
+  return dev_.hash(device_at(it, p), bytes);
 }
 
 void Mirror::release_temporaries() {
@@ -142,20 +145,23 @@ void Mirror::release_temporaries() {
   const std::thread::id me = std::this_thread::get_id();
   for (auto it = entries_.begin(); it != entries_.end();) {
     auto next = std::next(it);
-    if (it->second.temporary && it->second.thread == me) drop(it);
+    if (it->second.kind == Kind::temporary && it->second.thread == me) drop(it);
     it = next;
   }
 }
 
 void Mirror::begin_call() {
   std::lock_guard<std::mutex> lk(m_);
-  for (auto& [p, e] : entries_) e.device_written = e.output = false;
+  for (auto& [p, e] : entries_) {
+    e.device_written = false;
+    if (e.kind == Kind::output) e.kind = Kind::held;
+  }
 }
 
 void Mirror::end_call() {
   std::lock_guard<std::mutex> lk(m_);
   for (auto it = entries_.begin(); it != entries_.end();) {
-    const bool dead = it->second.temporary || it->second.owner.expired();
+    const bool dead = it->second.kind == Kind::temporary || it->second.owner.expired();
     if (dead) {
       auto next = std::next(it);
       drop(it);

@@ -159,16 +159,25 @@ class Mirror {
   size_t device_bytes() const { return bytes_; }
 
  private:
+  /// held: a board tensor's storage, alive while `owner` is; output: one
+  /// registered by hold_output() in the current call (held from the next);
+  /// temporary: a range of a fast function's own, ended with its entry point.
+  enum class Kind : uint8_t { held, output, temporary };
   struct Entry {
     size_t bytes = 0;
     void* dev = nullptr;
-    std::weak_ptr<void> owner;  // empty for a temporary of the current call
-    bool temporary = false;
-    std::thread::id thread;     // a temporary's: the thread whose entry point made it
-    bool output = false;          // registered by hold_output() in the current call
+    Kind kind = Kind::held;
+    std::weak_ptr<void> owner;    // held and output
+    std::thread::id thread;       // temporary: the thread whose entry point made it
     bool device_written = false;  // by a device call since begin_call()
+    /// Whether the host may hold bytes the device copy lacks (see in()).
+    bool host_may_be_newer() const { return kind == Kind::temporary || (kind == Kind::output && !device_written); }
   };
   using Map = std::map<const uint8_t*, Entry>;
+  /// The device address of host address p inside entry `it`.
+  static uint8_t* device_at(Map::iterator it, const void* p) {
+    return static_cast<uint8_t*>(it->second.dev) + (static_cast<const uint8_t*>(p) - it->first);
+  }
   Map::iterator find(const void* p, size_t bytes);  // the live entry containing the range, or end()
   Map::iterator add(const void* p, size_t bytes, const std::shared_ptr<void>* owner, bool upload, int poison);
   void drop(Map::iterator it);

@@ -18,6 +18,21 @@ using namespace moev;
 
 namespace {
 
+CombineArgs combine_args(DType dt, const void* rows, const float* scores, const int32_t* row_of, int64_t N, int64_t T,
+                         int64_t D, int K, k::Accumulate acc) {
+  CombineArgs a;
+  a.dt = dt;
+  a.routed_out = rows;
+  a.score_sorted = scores;
+  a.row_of = row_of;
+  a.rows = N;
+  a.T = T;
+  a.D = D;
+  a.K = K;
+  a.acc = acc;
+  return a;
+}
+
 /// The entry points on the CUDA device (kernels/device.h: a Mirror, pointers
 /// translated, write-through) against the host executor, bitwise: routing,
 /// the expert sort, gather, combine, row maps. Returns the failures.
@@ -71,16 +86,7 @@ int device_entry_points() {
                       t_d.data(), s_d.data(), o_d.data());
       move_ok = move_ok && r_h == r_d && t_h == t_d && o_h == o_d;
       for (k::Accumulate acc : {k::Accumulate::per_add, k::Accumulate::fp32_accumulate}) {
-        CombineArgs a;
-        a.dt = dt;
-        a.routed_out = r_h.data();
-        a.score_sorted = s_h.data();
-        a.row_of = o_h.data();
-        a.rows = N;
-        a.T = T;
-        a.D = D;
-        a.K = K;
-        a.acc = acc;
+        CombineArgs a = combine_args(dt, r_h.data(), s_h.data(), o_h.data(), N, T, D, K, acc);
         std::vector<uint8_t> c_h(x.size()), c_d(x.size());
         combine_from_zeros(host, a, c_h.data());
         combine_from_zeros(on_dev, a, c_d.data());
@@ -153,15 +159,7 @@ int main() {
         }
       for (k::ScoreMultiply smul : {k::ScoreMultiply::fp32, k::ScoreMultiply::act})
       for (k::Accumulate acc : {k::Accumulate::per_add, k::Accumulate::fp32_accumulate}) {
-        CombineArgs a;
-        a.dt = dt;
-        a.routed_out = rh.data();
-        a.score_sorted = sh.data();
-        a.row_of = oh.data();
-        a.T = T;
-        a.D = D;
-        a.K = K;
-        a.acc = acc;
+        CombineArgs a = combine_args(dt, rh.data(), sh.data(), oh.data(), N, T, D, K, acc);
         a.smul = smul;
         std::vector<uint8_t> init(static_cast<size_t>(T * D) * eb, 0), ch(init.size()), cd(init.size());
         combine(ExecCtx{2, {}}, a, init.data(), ch.data());

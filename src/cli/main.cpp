@@ -108,6 +108,25 @@ class ProgressLine {
   bool shown_ = false;
 };
 
+/// A --backend value: one of the case key `backend`'s names, else bad input.
+Backend backend_flag(const std::string& name) {
+  std::string valid;
+  for (const auto& [n, b] : backend_table()) {
+    if (name == n) return b;
+    valid += (valid.empty() ? "" : " | ") + std::string(n);
+  }
+  bad_input("--backend: unknown backend '" + printable(name) + "'; valid: " + valid);
+}
+
+/// The backend flag of bench and fuzz, which time and draw on the host
+/// executor only (`run --backend cuda|emulated` runs cases on a device).
+void check_backend(const std::string& command, const std::string& backend) {
+  if (backend_flag(backend) == Backend::host) return;
+  throw Error(ErrorKind::not_supported, "NOT_SUPPORTED: " + command + " --backend " + backend + ": " + command +
+                                            " runs on the host executor only; `moeverify run --backend " + backend +
+                                            "` runs cases on a device");
+}
+
 int cmd_run(const CLI::App* cmd, const RunArgs& a) {
   const bool mpi = launched_under_mpi();
   const bool writer = !mpi || mpi_world().rank() == 0;  // rank 0 prints and writes
@@ -133,8 +152,7 @@ int cmd_run(const CLI::App* cmd, const RunArgs& a) {
   // --backend is the case key `backend` set for every case (validated there).
   std::vector<std::string> sets = a.sets;
   if (cmd->count("--backend")) {
-    if (a.backend != "host" && a.backend != "cuda" && a.backend != "emulated")
-      bad_input("--backend: unknown backend '" + printable(a.backend) + "'; valid: host | cuda | emulated");
+    backend_flag(a.backend);  // a wrong value is named as the flag, not as a --set
     sets.push_back("backend=" + a.backend);
   }
   std::vector<std::pair<std::string, std::vector<Case>>> all;
@@ -295,17 +313,6 @@ FaultSet parse_faults(const std::vector<std::string>& names, std::string* flags 
     if (flags) *flags += " --fault " + f;
   }
   return fs;
-}
-
-/// The backend flag of bench and fuzz, which time and draw on the host
-/// executor only (`run --backend cuda|emulated` runs cases on a device).
-void check_backend(const std::string& command, const std::string& backend) {
-  if (backend == "host") return;
-  if (backend == "cuda" || backend == "emulated")
-    throw Error(ErrorKind::not_supported, "NOT_SUPPORTED: " + command + " --backend " + backend + ": " + command +
-                                              " runs on the host executor only; `moeverify run --backend " + backend +
-                                              "` runs cases on a device");
-  bad_input("--backend: unknown backend '" + printable(backend) + "'; valid: host | cuda | emulated");
 }
 
 struct BenchArgs {

@@ -1,5 +1,6 @@
 #include "registry.h"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 
@@ -57,6 +58,11 @@ bool promise_expert_rows(const Case& c, const RankBoard& b) {
   // in fp16) legitimately give zero outputs: no data is promised then.
   auto in = b.find("expert_input");
   return in == b.end() || any_nonzero(in->second);
+}
+
+std::string device_missing(const Stage& s, const Case& c) {
+  if (std::find(s.backends.begin(), s.backends.end(), Backend::cuda) == s.backends.end()) return "no device form";
+  return s.device_declines ? s.device_declines(c) : "";
 }
 
 std::function<std::vector<std::string>(const Case&)> fixed_inputs(std::vector<std::string> names) {

@@ -191,6 +191,10 @@ struct Stage {
   std::function<std::string(const Case&)> device_declines;
 };
 
+/// Why variant `s` cannot run case `c` on a device ("" when it can): no
+/// device form, or the case's conventions have none (Stage::device_declines).
+std::string device_missing(const Stage& s, const Case& c);
+
 struct EndToEndOutput {
   OutputSpec spec;
   std::string scale;

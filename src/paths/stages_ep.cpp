@@ -429,6 +429,12 @@ Stage make(const std::string& slot, const std::string& variant, const std::strin
   Stage s = make_stage(slot, variant, summary, always, std::move(inputs), std::move(outputs), std::move(fast),
                        std::move(ref));
   s.ref_per_rank = true;  // every reference above honours RefCtx::rank
+  // Every forward EP variant moves rows with the row-map bodies (on a device
+  // when there is one) and exchanges them through the Communicator; with
+  // in-process ranks on one device the exchange is host-staged (DESIGN.md
+  // idea 3): the host copy is current (write-through) and what the exchange
+  // writes is uploaded after the call.
+  s.backends = kHostAndDevice;
   return s;
 }
 
@@ -524,14 +530,6 @@ void register_ep_stages(std::vector<Stage>& reg) {
     s.primary = [](const Case& c) { return c.equal_split.policy != EqualSplitPolicy::off; };
     reg.push_back(s);
   }
-  // Every forward EP variant moves rows with the row-map bodies (on a device
-  // when there is one) and exchanges them through the Communicator; with
-  // in-process ranks on one device the exchange is host-staged (DESIGN.md
-  // idea 3): the host copy is current (write-through) and what the exchange
-  // writes is uploaded after the call.
-  for (Stage& s : reg)
-    for (const char* slot : {"ep_dispatch", "ep_permute", "align_pad", "align_unpad", "ep_unpermute", "ep_combine"})
-      if (s.slot == slot) s.backends = kHostAndDevice;
 }
 
 }  // namespace moev
