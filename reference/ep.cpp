@@ -18,6 +18,16 @@ EpDispatch ep_dispatch(const std::vector<RowsRef>& routed, const std::vector<Cou
   EpDispatch d;
   d.recv.assign(size_t(R), {});
   d.recv_counts.assign(size_t(R), Counts(size_t(R) * size_t(E_l), 0));
+  // Each receiver's rows are reserved whole: appended row by row, a vector's
+  // doubling would hold up to twice the rows, and the freed halves would
+  // scatter the heap.
+  for (int q = 0; q < R; ++q) {
+    if (only >= 0 && q != only) continue;
+    int64_t n = 0;
+    for (int p = 0; p < R; ++p)
+      for (int j = 0; j < E_l; ++j) n += counts[size_t(p)][size_t(q * E_l + j)];
+    d.recv[size_t(q)].reserve(size_t(n) * (routed.empty() ? 0 : routed[0].row_bytes));
+  }
   for (int q = 0; q < R; ++q)
     for (int p = 0; p < R; ++p) {
       // walk source p's expert groups up to expert q*E_l

@@ -207,54 +207,114 @@ Vec swiglu_magnitude(const Vec& X, const Counts& counts, int64_t D, int64_t F, c
   return M;
 }
 
-Vec combine_magnitude(const CombineSpec& s, const Vec& rows_magnitude, const Ids& token_sorted,
-                      const Vec& score_sorted, const Vec& init_magnitude, const Vec& shared_magnitude, int64_t T,
-                      int64_t D) {
-  std::vector<double> m(init_magnitude.begin(), init_magnitude.end());
-  for (size_t i = 0; i < token_sorted.size(); ++i) {
-    if (token_sorted[i] < 0) continue;  // a capacity filler row (CONTRACT §11)
-    const double w = s.apply == ScoreApply::after_experts ? std::fabs(double(score_sorted[i])) : 1.0;
-    for (int64_t c = 0; c < D; ++c)
-      m[size_t(token_sorted[i] * D + c)] += w * rows_magnitude[i * size_t(D) + size_t(c)];
+namespace {
+
+/// The routed rows of each token, in ascending row order (a counting sort of
+/// token_sorted; capacity filler rows, token -1, belong to none): token t's
+/// rows are rows[start[t] .. start[t + 1]).
+struct TokenRows {
+  std::vector<int64_t> start;
+  std::vector<int64_t> rows;
+  TokenRows(const Ids& token_sorted, int64_t T) : start(size_t(T + 1), 0) {
+    for (int32_t t : token_sorted)
+      if (t >= 0) ++start[size_t(t) + 1];
+    for (int64_t t = 0; t < T; ++t) start[size_t(t + 1)] += start[size_t(t)];
+    rows.resize(size_t(start[size_t(T)]));
+    std::vector<int64_t> next(start.begin(), start.end() - 1);
+    for (size_t i = 0; i < token_sorted.size(); ++i)
+      if (token_sorted[i] >= 0) rows[size_t(next[size_t(token_sorted[i])]++)] = int64_t(i);
   }
+};
+
+/// body(t0, t1) over blocks of tokens on `threads` threads: each token's
+/// output row is written by one thread, so the result does not depend on
+/// `threads`.
+template <class Body>
+void over_tokens(int64_t T, int threads, Body body) {
+  const int64_t n = std::max<int64_t>(1, std::min<int64_t>(threads, T));
+  if (n <= 1) return body(int64_t(0), T);
+  std::vector<std::thread> pool;
+  for (int64_t k = 0; k < n; ++k) pool.emplace_back(body, T * k / n, T * (k + 1) / n);
+  for (auto& th : pool) th.join();
+}
+
+}  // namespace
+
+Vec combine_magnitude(const CombineSpec& s, RowsRef rows_magnitude, Act rows_act, const Ids& token_sorted,
+                      const Vec& score_sorted, const Vec& init_magnitude, const Vec& shared_magnitude, int64_t T,
+                      int64_t D, int threads) {
+  const TokenRows tr(token_sorted, T);
   Vec out(size_t(T * D));
-  for (int64_t i = 0; i < T * D; ++i)
-    out[size_t(i)] = f32(m[size_t(i)] + (s.shared_add == SharedAdd::add_after ? shared_magnitude[size_t(i)] : 0.0));
+  over_tokens(T, threads, [&](int64_t t0, int64_t t1) {
+    std::vector<double> m(static_cast<size_t>(D));
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t c = 0; c < D; ++c) m[size_t(c)] = init_magnitude[size_t(t * D + c)];
+      for (int64_t j = tr.start[size_t(t)]; j < tr.start[size_t(t + 1)]; ++j) {
+        const int64_t i = tr.rows[size_t(j)];
+        const double w = s.apply == ScoreApply::after_experts ? std::fabs(double(score_sorted[size_t(i)])) : 1.0;
+        const uint8_t* row = rows_magnitude.row(i);
+        for (int64_t c = 0; c < D; ++c)
+          m[size_t(c)] += w * std::fabs(decode_act(rows_act, row + size_t(c) * act_bytes(rows_act)));
+      }
+      for (int64_t c = 0; c < D; ++c)
+        out[size_t(t * D + c)] =
+            f32(m[size_t(c)] + (s.shared_add == SharedAdd::add_after ? shared_magnitude[size_t(t * D + c)] : 0.0));
+    }
+  });
   return out;
 }
+
+namespace {
+
+/// Token rows [t0, t1) of the combine: each element's terms in ascending
+/// routed-row order, as CONTRACT §2 states. `A` is a template argument so the
+/// decode and the roundings inline into a branch-free column loop.
+template <Act A>
+void combine_tokens(const CombineSpec& s, RowsRef routed_out, const TokenRows& tr, const Vec& score_sorted,
+                    const Vec& shared, int64_t D, Vec& out, int64_t t0, int64_t t1) {
+  const bool after = s.apply == ScoreApply::after_experts;
+  Vec wide(s.acc == Accumulate::fp32_accumulate ? size_t(D) : 0);  // fp32 accumulators of one token
+  for (int64_t t = t0; t < t1; ++t) {
+    float* o = out.data() + t * D;
+    if (s.acc == Accumulate::fp32_accumulate) std::copy(o, o + D, wide.begin());
+    for (int64_t j = tr.start[size_t(t)]; j < tr.start[size_t(t + 1)]; ++j) {
+      const int64_t i = tr.rows[size_t(j)];
+      const float sc = s.smul == ScoreMultiply::act ? round_act(A, score_sorted[size_t(i)]) : score_sorted[size_t(i)];
+      const uint8_t* row = routed_out.row(i);
+      if (s.acc == Accumulate::per_add) {
+        for (int64_t c = 0; c < D; ++c) {
+          float y = decode_act(A, row + size_t(c) * act_bytes(A));
+          if (after) y = round_act(A, f32(double(y) * sc));
+          o[c] = round_act(A, f32(double(o[c]) + y));
+        }
+      } else {
+        for (int64_t c = 0; c < D; ++c) {
+          float y = decode_act(A, row + size_t(c) * act_bytes(A));
+          if (after) y = round_act(A, f32(double(y) * sc));
+          wide[size_t(c)] = f32(double(wide[size_t(c)]) + y);
+        }
+      }
+    }
+    if (s.acc == Accumulate::fp32_accumulate)
+      for (int64_t c = 0; c < D; ++c) o[c] = round_act(A, wide[size_t(c)]);
+    if (s.shared_add == SharedAdd::add_after)
+      for (int64_t c = 0; c < D; ++c) o[c] = round_act(A, f32(double(o[c]) + shared[size_t(t * D + c)]));
+  }
+}
+
+}  // namespace
 
 Vec combine(const CombineSpec& s, RowsRef routed_out, const Ids& token_sorted,
             const Vec& score_sorted, const Vec& init, const Vec& shared, int64_t T, int64_t D, int threads) {
   Vec out = init;
-  // fp32 accumulators for Accumulate::fp32_accumulate (per_add needs none)
-  Vec wide = s.acc == Accumulate::fp32_accumulate ? init : Vec{};
-  auto columns = [&](int64_t c0, int64_t c1) {
-    for (size_t i = 0; i < token_sorted.size(); ++i) {
-      const int64_t t = token_sorted[i];
-      if (t < 0) continue;  // a capacity filler row (CONTRACT §11): no token
-      const float sc = s.smul == ScoreMultiply::act ? round_act(s.act, score_sorted[i]) : score_sorted[i];
-      for (int64_t c = c0; c < c1; ++c) {
-        float y = decode_act(s.act, routed_out.row(int64_t(i)) + size_t(c) * act_bytes(s.act));
-        if (s.apply == ScoreApply::after_experts) y = round_act(s.act, f32(double(y) * sc));
-        float& o = out[size_t(t * D + c)];
-        if (s.acc == Accumulate::per_add) o = round_act(s.act, f32(double(o) + y));
-        else wide[size_t(t * D + c)] = f32(double(wide[size_t(t * D + c)]) + y);
-      }
+  const TokenRows tr(token_sorted, T);
+  over_tokens(T, threads, [&](int64_t t0, int64_t t1) {
+    switch (s.act) {
+      case Act::fp32: return combine_tokens<Act::fp32>(s, routed_out, tr, score_sorted, shared, D, out, t0, t1);
+      case Act::bf16: return combine_tokens<Act::bf16>(s, routed_out, tr, score_sorted, shared, D, out, t0, t1);
+      case Act::fp16: return combine_tokens<Act::fp16>(s, routed_out, tr, score_sorted, shared, D, out, t0, t1);
     }
-  };
-  const int64_t n = std::max<int64_t>(1, std::min<int64_t>(threads, D / 64));
-  if (n <= 1) {
-    columns(0, D);
-  } else {
-    std::vector<std::thread> pool;
-    for (int64_t k = 0; k < n; ++k) pool.emplace_back(columns, D * k / n, D * (k + 1) / n);
-    for (auto& th : pool) th.join();
-  }
-  if (s.acc == Accumulate::fp32_accumulate)
-    for (size_t i = 0; i < out.size(); ++i) out[i] = round_act(s.act, wide[i]);
-  if (s.shared_add == SharedAdd::add_after)
-    for (int64_t i = 0; i < T * D; ++i)
-      out[size_t(i)] = round_act(s.act, f32(double(out[size_t(i)]) + shared[size_t(i)]));
+  });
   return out;
 }
 

@@ -29,30 +29,33 @@ inline double pow2(int k) {
 }  // namespace detail
 
 /// One IEEE round-to-nearest-even of an fp32 value to `act`, computed as
-/// arithmetic on the value: scaled by a power of two to an integer quantum,
-/// rounded, scaled back (independent of the bit-twiddling of the result in
-/// kernels/dtype.h). Inline: the reference combine calls it twice per element.
+/// arithmetic on the value (independent of the bit-twiddling of the result in
+/// kernels/dtype.h): v lies in [2^(e-1), 2^e) with e clamped to act's normal
+/// range, so its quantum in act is u = 2^(e-p). C = 1.5 * 2^(e-p+52) is a
+/// double whose unit in the last place is u, and |v| < 2^e < C / 2, so the
+/// double sum v + C rounds v to a multiple of u, ties to even (the default
+/// rounding mode; the build never sets -ffast-math), and subtracting C again
+/// is exact. copysign keeps the sign of a result that rounds to zero; past
+/// act's largest finite value the result is infinity. Zero, infinities and
+/// NaNs come through (a signalling NaN comes back quiet, as from any
+/// arithmetic). No branch on the value, so loops over rows vectorise: the
+/// reference combine calls it twice per element. Checked against the
+/// kernels' conversion around every 16-bit value in tests/test_numeric.cpp.
 inline float round_act(Act act, float v) {
-  if (act == Act::fp32 || !std::isfinite(v) || v == 0.f) return v;
-  // significand bits p, smallest normal exponent (frexp convention), largest finite
+  if (act == Act::fp32) return v;
+  // significand bits p; the exponent range (frexp convention) of act's normal numbers
   const int p = act == Act::bf16 ? 8 : 11;
-  const int emin = act == Act::bf16 ? -125 : -13;
+  const int emin = act == Act::bf16 ? -125 : -13, emax = act == Act::bf16 ? 128 : 16;
   const double max_finite = act == Act::bf16 ? 255.0 * detail::pow2(120) : 65504.0;
-  // The exponent e of v = m 2^e, m in [0.5, 1), read from the double's
-  // exponent field (every nonzero float is a normal double).
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  const int e = std::min(std::max(int((bits >> 23) & 0xff) - 126, emin), emax);
+  const uint64_t cbits = (uint64_t(int64_t(1023 + 52 - p) + e) << 52) | (uint64_t(1) << 51);
+  double C;
+  std::memcpy(&C, &cbits, 8);
   const double x = static_cast<double>(v);
-  uint64_t bits;
-  std::memcpy(&bits, &x, 8);
-  const int e = int((bits >> 52) & 0x7ff) - 1022;
-  const int q = std::max(e, emin) - p;  // exponent of one unit in the last place
-  // |x 2^-q| < 2^p: adding 1.5 * 2^52 leaves it where the double's unit is
-  // 1, so the sum rounds it to an integer, ties to even (the default
-  // rounding mode; the build never sets -ffast-math); the sign of a result
-  // that rounds to zero is restored by copysign.
-  const double big = 6755399441055744.0;  // 1.5 * 2^52
-  const double r = std::copysign(((x * detail::pow2(-q) + big) - big) * detail::pow2(q), x);
-  if (std::fabs(r) > max_finite) return std::copysign(std::numeric_limits<float>::infinity(), v);
-  return static_cast<float>(r);
+  const double r = std::copysign((x + C) - C, x);
+  return static_cast<float>(std::fabs(r) > max_finite ? std::copysign(std::numeric_limits<double>::infinity(), x) : r);
 }
 
 /// An fp32 operation emulated in fp64 then rounded once to fp32: exact for
@@ -258,19 +261,23 @@ struct CombineSpec {
 
 /// CONTRACT §2 combine: out = init; for i = 0..N-1 ascending,
 /// out[token_sorted[i]] (+)= round(routed_out[i] * score_sorted[i]); then
-/// out += shared (one rounding) when shared_add == add_after. Columns are
-/// independent: `threads` threads each take a block of columns and walk every
-/// row in that same order, so the result does not depend on `threads`.
+/// out += shared (one rounding) when shared_add == add_after. Computed token
+/// by token: each output row gathers its own routed rows in ascending i, the
+/// same order of terms per element as the scatter above. `threads` threads
+/// take blocks of tokens, so the result does not depend on `threads`.
 Vec combine(const CombineSpec& spec, RowsRef routed_out, const Ids& token_sorted,
             const Vec& score_sorted, const Vec& init, const Vec& shared, int64_t T, int64_t D, int threads = 1);
 
 /// Error scale of combine's output given the error scales of its inputs:
 /// init + sum over the token's rows of |score| * row scale (no |score| under
 /// before_experts, where the score is already inside the row) + the shared
-/// expert's scale under add_after. Layout (T, D).
-Vec combine_magnitude(const CombineSpec& spec, const Vec& rows_magnitude, const Ids& token_sorted,
+/// expert's scale under add_after, summed in fp64. A row's scale is the
+/// |value| of each element of rows_magnitude (type rows_act): the routed rows
+/// themselves where the experts are exact, an fp32 scale otherwise. Layout
+/// (T, D); `threads` as for combine.
+Vec combine_magnitude(const CombineSpec& spec, RowsRef rows_magnitude, Act rows_act, const Ids& token_sorted,
                       const Vec& score_sorted, const Vec& init_magnitude, const Vec& shared_magnitude, int64_t T,
-                      int64_t D);
+                      int64_t D, int threads = 1);
 
 }  // namespace ref
 

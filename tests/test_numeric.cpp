@@ -52,6 +52,19 @@ TEST_CASE("rounding agrees on random floats of every magnitude", "[cpu][numeric]
   }
 }
 
+TEST_CASE("the reference rounding passes zeros, infinities and NaNs through", "[cpu][numeric]") {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (ref::Act act : {ref::Act::bf16, ref::Act::fp16}) {
+    CHECK(same(ref::round_act(act, 0.f), 0.f));
+    CHECK(same(ref::round_act(act, -0.f), -0.f));
+    CHECK(same(ref::round_act(act, inf), inf));
+    CHECK(same(ref::round_act(act, -inf), -inf));
+    CHECK(std::isnan(ref::round_act(act, std::numeric_limits<float>::quiet_NaN())));
+    CHECK(same(ref::round_act(act, std::numeric_limits<float>::max()), inf));
+    CHECK(same(ref::round_act(act, -std::numeric_limits<float>::max()), -inf));
+  }
+}
+
 TEST_CASE("known rounding values", "[cpu][numeric]") {
   CHECK(to_float(from_float<fp16>(65504.f)) == 65504.f);
   CHECK(std::isinf(to_float(from_float<fp16>(65520.f))));

@@ -36,8 +36,8 @@ namespace {
 constexpr double kTokenAct = 4, kTokenFloat = 2;
 //  - routed rows (routed_input, recv, permuted, unpadded, recv_out,
 //    routed_output), per row routed, in act: at a slot the input, the
-//    primary's output and the reference's (one rank's rows at a time with
-//    R > 1: Stage::ref_per_rank), plus one per extra variant that may run
+//    primary's output and the reference's (with R > 1, Stage::ref_per_rank:
+//    the rows of as many ranks at a time as there are threads), plus one per extra variant that may run
 //    (equal-count permute, equal-split or force-LB all-to-all) and the
 //    chain's own copy where it differs from the fast rows (SwiGLU); and half
 //    a copy of allocator slack.
@@ -96,8 +96,9 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
   const bool extra_permute = ranks > 1 && c.permute != PermuteMode::generic;
   const bool extra_a2a = ranks > 1 && (c.equal_split.policy != EqualSplitPolicy::off ||
                                        c.router.force_load_balance == Switch::on);
+  const double side = std::min(std::max(1.0, double(threads)), ranks);  // ranks' references at a time
   const double routed_copies =
-      kRoutedAct + 1 / ranks + (extra_permute ? 1 : 0) + (extra_a2a ? 1 : 0) + (swiglu ? 1 : 0);
+      kRoutedAct + side / ranks + (extra_permute ? 1 : 0) + (extra_a2a ? 1 : 0) + (swiglu ? 1 : 0);
   // One slot at a time holds these rows: the padded count bounds the routed one.
   b += padded * D * (routed_copies * s + (swiglu ? kPaddedFloat * 4 : 0)) + tokens_max * K * D * kRoutedFloatPerRank * 4;
   if (swiglu) b += padded * F * (kSwigluAct * s + kSwigluFloat * 4);
@@ -140,14 +141,18 @@ double estimate_case_bytes(const Case& c, int threads) {
   const double sp_rows = c.sp > 1 ? 3 * total * double(c.hidden) * 4 : 0;
   const double main_run = kBaseBytes + pipeline_bytes(c, total, most, double(c.ep), threads) + sp_rows;
   // After the pipeline only its results stay (out in act, its fp32 error
-  // scale, sp_out) while the invariance reruns run one at a time: an EP = 1
-  // rerun of each rank's tokens, then an sp = 1 rerun of the whole case.
+  // scale, sp_out) while the invariance reruns run: EP = 1 reruns of each
+  // rank's tokens (as many side by side as there are threads), then an
+  // sp = 1 rerun of the whole case.
   // With backward on, grad_x (act) and its fp32 error scale stay too.
   const double bwd_results = c.backward == Switch::on ? double(elem_bytes(act_elem(c.dtype))) + 4 : 0;
   const double results =
       kBaseBytes + sp_rows + total * double(c.hidden) * (2 * double(elem_bytes(act_elem(c.dtype))) + 4 + bwd_results);
   double b = main_run;
-  if (c.ep > 1) b = std::max(b, results + pipeline_bytes(c, most, most, 1, threads));
+  if (c.ep > 1) {
+    const int side = std::min(std::max(1, threads), c.ep);
+    b = std::max(b, results + side * pipeline_bytes(c, most, most, 1, std::max(1, threads / side)));
+  }
   if (c.sp > 1) b = std::max(b, results + pipeline_bytes(c, total, most, double(c.ep), threads));
   return b;
 }

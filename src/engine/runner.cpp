@@ -6,6 +6,7 @@
 #include <cstring>
 #include <iomanip>
 #include <map>
+#include <numeric>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -21,6 +22,26 @@
 
 namespace moev {
 namespace {
+
+/// fn(r) for r = 0..R-1 on up to `threads` threads (the ranks' reference,
+/// comparison and hashing work of one stage, which is independent per rank),
+/// taken in the order `order` when given. The first exception thrown is
+/// rethrown here, after every rank is done.
+template <class Fn>
+void each_rank(int R, int threads, Fn fn, const std::vector<int>& order = {}) {
+  std::vector<std::exception_ptr> err(static_cast<size_t>(R));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(1, std::min(threads, R))) if (threads > 1 && R > 1)
+  for (int k = 0; k < R; ++k) {
+    const int r = order.empty() ? k : order[size_t(k)];
+    try {
+      fn(r);
+    } catch (...) {
+      err[size_t(r)] = std::current_exception();
+    }
+  }
+  for (auto& e : err)
+    if (e) std::rethrow_exception(e);
+}
 
 /// Why an output can legitimately be all zero, for the NOT_VERIFIED note:
 /// the routed scores or the expert inputs are so small that the products
@@ -142,6 +163,22 @@ bool same_reference(const Stage& a, const Stage& b, const Case& c) {
   const Fn* fa = a.ref.target<Fn>();
   const Fn* fb = b.ref.target<Fn>();
   return fa && fb && *fa == *fb && a.inputs(c) == b.inputs(c);
+}
+
+/// Ranks by the bytes of their tensors in `b`, largest first. A stage's
+/// reference outputs of a rank are about the size of its fast outputs, so
+/// computing them in this order lets each rank's transient reference reuse
+/// the heap block the previous one freed (one no smaller), where sizes in
+/// rank order would keep taking fresh pages.
+std::vector<int> largest_first(const Board& b) {
+  std::vector<int> order(b.ranks.size());
+  std::vector<size_t> bytes(b.ranks.size(), 0);
+  for (size_t r = 0; r < b.ranks.size(); ++r) {
+    order[r] = int(r);
+    for (const auto& [n, t] : b.ranks[r]) bytes[r] += t.bytes();
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int a, int c) { return bytes[size_t(a)] > bytes[size_t(c)]; });
+  return order;
 }
 
 /// Runs one stage variant's fast function on every rank. Returns the error
@@ -288,8 +325,9 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
         rep.checks.push_back(ch);
       };
       std::vector<std::vector<uint64_t>> sums(static_cast<size_t>(R));
-      for (int r = 0; r < R; ++r)
+      each_rank(R, opt.threads, [&](int r) {
         for (const auto& n : inputs_used) sums[size_t(r)].push_back(checksum(fast.at(n, r)));
+      });
       // On a device: the stage's inputs are resident there (uploaded the
       // first time a stage reads them), and hashed there before the call.
       std::vector<std::vector<uint64_t>> dsums(static_cast<size_t>(R));
@@ -346,9 +384,13 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
         vd->reason = skipped;
         continue;
       }
+      std::vector<std::vector<uint64_t>> after(static_cast<size_t>(R));
+      each_rank(R, opt.threads, [&](int r) {
+        for (const auto& n : inputs_used) after[size_t(r)].push_back(checksum(fast.at(n, r)));
+      });
       for (int r = 0; r < R; ++r)
         for (size_t i = 0; i < inputs_used.size(); ++i)
-          if (checksum(fast.at(inputs_used[i], r)) != sums[size_t(r)][i])
+          if (after[size_t(r)][i] != sums[size_t(r)][i])
             input_modified(inputs_used[i] + rank_tag(r), "its value before the call",
                            "input '" + inputs_used[i] + "' was modified by the fast stage");
       vd->compare_seconds += since(tc);
@@ -381,31 +423,41 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
         for (auto& [n, t] : refout.ranks[size_t(r)]) dump.put(s->slot + "." + s->variant + "." + n + rank_tag(r) + ".ref", t);
       };
       if (s->ref_per_rank && R > 1 && !s->check) {
-        // One rank's reference at a time: computed, compared, then kept only
-        // as the fast output's own storage where the bytes agree.
+        // One rank's reference at a time on each of the run's threads:
+        // computed, compared, then kept only as the fast output's own
+        // storage where the bytes agree. The loop's wall time is split
+        // between reference and comparison in the ratio of their summed
+        // per-rank times.
         refout.ranks.resize(size_t(R));
-        std::vector<std::vector<Check>> by_output(s->outputs.size());
-        for (int q = 0; q < R; ++q) {
+        std::vector<std::vector<Check>> by_output(s->outputs.size(), std::vector<Check>(size_t(R)));
+        std::vector<double> ref_s(static_cast<size_t>(R)), cmp_s(static_cast<size_t>(R));
+        const auto tl = clock::now();
+        const int side = std::min(std::max(1, opt.threads), R);  // ranks side by side
+        each_rank(R, side, [&](int q) {
           auto tq = clock::now();
           if (reuse) {
             refout.ranks[size_t(q)] = last_refout.ranks[size_t(q)];
           } else {
             Board rq;
             rq.ranks.resize(size_t(R));
-            RefCtx rctx{c, fast, rq, q, opt.threads};
+            RefCtx rctx{c, fast, rq, q, std::max(1, opt.threads / side)};
             s->ref(rctx);
             refout.ranks[size_t(q)] = std::move(rq.ranks[size_t(q)]);
           }
-          vd->ref_seconds += since(tq);
+          ref_s[size_t(q)] = since(tq);
           tq = clock::now();
-          dump_rank(q);
-          for (size_t i = 0; i < s->outputs.size(); ++i) by_output[i].push_back(check_rank(s->outputs[i], q));
-          for (auto& [n, t] : refout.ranks[size_t(q)]) {
+          for (size_t i = 0; i < s->outputs.size(); ++i) by_output[i][size_t(q)] = check_rank(s->outputs[i], q);
+          for (auto& [n, t] : refout.ranks[size_t(q)]) {  // (the same bytes: the dump below is unchanged)
             const auto fi = out.ranks[size_t(q)].find(n);
             if (fi != out.ranks[size_t(q)].end() && same_bytes(fi->second, t)) t = fi->second;
           }
-          vd->compare_seconds += since(tq);
-        }
+          cmp_s[size_t(q)] = since(tq);
+        }, largest_first(out));
+        const double wall = since(tl), rs = std::accumulate(ref_s.begin(), ref_s.end(), 0.0),
+                     cs = std::accumulate(cmp_s.begin(), cmp_s.end(), 0.0);
+        vd->ref_seconds += rs + cs > 0 ? wall * rs / (rs + cs) : 0;
+        vd->compare_seconds += rs + cs > 0 ? wall * cs / (rs + cs) : 0;
+        for (int q = 0; q < R; ++q) dump_rank(q);
         for (auto& v : by_output) rep.checks.insert(rep.checks.end(), v.begin(), v.end());
         if (!reuse) {
           last_ref = s;
@@ -492,7 +544,7 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
       for (auto& [n, t] : primary_out.ranks[size_t(r)]) fast.ranks[size_t(r)][n] = t;
     if (opt.fast_only) {
       if (slot == magnitude_slot(c) && opt.fast_only_magnitude)
-        for (int r = 0; r < R; ++r) fast.ranks[size_t(r)]["out_magnitude"] = combined_magnitude(c, fast.ranks[size_t(r)]);
+        for (int r = 0; r < R; ++r) fast.ranks[size_t(r)]["out_magnitude"] = combined_magnitude(c, fast.ranks[size_t(r)], opt.threads);
       ran.clear();
       primary_out = Board{};
       if (!keep_fast) drop_dead(fast, slot_index);
@@ -524,16 +576,17 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
       next = refs[primary];
     } else if (primary->ref_per_rank && R > 1) {  // one rank's reference rows at a time, as for the stage check
       next.ranks.resize(size_t(R));
-      for (int q = 0; q < R; ++q) {
+      const int side = std::min(std::max(1, opt.threads), R);
+      each_rank(R, side, [&](int q) {
         Board rq;
         rq.ranks.resize(size_t(R));
-        RefCtx rc{c, chain, rq, q, opt.threads};
+        RefCtx rc{c, chain, rq, q, std::max(1, opt.threads / side)};
         primary->ref(rc);
         for (auto& [n, t] : rq.ranks[size_t(q)]) {
           const auto fi = fast.ranks[size_t(q)].find(n);
           next.ranks[size_t(q)][n] = fi != fast.ranks[size_t(q)].end() && same_bytes(fi->second, t) ? fi->second : t;
         }
-      }
+      }, largest_first(primary_out));
     } else {
       next.ranks.resize(size_t(R));
       RefCtx rc{c, chain, next, -1, opt.threads};
@@ -558,7 +611,7 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
     // The end-to-end error scale reads the chain's routed rows: computed as
     // soon as the chain has them, so they need not live to the end.
     if (slot == magnitude_slot(c))
-      for (int r = 0; r < R; ++r) chain.ranks[size_t(r)]["out_magnitude"] = combined_magnitude(c, chain.ranks[size_t(r)]);
+      for (int r = 0; r < R; ++r) chain.ranks[size_t(r)]["out_magnitude"] = combined_magnitude(c, chain.ranks[size_t(r)], opt.threads);
     drop_dead(chain, slot_index);
     if (!keep_fast) drop_dead(fast, slot_index);
   }
@@ -619,15 +672,26 @@ bool run_entry(const Case& c, const RunOptions& opt, bool use_mpi, CaseReport& r
     const bool exact = c.experts.kind == ExpertKind::identity;
     const OutputSpec oi{"out", exact ? CompareClass::exact : CompareClass::gemm, Coords::token_col, promise_combined,
                         nullptr};
-    for (int p = 0; p < R; ++p) {
-      c1.tokens = c.tokens_on(p);
+    // The ranks' EP = 1 runs are independent: on the host they run side by
+    // side on the run's threads, each with its share of them (on a device,
+    // one at a time).
+    const int side = opt.mirror ? 1 : std::min(std::max(1, opt.threads), R);
+    if (side > 1) {
+      o1.threads = std::max(1, opt.threads / side);
+      o1.progress = nullptr;  // one progress line per case, not interleaved ones
+    }
+    std::vector<std::vector<Check>> per_rank(static_cast<size_t>(R));
+    each_rank(R, side, [&](int p) {
+      Case cp = c1;
+      cp.tokens = c.tokens_on(p);
+      RunOptions op = o1;
       auto rerun = [&](bool fast_only, CaseReport& r1, Board& f1) {
-        r1.c = c1;
-        o1.fast_only = fast_only;
-        o1.fast_only_magnitude = !exact;
+        r1.c = cp;
+        op.fast_only = fast_only;
+        op.fast_only_magnitude = !exact;
         std::vector<RankBoard> in1 = {RankBoard{}};
         for (auto& [n, t] : inputs[size_t(p)]) in1[0][n] = t.clone();
-        run_pipeline(c1, o1, in1, false, r1, f1);
+        run_pipeline(cp, op, in1, false, r1, f1);
         return make_check(c, "ep_invariance", "ep1_vs_ep" + std::to_string(R), oi,
                           fast.has("out", p) ? &fast.at("out", p) : nullptr, f1.has("out", 0) ? &f1.at("out", 0) : nullptr,
                           fast.ranks[size_t(p)], p, R, "EP = 1 run",
@@ -655,18 +719,20 @@ bool run_entry(const Case& c, const RunOptions& opt, bool use_mpi, CaseReport& r
                     (ch.note.empty() ? "" : "; " + ch.note);
         }
       }
-      rep.checks.push_back(ch);
+      per_rank[size_t(p)].push_back(ch);
       // The gradients too (CONTRACT §3 EP invariance, run backwards): bitwise
       // with identity experts, the only experts the backward runs for now.
       if (exact)
         for (const EndToEndOutput& e : backward_end_to_end(c)) {
           const std::string& n = e.spec.name;
           const OutputSpec og{n, CompareClass::exact, e.spec.coords, nullptr};
-          rep.checks.push_back(make_check(c, "ep_invariance", "ep1_vs_ep" + std::to_string(R), og,
-                                          fast.has(n, p) ? &fast.at(n, p) : nullptr, f1.has(n, 0) ? &f1.at(n, 0) : nullptr,
-                                          fast.ranks[size_t(p)], p, R, "EP = 1 run"));
+          per_rank[size_t(p)].push_back(make_check(c, "ep_invariance", "ep1_vs_ep" + std::to_string(R), og,
+                                                   fast.has(n, p) ? &fast.at(n, p) : nullptr,
+                                                   f1.has(n, 0) ? &f1.at(n, 0) : nullptr, fast.ranks[size_t(p)], p, R,
+                                                   "EP = 1 run"));
         }
-    }
+    });
+    for (const auto& v : per_rank) rep.checks.insert(rep.checks.end(), v.begin(), v.end());
   }
   if (c.sp > 1 && completed && !opt.fast_only) check_sp_invariance(c, opt, fast, rep);
   return completed;

@@ -83,7 +83,8 @@ struct OutputSpec {
 /// The error scale of the combined output `out` of one rank, from the
 /// reference chain's board of that rank (its dispatch, scores, weights and
 /// combine init): what the end-to-end and EP-invariance checks scale by.
-Tensor combined_magnitude(const Case& c, const RankBoard& chain);
+/// `threads` threads take blocks of tokens (the result does not depend on it).
+Tensor combined_magnitude(const Case& c, const RankBoard& chain, int threads);
 /// The slot after which every input of combined_magnitude is on the chain
 /// board: the runner computes the end-to-end error scale there.
 const std::string& magnitude_slot(const Case& c);

@@ -305,22 +305,25 @@ ref::Vec shared_scale(const Case& c, const RankBoard& b) {
 
 }  // namespace
 
-Tensor combined_magnitude(const Case& c, const RankBoard& b) {
+Tensor combined_magnitude(const Case& c, const RankBoard& b, int threads) {
   const Tensor& x = b.at("x");
   const int64_t T = x.shape[0];
-  // Rows of the rank's own dispatch (all E experts), as the experts see them.
+  // Rows of the rank's own dispatch (all E experts), as the experts see them:
+  // their scale is |row| itself where the experts are exact.
   const Tensor& routed = b.at("routed_input");
-  const ref::Vec rows = c.experts.kind == ExpertKind::swiglu
-                            ? to_floats(swiglu_scale(c, b, routed, ref_counts(b.at("counts")), "", 0))
-                            : abs_of(routed);
+  const Tensor rows = c.experts.kind == ExpertKind::swiglu
+                          ? swiglu_scale(c, b, routed, ref_counts(b.at("counts")), "", 0)
+                          : routed;
   const bool shared = c.shared.kind != SharedKind::none;
   const ref::Vec sh = shared ? shared_scale(c, b) : ref::Vec{};
   ref::Vec init = c.combine.buffer == OutBuffer::fresh && shared && c.shared.order == SharedOrder::init_with_shared
                       ? sh
                       : combine_init(c, b);
   for (float& v : init) v = std::fabs(v);
-  return from_floats(ref::combine_magnitude(combine_spec(c), rows, ref_ids(b.at("token_sorted")),
-                                            to_floats(b.at("score_sorted")), init, sh, T, c.hidden),
+  return from_floats(ref::combine_magnitude(combine_spec(c), rows_of(rows),
+                                            rows.type == ElemType::f32 ? ref::Act::fp32 : ref_act(c.dtype),
+                                            ref_ids(b.at("token_sorted")), to_floats(b.at("score_sorted")), init, sh,
+                                            T, c.hidden, threads),
                      ElemType::f32, x.shape);
 }
 
@@ -377,8 +380,10 @@ Stage router_logits_fp32() {
     router_logits(ctx.exec, ctx.c.dtype, x.data(), ctx.input("wg").data(), x.shape[0], ctx.c.hidden,
                   ctx.c.num_experts, l.as<float>());
   };
+  s.ref_per_rank = true;
   s.ref = [](RefCtx& r) {
     for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+      if (!r.wants(int(q))) continue;
       const Tensor& x = r.in.at("x", int(q));
       r.out.ranks[q]["logits"] = from_floats(
           ref::router_logits(to_floats(x), to_floats(r.in.at("wg", int(q))), x.shape[0], r.c.hidden, r.c.num_experts),
@@ -417,8 +422,10 @@ Stage router_logits_act() {
     router_logits(ctx.exec, ctx.c.dtype, x.data(), ctx.input("wg").data(), x.shape[0], ctx.c.hidden,
                   ctx.c.num_experts, l.as<float>(), GateDtype::act);
   };
+  s.ref_per_rank = true;
   s.ref = [](RefCtx& r) {
     for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+      if (!r.wants(int(q))) continue;
       const Tensor& x = r.in.at("x", int(q));
       r.out.ranks[q]["logits"] =
           from_floats(ref::router_logits(to_floats(x), to_floats(r.in.at("wg", int(q))), x.shape[0], r.c.hidden,
