@@ -1,8 +1,20 @@
 // Host executor of the backward token path (kernels/backward_host.h).
 #include "backward_host.h"
 
+#include <algorithm>
+
+#include "device.h"
+
 namespace moev {
 namespace {
+
+/// Rows of the dispatch-ordered gradient that row_of names (its largest
+/// entry + 1): what a device copy of it must hold.
+int64_t grad_rows_count(const int32_t* row_of, int64_t n) {
+  int64_t rows = 0;
+  for (int64_t a = 0; a < n; ++a) rows = std::max<int64_t>(rows, int64_t(row_of[a]) + 1);
+  return rows;
+}
 
 k::ProductRounding product_rounding(const ExecCtx& ctx) {
   return ctx.faults.has(Fault::bwd_score_grad_rounded) ? k::ProductRounding::act : k::ProductRounding::fp32;
@@ -10,7 +22,20 @@ k::ProductRounding product_rounding(const ExecCtx& ctx) {
 
 template <class V>
 void score_grad(const ExecCtx& ctx, const void* token_rows, const void* dispatch_rows, const int32_t* row_of, int64_t T,
-                int64_t D, int K, k::ScoreMultiply smul, float* grad) {
+                int64_t N, int64_t D, int K, k::ScoreMultiply smul, float* grad) {
+  if (ctx.mirror) {
+    Mirror& m = *ctx.mirror;
+    Mirror::Scope scope{m};
+    if (T * K == 0) return;
+    const size_t gb = size_t(T * K) * 4;
+    m.device().run(k::ScoreGradBody<V>{static_cast<const V*>(m.in(token_rows, size_t(T * D) * sizeof(V))),
+                                       static_cast<const V*>(m.in(dispatch_rows, size_t(N * D) * sizeof(V))),
+                                       static_cast<const int32_t*>(m.in(row_of, size_t(T * K) * 4)),
+                                       static_cast<float*>(m.out(grad, gb)), D, K, smul, product_rounding(ctx)},
+                   T * K);
+    m.wrote(grad, gb);
+    return;
+  }
   const k::ScoreGradBody<V> body{static_cast<const V*>(token_rows), static_cast<const V*>(dispatch_rows), row_of, grad,
                                  D, K, smul, product_rounding(ctx)};
   host_run(ctx, T * K, body);
@@ -24,11 +49,25 @@ void combine_backward(const ExecCtx& ctx, DType dt, k::ScoreApply apply, k::Scor
                       float* grad_topk_scores) {
   dispatch_dtype(dt, [&](auto tag) {
     using V = decltype(tag);
-    const k::CombineGradRowsBody<V> rows{static_cast<const V*>(grad_out), token_sorted, score_sorted,
-                                         static_cast<V*>(grad_rows), D, apply, smul};
-    host_run(ctx, N, rows);
+    if (ctx.mirror) {
+      Mirror& m = *ctx.mirror;
+      Mirror::Scope scope{m};
+      const size_t rb = size_t(N * D) * sizeof(V);
+      if (N > 0) {
+        m.device().run(k::CombineGradRowsBody<V>{static_cast<const V*>(m.in(grad_out, size_t(T * D) * sizeof(V))),
+                                                 static_cast<const int32_t*>(m.in(token_sorted, size_t(N) * 4)),
+                                                 static_cast<const float*>(m.in(score_sorted, size_t(N) * 4)),
+                                                 static_cast<V*>(m.out(grad_rows, rb)), D, apply, smul},
+                       N);
+        m.wrote(grad_rows, rb);
+      }
+    } else {
+      const k::CombineGradRowsBody<V> rows{static_cast<const V*>(grad_out), token_sorted, score_sorted,
+                                           static_cast<V*>(grad_rows), D, apply, smul};
+      host_run(ctx, N, rows);
+    }
     if (apply == k::ScoreApply::after_experts)
-      score_grad<V>(ctx, grad_out, routed_out, row_of, T, D, K, smul, grad_topk_scores);
+      score_grad<V>(ctx, grad_out, routed_out, row_of, T, N, D, K, smul, grad_topk_scores);
   });
 }
 
@@ -43,6 +82,7 @@ void dispatch_backward(const ExecCtx& ctx, DType dt, k::ScoreApply apply, k::Sco
   a.routed_out = grad_rows;
   a.score_sorted = score_sorted;
   a.row_of = row_of;
+  a.rows = grad_rows_count(row_of, T * K);
   a.shared = grad_shared;
   a.T = T;
   a.D = D;
@@ -59,7 +99,7 @@ void dispatch_backward(const ExecCtx& ctx, DType dt, k::ScoreApply apply, k::Sco
   combine_from_zeros(sc, a, grad_x);
   if (apply == k::ScoreApply::before_experts)
     dispatch_dtype(dt, [&](auto tag) {
-      score_grad<decltype(tag)>(ctx, x, grad_rows, row_of, T, D, K, smul, grad_topk_scores);
+      score_grad<decltype(tag)>(ctx, x, grad_rows, row_of, T, a.rows, D, K, smul, grad_topk_scores);
     });
 }
 

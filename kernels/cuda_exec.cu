@@ -212,7 +212,9 @@ class CudaDevice final : public Device {
   void run(const k::RowMapBody<T>& b, int64_t n) override { launch(b, n); }                   \
   void run(const k::FnRowMapBody<T, EqualCountMap>& b, int64_t n) override { launch(b, n); } \
   void run(const RoundBody<T>& b, int64_t n) override { launch(b, n); }                      \
-  void run(const k::SwigluBody<T>& b, int64_t n) override { launch(b, n); }
+  void run(const k::SwigluBody<T>& b, int64_t n) override { launch(b, n); }                  \
+  void run(const k::CombineGradRowsBody<T>& b, int64_t n) override { launch(b, n); }        \
+  void run(const k::ScoreGradBody<T>& b, int64_t n) override { launch(b, n); }
   MOEV_CUDA_BODIES(float)
   MOEV_CUDA_BODIES(bf16)
   MOEV_CUDA_BODIES(fp16)

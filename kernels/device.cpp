@@ -213,7 +213,9 @@ class EmulatedDevice final : public Device {
   void run(const k::RowMapBody<T>& b, int64_t n) override { host_run(ctx_, n, b); }               \
   void run(const k::FnRowMapBody<T, EqualCountMap>& b, int64_t n) override { host_run(ctx_, n, b); } \
   void run(const RoundBody<T>& b, int64_t n) override { host_run(ctx_, n, b); }                  \
-  void run(const k::SwigluBody<T>& b, int64_t n) override { host_run(ctx_, n, b); }
+  void run(const k::SwigluBody<T>& b, int64_t n) override { host_run(ctx_, n, b); }             \
+  void run(const k::CombineGradRowsBody<T>& b, int64_t n) override { host_run(ctx_, n, b); }   \
+  void run(const k::ScoreGradBody<T>& b, int64_t n) override { host_run(ctx_, n, b); }
   MOEV_EMULATED_BODIES(float)
   MOEV_EMULATED_BODIES(bf16)
   MOEV_EMULATED_BODIES(fp16)

@@ -23,6 +23,7 @@
 #include <string>
 #include <thread>
 
+#include "backward_bodies.h"
 #include "bodies.h"
 #include "ep_host.h"
 #include "sp_host.h"
@@ -78,7 +79,9 @@ class Device {
   virtual void run(const k::RowMapBody<T>& b, int64_t n) = 0;                  \
   virtual void run(const k::FnRowMapBody<T, EqualCountMap>& b, int64_t n) = 0; \
   virtual void run(const RoundBody<T>& b, int64_t n) = 0;                      \
-  virtual void run(const k::SwigluBody<T>& b, int64_t n) = 0;
+  virtual void run(const k::SwigluBody<T>& b, int64_t n) = 0;                  \
+  virtual void run(const k::CombineGradRowsBody<T>& b, int64_t n) = 0;         \
+  virtual void run(const k::ScoreGradBody<T>& b, int64_t n) = 0;
   MOEV_DEVICE_BODIES(float)
   MOEV_DEVICE_BODIES(bf16)
   MOEV_DEVICE_BODIES(fp16)

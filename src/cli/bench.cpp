@@ -263,33 +263,37 @@ CaseBench bench_case(const Case& c, const BenchOptions& opt, std::ostream& log) 
   cb.c = c;
   if (opt.sweep) cb.sweep = run_sweep(c, opt, log);  // first: nothing else held while peaks are measured
   log << "  verifying " << c.name << "\n";
+  // The verification alone, as `run` does it: its time and peak memory.
   RunOptions ro;
   ro.threads = opt.threads;
-  ro.keep = RunOptions::Keep::fast_board;
   reset_peak_rss();
   const CaseReport rep = run_case(c, ro);
   cb.peak_rss_bytes = peak_rss_bytes();
   cb.estimated_bytes = estimate_case_bytes(c, opt.threads);
   cb.outcome = rep.outcome;
   cb.verify_seconds = rep.seconds;
+  // Then the timings: the case runs again and each slot's variants are timed
+  // as soon as the streaming runner has run them (RunOptions::after_slot),
+  // on the inputs it still holds, so a case that fits to verify fits to
+  // bench. Reference and comparison seconds are those of the run above.
   const VariantDecision* dispatch = nullptr;
   const VariantDecision* combine = nullptr;
-  for (const std::string& slot : slot_order())
-    for (const Stage& s : registry()) {
-      if (s.slot != slot) continue;
-      const VariantDecision* vd = nullptr;
-      for (const auto& d : rep.decisions)
-        if (d.slot == s.slot && d.variant == s.variant) vd = &d;
-      if (!vd || !vd->ran) continue;
-      log << "  timing " << s.slot << "/" << s.variant << "\n";
-      cb.stages.push_back(bench_stage(s, *vd, c, rep.fast, opt));
-      if (!cb.stages.back().ran) continue;
-      if (vd->primary && slot == "dispatch") dispatch = vd, cb.dispatch_seconds = cb.stages.back().seconds_min;
-      if (vd->primary && slot == "combine") combine = vd, cb.combine_seconds = cb.stages.back().seconds_min;
+  ro.after_slot = [&](const Stage& s, const VariantDecision& timed, const Board& board) {
+    const VariantDecision* vd = &timed;
+    for (const auto& d : rep.decisions)
+      if (d.slot == s.slot && d.variant == s.variant) vd = &d;
+    log << "  timing " << s.slot << "/" << s.variant << "\n";
+    cb.stages.push_back(bench_stage(s, *vd, c, board, opt));
+    if (!cb.stages.back().ran || !vd->primary) return;
+    if (s.slot == "dispatch") {
+      dispatch = vd, cb.dispatch_seconds = cb.stages.back().seconds_min;
+      for (int r = 0; r < int(board.ranks.size()); ++r)
+        if (board.has("routed_input", r)) cb.routed_bytes += row_bytes(board.at("routed_input", r), c.hidden);
     }
+    if (s.slot == "combine") combine = vd, cb.combine_seconds = cb.stages.back().seconds_min;
+  };
+  run_case(c, ro);
   if (dispatch && combine) {
-    for (int r = 0; r < int(rep.fast.ranks.size()); ++r)
-      if (rep.fast.has("routed_input", r)) cb.routed_bytes += row_bytes(rep.fast.at("routed_input", r), c.hidden);
     cb.routed_memcpy_seconds = memcpy_seconds(cb.routed_bytes, opt.threads, opt.repeat);
     const double t = cb.dispatch_seconds + cb.combine_seconds;
     cb.roof_ratio = t > 0 ? 2 * cb.routed_memcpy_seconds / t : 0;

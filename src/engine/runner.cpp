@@ -542,6 +542,10 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
     }
     for (int r = 0; r < R; ++r)
       for (auto& [n, t] : primary_out.ranks[size_t(r)]) fast.ranks[size_t(r)][n] = t;
+    if (opt.after_slot)
+      for (const auto& [s, out] : ran)
+        for (const auto& d : rep.decisions)
+          if (d.slot == s->slot && d.variant == s->variant) opt.after_slot(*s, d, fast);
     if (opt.fast_only) {
       if (slot == magnitude_slot(c) && opt.fast_only_magnitude)
         for (int r = 0; r < R; ++r) fast.ranks[size_t(r)]["out_magnitude"] = combined_magnitude(c, fast.ranks[size_t(r)], opt.threads);
@@ -669,6 +673,7 @@ bool run_entry(const Case& c, const RunOptions& opt, bool use_mpi, CaseReport& r
     c1.tokens_per_rank.clear();
     RunOptions o1 = opt;
     o1.dump_dir.clear();
+    o1.after_slot = nullptr;
     const bool exact = c.experts.kind == ExpertKind::identity;
     const OutputSpec oi{"out", exact ? CompareClass::exact : CompareClass::gemm, Coords::token_col, promise_combined,
                         nullptr};
@@ -868,7 +873,9 @@ void run_case_on(const Case& c, const RunOptions& opt, CaseReport& rep, std::chr
     CaseReport rl;
     rl.c = cl;
     Board fast, chain;
-    completed = run_entry(cl, opt, use_mpi, rl, fast, chain);
+    RunOptions ol = opt;
+    if (l > 0) ol.after_slot = nullptr;  // the hook sees layer entry 1 only
+    completed = run_entry(cl, ol, use_mpi, rl, fast, chain);
     for (auto& ch : rl.checks) ch.slot = prefix + ch.slot, rep.checks.push_back(std::move(ch));
     for (auto& d : rl.decisions) d.slot = prefix + d.slot, rep.decisions.push_back(std::move(d));
     for (auto& n : rl.notes) rep.notes.push_back(prefix + n);

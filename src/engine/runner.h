@@ -11,6 +11,8 @@
 
 namespace moev {
 
+struct VariantDecision;
+
 struct RunOptions {
   int threads = 1;
   FaultSet faults;
@@ -20,6 +22,12 @@ struct RunOptions {
   /// Called before each stage variant runs (slot, variant) and once with
   /// ("", "") when the case ends: drives a progress line on a terminal.
   std::function<void(const std::string& slot, const std::string& variant)> progress;
+  /// Called once a slot's variants have run and been checked, for each
+  /// variant that ran, with the fast board then: the slot's inputs (and the
+  /// primary's outputs), still held by the streaming runner. `moeverify
+  /// bench` times each variant here instead of keeping the whole board.
+  /// Layer entry 1 of a case only; never in the invariance reruns.
+  std::function<void(const Stage& s, const VariantDecision& vd, const Board& fast)> after_slot;
   /// Runs the primary variant of each slot only, with no reference, no
   /// comparison and no invariance reruns: the fast pipeline's outputs (and
   /// `out_magnitude`, the end-to-end error scale computed from the fast

@@ -187,7 +187,7 @@ void ref_combine_bwd(RefCtx& r) {
 void fast_shared_identity_bwd(FastCtx& ctx) {
   const Tensor& g = ctx.input("grad_out");
   Tensor& o = ctx.output("grad_x_shared", g.type, g.shape);
-  if (g.bytes()) std::memcpy(o.data(), g.data(), g.bytes());  // an empty tensor may have no storage
+  copy_bytes(ctx.exec, o.data(), g.data(), g.bytes());
 }
 
 void ref_shared_identity_bwd(RefCtx& r) {
@@ -368,7 +368,7 @@ void ref_pad_bwd(RefCtx& r) {
 void fast_experts_identity_bwd(FastCtx& ctx) {
   const Tensor& g = ctx.input("grad_expert_output");
   Tensor& o = rows_out(ctx, "grad_expert_input", g.shape[0]);
-  if (g.bytes()) std::memcpy(o.data(), g.data(), g.bytes());
+  copy_bytes(ctx.exec, o.data(), g.data(), g.bytes());
 }
 
 void ref_experts_identity_bwd(RefCtx& r) {
@@ -664,6 +664,7 @@ std::vector<EndToEndOutput> backward_end_to_end(const Case& c) {
 }
 
 void register_backward_stages(std::vector<Stage>& reg) {
+  const size_t first = reg.size();
   const Promise from_g = moves_nonzero("grad_out");
   {
     Stage s = make("combine_bwd", "scores_after",
@@ -813,6 +814,12 @@ void register_backward_stages(std::vector<Stage>& reg) {
     };
     reg.push_back(b);
   }
+  // Device forms (issue 12): every variant but the SwiGLU gradients runs its
+  // bodies through entry points that take the mirror (row maps, the combine
+  // body, copy_bytes, CombineGradRowsBody, ScoreGradBody) or is the
+  // host-staged all-to-all of the forward.
+  for (size_t i = first; i < reg.size(); ++i)
+    if (reg[i].variant != "swiglu" && reg[i].variant != "shared_swiglu") reg[i].backends = kHostAndDevice;
 }
 
 }  // namespace moev

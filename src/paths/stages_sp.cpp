@@ -243,6 +243,7 @@ void check_sp_invariance(const Case& c, const RunOptions& opt, const Board& fast
   c1.sp = 1;
   c1.layers = 1;  // this layer entry alone (c.layer stays: its router weights)
   RunOptions o1 = opt;
+  o1.after_slot = nullptr;
   o1.dump_dir.clear();
   o1.progress = nullptr;
   o1.keep = RunOptions::Keep::fast_board;
