@@ -265,6 +265,19 @@ class CudaDevice final : public Device {
                                    t, int(ldx), &beta, Y, t, int(ldy), ct, CUBLAS_GEMM_DEFAULT));
     MOEV_CUDA_CHECK(cudaDeviceSynchronize());
   }
+  // Row-major Y (rows, n) = X (rows, k) W (k, n) is, column-major,
+  // Y^T (n, rows) = W^T (n, k; W's rows are its columns, ld n) X^T: no transposes.
+  void gemm_nn(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n, void* Y,
+               int64_t ldy) override {
+    std::lock_guard<std::mutex> lk(blas_m_);
+    if (!blas_) MOEV_CUBLAS_CHECK(blas().create(&blas_));
+    const cudaDataType t = dt == DType::fp32 ? CUDA_R_32F : dt == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F;
+    const cublasComputeType_t ct = dt == DType::fp32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
+    const float alpha = 1.f, beta = 0.f;
+    MOEV_CUBLAS_CHECK(blas().gemm(blas_, CUBLAS_OP_N, CUBLAS_OP_N, int(n), int(rows), int(k), &alpha, W, t, int(n), X,
+                                   t, int(ldx), &beta, Y, t, int(ldy), ct, CUBLAS_GEMM_DEFAULT));
+    MOEV_CUDA_CHECK(cudaDeviceSynchronize());
+  }
 
  private:
   std::string name_;

@@ -232,6 +232,10 @@ class EmulatedDevice final : public Device {
                int64_t ldy) override {
     moev::gemm_nt(ExecCtx{ctx_.threads, {}}, dt, X, rows, k, ldx, W, n, Y, ldy);
   }
+  void gemm_nn(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n, void* Y,
+               int64_t ldy) override {
+    moev::gemm_nn(ExecCtx{ctx_.threads, {}}, dt, X, rows, k, ldx, W, n, Y, ldy);
+  }
 
  private:
   ExecCtx ctx_;

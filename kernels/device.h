@@ -96,6 +96,10 @@ class Device {
   /// W (n, k) row-major, fp32 accumulation, one rounding to the type `dt`.
   virtual void gemm_nt(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n, void* Y,
                        int64_t ldy) = 0;
+  /// The same with W (k, n) row-major: Y = round_act(X W) (the batched
+  /// experts' cached W2^T).
+  virtual void gemm_nn(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n, void* Y,
+                       int64_t ldy) = 0;
 };
 
 /// The emulated device: its memory is separate host allocations, its

@@ -405,6 +405,26 @@ void experts_swiglu_batched(const ExecCtx& ctx, DType dt, const void* X, int64_t
     T* ys = static_cast<T*>(Y);
     T* const h13 = static_cast<T*>(mid.h13);
     T* const H = static_cast<T*>(mid.H);
+    if (ctx.mirror) {
+      // On a device, per expert: the fused [W1; W3] GEMM (NT), the activation
+      // body, and H times the cached W2^T (NN), each through the entry points.
+      // The cache is built on the host and uploaded with each call.
+      Mirror& m = *ctx.mirror;
+      for (int j = 0; j < E_l; ++j) {
+        const int64_t r = j * c;
+        gemm_nt(ctx, dt, xs + r * D, c, D, D, w13 + size_t(j) * 2 * fd, 2 * F, h13 + r * 2 * F, 2 * F);
+        {
+          Mirror::Scope scope{m};
+          m.device().run(k::SwigluBody<T>{static_cast<const T*>(m.in(h13 + r * 2 * F, size_t(c * 2 * F) * sizeof(T))),
+                                          static_cast<T*>(m.out(H + r * F, size_t(c * F) * sizeof(T))), F,
+                                          silu_rounding(ctx, conv)},
+                         c);
+          m.wrote(H + r * F, size_t(c * F) * sizeof(T));
+        }
+        gemm_nn(ctx, dt, H + r * F, c, F, F, w2t + size_t(j) * fd, D, ys + r * D, D);
+      }
+      return;
+    }
     const int64_t tiles = (c + kGemmTile - 1) / kGemmTile;
     host_run(ctx, E_l * tiles, [&](int64_t item, int, int) {
       const int64_t j = item / tiles, r = j * c + (item % tiles) * kGemmTile;
@@ -490,8 +510,11 @@ void combine_from_zeros(const ExecCtx& ctx, const CombineArgs& a, void* out) {
   combine_impl(ctx, a, k::CombineInit::zeros, nullptr, out);
 }
 
-void gemm_nt(const ExecCtx& ctx, DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n,
-             void* Y, int64_t ldy) {
+namespace {
+
+/// gemm_nt and gemm_nn: W (n, k) or (k, n) row-major.
+void gemm_layout(const ExecCtx& ctx, DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W,
+                 int64_t n, void* Y, int64_t ldy, WeightLayout layout) {
   if (rows == 0 || n == 0) return;
   const size_t eb = dtype_bytes(dt);
   if (ctx.mirror) {
@@ -499,7 +522,11 @@ void gemm_nt(const ExecCtx& ctx, DType dt, const void* X, int64_t rows, int64_t 
     Mirror::Scope scope{m};
     // the byte extents of the strided blocks: the last row ends at its last column
     const size_t xb = size_t((rows - 1) * ldx + k) * eb, yb = size_t((rows - 1) * ldy + n) * eb;
-    m.device().gemm_nt(dt, m.in(X, xb), rows, k, ldx, m.in(W, size_t(n * k) * eb), n, m.out(Y, yb), ldy);
+    const void* xd = m.in(X, xb);
+    const void* wd = m.in(W, size_t(n * k) * eb);
+    void* yd = m.out(Y, yb);
+    if (layout == WeightLayout::n_by_k) m.device().gemm_nt(dt, xd, rows, k, ldx, wd, n, yd, ldy);
+    else m.device().gemm_nn(dt, xd, rows, k, ldx, wd, n, yd, ldy);
     m.wrote(Y, yb);
     return;
   }
@@ -509,9 +536,21 @@ void gemm_nt(const ExecCtx& ctx, DType dt, const void* X, int64_t rows, int64_t 
     host_run(ctx, tiles, [&](int64_t t, int, int) {
       const int64_t r = t * kGemmTile;
       gemm_typed(static_cast<const T*>(X) + r * ldx, std::min(kGemmTile, rows - r), k, ldx, static_cast<const T*>(W), n,
-                 static_cast<T*>(Y) + r * ldy, ldy);
+                 static_cast<T*>(Y) + r * ldy, ldy, layout);
     });
   });
+}
+
+}  // namespace
+
+void gemm_nt(const ExecCtx& ctx, DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n,
+             void* Y, int64_t ldy) {
+  gemm_layout(ctx, dt, X, rows, k, ldx, W, n, Y, ldy, WeightLayout::n_by_k);
+}
+
+void gemm_nn(const ExecCtx& ctx, DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n,
+             void* Y, int64_t ldy) {
+  gemm_layout(ctx, dt, X, rows, k, ldx, W, n, Y, ldy, WeightLayout::k_by_n);
 }
 
 void copy_bytes(const ExecCtx& ctx, void* dst, const void* src, size_t bytes) {

@@ -112,6 +112,9 @@ void experts_swiglu_batched(const ExecCtx& ctx, DType dt, const void* X, int64_t
 /// with W (n, k) row-major and fp32 accumulation (the SwiGLU GEMMs).
 void gemm_nt(const ExecCtx& ctx, DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n,
              void* Y, int64_t ldy);
+/// The same with W (k, n) row-major: Y = round_act(X W).
+void gemm_nn(const ExecCtx& ctx, DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n,
+             void* Y, int64_t ldy);
 
 /// dst = src (bytes bytes, no overlap): identity experts. A memcpy on the
 /// host; a device-to-device copy on the mirror's device.
