@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "../kernels/backward_host.h"
 #include "../kernels/cuda_exec.h"
 #include "../kernels/device.h"
 #include "../kernels/moe_host.h"
@@ -35,7 +36,8 @@ CombineArgs combine_args(DType dt, const void* rows, const float* scores, const 
 
 /// The entry points on the CUDA device (kernels/device.h: a Mirror, pointers
 /// translated, write-through) against the host executor, bitwise: routing,
-/// the expert sort, gather, combine, row maps. Returns the failures.
+/// the expert sort, gather, combine, row maps, the combine's backward.
+/// Returns the failures.
 int device_entry_points() {
   std::string why;
   std::unique_ptr<Device> dev = cuda::make_device(why);
@@ -98,6 +100,15 @@ int device_entry_points() {
       apply_row_map(host, dt, r_h.data(), map.data(), N, D, m_h.data());
       apply_row_map(on_dev, dt, r_h.data(), map.data(), N, D, m_d.data());
       move_ok = move_ok && m_h == m_d;
+      // The backward (CONTRACT §13): gradient rows in dispatch order and the
+      // score gradient (a per-assignment fp32 dot product in column order).
+      std::vector<uint8_t> g_h(r_h.size()), g_d(r_h.size());
+      std::vector<float> gs_h(static_cast<size_t>(N)), gs_d(gs_h.size());
+      combine_backward(host, dt, k::ScoreApply::after_experts, k::ScoreMultiply::fp32, x.data(), r_h.data(), s_h.data(),
+                       t_h.data(), o_h.data(), T, N, D, K, g_h.data(), gs_h.data());
+      combine_backward(on_dev, dt, k::ScoreApply::after_experts, k::ScoreMultiply::fp32, x.data(), r_h.data(),
+                       s_h.data(), t_h.data(), o_h.data(), T, N, D, K, g_d.data(), gs_d.data());
+      move_ok = move_ok && g_h == g_d && std::memcmp(gs_h.data(), gs_d.data(), gs_h.size() * 4) == 0;
     }
     m.end_call();
     if (!(route_ok && sort_ok && move_ok)) {

@@ -10,6 +10,7 @@
 #include <numeric>
 #include <vector>
 
+#include "../kernels/backward_host.h"
 #include "../kernels/device.h"
 #include "../kernels/moe_host.h"
 
@@ -133,6 +134,15 @@ TEST_CASE("entry points on the emulated device give the host executor's bytes", 
     combine_from_zeros(host, a, ch.data());
     combine_from_zeros(device, a, cd.data());
     CHECK(std::memcmp(ch.data(), cd.data(), ch.size() * 4) == 0);
+    // The combine's backward (CONTRACT §13): gradient rows and score gradient.
+    std::vector<float> gh(static_cast<size_t>(N * D)), gd(size_t(N * D), -1.f), gsh(static_cast<size_t>(N)),
+        gsd(size_t(N), -1.f);
+    combine_backward(host, DType::fp32, k::ScoreApply::after_experts, k::ScoreMultiply::fp32, x.data(), rd.data(),
+                     sd.data(), td.data(), od.data(), T, N, D, int(K), gh.data(), gsh.data());
+    combine_backward(device, DType::fp32, k::ScoreApply::after_experts, k::ScoreMultiply::fp32, x.data(), rd.data(),
+                     sd.data(), td.data(), od.data(), T, N, D, int(K), gd.data(), gsd.data());
+    CHECK(std::memcmp(gh.data(), gd.data(), gh.size() * 4) == 0);
+    CHECK(std::memcmp(gsh.data(), gsd.data(), gsh.size() * 4) == 0);
     m.end_call();
   }
   CHECK(m.device_bytes() == 0);  // every buffer here was a temporary
