@@ -6,6 +6,8 @@
 #include <numeric>
 #include <vector>
 
+#include "ep_host.h"
+
 namespace moev {
 
 int64_t capacity_of(int64_t T, int K, int E, double factor) {
@@ -41,7 +43,7 @@ void capacity_select(const ExecCtx& ctx, CapacityPolicy policy, const int64_t* c
 }
 
 void capacity_apply(const ExecCtx& ctx, const int64_t* counts, int E, int64_t cap, bool pad, const uint8_t* keep,
-                    const int64_t* kept, const void* rows, size_t row_bytes, const int32_t* token_sorted,
+                    const int64_t* kept, DType dt, const void* rows, int64_t D, const int32_t* token_sorted,
                     const float* score_sorted, const int32_t* row_of, int64_t assignments, int K, void* rows_out,
                     int32_t* token_out, float* score_out, int32_t* row_of_out, int64_t* out_counts) {
   std::vector<int64_t> in_start(size_t(E) + 1, 0), out_start(size_t(E) + 1, 0);
@@ -50,10 +52,11 @@ void capacity_apply(const ExecCtx& ctx, const int64_t* counts, int E, int64_t ca
     out_counts[e] = pad ? cap : kept[e];
     out_start[size_t(e) + 1] = out_start[size_t(e)] + out_counts[e];
   }
-  const int64_t N = in_start[size_t(E)];
+  const int64_t N = in_start[size_t(E)], M = out_start[size_t(E)];
   std::vector<int32_t> new_row(static_cast<size_t>(N), -1);
-  const auto* src = static_cast<const uint8_t*>(rows);
-  auto* dst = static_cast<uint8_t*>(rows_out);
+  // Output row o is input row src[o], or a zero filler row (-1): the rows
+  // move with the row-map body (on the host executor or the mirror's device).
+  std::vector<int64_t> src(static_cast<size_t>(M), -1);
   // Planted: the renormalisation Megatron-LM does not do (FRAMEWORKS §11.1):
   // a token's kept scores scaled back up to its original sum.
   std::vector<float> sum_all, sum_kept;
@@ -70,8 +73,8 @@ void capacity_apply(const ExecCtx& ctx, const int64_t* counts, int E, int64_t ca
     int64_t o = out_start[size_t(e)];
     for (int64_t i = in_start[size_t(e)]; i < in_start[size_t(e) + 1]; ++i) {
       if (!keep[i]) continue;
-      if (o < out_start[size_t(E)]) {  // the planted overflow may reach past the last group
-        std::memcpy(dst + size_t(o) * row_bytes, src + size_t(i) * row_bytes, row_bytes);
+      if (o < M) {  // the planted overflow may reach past the last group
+        src[size_t(o)] = i;
         token_out[o] = token_sorted[i];
         const int32_t t = token_sorted[i];
         score_out[o] = renorm && sum_kept[size_t(t)] != sum_all[size_t(t)] && sum_kept[size_t(t)] > 0
@@ -82,7 +85,7 @@ void capacity_apply(const ExecCtx& ctx, const int64_t* counts, int E, int64_t ca
       ++o;
     }
     for (; o < out_start[size_t(e) + 1]; ++o) {  // fillers (pad_to_capacity)
-      std::memset(dst + size_t(o) * row_bytes, 0, row_bytes);
+      src[size_t(o)] = -1;
       token_out[o] = -1;
       score_out[o] = 0.f;
     }
@@ -92,9 +95,9 @@ void capacity_apply(const ExecCtx& ctx, const int64_t* counts, int E, int64_t ca
     // row, written after it (groups from the last to the first).
     for (int e = E - 1; e >= 0; --e) group(e);
   } else {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(1, ctx.threads)) if (ctx.threads > 1)
     for (int e = 0; e < E; ++e) group(e);
   }
+  apply_row_map(ctx, dt, rows, src.data(), M, D, rows_out);
   for (int64_t a = 0; a < assignments; ++a) row_of_out[a] = row_of[a] >= 0 ? new_row[size_t(row_of[a])] : -1;
 }
 

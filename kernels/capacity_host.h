@@ -31,9 +31,11 @@ void capacity_select(const ExecCtx& ctx, CapacityPolicy policy, const int64_t* c
 /// Writes the capacity-limited dispatch: per expert its kept rows in their
 /// order, then (pad) zero filler rows up to cap. out_counts[e] = kept[e], or
 /// cap with pad. row_of_out maps each assignment (T*K of them, K per token)
-/// to its new row or -1. Rows are row_bytes long.
+/// to its new row or -1. Rows are D elements of dt; they move with
+/// apply_row_map, so on the mirror's device (ExecCtx::mirror) while the
+/// selection and the metadata are computed on the host.
 void capacity_apply(const ExecCtx& ctx, const int64_t* counts, int E, int64_t cap, bool pad, const uint8_t* keep,
-                    const int64_t* kept, const void* rows, size_t row_bytes, const int32_t* token_sorted,
+                    const int64_t* kept, DType dt, const void* rows, int64_t D, const int32_t* token_sorted,
                     const float* score_sorted, const int32_t* row_of, int64_t assignments, int K, void* rows_out,
                     int32_t* token_out, float* score_out, int32_t* row_of_out, int64_t* out_counts);
 

@@ -56,7 +56,7 @@ void register_capacity_stages(std::vector<Stage>& reg) {
     Tensor& out_sc = ctx.output("score_sorted", ElemType::f32, {M});
     Tensor& out_row_of = ctx.output("row_of", ElemType::i32, row_of.shape);
     capacity_apply(ctx.exec, counts.as<int64_t>(), E, cap, pad, keep.data(), kept.data(),
-                   rows.data(), size_t(c.hidden) * elem_bytes(rows.type), tok.as<int32_t>(), sc.as<float>(),
+                   c.dtype, rows.data(), c.hidden, tok.as<int32_t>(), sc.as<float>(),
                    row_of.as<int32_t>(), row_of.numel(), c.top_k, out_rows.data(), out_tok.as<int32_t>(),
                    out_sc.as<float>(), out_row_of.as<int32_t>(), out_counts.as<int64_t>());
     int64_t dropped = 0;
@@ -65,6 +65,9 @@ void register_capacity_stages(std::vector<Stage>& reg) {
                         std::to_string(dropped) + " of " + std::to_string(N) + " assignments dropped" +
                         (pad ? ", every expert padded to cap" : ""));
   };
+  // On a device the kept rows move there (apply_row_map); which rows are
+  // kept, and the metadata, are decided on the host.
+  s.backends = kHostAndDevice;
   s.ref_per_rank = true;
   s.ref = [](RefCtx& r) {
     const Case& c = r.c;
