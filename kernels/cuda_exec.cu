@@ -252,34 +252,34 @@ class CudaDevice final : public Device {
     MOEV_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
-  // Y^T (n x rows, ld ldy) = W^T (n x k; W is k x n column-major, ld k) times
-  // X^T (k x rows, ld ldx), fp32 accumulation, the result rounded once to dt.
   void gemm_nt(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n, void* Y,
                int64_t ldy) override {
-    std::lock_guard<std::mutex> lk(blas_m_);
-    if (!blas_) MOEV_CUBLAS_CHECK(blas().create(&blas_));
-    const cudaDataType t = dt == DType::fp32 ? CUDA_R_32F : dt == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F;
-    const cublasComputeType_t ct = dt == DType::fp32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
-    const float alpha = 1.f, beta = 0.f;
-    MOEV_CUBLAS_CHECK(blas().gemm(blas_, CUBLAS_OP_T, CUBLAS_OP_N, int(n), int(rows), int(k), &alpha, W, t, int(k), X,
-                                   t, int(ldx), &beta, Y, t, int(ldy), ct, CUBLAS_GEMM_DEFAULT));
-    MOEV_CUDA_CHECK(cudaDeviceSynchronize());
+    gemm(dt, X, rows, k, ldx, W, n, Y, ldy, true);
   }
-  // Row-major Y (rows, n) = X (rows, k) W (k, n) is, column-major,
-  // Y^T (n, rows) = W^T (n, k; W's rows are its columns, ld n) X^T: no transposes.
   void gemm_nn(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n, void* Y,
                int64_t ldy) override {
-    std::lock_guard<std::mutex> lk(blas_m_);
-    if (!blas_) MOEV_CUBLAS_CHECK(blas().create(&blas_));
-    const cudaDataType t = dt == DType::fp32 ? CUDA_R_32F : dt == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F;
-    const cublasComputeType_t ct = dt == DType::fp32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
-    const float alpha = 1.f, beta = 0.f;
-    MOEV_CUBLAS_CHECK(blas().gemm(blas_, CUBLAS_OP_N, CUBLAS_OP_N, int(n), int(rows), int(k), &alpha, W, t, int(n), X,
-                                   t, int(ldx), &beta, Y, t, int(ldy), ct, CUBLAS_GEMM_DEFAULT));
-    MOEV_CUDA_CHECK(cudaDeviceSynchronize());
+    gemm(dt, X, rows, k, ldx, W, n, Y, ldy, false);
   }
 
  private:
+  // Row-major Y (rows, n; ld ldy) = X (rows, k; ld ldx) times W^T or W is,
+  // column-major, Y^T = op(W) X^T: W (n, k) row-major is a column-major k x n
+  // matrix (ld k), transposed (gemm_nt); W (k, n) row-major is a column-major
+  // n x k matrix (ld n), as is (gemm_nn). fp32 accumulation, the result
+  // rounded once to dt.
+  void gemm(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n, void* Y,
+            int64_t ldy, bool w_n_by_k) {
+    std::lock_guard<std::mutex> lk(blas_m_);
+    if (!blas_) MOEV_CUBLAS_CHECK(blas().create(&blas_));
+    const cudaDataType t = dt == DType::fp32 ? CUDA_R_32F : dt == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F;
+    const cublasComputeType_t ct = dt == DType::fp32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
+    const float alpha = 1.f, beta = 0.f;
+    MOEV_CUBLAS_CHECK(blas().gemm(blas_, w_n_by_k ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, int(n), int(rows), int(k),
+                                   &alpha, W, t, w_n_by_k ? int(k) : int(n), X, t, int(ldx), &beta, Y, t, int(ldy), ct,
+                                   CUBLAS_GEMM_DEFAULT));
+    MOEV_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+
   std::string name_;
   std::mutex blas_m_;
   cublasHandle_t blas_ = nullptr;
