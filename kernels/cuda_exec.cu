@@ -219,6 +219,12 @@ class CudaDevice final : public Device {
   MOEV_CUDA_BODIES(bf16)
   MOEV_CUDA_BODIES(fp16)
 #undef MOEV_CUDA_BODIES
+#define MOEV_CUDA_CONVERT(T)                                                                   \
+  void run(const ConvertBody<T, bf16>& b, int64_t n) override { launch(b, n); }               \
+  void run(const ConvertBody<bf16, T>& b, int64_t n) override { launch(b, n); }
+  MOEV_CUDA_CONVERT(float)
+  MOEV_CUDA_CONVERT(fp16)
+#undef MOEV_CUDA_CONVERT
 
   // CUB radix sort of packed (expert, a) keys: ascending a within an expert,
   // or descending under the planted fault unstable_sort.

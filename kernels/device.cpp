@@ -220,6 +220,12 @@ class EmulatedDevice final : public Device {
   MOEV_EMULATED_BODIES(bf16)
   MOEV_EMULATED_BODIES(fp16)
 #undef MOEV_EMULATED_BODIES
+#define MOEV_EMULATED_CONVERT(T)                                                                    \
+  void run(const ConvertBody<T, bf16>& b, int64_t n) override { host_run(ctx_, n, b); }            \
+  void run(const ConvertBody<bf16, T>& b, int64_t n) override { host_run(ctx_, n, b); }
+  MOEV_EMULATED_CONVERT(float)
+  MOEV_EMULATED_CONVERT(fp16)
+#undef MOEV_EMULATED_CONVERT
   void sort(const int32_t* ids, int64_t N, int E, int32_t* perm, bool descending_within) override {
     FaultSet f;
     if (descending_within) f.bits |= uint32_t(Fault::unstable_sort);

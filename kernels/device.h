@@ -55,6 +55,17 @@ struct RoundBody {
   }
 };
 
+/// dst[i] = src[i] rounded to To (one rounding; exact where To is wider):
+/// the inputs and weights of compute_dtype bf16 (CONTRACT §14) and back.
+template <class From, class To>
+struct ConvertBody {
+  const From* src;
+  To* dst;
+  MOEV_HD void operator()(int64_t i, int lane, int) const {
+    if (lane == 0) dst[i] = from_float<To>(to_float(src[i]));
+  }
+};
+
 class Device {
  public:
   virtual ~Device() = default;
@@ -86,6 +97,12 @@ class Device {
   MOEV_DEVICE_BODIES(bf16)
   MOEV_DEVICE_BODIES(fp16)
 #undef MOEV_DEVICE_BODIES
+#define MOEV_DEVICE_CONVERT(T)                                                \
+  virtual void run(const ConvertBody<T, bf16>& b, int64_t n) = 0;             \
+  virtual void run(const ConvertBody<bf16, T>& b, int64_t n) = 0;
+  MOEV_DEVICE_CONVERT(float)
+  MOEV_DEVICE_CONVERT(fp16)
+#undef MOEV_DEVICE_CONVERT
 
   /// Stable sort of the flat ids: perm lists assignments by (ids[a], a); with
   /// `descending_within` (the planted fault unstable_sort) by (ids[a], -a).

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #include "device.h"
@@ -20,23 +21,47 @@ k::SiluRounding silu_rounding(const ExecCtx& ctx, const SwigluConventions& conv)
   return ctx.faults.has(Fault::silu_rounded) ? k::SiluRounding::rounded_to_act : conv.rounding;
 }
 
-/// n values of dtype dt rounded to bf16 (ComputeDtype::bf16).
-std::vector<bf16> to_bf16(DType dt, const void* src, int64_t n) {
+/// n values of dtype dt rounded to bf16 (ComputeDtype::bf16), on the host
+/// or the mirror's device (dt is not bf16).
+std::vector<bf16> to_bf16(const ExecCtx& ctx, DType dt, const void* src, int64_t n) {
   std::vector<bf16> out(static_cast<size_t>(n));
   dispatch_dtype(dt, [&](auto tag) {
     using T = decltype(tag);
+    if constexpr (!std::is_same_v<T, bf16>) {
+      if (ctx.mirror && n > 0) {
+        Mirror& m = *ctx.mirror;
+        Mirror::Scope scope{m};
+        m.device().run(ConvertBody<T, bf16>{static_cast<const T*>(m.in(src, size_t(n) * sizeof(T))),
+                                            static_cast<bf16*>(m.out(out.data(), size_t(n) * 2))},
+                       n);
+        m.wrote(out.data(), size_t(n) * 2);
+        return;
+      }
+    }
     const T* s = static_cast<const T*>(src);
     for (int64_t i = 0; i < n; ++i) out[size_t(i)] = from_float<bf16>(to_float(s[i]));
   });
   return out;
 }
 
-/// n bf16 values rounded to dtype dt.
-void from_bf16(DType dt, const std::vector<bf16>& src, void* dst) {
+/// n bf16 values rounded to dtype dt, on the host or the mirror's device.
+void from_bf16(const ExecCtx& ctx, DType dt, const std::vector<bf16>& src, void* dst) {
+  const int64_t n = int64_t(src.size());
   dispatch_dtype(dt, [&](auto tag) {
     using T = decltype(tag);
+    if constexpr (!std::is_same_v<T, bf16>) {
+      if (ctx.mirror && n > 0) {
+        Mirror& m = *ctx.mirror;
+        Mirror::Scope scope{m};
+        m.device().run(ConvertBody<bf16, T>{static_cast<const bf16*>(m.in(src.data(), size_t(n) * 2)),
+                                            static_cast<T*>(m.out(dst, size_t(n) * sizeof(T)))},
+                       n);
+        m.wrote(dst, size_t(n) * sizeof(T));
+        return;
+      }
+    }
     T* d = static_cast<T*>(dst);
-    for (size_t i = 0; i < src.size(); ++i) d[i] = from_float<T>(to_float(src[i]));
+    for (int64_t i = 0; i < n; ++i) d[i] = from_float<T>(to_float(src[size_t(i)]));
   });
 }
 
@@ -259,21 +284,19 @@ void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* 
     // X and the weights rounded to bf16, the whole SwiGLU in bf16, Y rounded back.
     int64_t rows = 0;
     for (int j = 0; j < E_l; ++j) rows += counts[j];
-    const std::vector<bf16> xb = to_bf16(dt, X, rows * D), w1 = to_bf16(dt, W1, E_l * F * D),
-                            w3 = to_bf16(dt, W3, E_l * F * D), w2 = to_bf16(dt, W2, E_l * D * F);
+    const std::vector<bf16> xb = to_bf16(ctx, dt, X, rows * D), w1 = to_bf16(ctx, dt, W1, E_l * F * D),
+                            w3 = to_bf16(ctx, dt, W3, E_l * F * D), w2 = to_bf16(ctx, dt, W2, E_l * D * F);
     std::vector<bf16> yb(static_cast<size_t>(rows * D));
     experts_swiglu(ctx, DType::bf16, impl, xb.data(), counts, E_l, D, F, w1.data(), w3.data(), w2.data(), yb.data(),
                    mid, SwigluConventions{conv.rounding, ComputeDtype::act});
-    from_bf16(dt, yb, Y);
+    from_bf16(ctx, dt, yb, Y);
     return;
   }
   if (ctx.mirror) {
     // On a device: per expert, the two GEMMs into [h1 | h3], the activation
     // body, the W2 GEMM, each through the entry points (cuBLAS, a grid).
-    // Loop and grouped are the same calls here; compute_dtype bf16 has no
-    // device form (the stage declines it).
-    if (conv.compute == ComputeDtype::bf16 && dt != DType::bf16)
-      throw std::invalid_argument("experts_swiglu: compute_dtype bf16 has no device implementation");
+    // Loop and grouped are the same calls here (compute_dtype bf16 came
+    // through the conversions above, on the device too).
     const size_t eb = dtype_bytes(dt);
     const auto* x = static_cast<const uint8_t*>(X);
     auto* y = static_cast<uint8_t*>(Y);
@@ -369,12 +392,12 @@ void experts_swiglu_batched(const ExecCtx& ctx, DType dt, const void* X, int64_t
     // As experts_swiglu: bf16 inputs and weights. The cache then holds bf16
     // weights: a caller must not share one cache between compute dtypes
     // under one weight version (the stage uses a fresh cache per run).
-    const std::vector<bf16> xb = to_bf16(dt, X, E_l * c * D), w1 = to_bf16(dt, W1, E_l * F * D),
-                            w3 = to_bf16(dt, W3, E_l * F * D), w2 = to_bf16(dt, W2, E_l * D * F);
+    const std::vector<bf16> xb = to_bf16(ctx, dt, X, E_l * c * D), w1 = to_bf16(ctx, dt, W1, E_l * F * D),
+                            w3 = to_bf16(ctx, dt, W3, E_l * F * D), w2 = to_bf16(ctx, dt, W2, E_l * D * F);
     std::vector<bf16> yb(static_cast<size_t>(E_l * c * D));
     experts_swiglu_batched(ctx, DType::bf16, xb.data(), c, E_l, D, F, w1.data(), w3.data(), w2.data(), version, cache,
                            yb.data(), mid, SwigluConventions{conv.rounding, ComputeDtype::act});
-    from_bf16(dt, yb, Y);
+    from_bf16(ctx, dt, yb, Y);
     return;
   }
   dispatch_dtype(dt, [&](auto tag) {

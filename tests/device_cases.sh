@@ -35,7 +35,7 @@ PY
   fi
   passed=$((passed + ok))
 done
-[ "$passed" -ge 159 ] || { echo "FAIL only $passed cases PASSED on the emulated device (expected at least 159)"; fails=$((fails + 1)); }
+[ "$passed" -ge 165 ] || { echo "FAIL only $passed cases PASSED on the emulated device (expected at least 165)"; fails=$((fails + 1)); }
 grep -q "fast path on emulated" "$tmp/basic.log" || { echo "FAIL the report does not name the device"; fails=$((fails + 1)); }
 # Planted faults of the primitives that run on the device: each must be INCORRECT (exit 1)
 # there; a fault whose wrong splits the all-to-all itself refuses is ERROR (exit 3), as on the host.

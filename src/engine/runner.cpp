@@ -292,7 +292,7 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
       Decision d = s.applies(c);
       // On a device a variant without a device form is not taken: never run
       // on the host in its place (backend_unsupported kept the primary ones).
-      if (d.applies && opt.mirror && !device_missing(s, c).empty())
+      if (d.applies && opt.mirror && !has_device_form(s))
         d = {false, "no device implementation (backend " + std::string(enum_name(backend_table(), c.backend)) + ")"};
       rep.decisions.push_back({s.slot, s.variant, d.applies, false, d.applies ? "" : d.reason, {}});
       if (d.applies) runs.push_back(&s);
@@ -807,11 +807,8 @@ std::string backend_unsupported(const Case& c) {
   // not taken when the case runs.
   std::string missing;
   for (const Stage& s : registry()) {
-    if (!s.applies(c).applies || !s.primary(c)) continue;
-    const std::string why = device_missing(s, c);
-    if (why.empty()) continue;
+    if (!s.applies(c).applies || !s.primary(c) || has_device_form(s)) continue;
     missing += (missing.empty() ? "" : ", ") + s.slot + "/" + s.variant;
-    if (why != "no device form") missing += " (" + why + ")";
   }
   return missing.empty() ? "" : flag + "no device implementation of " + missing;
 }

@@ -187,14 +187,10 @@ struct Stage {
   /// on another backend whose primary pipeline needs this variant is
   /// NOT_SUPPORTED; where it is not primary it is reported not taken.
   std::vector<Backend> backends = {Backend::host};
-  /// Optional, with a device backend: why this case's conventions have no
-  /// device form ("" when they do); the case is then NOT_SUPPORTED there.
-  std::function<std::string(const Case&)> device_declines;
 };
 
-/// Why variant `s` cannot run case `c` on a device ("" when it can): no
-/// device form, or the case's conventions have none (Stage::device_declines).
-std::string device_missing(const Stage& s, const Case& c);
+/// Whether variant `s` runs on a device (its backends list cuda).
+bool has_device_form(const Stage& s);
 
 struct EndToEndOutput {
   OutputSpec spec;

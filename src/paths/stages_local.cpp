@@ -623,12 +623,6 @@ Stage identity_experts() {
   return s;
 }
 
-/// The routed SwiGLU experts have no device form under compute_dtype bf16
-/// with another activation dtype (the host converts around the whole call).
-std::string swiglu_device_declines(const Case& c) {
-  return c.experts.compute_dtype == ComputeDtype::bf16 && c.dtype != DType::bf16 ? "experts.compute_dtype: bf16" : "";
-}
-
 Stage swiglu_experts(ExpertsImpl impl) {
   Stage s;
   s.slot = "experts";
@@ -648,7 +642,6 @@ Stage swiglu_experts(ExpertsImpl impl) {
   };
   s.ref = ref_routed_swiglu;
   s.backends = kHostAndDevice;
-  s.device_declines = swiglu_device_declines;
   return s;
 }
 
@@ -686,7 +679,6 @@ Stage swiglu_batched() {
   };
   s.ref = ref_routed_swiglu;
   s.backends = kHostAndDevice;
-  s.device_declines = swiglu_device_declines;
   return s;
 }
 
