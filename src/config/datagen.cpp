@@ -1,6 +1,8 @@
 #include "datagen.h"
 
+#include <algorithm>
 #include <cmath>
+#include <stdexcept>
 #include <vector>
 
 namespace moev {
@@ -34,17 +36,23 @@ float exact_value(uint64_t seed, uint64_t stream, uint64_t rank, uint64_t row, u
 
 Tensor fill(const Case& c, ElemType et, std::vector<int64_t> shape, uint64_t stream, int rank, double scale,
             int exact_kind, size_t extra_elems = 0) {
-  Tensor t = Tensor::alloc(et, shape, 0, extra_elems * elem_bytes(et));
-  const int64_t cols = std::max<int64_t>(shape.back(), 1);
-  std::vector<float> v;
-  v.reserve(size_t(t.numel()) + extra_elems);
-  for (int64_t i = 0; i < t.numel() + int64_t(extra_elems); ++i) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  const int64_t cols = std::max<int64_t>(shape.back(), 1), total = n + int64_t(extra_elems);
+  // One allocation, each value converted to et where it is drawn.
+  Tensor whole = Tensor::alloc(et, {total}, 0);
+  for (int64_t i = 0; i < total; ++i) {
     const uint64_t r = uint64_t(i / cols), col = uint64_t(i % cols);
-    const uint64_t s = i < t.numel() ? stream : kTail;
-    v.push_back(c.data == DataMode::exact ? exact_value(c.seed, s, uint64_t(rank), r, col, exact_kind)
-                                          : float(normal(c.seed, s, uint64_t(rank), r, col) * scale));
+    const uint64_t s = i < n ? stream : kTail;
+    const float v = c.data == DataMode::exact ? exact_value(c.seed, s, uint64_t(rank), r, col, exact_kind)
+                                              : float(normal(c.seed, s, uint64_t(rank), r, col) * scale);
+    switch (et) {
+      case ElemType::f32: whole.as<float>()[i] = v; break;
+      case ElemType::bf16: whole.as<bf16>()[i] = from_float<bf16>(v); break;
+      case ElemType::f16: whole.as<fp16>()[i] = from_float<fp16>(v); break;
+      default: throw std::logic_error("fill: an integer tensor");
+    }
   }
-  Tensor whole = from_floats(v, et, {int64_t(v.size())});
   return whole.view(et, std::move(shape), 0);
 }
 
