@@ -21,6 +21,17 @@ k::SiluRounding silu_rounding(const ExecCtx& ctx, const SwigluConventions& conv)
   return ctx.faults.has(Fault::silu_rounded) ? k::SiluRounding::rounded_to_act : conv.rounding;
 }
 
+/// H (n, F) = the SwiGLU activation of h13 (n, 2F) on the mirror's device.
+template <class T>
+void swiglu_act_device(const ExecCtx& ctx, const T* h13, T* H, int64_t n, int64_t F, const SwigluConventions& conv) {
+  Mirror& m = *ctx.mirror;
+  Mirror::Scope scope{m};
+  m.device().run(k::SwigluBody<T>{static_cast<const T*>(m.in(h13, size_t(n * 2 * F) * sizeof(T))),
+                                  static_cast<T*>(m.out(H, size_t(n * F) * sizeof(T))), F, silu_rounding(ctx, conv)},
+                 n);
+  m.wrote(H, size_t(n * F) * sizeof(T));
+}
+
 /// n values of dtype dt rounded to bf16 (ComputeDtype::bf16), on the host
 /// or the mirror's device (dt is not bf16).
 std::vector<bf16> to_bf16(const ExecCtx& ctx, DType dt, const void* src, int64_t n) {
@@ -310,15 +321,10 @@ void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* 
       gemm_nt(ctx, dt, x + size_t(r0 * D) * eb, n, D, D, static_cast<const uint8_t*>(W1) + wo, F, h13 + size_t(r0 * 2 * F) * eb, 2 * F);
       gemm_nt(ctx, dt, x + size_t(r0 * D) * eb, n, D, D, static_cast<const uint8_t*>(W3) + wo, F,
               h13 + size_t(r0 * 2 * F + F) * eb, 2 * F);
-      Mirror& m = *ctx.mirror;
       dispatch_dtype(dt, [&](auto tag) {
         using T = decltype(tag);
-        Mirror::Scope scope{m};
-        T* hp = reinterpret_cast<T*>(H + size_t(r0 * F) * eb);
-        m.device().run(k::SwigluBody<T>{static_cast<const T*>(m.in(h13 + size_t(r0 * 2 * F) * eb, size_t(n * 2 * F) * eb)),
-                                        static_cast<T*>(m.out(hp, size_t(n * F) * eb)), F, silu_rounding(ctx, conv)},
-                       n);
-        m.wrote(hp, size_t(n * F) * eb);
+        swiglu_act_device(ctx, reinterpret_cast<const T*>(h13 + size_t(r0 * 2 * F) * eb),
+                          reinterpret_cast<T*>(H + size_t(r0 * F) * eb), n, F, conv);
       });
       gemm_nt(ctx, dt, H + size_t(r0 * F) * eb, n, F, F, static_cast<const uint8_t*>(W2) + wo, D, y + size_t(r0 * D) * eb, D);
     }
@@ -432,18 +438,10 @@ void experts_swiglu_batched(const ExecCtx& ctx, DType dt, const void* X, int64_t
       // On a device, per expert: the fused [W1; W3] GEMM (NT), the activation
       // body, and H times the cached W2^T (NN), each through the entry points.
       // The cache is built on the host and uploaded with each call.
-      Mirror& m = *ctx.mirror;
       for (int j = 0; j < E_l; ++j) {
         const int64_t r = j * c;
         gemm_nt(ctx, dt, xs + r * D, c, D, D, w13 + size_t(j) * 2 * fd, 2 * F, h13 + r * 2 * F, 2 * F);
-        {
-          Mirror::Scope scope{m};
-          m.device().run(k::SwigluBody<T>{static_cast<const T*>(m.in(h13 + r * 2 * F, size_t(c * 2 * F) * sizeof(T))),
-                                          static_cast<T*>(m.out(H + r * F, size_t(c * F) * sizeof(T))), F,
-                                          silu_rounding(ctx, conv)},
-                         c);
-          m.wrote(H + r * F, size_t(c * F) * sizeof(T));
-        }
+        swiglu_act_device(ctx, h13 + r * 2 * F, H + r * F, c, F, conv);
         gemm_nn(ctx, dt, H + r * F, c, F, F, w2t + size_t(j) * fd, D, ys + r * D, D);
       }
       return;
