@@ -27,10 +27,14 @@ namespace {
 /// comparison and hashing work of one stage, which is independent per rank),
 /// taken in the order `order` when given. The first exception thrown is
 /// rethrown here, after every rank is done.
+/// How many ranks each_rank runs at once on `threads` threads; each then
+/// gets threads / that many for its own work.
+int ranks_side_by_side(int threads, int R) { return std::max(1, std::min(threads, R)); }
+
 template <class Fn>
 void each_rank(int R, int threads, Fn fn, const std::vector<int>& order = {}) {
   std::vector<std::exception_ptr> err(static_cast<size_t>(R));
-#pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(1, std::min(threads, R))) if (threads > 1 && R > 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(ranks_side_by_side(threads, R)) if (threads > 1 && R > 1)
   for (int k = 0; k < R; ++k) {
     const int r = order.empty() ? k : order[size_t(k)];
     try {
@@ -432,7 +436,7 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
         std::vector<std::vector<Check>> by_output(s->outputs.size(), std::vector<Check>(size_t(R)));
         std::vector<double> ref_s(static_cast<size_t>(R)), cmp_s(static_cast<size_t>(R));
         const auto tl = clock::now();
-        const int side = std::min(std::max(1, opt.threads), R);  // ranks side by side
+        const int side = ranks_side_by_side(opt.threads, R);
         each_rank(R, side, [&](int q) {
           auto tq = clock::now();
           if (reuse) {
@@ -580,7 +584,7 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
       next = refs[primary];
     } else if (primary->ref_per_rank && R > 1) {  // one rank's reference rows at a time, as for the stage check
       next.ranks.resize(size_t(R));
-      const int side = std::min(std::max(1, opt.threads), R);
+      const int side = ranks_side_by_side(opt.threads, R);
       each_rank(R, side, [&](int q) {
         Board rq;
         rq.ranks.resize(size_t(R));
@@ -680,7 +684,7 @@ bool run_entry(const Case& c, const RunOptions& opt, bool use_mpi, CaseReport& r
     // The ranks' EP = 1 runs are independent: on the host they run side by
     // side on the run's threads, each with its share of them (on a device,
     // one at a time).
-    const int side = opt.mirror ? 1 : std::min(std::max(1, opt.threads), R);
+    const int side = opt.mirror ? 1 : ranks_side_by_side(opt.threads, R);
     if (side > 1) {
       o1.threads = std::max(1, opt.threads / side);
       o1.progress = nullptr;  // one progress line per case, not interleaved ones
