@@ -81,4 +81,52 @@ struct ScoreGradBody {
   }
 };
 
+/// Which derivative of silu the SwiGLU backward takes: the contract's
+/// silu'(a) = sig(a) (1 + a (1 - sig(a))), or sig(a) alone (the planted
+/// fault swiglu_bwd_silu_grad, FRAMEWORKS §13).
+enum class SiluGrad : uint8_t { exact, sigmoid_only /* planted fault */ };
+
+/// The elementwise SwiGLU backward of one (row, f) (CONTRACT §8, §13) on the
+/// values the contract rounds to T: a = h1, b = h3, g = dH. Gives the forward
+/// activation H = round(silu(a) b) (the dW2 operand), dh3 = round(g silu(a))
+/// and dh1 = round(g b silu'(a)), each rounded to T once and widened back.
+/// silu(a) = a / (1 + exp(-a)) is the forward's formulation (SwigluBody).
+/// The host backward and SwigluBwdBody both call it.
+struct SwigluGradElem {
+  float H, dh3, dh1;
+};
+template <class T>
+MOEV_HD inline SwigluGradElem swiglu_grad_elem(float a, float b, float g, SiluGrad sg) {
+  const float e = k_exp(-a);
+  const float sig = 1.f / (1.f + e);
+  const float silu = a / (1.f + e);
+  const float dsilu = sg == SiluGrad::sigmoid_only ? sig : sig * (1.f + a * (1.f - sig));
+  return {round_to<T>(silu * b), round_to<T>(g * silu), round_to<T>(g * b * dsilu)};
+}
+
+/// The SwiGLU backward's elementwise step (item = row, lanes over f): from
+/// h13 = [h1 | h3] (rows, 2F) and dH (rows, F), all in T, writes H (rows, F)
+/// and dh13 = [dh1 | dh3] (rows, 2F) in T: the layout whose one GEMM with
+/// [W1; W3] (2F, D) gives dX in a single fp32 accumulation.
+template <class T>
+struct SwigluBwdBody {
+  const T* h13;  // (rows, 2F)
+  const T* dH;   // (rows, F)
+  T* H;          // (rows, F)
+  T* dh13;       // (rows, 2F)
+  int64_t F;
+  SiluGrad silu_grad = SiluGrad::exact;
+
+  MOEV_HD void operator()(int64_t r, int lane, int lanes) const {
+    const T* h1 = h13 + r * 2 * F;
+    T* d1 = dh13 + r * 2 * F;
+    for (int64_t f = lane; f < F; f += lanes) {
+      const SwigluGradElem v = swiglu_grad_elem<T>(to_float(h1[f]), to_float(h1[F + f]), to_float(dH[r * F + f]), silu_grad);
+      H[r * F + f] = from_float<T>(v.H);
+      d1[f] = from_float<T>(v.dh1);
+      d1[F + f] = from_float<T>(v.dh3);
+    }
+  }
+};
+
 }  // namespace moev::k

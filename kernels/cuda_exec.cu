@@ -214,7 +214,8 @@ class CudaDevice final : public Device {
   void run(const RoundBody<T>& b, int64_t n) override { launch(b, n); }                      \
   void run(const k::SwigluBody<T>& b, int64_t n) override { launch(b, n); }                  \
   void run(const k::CombineGradRowsBody<T>& b, int64_t n) override { launch(b, n); }        \
-  void run(const k::ScoreGradBody<T>& b, int64_t n) override { launch(b, n); }
+  void run(const k::ScoreGradBody<T>& b, int64_t n) override { launch(b, n); }             \
+  void run(const k::SwigluBwdBody<T>& b, int64_t n) override { launch(b, n); }
   MOEV_CUDA_BODIES(float)
   MOEV_CUDA_BODIES(bf16)
   MOEV_CUDA_BODIES(fp16)
@@ -265,6 +266,22 @@ class CudaDevice final : public Device {
   void gemm_nn(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n, void* Y,
                int64_t ldy) override {
     gemm(dt, X, rows, k, ldx, W, n, Y, ldy, false);
+  }
+
+  // Row-major C (m, n) = A^T B is column-major C^T (n x m, ld n) = B_cm A_cm^T
+  // with B_cm the column-major n x rows matrix B is (ld ldb) and A_cm the
+  // m x rows matrix A is (ld lda). Inputs in dt, output and accumulation fp32
+  // (a cublasGemmEx combination for bf16 and fp16 inputs too).
+  void gemm_tn_f32(DType dt, const void* A, int64_t rows, int64_t m, int64_t lda, const void* B, int64_t n,
+                   int64_t ldb, float* C) override {
+    std::lock_guard<std::mutex> lk(blas_m_);
+    if (!blas_) MOEV_CUBLAS_CHECK(blas().create(&blas_));
+    const cudaDataType t = dt == DType::fp32 ? CUDA_R_32F : dt == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F;
+    const cublasComputeType_t ct = dt == DType::fp32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
+    const float alpha = 1.f, beta = 0.f;
+    MOEV_CUBLAS_CHECK(blas().gemm(blas_, CUBLAS_OP_N, CUBLAS_OP_T, int(n), int(m), int(rows), &alpha, B, t, int(ldb), A,
+                                   t, int(lda), &beta, C, CUDA_R_32F, int(n), ct, CUBLAS_GEMM_DEFAULT));
+    MOEV_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
  private:

@@ -6,6 +6,7 @@
 
 #include "host_exec.h"
 #include "moe_host.h"
+#include "swiglu_bwd_host.h"
 
 namespace moev {
 
@@ -215,7 +216,8 @@ class EmulatedDevice final : public Device {
   void run(const RoundBody<T>& b, int64_t n) override { host_run(ctx_, n, b); }                  \
   void run(const k::SwigluBody<T>& b, int64_t n) override { host_run(ctx_, n, b); }             \
   void run(const k::CombineGradRowsBody<T>& b, int64_t n) override { host_run(ctx_, n, b); }   \
-  void run(const k::ScoreGradBody<T>& b, int64_t n) override { host_run(ctx_, n, b); }
+  void run(const k::ScoreGradBody<T>& b, int64_t n) override { host_run(ctx_, n, b); }        \
+  void run(const k::SwigluBwdBody<T>& b, int64_t n) override { host_run(ctx_, n, b); }
   MOEV_EMULATED_BODIES(float)
   MOEV_EMULATED_BODIES(bf16)
   MOEV_EMULATED_BODIES(fp16)
@@ -241,6 +243,10 @@ class EmulatedDevice final : public Device {
   void gemm_nn(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n, void* Y,
                int64_t ldy) override {
     moev::gemm_nn(ExecCtx{ctx_.threads, {}}, dt, X, rows, k, ldx, W, n, Y, ldy);
+  }
+  void gemm_tn_f32(DType dt, const void* A, int64_t rows, int64_t m, int64_t lda, const void* B, int64_t n,
+                   int64_t ldb, float* C) override {
+    moev::gemm_tn_f32(ExecCtx{ctx_.threads, {}}, dt, A, rows, m, lda, B, n, ldb, C);
   }
 
  private:

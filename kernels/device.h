@@ -92,7 +92,8 @@ class Device {
   virtual void run(const RoundBody<T>& b, int64_t n) = 0;                      \
   virtual void run(const k::SwigluBody<T>& b, int64_t n) = 0;                  \
   virtual void run(const k::CombineGradRowsBody<T>& b, int64_t n) = 0;         \
-  virtual void run(const k::ScoreGradBody<T>& b, int64_t n) = 0;
+  virtual void run(const k::ScoreGradBody<T>& b, int64_t n) = 0;              \
+  virtual void run(const k::SwigluBwdBody<T>& b, int64_t n) = 0;
   MOEV_DEVICE_BODIES(float)
   MOEV_DEVICE_BODIES(bf16)
   MOEV_DEVICE_BODIES(fp16)
@@ -117,6 +118,10 @@ class Device {
   /// experts' cached W2^T).
   virtual void gemm_nn(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n, void* Y,
                        int64_t ldy) = 0;
+  /// C (m, n) fp32 = A^T B, A (rows, m; ld lda) and B (rows, n; ld ldb) in
+  /// dt, fp32 products and accumulation, rows > 0 (the weight gradients).
+  virtual void gemm_tn_f32(DType dt, const void* A, int64_t rows, int64_t m, int64_t lda, const void* B, int64_t n,
+                           int64_t ldb, float* C) = 0;
 };
 
 /// The emulated device: its memory is separate host allocations, its

@@ -27,4 +27,12 @@ void experts_swiglu_backward(const ExecCtx& ctx, DType dt, const void* X, const 
                              int E_l, int64_t D, int64_t F, const void* W1, const void* W3, const void* W2, void* dX,
                              float* dW1, float* dW3, float* dW2, SwigluConventions conv = {});
 
+/// C (m, n) fp32 = A^T B with A (rows, m; row stride lda) and B (rows, n; row
+/// stride ldb) in dt: exact fp32 products summed in fp32 (the weight
+/// gradients). rows == 0 gives C = 0. On the mirror's device when ctx has
+/// one (cuBLAS there); on the host, fixed tiles of C's rows, so the sums do
+/// not depend on ctx.threads.
+void gemm_tn_f32(const ExecCtx& ctx, DType dt, const void* A, int64_t rows, int64_t m, int64_t lda, const void* B,
+                 int64_t n, int64_t ldb, float* C);
+
 }  // namespace moev

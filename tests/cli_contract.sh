@@ -46,6 +46,13 @@ expect backend-key 5 "$bin" run "$tmp/cuda.yaml"
 expect backend-bad 2 "$bin" run "$src"/cases/basic.yaml --backend gpu
 grep -q "^moeverify: --backend: unknown backend 'gpu'; valid: host | cuda | emulated$" "$tmp/err" ||
   { echo "FAIL backend-bad line"; cat "$tmp/err"; fails=$((fails + 1)); }
+# fuzz draws on a device too (every configuration gets the case key
+# `backend`): without one it is one NOT_SUPPORTED line before any draw.
+expect fuzz-cuda 5 "$bin" fuzz --backend cuda --iterations 3 --out "$tmp/ff"
+grep -q "^moeverify: NOT_SUPPORTED: fuzz --backend cuda: no usable CUDA device" "$tmp/err" && [ ! -e "$tmp/ff" ] &&
+  ! grep -q "configurations" "$tmp/out" || { echo "FAIL fuzz-cuda line"; cat "$tmp/out" "$tmp/err"; fails=$((fails + 1)); }
+expect fuzz-emulated 0 "$bin" fuzz --backend emulated --iterations 4 --seed 5 --out "$tmp/ff"
+grep -q "4 configurations" "$tmp/out" || { echo "FAIL fuzz-emulated summary"; cat "$tmp/out"; fails=$((fails + 1)); }
 expect validate 0 "$bin" validate "$src"/cases/basic.yaml
 expect validate-keys 0 "$bin" validate --keys
 

@@ -13,6 +13,7 @@
 #include <iostream>
 #include <random>
 
+#include "../kernels/device.h"
 #include "../kernels/moe_host.h"
 #include "../kernels/swiglu_bwd_host.h"
 #include "../reference/reference.h"
@@ -84,7 +85,9 @@ struct FastGrads {
   ref::Vec dW1, dW3, dW2;
 };
 
-FastGrads run_fast(const Problem& p, int threads, FaultSet faults = {}) {
+/// The fast backward on the host executor, or on `dev` through a Mirror (the
+/// device form of issue 12: GEMMs and SwigluBwdBody on the device).
+FastGrads run_fast(const Problem& p, int threads, FaultSet faults = {}, Device* dev = nullptr) {
   const auto x = encode(p.dt, p.X), dy = encode(p.dt, p.dY), w1 = encode(p.dt, p.W1), w3 = encode(p.dt, p.W3),
              w2 = encode(p.dt, p.W2);
   FastGrads o;
@@ -93,8 +96,11 @@ FastGrads run_fast(const Problem& p, int threads, FaultSet faults = {}) {
   o.dW1.assign(p.W1.size(), std::nanf(""));
   o.dW3.assign(p.W3.size(), std::nanf(""));
   o.dW2.assign(p.W2.size(), std::nanf(""));
-  experts_swiglu_backward(ExecCtx{threads, faults}, p.dt, x.data(), dy.data(), p.counts.data(), p.E_l, p.D, p.F,
-                          w1.data(), w3.data(), w2.data(), o.dX.data(), o.dW1.data(), o.dW3.data(), o.dW2.data());
+  std::unique_ptr<Mirror> m = dev ? std::make_unique<Mirror>(*dev) : nullptr;
+  if (m) m->begin_call();
+  experts_swiglu_backward(ExecCtx{threads, faults, m.get()}, p.dt, x.data(), dy.data(), p.counts.data(), p.E_l, p.D,
+                          p.F, w1.data(), w3.data(), w2.data(), o.dX.data(), o.dW1.data(), o.dW3.data(), o.dW2.data());
+  if (m) m->end_call();
   return o;
 }
 
@@ -185,7 +191,8 @@ TEST_CASE("swiglu backward reference refuses conventions without a backward cont
 }
 
 TEST_CASE("swiglu backward fast path is within the gemm bound of the reference", "[cpu][swiglu_bwd]") {
-  rc::prop("random shapes and counts with empty experts in fp32 and bf16", [] {
+  const std::unique_ptr<Device> emulated = make_emulated_device(2);
+  rc::prop("random shapes and counts with empty experts in fp32 and bf16, host and emulated device", [&] {
     const DType dt = *rc::gen::element(DType::fp32, DType::bf16);
     const int E_l = *rc::gen::inRange(1, 5);
     std::vector<int64_t> counts;
@@ -193,8 +200,10 @@ TEST_CASE("swiglu backward fast path is within the gemm bound of the reference",
       counts.push_back(*rc::gen::weightedOneOf<int64_t>({{1, rc::gen::just<int64_t>(0)}, {3, rc::gen::inRange<int64_t>(1, 80)}}));
     const int64_t D = *rc::gen::inRange<int64_t>(1, 40), F = *rc::gen::inRange<int64_t>(1, 72);
     const Problem p = make_problem(dt, counts, D, F, *rc::gen::arbitrary<uint32_t>());
-    const FastGrads f = run_fast(p, *rc::gen::inRange(1, 4));
+    const bool on_device = *rc::gen::arbitrary<bool>();
+    const FastGrads f = run_fast(p, *rc::gen::inRange(1, 4), {}, on_device ? emulated.get() : nullptr);
     const Verdict v = compare(p, f);
+    RC_TAG(on_device ? "emulated device" : "host");
     RC_LOG() << "dX " << v.dX << " dW1 " << v.dW1 << " dW3 " << v.dW3 << " dW2 " << v.dW2 << " ratio " << v.ratio;
     RC_ASSERT(v.total() == 0);
     for (int j = 0; j < E_l; ++j)
@@ -224,10 +233,13 @@ TEST_CASE("swiglu backward fast path is bitwise the same on 1 2 and 3 threads", 
 }
 
 TEST_CASE("swiglu_bwd_silu_grad fails the gemm bound", "[cpu][swiglu_bwd]") {
+  const std::unique_ptr<Device> emulated = make_emulated_device(2);
+  for (Device* dev : {static_cast<Device*>(nullptr), emulated.get()})
   for (DType dt : {DType::fp32, DType::bf16}) {
     const Problem p = make_problem(dt, {40, 0, 25}, 24, 32, 3);
-    const Verdict clean = compare(p, run_fast(p, 2));
-    const Verdict bad = compare(p, run_fast(p, 2, FaultSet{uint32_t(Fault::swiglu_bwd_silu_grad)}));
+    const Verdict clean = compare(p, run_fast(p, 2, {}, dev));
+    const Verdict bad = compare(p, run_fast(p, 2, FaultSet{uint32_t(Fault::swiglu_bwd_silu_grad)}, dev));
+    INFO((dev ? "emulated device" : "host"));
     INFO("clean ratio " << clean.ratio << " faulty: dX " << bad.dX << " dW1 " << bad.dW1 << " dW3 " << bad.dW3);
     CHECK(clean.total() == 0);
     CHECK(bad.dX > 0);

@@ -187,6 +187,15 @@ std::string shrink(const std::string& yaml, const Verdict& v, const FuzzOptions&
   return flow(cur);
 }
 
+/// A drawn configuration with the case key `backend` set (unchanged on the
+/// host, so that a host fuzz draws exactly what it always drew).
+std::string on_backend(const std::string& yaml, const std::string& backend) {
+  if (backend == "host") return yaml;
+  YAML::Node n = YAML::Load(yaml);
+  n["backend"] = backend;
+  return flow(n);
+}
+
 int64_t tokens_of(const std::string& yaml) {
   const Case c = load_one(yaml, "fuzz");
   int64_t t = 0;
@@ -224,7 +233,8 @@ FuzzResult fuzz(const FuzzOptions& o, std::ostream& progress) {
   FuzzResult res;
   res.seed = o.seed;
   res.fault_flags = o.fault_flags;
-  progress << "fuzz: seed " << o.seed << " (replay: moeverify fuzz --seed " << o.seed << ")" << std::endl;
+  progress << "fuzz: seed " << o.seed << " (replay: moeverify fuzz --seed " << o.seed
+           << (o.backend == "host" ? "" : " --backend " + o.backend) << ")" << std::endl;
   const auto t0 = Clock::now();
   std::atomic<uint64_t> next{0}, done{0}, passed{0}, uninformative{0};
   std::atomic<bool> stop{false};
@@ -233,7 +243,7 @@ FuzzResult fuzz(const FuzzOptions& o, std::ostream& progress) {
     while (!stop) {
       const uint64_t i = next++;
       if ((o.iterations && i >= o.iterations) || (o.seconds > 0 && since(t0) >= o.seconds)) break;
-      const std::string yaml = random_case_yaml(o.seed, i);
+      const std::string yaml = on_backend(random_case_yaml(o.seed, i), o.backend);
       Verdict v;
       try {
         v = run_yaml(yaml, o, threads_of(i));

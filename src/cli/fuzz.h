@@ -30,6 +30,7 @@ struct FuzzOptions {
   bool shrink = true;
   bool stop_at_first = false;  // selftest: stop at the first failure
   int collective_timeout_ms = 5000;
+  std::string backend = "host";  // the case key `backend` of every drawn configuration
 };
 
 /// A failure: the first check that did not pass, named without its rank.

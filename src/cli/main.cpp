@@ -118,13 +118,13 @@ Backend backend_flag(const std::string& name) {
   bad_input("--backend: unknown backend '" + printable(name) + "'; valid: " + valid);
 }
 
-/// The backend flag of bench and fuzz, which time and draw on the host
-/// executor only (`run --backend cuda|emulated` runs cases on a device).
-void check_backend(const std::string& command, const std::string& backend) {
+/// The backend flag of bench, which times the host executor only (`run
+/// --backend cuda|emulated` runs cases on a device).
+void check_bench_backend(const std::string& backend) {
   if (backend_flag(backend) == Backend::host) return;
-  throw Error(ErrorKind::not_supported, "NOT_SUPPORTED: " + command + " --backend " + backend + ": " + command +
-                                            " runs on the host executor only; `moeverify run --backend " + backend +
-                                            "` runs cases on a device");
+  throw Error(ErrorKind::not_supported, "NOT_SUPPORTED: bench --backend " + backend +
+                                            ": bench times the host executor only; `moeverify run --backend " +
+                                            backend + "` runs cases on a device");
 }
 
 int cmd_run(const CLI::App* cmd, const RunArgs& a) {
@@ -322,7 +322,7 @@ struct BenchArgs {
 };
 
 int cmd_bench(const CLI::App* cmd, const BenchArgs& a) {
-  check_backend("bench", a.backend);
+  check_bench_backend(a.backend);
   if (launched_under_mpi()) bad_input("bench: runs its EP ranks in one process; valid: start it without mpirun");
   BenchOptions o;
   o.threads = cmd->count("--threads") ? parse_int_option("--threads", a.threads, 1, 256)
@@ -379,8 +379,12 @@ struct FuzzArgs {
 };
 
 int cmd_fuzz(const CLI::App* cmd, const FuzzArgs& a) {
-  check_backend("fuzz", a.backend);
+  // Every drawn configuration runs on the backend; one that cannot run here
+  // at all is NOT_SUPPORTED before anything is drawn.
+  if (const std::string why = backend_unavailable(backend_flag(a.backend)); !why.empty())
+    throw Error(ErrorKind::not_supported, "NOT_SUPPORTED: fuzz " + why);
   FuzzOptions o;
+  o.backend = a.backend;
   if (cmd->count("--seconds")) o.seconds = parse_real_option("--seconds", a.seconds, 0.1, 1e7);
   if (cmd->count("--iterations")) o.iterations = parse_u64_option("--iterations", a.iterations);
   if (o.seconds <= 0 && o.iterations == 0) o.seconds = 60;
@@ -521,7 +525,8 @@ int main(int argc, char** argv) {
   fz->add_option("--seed", fa.seed, "the stream of configurations (default: from the clock; printed first)")
       ->type_name("N");
   fz->add_option("--jobs", fa.jobs, "configurations run at once (default 1)")->type_name("N");
-  fz->add_option("--backend", fa.backend, "host (default); cuda and emulated are NOT_SUPPORTED (run --backend)");
+  fz->add_option("--backend", fa.backend,
+                 "host (default), cuda or emulated: the case key `backend` of every drawn configuration");
   fz->add_option("--fault", fa.faults, "turn on a planted fault: the fuzz must then find it");
   fz->add_option("--out", fa.out, "folder for the shrunk failing cases (default fuzz-failures, made on the first)");
   fz->add_option("--json", fa.json, "also write the result as JSON");

@@ -798,14 +798,19 @@ namespace {
 void run_case_on(const Case& c, const RunOptions& opt, CaseReport& rep, std::chrono::steady_clock::time_point t0);
 }  // namespace
 
+std::string backend_unavailable(Backend b) {
+  if (b != Backend::cuda) return "";
+  const std::string flag = std::string("--backend ") + enum_name(backend_table(), b) + ": ";
+  const CudaStatus cs = cuda_status();
+  if (!cs.built) return flag + cs.message;
+  if (cs.devices == 0) return flag + "no usable CUDA device (" + cs.message + ")";
+  return "";
+}
+
 std::string backend_unsupported(const Case& c) {
   if (c.backend == Backend::host) return "";
+  if (std::string why = backend_unavailable(c.backend); !why.empty()) return why;
   const std::string flag = std::string("--backend ") + enum_name(backend_table(), c.backend) + ": ";
-  if (c.backend == Backend::cuda) {
-    const CudaStatus cs = cuda_status();
-    if (!cs.built) return flag + cs.message;
-    if (cs.devices == 0) return flag + "no usable CUDA device (" + cs.message + ")";
-  }
   // The emulated device runs exactly what the CUDA device runs. Every
   // primary variant the case needs must run there; the others are reported
   // not taken when the case runs.

@@ -76,6 +76,9 @@ CaseReport run_case(const Case& c, const RunOptions& opt);
 /// built, has no usable device, or lacks an implementation of a stage
 /// variant the case needs. run_case reports such a case NOT_SUPPORTED.
 std::string backend_unsupported(const Case& c);
+/// The first part of that: why backend `b` cannot run anything here ("" when
+/// it can), e.g. "--backend cuda: no usable CUDA device (...)".
+std::string backend_unavailable(Backend b);
 
 /// SP invariance (CONTRACT §10, src/paths/stages_sp.cpp): with sp > 1, every EP
 /// rank's gathered output `sp_out` on the fast board equals the sp = 1 run

@@ -814,12 +814,11 @@ void register_backward_stages(std::vector<Stage>& reg) {
     };
     reg.push_back(b);
   }
-  // Device forms (issue 12): every variant but the SwiGLU gradients runs its
-  // bodies through entry points that take the mirror (row maps, the combine
-  // body, copy_bytes, CombineGradRowsBody, ScoreGradBody) or is the
-  // host-staged all-to-all of the forward.
-  for (size_t i = first; i < reg.size(); ++i)
-    if (reg[i].variant != "swiglu" && reg[i].variant != "shared_swiglu") reg[i].backends = kHostAndDevice;
+  // Device forms (issue 12): every variant runs its bodies through entry
+  // points that take the mirror (row maps, the combine body, copy_bytes,
+  // CombineGradRowsBody, ScoreGradBody, the SwiGLU backward's GEMMs and
+  // SwigluBwdBody) or is the host-staged all-to-all of the forward.
+  for (size_t i = first; i < reg.size(); ++i) reg[i].backends = kHostAndDevice;
 }
 
 }  // namespace moev
