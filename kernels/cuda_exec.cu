@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cub/device/device_radix_sort.cuh>
 #include <mutex>
@@ -203,26 +204,27 @@ class CudaDevice final : public Device {
     release(h);
     return v;
   }
-  void run(const k::RouterBody& b, int64_t n) override { launch(b, n); }
-  void run(const HistogramBody& b, int64_t n) override { launch(b, n); }
-  void run(const PadRouteBody& b, int64_t n) override { launch(b, n); }
+  double busy_seconds() const override { return double(busy_ns_.load()) * 1e-9; }
+  void run(const k::RouterBody& b, int64_t n) override { timed([&] { launch(b, n); }); }
+  void run(const HistogramBody& b, int64_t n) override { timed([&] { launch(b, n); }); }
+  void run(const PadRouteBody& b, int64_t n) override { timed([&] { launch(b, n); }); }
 #define MOEV_CUDA_BODIES(T)                                                                   \
-  void run(const k::GatherBody<T>& b, int64_t n) override { launch(b, n); }                   \
-  void run(const k::CombineBody<T, 1>& b, int64_t n) override { launch(b, n); }              \
-  void run(const k::RowMapBody<T>& b, int64_t n) override { launch(b, n); }                   \
-  void run(const k::FnRowMapBody<T, EqualCountMap>& b, int64_t n) override { launch(b, n); } \
-  void run(const RoundBody<T>& b, int64_t n) override { launch(b, n); }                      \
-  void run(const k::SwigluBody<T>& b, int64_t n) override { launch(b, n); }                  \
-  void run(const k::CombineGradRowsBody<T>& b, int64_t n) override { launch(b, n); }        \
-  void run(const k::ScoreGradBody<T>& b, int64_t n) override { launch(b, n); }             \
-  void run(const k::SwigluBwdBody<T>& b, int64_t n) override { launch(b, n); }
+  void run(const k::GatherBody<T>& b, int64_t n) override { timed([&] { launch(b, n); }); }                   \
+  void run(const k::CombineBody<T, 1>& b, int64_t n) override { timed([&] { launch(b, n); }); }              \
+  void run(const k::RowMapBody<T>& b, int64_t n) override { timed([&] { launch(b, n); }); }                   \
+  void run(const k::FnRowMapBody<T, EqualCountMap>& b, int64_t n) override { timed([&] { launch(b, n); }); } \
+  void run(const RoundBody<T>& b, int64_t n) override { timed([&] { launch(b, n); }); }                      \
+  void run(const k::SwigluBody<T>& b, int64_t n) override { timed([&] { launch(b, n); }); }                  \
+  void run(const k::CombineGradRowsBody<T>& b, int64_t n) override { timed([&] { launch(b, n); }); }        \
+  void run(const k::ScoreGradBody<T>& b, int64_t n) override { timed([&] { launch(b, n); }); }             \
+  void run(const k::SwigluBwdBody<T>& b, int64_t n) override { timed([&] { launch(b, n); }); }
   MOEV_CUDA_BODIES(float)
   MOEV_CUDA_BODIES(bf16)
   MOEV_CUDA_BODIES(fp16)
 #undef MOEV_CUDA_BODIES
 #define MOEV_CUDA_CONVERT(T)                                                                   \
-  void run(const ConvertBody<T, bf16>& b, int64_t n) override { launch(b, n); }               \
-  void run(const ConvertBody<bf16, T>& b, int64_t n) override { launch(b, n); }
+  void run(const ConvertBody<T, bf16>& b, int64_t n) override { timed([&] { launch(b, n); }); }               \
+  void run(const ConvertBody<bf16, T>& b, int64_t n) override { timed([&] { launch(b, n); }); }
   MOEV_CUDA_CONVERT(float)
   MOEV_CUDA_CONVERT(fp16)
 #undef MOEV_CUDA_CONVERT
@@ -231,6 +233,11 @@ class CudaDevice final : public Device {
   // or descending under the planted fault unstable_sort.
   void sort(const int32_t* ids, int64_t N, int E, int32_t* perm, bool descending_within) override {
     if (N == 0) return;
+    timed([&] { sort_pairs(ids, N, E, perm, descending_within); });
+  }
+
+ private:
+  void sort_pairs(const int32_t* ids, int64_t N, int E, int32_t* perm, bool descending_within) {
     const int bits = std::max(1, int(std::ceil(std::log2(double(E) * double(N) + 1))));
     Staged keys(nullptr, size_t(N) * 8), keys_out(nullptr, size_t(N) * 8), vals(nullptr, size_t(N) * 4);
     const unsigned blocks = unsigned(std::min<int64_t>((N + 255) / 256, 65535));
@@ -245,6 +252,8 @@ class CudaDevice final : public Device {
     MOEV_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
+ public:
+
   // logits (T, E) row-major = x (T, D) wg^T: column-major, logits^T (E x T) =
   // wg^T (E x D; wg is D x E column-major) times x^T (D x T; x is D x T
   // column-major). fp32 accumulation; fp32 inputs without TF32 (pedantic).
@@ -254,9 +263,11 @@ class CudaDevice final : public Device {
     const cudaDataType t = dt == DType::fp32 ? CUDA_R_32F : dt == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F;
     const cublasComputeType_t ct = dt == DType::fp32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
     const float alpha = 1.f, beta = 0.f;
-    MOEV_CUBLAS_CHECK(blas().gemm(blas_, CUBLAS_OP_T, CUBLAS_OP_N, E, int(T), int(D), &alpha, wg, t, int(D), x, t,
-                                   int(D), &beta, logits, CUDA_R_32F, E, ct, CUBLAS_GEMM_DEFAULT));
-    MOEV_CUDA_CHECK(cudaDeviceSynchronize());
+    timed([&] {
+      MOEV_CUBLAS_CHECK(blas().gemm(blas_, CUBLAS_OP_T, CUBLAS_OP_N, E, int(T), int(D), &alpha, wg, t, int(D), x, t,
+                                     int(D), &beta, logits, CUDA_R_32F, E, ct, CUBLAS_GEMM_DEFAULT));
+      MOEV_CUDA_CHECK(cudaDeviceSynchronize());
+    });
   }
 
   void gemm_nt(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n, void* Y,
@@ -279,9 +290,11 @@ class CudaDevice final : public Device {
     const cudaDataType t = dt == DType::fp32 ? CUDA_R_32F : dt == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F;
     const cublasComputeType_t ct = dt == DType::fp32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
     const float alpha = 1.f, beta = 0.f;
-    MOEV_CUBLAS_CHECK(blas().gemm(blas_, CUBLAS_OP_N, CUBLAS_OP_T, int(n), int(m), int(rows), &alpha, B, t, int(ldb), A,
-                                   t, int(lda), &beta, C, CUDA_R_32F, int(n), ct, CUBLAS_GEMM_DEFAULT));
-    MOEV_CUDA_CHECK(cudaDeviceSynchronize());
+    timed([&] {
+      MOEV_CUBLAS_CHECK(blas().gemm(blas_, CUBLAS_OP_N, CUBLAS_OP_T, int(n), int(m), int(rows), &alpha, B, t, int(ldb),
+                                     A, t, int(lda), &beta, C, CUDA_R_32F, int(n), ct, CUBLAS_GEMM_DEFAULT));
+      MOEV_CUDA_CHECK(cudaDeviceSynchronize());
+    });
   }
 
  private:
@@ -297,13 +310,35 @@ class CudaDevice final : public Device {
     const cudaDataType t = dt == DType::fp32 ? CUDA_R_32F : dt == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F;
     const cublasComputeType_t ct = dt == DType::fp32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
     const float alpha = 1.f, beta = 0.f;
-    MOEV_CUBLAS_CHECK(blas().gemm(blas_, w_n_by_k ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, int(n), int(rows), int(k),
-                                   &alpha, W, t, w_n_by_k ? int(k) : int(n), X, t, int(ldx), &beta, Y, t, int(ldy), ct,
-                                   CUBLAS_GEMM_DEFAULT));
-    MOEV_CUDA_CHECK(cudaDeviceSynchronize());
+    timed([&] {
+      MOEV_CUBLAS_CHECK(blas().gemm(blas_, w_n_by_k ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, int(n), int(rows), int(k),
+                                     &alpha, W, t, w_n_by_k ? int(k) : int(n), X, t, int(ldx), &beta, Y, t, int(ldy),
+                                     ct, CUBLAS_GEMM_DEFAULT));
+      MOEV_CUDA_CHECK(cudaDeviceSynchronize());
+    });
+  }
+
+  /// Runs f between two events on the default stream and adds the time
+  /// between them to busy_ns_. Work of other threads' ranks queued between
+  /// the two events counts too (one device, one stream).
+  template <class F>
+  void timed(F&& f) {
+    struct Event {
+      cudaEvent_t e = nullptr;
+      Event() { MOEV_CUDA_CHECK(cudaEventCreate(&e)); }
+      ~Event() { cudaEventDestroy(e); }
+    } start, stop;
+    MOEV_CUDA_CHECK(cudaEventRecord(start.e));
+    f();
+    MOEV_CUDA_CHECK(cudaEventRecord(stop.e));
+    MOEV_CUDA_CHECK(cudaEventSynchronize(stop.e));
+    float ms = 0;
+    MOEV_CUDA_CHECK(cudaEventElapsedTime(&ms, start.e, stop.e));
+    busy_ns_ += int64_t(double(ms) * 1e6);
   }
 
   std::string name_;
+  std::atomic<int64_t> busy_ns_{0};
   std::mutex blas_m_;
   cublasHandle_t blas_ = nullptr;
 };

@@ -1,5 +1,7 @@
 #include "device.h"
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <stdexcept>
 #include <vector>
@@ -205,52 +207,65 @@ class EmulatedDevice final : public Device {
     }
     return h;
   }
-  void run(const k::RouterBody& b, int64_t n) override { host_run(ctx_, n, b); }
-  void run(const HistogramBody& b, int64_t n) override { host_run(ctx_, n, b); }
-  void run(const PadRouteBody& b, int64_t n) override { host_run(ctx_, n, b); }
+  double busy_seconds() const override { return double(busy_ns_.load()) * 1e-9; }
+  void run(const k::RouterBody& b, int64_t n) override { body(b, n); }
+  void run(const HistogramBody& b, int64_t n) override { body(b, n); }
+  void run(const PadRouteBody& b, int64_t n) override { body(b, n); }
 #define MOEV_EMULATED_BODIES(T)                                                                   \
-  void run(const k::GatherBody<T>& b, int64_t n) override { host_run(ctx_, n, b); }               \
-  void run(const k::CombineBody<T, 1>& b, int64_t n) override { host_run(ctx_, n, b); }          \
-  void run(const k::RowMapBody<T>& b, int64_t n) override { host_run(ctx_, n, b); }               \
-  void run(const k::FnRowMapBody<T, EqualCountMap>& b, int64_t n) override { host_run(ctx_, n, b); } \
-  void run(const RoundBody<T>& b, int64_t n) override { host_run(ctx_, n, b); }                  \
-  void run(const k::SwigluBody<T>& b, int64_t n) override { host_run(ctx_, n, b); }             \
-  void run(const k::CombineGradRowsBody<T>& b, int64_t n) override { host_run(ctx_, n, b); }   \
-  void run(const k::ScoreGradBody<T>& b, int64_t n) override { host_run(ctx_, n, b); }        \
-  void run(const k::SwigluBwdBody<T>& b, int64_t n) override { host_run(ctx_, n, b); }
+  void run(const k::GatherBody<T>& b, int64_t n) override { body(b, n); }               \
+  void run(const k::CombineBody<T, 1>& b, int64_t n) override { body(b, n); }          \
+  void run(const k::RowMapBody<T>& b, int64_t n) override { body(b, n); }               \
+  void run(const k::FnRowMapBody<T, EqualCountMap>& b, int64_t n) override { body(b, n); } \
+  void run(const RoundBody<T>& b, int64_t n) override { body(b, n); }                  \
+  void run(const k::SwigluBody<T>& b, int64_t n) override { body(b, n); }             \
+  void run(const k::CombineGradRowsBody<T>& b, int64_t n) override { body(b, n); }   \
+  void run(const k::ScoreGradBody<T>& b, int64_t n) override { body(b, n); }        \
+  void run(const k::SwigluBwdBody<T>& b, int64_t n) override { body(b, n); }
   MOEV_EMULATED_BODIES(float)
   MOEV_EMULATED_BODIES(bf16)
   MOEV_EMULATED_BODIES(fp16)
 #undef MOEV_EMULATED_BODIES
 #define MOEV_EMULATED_CONVERT(T)                                                                    \
-  void run(const ConvertBody<T, bf16>& b, int64_t n) override { host_run(ctx_, n, b); }            \
-  void run(const ConvertBody<bf16, T>& b, int64_t n) override { host_run(ctx_, n, b); }
+  void run(const ConvertBody<T, bf16>& b, int64_t n) override { body(b, n); }            \
+  void run(const ConvertBody<bf16, T>& b, int64_t n) override { body(b, n); }
   MOEV_EMULATED_CONVERT(float)
   MOEV_EMULATED_CONVERT(fp16)
 #undef MOEV_EMULATED_CONVERT
   void sort(const int32_t* ids, int64_t N, int E, int32_t* perm, bool descending_within) override {
     FaultSet f;
     if (descending_within) f.bits |= uint32_t(Fault::unstable_sort);
-    expert_sort(ExecCtx{ctx_.threads, f}, ids, N, E, perm);
+    timed([&] { expert_sort(ExecCtx{ctx_.threads, f}, ids, N, E, perm); });
   }
   void gemm_logits(DType dt, const void* x, const void* wg, int64_t T, int64_t D, int E, float* logits) override {
-    router_logits(ExecCtx{ctx_.threads, {}}, dt, x, wg, T, D, E, logits);
+    timed([&] { router_logits(ExecCtx{ctx_.threads, {}}, dt, x, wg, T, D, E, logits); });
   }
   void gemm_nt(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n, void* Y,
                int64_t ldy) override {
-    moev::gemm_nt(ExecCtx{ctx_.threads, {}}, dt, X, rows, k, ldx, W, n, Y, ldy);
+    timed([&] { moev::gemm_nt(ExecCtx{ctx_.threads, {}}, dt, X, rows, k, ldx, W, n, Y, ldy); });
   }
   void gemm_nn(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n, void* Y,
                int64_t ldy) override {
-    moev::gemm_nn(ExecCtx{ctx_.threads, {}}, dt, X, rows, k, ldx, W, n, Y, ldy);
+    timed([&] { moev::gemm_nn(ExecCtx{ctx_.threads, {}}, dt, X, rows, k, ldx, W, n, Y, ldy); });
   }
   void gemm_tn_f32(DType dt, const void* A, int64_t rows, int64_t m, int64_t lda, const void* B, int64_t n,
                    int64_t ldb, float* C) override {
-    moev::gemm_tn_f32(ExecCtx{ctx_.threads, {}}, dt, A, rows, m, lda, B, n, ldb, C);
+    timed([&] { moev::gemm_tn_f32(ExecCtx{ctx_.threads, {}}, dt, A, rows, m, lda, B, n, ldb, C); });
   }
 
  private:
+  template <class F>
+  void timed(F&& f) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    busy_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  }
+  template <class Body>
+  void body(const Body& b, int64_t n) {
+    timed([&] { host_run(ctx_, n, b); });
+  }
+
   ExecCtx ctx_;
+  std::atomic<int64_t> busy_ns_{0};
 };
 
 }  // namespace

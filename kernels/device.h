@@ -79,6 +79,12 @@ class Device {
   /// A hash of the bytes computed on the device (the input-unchanged check
   /// without bringing the input back).
   virtual uint64_t hash(const void* p, size_t bytes) = 0;
+  /// Seconds the device has spent running bodies, sorts and GEMMs since it
+  /// was made (copies, uploads and hashes excluded): CUDA events around each
+  /// launch on a GPU, the host clock on the emulated device. A stage's device
+  /// time is the difference across its fast call; calls of in-process ranks
+  /// that overlap count once each.
+  virtual double busy_seconds() const = 0;
 
   // The bodies of bodies.h over items [0, n) (item = block, lane = thread on a GPU).
   virtual void run(const k::RouterBody& b, int64_t n) = 0;

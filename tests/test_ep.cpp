@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
+#include <mutex>
 #include <numeric>
 #include <thread>
 
@@ -67,6 +69,41 @@ std::vector<std::string> on_ranks(int R, Fn fn, std::chrono::milliseconds timeou
 bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 }  // namespace
+
+TEST_CASE("local ranks on a device move token rows with the device copy, metadata on the host", "[cpu][comm][device]") {
+  // The copy stands in for a device-to-device copy: it records what it moved.
+  std::mutex m;
+  size_t copied = 0;
+  auto comms = make_local_comms(2, std::chrono::milliseconds(5000), [&](void* d, const void* s, size_t n) {
+    std::memcpy(d, s, n);
+    std::lock_guard<std::mutex> lk(m);
+    copied += n;
+  });
+  std::vector<std::vector<int32_t>> recv(2, std::vector<int32_t>(3, -1)), counts(2, std::vector<int32_t>(2, -1));
+  std::vector<std::thread> th;
+  for (int r = 0; r < 2; ++r)
+    th.emplace_back([&, r] {
+      Comm& c = *comms[size_t(r)];
+      CHECK(c.device_buffers());
+      // rank 0 sends 1 row to itself and 2 to rank 1; rank 1 sends 2 to rank 0 and 1 to itself
+      const std::vector<int32_t> send = r == 0 ? std::vector<int32_t>{10, 11, 12} : std::vector<int32_t>{20, 21, 22};
+      const std::vector<int64_t> s = r == 0 ? std::vector<int64_t>{1, 2} : std::vector<int64_t>{2, 1};
+      const std::vector<int64_t> q = r == 0 ? std::vector<int64_t>{1, 2} : std::vector<int64_t>{2, 1};
+      c.alltoallv_device(send.data(), 3, s, recv[size_t(r)].data(), 3, q, 4, "rows");
+      const std::vector<int32_t> mine = {r, r};
+      c.alltoallv(mine.data(), 2, {1, 1}, counts[size_t(r)].data(), 2, {1, 1}, 4, "counts");
+    });
+  for (auto& t : th) t.join();
+  CHECK(recv[0] == std::vector<int32_t>{10, 20, 21});
+  CHECK(recv[1] == std::vector<int32_t>{11, 12, 22});
+  CHECK(counts[0] == std::vector<int32_t>{0, 1});
+  CHECK(copied == 6 * 4);  // the rows only: the count exchange stayed on the host
+  // Without a device copy there is no device exchange.
+  auto host = make_local_comms(1, std::chrono::milliseconds(5000));
+  CHECK_FALSE(host[0]->device_buffers());
+  int32_t a = 1, b = 0;
+  CHECK_THROWS_AS(host[0]->alltoallv_device(&a, 1, {1}, &b, 1, {1}, 4, "rows"), std::logic_error);
+}
 
 TEST_CASE("inconsistent all-to-all splits fail on every rank instead of corrupting", "[cpu][comm]") {
   // Repeated: the rank that detected the mismatch used to throw (and free its

@@ -14,7 +14,9 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -37,6 +39,21 @@ class Comm {
   virtual void alltoallv(const void* send, int64_t send_capacity_rows, const std::vector<int64_t>& send_rows,
                          void* recv, int64_t recv_capacity_rows, const std::vector<int64_t>& recv_rows,
                          size_t row_bytes, const char* what) = 0;
+  /// Whether alltoallv_device exists (the local Communicator made with a
+  /// device copy): the token rows then move device to device. Otherwise a
+  /// device backend stages them through host memory. Every other collective,
+  /// and alltoallv, takes host memory.
+  virtual bool device_buffers() const { return false; }
+  /// alltoallv with send and recv device addresses of the case's device:
+  /// the same checks, the rows moved on the device. Only where
+  /// device_buffers() (std::logic_error otherwise).
+  virtual void alltoallv_device(const void* send, int64_t send_capacity_rows, const std::vector<int64_t>& send_rows,
+                                void* recv, int64_t recv_capacity_rows, const std::vector<int64_t>& recv_rows,
+                                size_t row_bytes, const char* what) {
+    (void)send, (void)send_capacity_rows, (void)send_rows, (void)recv, (void)recv_capacity_rows, (void)recv_rows,
+        (void)row_bytes;
+    throw std::logic_error(std::string(what) + ": this Communicator moves host buffers only");
+  }
   virtual void allreduce_max(int64_t* v, int n, const char* what) = 0;
   virtual void allreduce_sum(int64_t* v, int n, const char* what) = 0;
   /// Every rank contributes `bytes`; recv holds size() blocks in rank order.
@@ -49,10 +66,16 @@ class Comm {
   virtual void abort(const std::string& why) = 0;
 };
 
+/// Copies `bytes` bytes from src to dst on one device (no overlap).
+using DeviceCopy = std::function<void(void* dst, const void* src, size_t bytes)>;
+
 /// R in-process ranks. make_local_comms(R)[r] is rank r's endpoint; each
 /// must be used from its own thread. A collective that not every rank joins
-/// within `timeout` throws on the ranks that did.
-std::vector<std::unique_ptr<Comm>> make_local_comms(int R, std::chrono::milliseconds timeout);
+/// within `timeout` throws on the ranks that did. With `device_copy`, the
+/// ranks are threads on one device with alltoallv_device: each receiver
+/// copies its rows from the senders' device buffers with it.
+std::vector<std::unique_ptr<Comm>> make_local_comms(int R, std::chrono::milliseconds timeout,
+                                                    DeviceCopy device_copy = {});
 
 /// Whether this process was started by mpirun with more than one rank.
 bool launched_under_mpi();

@@ -128,6 +128,7 @@ struct Hub {
   uint64_t generation = 0;
   std::string failure;  // a rank failed outside a collective, or a collective timed out
   std::vector<Post> post;
+  DeviceCopy device_copy;  // set: alltoallv rows are device buffers, moved with it
 };
 
 class LocalComm final : public Comm {
@@ -135,59 +136,19 @@ class LocalComm final : public Comm {
   LocalComm(std::shared_ptr<Hub> h, int r) : hub_(std::move(h)), r_(r) {}
   int rank() const override { return r_; }
   int size() const override { return hub_->R; }
+  bool device_buffers() const override { return bool(hub_->device_copy); }
 
   void alltoallv(const void* send, int64_t send_capacity_rows, const std::vector<int64_t>& send_rows, void* recv,
                  int64_t recv_capacity_rows, const std::vector<int64_t>& recv_rows, size_t row_bytes,
                  const char* what) override {
-    const int R = hub_->R;
-    Post mine;
-    mine.ptr = send;
-    mine.send_rows = send_rows;
-    mine.recv_rows = recv_rows;
-    mine.send_capacity_rows = send_capacity_rows;
-    mine.recv_capacity_rows = recv_capacity_rows;
-    mine.width = row_bytes;
-    post(std::move(mine));
-    meet(what);
-    // Every rank's verdict, computed identically on every rank.
-    std::vector<A2aVerdict> all(static_cast<size_t>(R));
-    for (int p = 0; p < R; ++p) {
-      const Post& pp = hub_->post[size_t(p)];
-      all[size_t(p)] = comm_detail::check_own_a2a(R, pp.send_capacity_rows, pp.send_rows, pp.recv_capacity_rows,
-                                                  pp.recv_rows, pp.width);
-    }
-    for (int q = 0; q < R; ++q) {  // q receives from every clean sender p
-      A2aVerdict& v = all[size_t(q)];
-      if (v.fault != 0) continue;
-      for (int p = 0; p < R; ++p) {
-        const std::vector<int64_t>& ps = hub_->post[size_t(p)].send_rows;
-        if (int(ps.size()) != R) continue;  // p itself is faulty
-        const int64_t sent = ps[size_t(q)], expected = hub_->post[size_t(q)].recv_rows[size_t(p)];
-        if (sent != expected) {
-          v.fault = int64_t(A2aFault::split_mismatch);
-          v.a = sent;
-          v.b = expected;
-          v.peer = p;
-          break;
-        }
-      }
-    }
-    comm_detail::check_row_bytes(all);
-    const std::string failure = comm_detail::a2a_failure(what, r_, all);
-    if (!failure.empty()) {
-      drain();
-      runtime_error(failure);
-    }
-    uint8_t* out = static_cast<uint8_t*>(recv);
-    for (int p = 0; p < R; ++p) {
-      const Post& pp = hub_->post[size_t(p)];
-      int64_t src_row = 0;
-      for (int q = 0; q < r_; ++q) src_row += pp.send_rows[size_t(q)];
-      const size_t n = size_t(recv_rows[size_t(p)]) * row_bytes;
-      if (n) std::memcpy(out, static_cast<const uint8_t*>(pp.ptr) + size_t(src_row) * row_bytes, n);
-      out += n;
-    }
-    drain();
+    exchange(send, send_capacity_rows, send_rows, recv, recv_capacity_rows, recv_rows, row_bytes, what, false);
+  }
+  void alltoallv_device(const void* send, int64_t send_capacity_rows, const std::vector<int64_t>& send_rows,
+                        void* recv, int64_t recv_capacity_rows, const std::vector<int64_t>& recv_rows,
+                        size_t row_bytes, const char* what) override {
+    if (!hub_->device_copy) Comm::alltoallv_device(send, send_capacity_rows, send_rows, recv, recv_capacity_rows,
+                                                   recv_rows, row_bytes, what);
+    exchange(send, send_capacity_rows, send_rows, recv, recv_capacity_rows, recv_rows, row_bytes, what, true);
   }
 
   void allreduce_max(int64_t* v, int n, const char* what) override { reduce(v, n, what, Op::max); }
@@ -301,15 +262,76 @@ class LocalComm final : public Comm {
     hub_->cv.wait(lk, [&] { return hub_->generation != gen; });
   }
 
+  /// The all-to-all-v rendezvous: every rank posts its arguments, all check
+  /// them alike, then each receiver copies its rows from the senders'
+  /// buffers (with the device copy when on_device).
+  void exchange(const void* send, int64_t send_capacity_rows, const std::vector<int64_t>& send_rows, void* recv,
+                int64_t recv_capacity_rows, const std::vector<int64_t>& recv_rows, size_t row_bytes, const char* what,
+                bool on_device) {
+    const int R = hub_->R;
+    Post mine;
+    mine.ptr = send;
+    mine.send_rows = send_rows;
+    mine.recv_rows = recv_rows;
+    mine.send_capacity_rows = send_capacity_rows;
+    mine.recv_capacity_rows = recv_capacity_rows;
+    mine.width = row_bytes;
+    post(std::move(mine));
+    meet(what);
+    // Every rank's verdict, computed identically on every rank.
+    std::vector<A2aVerdict> all(static_cast<size_t>(R));
+    for (int p = 0; p < R; ++p) {
+      const Post& pp = hub_->post[size_t(p)];
+      all[size_t(p)] = comm_detail::check_own_a2a(R, pp.send_capacity_rows, pp.send_rows, pp.recv_capacity_rows,
+                                                  pp.recv_rows, pp.width);
+    }
+    for (int q = 0; q < R; ++q) {  // q receives from every clean sender p
+      A2aVerdict& v = all[size_t(q)];
+      if (v.fault != 0) continue;
+      for (int p = 0; p < R; ++p) {
+        const std::vector<int64_t>& ps = hub_->post[size_t(p)].send_rows;
+        if (int(ps.size()) != R) continue;  // p itself is faulty
+        const int64_t sent = ps[size_t(q)], expected = hub_->post[size_t(q)].recv_rows[size_t(p)];
+        if (sent != expected) {
+          v.fault = int64_t(A2aFault::split_mismatch);
+          v.a = sent;
+          v.b = expected;
+          v.peer = p;
+          break;
+        }
+      }
+    }
+    comm_detail::check_row_bytes(all);
+    const std::string failure = comm_detail::a2a_failure(what, r_, all);
+    if (!failure.empty()) {
+      drain();
+      runtime_error(failure);
+    }
+    uint8_t* out = static_cast<uint8_t*>(recv);
+    for (int p = 0; p < R; ++p) {
+      const Post& pp = hub_->post[size_t(p)];
+      int64_t src_row = 0;
+      for (int q = 0; q < r_; ++q) src_row += pp.send_rows[size_t(q)];
+      const size_t n = size_t(recv_rows[size_t(p)]) * row_bytes;
+      const uint8_t* from = static_cast<const uint8_t*>(pp.ptr) + size_t(src_row) * row_bytes;
+      if (n && on_device) hub_->device_copy(out, from, n);
+      else if (n) std::memcpy(out, from, n);
+      out += n;
+    }
+    drain();
+  }
+
   std::shared_ptr<Hub> hub_;
   int r_;
 };
 
 }  // namespace
 
-std::vector<std::unique_ptr<Comm>> make_local_comms(int R, std::chrono::milliseconds timeout) {
+std::vector<std::unique_ptr<Comm>> make_local_comms(int R, std::chrono::milliseconds timeout,
+                                                    DeviceCopy device_copy) {
   auto hub = std::make_shared<Hub>();
   hub->R = R;
+  hub->device_copy = std::move(device_copy);
   hub->timeout = timeout;
   hub->post.resize(size_t(R));
   std::vector<std::unique_ptr<Comm>> v;

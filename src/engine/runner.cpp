@@ -205,7 +205,11 @@ std::string run_fast(const Stage& s, const Case& c, const RunOptions& opt, const
     }
   };
   if (!use_mpi) {
-    auto comms = make_local_comms(R, std::chrono::milliseconds(opt.collective_timeout_ms));
+    // On a device the ranks are threads on it, exchanging device buffers
+    // with device-to-device copies (issue 12 item 4).
+    DeviceCopy copy;
+    if (opt.mirror) copy = [dev = &opt.mirror->device()](void* d, const void* s, size_t n) { dev->copy(d, s, n); };
+    auto comms = make_local_comms(R, std::chrono::milliseconds(opt.collective_timeout_ms), std::move(copy));
     if (R == 1) {
       one(0, comms[0].get());
     } else {
@@ -350,8 +354,10 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
       std::string skipped;
       vd->compare_seconds += since(tc);
       const auto tf = clock::now();
+      const double busy0 = opt.mirror ? opt.mirror->device().busy_seconds() : 0;
       const std::string err = run_fast(*s, c, opt, fast, out, notes, skipped, use_mpi);
       vd->fast_seconds = since(tf);
+      if (opt.mirror) vd->device_seconds = opt.mirror->device().busy_seconds() - busy0;
       if (opt.mirror) {
         // Outputs the host wrote (splits, the host-staged exchange) go to the
         // device for the next stage; device-written ones are there already

@@ -51,6 +51,10 @@ struct VariantDecision {
   /// the fast function (all ranks, with their collectives), its reference
   /// on the same inputs, and the comparisons (input checks included).
   double fast_seconds = 0, ref_seconds = 0, compare_seconds = 0;
+  /// On a device backend: the seconds its device spent in this variant's
+  /// kernels and GEMMs (Device::busy_seconds; CUDA events on a GPU), inside
+  /// fast_seconds, which adds the transfers and host work. < 0 on the host.
+  double device_seconds = -1;
 };
 
 struct CaseReport {

@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "../kernels/device.h"
+#include "comm.h"
 #include "error.h"
 #include "stages.h"
 
@@ -35,6 +36,21 @@ Tensor& FastCtx::output(const std::string& name, ElemType t, std::vector<int64_t
   r = Tensor::alloc(t, std::move(shape), 0xFF);
   if (exec.mirror) exec.mirror->hold_output(r.storage->data(), r.storage->size(), r.storage, 0xFF);  // poisoned there too
   return r;
+}
+
+void FastCtx::exchange_rows(const Tensor& in, const std::vector<int64_t>& send_rows, Tensor& out,
+                            const std::vector<int64_t>& recv_rows, const char* what) {
+  const size_t row_bytes = size_t(c.hidden) * elem_bytes(in.type);
+  if (!exec.mirror || !comm->device_buffers()) {
+    comm->alltoallv(in.data(), in.shape[0], send_rows, out.data(), out.shape[0], recv_rows, row_bytes, what);
+    return;
+  }
+  Mirror& m = *exec.mirror;
+  Mirror::Scope scope{m};
+  const void* src = m.in(in.data(), in.bytes());
+  void* dst = m.out(out.data(), out.bytes());
+  comm->alltoallv_device(src, in.shape[0], send_rows, dst, out.shape[0], recv_rows, row_bytes, what);
+  m.wrote(out.data(), out.bytes());
 }
 
 // Tail SP padding (CONTRACT §10) adds zero rows routed to expert 0, and

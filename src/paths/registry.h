@@ -123,6 +123,12 @@ struct FastCtx {
   /// The variant does not apply to this data (a precondition on received
   /// counts, say); every rank must agree. It is reported as not taken.
   void skip(const std::string& reason) { *skipped = reason; }
+  /// The token all-to-all-v of rows (in: send_rows[q] rows to rank q; out:
+  /// recv_rows[p] rows from rank p, every row of `out`). On a device backend
+  /// whose Communicator moves device buffers, the device copies go and the
+  /// result is written back (write-through); otherwise it moves host rows.
+  void exchange_rows(const Tensor& in, const std::vector<int64_t>& send_rows, Tensor& out,
+                     const std::vector<int64_t>& recv_rows, const char* what);
 };
 
 /// What a reference function sees: every rank's inputs (global view).

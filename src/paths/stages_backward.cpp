@@ -209,8 +209,7 @@ void a2a_rows(FastCtx& ctx, const std::string& in_name, std::vector<int64_t> sen
   int64_t rows = 0;
   for (int64_t v : recv) rows += v;
   Tensor& out = rows_out(ctx, out_name, rows);
-  ctx.comm->alltoallv(in.data(), in.shape[0], send, out.data(), out.shape[0], recv,
-                      size_t(ctx.c.hidden) * elem_bytes(in.type), what);
+  ctx.exchange_rows(in, send, out, recv, what);
 }
 
 /// The combine's all-to-all sent recv_out with output_splits and received

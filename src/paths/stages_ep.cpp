@@ -89,8 +89,7 @@ void fast_a2a_dispatch(FastCtx& ctx) {
   const Tensor& routed = ctx.input("routed_input");
   const Splits s = exchange_counts(ctx);
   Tensor& recv = ctx.output("recv", routed.type, {s.M, ctx.c.hidden});
-  ctx.comm->alltoallv(routed.data(), routed.shape[0], s.in, recv.data(), recv.shape[0], s.out,
-                      size_t(ctx.c.hidden) * elem_bytes(routed.type), "token all-to-all (dispatch)");
+  ctx.exchange_rows(routed, s.in, recv, s.out, "token all-to-all (dispatch)");
   overload_and_notes(ctx, s, routed.shape[0]);
 }
 
@@ -141,8 +140,7 @@ void equal_split_exchange(FastCtx& ctx, const Tensor& src, const std::vector<int
   apply_row_map(ctx.exec, c.dtype, src.data(), pad.data(), R * mstar, c.hidden, padded.data());
   Tensor got = Tensor::alloc(src.type, {R * mstar, c.hidden});
   const std::vector<int64_t> equal(static_cast<size_t>(R), mstar);
-  ctx.comm->alltoallv(padded.data(), padded.shape[0], equal, got.data(), got.shape[0], equal,
-                      size_t(c.hidden) * elem_bytes(src.type), what);
+  ctx.exchange_rows(padded, equal, got, equal, what);
   const std::vector<int64_t> compact = equal_split_compact_map(recv, mstar);
   apply_row_map(ctx.exec, c.dtype, got.data(), compact.data(), int64_t(compact.size()), c.hidden, dst.data());
 }
@@ -197,8 +195,7 @@ void fast_force_lb_dispatch(FastCtx& ctx) {
                          "direct equal-split all-to-all");
   } else {
     const Tensor& routed = ctx.input("routed_input");
-    ctx.comm->alltoallv(routed.data(), routed.shape[0], s.in, recv.data(), recv.shape[0], s.out,
-                        size_t(c.hidden) * elem_bytes(x.type), "token all-to-all (force-LB)");
+    ctx.exchange_rows(routed, s.in, recv, s.out, "token all-to-all (force-LB)");
   }
   overload_and_notes(ctx, s, T * K);
   if (ctx.rank == 0)
@@ -318,8 +315,7 @@ void fast_a2a_return(FastCtx& ctx) {
   int64_t N = 0;
   for (int64_t v : recv) N += v;
   Tensor& out = ctx.output("routed_output", in.type, {N, c.hidden});
-  ctx.comm->alltoallv(in.data(), in.shape[0], send, out.data(), out.shape[0], recv,
-                      size_t(c.hidden) * elem_bytes(in.type), "token all-to-all (combine)");
+  ctx.exchange_rows(in, send, out, recv, "token all-to-all (combine)");
 }
 
 // ---- reference functions (global view) ----------------------------------------

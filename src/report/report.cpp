@@ -136,9 +136,13 @@ void print_report(const CaseReport& r, std::ostream& os, ReportDetail detail) {
     os << "   => " << outcome_name(r.outcome) << ": " << capped(r.checks[0].note) << "\n";
     return;
   }
+  // On a device backend a last column: the device's own time in the
+  // variant's kernels and GEMMs (CUDA events on a GPU), inside `fast`.
+  const bool on_device = r.c.backend != Backend::host;
   os << "   " << std::left << std::setw(20) << "stage" << std::setw(24) << "variant" << std::setw(14) << "outcome"
      << std::right << std::setw(7) << "checks" << std::setw(22) << "mismatch/total" << std::setw(10) << "max_abs"
-     << std::setw(11) << "bound_used" << std::setw(11) << "fast" << std::setw(11) << "total" << "\n";
+     << std::setw(11) << "bound_used" << std::setw(11) << "fast" << std::setw(11) << "total"
+     << (on_device ? "     device" : "") << "\n";
   // In the summary, a slot none of whose variants applies (and that has no
   // checks) is not a row of its own: such slots are listed after the table,
   // grouped by their reasons, so that the table shows what ran.
@@ -192,6 +196,7 @@ void print_report(const CaseReport& r, std::ostream& os, ReportDetail detail) {
          << std::setw(10) << num(max_abs) << std::setw(11) << (any_tolerance ? num(bound) : "-");
       if (d) os << std::setw(11) << secs(d->fast_seconds) << std::setw(11)
                 << secs(d->fast_seconds + d->ref_seconds + d->compare_seconds);
+      if (d && on_device && d->device_seconds >= 0) os << std::setw(11) << secs(d->device_seconds);
       os << "\n";
     }
     if (!d) continue;
@@ -279,7 +284,8 @@ std::string reports_json(const std::vector<CaseReport>& reports, const std::stri
                              {"notes", capped(d.notes)},
                              {"fast_seconds", json_num(d.fast_seconds)},
                              {"ref_seconds", json_num(d.ref_seconds)},
-                             {"compare_seconds", json_num(d.compare_seconds)}});
+                             {"compare_seconds", json_num(d.compare_seconds)},
+                             {"device_seconds", d.device_seconds >= 0 ? json_num(d.device_seconds) : Json()}});
     jc["checks"] = Json::array();
     for (const Check& ch : r.checks) {
       Json first = Json::array();
