@@ -171,23 +171,40 @@ const Blas& blas() {
 
 class CudaDevice final : public Device {
  public:
-  explicit CudaDevice(std::string name) : name_(std::move(name)) {}
+  CudaDevice(int ordinal, std::string name) : ordinal_(ordinal), name_(std::move(name)) {}
   ~CudaDevice() override {
     if (blas_) blas().destroy(blas_);
   }
   std::string name() const override { return name_; }
   void* alloc(size_t bytes) override {
+    bind();
     void* p = nullptr;
     MOEV_CUDA_CHECK(cudaMalloc(&p, bytes));
     return p;
   }
-  void release(void* p) override { cudaFree(p); }
-  void upload(void* d, const void* s, size_t n) override { MOEV_CUDA_CHECK(cudaMemcpy(d, s, n, cudaMemcpyHostToDevice)); }
-  void download(void* d, const void* s, size_t n) override { MOEV_CUDA_CHECK(cudaMemcpy(d, s, n, cudaMemcpyDeviceToHost)); }
-  void fill(void* d, uint8_t b, size_t n) override { MOEV_CUDA_CHECK(cudaMemset(d, b, n)); }
-  void copy(void* d, const void* s, size_t n) override { MOEV_CUDA_CHECK(cudaMemcpy(d, s, n, cudaMemcpyDeviceToDevice)); }
+  void release(void* p) override {
+    bind();
+    cudaFree(p);
+  }
+  void upload(void* d, const void* s, size_t n) override {
+    bind();
+    MOEV_CUDA_CHECK(cudaMemcpy(d, s, n, cudaMemcpyHostToDevice));
+  }
+  void download(void* d, const void* s, size_t n) override {
+    bind();
+    MOEV_CUDA_CHECK(cudaMemcpy(d, s, n, cudaMemcpyDeviceToHost));
+  }
+  void fill(void* d, uint8_t b, size_t n) override {
+    bind();
+    MOEV_CUDA_CHECK(cudaMemset(d, b, n));
+  }
+  void copy(void* d, const void* s, size_t n) override {
+    bind();
+    MOEV_CUDA_CHECK(cudaMemcpy(d, s, n, cudaMemcpyDeviceToDevice));
+  }
   uint64_t hash(const void* p, size_t n) override {
     if (n == 0) return 0;
+    bind();
     unsigned long long* h = static_cast<unsigned long long*>(alloc(8));
     unsigned long long v = 0;
     try {
@@ -259,6 +276,7 @@ class CudaDevice final : public Device {
   // column-major). fp32 accumulation; fp32 inputs without TF32 (pedantic).
   void gemm_logits(DType dt, const void* x, const void* wg, int64_t T, int64_t D, int E, float* logits) override {
     std::lock_guard<std::mutex> lk(blas_m_);  // a cuBLAS handle serves one thread at a time
+    bind();
     if (!blas_) MOEV_CUBLAS_CHECK(blas().create(&blas_));
     const cudaDataType t = dt == DType::fp32 ? CUDA_R_32F : dt == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F;
     const cublasComputeType_t ct = dt == DType::fp32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
@@ -286,6 +304,7 @@ class CudaDevice final : public Device {
   void gemm_tn_f32(DType dt, const void* A, int64_t rows, int64_t m, int64_t lda, const void* B, int64_t n,
                    int64_t ldb, float* C) override {
     std::lock_guard<std::mutex> lk(blas_m_);
+    bind();
     if (!blas_) MOEV_CUBLAS_CHECK(blas().create(&blas_));
     const cudaDataType t = dt == DType::fp32 ? CUDA_R_32F : dt == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F;
     const cublasComputeType_t ct = dt == DType::fp32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
@@ -306,6 +325,7 @@ class CudaDevice final : public Device {
   void gemm(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n, void* Y,
             int64_t ldy, bool w_n_by_k) {
     std::lock_guard<std::mutex> lk(blas_m_);
+    bind();
     if (!blas_) MOEV_CUBLAS_CHECK(blas().create(&blas_));
     const cudaDataType t = dt == DType::fp32 ? CUDA_R_32F : dt == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F;
     const cublasComputeType_t ct = dt == DType::fp32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
@@ -323,6 +343,7 @@ class CudaDevice final : public Device {
   /// the two events counts too (one device, one stream).
   template <class F>
   void timed(F&& f) {
+    bind();
     struct Event {
       cudaEvent_t e = nullptr;
       Event() { MOEV_CUDA_CHECK(cudaEventCreate(&e)); }
@@ -337,6 +358,11 @@ class CudaDevice final : public Device {
     busy_ns_ += int64_t(double(ms) * 1e6);
   }
 
+  /// The CUDA device is per host thread: in-process ranks and the
+  /// emulated executor's threads call in from threads of their own.
+  void bind() const { MOEV_CUDA_CHECK(cudaSetDevice(ordinal_)); }
+
+  int ordinal_;
   std::string name_;
   std::atomic<int64_t> busy_ns_{0};
   std::mutex blas_m_;
@@ -345,18 +371,24 @@ class CudaDevice final : public Device {
 
 }  // namespace
 
-std::unique_ptr<Device> make_device(std::string& why) {
+std::unique_ptr<Device> make_device(int ordinal, std::string& why) {
   const DeviceStatus s = probe();
   if (s.count == 0) {
     why = s.message;
     return nullptr;
   }
-  const cudaError_t e = cudaSetDevice(0);
-  if (e != cudaSuccess) {
-    why = std::string("cudaSetDevice(0): ") + cudaGetErrorName(e);
+  if (ordinal < 0 || ordinal >= s.count) {
+    why = "CUDA device " + std::to_string(ordinal) + " does not exist (" + std::to_string(s.count) + " device(s))";
     return nullptr;
   }
-  return std::make_unique<CudaDevice>("CUDA device 0: " + s.message);
+  const cudaError_t e = cudaSetDevice(ordinal);
+  if (e != cudaSuccess) {
+    why = "cudaSetDevice(" + std::to_string(ordinal) + "): " + cudaGetErrorName(e);
+    return nullptr;
+  }
+  cudaDeviceProp p{};
+  cudaGetDeviceProperties(&p, ordinal);
+  return std::make_unique<CudaDevice>(ordinal, "CUDA device " + std::to_string(ordinal) + ": " + p.name);
 }
 
 }  // namespace moev::cuda

@@ -21,9 +21,10 @@ struct DeviceStatus {
 
 DeviceStatus probe();
 
-/// The CUDA device of kernels/device.h on GPU 0 (bodies on a grid, CUB radix
-/// sort, cuBLAS GEMM), or null with the reason in `why`.
-std::unique_ptr<Device> make_device(std::string& why);
+/// The CUDA device of kernels/device.h on GPU `ordinal` (bodies on a grid,
+/// CUB radix sort, cuBLAS GEMM), or null with the reason in `why`. Every
+/// call binds the calling thread to that GPU first.
+std::unique_ptr<Device> make_device(int ordinal, std::string& why);
 
 /// The gather body on the device (see dispatch_gather).
 void dispatch_gather(DType dt, k::ScoreApply apply, const void* x, int64_t T, const int32_t* perm,

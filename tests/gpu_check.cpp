@@ -1,7 +1,8 @@
 // [gpu] The CUDA executor runs the same kernel bodies as the host executor:
 // gather and ordered combine must agree bitwise for random problems in every
 // dtype, and so must the entry points on the CUDA device (routing, sort,
-// gather, combine, row maps through a Mirror). Without a usable device it
+// gather, combine, row maps through a Mirror); the NCCL communicator runs
+// with one rank. Without a usable device it
 // prints SKIPPED and exits 77, which ctest reports as skipped (never passed).
 #include <cstdio>
 #include <cstring>
@@ -14,6 +15,7 @@
 #include "../kernels/cuda_exec.h"
 #include "../kernels/device.h"
 #include "../kernels/moe_host.h"
+#include "comm.h"
 
 using namespace moev;
 
@@ -40,7 +42,7 @@ CombineArgs combine_args(DType dt, const void* rows, const float* scores, const 
 /// Returns the failures.
 int device_entry_points() {
   std::string why;
-  std::unique_ptr<Device> dev = cuda::make_device(why);
+  std::unique_ptr<Device> dev = cuda::make_device(0, why);
   if (!dev) {
     std::printf("device entry points: no CUDA device (%s)\n", why.c_str());
     return 1;
@@ -121,6 +123,60 @@ int device_entry_points() {
   return failures;
 }
 
+/// The NCCL communicator with one rank on GPU 0 (NCCL allows no second rank
+/// of a communicator on the same GPU): rows sent to itself with a zero-row
+/// split in between, all-reduce and all-gather staged through the device,
+/// and a split mismatch refused before any row moves. Returns the failures.
+int nccl_one_rank() {
+  std::string why;
+  std::unique_ptr<Device> dev = cuda::make_device(0, why);
+  if (!dev) {
+    std::printf("nccl: no CUDA device (%s)\n", why.c_str());
+    return 1;
+  }
+  int failures = 0;
+  try {
+    auto host = make_local_comms(1, std::chrono::milliseconds(30000));
+    std::unique_ptr<Comm> nccl = make_nccl_comm(*host[0], 0, std::chrono::milliseconds(30000));
+    const size_t rb = 12;  // bytes per row
+    std::vector<uint8_t> send(5 * rb), recv(5 * rb, 0xEE);
+    for (size_t i = 0; i < send.size(); ++i) send[i] = uint8_t(i * 7 + 1);
+    void* ds = dev->alloc(send.size());
+    void* dr = dev->alloc(recv.size());
+    dev->upload(ds, send.data(), send.size());
+    dev->fill(dr, 0xEE, recv.size());
+    nccl->alltoallv_device(ds, 5, {5}, dr, 5, {5}, rb, "nccl self all-to-all");
+    dev->download(recv.data(), dr, recv.size());
+    failures += recv != send;
+    nccl->alltoallv_device(ds, 5, {0}, dr, 5, {0}, rb, "nccl zero-row all-to-all");  // must not hang or write
+    dev->download(recv.data(), dr, recv.size());
+    failures += recv != send;
+    bool refused = false;
+    try {
+      nccl->alltoallv_device(ds, 5, {3}, dr, 5, {2}, rb, "nccl mismatched all-to-all");
+    } catch (const std::exception& e) {
+      refused = std::string(e.what()).find("split mismatch") != std::string::npos;
+    }
+    failures += !refused;
+    int64_t v[2] = {5, -3};
+    nccl->allreduce_max(v, 2, "nccl max");
+    nccl->allreduce_sum(v, 2, "nccl sum");
+    failures += v[0] != 5 || v[1] != -3;
+    const uint64_t word = 0x0123456789abcdefull;
+    uint64_t got = 0;
+    nccl->allgather(&word, 8, &got, "nccl all-gather");
+    failures += got != word;
+    nccl->barrier("nccl barrier");
+    dev->release(ds);
+    dev->release(dr);
+  } catch (const std::exception& e) {
+    std::printf("nccl: %s\n", e.what());
+    ++failures;
+  }
+  std::printf("nccl one-rank communicator: %d failure(s)\n", failures);
+  return failures;
+}
+
 }  // namespace
 
 int main() {
@@ -184,6 +240,7 @@ int main() {
     }
   }
   failures += device_entry_points();
+  failures += nccl_one_rank();
   std::printf("%d failure(s)\n", failures);
   return failures ? 1 : 0;
 }

@@ -564,6 +564,7 @@ int main(int argc, char** argv) {
   try {
     if (run->parsed()) {
       const int rc = cmd_run(run, ra);
+      nccl_finalize_if_started();
       mpi_finalize_if_started();
       return rc;
     }

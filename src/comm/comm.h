@@ -77,6 +77,26 @@ using DeviceCopy = std::function<void(void* dst, const void* src, size_t bytes)>
 std::vector<std::unique_ptr<Comm>> make_local_comms(int R, std::chrono::milliseconds timeout,
                                                     DeviceCopy device_copy = {});
 
+/// Communicator nccl (CUDA builds; src/comm/comm_nccl.cpp): this process's
+/// rank of `host` (the MPI world) on CUDA device `device`. alltoallv_device
+/// moves rows as grouped ncclSend/ncclRecv on the device, every peer posted,
+/// zero-row ones too; allreduce and allgather are NCCL collectives staged
+/// through device memory; alltoallv of host metadata goes through `host`,
+/// which also broadcasts the unique id and agrees on each all-to-all's
+/// arguments before any row moves. Each NCCL collective is polled against
+/// `timeout` with ncclCommGetAsyncError; past it (or on an asynchronous
+/// error) the rank and collective are printed, ncclCommAbort ends the
+/// communicator and the process exits 3. Throws when NCCL (libnccl.so.2,
+/// loaded on first use) cannot be loaded or initialised.
+std::unique_ptr<Comm> make_nccl_comm(Comm& host, int device, std::chrono::milliseconds timeout);
+
+/// The process's NCCL communicator over mpi_world() on CUDA device `device`,
+/// made on the first call (later calls return it; the arguments must not
+/// change). nccl_finalize_if_started() destroys it; call it before
+/// mpi_finalize_if_started(). Builds without CUDA: the call throws.
+Comm& nccl_world(int device, std::chrono::milliseconds timeout);
+void nccl_finalize_if_started();
+
 /// Whether this process was started by mpirun with more than one rank.
 bool launched_under_mpi();
 /// The MPI world as a Comm (initialises MPI on first use, with
@@ -117,6 +137,17 @@ struct A2aVerdict {
   int64_t a = 0, b = 0, peer = -1;
   int64_t row_bytes = 0;  // this rank's row size (compared across ranks)
 };
+
+/// One rank's all-to-all-v arguments (what every rank checks of every rank).
+struct A2aArgs {
+  std::vector<int64_t> send_rows, recv_rows;
+  int64_t send_capacity_rows = 0, recv_capacity_rows = 0;
+  size_t row_bytes = 0;
+};
+/// Every rank's verdict from every rank's arguments: its own checks, then
+/// whether each clean sender's split to it matches what it expects, then the
+/// row sizes against rank 0's. Identical on every rank given the same input.
+std::vector<A2aVerdict> a2a_verdicts(const std::vector<A2aArgs>& all);
 
 /// This rank's own arguments: list lengths, negative splits, capacities.
 A2aVerdict check_own_a2a(int R, int64_t send_capacity_rows, const std::vector<int64_t>& send_rows,

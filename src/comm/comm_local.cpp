@@ -89,6 +89,33 @@ void check_row_bytes(std::vector<A2aVerdict>& all) {
     }
 }
 
+std::vector<A2aVerdict> a2a_verdicts(const std::vector<A2aArgs>& args) {
+  const int R = int(args.size());
+  std::vector<A2aVerdict> all(static_cast<size_t>(R));
+  for (int p = 0; p < R; ++p) {
+    const A2aArgs& a = args[size_t(p)];
+    all[size_t(p)] = check_own_a2a(R, a.send_capacity_rows, a.send_rows, a.recv_capacity_rows, a.recv_rows, a.row_bytes);
+  }
+  for (int q = 0; q < R; ++q) {  // q receives from every clean sender p
+    A2aVerdict& v = all[size_t(q)];
+    if (v.fault != 0) continue;
+    for (int p = 0; p < R; ++p) {
+      const std::vector<int64_t>& ps = args[size_t(p)].send_rows;
+      if (int(ps.size()) != R) continue;  // p itself is faulty
+      const int64_t sent = ps[size_t(q)], expected = args[size_t(q)].recv_rows[size_t(p)];
+      if (sent != expected) {
+        v.fault = int64_t(A2aFault::split_mismatch);
+        v.a = sent;
+        v.b = expected;
+        v.peer = p;
+        break;
+      }
+    }
+  }
+  check_row_bytes(all);
+  return all;
+}
+
 std::string a2a_failure(const char* what, int rank, const std::vector<A2aVerdict>& all) {
   int first = -1, faulty = 0;
   for (size_t p = 0; p < all.size(); ++p)
@@ -114,9 +141,8 @@ using comm_detail::A2aVerdict;
 /// What one rank publishes for a collective.
 struct Post {
   const void* ptr = nullptr;
-  std::vector<int64_t> send_rows, recv_rows;
-  int64_t send_capacity_rows = 0, recv_capacity_rows = 0;
-  size_t width = 0;  // row bytes (all-to-all-v), bytes (all-gather), elements (reduce)
+  comm_detail::A2aArgs a2a;  // all-to-all-v
+  size_t width = 0;  // bytes (all-gather), elements (reduce)
 };
 
 struct Hub {
@@ -271,37 +297,13 @@ class LocalComm final : public Comm {
     const int R = hub_->R;
     Post mine;
     mine.ptr = send;
-    mine.send_rows = send_rows;
-    mine.recv_rows = recv_rows;
-    mine.send_capacity_rows = send_capacity_rows;
-    mine.recv_capacity_rows = recv_capacity_rows;
-    mine.width = row_bytes;
+    mine.a2a = {send_rows, recv_rows, send_capacity_rows, recv_capacity_rows, row_bytes};
     post(std::move(mine));
     meet(what);
     // Every rank's verdict, computed identically on every rank.
-    std::vector<A2aVerdict> all(static_cast<size_t>(R));
-    for (int p = 0; p < R; ++p) {
-      const Post& pp = hub_->post[size_t(p)];
-      all[size_t(p)] = comm_detail::check_own_a2a(R, pp.send_capacity_rows, pp.send_rows, pp.recv_capacity_rows,
-                                                  pp.recv_rows, pp.width);
-    }
-    for (int q = 0; q < R; ++q) {  // q receives from every clean sender p
-      A2aVerdict& v = all[size_t(q)];
-      if (v.fault != 0) continue;
-      for (int p = 0; p < R; ++p) {
-        const std::vector<int64_t>& ps = hub_->post[size_t(p)].send_rows;
-        if (int(ps.size()) != R) continue;  // p itself is faulty
-        const int64_t sent = ps[size_t(q)], expected = hub_->post[size_t(q)].recv_rows[size_t(p)];
-        if (sent != expected) {
-          v.fault = int64_t(A2aFault::split_mismatch);
-          v.a = sent;
-          v.b = expected;
-          v.peer = p;
-          break;
-        }
-      }
-    }
-    comm_detail::check_row_bytes(all);
+    std::vector<comm_detail::A2aArgs> args;
+    for (int p = 0; p < R; ++p) args.push_back(hub_->post[size_t(p)].a2a);
+    const std::vector<A2aVerdict> all = comm_detail::a2a_verdicts(args);
     const std::string failure = comm_detail::a2a_failure(what, r_, all);
     if (!failure.empty()) {
       drain();
@@ -311,7 +313,7 @@ class LocalComm final : public Comm {
     for (int p = 0; p < R; ++p) {
       const Post& pp = hub_->post[size_t(p)];
       int64_t src_row = 0;
-      for (int q = 0; q < r_; ++q) src_row += pp.send_rows[size_t(q)];
+      for (int q = 0; q < r_; ++q) src_row += pp.a2a.send_rows[size_t(q)];
       const size_t n = size_t(recv_rows[size_t(p)]) * row_bytes;
       const uint8_t* from = static_cast<const uint8_t*>(pp.ptr) + size_t(src_row) * row_bytes;
       if (n && on_device) hub_->device_copy(out, from, n);

@@ -348,4 +348,11 @@ void mpi_agree_on_case(const std::string&, uint64_t, const std::string&) { mpi_w
 void mpi_finalize_if_started() {}
 #endif
 
+#if !defined(MOEVERIFY_HAVE_CUDA)
+Comm& nccl_world(int, std::chrono::milliseconds) {
+  runtime_error("communicator nccl: this moeverify was built without CUDA");
+}
+void nccl_finalize_if_started() {}
+#endif
+
 }  // namespace moev

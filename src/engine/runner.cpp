@@ -220,7 +220,11 @@ std::string run_fast(const Stage& s, const Case& c, const RunOptions& opt, const
   } else {
     Comm& w = mpi_world();
     const int me = w.rank();
-    one(me, &w);
+    // On a GPU, one per process, the token rows move over NCCL (the
+    // metadata and the board exchange below stay on MPI).
+    one(me, c.backend == Backend::cuda && opt.mirror
+                ? &nccl_world(cuda_device_ordinal(), std::chrono::milliseconds(opt.collective_timeout_ms))
+                : &w);
     const std::vector<uint8_t> mine = serialise(out.ranks[size_t(me)], notes[size_t(me)], skip[size_t(me)], err[size_t(me)]);
     std::vector<int64_t> sizes(static_cast<size_t>(R));
     const int64_t my_size = int64_t(mine.size());
@@ -853,7 +857,15 @@ CaseReport run_case(const Case& c, const RunOptions& opt) {
   std::unique_ptr<Mirror> mirror = device ? std::make_unique<Mirror>(*device) : nullptr;
   RunOptions dopt = opt;
   dopt.mirror = mirror.get();
-  if (device) rep.notes.push_back("fast path on " + device->name());
+  if (device) {
+    rep.notes.push_back("fast path on " + device->name());
+    if (c.ep > 1)
+      rep.notes.push_back(launched_under_mpi()
+                              ? (c.backend == Backend::cuda
+                                     ? "token all-to-all: NCCL, one GPU per process (metadata over MPI)"
+                                     : "token all-to-all: MPI, host-staged (the emulated device is host memory)")
+                              : "token all-to-all: in-process ranks, device-to-device copies");
+  }
   run_case_on(c, dopt, rep, t0);
   return rep;
 }
