@@ -49,6 +49,13 @@ MOEV_HD inline float k_exp(float v) { return expf(v); }
 /// Router for one token (CONTRACT §1, steps 1-8). Layout: logits, scores and
 /// choice are (T, E) row-major fp32; ids and topk_scores are (T, K), the K
 /// entries in descending choice order, ties to the lower id.
+///
+/// A phased body (host_exec.h), a block per token on a GPU: the lanes share
+/// the E-wide steps (exponentials, normalisation, the bias), each element
+/// computed by one lane; a reduction (the row max, the softmax sum) is
+/// recomputed by every lane that needs it, sequentially in ascending expert
+/// order, so every lane count gives the host executor's bits. The group
+/// limit and the top-k selection (K passes over E) run on lane 0.
 struct RouterBody {
   const float* logits;
   const float* bias;  // (E) fp32 selection bias; all zeros when the case has none
@@ -66,29 +73,54 @@ struct RouterBody {
   SoftmaxShift shift = SoftmaxShift::subtract_max;
   GroupTie group_tie = GroupTie::lower_group;
 
-  MOEV_HD void operator()(int64_t t, int lane, int) const {
-    if (lane != 0) return;
+  static constexpr int kPhases = 4;
+
+  MOEV_HD void operator()(int phase, int64_t t, int lane, int lanes) const {
     const float* l = logits + t * E;
     float* s = scores + t * E;
     float* c = choice + t * E;
-    if (score == ScoreFunc::softmax) {
-      // exp(l - max) never overflows; exp(l) does past l ~ 88.7 in fp32 (inf / inf
-      // = NaN). The planted fault drops the shift (FRAMEWORKS §1.2 step 2).
-      float m = l[0];
-      for (int e = 1; e < E; ++e) m = l[e] > m ? l[e] : m;
-      if (shift == SoftmaxShift::none) m = 0.f;
-      float sum = 0.f;
-      for (int e = 0; e < E; ++e) { s[e] = k_exp(l[e] - m); sum += s[e]; }
-      for (int e = 0; e < E; ++e) s[e] = s[e] / sum;
-    } else {
-      for (int e = 0; e < E; ++e) s[e] = 1.f / (1.f + k_exp(-l[e]));
+    const bool softmax = score == ScoreFunc::softmax;
+    const bool select = selection != Selection::force_load_balance;
+    switch (phase) {
+      case 0:  // scores before normalisation
+        if (softmax) {
+          // exp(l - max) never overflows; exp(l) does past l ~ 88.7 in fp32
+          // (inf / inf = NaN). The planted fault drops the shift (FRAMEWORKS
+          // §1.2 step 2).
+          float m = l[0];
+          for (int e = 1; e < E; ++e) m = l[e] > m ? l[e] : m;
+          if (shift == SoftmaxShift::none) m = 0.f;
+          for (int e = lane; e < E; e += lanes) s[e] = k_exp(l[e] - m);
+        } else {
+          for (int e = lane; e < E; e += lanes) s[e] = 1.f / (1.f + k_exp(-l[e]));
+        }
+        return;
+      case 1:  // softmax: the sum of the row, then each score over it (into choice for now)
+        if (softmax) {
+          float sum = 0.f;
+          for (int e = 0; e < E; ++e) sum += s[e];
+          for (int e = lane; e < E; e += lanes) c[e] = s[e] / sum;
+        }
+        return;
+      case 2:  // the normalised scores, and the choice values score + bias
+        for (int e = lane; e < E; e += lanes) {
+          if (softmax) s[e] = c[e];
+          if (select) c[e] = s[e] + bias[e];
+        }
+        return;
+      default:
+        if (lane == 0) select_top_k(t, s, c);
     }
+  }
+
+  /// Steps 4-8 on lane 0: the group limit, the top-k, the gathered scores,
+  /// their normalisation and the route scale.
+  MOEV_HD void select_top_k(int64_t t, const float* s, float* c) const {
     int32_t* id = ids + t * K;
     float* ts = topk_scores + t * K;
     if (selection == Selection::force_load_balance) {
       for (int k = 0; k < K; ++k) id[k] = int32_t((t * K + k) % E);
     } else {
-      for (int e = 0; e < E; ++e) c[e] = s[e] + bias[e];
       if (groups > 1) mask_groups(c);
       for (int k = 0; k < K; ++k) {
         int best = -1;

@@ -12,6 +12,7 @@
 
 #include "bodies.h"
 #include "cuda_exec.h"
+#include "host_exec.h"
 
 namespace moev::cuda {
 namespace {
@@ -24,9 +25,21 @@ namespace {
                                cudaGetErrorString(e_) + ")");                                   \
   } while (0)
 
+// Item = block, lane = thread. A phased body (host_exec.h) gets a block
+// barrier between its phases; every thread of the block walks the same
+// items, so each reaches every barrier.
 template <class Body>
 __global__ void items_kernel(Body body, int64_t n) {
-  for (int64_t i = blockIdx.x; i < n; i += gridDim.x) body(i, int(threadIdx.x), int(blockDim.x));
+  for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
+    if constexpr (body_phases<Body>::value > 0) {
+      for (int p = 0; p < body_phases<Body>::value; ++p) {
+        body(p, i, int(threadIdx.x), int(blockDim.x));
+        __syncthreads();
+      }
+    } else {
+      body(i, int(threadIdx.x), int(blockDim.x));
+    }
+  }
 }
 
 template <class Body>

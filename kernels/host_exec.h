@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "faults.h"
 
@@ -19,14 +20,38 @@ struct ExecCtx {
   Mirror* mirror = nullptr;
 };
 
+/// A phased body has `static constexpr int kPhases` and is called as
+/// body(phase, item, lane, lanes): the lanes of one item run phase p + 1
+/// only after all of them finished phase p (a block barrier on a GPU), so
+/// they can cooperate on one item through its output rows. A plain body is
+/// called as body(item, lane, lanes). kPhases of a body, 0 when plain:
+template <class B, class = void>
+struct body_phases {
+  static constexpr int value = 0;
+};
+template <class B>
+struct body_phases<B, std::void_t<decltype(B::kPhases)>> {
+  static constexpr int value = B::kPhases;
+};
+
+/// Item i of a body as the host executor runs it: lane 0 of 1, the phases in order.
+template <class Body>
+inline void host_item(const Body& body, int64_t i) {
+  if constexpr (body_phases<Body>::value > 0) {
+    for (int p = 0; p < body_phases<Body>::value; ++p) body(p, i, 0, 1);
+  } else {
+    body(i, 0, 1);
+  }
+}
+
 template <class Body>
 void host_run(const ExecCtx& ctx, int64_t n, const Body& body) {
   if (ctx.threads <= 1 || n < 2) {
-    for (int64_t i = 0; i < n; ++i) body(i, 0, 1);
+    for (int64_t i = 0; i < n; ++i) host_item(body, i);
     return;
   }
 #pragma omp parallel for num_threads(ctx.threads) schedule(static)
-  for (int64_t i = 0; i < n; ++i) body(i, 0, 1);
+  for (int64_t i = 0; i < n; ++i) host_item(body, i);
 }
 
 }  // namespace moev
