@@ -301,8 +301,13 @@ TEST_CASE("combine", "[cpu][prop]") {
 }
 
 TEST_CASE("whole pipeline", "[cpu][prop]") {
-  rc::prop("fast == reference, stage by stage and end to end, for random shapes and dtypes", [] {
-    const Case c = *gen_case();
+  rc::prop("fast == reference, stage by stage and end to end, for random shapes and dtypes, host and emulated device",
+           [] {
+    Case c = *gen_case();
+    // The emulated device: the device plumbing (residency, poisoning,
+    // pointer translation, device-to-device exchange) under the same checks.
+    c.backend = *rc::gen::element(Backend::host, Backend::emulated);
+    RC_CLASSIFY(c.backend == Backend::emulated, "emulated device");
     RC_CLASSIFY(c.dtype == DType::fp32, "fp32");
     RC_CLASSIFY(c.dtype == DType::bf16, "bf16");
     RC_CLASSIFY(c.tokens * c.top_k < c.num_experts, "T*K < E");
