@@ -266,6 +266,35 @@ class CudaDevice final : public Device {
     timed([&] { sort_pairs(ids, N, E, perm, descending_within); });
   }
 
+  // logits (T, E) row-major = x (T, D) wg^T: column-major, logits^T (E x T) =
+  // wg^T (E x D; wg is D x E column-major) times x^T (D x T; x is D x T
+  // column-major). fp32 output.
+  void gemm_logits(DType dt, const void* x, const void* wg, int64_t T, int64_t D, int E, float* logits) override {
+    gemm_ex(dt, CUBLAS_OP_T, CUBLAS_OP_N, E, T, D, wg, D, x, D, logits, CUDA_R_32F, E);
+  }
+
+  // Row-major Y (rows, n; ld ldy) = X (rows, k; ld ldx) times W^T or W is,
+  // column-major, Y^T = op(W) X^T: W (n, k) row-major is a column-major k x n
+  // matrix (ld k), transposed (gemm_nt); W (k, n) row-major is a column-major
+  // n x k matrix (ld n), as is (gemm_nn). The result rounded once to dt.
+  void gemm_nt(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n, void* Y,
+               int64_t ldy) override {
+    gemm_ex(dt, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, k, W, k, X, ldx, Y, data_type(dt), ldy);
+  }
+  void gemm_nn(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n, void* Y,
+               int64_t ldy) override {
+    gemm_ex(dt, CUBLAS_OP_N, CUBLAS_OP_N, n, rows, k, W, n, X, ldx, Y, data_type(dt), ldy);
+  }
+
+  // Row-major C (m, n) = A^T B is column-major C^T (n x m, ld n) = B_cm A_cm^T
+  // with B_cm the column-major n x rows matrix B is (ld ldb) and A_cm the
+  // m x rows matrix A is (ld lda). fp32 output (a cublasGemmEx combination
+  // for bf16 and fp16 inputs too).
+  void gemm_tn_f32(DType dt, const void* A, int64_t rows, int64_t m, int64_t lda, const void* B, int64_t n,
+                   int64_t ldb, float* C) override {
+    gemm_ex(dt, CUBLAS_OP_N, CUBLAS_OP_T, n, m, rows, B, ldb, A, lda, C, CUDA_R_32F, n);
+  }
+
  private:
   void sort_pairs(const int32_t* ids, int64_t N, int E, int32_t* perm, bool descending_within) {
     const int bits = std::max(1, int(std::ceil(std::log2(double(E) * double(N) + 1))));
@@ -282,71 +311,24 @@ class CudaDevice final : public Device {
     MOEV_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
- public:
+  static cudaDataType data_type(DType dt) {
+    return dt == DType::fp32 ? CUDA_R_32F : dt == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F;
+  }
 
-  // logits (T, E) row-major = x (T, D) wg^T: column-major, logits^T (E x T) =
-  // wg^T (E x D; wg is D x E column-major) times x^T (D x T; x is D x T
-  // column-major). fp32 accumulation; fp32 inputs without TF32 (pedantic).
-  void gemm_logits(DType dt, const void* x, const void* wg, int64_t T, int64_t D, int E, float* logits) override {
+  /// One cublasGemmEx: column-major C (m x n, ld ldc, type c_type) =
+  /// op_a(A) op_b(B), A and B in dt, fp32 accumulation (fp32 inputs without
+  /// TF32: the pedantic compute type), synchronised and timed.
+  void gemm_ex(DType dt, cublasOperation_t op_a, cublasOperation_t op_b, int64_t m, int64_t n, int64_t k,
+               const void* A, int64_t lda, const void* B, int64_t ldb, void* C, cudaDataType c_type, int64_t ldc) {
     std::lock_guard<std::mutex> lk(blas_m_);  // a cuBLAS handle serves one thread at a time
     bind();
     if (!blas_) MOEV_CUBLAS_CHECK(blas().create(&blas_));
-    const cudaDataType t = dt == DType::fp32 ? CUDA_R_32F : dt == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F;
+    const cudaDataType t = data_type(dt);
     const cublasComputeType_t ct = dt == DType::fp32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
     const float alpha = 1.f, beta = 0.f;
     timed([&] {
-      MOEV_CUBLAS_CHECK(blas().gemm(blas_, CUBLAS_OP_T, CUBLAS_OP_N, E, int(T), int(D), &alpha, wg, t, int(D), x, t,
-                                     int(D), &beta, logits, CUDA_R_32F, E, ct, CUBLAS_GEMM_DEFAULT));
-      MOEV_CUDA_CHECK(cudaDeviceSynchronize());
-    });
-  }
-
-  void gemm_nt(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n, void* Y,
-               int64_t ldy) override {
-    gemm(dt, X, rows, k, ldx, W, n, Y, ldy, true);
-  }
-  void gemm_nn(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n, void* Y,
-               int64_t ldy) override {
-    gemm(dt, X, rows, k, ldx, W, n, Y, ldy, false);
-  }
-
-  // Row-major C (m, n) = A^T B is column-major C^T (n x m, ld n) = B_cm A_cm^T
-  // with B_cm the column-major n x rows matrix B is (ld ldb) and A_cm the
-  // m x rows matrix A is (ld lda). Inputs in dt, output and accumulation fp32
-  // (a cublasGemmEx combination for bf16 and fp16 inputs too).
-  void gemm_tn_f32(DType dt, const void* A, int64_t rows, int64_t m, int64_t lda, const void* B, int64_t n,
-                   int64_t ldb, float* C) override {
-    std::lock_guard<std::mutex> lk(blas_m_);
-    bind();
-    if (!blas_) MOEV_CUBLAS_CHECK(blas().create(&blas_));
-    const cudaDataType t = dt == DType::fp32 ? CUDA_R_32F : dt == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F;
-    const cublasComputeType_t ct = dt == DType::fp32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
-    const float alpha = 1.f, beta = 0.f;
-    timed([&] {
-      MOEV_CUBLAS_CHECK(blas().gemm(blas_, CUBLAS_OP_N, CUBLAS_OP_T, int(n), int(m), int(rows), &alpha, B, t, int(ldb),
-                                     A, t, int(lda), &beta, C, CUDA_R_32F, int(n), ct, CUBLAS_GEMM_DEFAULT));
-      MOEV_CUDA_CHECK(cudaDeviceSynchronize());
-    });
-  }
-
- private:
-  // Row-major Y (rows, n; ld ldy) = X (rows, k; ld ldx) times W^T or W is,
-  // column-major, Y^T = op(W) X^T: W (n, k) row-major is a column-major k x n
-  // matrix (ld k), transposed (gemm_nt); W (k, n) row-major is a column-major
-  // n x k matrix (ld n), as is (gemm_nn). fp32 accumulation, the result
-  // rounded once to dt.
-  void gemm(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n, void* Y,
-            int64_t ldy, bool w_n_by_k) {
-    std::lock_guard<std::mutex> lk(blas_m_);
-    bind();
-    if (!blas_) MOEV_CUBLAS_CHECK(blas().create(&blas_));
-    const cudaDataType t = dt == DType::fp32 ? CUDA_R_32F : dt == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F;
-    const cublasComputeType_t ct = dt == DType::fp32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
-    const float alpha = 1.f, beta = 0.f;
-    timed([&] {
-      MOEV_CUBLAS_CHECK(blas().gemm(blas_, w_n_by_k ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, int(n), int(rows), int(k),
-                                     &alpha, W, t, w_n_by_k ? int(k) : int(n), X, t, int(ldx), &beta, Y, t, int(ldy),
-                                     ct, CUBLAS_GEMM_DEFAULT));
+      MOEV_CUBLAS_CHECK(blas().gemm(blas_, op_a, op_b, int(m), int(n), int(k), &alpha, A, t, int(lda), B, t, int(ldb),
+                                     &beta, C, c_type, int(ldc), ct, CUBLAS_GEMM_DEFAULT));
       MOEV_CUDA_CHECK(cudaDeviceSynchronize());
     });
   }
