@@ -105,6 +105,20 @@ TEST_CASE("local ranks on a device move token rows with the device copy, metadat
   CHECK_THROWS_AS(host[0]->alltoallv_device(&a, 1, {1}, &b, 1, {1}, 4, "rows"), std::logic_error);
 }
 
+#if defined(MOEVERIFY_HAVE_CUDA)
+TEST_CASE("an NCCL communicator that cannot start fails on every rank, none waits", "[cpu][comm]") {
+  // Without a usable GPU (CI) no rank can take its device; on a GPU machine
+  // both ranks ask for GPU 0, which NCCL refuses (one rank per GPU). Either
+  // way every rank must throw, within the deadline, instead of one rank
+  // waiting in ncclCommInitRank for a peer that gave up.
+  const auto err = on_ranks(2, [](int, Comm& host) { make_nccl_comm(host, 0, std::chrono::milliseconds(20000)); });
+  for (const std::string& e : err) {
+    INFO(e);
+    CHECK(has(e, "nccl"));
+  }
+}
+#endif
+
 TEST_CASE("inconsistent all-to-all splits fail on every rank instead of corrupting", "[cpu][comm]") {
   // Repeated: the rank that detected the mismatch used to throw (and free its
   // send buffer) while its peer still copied from it, a use-after-free that

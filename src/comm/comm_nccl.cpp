@@ -7,12 +7,15 @@
 // metadata (the count exchange). All-reduce and all-gather of host values
 // run as NCCL collectives staged through device memory.
 //
-// Every NCCL call is enqueued on the communicator's own stream and polled:
-// cudaStreamQuery for completion, ncclCommGetAsyncError for an error raised
-// by a peer or the network, and the deadline. Past the deadline the rank
-// and collective are printed, the communicator is aborted (ncclCommAbort:
-// NCCL's only way out of a collective that cannot finish) and the process
-// exits 3, which makes mpirun end the job, as the MPI communicator does.
+// Every NCCL collective is enqueued on the communicator's own stream and
+// polled: cudaStreamQuery for completion, ncclCommGetAsyncError for an error
+// raised by a peer or the network. A watchdog thread holds the deadline over
+// the whole call, NCCL's own blocking steps included (connection set-up in
+// ncclGroupEnd, ncclCommInitRank waiting for its peers): past it the rank and
+// collective are printed, the communicator is aborted (ncclCommAbort, which
+// NCCL lets another thread call to end a call that cannot finish) and the
+// process exits 3, which makes mpirun end the job, as the MPI communicator
+// does.
 //
 // NCCL is loaded with dlopen when the first communicator is made, like
 // cuBLAS (kernels/cuda_exec.cu): every moeverify process need not map it.
@@ -29,7 +32,9 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <thread>
 #include <type_traits>
@@ -92,17 +97,94 @@ void cuda_check(cudaError_t e, const std::string& what) {
   if (e != cudaSuccess) runtime_error(what + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
 }
 
+/// Calls on_expiry(what) when a call armed with arm(what) is not disarmed
+/// within the timeout. One call at a time.
+class Watchdog {
+ public:
+  Watchdog(std::chrono::milliseconds timeout, std::function<void(const std::string&, double)> on_expiry)
+      : timeout_(timeout), on_expiry_(std::move(on_expiry)), thread_([this] { loop(); }) {}
+  ~Watchdog() {
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void arm(std::string what) {
+    std::lock_guard<std::mutex> lk(m_);
+    what_ = std::move(what);
+    since_ = std::chrono::steady_clock::now();
+    armed_ = true;
+    cv_.notify_all();
+  }
+  void disarm() {
+    std::lock_guard<std::mutex> lk(m_);
+    armed_ = false;
+    cv_.notify_all();
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> lk(m_);
+    while (!stop_) {
+      if (!armed_) {
+        cv_.wait(lk);
+        continue;
+      }
+      const auto deadline = since_ + timeout_;
+      if (cv_.wait_until(lk, deadline) == std::cv_status::timeout && armed_ && !stop_ &&
+          std::chrono::steady_clock::now() >= deadline)
+        on_expiry_(what_, std::chrono::duration<double>(std::chrono::steady_clock::now() - since_).count());
+    }
+  }
+
+  std::chrono::milliseconds timeout_;
+  std::function<void(const std::string&, double)> on_expiry_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  bool armed_ = false, stop_ = false;
+  std::string what_;
+  std::chrono::steady_clock::time_point since_;
+  std::thread thread_;  // last: it starts once the rest is built
+};
+
+/// Disarms the watchdog when a collective leaves, normally or by a throw.
+struct Armed {
+  Watchdog& w;
+  Armed(Watchdog& wd, std::string what) : w(wd) { w.arm(std::move(what)); }
+  ~Armed() { w.disarm(); }
+};
+
 class NcclComm final : public Comm {
  public:
   NcclComm(Comm& host, int device, std::chrono::milliseconds timeout)
-      : host_(host), device_(device), timeout_(timeout) {
+      : host_(host), device_(device), watchdog_(timeout, [this](const std::string& what, double secs) {
+          expire(what, "not complete after " + std::to_string(secs) +
+                           " s (--collective-timeout): a peer rank is stopped, dead, or failed outside the "
+                           "collective");
+        }) {
+    // Every rank must reach ncclCommInitRank, or none: a rank that cannot
+    // load NCCL or take its GPU says so before its peers would wait there.
+    std::string why;
+    try {
+      nccl();
+      cuda_check(cudaSetDevice(device_), "communicator nccl: cudaSetDevice(" + std::to_string(device_) + ")");
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    int64_t failed = why.empty() ? 0 : 1;
+    host_.allreduce_max(&failed, 1, "NCCL start-up agreement");
+    if (failed) runtime_error(why.empty() ? "communicator nccl: another rank could not load NCCL or take its GPU" : why);
     const Nccl& n = nccl();
-    cuda_check(cudaSetDevice(device_), "communicator nccl: cudaSetDevice(" + std::to_string(device_) + ")");
     ncclUniqueId id{};
     if (host_.rank() == 0) check(n.get_unique_id(&id), "ncclGetUniqueId");
     std::vector<ncclUniqueId> all(static_cast<size_t>(host_.size()));
     host_.allgather(&id, sizeof(id), all.data(), "NCCL unique id broadcast");
-    check(n.init_rank(&comm_, host_.size(), all[0], host_.rank()), "ncclCommInitRank");
+    {
+      Armed a(watchdog_, "ncclCommInitRank");
+      check(n.init_rank(&comm_, host_.size(), all[0], host_.rank()), "ncclCommInitRank");
+    }
     cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "communicator nccl: cudaStreamCreate");
   }
   ~NcclComm() override {
@@ -128,6 +210,7 @@ class NcclComm final : public Comm {
     agree({send_rows, recv_rows, send_capacity_rows, recv_capacity_rows, row_bytes}, what);
     const Nccl& n = nccl();
     bind();
+    Armed a(watchdog_, what);
     // Every peer gets a send and a receive, zero-row ones included: a rank
     // never skips a peer that might post to it.
     check(n.group_start(), what);
@@ -149,6 +232,7 @@ class NcclComm final : public Comm {
   void allgather(const void* send, size_t bytes, void* recv, const char* what) override {
     if (bytes == 0) return;
     bind();
+    Armed a(watchdog_, what);
     uint8_t* d = static_cast<uint8_t*>(device_scratch(bytes * size_t(size() + 1)));
     cuda_check(cudaMemcpyAsync(d, send, bytes, cudaMemcpyHostToDevice, stream_), what);
     check(nccl().all_gather(d, d + bytes, bytes, ncclUint8, comm_, stream_), what);
@@ -198,6 +282,7 @@ class NcclComm final : public Comm {
   void reduce(int64_t* v, int n, ncclRedOp_t op, const char* what) {
     if (n <= 0) return;
     bind();
+    Armed a(watchdog_, what);
     const size_t bytes = size_t(n) * sizeof(int64_t);
     void* d = device_scratch(bytes);
     cuda_check(cudaMemcpyAsync(d, v, bytes, cudaMemcpyHostToDevice, stream_), what);
@@ -226,44 +311,41 @@ class NcclComm final : public Comm {
                     nccl().error_string(r));
   }
 
-  /// Polls the stream until the enqueued work is done. An asynchronous NCCL
-  /// error, or the deadline, ends the communicator and the process.
+  /// Polls the stream until the enqueued work is done; an asynchronous
+  /// NCCL error ends the communicator and the process (the watchdog holds
+  /// the deadline).
   void wait(const char* what, const char* call) {
-    const auto t0 = std::chrono::steady_clock::now();
     for (long polls = 0;; ++polls) {
       const cudaError_t q = cudaStreamQuery(stream_);
       if (q == cudaSuccess) return;
       if (q != cudaErrorNotReady) cuda_check(q, std::string("collective ") + what + " (" + call + ")");
       ncclResult_t async = ncclSuccess;
       nccl().async_error(comm_, &async);
-      const auto waited = std::chrono::steady_clock::now() - t0;
-      if ((async != ncclSuccess && async != ncclInProgress) || waited > timeout_) {
-        const std::string why = async != ncclSuccess && async != ncclInProgress
-                                    ? std::string("NCCL ") + nccl().error_string(async)
-                                    : "not complete after " +
-                                          std::to_string(std::chrono::duration<double>(waited).count()) +
-                                          " s (--collective-timeout): a peer rank is stopped, dead, or failed "
-                                          "outside the collective";
-        std::fprintf(stderr, "moeverify: rank %d (%s, pid %d, CUDA device %d): collective %s (%s): %s; "
-                     "aborting the NCCL communicator and the job\n",
-                     rank(), host_name().c_str(), int(getpid()), device_, what, call, why.c_str());
-        std::fflush(stderr);
-        nccl().abort(comm_);
-        comm_ = nullptr;
-        std::_Exit(3);
-      }
+      if (async != ncclSuccess && async != ncclInProgress)
+        expire(std::string(what) + " (" + call + ")", std::string("NCCL ") + nccl().error_string(async));
       if (polls < 2000) std::this_thread::yield();
       else std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
   }
 
+  /// Names this rank and the call on stderr, aborts the communicator and
+  /// ends the process: the peers cannot be brought back into lockstep.
+  [[noreturn]] void expire(const std::string& what, const std::string& why) {
+    std::fprintf(stderr, "moeverify: rank %d (%s, pid %d, CUDA device %d): collective %s: %s; "
+                 "aborting the NCCL communicator and the job\n",
+                 host_.rank(), host_name().c_str(), int(getpid()), device_, what.c_str(), why.c_str());
+    std::fflush(stderr);
+    if (comm_) nccl().abort(comm_);
+    std::_Exit(3);
+  }
+
   Comm& host_;
   int device_;
-  std::chrono::milliseconds timeout_;
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
+  Watchdog watchdog_;  // last: its thread stops before the rest goes
 };
 
 }  // namespace
