@@ -199,9 +199,14 @@ class CudaDevice final : public Device {
     bind();
     cudaFree(p);
   }
+  // Every call is complete on return: the next call may come from another
+  // rank's thread, or be NCCL's own stream, which does not wait for the
+  // default one. (A cudaMemcpy from pageable memory may return before its
+  // DMA lands; a cudaMemset may return before it runs.)
   void upload(void* d, const void* s, size_t n) override {
     bind();
     MOEV_CUDA_CHECK(cudaMemcpy(d, s, n, cudaMemcpyHostToDevice));
+    MOEV_CUDA_CHECK(cudaDeviceSynchronize());
   }
   void download(void* d, const void* s, size_t n) override {
     bind();
@@ -210,10 +215,14 @@ class CudaDevice final : public Device {
   void fill(void* d, uint8_t b, size_t n) override {
     bind();
     MOEV_CUDA_CHECK(cudaMemset(d, b, n));
+    MOEV_CUDA_CHECK(cudaDeviceSynchronize());
   }
+  // The local Communicator's receivers copy from their senders' buffers,
+  // which the senders reuse once all have met: the copy must have landed.
   void copy(void* d, const void* s, size_t n) override {
     bind();
     MOEV_CUDA_CHECK(cudaMemcpy(d, s, n, cudaMemcpyDeviceToDevice));
+    MOEV_CUDA_CHECK(cudaDeviceSynchronize());
   }
   uint64_t hash(const void* p, size_t n) override {
     if (n == 0) return 0;

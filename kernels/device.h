@@ -66,6 +66,8 @@ struct ConvertBody {
   }
 };
 
+/// Every call is complete when it returns (its writes have landed): callers
+/// on other threads, and NCCL's own stream, may use the memory next.
 class Device {
  public:
   virtual ~Device() = default;
@@ -75,6 +77,7 @@ class Device {
   virtual void upload(void* dst, const void* src, size_t bytes) = 0;
   virtual void download(void* dst, const void* src, size_t bytes) = 0;
   virtual void fill(void* dst, uint8_t byte, size_t bytes) = 0;
+  /// dst = src on the device.
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
   /// A hash of the bytes computed on the device (the input-unchanged check
   /// without bringing the input back).

@@ -211,6 +211,8 @@ class NcclComm final : public Comm {
     const Nccl& n = nccl();
     bind();
     Armed a(watchdog_, what);
+    // The rows were written by device calls, each complete on return
+    // (kernels/device.h); the NCCL stream does not wait for the default one.
     // Every peer gets a send and a receive, zero-row ones included: a rank
     // never skips a peer that might post to it.
     check(n.group_start(), what);
