@@ -42,13 +42,18 @@ __global__ void items_kernel(Body body, int64_t n) {
   }
 }
 
+// Device work goes on the calling host thread's own stream
+// (cudaStreamPerThread): in-process EP ranks are threads, each with its own
+// stream. Every call waits for its work before it returns (kernels/device.h).
+inline cudaStream_t thread_stream() { return cudaStreamPerThread; }
+
 template <class Body>
 void launch(const Body& body, int64_t n) {
   if (n == 0) return;
   const unsigned blocks = unsigned(n < 65535 ? n : 65535);
-  items_kernel<<<blocks, 128>>>(body, n);
+  items_kernel<<<blocks, 128, 0, thread_stream()>>>(body, n);
   MOEV_CUDA_CHECK(cudaGetLastError());
-  MOEV_CUDA_CHECK(cudaDeviceSynchronize());
+  MOEV_CUDA_CHECK(cudaStreamSynchronize(thread_stream()));
 }
 
 /// A device copy of a host buffer, copied back on request; freed on scope exit.
@@ -157,6 +162,7 @@ __global__ void sort_keys_kernel(const int32_t* ids, int64_t N, bool descending,
 struct Blas {
   decltype(&cublasCreate_v2) create = nullptr;
   decltype(&cublasDestroy_v2) destroy = nullptr;
+  decltype(&cublasSetStream_v2) set_stream = nullptr;
   cublasStatus_t (*gemm)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int, const void*, const void*,
                          cudaDataType, int, const void*, cudaDataType, int, const void*, void*, cudaDataType, int,
                          cublasComputeType_t, cublasGemmAlgo_t) = nullptr;
@@ -169,8 +175,10 @@ const Blas& blas() {
     Blas r;
     r.create = reinterpret_cast<decltype(r.create)>(dlsym(h, "cublasCreate_v2"));
     r.destroy = reinterpret_cast<decltype(r.destroy)>(dlsym(h, "cublasDestroy_v2"));
+    r.set_stream = reinterpret_cast<decltype(r.set_stream)>(dlsym(h, "cublasSetStream_v2"));
     r.gemm = reinterpret_cast<decltype(r.gemm)>(dlsym(h, "cublasGemmEx"));
-    if (!r.create || !r.destroy || !r.gemm) throw std::runtime_error("libcublas.so.13 lacks cublasCreate_v2/cublasGemmEx");
+    if (!r.create || !r.destroy || !r.set_stream || !r.gemm)
+      throw std::runtime_error("libcublas.so.13 lacks cublasCreate_v2, cublasSetStream_v2 or cublasGemmEx");
     return r;
   }();
   return b;
@@ -200,29 +208,16 @@ class CudaDevice final : public Device {
     cudaFree(p);
   }
   // Every call is complete on return: the next call may come from another
-  // rank's thread, or be NCCL's own stream, which does not wait for the
-  // default one. (A cudaMemcpy from pageable memory may return before its
-  // DMA lands; a cudaMemset may return before it runs.)
-  void upload(void* d, const void* s, size_t n) override {
-    bind();
-    MOEV_CUDA_CHECK(cudaMemcpy(d, s, n, cudaMemcpyHostToDevice));
-    MOEV_CUDA_CHECK(cudaDeviceSynchronize());
-  }
-  void download(void* d, const void* s, size_t n) override {
-    bind();
-    MOEV_CUDA_CHECK(cudaMemcpy(d, s, n, cudaMemcpyDeviceToHost));
-  }
+  // rank's thread (another stream), or be NCCL's own stream. The local
+  // Communicator's receivers copy from their senders' buffers, which the
+  // senders reuse once all have met: a copy must have landed.
+  void upload(void* d, const void* s, size_t n) override { transfer(d, s, n, cudaMemcpyHostToDevice); }
+  void download(void* d, const void* s, size_t n) override { transfer(d, s, n, cudaMemcpyDeviceToHost); }
+  void copy(void* d, const void* s, size_t n) override { transfer(d, s, n, cudaMemcpyDeviceToDevice); }
   void fill(void* d, uint8_t b, size_t n) override {
     bind();
-    MOEV_CUDA_CHECK(cudaMemset(d, b, n));
-    MOEV_CUDA_CHECK(cudaDeviceSynchronize());
-  }
-  // The local Communicator's receivers copy from their senders' buffers,
-  // which the senders reuse once all have met: the copy must have landed.
-  void copy(void* d, const void* s, size_t n) override {
-    bind();
-    MOEV_CUDA_CHECK(cudaMemcpy(d, s, n, cudaMemcpyDeviceToDevice));
-    MOEV_CUDA_CHECK(cudaDeviceSynchronize());
+    MOEV_CUDA_CHECK(cudaMemsetAsync(d, b, n, thread_stream()));
+    MOEV_CUDA_CHECK(cudaStreamSynchronize(thread_stream()));
   }
   uint64_t hash(const void* p, size_t n) override {
     if (n == 0) return 0;
@@ -230,12 +225,13 @@ class CudaDevice final : public Device {
     unsigned long long* h = static_cast<unsigned long long*>(alloc(8));
     unsigned long long v = 0;
     try {
-      MOEV_CUDA_CHECK(cudaMemset(h, 0, 8));
+      MOEV_CUDA_CHECK(cudaMemsetAsync(h, 0, 8, thread_stream()));
       const size_t words = (n + 7) / 8;
       const unsigned blocks = unsigned(std::min<size_t>((words + 255) / 256, 4096));
-      hash_kernel<<<blocks, 256>>>(static_cast<const uint8_t*>(p), n, h);
+      hash_kernel<<<blocks, 256, 0, thread_stream()>>>(static_cast<const uint8_t*>(p), n, h);
       MOEV_CUDA_CHECK(cudaGetLastError());
-      MOEV_CUDA_CHECK(cudaMemcpy(&v, h, 8, cudaMemcpyDeviceToHost));
+      MOEV_CUDA_CHECK(cudaMemcpyAsync(&v, h, 8, cudaMemcpyDeviceToHost, thread_stream()));
+      MOEV_CUDA_CHECK(cudaStreamSynchronize(thread_stream()));
     } catch (...) {
       release(h);
       throw;
@@ -309,15 +305,15 @@ class CudaDevice final : public Device {
     const int bits = std::max(1, int(std::ceil(std::log2(double(E) * double(N) + 1))));
     Staged keys(nullptr, size_t(N) * 8), keys_out(nullptr, size_t(N) * 8), vals(nullptr, size_t(N) * 4);
     const unsigned blocks = unsigned(std::min<int64_t>((N + 255) / 256, 65535));
-    sort_keys_kernel<<<blocks, 256>>>(ids, N, descending_within, keys.as<uint64_t>(), vals.as<int32_t>());
+    sort_keys_kernel<<<blocks, 256, 0, thread_stream()>>>(ids, N, descending_within, keys.as<uint64_t>(), vals.as<int32_t>());
     MOEV_CUDA_CHECK(cudaGetLastError());
     size_t temp_bytes = 0;
     MOEV_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys.as<uint64_t>(), keys_out.as<uint64_t>(),
-                                                    vals.as<int32_t>(), perm, N, 0, bits));
+                                                    vals.as<int32_t>(), perm, N, 0, bits, thread_stream()));
     Staged temp(nullptr, std::max<size_t>(temp_bytes, 1));
     MOEV_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.d, temp_bytes, keys.as<uint64_t>(), keys_out.as<uint64_t>(),
-                                                    vals.as<int32_t>(), perm, N, 0, bits));
-    MOEV_CUDA_CHECK(cudaDeviceSynchronize());
+                                                    vals.as<int32_t>(), perm, N, 0, bits, thread_stream()));
+    MOEV_CUDA_CHECK(cudaStreamSynchronize(thread_stream()));
   }
 
   static cudaDataType data_type(DType dt) {
@@ -335,16 +331,17 @@ class CudaDevice final : public Device {
     const cudaDataType t = data_type(dt);
     const cublasComputeType_t ct = dt == DType::fp32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
     const float alpha = 1.f, beta = 0.f;
+    MOEV_CUBLAS_CHECK(blas().set_stream(blas_, thread_stream()));  // the calling thread's stream
     timed([&] {
       MOEV_CUBLAS_CHECK(blas().gemm(blas_, op_a, op_b, int(m), int(n), int(k), &alpha, A, t, int(lda), B, t, int(ldb),
                                      &beta, C, c_type, int(ldc), ct, CUBLAS_GEMM_DEFAULT));
-      MOEV_CUDA_CHECK(cudaDeviceSynchronize());
+      MOEV_CUDA_CHECK(cudaStreamSynchronize(thread_stream()));
     });
   }
 
-  /// Runs f between two events on the default stream and adds the time
-  /// between them to busy_ns_. Work of other threads' ranks queued between
-  /// the two events counts too (one device, one stream).
+  /// Runs f between two events on the calling thread's stream and adds the
+  /// time between them to busy_ns_ (only that stream's work counts; ranks
+  /// running side by side each add their own).
   template <class F>
   void timed(F&& f) {
     bind();
@@ -353,18 +350,24 @@ class CudaDevice final : public Device {
       Event() { MOEV_CUDA_CHECK(cudaEventCreate(&e)); }
       ~Event() { cudaEventDestroy(e); }
     } start, stop;
-    MOEV_CUDA_CHECK(cudaEventRecord(start.e));
+    MOEV_CUDA_CHECK(cudaEventRecord(start.e, thread_stream()));
     f();
-    MOEV_CUDA_CHECK(cudaEventRecord(stop.e));
+    MOEV_CUDA_CHECK(cudaEventRecord(stop.e, thread_stream()));
     MOEV_CUDA_CHECK(cudaEventSynchronize(stop.e));
     float ms = 0;
     MOEV_CUDA_CHECK(cudaEventElapsedTime(&ms, start.e, stop.e));
     busy_ns_ += int64_t(double(ms) * 1e6);
   }
 
-  /// The CUDA device is per host thread: in-process ranks and the
-  /// emulated executor's threads call in from threads of their own.
+  /// The CUDA device is per host thread: in-process ranks call in from
+  /// threads of their own.
   void bind() const { MOEV_CUDA_CHECK(cudaSetDevice(ordinal_)); }
+
+  void transfer(void* d, const void* s, size_t n, cudaMemcpyKind kind) {
+    bind();
+    MOEV_CUDA_CHECK(cudaMemcpyAsync(d, s, n, kind, thread_stream()));
+    MOEV_CUDA_CHECK(cudaStreamSynchronize(thread_stream()));
+  }
 
   int ordinal_;
   std::string name_;
