@@ -2,6 +2,8 @@
 // this interface and never asks which implementation it runs on.
 //   local: R ranks as threads of one process (default; tests and fuzzing)
 //   mpi:   one process per rank under mpirun (host buffers)
+//   nccl:  one process and one GPU per rank under mpirun with --backend cuda
+//          (token rows in device buffers; metadata over mpi)
 // Every collective checks its arguments on every rank (split consistency,
 // CONTRACT §3 A2, and the splits against the real buffer sizes), and all
 // ranks agree on the verdict before any data moves: either every rank copies
@@ -40,18 +42,17 @@ class Comm {
                          void* recv, int64_t recv_capacity_rows, const std::vector<int64_t>& recv_rows,
                          size_t row_bytes, const char* what) = 0;
   /// Whether alltoallv_device exists (the local Communicator made with a
-  /// device copy): the token rows then move device to device. Otherwise a
+  /// device copy, the NCCL one): the token rows then move device to device. Otherwise a
   /// device backend stages them through host memory. Every other collective,
   /// and alltoallv, takes host memory.
   virtual bool device_buffers() const { return false; }
   /// alltoallv with send and recv device addresses of the case's device:
   /// the same checks, the rows moved on the device. Only where
   /// device_buffers() (std::logic_error otherwise).
-  virtual void alltoallv_device(const void* send, int64_t send_capacity_rows, const std::vector<int64_t>& send_rows,
-                                void* recv, int64_t recv_capacity_rows, const std::vector<int64_t>& recv_rows,
-                                size_t row_bytes, const char* what) {
-    (void)send, (void)send_capacity_rows, (void)send_rows, (void)recv, (void)recv_capacity_rows, (void)recv_rows,
-        (void)row_bytes;
+  virtual void alltoallv_device(const void* /*send*/, int64_t /*send_capacity_rows*/,
+                                const std::vector<int64_t>& /*send_rows*/, void* /*recv*/,
+                                int64_t /*recv_capacity_rows*/, const std::vector<int64_t>& /*recv_rows*/,
+                                size_t /*row_bytes*/, const char* what) {
     throw std::logic_error(std::string(what) + ": this Communicator moves host buffers only");
   }
   virtual void allreduce_max(int64_t* v, int n, const char* what) = 0;
