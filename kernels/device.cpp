@@ -259,9 +259,14 @@ class EmulatedDevice final : public Device {
     f();
     busy_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
   }
+  /// Each item as an emulated GPU block of kLanes lanes (block_item): the
+  /// bodies' multi-lane index math, which the host executor (one lane) never
+  /// takes, runs in every case on this device. An odd count, so that no
+  /// stride happens to divide a row.
+  static constexpr int kLanes = 3;
   template <class Body>
   void body(const Body& b, int64_t n) {
-    timed([&] { host_run(ctx_, n, b); });
+    timed([&] { host_run(ctx_, n, b, kLanes); });
   }
 
   ExecCtx ctx_;

@@ -134,7 +134,8 @@ class Device {
 };
 
 /// The emulated device: its memory is separate host allocations, its
-/// executor the host executor with `threads` threads. It exists so that the
+/// executor the host executor with `threads` threads, each item run as a
+/// block of 3 lanes one after another (host_exec.h block_item). It exists so that the
 /// device plumbing (uploads, poisoning, pointer translation, residency,
 /// write-back, device-side checks) runs in CI, which has no GPU.
 std::unique_ptr<Device> make_emulated_device(int threads);

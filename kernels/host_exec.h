@@ -34,24 +34,31 @@ struct body_phases<B, std::void_t<decltype(B::kPhases)>> {
   static constexpr int value = B::kPhases;
 };
 
-/// Item i of a body as the host executor runs it: lane 0 of 1, the phases in order.
+/// Item i of a body as a GPU block of `lanes` threads runs it, the lanes one
+/// after another (in descending order if asked), phase by phase for a phased
+/// body. The lanes of one phase write disjoint elements and read only what
+/// earlier phases wrote (the bodies' contract), so this is one valid
+/// schedule of the block. The host executor runs lane 0 of 1.
 template <class Body>
-inline void host_item(const Body& body, int64_t i) {
+inline void block_item(const Body& body, int64_t i, int lanes, bool descending = false) {
+  auto lane = [&](int j) { return descending ? lanes - 1 - j : j; };
   if constexpr (body_phases<Body>::value > 0) {
-    for (int p = 0; p < body_phases<Body>::value; ++p) body(p, i, 0, 1);
+    for (int p = 0; p < body_phases<Body>::value; ++p)
+      for (int j = 0; j < lanes; ++j) body(p, i, lane(j), lanes);
   } else {
-    body(i, 0, 1);
+    for (int j = 0; j < lanes; ++j) body(i, lane(j), lanes);
   }
 }
 
+/// Items [0, n) on ctx.threads threads, each as a block of `lanes` lanes.
 template <class Body>
-void host_run(const ExecCtx& ctx, int64_t n, const Body& body) {
+void host_run(const ExecCtx& ctx, int64_t n, const Body& body, int lanes = 1) {
   if (ctx.threads <= 1 || n < 2) {
-    for (int64_t i = 0; i < n; ++i) host_item(body, i);
+    for (int64_t i = 0; i < n; ++i) block_item(body, i, lanes);
     return;
   }
 #pragma omp parallel for num_threads(ctx.threads) schedule(static)
-  for (int64_t i = 0; i < n; ++i) host_item(body, i);
+  for (int64_t i = 0; i < n; ++i) block_item(body, i, lanes);
 }
 
 }  // namespace moev

@@ -72,22 +72,10 @@ TEST_CASE("zero tokens: every stage runs on empty tensors and passes", "[cpu][em
 
 namespace {
 
-/// A GPU block emulated on the host: every item's lanes run one after
-/// another, in ascending or descending lane order, phase by phase for a
-/// phased body (a barrier between phases). Lanes of one phase write disjoint
-/// elements and read only what earlier phases wrote, so any order of them is
-/// a valid schedule of the block.
+/// A GPU block emulated on the host (block_item), lanes in either order.
 template <class Body>
 void block_run(const Body& body, int64_t n, int lanes, bool descending) {
-  auto lane_at = [&](int j) { return descending ? lanes - 1 - j : j; };
-  for (int64_t i = 0; i < n; ++i) {
-    if constexpr (body_phases<Body>::value > 0) {
-      for (int p = 0; p < body_phases<Body>::value; ++p)
-        for (int j = 0; j < lanes; ++j) body(p, i, lane_at(j), lanes);
-    } else {
-      for (int j = 0; j < lanes; ++j) body(i, lane_at(j), lanes);
-    }
-  }
+  for (int64_t i = 0; i < n; ++i) block_item(body, i, lanes, descending);
 }
 
 }  // namespace
