@@ -44,7 +44,29 @@ enum class SiluRounding : uint8_t { fused, rounded_to_act };
 /// (FRAMEWORKS §2.2 step 1, the FK variant: ezpz PR #11 `routed_output * score.to(bf16)`).
 enum class ScoreMultiply : uint8_t { fp32, act };
 
-MOEV_HD inline float k_exp(float v) { return expf(v); }
+/// e^v from additions, multiplications and exponent bits only, so that the
+/// host and CUDA executors give the same bits (a library expf differs: CUDA's
+/// is within 2 ulp, glibc's within 0.5; both builds compile without FMA
+/// contraction). Cody-Waite reduction v = n ln2 + r, |r| <= ln2/2, with ln2
+/// split so that n * ln2_hi is exact; a degree-7 Taylor polynomial for e^r
+/// (truncation below 0.1 ulp); then 2^n from its exponent bits, in two steps
+/// where the result is subnormal so that it rounds once. Overflow past
+/// ln(FLT_MAX) gives inf, underflow below the smallest subnormal's half 0,
+/// NaN stays NaN. Within 2 ulp of e^v (tests/test_numeric.cpp measures it).
+MOEV_HD inline float k_pow2(int e) { return f32_from_bits(uint32_t(e + 127) << 23); }  // e in [-126, 127]
+MOEV_HD inline float k_exp(float v) {
+  if (!(v == v)) return v;
+  if (v > 88.72283935546875f) return INFINITY;
+  if (v < -103.972084045410156f) return 0.f;
+  const float n = floorf(v * 1.44269502162933349609f + 0.5f);
+  const float r = (v - n * 0.693145751953125f) - n * 1.42860676533018704e-06f;
+  const float p =
+      1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720 + r * (1.f / 5040)))))));
+  const int e = int(n);
+  if (e < -126) return p * k_pow2(e + 64) * k_pow2(-64);
+  if (e > 127) return p * 2.f * k_pow2(e - 1);
+  return p * k_pow2(e);
+}
 
 /// Router for one token (CONTRACT §1, steps 1-8). Layout: logits, scores and
 /// choice are (T, E) row-major fp32; ids and topk_scores are (T, K), the K

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cmath>
 #include <cub/device/device_radix_sort.cuh>
 #include <mutex>
@@ -325,6 +326,10 @@ class CudaDevice final : public Device {
   /// TF32: the pedantic compute type), synchronised and timed.
   void gemm_ex(DType dt, cublasOperation_t op_a, cublasOperation_t op_b, int64_t m, int64_t n, int64_t k,
                const void* A, int64_t lda, const void* B, int64_t ldb, void* C, cudaDataType c_type, int64_t ldc) {
+    for (int64_t v : {m, n, k, lda, ldb, ldc})
+      if (v > int64_t(INT_MAX))
+        throw std::runtime_error("cublasGemmEx: a size or leading dimension of " + std::to_string(v) +
+                                 " exceeds its int range");
     std::lock_guard<std::mutex> lk(blas_m_);  // a cuBLAS handle serves one thread at a time
     bind();
     if (!blas_) MOEV_CUBLAS_CHECK(blas().create(&blas_));

@@ -132,9 +132,10 @@ class Watchdog {
         cv_.wait(lk);
         continue;
       }
-      const auto deadline = since_ + timeout_;
-      if (cv_.wait_until(lk, deadline) == std::cv_status::timeout && armed_ && !stop_ &&
-          std::chrono::steady_clock::now() >= deadline)
+      cv_.wait_until(lk, since_ + timeout_);
+      // Against the call armed now: the one whose deadline was waited for
+      // may have left, and another begun, while this thread woke up.
+      if (armed_ && !stop_ && std::chrono::steady_clock::now() >= since_ + timeout_)
         on_expiry_(what_, std::chrono::duration<double>(std::chrono::steady_clock::now() - since_).count());
     }
   }
