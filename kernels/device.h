@@ -46,23 +46,33 @@ struct HistogramBody {
   }
 };
 
+/// Elementwise bodies take chunks: item c covers elements [c * kChunk,
+/// min(n, (c + 1) * kChunk)), its lanes strided over them, so a GPU block
+/// keeps every thread busy. chunks(n) is the item count to run.
+constexpr int64_t kChunk = 4096;
+inline int64_t chunks(int64_t n) { return (n + kChunk - 1) / kChunk; }
+
 /// Rounds n fp32 values to the activation type T in place (router.gate_dtype act).
 template <class T>
 struct RoundBody {
   float* v;
-  MOEV_HD void operator()(int64_t i, int lane, int) const {
-    if (lane == 0) v[i] = round_to<T>(v[i]);
+  int64_t n;
+  MOEV_HD void operator()(int64_t c, int lane, int lanes) const {
+    const int64_t end = (c + 1) * kChunk < n ? (c + 1) * kChunk : n;
+    for (int64_t i = c * kChunk + lane; i < end; i += lanes) v[i] = round_to<T>(v[i]);
   }
 };
 
-/// dst[i] = src[i] rounded to To (one rounding; exact where To is wider):
-/// the inputs and weights of compute_dtype bf16 (CONTRACT §14) and back.
+/// dst[i] = src[i] rounded to To for i < n (one rounding; exact where To is
+/// wider): the inputs and weights of compute_dtype bf16 (CONTRACT §14) and back.
 template <class From, class To>
 struct ConvertBody {
   const From* src;
   To* dst;
-  MOEV_HD void operator()(int64_t i, int lane, int) const {
-    if (lane == 0) dst[i] = from_float<To>(to_float(src[i]));
+  int64_t n;
+  MOEV_HD void operator()(int64_t c, int lane, int lanes) const {
+    const int64_t end = (c + 1) * kChunk < n ? (c + 1) * kChunk : n;
+    for (int64_t i = c * kChunk + lane; i < end; i += lanes) dst[i] = from_float<To>(to_float(src[i]));
   }
 };
 

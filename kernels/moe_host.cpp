@@ -43,8 +43,8 @@ std::vector<bf16> to_bf16(const ExecCtx& ctx, DType dt, const void* src, int64_t
         Mirror& m = *ctx.mirror;
         Mirror::Scope scope{m};
         m.device().run(ConvertBody<T, bf16>{static_cast<const T*>(m.in(src, size_t(n) * sizeof(T))),
-                                            static_cast<bf16*>(m.out(out.data(), size_t(n) * 2))},
-                       n);
+                                            static_cast<bf16*>(m.out(out.data(), size_t(n) * 2)), n},
+                       chunks(n));
         m.wrote(out.data(), size_t(n) * 2);
         return;
       }
@@ -65,8 +65,8 @@ void from_bf16(const ExecCtx& ctx, DType dt, const std::vector<bf16>& src, void*
         Mirror& m = *ctx.mirror;
         Mirror::Scope scope{m};
         m.device().run(ConvertBody<bf16, T>{static_cast<const bf16*>(m.in(src.data(), size_t(n) * 2)),
-                                            static_cast<T*>(m.out(dst, size_t(n) * sizeof(T)))},
-                       n);
+                                            static_cast<T*>(m.out(dst, size_t(n) * sizeof(T))), n},
+                       chunks(n));
         m.wrote(dst, size_t(n) * sizeof(T));
         return;
       }
@@ -129,7 +129,7 @@ void router_logits(const ExecCtx& ctx, DType dt, const void* x, const void* wg, 
     if (n == 0) return;
     m.device().gemm_logits(dt, m.in(x, size_t(T * D) * eb), m.in(wg, size_t(E) * size_t(D) * eb), T, D, E, dl);
     if (gate == GateDtype::act)
-      dispatch_dtype(dt, [&](auto tag) { m.device().run(RoundBody<decltype(tag)>{dl}, int64_t(n)); });
+      dispatch_dtype(dt, [&](auto tag) { m.device().run(RoundBody<decltype(tag)>{dl, int64_t(n)}, chunks(int64_t(n))); });
     m.wrote(logits, n * 4);
     return;
   }
