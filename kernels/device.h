@@ -10,7 +10,7 @@
 // every pointer they are handed to its device copy, run the body on the
 // device, and write what they wrote back to the host at once (write-through):
 // the runner compares every output on the host anyway, and host code between
-// two device calls (splits, the host-staged all-to-all) then always reads
+// two device calls (splits, an all-to-all staged through the host) then always reads
 // valid data. Inputs stay resident: a board tensor is uploaded once per case
 // and every later stage reads its device copy.
 #pragma once
@@ -172,7 +172,7 @@ class Mirror {
   /// its upload is uploaded again first: a temporary of the fast function (a
   /// range inside no held buffer: its host memory may even be a new
   /// allocation at a freed one's address), and an output of this call that
-  /// no device call wrote (host code may have, e.g. the host-staged exchange).
+  /// no device call wrote (host code may have, e.g. an MPI exchange of host rows).
   /// A variant that runs on a device writes each output either on the host or
   /// on the device, never both.
   const void* in(const void* p, size_t bytes);

@@ -22,11 +22,15 @@ CudaStatus cuda_status() {
 }
 
 int cuda_device_ordinal() {
-  const int n = cuda_status().devices;
-  if (n <= 0 || !launched_under_mpi()) return 0;
-  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"})
-    if (const char* s = std::getenv(v)) return std::max(0, std::atoi(s)) % n;
-  return 0;
+  // A property of the process: probed once, not at every stage that asks.
+  static const int ordinal = [] {
+    const int n = cuda_status().devices;
+    if (n <= 0 || !launched_under_mpi()) return 0;
+    for (const char* v : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"})
+      if (const char* s = std::getenv(v)) return std::max(0, std::atoi(s)) % n;
+    return 0;
+  }();
+  return ordinal;
 }
 
 std::unique_ptr<Device> make_backend_device(Backend backend, int threads, std::string& why) {

@@ -363,7 +363,7 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
       vd->fast_seconds = since(tf);
       if (opt.mirror) vd->device_seconds = opt.mirror->device().busy_seconds() - busy0;
       if (opt.mirror) {
-        // Outputs the host wrote (splits, the host-staged exchange) go to the
+        // Outputs the host wrote (splits, an MPI exchange of host rows) go to the
         // device for the next stage; device-written ones are there already
         // (and on the host: write-through). Then the inputs' device copies
         // must hash as before the call: a kernel writing past its output

@@ -816,7 +816,7 @@ void register_backward_stages(std::vector<Stage>& reg) {
   // Device forms (issue 12): every variant runs its bodies through entry
   // points that take the mirror (row maps, the combine body, copy_bytes,
   // CombineGradRowsBody, ScoreGradBody, the SwiGLU backward's GEMMs and
-  // SwigluBwdBody) or is the host-staged all-to-all of the forward.
+  // SwigluBwdBody) or is the forward's all-to-all (FastCtx::exchange_rows).
   for (size_t i = first; i < reg.size(); ++i) reg[i].backends = kHostAndDevice;
 }
 

@@ -426,10 +426,10 @@ Stage make(const std::string& slot, const std::string& variant, const std::strin
                        std::move(ref));
   s.ref_per_rank = true;  // every reference above honours RefCtx::rank
   // Every forward EP variant moves rows with the row-map bodies (on a device
-  // when there is one) and exchanges them through the Communicator; with
-  // in-process ranks on one device the exchange is host-staged (DESIGN.md
-  // idea 3): the host copy is current (write-through) and what the exchange
-  // writes is uploaded after the call.
+  // when there is one) and exchanges them through the Communicator
+  // (FastCtx::exchange_rows: device to device where the Communicator moves
+  // device buffers, host-staged under MPI, DESIGN.md idea 3); the count
+  // exchange is host metadata, uploaded after the call where a device reads it.
   s.backends = kHostAndDevice;
   return s;
 }
