@@ -19,7 +19,9 @@
 #include "dump.h"
 #include "error.h"
 #include "memory_estimate.h"
+#include "selection.h"
 #include "stages.h"
+#include "version.h"
 
 namespace moev {
 namespace {
@@ -50,6 +52,8 @@ const char* npy_descr(ElemType t) {
 std::string layout_of(const std::string& name) {
   static const std::map<std::string, std::string> m = {
       {"x", "(T, D) token rows"},
+      {"x_tail", "(alias_offset) the elements that follow x in its buffer: the in-place combine's output starts "
+                 "alias_offset elements into x and runs past its end (CONTRACT §9)"},
       {"wg", "(E, D) router weight; logits = x wg^T"},
       {"bias", "(E) fp32 selection bias"},
       {"w1", "(E, F, D) per expert; h1 = X w1^T"},
@@ -91,10 +95,6 @@ std::string layout_of(const std::string& name) {
   return it == m.end() ? "" : it->second;
 }
 
-std::string file_for(const std::string& name, int rank, int ranks) {
-  return ranks > 1 ? name + ".rank" + std::to_string(rank) + ".npy" : name + ".npy";
-}
-
 /// The variant whose reference the external pipeline uses for a slot: the
 /// one `run` makes primary, else the first that applies.
 const Stage* stage_for(const Case& c, const std::string& slot) {
@@ -107,17 +107,18 @@ const Stage* stage_for(const Case& c, const std::string& slot) {
   return first;
 }
 
-/// CONTRACT §15 routing of an implementation: `scores` against the
-/// reference; `ids` per token as a set, judged by the reference selection on
-/// the implementation's own scores (the reference's when it wrote none):
-/// every expert whose choice beats the K-th value must be in the set, and
-/// every member must reach it, so any member of an exact tie is accepted.
-/// Judged on the reference's scores, a member within the scores tolerance of
-/// the K-th value is a near-tie: reported, not failed. topk_scores against
-/// the reference's scores at the implementation's ids (in its order), counts
-/// against the histogram of its ids.
+/// Routing of an implementation (docs/contract.md "Checking outside code"):
+/// `scores` against the reference; `ids` per token as a selection, judged on
+/// the implementation's own scores (the reference's when it wrote none) by
+/// judge_selection: any member of an exact tie, at the K-th expert or at the
+/// group boundary, is accepted. Judged on the reference's scores, a selection
+/// valid only within the scores tolerance is a near-tie: reported, not
+/// failed. With strict_ties the set must be the lowest-index one. topk_scores
+/// against the reference's scores at the implementation's ids (in its order),
+/// counts against the histogram of its ids.
 void check_routing_external(const Case& c, const Board& ref, const Board& merged,
-                            const std::vector<std::map<std::string, Tensor>>& given, CaseReport& rep) {
+                            const std::vector<std::map<std::string, Tensor>>& given, const ExternalOptions& opt,
+                            CaseReport& rep) {
   const ref::RouterSpec spec = ref_router_spec(c);
   const int R = int(merged.ranks.size());
   const int64_t K = c.top_k, E = c.num_experts;
@@ -139,50 +140,50 @@ void check_routing_external(const Case& c, const Board& ref, const Board& merged
     const ref::Vec judged = own_scores ? to_floats(g.at("scores")) : ref_scores;
     const ref::Ids ids_used = ref_ids(mb.at("ids"));
     if (g.count("ids")) {
+      const ref::Vec bias = to_floats(mb.at("bias"));
       ref::Vec choice, ref_choice;
       ref::Ids sel, ref_sel;
-      ref::select_experts(spec, judged, to_floats(mb.at("bias")), T, choice, sel);
-      ref::select_experts(spec, ref_scores, to_floats(mb.at("bias")), T, ref_choice, ref_sel);
+      ref::select_experts(spec, judged, bias, T, choice, sel);
+      ref::select_experts(spec, ref_scores, bias, T, ref_choice, ref_sel);
       ref::Ids expect(ids_used.size());
       int64_t ties = 0, near = 0, differs_from_ref = 0;
+      std::string first_why;
+      const bool force_lb = spec.selection == ref::Selection::force_load_balance;
+      std::vector<float> raw(static_cast<size_t>(E));
       for (int64_t t = 0; t < T; ++t) {
         const int32_t* a = &ids_used[size_t(t * K)];
         const int32_t* s = &sel[size_t(t * K)];
-        const float* ch = &choice[size_t(t * E)];
         const std::set<int32_t> aset(a, a + K), sset(s, s + K), rset(&ref_sel[size_t(t * K)], &ref_sel[size_t(t * K)] + K);
-        bool in_range = int64_t(aset.size()) == K;
-        for (int32_t e : aset) in_range = in_range && e >= 0 && e < E;
-        const bool force_lb = spec.selection == ref::Selection::force_load_balance;
-        bool ok = aset == sset, is_near = false;
-        if (!ok && in_range && !force_lb) {
-          const double vk = ch[s[K - 1]];
-          const double slack = own_scores ? 0.0 : stol.atol + stol.rtol * std::fabs(vk);
-          bool members = true, beaters = true;
-          for (int32_t e : aset) members = members && ch[e] >= vk - slack;
-          for (int64_t e = 0; e < E; ++e)
-            if (ch[e] > vk + slack && !aset.count(int32_t(e))) beaters = false;
-          if (members && beaters) {
-            bool exact = true;
-            for (int32_t e : aset) exact = exact && ch[e] >= vk;
-            for (int64_t e = 0; e < E; ++e)
-              if (ch[e] > vk && !aset.count(int32_t(e))) exact = false;
-            ok = true;
-            is_near = !exact;
-            (exact ? ties : near) += 1;
+        bool ok = aset == sset && int64_t(aset.size()) == K, is_near = false;
+        if (!ok && !force_lb && !opt.strict_ties) {
+          // The selection values before any group mask.
+          for (int64_t e = 0; e < E; ++e) raw[size_t(e)] = float(double(judged[size_t(t * E + e)]) + double(bias[size_t(e)]));
+          SelectionRule rule{int(E), int(K), spec.groups, spec.limited_groups, 0.0};
+          const SelectionVerdict exact = judge_selection(rule, raw.data(), a);
+          ok = exact.valid;
+          if (ok) {
+            ++ties;
+          } else if (!own_scores) {
+            rule.slack = stol.atol + stol.rtol * std::fabs(double(raw[size_t(s[K - 1])]));
+            ok = is_near = judge_selection(rule, raw.data(), a).valid;
+            near += is_near;
           }
+          if (!ok && first_why.empty()) first_why = "token " + std::to_string(t) + ": " + exact.why;
         }
         if (ok && !is_near && aset != rset) ++differs_from_ref;
         for (int64_t k = 0; k < K; ++k) expect[size_t(t * K + k)] = ok ? a[k] : s[k];
       }
       std::ostringstream note;
-      note << "ids compared as a set per token on the " << (own_scores ? "implementation's" : "reference's")
-           << " scores (CONTRACT §15)";
+      note << "ids judged as a selection per token on the " << (own_scores ? "implementation's" : "reference's")
+           << " scores (docs/contract.md \"Checking outside code\")";
+      if (opt.strict_ties) note << "; strict: the lowest-index member of every tie";
       if (ties) note << "; " << ties << " token(s) pick another member of an exact tie (accepted)";
-      if (near) note << "; " << near << " near-tie token(s): a member within the scores tolerance of the K-th value (reported, not failed)";
+      if (near) note << "; " << near << " near-tie token(s): valid within the scores tolerance (reported, not failed)";
       if (own_scores && differs_from_ref)
         note << "; " << differs_from_ref << " near-tie token(s): the selection differs from the reference's own where the scores agree within tolerance (reported, not failed)";
+      if (!first_why.empty()) note << "; first wrong " << first_why;
       add("ids", CompareClass::exact, Coords::token_k, g.at("ids"), ids_tensor(expect, ElemType::i32, {T, K}),
-          "ref, as sets", note.str());
+          opt.strict_ties ? "ref, lowest index" : "ref, as a selection", note.str());
     }
     if (g.count("topk_scores"))
       add("topk_scores", CompareClass::scores, Coords::token_k, g.at("topk_scores"),
@@ -272,31 +273,59 @@ Case case_from_json(const nlohmann::json& j, const std::string& where) {
   return cs[0];
 }
 
-Tensor read_npy(const std::string& path, ElemType want, const std::vector<int64_t>& want_shape, bool* shape_differs) {
+namespace {
+
+/// The .npy descriptors accepted for a wanted type: its own, and for
+/// integers the other width (frameworks hold ids and counts in int64), for
+/// fp16 NumPy's own float16.
+bool descr_accepted(ElemType want, const std::string& got) {
+  const std::string own = npy_descr(want);
+  if (got == own) return true;
+  if (want == ElemType::i32 || want == ElemType::i64) return got == "<i4" || got == "<i8";
+  return want == ElemType::f16 && got == "<f2";
+}
+
+size_t descr_bytes(const std::string& d) { return d.size() == 3 ? size_t(d[2] - '0') : 0; }
+
+}  // namespace
+
+Tensor read_npy(const std::string& path, ElemType want, const std::vector<int64_t>& want_shape,
+                std::vector<int64_t>* rows_differ) {
   const std::string shown = printable(path, 200);
   auto broken = [&](const std::string& what) -> void {
     bad_input(shown + ": " + what + "; valid: a NumPy .npy file (np.save) of dtype " + real_dtype(want) +
               (want == ElemType::bf16 || want == ElemType::f16 ? " stored as uint16 bit patterns" : "") + ", shape " +
-              Tensor{want, want_shape, nullptr, 0}.shape_str());
+              Tensor{want, want_shape, nullptr, 0}.shape_str() +
+              (want_shape.empty() ? "" : " (the row count may differ: that is judged, not refused)"));
   };
   std::ifstream f(path, std::ios::binary);
   if (!f) broken("cannot be opened");
-  std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  if (bytes.size() < 10 || bytes.compare(0, 6, "\x93NUMPY") != 0) broken("not a .npy file (no \\x93NUMPY magic)");
-  const int major = static_cast<unsigned char>(bytes[6]);
-  size_t hlen = 0, hstart = 0;
+  f.seekg(0, std::ios::end);
+  const uint64_t file_size = uint64_t(std::max<std::streamoff>(f.tellg(), 0));
+  f.seekg(0);
+  // The header is read and validated against the file's size before any data.
+  char pre[12] = {};
+  f.read(pre, sizeof pre);
+  const size_t got_pre = size_t(f.gcount());
+  if (got_pre < 10 || std::memcmp(pre, "\x93NUMPY", 6) != 0) broken("not a .npy file (no \\x93NUMPY magic)");
+  const int major = static_cast<unsigned char>(pre[6]);
+  uint64_t hlen = 0, hstart = 0;
   if (major == 1) {
-    hlen = size_t(static_cast<unsigned char>(bytes[8])) | size_t(static_cast<unsigned char>(bytes[9])) << 8;
+    hlen = uint64_t(static_cast<unsigned char>(pre[8])) | uint64_t(static_cast<unsigned char>(pre[9])) << 8;
     hstart = 10;
   } else if (major == 2 || major == 3) {
-    if (bytes.size() < 12) broken("truncated header");
-    for (int i = 0; i < 4; ++i) hlen |= size_t(static_cast<unsigned char>(bytes[size_t(8 + i)])) << (8 * i);
+    if (got_pre < 12) broken("truncated header");
+    for (int i = 0; i < 4; ++i) hlen |= uint64_t(static_cast<unsigned char>(pre[8 + i])) << (8 * i);
     hstart = 12;
   } else {
     broken("unknown .npy version " + std::to_string(major));
   }
-  if (bytes.size() < hstart + hlen) broken("truncated header");
-  const std::string h = bytes.substr(hstart, hlen);
+  if (hlen > (uint64_t(1) << 20)) broken("a header of " + std::to_string(hlen) + " bytes (NumPy writes a few hundred)");
+  if (file_size < hstart + hlen) broken("truncated header");
+  std::string h(size_t(hlen), '\0');
+  f.seekg(std::streamoff(hstart));
+  f.read(h.data(), std::streamsize(hlen));
+  if (uint64_t(f.gcount()) != hlen) broken("truncated header");
   auto field = [&](const std::string& key) -> std::string {
     const size_t k = h.find("'" + key + "'");
     if (k == std::string::npos) broken("header has no '" + key + "'");
@@ -304,12 +333,14 @@ Tensor read_npy(const std::string& path, ElemType want, const std::vector<int64_
     if (v == std::string::npos) broken("malformed header");
     ++v;
     while (v < h.size() && h[v] == ' ') ++v;
+    if (v >= h.size()) broken("malformed header");
     size_t e = v;
-    if (h[v] == '\'') e = h.find('\'', v + 1) + 1;
-    else if (h[v] == '(') e = h.find(')', v) + 1;
+    if (h[v] == '\'') e = h.find('\'', v + 1);
+    else if (h[v] == '(') e = h.find(')', v);
     else
       while (e < h.size() && h[e] != ',' && h[e] != '}') ++e;
-    if (e == std::string::npos || e == 0) broken("malformed header");
+    if (e == std::string::npos) broken("malformed header");
+    if (h[v] == '\'' || h[v] == '(') ++e;
     return h.substr(v, e - v);
   };
   std::string descr = field("descr");
@@ -318,185 +349,364 @@ Tensor read_npy(const std::string& path, ElemType want, const std::vector<int64_
   if (fortran != "False") broken("Fortran order; write C-contiguous arrays (np.ascontiguousarray)");
   std::vector<int64_t> shape;
   {
-    std::string s = shape_text.substr(1, shape_text.size() - 2);
-    std::stringstream ss(s);
+    std::stringstream ss(shape_text.substr(1, shape_text.size() - 2));
     std::string part;
     while (std::getline(ss, part, ',')) {
       const size_t b = part.find_first_not_of(' ');
       if (b == std::string::npos) continue;
       char* end = nullptr;
+      errno = 0;
       const long long v = std::strtoll(part.c_str() + b, &end, 10);
-      if (v < 0 || (*end != '\0' && *end != ' ' && *end != 'L')) broken("malformed shape " + printable(shape_text));
+      if (v < 0 || errno || end == part.c_str() + b || (*end != '\0' && *end != ' ' && *end != 'L'))
+        broken("malformed shape " + printable(shape_text));
       shape.push_back(v);
     }
   }
-  const std::string want_descr = npy_descr(want);
   std::string got = descr;
-  if (got.size() == 3 && got[0] == '|') got[0] = '<';
-  if (got != want_descr)
-    broken("dtype '" + printable(descr) + "' where " + real_dtype(want) + " ('" + want_descr + "') is expected");
+  if (got.size() == 3 && (got[0] == '|' || got[0] == '=')) got[0] = '<';
+  if (!descr_accepted(want, got))
+    broken("dtype '" + printable(descr) + "' where " + real_dtype(want) + " ('" + npy_descr(want) + "') is expected");
+  const std::string shape_shown = Tensor{want, shape, nullptr, 0}.shape_str();
+  if (shape.size() != want_shape.size() || !std::equal(shape.begin() + (shape.empty() ? 0 : 1), shape.end(),
+                                                       want_shape.begin() + (want_shape.empty() ? 0 : 1)))
+    broken("shape " + shape_shown + " has other " + (shape.size() != want_shape.size() ? "dimensions" : "columns"));
+  // The data must be exactly what the header declares (checked without reading it).
+  const uint64_t item = descr_bytes(got);
+  uint64_t need = item;
+  for (int64_t d : shape) {
+    if (d != 0 && need > (uint64_t(1) << 62) / uint64_t(d)) broken("shape " + shape_shown + " is larger than any file");
+    need *= uint64_t(d);
+  }
+  const uint64_t have = file_size - hstart - hlen;
+  if (have != need)
+    broken("holds " + std::to_string(have) + " data bytes where its header's shape " + shape_shown + " needs " +
+           std::to_string(need));
   if (shape != want_shape) {
-    if (!shape_differs) broken("shape " + Tensor{want, shape, nullptr, 0}.shape_str() + " is wrong");
-    *shape_differs = true;
+    if (!rows_differ) broken("shape " + shape_shown + " is wrong");
+    *rows_differ = shape;
+    return Tensor{want, shape, nullptr, 0};
   }
   Tensor t = Tensor::alloc(want, shape, 0);
-  if (bytes.size() - hstart - hlen != t.bytes())
-    broken("holds " + std::to_string(bytes.size() - hstart - hlen) + " data bytes where the shape needs " +
-           std::to_string(t.bytes()));
-  std::memcpy(t.data(), bytes.data() + hstart + hlen, t.bytes());
+  if (item == elem_bytes(want)) {
+    f.read(static_cast<char*>(t.data()), std::streamsize(t.bytes()));
+    if (uint64_t(f.gcount()) != t.bytes()) broken("could not be read whole");
+    return t;
+  }
+  // The other integer width, value by value with a range check.
+  std::vector<uint8_t> raw(static_cast<size_t>(need));
+  f.read(reinterpret_cast<char*>(raw.data()), std::streamsize(need));
+  if (uint64_t(f.gcount()) != need) broken("could not be read whole");
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    int64_t v = 0;
+    if (item == 8) std::memcpy(&v, &raw[size_t(i) * 8], 8);
+    else { int32_t w; std::memcpy(&w, &raw[size_t(i) * 4], 4); v = w; }
+    if (want == ElemType::i32) {
+      if (v < INT32_MIN || v > INT32_MAX) broken("value " + std::to_string(v) + " at index " + std::to_string(i) + " does not fit int32");
+      t.as<int32_t>()[i] = int32_t(v);
+    } else {
+      t.as<int64_t>()[i] = v;
+    }
+  }
   return t;
 }
 
-CaseReport run_external(const Case& c, const ActualFn* actual, std::vector<GoldenTensor>* golden) {
+std::string golden_file(const std::string& stage, const std::string& name, int rank) {
+  std::string s = stage;
+  std::replace(s.begin(), s.end(), '/', '.');
+  const size_t in = s.rfind("inputs");
+  if (in != std::string::npos && in + 6 == s.size() && (in == 0 || s[in - 1] == '.')) s.erase(in + 5);  // "input"
+  return s + "." + name + ".rank" + std::to_string(rank) + ".npy";
+}
+
+namespace {
+
+/// The name of the counts tensor that groups a row tensor's rows into
+/// segments ("" for tensors that are not grouped).
+std::string segments_name(Coords co) {
+  switch (co) {
+    case Coords::dispatch_row: return "counts";
+    case Coords::rank_major_row: return "recv_counts";
+    case Coords::expert_row: return "expert_counts_real";
+    case Coords::padded_row: return "expert_counts";
+    default: return "";
+  }
+}
+
+std::string list_ints(const std::vector<int64_t>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size() && i < 16; ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + (v.size() > 16 ? ", ... (" + std::to_string(v.size()) + " in all)]" : "]");
+}
+
+/// A tensor of the implementation with another number of rows than the
+/// reference's: INCORRECT at its stage, with the rows per segment of the
+/// counts that group them (the reference's, fed the implementation's earlier
+/// stages; and the implementation's own where it wrote them).
+Check rows_check(const std::string& slot, const OutputSpec& o, int r, int R, const Tensor& expected,
+                 const std::vector<int64_t>& shape, const RankBoard& ref_rank, const RankBoard& given_rank) {
+  Check ch;
+  ch.slot = slot;
+  ch.variant = "actual";
+  ch.tensor = R > 1 ? o.name + "@" + std::to_string(r) : o.name;
+  ch.cls = o.cls;
+  ch.outcome = Outcome::INCORRECT;
+  ch.rows.expected = expected.shape.empty() ? 1 : expected.shape[0];
+  ch.rows.actual = shape.empty() ? 1 : shape[0];
+  std::ostringstream n;
+  n << "rows: the implementation wrote " << ch.rows.actual << " (shape " << Tensor{expected.type, shape, nullptr, 0}.shape_str()
+    << ") where the reference, fed the implementation's earlier stages, has " << ch.rows.expected;
+  if (R > 1) n << " on rank " << r;
+  const std::string seg = segments_name(o.coords);
+  if (!seg.empty() && ref_rank.count(seg)) {
+    ch.rows.segments_of = seg;
+    ch.rows.expected_segments = to_ints(ref_rank.at(seg));
+    n << "; rows per segment of " << seg << ": reference " << list_ints(ch.rows.expected_segments);
+    if (given_rank.count(seg)) {
+      ch.rows.actual_segments = to_ints(given_rank.at(seg));
+      n << ", the implementation's " << list_ints(ch.rows.actual_segments);
+    }
+  }
+  ch.note = n.str();
+  return ch;
+}
+
+/// The inputs of one layer entry as golden tensors. Entry 1 gives every
+/// input; a later entry only those it draws anew (its router gate, bias).
+/// With combine.buffer alias_x_offset the output starts alias_offset
+/// elements into x and runs past its end: those elements are input too, as
+/// x_tail.
+void golden_inputs(const Case& c, const std::string& prefix, const Board& board, const Board* first,
+                   std::vector<GoldenTensor>& out) {
+  for (int r = 0; r < c.ep; ++r)
+    for (const auto& [n, t] : board.ranks[size_t(r)]) {
+      if (first && first->has(n, r) && checksum(first->at(n, r)) == checksum(t)) continue;
+      out.push_back({n, prefix + "inputs", "input", r, t, layout_of(n)});
+      if (n == "x" && c.combine.buffer == OutBuffer::alias_x_offset) {
+        const Tensor tail = t.view(t.type, {c.combine.alias_offset}, t.offset_bytes + t.bytes());
+        out.push_back({"x_tail", prefix + "inputs", "input", r, tail, layout_of("x_tail")});
+      }
+    }
+}
+
+/// The pipeline of one layer entry (see run_external), its stages labelled
+/// prefix + slot.
+struct ExternalEntry {
+  const Case& c;
+  std::string prefix;
+  const ActualFn* actual;
+  std::vector<GoldenTensor>* golden;
+  const ExternalOptions& opt;
+  CaseReport& rep;
+  int64_t expected_total = 0, checked = 0;
+  std::vector<std::string> not_checked, partly;
+
+  /// Runs slot `s` on `board`; false when the check cannot go on.
+  bool stage(const Stage& s, Board& board);
+  void run(Board& board);
+
+ private:
+  bool run_reference(const Stage& s, const Board& board, Board& refout);
+  void read_given(const Stage& s, const std::vector<std::map<std::string, Tensor>>& expected, const Board& refout,
+                  Board& merged, std::vector<std::map<std::string, Tensor>>& given);
+  void feed_reference_metadata(size_t first_check, const std::vector<std::map<std::string, Tensor>>& given,
+                               const std::vector<std::map<std::string, Tensor>>& expected, const std::string& slot,
+                               Board& merged);
+};
+
+bool ExternalEntry::run_reference(const Stage& s, const Board& board, Board& refout) {
+  bool failed_before = false;
+  for (const auto& ch : rep.checks) failed_before = failed_before || ch.outcome == Outcome::INCORRECT;
+  RefCtx rc{c, board, refout};
+  try {
+    s.ref(rc);
+    return true;
+  } catch (const std::exception& e) {
+    // Outputs of a wrong earlier stage can contradict each other (counts
+    // that do not match the rows): the reference cannot be fed them. That
+    // is part of the earlier failure; otherwise it is an ERROR.
+    Check ch;
+    ch.slot = s.slot;
+    ch.variant = actual ? "actual" : "reference";
+    ch.tensor = "-";
+    ch.outcome = failed_before ? Outcome::INCORRECT : Outcome::ERROR;
+    ch.note = std::string("the reference cannot run on the previous stages' outputs: ") + e.what() +
+              (failed_before ? " (an earlier stage is already INCORRECT)" : "");
+    rep.checks.push_back(ch);
+    rep.notes.push_back("the check stopped at stage " + prefix + s.slot);
+    return false;
+  }
+}
+
+void ExternalEntry::read_given(const Stage& s, const std::vector<std::map<std::string, Tensor>>& expected,
+                               const Board& refout, Board& merged, std::vector<std::map<std::string, Tensor>>& given) {
+  const int R = c.ep;
+  std::set<std::string> missing;
+  int64_t written = 0;
+  for (const OutputSpec& o : s.outputs)
+    for (int r = 0; r < R; ++r) {
+      auto e = expected[size_t(r)].find(o.name);
+      if (e == expected[size_t(r)].end()) continue;
+      ++expected_total;
+      ActualTensor a = (*actual)(golden_file(prefix + s.slot, o.name, r), e->second);
+      if (a.kind == ActualTensor::Kind::absent) {
+        missing.insert(o.name);
+        continue;
+      }
+      ++written;
+      ++checked;
+      if (a.kind == ActualTensor::Kind::rows_differ) {
+        rep.checks.push_back(rows_check(s.slot, o, r, R, e->second, a.shape, refout.ranks[size_t(r)], given[size_t(r)]));
+      } else {
+        given[size_t(r)][o.name] = a.t;
+        merged.ranks[size_t(r)][o.name] = a.t;
+      }
+    }
+  if (missing.empty()) return;
+  std::string m;
+  for (const auto& n : missing) m += (m.empty() ? "" : ", ") + n;
+  if (written == 0) not_checked.push_back(prefix + s.slot);
+  else partly.push_back(prefix + s.slot + " (" + m + ")");
+}
+
+/// Stage isolation: the next stage's reference is fed the implementation's
+/// outputs, except wrong index metadata (ids, counts, splits, row maps): the
+/// reference indexes rows with it, so wrong counts would make it read past
+/// its buffers. Those are replaced by the reference's, and said.
+void ExternalEntry::feed_reference_metadata(size_t first_check, const std::vector<std::map<std::string, Tensor>>& given,
+                                            const std::vector<std::map<std::string, Tensor>>& expected,
+                                            const std::string& slot, Board& merged) {
+  const int R = c.ep;
+  for (size_t i = first_check; i < rep.checks.size(); ++i) {
+    const Check& ch = rep.checks[i];
+    if (ch.outcome == Outcome::PASSED) continue;
+    const size_t at = ch.tensor.find('@');
+    const std::string name = ch.tensor.substr(0, at);
+    const int r = at == std::string::npos ? 0 : std::atoi(ch.tensor.c_str() + at + 1);
+    if (r < 0 || r >= R) continue;
+    auto e = expected[size_t(r)].find(name);
+    if (e == expected[size_t(r)].end()) continue;
+    auto g = given[size_t(r)].find(name);
+    const bool rows = ch.rows.expected >= 0;
+    if (!rows && (g == given[size_t(r)].end() || (g->second.type != ElemType::i32 && g->second.type != ElemType::i64)))
+      continue;
+    merged.ranks[size_t(r)][name] = e->second;
+    rep.notes.push_back("stage " + prefix + slot + ": the implementation's " + ch.tensor + " is wrong; later stages are fed the reference's" +
+                        (rows ? " (its rows differ)" : " (index metadata)"));
+  }
+}
+
+bool ExternalEntry::stage(const Stage& s, Board& board) {
+  const int R = c.ep;
+  rep.decisions.push_back({s.slot, actual ? "actual" : "reference", true, true, "", {}});
+  Board refout;
+  refout.ranks.resize(size_t(R));
+  if (!run_reference(s, board, refout)) return false;
+  Board merged = board;
+  for (int r = 0; r < R; ++r)
+    for (auto& [n, t] : refout.ranks[size_t(r)]) merged.ranks[size_t(r)][n] = t;
+  // Expected outputs: the reference's; an intermediate checked on the
+  // implementation's own inputs (the SwiGLU activation H) is derived from
+  // the board's h13: the reference's here, the implementation's once read.
+  std::vector<std::map<std::string, Tensor>> expected(static_cast<size_t>(R)), scales(static_cast<size_t>(R));
+  auto derive = [&](const OutputSpec& o, int r) {
+    const std::string h13 = o.name.substr(0, o.name.size() - std::string("hidden").size()) + "h13";
+    if (!merged.has(h13, r)) return;
+    Tensor scale;
+    expected[size_t(r)][o.name] = o.from_fast(c, merged.ranks[size_t(r)], scale);
+    scales[size_t(r)][o.name] = scale;
+  };
+  for (const OutputSpec& o : s.outputs)
+    for (int r = 0; r < R; ++r) {
+      if (o.from_fast) derive(o, r);
+      else if (refout.ranks[size_t(r)].count(o.name)) expected[size_t(r)][o.name] = refout.ranks[size_t(r)].at(o.name);
+    }
+  if (golden)
+    for (const OutputSpec& o : s.outputs)
+      for (int r = 0; r < R; ++r)
+        if (expected[size_t(r)].count(o.name))
+          golden->push_back({o.name, prefix + s.slot, "expected", r, expected[size_t(r)].at(o.name), layout_of(o.name)});
+  if (!actual) {
+    for (int r = 0; r < R; ++r)
+      for (auto& [n, t] : expected[size_t(r)]) merged.ranks[size_t(r)][n] = t;
+    board = std::move(merged);
+    return true;
+  }
+  std::vector<std::map<std::string, Tensor>> given(static_cast<size_t>(R));
+  const size_t first_check = rep.checks.size();
+  read_given(s, expected, refout, merged, given);
+  for (const OutputSpec& o : s.outputs)
+    for (int r = 0; r < R; ++r)
+      if (o.from_fast && given[size_t(r)].count(o.name)) derive(o, r);
+  if (s.slot == "routing") {
+    check_routing_external(c, refout, merged, given, opt, rep);
+  } else {
+    for (const OutputSpec& o : s.outputs)
+      for (int r = 0; r < R; ++r) {
+        auto gi = given[size_t(r)].find(o.name);
+        if (gi == given[size_t(r)].end()) continue;
+        const Tensor* scale = scales[size_t(r)].count(o.name) ? &scales[size_t(r)].at(o.name) : nullptr;
+        rep.checks.push_back(check_output(c, s.slot, "actual", o, &gi->second, &expected[size_t(r)].at(o.name),
+                                          merged.ranks[size_t(r)], r, R,
+                                          o.from_fast ? o.from_fast_label : std::string("reference"), scale));
+      }
+  }
+  feed_reference_metadata(first_check, given, expected, s.slot, merged);
+  board = std::move(merged);
+  return true;
+}
+
+void ExternalEntry::run(Board& board) {
+  for (const std::string& slot : slot_order()) {
+    const Stage* s = stage_for(c, slot);
+    if (s && !stage(*s, board)) break;
+  }
+}
+
+}  // namespace
+
+CaseReport run_external(const Case& c, const ActualFn* actual, std::vector<GoldenTensor>* golden,
+                        const ExternalOptions& opt) {
   const auto t0 = std::chrono::steady_clock::now();
   CaseReport rep;
   rep.c = c;
   const int R = c.ep;
-  Board board;
-  board.ranks.resize(size_t(R));
-  for (int r = 0; r < R; ++r) {
-    board.ranks[size_t(r)] = make_inputs(c, r, c.tokens_on(r));
-    if (golden)
-      for (const auto& [n, t] : board.ranks[size_t(r)]) golden->push_back({n, "inputs", "input", r, t, layout_of(n)});
-  }
-  int64_t checked = 0;
-  std::vector<std::string> not_checked;
-  for (const std::string& slot : slot_order()) {
-    const Stage* s = stage_for(c, slot);
-    if (!s) continue;
-    rep.decisions.push_back({slot, actual ? "actual" : "reference", true, true, "", {}});
-    Board refout;
-    refout.ranks.resize(size_t(R));
-    RefCtx rc{c, board, refout};
-    bool failed_before = false;
-    for (const auto& ch : rep.checks) failed_before = failed_before || ch.outcome == Outcome::INCORRECT;
-    try {
-      s->ref(rc);
-    } catch (const std::exception& e) {
-      // Outputs of a wrong earlier stage can contradict each other (counts
-      // that do not match the rows): the reference cannot be fed them. That
-      // is part of the earlier failure; otherwise it is an ERROR.
-      Check ch;
-      ch.slot = slot;
-      ch.variant = actual ? "actual" : "reference";
-      ch.tensor = "-";
-      ch.outcome = failed_before ? Outcome::INCORRECT : Outcome::ERROR;
-      ch.note = std::string("the reference cannot run on the previous stages' outputs: ") + e.what() +
-                (failed_before ? " (an earlier stage is already INCORRECT)" : "");
-      rep.checks.push_back(ch);
-      rep.notes.push_back("the check stopped at stage " + slot);
-      break;
-    }
-    Board merged = board;
-    for (int r = 0; r < R; ++r)
-      for (auto& [n, t] : refout.ranks[size_t(r)]) merged.ranks[size_t(r)][n] = t;
-    // Expected outputs: the reference's, or for an activation checked on its
-    // own inputs (expert_hidden), the reference's activation of the board's h13.
-    std::vector<std::map<std::string, Tensor>> expected(static_cast<size_t>(R)), scales(static_cast<size_t>(R));
-    for (const OutputSpec& o : s->outputs)
-      for (int r = 0; r < R; ++r) {
-        const RankBoard& rr = refout.ranks[size_t(r)];
-        if (o.from_fast) {
-          if (!merged.has(o.name.substr(0, o.name.size() - std::string("hidden").size()) + "h13", r)) continue;
-          Tensor scale;
-          expected[size_t(r)][o.name] = o.from_fast(c, merged.ranks[size_t(r)], scale);
-          scales[size_t(r)][o.name] = scale;
-        } else if (rr.count(o.name)) {
-          expected[size_t(r)][o.name] = rr.at(o.name);
-        }
-      }
-    if (golden)
-      for (const OutputSpec& o : s->outputs)
-        for (int r = 0; r < R; ++r)
-          if (expected[size_t(r)].count(o.name))
-            golden->push_back({o.name, slot, "expected", r, expected[size_t(r)].at(o.name), layout_of(o.name)});
-    if (!actual) {
-      for (int r = 0; r < R; ++r)
-        for (auto& [n, t] : expected[size_t(r)]) merged.ranks[size_t(r)][n] = t;
-      board = merged;
-      continue;
-    }
-    // The implementation's outputs of this slot, over the reference's.
-    std::vector<std::map<std::string, Tensor>> given(static_cast<size_t>(R));
-    std::set<std::string> missing;
-    for (const OutputSpec& o : s->outputs)
-      for (int r = 0; r < R; ++r) {
-        auto e = expected[size_t(r)].find(o.name);
-        if (e == expected[size_t(r)].end()) continue;
-        bool shape_differs = false;
-        const Tensor* a = (*actual)(o.name, r, e->second, failed_before ? &shape_differs : nullptr);
-        if (!a) {
-          missing.insert(o.name);
-          continue;
-        }
-        if (shape_differs) {
-          // An earlier stage was already wrong: a shape that follows from its
-          // wrong outputs (counts, splits) is reported here, not exit 2.
-          Check ch;
-          ch.slot = slot;
-          ch.variant = "actual";
-          ch.tensor = R > 1 ? o.name + "@" + std::to_string(r) : o.name;
-          ch.outcome = Outcome::INCORRECT;
-          ch.note = "shape " + a->shape_str() + " where the reference, fed the previous stages' outputs, gives " +
-                    e->second.shape_str() + " (an earlier stage is already INCORRECT)";
-          rep.checks.push_back(ch);
-          continue;
-        }
-        given[size_t(r)][o.name] = *a;
-        merged.ranks[size_t(r)][o.name] = *a;
-      }
-    int64_t here = 0;
-    for (const auto& g : given) here += int64_t(g.size());
-    checked += here;
-    if (here == 0) {
-      not_checked.push_back(slot);
-      rep.decisions.back().variant = "reference (no actual files)";
-    } else if (!missing.empty()) {
-      std::string m;
-      for (const auto& n : missing) m += (m.empty() ? "" : ", ") + n;
-      rep.notes.push_back("stage " + slot + ": not checked (no file): " + m);
-    }
-    const size_t first_check = rep.checks.size();
-    if (slot == "routing") {
-      if (here) check_routing_external(c, refout, merged, given, rep);
-    } else {
-      for (const OutputSpec& o : s->outputs)
-        for (int r = 0; r < R; ++r) {
-          auto gi = given[size_t(r)].find(o.name);
-          if (gi == given[size_t(r)].end()) continue;
-          const Tensor* scale = scales[size_t(r)].count(o.name) ? &scales[size_t(r)].at(o.name) : nullptr;
-          rep.checks.push_back(check_output(c, slot, "actual", o, &gi->second, &expected[size_t(r)].at(o.name),
-                                            merged.ranks[size_t(r)], r, R,
-                                            o.from_fast ? o.from_fast_label : std::string("reference"), scale));
-        }
-    }
-    // Stage isolation: the next stage's reference is fed these outputs, except
-    // wrong index metadata (ids, counts, splits, row maps): the reference
-    // indexes rows with it, so an implementation's wrong counts would make it
-    // read past its buffers. Those are replaced by the reference's, and said.
-    for (size_t i = first_check; i < rep.checks.size(); ++i) {
-      const Check& ch = rep.checks[i];
-      if (ch.outcome == Outcome::PASSED) continue;
-      const size_t at = ch.tensor.find('@');
-      const std::string name = ch.tensor.substr(0, at);
-      const int r = at == std::string::npos ? 0 : std::atoi(ch.tensor.c_str() + at + 1);
-      if (r < 0 || r >= R) continue;
-      auto g = given[size_t(r)].find(name);
-      auto e = expected[size_t(r)].find(name);
-      if (g == given[size_t(r)].end() || e == expected[size_t(r)].end()) continue;
-      if (g->second.type != ElemType::i32 && g->second.type != ElemType::i64) continue;
-      merged.ranks[size_t(r)][name] = e->second;
-      rep.notes.push_back("stage " + slot + ": the implementation's " + ch.tensor +
-                          " is wrong; later stages are fed the reference's (index metadata)");
-    }
-    board = merged;
+  Board first;
+  int64_t expected_total = 0, checked = 0;
+  std::vector<std::string> not_checked, partly;
+  // Layer entries (CONTRACT §12) one after another, each its own pipeline
+  // with its own router weights; entry l >= 2 is labelled "layer<l>/".
+  for (int l = 0; l < c.layers; ++l) {
+    Case cl = c;
+    cl.layer = l;
+    const std::string prefix = c.layers > 1 && l > 0 ? "layer" + std::to_string(l + 1) + "/" : "";
+    Board board;
+    board.ranks.resize(size_t(R));
+    for (int r = 0; r < R; ++r) board.ranks[size_t(r)] = make_inputs(cl, r, cl.tokens_on(r));
+    if (golden) golden_inputs(cl, prefix, board, l > 0 ? &first : nullptr, *golden);
+    if (l == 0) first = board;
+    CaseReport rl;
+    ExternalEntry entry{cl, prefix, actual, golden, opt, rl, 0, 0, {}, {}};
+    entry.run(board);
+    for (auto& ch : rl.checks) ch.slot = prefix + ch.slot, rep.checks.push_back(std::move(ch));
+    for (auto& d : rl.decisions) d.slot = prefix + d.slot, rep.decisions.push_back(std::move(d));
+    for (auto& n : rl.notes) rep.notes.push_back(n);
+    expected_total += entry.expected_total;
+    checked += entry.checked;
+    not_checked.insert(not_checked.end(), entry.not_checked.begin(), entry.not_checked.end());
+    partly.insert(partly.end(), entry.partly.begin(), entry.partly.end());
   }
   if (actual) {
-    if (!not_checked.empty()) {
+    auto joined = [](const std::vector<std::string>& v) {
       std::string m;
-      for (const auto& n : not_checked) m += (m.empty() ? "" : ", ") + n;
-      rep.notes.push_back("stages not checked (no actual output files; the reference's outputs fed the next stage): " + m);
-    }
+      for (const auto& n : v) m += (m.empty() ? "" : ", ") + n;
+      return m;
+    };
+    std::ostringstream cov;
+    cov << "coverage: " << checked << " of " << expected_total << " expected tensors written and checked";
+    if (!partly.empty()) cov << "; stages partly written (missing tensors in parentheses): " << joined(partly);
+    if (!not_checked.empty())
+      cov << "; stages not written (the reference's outputs fed the next stage): " << joined(not_checked);
+    rep.notes.push_back(cov.str());
     if (checked == 0) {
       Check ch;
       ch.slot = "-";
@@ -533,18 +743,23 @@ int cmd_export(const std::string& file, const std::string& dir, const std::strin
       runtime_error("export: the reference failed on case " + c.name + ": " +
                     (rep.checks.empty() ? std::string("?") : rep.checks.back().note));
     const std::string folder = dir + "/" + dump_folder_name(c.name);
-    std::error_code ec;
-    std::filesystem::create_directories(folder, ec);
-    if (ec) runtime_error("export: cannot create " + printable(folder, 200) + ": " + ec.message());
+    prepare_case_folder(folder, "export DIR");
     nlohmann::ordered_json m;
     m["format"] = kGoldenFormat;
+    m["tool"] = std::string("moeverify ") + MOEVERIFY_VERSION;
     m["case"] = case_to_json(c);
     m["ranks"] = c.ep;
-    m["note"] = "bf16 and fp16 tensors are stored as uint16 bit patterns; write an implementation's outputs under "
-                "actual/ with the same file names, dtypes and shapes, then run `moeverify check` on this folder";
+    m["layers"] = c.layers;
+    m["note"] = "one file per (stage, tensor, rank): STAGE.NAME.rankR.npy, inputs as input.NAME.rankR.npy, layer "
+                "entry L >= 2 prefixed layerL. (its inputs only where they differ from entry 1's); bf16 and fp16 "
+                "are stored as uint16 bit patterns, integers may be written as int32 or int64; write an "
+                "implementation's outputs under actual/ with the expected entries' file names, then run "
+                "`moeverify check` on this folder";
     m["tensors"] = nlohmann::ordered_json::array();
+    std::set<std::string> files;
     for (const GoldenTensor& g : golden) {
-      const std::string f = file_for(g.name, g.rank, c.ep);
+      const std::string f = golden_file(g.stage, g.name, g.rank);
+      if (!files.insert(f).second) runtime_error("export: internal: two tensors of case " + c.name + " map to " + f);
       write_npy(folder + "/" + f, g.t);
       m["tensors"].push_back({{"name", g.name},
                               {"stage", g.stage},
@@ -556,7 +771,7 @@ int cmd_export(const std::string& file, const std::string& dir, const std::strin
                               {"layout", g.layout}});
     }
     const std::string text = m.dump(1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + "\n";
-    const std::string err = write_file(folder + "/manifest.json", {text});
+    const std::string err = write_file(folder + "/manifest.json", {text}, /*no_follow=*/true);
     if (!err.empty()) runtime_error("export: " + err);
     std::cout << "exported " << c.name << ": " << golden.size() << " tensors, " << c.ep << " rank(s) -> " << folder
               << "\n";
@@ -575,10 +790,61 @@ bool is_file(const std::string& p) {
   return stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode);
 }
 
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string nearest(const std::string& name, const std::set<std::string>& valid) {
+  std::string best;
+  size_t d = SIZE_MAX;
+  for (const auto& v : valid)
+    if (const size_t e = edit_distance(name, v); e < d) d = e, best = v;
+  return best;
+}
+
+/// The implementation's files in `actual_dir`, each a regular file named as
+/// an expected entry of the manifest: anything else is refused (exit 2) with
+/// the nearest valid name, or with `allow_unknown` listed in `ignored`.
+std::set<std::string> actual_files(const std::string& actual_dir, const std::set<std::string>& expected,
+                                   bool allow_unknown, std::vector<std::string>& ignored) {
+  std::set<std::string> present;
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(actual_dir)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  for (const std::string& n : names) {
+    const std::string p = actual_dir + "/" + n;
+    if (!expected.count(n)) {
+      if (allow_unknown) {
+        ignored.push_back(n);
+        continue;
+      }
+      bad_input(printable(p, 200) + ": no expected tensor of the manifest has this file name (did you mean " +
+                nearest(n, expected) + "?); valid: the \"file\" of an entry with role \"expected\" in manifest.json, "
+                "or pass --allow-unknown to ignore other files");
+    }
+    struct stat st {};
+    if (stat(p.c_str(), &st) != 0 || !S_ISREG(st.st_mode))
+      bad_input(printable(p, 200) + ": is not a regular file (a folder, a broken link or a pipe); valid: a .npy file");
+    present.insert(n);
+  }
+  return present;
+}
+
 /// One golden folder checked against the implementation's files in
 /// `actual_dir`; a missing folder is a case with nothing checked
 /// (NOT_VERIFIED). cmd_check refuses a missing --actual folder up front.
-CaseReport check_folder(const std::string& folder, const std::string& actual_dir) {
+CaseReport check_folder(const std::string& folder, const std::string& actual_dir, const CheckArgs& a) {
   const std::string mpath = folder + "/manifest.json";
   const std::string valid = "valid: a folder written by `moeverify export`";
   nlohmann::json m;
@@ -589,6 +855,10 @@ CaseReport check_folder(const std::string& folder, const std::string& actual_dir
   } catch (const nlohmann::json::exception& e) {
     bad_input(printable(mpath, 200) + ": not valid JSON (" + printable(e.what(), 200) + "); " + valid);
   }
+  if (m.is_object() && m.contains("format") && m["format"] == "moeverify-golden/1")
+    bad_input(printable(mpath, 200) + ": written by an older moeverify (format moeverify-golden/1, whose file names "
+              "are shared between stages); export the case again: this version reads " + kGoldenFormat +
+              " (one file per stage and tensor, STAGE.NAME.rankR.npy)");
   if (!m.is_object() || !m.contains("format") || m["format"] != kGoldenFormat)
     bad_input(printable(mpath, 200) + ": \"format\" is not \"" + kGoldenFormat + "\"; " + valid);
   if (!m.contains("case") || !m.contains("ranks") || !m["ranks"].is_number_integer() || !m.contains("tensors") ||
@@ -613,49 +883,63 @@ CaseReport check_folder(const std::string& folder, const std::string& actual_dir
     rep.outcome = ch.outcome;
     return rep;
   }
+  std::set<std::string> expected_files;
+  for (const auto& t : m["tensors"])
+    if (t.is_object() && t.value("role", "") == "expected" && t.contains("file") && t["file"].is_string())
+      expected_files.insert(t["file"].get<std::string>());
+  std::vector<std::string> ignored;
+  const std::set<std::string> present = actual_files(actual_dir, expected_files, a.allow_unknown, ignored);
   std::map<std::string, Tensor> loaded;
-  const ActualFn fn = [&](const std::string& name, int rank, const Tensor& expected, bool* shape_differs) -> const Tensor* {
-    const std::string f = file_for(name, rank, c.ep);
-    const std::string p = actual_dir + "/" + f;
-    if (!is_file(p)) return nullptr;
-    auto it = loaded.find(f);
-    if (it == loaded.end()) it = loaded.emplace(f, read_npy(p, expected.type, expected.shape, shape_differs)).first;
-    return &it->second;
+  const ActualFn fn = [&](const std::string& f, const Tensor& expected) {
+    ActualTensor r;
+    if (!present.count(f)) return r;
+    std::vector<int64_t> rows;
+    r.t = read_npy(actual_dir + "/" + f, expected.type, expected.shape, &rows);
+    r.kind = rows.empty() ? ActualTensor::Kind::present : ActualTensor::Kind::rows_differ;
+    r.shape = rows;
+    return r;
   };
-  return run_external(c, &fn, nullptr);
+  CaseReport rep = run_external(c, &fn, nullptr, a.external);
+  if (!ignored.empty()) {
+    std::string l;
+    for (const auto& n : ignored) l += (l.empty() ? "" : ", ") + n;
+    rep.notes.push_back("ignored (--allow-unknown; no expected tensor has these names): " + l);
+  }
+  return rep;
 }
 
 }  // namespace
 
-int cmd_check(const std::string& dir, const std::string& actual_dir, bool has_actual, const std::string& json,
-              bool want_json) {
+int cmd_check(const CheckArgs& a) {
+  const std::string& dir = a.dir;
   if (dir.empty()) bad_input("check: the folder is empty; valid: a folder written by `moeverify export`");
-  if (has_actual && actual_dir.empty()) bad_input("--actual: the path is empty; valid: a folder of .npy files");
-  if (want_json && json.empty()) bad_input("--json: the path is empty; valid: a file path such as report.json");
-  if (has_actual && !is_dir(actual_dir))
-    bad_input("--actual " + printable(actual_dir, 200) + ": no such folder; valid: the folder holding the "
+  if (a.has_actual && a.actual_dir.empty()) bad_input("--actual: the path is empty; valid: a folder of .npy files");
+  if (a.want_json && a.json.empty()) bad_input("--json: the path is empty; valid: a file path such as report.json");
+  if (a.has_actual && !is_dir(a.actual_dir))
+    bad_input("--actual " + printable(a.actual_dir, 200) + ": no such folder; valid: the folder holding the "
               "implementation's .npy files, named as in the manifest");
   // DIR is one golden folder (it holds manifest.json) or a folder of them.
   std::vector<std::pair<std::string, std::string>> folders;  // (golden, actual)
   if (is_file(dir + "/manifest.json")) {
-    folders.push_back({dir, has_actual ? actual_dir : dir + "/actual"});
+    folders.push_back({dir, a.has_actual ? a.actual_dir : dir + "/actual"});
   } else if (is_dir(dir)) {
     std::vector<std::string> subs;
     for (const auto& e : std::filesystem::directory_iterator(dir))
       if (e.is_directory() && is_file(e.path().string() + "/manifest.json")) subs.push_back(e.path().filename().string());
     std::sort(subs.begin(), subs.end());
     for (const auto& s : subs)
-      folders.push_back({dir + "/" + s, has_actual ? actual_dir + "/" + s : dir + "/" + s + "/actual"});
+      folders.push_back({dir + "/" + s, a.has_actual ? a.actual_dir + "/" + s : dir + "/" + s + "/actual"});
   }
   if (folders.empty())
     bad_input(printable(dir, 200) + ": holds no manifest.json (nor folders that do); valid: a folder written by "
               "`moeverify export`");
-  if (want_json) check_output_file("--json", json);
+  if (a.want_json) check_output_file("--json", a.json);
   std::vector<CaseReport> reports;
   Outcome all = Outcome::PASSED;
-  std::cout << "moeverify check: the reference fed the implementation's own previous-stage outputs (CONTRACT §15)\n";
+  std::cout << "moeverify check: the reference fed the implementation's own previous-stage outputs "
+               "(docs/contract.md \"Checking outside code\")\n";
   for (const auto& [golden, act] : folders) {
-    reports.push_back(check_folder(golden, act));
+    reports.push_back(check_folder(golden, act, a));
     std::cout << "actual outputs: " << act << "\n";
     // Someone else's outputs are judged tensor by tensor: every row is shown.
     print_report(reports.back(), std::cout, ReportDetail::every_check);
@@ -665,8 +949,8 @@ int cmd_check(const std::string& dir, const std::string& actual_dir, bool has_ac
   size_t passed = 0;
   for (const auto& r : reports) passed += r.outcome == Outcome::PASSED;
   std::cout << "\n" << passed << " of " << reports.size() << " case(s) PASSED; overall " << outcome_name(all) << "\n";
-  if (want_json) {
-    const std::string err = write_file(json, {reports_json(reports, dir)});
+  if (a.want_json) {
+    const std::string err = write_file(a.json, {reports_json(reports, dir)});
     if (!err.empty()) bad_input("--json: " + err + "; valid: a writable file path such as report.json");
   }
   return exit_status(all);

@@ -1,16 +1,25 @@
-// `moeverify export` and `moeverify check` (DESIGN.md "export and check",
-// CONTRACT §15): golden files for an implementation moeverify did not write,
+// `moeverify export` and `moeverify check` (docs/contract.md "Checking
+// outside code"): golden files for an implementation moeverify did not write,
 // and a stage-by-stage verdict on that implementation's outputs.
 //
-// Golden folder of one case (format "moeverify-golden/1"):
-//   manifest.json  {"format", "case": the resolved configuration as dotted
-//                   case keys, "ranks": R, "tensors": [{"name", "stage",
-//                   "role": "input" | "expected", "rank", "file", "dtype",
-//                   "shape", "layout"}]}
-//   NAME.npy       (R = 1) or NAME.rankR.npy (R > 1); bf16/fp16 stored as
-//                  uint16 bit patterns, "dtype" names the real type.
+// Golden folder of one case (format "moeverify-golden/2"):
+//   manifest.json  {"format", "tool", "case": the resolved configuration as
+//                   dotted case keys, "ranks": R, "layers": L, "note",
+//                   "tensors": [{"name", "stage", "role": "input" |
+//                   "expected", "rank", "file", "dtype", "shape", "layout"}]}
+//   one file per manifest entry, never shared by two entries:
+//     input.NAME.rankR.npy          the inputs of layer entry 1
+//     STAGE.NAME.rankR.npy          what stage STAGE outputs
+//     layerL.input.NAME.rankR.npy   entry L >= 2 (its own router weights)
+//     layerL.STAGE.NAME.rankR.npy
+//   The rank suffix is always there (rank0 when R = 1). bf16 and fp16 are
+//   stored as uint16 bit patterns; "dtype" names the real type.
 //   actual/        where `check` looks for the implementation's outputs by
-//                  default: the same file names, any subset.
+//                  default: any subset of the expected entries' file names.
+//                  Any other name there is refused (exit 2) unless
+//                  --allow-unknown; integer tensors may be int32 or int64.
+// A folder of format 1 (file names without stage, shared between stages) is
+// refused with the command that re-exports it.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -23,7 +32,7 @@
 namespace moev {
 
 /// The golden format written by export and read by check.
-inline constexpr const char* kGoldenFormat = "moeverify-golden/1";
+inline constexpr const char* kGoldenFormat = "moeverify-golden/2";
 
 /// The resolved configuration of a case as {dotted key: value}; loading it
 /// back with case_from_json gives the same case (tokens resolved per rank).
@@ -34,19 +43,29 @@ Case case_from_json(const nlohmann::json& j, const std::string& where);
 
 /// Reads a NumPy .npy file (little-endian f4, u2, i4 or i8, C order). The
 /// result's type is `want` (u2 data is taken as the bf16/fp16 bits `want`
-/// names); a broken file, another dtype or another shape than `want_shape`
-/// throws Error(bad_input) naming the file and what would be valid, except
-/// that with `shape_differs` another shape sets it and the file's own shape
-/// is kept.
+/// names; an i4 file where i8 is wanted, or the reverse, is converted, each
+/// value range-checked). The header is validated against the file's size
+/// before any data is read. A broken file, another dtype, another number of
+/// dimensions or other columns (every dimension after the first) throws
+/// Error(bad_input) naming the file and what would be valid. Another row
+/// count (first dimension) throws too, unless `rows_differ` is given: then
+/// the file's shape is stored there and an empty Tensor returned, no data read.
 Tensor read_npy(const std::string& path, ElemType want, const std::vector<int64_t>& want_shape,
-                bool* shape_differs = nullptr);
+                std::vector<int64_t>* rows_differ = nullptr);
 
-/// Supplies an implementation's output for (tensor name, rank), validated
-/// against the reference's tensor of the same stage (dtype and shape; see
-/// read_npy for `shape_differs`), or nullptr when the implementation did not
-/// write it.
-using ActualFn =
-    std::function<const Tensor*(const std::string& name, int rank, const Tensor& expected, bool* shape_differs)>;
+/// The manifest file name of tensor `name` of `stage` on `rank` (see above;
+/// stage "inputs" or "layerL/inputs" for inputs).
+std::string golden_file(const std::string& stage, const std::string& name, int rank);
+
+/// What an implementation wrote for one expected tensor.
+struct ActualTensor {
+  enum class Kind { absent, present, rows_differ } kind = Kind::absent;
+  Tensor t;                    // present: the data, in the expected dtype
+  std::vector<int64_t> shape;  // rows_differ: the file's shape (its data is not read)
+};
+/// Supplies the implementation's tensor for a golden file name, validated
+/// against the reference's tensor of the same stage (see read_npy).
+using ActualFn = std::function<ActualTensor(const std::string& file, const Tensor& expected)>;
 
 /// One tensor of the golden set.
 struct GoldenTensor {
@@ -56,22 +75,36 @@ struct GoldenTensor {
   std::string layout;
 };
 
-/// The reference pipeline of `run` without fast stages: for every slot in
-/// slot_order(), the primary variant's reference runs on the current board,
-/// the implementation's outputs of that slot (from `actual`, when given) are
-/// compared with it under the output's class (routing: ids as sets, exact
-/// ties accepted, near-ties reported; CONTRACT §15), and the board advances
-/// with the implementation's outputs where it wrote them and the reference's
+struct ExternalOptions {
+  /// Hold the routing to the lowest-index rule among exact ties (for
+  /// implementations that promise it), instead of accepting any member.
+  bool strict_ties = false;
+};
+
+/// The reference pipeline of `run` without fast stages, for every layer
+/// entry: for every slot in slot_order(), the primary variant's reference
+/// runs on the current board, the implementation's outputs of that slot (from
+/// `actual`, when given) are compared with it under the output's class
+/// (routing: ids judged as a selection, exact ties accepted, near-ties
+/// reported; rows part of the verdict), and the board advances with the
+/// implementation's outputs where it wrote them and the reference's
 /// elsewhere (stage isolation for foreign code). With `golden`, every input
-/// and every stage output of the board is appended as it is produced.
-CaseReport run_external(const Case& c, const ActualFn* actual, std::vector<GoldenTensor>* golden);
+/// and every stage output is appended as it is produced.
+CaseReport run_external(const Case& c, const ActualFn* actual, std::vector<GoldenTensor>* golden,
+                        const ExternalOptions& opt = {});
 
 /// `moeverify export FILE DIR [--case NAME]`: one golden folder per case.
 int cmd_export(const std::string& file, const std::string& dir, const std::string& only, bool select,
                const std::vector<std::string>& sets);
+
+struct CheckArgs {
+  std::string dir, actual_dir, json;
+  bool has_actual = false, want_json = false;
+  bool allow_unknown = false;  // files under actual/ that no manifest entry names are ignored, and listed
+  ExternalOptions external;
+};
 /// `moeverify check DIR [--actual DIR2] [--json F]`: DIR is one golden folder
 /// or a folder of them; exit status as for `run`.
-int cmd_check(const std::string& dir, const std::string& actual_dir, bool has_actual, const std::string& json,
-              bool want_json);
+int cmd_check(const CheckArgs& a);
 
 }  // namespace moev

@@ -505,7 +505,8 @@ int main(int argc, char** argv) {
   bool list_json = false;
   auto* ls = app.add_subcommand("list", "list registered paths, their stages and backends, and the planted faults");
   ls->add_flag("--json", list_json, "print the list as JSON (each variant with its `backends`)");
-  std::string ex_file, ex_dir, ex_case, ck_dir, ck_actual, ck_json;
+  std::string ex_file, ex_dir, ex_case;
+  CheckArgs ck;
   std::vector<std::string> ex_sets;
   auto* exp = app.add_subcommand("export", "write a case's inputs and expected stage outputs as .npy + manifest.json");
   exp->add_option("file", ex_file, "case file (YAML)")->required();
@@ -513,9 +514,13 @@ int main(int argc, char** argv) {
   exp->add_option("--case", ex_case, "export only the case of this name");
   exp->add_option("--set", ex_sets, "override a case key, as for run");
   auto* chk = app.add_subcommand("check", "check an implementation's outputs against the reference, stage by stage");
-  chk->add_option("dir", ck_dir, "a folder written by export (or a folder of them)")->required();
-  chk->add_option("--actual", ck_actual, "the implementation's .npy files (default DIR/actual)");
-  chk->add_option("--json", ck_json, "also write the report as JSON to this file");
+  chk->add_option("dir", ck.dir, "a folder written by export (or a folder of them)")->required();
+  chk->add_option("--actual", ck.actual_dir, "the implementation's .npy files (default DIR/actual)");
+  chk->add_option("--json", ck.json, "also write the report as JSON to this file");
+  chk->add_flag("--allow-unknown", ck.allow_unknown,
+                "ignore (and list) files under actual/ that name no expected tensor; by default they are refused");
+  chk->add_flag("--strict-ties", ck.external.strict_ties,
+                "hold routing to the lowest expert id among exact ties (for implementations that promise it)");
 
   FuzzArgs fa;
   auto* fz = app.add_subcommand("fuzz", "random valid configurations of every path; failures shrunk to YAML cases");
@@ -573,7 +578,11 @@ int main(int argc, char** argv) {
     if (st->parsed()) return cmd_selftest(st, sa);
     if (bn->parsed()) return cmd_bench(bn, ba);
     if (exp->parsed()) return cmd_export(ex_file, ex_dir, ex_case, exp->count("--case") > 0, ex_sets);
-    if (chk->parsed()) return cmd_check(ck_dir, ck_actual, chk->count("--actual") > 0, ck_json, chk->count("--json") > 0);
+    if (chk->parsed()) {
+      ck.has_actual = chk->count("--actual") > 0;
+      ck.want_json = chk->count("--json") > 0;
+      return cmd_check(ck);
+    }
     return cmd_list(list_json);
   } catch (const Error& e) {
     // The last guard of "one line": messages escape user text themselves.

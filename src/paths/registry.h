@@ -156,6 +156,16 @@ struct Check {
   Outcome outcome = Outcome::PASSED;
   DiffResult diff;
   std::string note;
+  /// Set when an outside implementation's tensor has another number of rows
+  /// than the reference's (CONTRACT: rows are part of the verdict): the row
+  /// counts, and per segment of the counts tensor that groups the rows
+  /// (`segments_of`, e.g. "counts" per expert) the reference's and, where the
+  /// implementation wrote that counts tensor, its own.
+  struct Rows {
+    int64_t expected = -1, actual = -1;
+    std::string segments_of;
+    std::vector<int64_t> expected_segments, actual_segments;
+  } rows;
 };
 
 struct CheckCtx {

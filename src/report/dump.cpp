@@ -107,9 +107,7 @@ void Dumper::open(const std::string& root, const std::string& case_name) {
   const std::string base = root + "/" + dump_folder_name(case_name);
   dir = base;
   for (int n = 2; !used.insert(dir).second; ++n) dir = base + "-" + std::to_string(n);
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) runtime_error("--dump: cannot create " + printable(dir, 200) + ": " + ec.message());
+  prepare_case_folder(dir, "--dump");
   manifest_.clear();
 }
 
@@ -133,7 +131,7 @@ void Dumper::finish(const Case& c) {
     m["tensors"].push_back({{"file", e.file}, {"dtype", e.dtype}, {"shape", e.shape}});
   // Invalid UTF-8 in a case name is replaced (U+FFFD), never a throw.
   const std::string text = m.dump(1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + "\n";
-  const std::string err = write_file(dir + "/manifest.json", {text});
+  const std::string err = write_file(dir + "/manifest.json", {text}, /*no_follow=*/true);
   if (!err.empty()) runtime_error("--dump: " + err);
 }
 
@@ -186,9 +184,40 @@ void check_output_file(const std::string& flag, const std::string& path) {
   ::unlink(path.c_str());
 }
 
-std::string write_file(const std::string& path, const std::vector<std::string_view>& parts) {
+void prepare_case_folder(const std::string& dir, const std::string& flag) {
+  const std::string shown = printable(dir, 200);
+  const std::string valid = "valid: a new or empty folder, or one that moeverify wrote (it holds manifest.json)";
+  struct stat st {};
+  if (lstat(dir.c_str(), &st) != 0) {
+    if (errno != ENOENT) bad_input(flag + ": " + shown + ": " + errno_text(errno) + "; " + valid);
+    if (mkdir(dir.c_str(), 0755) != 0)
+      bad_input(flag + ": cannot create " + shown + " (" + errno_text(errno) + "); " + valid);
+    return;
+  }
+  if (S_ISLNK(st.st_mode)) bad_input(flag + ": " + shown + " is a symbolic link (not followed); " + valid);
+  if (!S_ISDIR(st.st_mode)) bad_input(flag + ": " + shown + " exists and is " + file_kind(st.st_mode) + "; " + valid);
+  struct stat ms {};
+  const std::string manifest = dir + "/manifest.json";
+  const bool ours = lstat(manifest.c_str(), &ms) == 0 && S_ISREG(ms.st_mode);
+  std::vector<std::string> entries;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) entries.push_back(e.path().filename().string());
+  if (!ours && !entries.empty())
+    bad_input(flag + ": " + shown + " holds files that moeverify did not write (no manifest.json), e.g. " +
+              printable(entries[0], 100) + "; " + valid);
+  for (const std::string& n : entries) {
+    const bool npy = n.size() > 4 && n.compare(n.size() - 4, 4, ".npy") == 0;
+    if (!npy && n != "manifest.json") continue;
+    const std::string p = dir + "/" + n;
+    struct stat es {};
+    if (lstat(p.c_str(), &es) == 0 && S_ISDIR(es.st_mode))
+      bad_input(flag + ": " + printable(p, 200) + " is a folder where a file goes; " + valid);
+    if (::unlink(p.c_str()) != 0) bad_input(flag + ": cannot replace " + printable(p, 200) + " (" + errno_text(errno) + ")");
+  }
+}
+
+std::string write_file(const std::string& path, const std::vector<std::string_view>& parts, bool no_follow) {
   const std::string shown = printable(path, 200);
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | (no_follow ? O_NOFOLLOW : 0), 0644);
   if (fd < 0) return "cannot open " + shown + " for writing (" + errno_text(errno) + ")";
   for (const std::string_view part : parts) {
     size_t done = 0;

@@ -58,7 +58,17 @@ void check_output_file(const std::string& flag, const std::string& path);
 
 /// Writes `parts` in order to `path` (created or truncated) and closes it.
 /// Returns "" on success, else what failed with strerror: every write and the
-/// close are checked (a full device fails at write or close time).
-std::string write_file(const std::string& path, const std::vector<std::string_view>& parts);
+/// close are checked (a full device fails at write or close time). With
+/// `no_follow` a symbolic link at `path` is refused, never written through.
+std::string write_file(const std::string& path, const std::vector<std::string_view>& parts, bool no_follow = false);
+
+/// Makes `dir` a case folder that this run may fill: created when missing;
+/// when it exists it must be a real folder (not a link) that is empty or
+/// carries a manifest.json, i.e. was written by export or --dump; then its
+/// .npy files and manifest are removed (links themselves, never their
+/// targets) and sub-folders such as actual/ kept. Anything else is refused
+/// with Error(bad_input) naming `flag`: nothing is overwritten that moeverify
+/// did not write.
+void prepare_case_folder(const std::string& dir, const std::string& flag);
 
 }  // namespace moev

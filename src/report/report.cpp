@@ -306,6 +306,12 @@ std::string reports_json(const std::vector<CaseReport>& reports, const std::stri
                               {"max_ulp", json_num(ch.diff.max_ulp)},
                               {"note", capped(ch.note)},
                               {"first", first}});
+      if (ch.rows.expected >= 0)
+        jc["checks"].back()["rows"] = {{"expected", ch.rows.expected},
+                                       {"actual", ch.rows.actual},
+                                       {"segments_of", ch.rows.segments_of},
+                                       {"expected_segments", ch.rows.expected_segments},
+                                       {"actual_segments", ch.rows.actual_segments}};
     }
     jc["notes"] = capped(r.notes);
     if (r.overload.valid) {  // CONTRACT §12: overload_factor.avg, .max, .max_cum
@@ -340,7 +346,8 @@ void write_npy(const std::string& path, const Tensor& t) {
   const uint16_t hlen = uint16_t(header.size());
   const char preamble[10] = {'\x93', 'N', 'U', 'M', 'P', 'Y', '\x01', '\x00', char(hlen & 0xff), char(hlen >> 8)};
   const std::string err = write_file(path, {std::string_view(preamble, sizeof preamble), header,
-                                            std::string_view(static_cast<const char*>(t.data()), t.bytes())});
+                                            std::string_view(static_cast<const char*>(t.data()), t.bytes())},
+                                     /*no_follow=*/true);
   if (!err.empty()) runtime_error("--dump: " + err);
 }
 
