@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
-# export / check (issue 9 §6): a copy of the expected outputs passes; one
-# flipped element in any expected tensor is INCORRECT, naming its stage and
-# MoE coordinates; a routing that picks another member of an exact tie
-# passes (and a non-tied one fails); a dispatch that breaks the ascending
-# token order inside an expert fails; broken, mistyped or misshapen files are
-# exit 2 with one line on stderr.
+# export / check through files (issues 9 §6, 19, 21 §3-§4): every case of every
+# shipped case file exported, its expected tensors copied to actual/ and
+# checked: PASSED with every expected tensor checked; one flipped element in
+# any expected tensor is INCORRECT at its stage, in MoE coordinates; a routing
+# that picks another member of an exact tie passes (and a non-tied one
+# fails); a dispatch that breaks the ascending token order inside an expert
+# fails; a tensor with other rows is INCORRECT (exit 1) with the rows per
+# segment; broken, mistyped or misshapen files, unknown names and non-files
+# under actual/, and old manifests are exit 2 with one line on stderr; a
+# header that declares 2^40 rows is refused without reading; export never
+# writes through a link nor over a folder it did not write.
 # Usage: export_check.sh MOEVERIFY SOURCE_DIR
 set -u
 bin=$1
 src=$2
 py=/usr/bin/python3
+export PYTHONPATH="$src/python${PYTHONPATH:+:$PYTHONPATH}"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 fails=0
@@ -23,34 +29,59 @@ expect_rc() {  # expect_rc WANT LOG -- command...
   [ "$rc" -eq "$want" ] || { fail "exit $rc, wanted $want: $*"; tail -n 5 "$log" "$log.err"; return 1; }
 }
 
-# --- 1. export, copy expected to actual, check passes --------------------------
+# The expected tensors of every golden folder under $1 copied to actual/.
+copy_expected() {
+  "$py" - "$1" <<'PY'
+import json, os, shutil, sys
+for dp, dn, fn in os.walk(sys.argv[1]):
+    if "manifest.json" in fn:
+        m = json.load(open(os.path.join(dp, "manifest.json")))
+        a = os.path.join(dp, "actual")
+        shutil.rmtree(a, ignore_errors=True)
+        os.makedirs(a)
+        for t in m["tensors"]:
+            if t["role"] == "expected":
+                shutil.copy(os.path.join(dp, t["file"]), os.path.join(a, t["file"]))
+PY
+}
+
+# --- 1. every shipped case: export, copy expected to actual, check passes ------
+n_cases=0
+for f in "$src"/cases/*.yaml "$src"/cases/regressions/*.yaml; do
+  b=$(basename "$f" .yaml)
+  "$bin" export "$f" "$tmp/all/$b" >/dev/null || fail "export $f"
+done
+copy_expected "$tmp/all"
+for f in "$tmp"/all/*/; do
+  expect_rc 0 "$tmp/all.log" -- "$bin" check "$f" || { grep -E "INCORRECT|ERROR" "$tmp/all.log" | head -5; continue; }
+  n_cases=$((n_cases + $(grep -c '^actual outputs:' "$tmp/all.log")))
+  grep 'note: coverage:' "$tmp/all.log" | grep -v -q -E 'coverage: ([0-9]+) of \1 expected' &&
+    fail "$f: not every expected tensor was checked: $(grep -m1 'coverage' "$tmp/all.log")"
+done
+[ "$n_cases" -gt 150 ] || fail "only $n_cases cases in the round trip"
+echo "golden round trip through files: $n_cases cases PASSED with every expected tensor checked"
+"$py" - "$tmp/all" <<'PY' || fail "manifest format"
+import json, sys, os, glob
+for mp in glob.glob(os.path.join(sys.argv[1], "*", "*", "manifest.json")):
+    d = os.path.dirname(mp)
+    m = json.load(open(mp))
+    assert m["format"] == "moeverify-golden/2", m["format"]
+    assert m["ranks"] == m["case"]["ep"] and m["layers"] == m["case"]["layers"]
+    roles = {t["role"] for t in m["tensors"]}
+    assert roles == {"input", "expected"}, roles
+    files = [t["file"] for t in m["tensors"]]
+    assert len(files) == len(set(files)), "two entries share a file"
+    for t in m["tensors"]:
+        assert set(t) == {"name", "stage", "role", "rank", "file", "dtype", "shape", "layout"}, t
+        assert os.path.exists(os.path.join(d, t["file"])), t["file"]
+        assert t["layout"], ("no layout", t["name"])
+PY
+
 "$bin" export "$src/cases/basic.yaml" "$tmp/g" --case exact_fp32 >/dev/null || fail "export exact_fp32"
 "$bin" export "$src/cases/basic.yaml" "$tmp/g" --case realistic_bf16 >/dev/null || fail "export realistic_bf16"
 "$bin" export "$src/cases/ep4.yaml" "$tmp/g" --case ep4_hot_expert >/dev/null || fail "export ep4_hot_expert"
 "$bin" export "$src/cases/edge.yaml" "$tmp/ties" --case "router_ties[router.score=softmax]" >/dev/null ||
   fail "export router_ties"
-for d in "$tmp"/g/*/; do
-  mkdir -p "$d/actual"
-  cp "$d"/*.npy "$d/actual/"
-done
-expect_rc 0 "$tmp/copy.log" -- "$bin" check "$tmp/g" --json "$tmp/copy.json"
-grep -q '"outcome": "PASSED"' "$tmp/copy.json" || fail "check --json does not say PASSED"
-"$py" - "$tmp/g" <<'PY' || fail "manifest format"
-import json, sys, os
-for d in sorted(os.listdir(sys.argv[1])):
-    m = json.load(open(os.path.join(sys.argv[1], d, "manifest.json")))
-    assert m["format"] == "moeverify-golden/1", m["format"]
-    assert m["ranks"] == m["case"]["ep"]
-    roles = {t["role"] for t in m["tensors"]}
-    assert roles == {"input", "expected"}, roles
-    for t in m["tensors"]:
-        assert set(t) == {"name", "stage", "role", "rank", "file", "dtype", "shape", "layout"}, t
-        assert os.path.exists(os.path.join(sys.argv[1], d, t["file"])), t["file"]
-    stages = {t["stage"] for t in m["tensors"]}
-    for s in ["router_logits", "routing", "dispatch", "ep_dispatch", "ep_permute", "align_pad", "experts", "combine"]:
-        assert s in stages, (d, s)
-PY
-
 # --- 2. one flipped element in any tensor: INCORRECT at its stage --------------
 flip() {  # flip FILE DTYPE: change the middle element
   "$py" - "$1" "$2" <<'PY'
@@ -68,12 +99,12 @@ else:
 np.save(p, a)
 PY
 }
-for d in "$tmp"/g/*/; do
+for d in "$tmp"/g/*/; do  # three cases through files; tests/test_golden_roundtrip.cpp does every case in memory
   case_name=$(basename "$d")
   n=0
   while IFS=' ' read -r file stage dtype; do
     n=$((n + 1))
-    rm -rf "$d/actual" && mkdir "$d/actual" && cp "$d"/*.npy "$d/actual/"
+    copy_expected "$d"
     flip "$d/actual/$file" "$dtype"
     "$bin" check "$d" >"$tmp/flip.log" 2>"$tmp/flip.err"
     rc=$?
@@ -102,7 +133,7 @@ mkdir -p "$td/actual"
 "$py" - "$td" <<'PY' || fail "no exact tie at the K-th place in router_ties"
 import sys, numpy as np, os
 d = sys.argv[1]
-s, ids = np.load(d + "/scores.npy"), np.load(d + "/ids.npy")
+s, ids = np.load(d + "/routing.scores.rank0.npy"), np.load(d + "/routing.ids.rank0.npy")
 T, K = ids.shape
 E = s.shape[1]
 for t in range(T):
@@ -116,19 +147,19 @@ for t in range(T):
         break
 else:
     sys.exit(1)
-np.save(d + "/actual/scores.npy", s)
-np.save(d + "/actual/ids.npy", new)
-np.save(d + "/actual/topk_scores.npy", np.take_along_axis(s, new.astype(np.int64), 1).astype(np.float32))
-np.save(d + "/actual/counts.npy", np.bincount(new.reshape(-1), minlength=E).astype(np.int64))
+np.save(d + "/actual/routing.scores.rank0.npy", s)
+np.save(d + "/actual/routing.ids.rank0.npy", new)
+np.save(d + "/actual/routing.topk_scores.rank0.npy", np.take_along_axis(s, new.astype(np.int64), 1).astype(np.float32))
+np.save(d + "/actual/routing.counts.rank0.npy", np.bincount(new.reshape(-1), minlength=E).astype(np.int64))
 PY
 expect_rc 0 "$tmp/tie.log" -- "$bin" check "$td" && grep -q "another member of an exact tie" "$tmp/tie.log" ||
   fail "an exact-tie alternative was not accepted and reported"
-grep -q "not checked" "$tmp/tie.log" || fail "stages without actual files are not listed as not checked"
+grep -q "stages not written" "$tmp/tie.log" || fail "stages without actual files are not listed as not written"
 rm -rf "$td/actual" && mkdir -p "$td/actual"
 "$py" - "$td" notie <<'PY' || fail "router_ties: no non-tied alternative"
 import sys, numpy as np
 d = sys.argv[1]
-s, ids = np.load(d + "/scores.npy"), np.load(d + "/ids.npy")
+s, ids = np.load(d + "/routing.scores.rank0.npy"), np.load(d + "/routing.ids.rank0.npy")
 T, K = ids.shape
 E = s.shape[1]
 new = ids.copy()
@@ -137,7 +168,7 @@ for t in range(T):
     if below:
         new[t, 0] = below[0]
         break
-np.save(d + "/actual/ids.npy", new)
+np.save(d + "/actual/routing.ids.rank0.npy", new)
 PY
 expect_rc 1 "$tmp/notie.log" -- "$bin" check "$td" && grep -q -E 'routing +actual +ids .*INCORRECT' "$tmp/notie.log" ||
   fail "a non-tied routing alternative was not INCORRECT at routing/ids"
@@ -158,17 +189,66 @@ one_line() {  # one_line LOG WHAT
   grep -q -e "$3" "$1.err" || { fail "$2: stderr does not mention '$3'"; cat "$1.err"; }
 }
 ed="$tmp/g/exact_fp32"
-rm -rf "$ed/actual" && mkdir "$ed/actual" && cp "$ed"/*.npy "$ed/actual/"
-head -c 20 "$ed/ids.npy" >"$ed/actual/ids.npy"
-expect_rc 2 "$tmp/b1.log" -- "$bin" check "$ed" && one_line "$tmp/b1.log" "truncated npy" "ids.npy"
-"$py" -c "import numpy as np; np.save('$ed/actual/ids.npy', np.load('$ed/ids.npy').astype(np.int64))"
-expect_rc 2 "$tmp/b2.log" -- "$bin" check "$ed" && one_line "$tmp/b2.log" "int64 ids" "int32"
-"$py" -c "import numpy as np; np.save('$ed/actual/ids.npy', np.load('$ed/ids.npy')[:-1])"
-expect_rc 2 "$tmp/b3.log" -- "$bin" check "$ed" && one_line "$tmp/b3.log" "short ids" "shape"
-cp "$ed/ids.npy" "$ed/actual/ids.npy"
+ids=routing.ids.rank0.npy
+copy_expected "$ed"
+head -c 20 "$ed/$ids" >"$ed/actual/$ids"
+expect_rc 2 "$tmp/b1.log" -- "$bin" check "$ed" && one_line "$tmp/b1.log" "truncated npy" "$ids"
+# ids as int64 (frameworks' default) are accepted
+"$py" -c "import numpy as np; np.save('$ed/actual/$ids', np.load('$ed/$ids').astype(np.int64))"
+expect_rc 0 "$tmp/b2.log" -- "$bin" check "$ed"
+# other columns: exit 2; float ids: exit 2
+"$py" -c "import numpy as np; np.save('$ed/actual/$ids', np.load('$ed/$ids')[:, :-1])"
+expect_rc 2 "$tmp/b3.log" -- "$bin" check "$ed" && one_line "$tmp/b3.log" "ids with a column less" "columns"
+"$py" -c "import numpy as np; np.save('$ed/actual/$ids', np.load('$ed/$ids').astype(np.float32))"
+expect_rc 2 "$tmp/b3f.log" -- "$bin" check "$ed" && one_line "$tmp/b3f.log" "float ids" "int32"
+cp "$ed/$ids" "$ed/actual/$ids"
+# rows missing or extra: INCORRECT at the stage (exit 1), with rows per segment
+ri=dispatch.routed_input.rank0.npy
+"$py" -c "import numpy as np; a = np.load('$ed/$ri'); np.save('$ed/actual/$ri', np.concatenate([a, a[:3]]))"
+expect_rc 1 "$tmp/rows.log" -- "$bin" check "$ed" --json "$tmp/rows.json" &&
+  grep -q -E 'dispatch +actual +routed_input .*INCORRECT' "$tmp/rows.log" &&
+  grep -q 'rows per segment of counts' "$tmp/rows.log" ||
+  fail "a dispatch with 3 extra rows is not INCORRECT at dispatch with its rows per segment"
+"$py" - "$tmp/rows.json" <<'PY' || fail "rows not in the JSON"
+import json, sys
+j = json.load(open(sys.argv[1]))
+r = [c["rows"] for c in j["cases"][0]["checks"] if "rows" in c]
+assert r and r[0]["actual"] == r[0]["expected"] + 3 and r[0]["segments_of"] == "counts", r
+PY
+"$py" -c "import numpy as np; np.save('$ed/actual/$ri', np.load('$ed/$ri')[:0])"
+expect_rc 1 "$tmp/rows0.log" -- "$bin" check "$ed" || fail "a dispatch with no rows is not INCORRECT"
+# a header that declares 2^40 rows: refused from the header, nothing read
+"$py" - "$ed/actual/$ri" <<'PY'
+import sys
+h = "{'descr': '<f4', 'fortran_order': False, 'shape': (1099511627776, 32), }"
+h += " " * ((64 - (10 + len(h) + 1) % 64) % 64) + "\n"
+open(sys.argv[1], "wb").write(b"\x93NUMPY\x01\x00" + len(h).to_bytes(2, "little") + h.encode() + b"\0" * 64)
+PY
+expect_rc 2 "$tmp/huge.log" -- "$bin" check "$ed" && one_line "$tmp/huge.log" "2^40 rows" "data bytes"
+cp "$ed/$ri" "$ed/actual/$ri"
+# names under actual/: unknown files are exit 2 with the nearest valid name,
+# --allow-unknown lists them; a folder, a broken link or a FIFO is exit 2
+cp "$ed/$ri" "$ed/actual/dispatch.routed_inputs.rank0.npy"
+expect_rc 2 "$tmp/u1.log" -- "$bin" check "$ed" && one_line "$tmp/u1.log" "misnamed file" "did you mean dispatch.routed_input.rank0.npy"
+expect_rc 0 "$tmp/u2.log" -- "$bin" check "$ed" --allow-unknown && grep -q 'ignored (--allow-unknown' "$tmp/u2.log" ||
+  fail "--allow-unknown does not list the ignored file"
+rm "$ed/actual/dispatch.routed_inputs.rank0.npy"
+for kind in dir link fifo; do
+  rm -f "$ed/actual/combine.out.rank0.npy"
+  case $kind in
+    dir) mkdir "$ed/actual/combine.out.rank0.npy" ;;
+    link) ln -s "$tmp/nowhere" "$ed/actual/combine.out.rank0.npy" ;;
+    fifo) mkfifo "$ed/actual/combine.out.rank0.npy" ;;
+  esac
+  expect_rc 2 "$tmp/k.log" -- "$bin" check "$ed" && one_line "$tmp/k.log" "actual file as a $kind" "not a regular file"
+  rm -rf "$ed/actual/combine.out.rank0.npy"
+done
+cp "$ed/combine.out.rank0.npy" "$ed/actual/"
 cp "$ed/manifest.json" "$tmp/manifest.bak"
 echo '{"format": "other"}' >"$ed/manifest.json"
-expect_rc 2 "$tmp/b4.log" -- "$bin" check "$ed" && one_line "$tmp/b4.log" "wrong format" "moeverify-golden/1"
+expect_rc 2 "$tmp/b4.log" -- "$bin" check "$ed" && one_line "$tmp/b4.log" "wrong format" "moeverify-golden/2"
+sed 's|moeverify-golden/2|moeverify-golden/1|' "$tmp/manifest.bak" >"$ed/manifest.json"
+expect_rc 2 "$tmp/b4o.log" -- "$bin" check "$ed" && one_line "$tmp/b4o.log" "format 1" "export the case again"
 cp "$tmp/manifest.bak" "$ed/manifest.json"
 expect_rc 2 "$tmp/b5.log" -- "$bin" check "$tmp/nonexistent" && one_line "$tmp/b5.log" "missing folder" "manifest"
 expect_rc 2 "$tmp/b7.log" -- "$bin" check "$ed" --actual "$tmp/no_such_folder" && one_line "$tmp/b7.log" "missing --actual" "--actual"
@@ -177,6 +257,22 @@ rm -rf "$ed/actual" && mkdir "$ed/actual"
 expect_rc 4 "$tmp/b6.log" -- "$bin" check "$ed"
 rm -rf "$ed/actual"
 expect_rc 4 "$tmp/b8.log" -- "$bin" check "$ed"
+
+# --- 6. export writes nothing outside its folder -------------------------------
+echo precious >"$tmp/precious.txt"
+rm -f "$ed/combine.out.rank0.npy" && ln -s "$tmp/precious.txt" "$ed/combine.out.rank0.npy"
+expect_rc 0 "$tmp/e1.log" -- "$bin" export "$src/cases/basic.yaml" "$tmp/g" --case exact_fp32
+[ "$(cat "$tmp/precious.txt")" = precious ] || fail "export wrote through a link in its case folder"
+[ -f "$ed/combine.out.rank0.npy" ] && [ ! -L "$ed/combine.out.rank0.npy" ] || fail "export did not replace the link by a file"
+mkdir -p "$tmp/foreign/exact_fp32" && echo mine >"$tmp/foreign/exact_fp32/notes.txt"
+expect_rc 2 "$tmp/e2.log" -- "$bin" export "$src/cases/basic.yaml" "$tmp/foreign" --case exact_fp32 &&
+  one_line "$tmp/e2.log" "export over a foreign folder" "did not write"
+mkdir -p "$tmp/linked" && ln -s "$tmp/foreign/exact_fp32" "$tmp/linked/exact_fp32"
+expect_rc 2 "$tmp/e3.log" -- "$bin" export "$src/cases/basic.yaml" "$tmp/linked" --case exact_fp32 &&
+  one_line "$tmp/e3.log" "export into a linked case folder" "symbolic link"
+mkdir -p "$tmp/asfile" && echo x >"$tmp/asfile/exact_fp32"
+expect_rc 2 "$tmp/e4.log" -- "$bin" export "$src/cases/basic.yaml" "$tmp/asfile" --case exact_fp32 &&
+  one_line "$tmp/e4.log" "export onto a file" "exists and is"
 
 [ "$fails" -eq 0 ] && echo "export_check: all passed"
 exit $((fails > 0))

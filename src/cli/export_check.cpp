@@ -506,7 +506,7 @@ struct ExternalEntry {
 
  private:
   bool run_reference(const Stage& s, const Board& board, Board& refout);
-  void read_given(const Stage& s, const std::vector<std::map<std::string, Tensor>>& expected, const Board& refout,
+  void read_given(const Stage& s, const std::vector<std::map<std::string, Tensor>>& expected, const Board& fed,
                   Board& merged, std::vector<std::map<std::string, Tensor>>& given);
   void feed_reference_metadata(size_t first_check, const std::vector<std::map<std::string, Tensor>>& given,
                                const std::vector<std::map<std::string, Tensor>>& expected, const std::string& slot,
@@ -538,7 +538,7 @@ bool ExternalEntry::run_reference(const Stage& s, const Board& board, Board& ref
 }
 
 void ExternalEntry::read_given(const Stage& s, const std::vector<std::map<std::string, Tensor>>& expected,
-                               const Board& refout, Board& merged, std::vector<std::map<std::string, Tensor>>& given) {
+                               const Board& fed, Board& merged, std::vector<std::map<std::string, Tensor>>& given) {
   const int R = c.ep;
   std::set<std::string> missing;
   int64_t written = 0;
@@ -555,7 +555,7 @@ void ExternalEntry::read_given(const Stage& s, const std::vector<std::map<std::s
       ++written;
       ++checked;
       if (a.kind == ActualTensor::Kind::rows_differ) {
-        rep.checks.push_back(rows_check(s.slot, o, r, R, e->second, a.shape, refout.ranks[size_t(r)], given[size_t(r)]));
+        rep.checks.push_back(rows_check(s.slot, o, r, R, e->second, a.shape, fed.ranks[size_t(r)], given[size_t(r)]));
       } else {
         given[size_t(r)][o.name] = a.t;
         merged.ranks[size_t(r)][o.name] = a.t;
@@ -633,7 +633,8 @@ bool ExternalEntry::stage(const Stage& s, Board& board) {
   }
   std::vector<std::map<std::string, Tensor>> given(static_cast<size_t>(R));
   const size_t first_check = rep.checks.size();
-  read_given(s, expected, refout, merged, given);
+  const Board fed = merged;  // what the reference saw, and its outputs
+  read_given(s, expected, fed, merged, given);
   for (const OutputSpec& o : s.outputs)
     for (int r = 0; r < R; ++r)
       if (o.from_fast && given[size_t(r)].count(o.name)) derive(o, r);
