@@ -14,16 +14,20 @@ std::vector<int64_t> splits_from_counts(const int64_t* counts, int E, int R) {
   return s;
 }
 
+std::vector<int64_t> rank_major_offsets(const int64_t* c, int R, int E_l) {
+  std::vector<int64_t> s_in(size_t(R) * size_t(E_l) + 1, 0);
+  int64_t run = 0;
+  for (size_t i = 0; i < size_t(R) * size_t(E_l); ++i) {
+    s_in[i] = run;
+    run += c[i];
+  }
+  s_in.back() = run;
+  return s_in;
+}
+
 std::vector<int64_t> permute_map_generic(const int64_t* c, int R, int E_l) {
-  // s_in[p][j]: exclusive prefix over the rank-major order (p major, j minor)
-  std::vector<int64_t> s_in(size_t(R) * size_t(E_l), 0);
-  int64_t run = 0, M = 0;
-  for (int p = 0; p < R; ++p)
-    for (int j = 0; j < E_l; ++j) {
-      s_in[size_t(p * E_l + j)] = run;
-      run += c[p * E_l + j];
-    }
-  M = run;
+  const std::vector<int64_t> s_in = rank_major_offsets(c, R, E_l);
+  const int64_t M = s_in.back();
   std::vector<int64_t> map;
   map.reserve(size_t(M));
   for (int j = 0; j < E_l; ++j)

@@ -18,6 +18,10 @@ std::vector<int64_t> splits_from_counts(const int64_t* counts, int E, int R);
 /// Generic permute (CONTRACT §3): recv is rank-major (p, j); the output is
 /// expert-major (j, p). map[q] = source row of output row q.
 std::vector<int64_t> permute_map_generic(const int64_t* recv_counts, int R, int E_l);
+/// The generic map's 64-bit exclusive prefix over the rank-major segments:
+/// entry p*E_l + j is where segment (p, j) starts in the received rows, the
+/// last entry (R*E_l) the total.
+std::vector<int64_t> rank_major_offsets(const int64_t* recv_counts, int R, int E_l);
 
 /// Equal-count permute (CONTRACT §7): every segment has c rows; the output is
 /// the (R, E_l, c) -> (E_l, R, c) transpose, computed without a table.

@@ -286,3 +286,35 @@ TEST_CASE("equal-split overhead text and adaptive decision match the reference s
     }
   }
 }
+
+// Issue 19 §11: the verdict logic's own blind spots, each seen failing on the
+// planted bug named in its comment.
+
+// Planted: overload_check comparing with a relative tolerance.
+TEST_CASE("overload factor: one ulp apart is INCORRECT (bitwise)", "[cpu]") {
+  const double v = 1.2345678901234567;
+  CHECK(overload_check("max", {v}, {v}).outcome == Outcome::PASSED);
+  CHECK(overload_check("max", {std::nextafter(v, 2.0)}, {v}).outcome == Outcome::INCORRECT);
+  CHECK(overload_check("entries", {v}, {v, v}).outcome == Outcome::INCORRECT);
+}
+
+// Planted: the generic permute map's running prefix in 32 bits.
+TEST_CASE("generic permute offsets are 64-bit past 2^32 rows", "[cpu]") {
+  const int64_t big = (int64_t(1) << 31) + 5;
+  const std::vector<int64_t> counts = {big, 3, big, 7};  // R = 2, E_l = 2, rank-major
+  const std::vector<int64_t> off = rank_major_offsets(counts.data(), 2, 2);
+  CHECK(off == std::vector<int64_t>{0, big, big + 3, 2 * big + 3, 2 * big + 10});
+}
+
+// Planted: a comparison of bytes that ignores the shape.
+TEST_CASE("a fast output with the right bytes under another shape is INCORRECT", "[cpu]") {
+  const Case c = case_named("basic.yaml", "exact_fp32");
+  Tensor ref = Tensor::alloc(ElemType::f32, {4, 6}, 0);
+  for (int i = 0; i < 24; ++i) ref.as<float>()[i] = float(i + 1);
+  const Tensor same_bytes = ref.view(ElemType::f32, {6, 4}, 0);
+  const OutputSpec o("out", CompareClass::exact, Coords::flat, nullptr);
+  CHECK(check_output(c, "combine", "fast", o, &ref, &ref, {}, 0, 1, "reference").outcome == Outcome::PASSED);
+  CHECK(check_output(c, "combine", "fast", o, &same_bytes, &ref, {}, 0, 1, "reference").outcome == Outcome::INCORRECT);
+  const Tensor flat = ref.view(ElemType::f32, {24}, 0);
+  CHECK(check_output(c, "combine", "fast", o, &flat, &ref, {}, 0, 1, "reference").outcome == Outcome::INCORRECT);
+}

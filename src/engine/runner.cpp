@@ -771,6 +771,8 @@ std::vector<int64_t> received_rows(const Board& b) {
   return v;
 }
 
+}  // namespace
+
 /// An exact comparison of fast and reference values of the overload factor.
 Check overload_check(const std::string& what, const std::vector<double>& fast, const std::vector<double>& ref) {
   Check ch;
@@ -794,8 +796,6 @@ Check overload_check(const std::string& what, const std::vector<double>& fast, c
   }
   return ch;
 }
-
-}  // namespace
 
 Check check_output(const Case& c, const std::string& slot, const std::string& variant, const OutputSpec& o,
                    const Tensor* actual, const Tensor* expected, const RankBoard& board, int rank, int ranks,

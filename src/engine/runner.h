@@ -110,4 +110,8 @@ std::string reports_json(const std::vector<CaseReport>& reports, const std::stri
 /// Writes `t` as a NumPy .npy file (bf16 as uint16; the manifest names it).
 void write_npy(const std::string& path, const Tensor& t);
 
+/// The overload factor's values (CONTRACT §12), fast against reference:
+/// bitwise, a value count that differs is INCORRECT too.
+Check overload_check(const std::string& what, const std::vector<double>& fast, const std::vector<double>& ref);
+
 }  // namespace moev
