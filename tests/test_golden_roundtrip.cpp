@@ -7,7 +7,9 @@
 // PASSED is at that tensor's stage.
 #include <catch2/catch.hpp>
 
+#include <cctype>
 #include <filesystem>
+#include <sstream>
 #include <map>
 
 #include "error.h"
@@ -46,6 +48,30 @@ Tensor mutated(const Tensor& t, const std::string& name, const Case& c) {
   return m;
 }
 
+/// Whether the leading "(A, B, ...)" of a layout string names `shape`: the
+/// same number of dimensions, and each dimension named by a case constant
+/// (D, F, 2F, E, K, R, E_l, R*E_l, S or a number) equal to it. Row symbols
+/// that depend on the data (T, N, M, P, alias_offset) are not evaluated.
+std::string layout_mismatch(const std::string& layout, const std::vector<int64_t>& shape, const Case& c) {
+  if (layout.empty() || layout[0] != '(') return "no shape in the layout";
+  const std::string inner = layout.substr(1, layout.find(')') - 1);
+  std::vector<std::string> dims;
+  std::stringstream ss(inner);
+  for (std::string d; std::getline(ss, d, ',');) dims.push_back(d.substr(d.find_first_not_of(' ')));
+  if (dims.size() != shape.size()) return "dimensions differ";
+  const int64_t El = c.num_experts / c.ep;
+  const std::map<std::string, int64_t> known = {{"D", c.hidden}, {"F", c.ffn}, {"2F", 2 * c.ffn},
+                                                {"E", c.num_experts}, {"K", c.top_k}, {"R", c.ep},
+                                                {"E_l", El}, {"R*E_l", c.ep * El}, {"S", c.sp}};
+  for (size_t i = 0; i < dims.size(); ++i) {
+    int64_t want = -1;
+    if (auto it = known.find(dims[i]); it != known.end()) want = it->second;
+    else if (std::isdigit(static_cast<unsigned char>(dims[i][0]))) want = std::stoll(dims[i]);
+    if (want >= 0 && want != shape[i]) return "dimension " + std::to_string(i) + " (" + dims[i] + ") is " + std::to_string(shape[i]);
+  }
+  return "";
+}
+
 }  // namespace
 
 TEST_CASE("golden round trip: every shipped case passes its own expected tensors and catches each changed one", "[cpu][golden]") {
@@ -59,6 +85,8 @@ TEST_CASE("golden round trip: every shipped case passes its own expected tensors
       for (const GoldenTensor& g : golden) {
         const std::string f = golden_file(g.stage, g.name, g.rank);
         REQUIRE(by_file.emplace(f, &g).second);  // one file per (stage, tensor, rank)
+        INFO(f << ": layout " << g.layout << ", shape " << g.t.shape_str());
+        CHECK(layout_mismatch(g.layout, g.t.shape, c) == "");
       }
       std::string changed;
       Tensor bad;

@@ -48,7 +48,12 @@ const char* npy_descr(ElemType t) {
   return "?";
 }
 
-/// What a user needs to know to produce a tensor: its rows and their order.
+/// What a user needs to know to produce a tensor: its shape and the order
+/// of its rows. The leading parenthesis is the shape, in the symbols of
+/// docs/contract.md; row counts that depend on the data are named: T tokens
+/// of the rank at that stage, N = T*K assignments (fewer, C per expert,
+/// after capacity), M rows received, P rows after alignment padding.
+/// tests/test_golden_roundtrip.cpp holds every exported shape to it.
 std::string layout_of(const std::string& name) {
   static const std::map<std::string, std::string> m = {
       {"x", "(T, D) token rows"},
@@ -62,34 +67,53 @@ std::string layout_of(const std::string& name) {
       {"shared_w1", "(1, F, D)"},
       {"shared_w3", "(1, F, D)"},
       {"shared_w2", "(1, D, F)"},
+      {"grad_out", "(T, D) upstream gradient of out"},
       {"logits", "(T, E) fp32"},
       {"scores", "(T, E) softmax/sigmoid of logits, fp32"},
-      {"ids", "(T, K) selected experts of each token; compared as a set per token (CONTRACT §15)"},
+      {"ids", "(T, K) selected experts of each token, any order; judged as a selection (CONTRACT §15)"},
       {"topk_scores", "(T, K) score of ids[t, k], normalised and scaled"},
-      {"counts", "(E) tokens per expert"},
-      {"routed_input", "(T*K, D) expert-major, ascending token inside an expert (CONTRACT §2)"},
-      {"token_sorted", "(T*K) token of each dispatch row"},
-      {"score_sorted", "(T*K) score of each dispatch row"},
-      {"row_of", "(T, K) dispatch row of assignment (t, k)"},
+      {"counts", "(E) rows per expert (after capacity: kept rows)"},
+      {"routed_input", "(N, D) expert-major, ascending token inside an expert (CONTRACT §2); N = T*K, or the kept rows after capacity"},
+      {"token_sorted", "(N) token of each dispatch row"},
+      {"score_sorted", "(N) score of each dispatch row"},
+      {"row_of", "(T, K) dispatch row of assignment (t, k); -1 where capacity dropped it"},
       {"input_splits", "(R) rows sent to each rank"},
       {"output_splits", "(R) rows received from each rank"},
-      {"recv_counts", "(R, E_l) rows received from rank p for local expert j"},
+      {"recv_counts", "(R*E_l) flat, entry p*E_l + j: rows received from rank p for local expert j"},
       {"recv", "(M, D) received rows: source rank, then local expert, then the source's order (CONTRACT §3)"},
-      {"overload", "(1) tokens received / balanced share"},
+      {"overload", "(2) [largest rows received by a rank, rows received by the group]"},
       {"permuted", "(M, D) expert-major: local expert, then source rank (CONTRACT §3)"},
       {"expert_counts_real", "(E_l) real rows per local expert"},
       {"expert_input", "(P, D) expert groups padded to a multiple of align with zero rows (CONTRACT §4)"},
       {"expert_counts", "(E_l) padded rows per local expert"},
-      {"expert_output", "(P, D) expert outputs, same rows as expert_input"},
+      {"expert_output", "(P, D) expert outputs of the padded groups; under empty_groups: pad an empty group keeps no rows"},
       {"expert_h13", "(P, 2F) [h1 | h3] per row"},
-      {"expert_hidden", "(P, F) silu(h1) * h3 per row"},
+      {"expert_hidden", "(P, F) H = silu(h1) * h3 per row, judged on the implementation's own h13"},
       {"unpadded", "(M, D) expert outputs without the padding rows"},
       {"recv_out", "(M, D) expert outputs back in received (rank-major) order"},
-      {"routed_output", "(T*K, D) expert outputs in dispatch row order"},
+      {"routed_output", "(N, D) expert outputs in dispatch row order"},
       {"shared_out", "(T, D) shared expert output"},
-      {"shared_h13", "(T, 2F)"},
-      {"shared_hidden", "(T, F)"},
+      {"shared_h13", "(T, 2F) [h1 | h3] of the shared expert"},
+      {"shared_hidden", "(T, F) H of the shared expert, judged on the implementation's own shared_h13"},
       {"out", "(T, D) combined output"},
+      {"sp_rows", "(S) token rows each SP rank holds, padding included"},
+      {"sp_tokens", "(1) tokens of the rank before SP sharding"},
+      {"sp_out", "(T, D) the rank's combined rows after the SP gather, padding dropped"},
+      {"sp_out_global", "(T, D) every SP rank's rows gathered in token order"},
+      {"grad_routed_output", "(N, D) gradient of routed_output"},
+      {"grad_topk_scores", "(T, K) gradient of topk_scores"},
+      {"grad_x_shared", "(T, D) gradient of x through the shared expert"},
+      {"grad_recv_out", "(M, D) gradient of recv_out (the reverse all-to-all with splits swapped)"},
+      {"grad_unpadded", "(M, D) gradient of unpadded"},
+      {"grad_recv", "(M, D) gradient of recv"},
+      {"grad_expert_output", "(P, D) gradient of expert_output, zero on padding rows"},
+      {"grad_expert_input", "(P, D) gradient of expert_input"},
+      {"grad_permuted", "(M, D) gradient of permuted"},
+      {"grad_routed_input", "(N, D) gradient of routed_input"},
+      {"grad_x", "(T, D) gradient of x"},
+      {"grad_w1", "(E_l, F, D) gradient of the rank's local experts' w1"},
+      {"grad_w3", "(E_l, F, D) gradient of the rank's local experts' w3"},
+      {"grad_w2", "(E_l, D, F) gradient of the rank's local experts' w2"},
   };
   auto it = m.find(name);
   return it == m.end() ? "" : it->second;
