@@ -51,6 +51,17 @@ using comm_detail::A2aFault;
 using comm_detail::A2aVerdict;
 static_assert(sizeof(A2aVerdict) == 5 * sizeof(int64_t), "A2aVerdict is all-gathered as 5 int64");
 
+// Stand-ins for the buffers of a rank that sends or receives nothing (an
+// empty tensor's data() may be null). They must be two different addresses:
+// Open MPI's libnbc takes a send buffer equal to the receive buffer for
+// MPI_IN_PLACE, and in 4.1 its in-place all-to-all-v returns at once for a
+// rank with no rows without reserving the collective's tag, so that rank's
+// next nonblocking collectives carry other tags than its peers' and never
+// match them (issue 21: a zero-token rank hung the job at "overload max").
+char g_no_send[1], g_no_recv[1];
+void* const kNoSend = g_no_send;
+void* const kNoRecv = g_no_recv;
+
 std::string host_name() {
   char h[256] = {0};
   if (gethostname(h, sizeof(h) - 1) != 0) return "?";
@@ -139,8 +150,7 @@ class MpiComm final : public Comm {
       so += send_rows[p];
       ro += recv_rows[p];
     }
-    static char dummy[1];
-    const int rcode = MPI_Ialltoallv(so ? send : dummy, sc.data(), sd.data(), row, ro ? recv : dummy, rc.data(),
+    const int rcode = MPI_Ialltoallv(so ? send : kNoSend, sc.data(), sd.data(), row, ro ? recv : kNoRecv, rc.data(),
                                      rd.data(), row, MPI_COMM_WORLD, &req);
     if (rcode == MPI_SUCCESS) wait(req, what, "MPI_Ialltoallv");
     MPI_Type_free(&row);
@@ -153,9 +163,8 @@ class MpiComm final : public Comm {
   void allgather(const void* send, size_t bytes, void* recv, const char* what) override {
     if (bytes > size_t(INT_MAX)) runtime_error(std::string("collective ") + what + ": " + std::to_string(bytes) +
                                                " bytes per rank exceed MPI's int counts");
-    static char dummy[1];
     MPI_Request req;
-    check(MPI_Iallgather(bytes ? send : dummy, int(bytes), MPI_BYTE, bytes ? recv : dummy, int(bytes), MPI_BYTE,
+    check(MPI_Iallgather(bytes ? send : kNoSend, int(bytes), MPI_BYTE, bytes ? recv : kNoRecv, int(bytes), MPI_BYTE,
                          MPI_COMM_WORLD, &req),
           what);
     wait(req, what, "MPI_Iallgather");
