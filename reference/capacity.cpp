@@ -8,7 +8,8 @@
 namespace ref {
 
 CapacityDispatch capacity_dispatch(RowsRef rows, const Ids& token_sorted, const Vec& score_sorted, const Ids& row_of,
-                                   const Counts& counts, int64_t cap, bool by_probs, bool pad) {
+                                   const Counts& counts, int64_t cap, bool by_probs, bool pad,
+                                   const std::vector<uint8_t>* keep) {
   CapacityDispatch d;
   std::vector<int64_t> new_row(token_sorted.size(), -1);
   int64_t s = 0;
@@ -23,7 +24,7 @@ CapacityDispatch capacity_dispatch(RowsRef rows, const Ids& token_sorted, const 
                                     : j < i;
         beaten_by += beats;
       }
-      if (beaten_by >= cap) continue;
+      if (keep ? !(*keep)[size_t(i)] : beaten_by >= cap) continue;
       new_row[size_t(i)] = int64_t(d.token_sorted.size());
       d.rows.insert(d.rows.end(), rows.row(i), rows.row(i) + rows.row_bytes);
       d.token_sorted.push_back(token_sorted[size_t(i)]);

@@ -364,7 +364,9 @@ OverloadRef overload_factors(const std::vector<std::vector<int64_t>>& actual,
 /// highest score (ties to the lower token index), else the first cap. Kept
 /// scores are not renormalised. pad: every expert gets exactly cap rows, the
 /// kept ones then zero filler rows with score 0 and token -1. row_of maps
-/// each assignment to its new row, -1 where dropped.
+/// each assignment to its new row, -1 where dropped. With `keep` (one flag
+/// per input row) the kept rows are those flagged instead: how an outside
+/// implementation's choice among rows tied at the boundary is laid out.
 struct CapacityDispatch {
   Bytes rows;
   Ids token_sorted;
@@ -373,6 +375,7 @@ struct CapacityDispatch {
   Counts counts;
 };
 CapacityDispatch capacity_dispatch(RowsRef rows, const Ids& token_sorted, const Vec& score_sorted, const Ids& row_of,
-                                   const Counts& counts, int64_t cap, bool by_probs, bool pad);
+                                   const Counts& counts, int64_t cap, bool by_probs, bool pad,
+                                   const std::vector<uint8_t>* keep = nullptr);
 
 }  // namespace ref

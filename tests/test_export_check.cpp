@@ -12,6 +12,7 @@
 #include "error.h"
 #include "export_check.h"
 #include "random_case.h"
+#include "stages.h"
 #include "test_util.h"
 
 using namespace moev;
@@ -119,4 +120,73 @@ TEST_CASE("check passes the reference outputs and names the first wrong stage", 
         break;
       }
   }
+}
+
+// Issue 19 §4: at an expert's capacity, rows whose scores tie exactly may be
+// kept either way; another tied row is accepted (judged on that choice),
+// a row of strictly lower score kept instead of a higher one is not, and
+// --strict-ties holds the implementation to the lower token.
+TEST_CASE("check accepts another member of an exact tie at the capacity boundary", "[cpu]") {
+  const Case c = case_named("capacity.yaml", "exact_ties");
+  std::vector<GoldenTensor> golden;
+  REQUIRE(run_external(c, nullptr, &golden).outcome == Outcome::PASSED);
+  std::map<std::string, Tensor> files;
+  RankBoard dispatched;  // the capacity stage's inputs: the dispatch outputs
+  for (const auto& g : golden) {
+    if (g.role != "expected") continue;
+    if (g.stage == "dispatch" || g.stage == "routing") dispatched[g.name] = g.t;
+    if (g.stage == "router_logits" || g.stage == "routing" || g.stage == "dispatch")
+      files[golden_file(g.stage, g.name, g.rank)] = g.t;
+  }
+  const std::vector<int64_t> counts = to_ints(dispatched.at("counts")), tok = to_ints(dispatched.at("token_sorted"));
+  const std::vector<float> score = to_floats(dispatched.at("score_sorted"));
+  RankBoard ref_out;
+  capacity_reference(c, dispatched, ref_out);
+  const std::vector<int64_t> kept_tok = to_ints(ref_out.at("token_sorted"));
+  // Per expert: a kept row and a dropped row of equal score (a tie) and, for
+  // the negative, a dropped row of strictly lower score than a kept one.
+  std::vector<uint8_t> keep(tok.size(), 0);
+  int64_t s = 0, kpos = 0;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    const int64_t nk = to_ints(ref_out.at("counts"))[e];
+    const std::set<int64_t> kept(kept_tok.begin() + kpos, kept_tok.begin() + kpos + nk);
+    kpos += nk;
+    for (int64_t i = s; i < s + counts[e]; ++i) keep[size_t(i)] = kept.count(tok[size_t(i)]) > 0;
+    s += counts[e];
+  }
+  std::vector<uint8_t> tie_swap, bad_swap;
+  s = 0;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    for (int64_t i = s; i < s + counts[e]; ++i)
+      for (int64_t j = s; j < s + counts[e]; ++j) {
+        if (!keep[size_t(i)] || keep[size_t(j)]) continue;
+        std::vector<uint8_t>& swap = score[size_t(i)] == score[size_t(j)] ? tie_swap : bad_swap;
+        if (!swap.empty() || score[size_t(j)] > score[size_t(i)]) continue;
+        swap = keep, swap[size_t(i)] = 0, swap[size_t(j)] = 1;
+      }
+    s += counts[e];
+  }
+  REQUIRE(!tie_swap.empty());
+  REQUIRE(!bad_swap.empty());
+  auto check_with = [&](const std::vector<uint8_t>& mask, const ExternalOptions& opt) {
+    RankBoard out;
+    capacity_reference(c, dispatched, out, &mask);
+    std::map<std::string, Tensor> f = files;
+    for (const auto& [n, t] : out) f[golden_file("capacity", n, 0)] = t;
+    const ActualFn fn = [&](const std::string& name, const Tensor&) {
+      ActualTensor a;
+      if (auto it = f.find(name); it != f.end()) a.kind = ActualTensor::Kind::present, a.t = it->second;
+      return a;
+    };
+    return run_external(c, &fn, nullptr, opt);
+  };
+  const CaseReport tie = check_with(tie_swap, {});
+  CHECK(failing(tie).empty());
+  CHECK(tie.outcome == Outcome::PASSED);
+  CHECK(std::any_of(tie.notes.begin(), tie.notes.end(), [](const std::string& n) { return n.find("tied exactly") != std::string::npos; }));
+  const CaseReport strict = check_with(tie_swap, ExternalOptions{true});
+  CHECK(strict.outcome == Outcome::INCORRECT);
+  const CaseReport bad = check_with(bad_swap, {});
+  CHECK(bad.outcome == Outcome::INCORRECT);
+  CHECK(any_starts(failing(bad), "capacity/"));
 }

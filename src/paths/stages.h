@@ -46,6 +46,11 @@ void register_local_stages(std::vector<Stage>& reg);
 void register_ep_stages(std::vector<Stage>& reg);
 void register_sp_stages(std::vector<Stage>& reg);  // CONTRACT §10
 void register_capacity_stages(std::vector<Stage>& reg);  // CONTRACT §11
+/// The capacity reference of one rank: `in` holds the dispatch outputs
+/// (routed_input, token_sorted, score_sorted, row_of, counts), `out` gets
+/// their capacity-limited versions under the same names. `keep` (one flag per
+/// dispatch row) overrides which rows are kept (see ref::capacity_dispatch).
+void capacity_reference(const Case& c, const RankBoard& in, RankBoard& out, const std::vector<uint8_t>* keep = nullptr);
 void register_backward_stages(std::vector<Stage>& reg);  // CONTRACT §13
 
 }  // namespace moev

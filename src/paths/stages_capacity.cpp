@@ -18,6 +18,22 @@
 
 namespace moev {
 
+void capacity_reference(const Case& c, const RankBoard& in, RankBoard& out, const std::vector<uint8_t>* keep) {
+  const Tensor& row_of = in.at("row_of");
+  const Tensor& rows = in.at("routed_input");
+  const int64_t cap = int64_t(std::ceil(double(row_of.shape[0]) * c.top_k / c.num_experts * c.capacity.factor));
+  ref::CapacityDispatch d = ref::capacity_dispatch(
+      rows_of(rows), ref_ids(in.at("token_sorted")), to_floats(in.at("score_sorted")), ref_ids(row_of),
+      ref_counts(in.at("counts")), cap, c.capacity.policy == CapacityPolicy::probs,
+      c.capacity.pad_to_capacity == Switch::on, keep);
+  const int64_t M = int64_t(d.token_sorted.size());
+  out["counts"] = from_ints(d.counts, ElemType::i64, {c.num_experts});
+  out["routed_input"] = rows_tensor(std::move(d.rows), rows.type, c.hidden);
+  out["token_sorted"] = ids_tensor(d.token_sorted, ElemType::i32, {M});
+  out["score_sorted"] = from_floats(d.score_sorted, ElemType::f32, {M});
+  out["row_of"] = ids_tensor(d.row_of, ElemType::i32, row_of.shape);
+}
+
 void register_capacity_stages(std::vector<Stage>& reg) {
   Stage s;
   s.slot = "capacity";
@@ -70,24 +86,8 @@ void register_capacity_stages(std::vector<Stage>& reg) {
   s.backends = kHostAndDevice;
   s.ref_per_rank = true;
   s.ref = [](RefCtx& r) {
-    const Case& c = r.c;
-    for (int q = 0; q < int(r.in.ranks.size()); ++q) {
-      if (!r.wants(q)) continue;
-      const Tensor& row_of = r.in.at("row_of", q);
-      const Tensor& rows = r.in.at("routed_input", q);
-      const int64_t cap = int64_t(std::ceil(double(row_of.shape[0]) * c.top_k / c.num_experts * c.capacity.factor));
-      ref::CapacityDispatch d = ref::capacity_dispatch(
-          rows_of(rows), ref_ids(r.in.at("token_sorted", q)), to_floats(r.in.at("score_sorted", q)), ref_ids(row_of),
-          ref_counts(r.in.at("counts", q)), cap, c.capacity.policy == CapacityPolicy::probs,
-          c.capacity.pad_to_capacity == Switch::on);
-      RankBoard& out = r.out.ranks[size_t(q)];
-      const int64_t M = int64_t(d.token_sorted.size());
-      out["counts"] = from_ints(d.counts, ElemType::i64, {c.num_experts});
-      out["routed_input"] = rows_tensor(std::move(d.rows), rows.type, c.hidden);
-      out["token_sorted"] = ids_tensor(d.token_sorted, ElemType::i32, {M});
-      out["score_sorted"] = from_floats(d.score_sorted, ElemType::f32, {M});
-      out["row_of"] = ids_tensor(d.row_of, ElemType::i32, row_of.shape);
-    }
+    for (int q = 0; q < int(r.in.ranks.size()); ++q)
+      if (r.wants(q)) capacity_reference(r.c, r.in.ranks[size_t(q)], r.out.ranks[size_t(q)]);
   };
   // The reference chain's routing scores may differ from the fast ones in
   // the last bits (class scores, CONTRACT §1): under policy probs a near-tie
