@@ -47,6 +47,7 @@ PY
 
 # --- 1. every shipped case: export, copy expected to actual, check passes ------
 n_cases=0
+mkdir -p "$tmp/all"
 for f in "$src"/cases/*.yaml "$src"/cases/regressions/*.yaml; do
   b=$(basename "$f" .yaml)
   "$bin" export "$f" "$tmp/all/$b" >/dev/null || fail "export $f"
@@ -155,6 +156,8 @@ PY
 expect_rc 0 "$tmp/tie.log" -- "$bin" check "$td" && grep -q "another member of an exact tie" "$tmp/tie.log" ||
   fail "an exact-tie alternative was not accepted and reported"
 grep -q "stages not written" "$tmp/tie.log" || fail "stages without actual files are not listed as not written"
+expect_rc 1 "$tmp/strict.log" -- "$bin" check "$td" --strict-ties ||
+  fail "--strict-ties accepted another member of an exact tie"
 rm -rf "$td/actual" && mkdir -p "$td/actual"
 "$py" - "$td" notie <<'PY' || fail "router_ties: no non-tied alternative"
 import sys, numpy as np
