@@ -132,7 +132,7 @@ const Stage* stage_for(const Case& c, const std::string& slot) {
   return first;
 }
 
-/// Routing of an implementation (docs/contract.md "Checking outside code"):
+/// Routing of an implementation (docs/contract.md §15):
 /// `scores` against the reference; `ids` per token as a selection, judged on
 /// the implementation's own scores (the reference's when it wrote none) by
 /// judge_selection: any member of an exact tie, at the K-th expert or at the
@@ -200,7 +200,7 @@ void check_routing_external(const Case& c, const Board& ref, const Board& merged
       }
       std::ostringstream note;
       note << "ids judged as a selection per token on the " << (own_scores ? "implementation's" : "reference's")
-           << " scores (docs/contract.md \"Checking outside code\")";
+           << " scores (docs/contract.md §15)";
       if (opt.strict_ties) note << "; strict: the lowest-index member of every tie";
       if (ties) note << "; " << ties << " token(s) pick another member of an exact tie (accepted)";
       if (near) note << "; " << near << " near-tie token(s): valid within the scores tolerance (reported, not failed)";
@@ -1009,7 +1009,7 @@ int cmd_check(const CheckArgs& a) {
   std::vector<CaseReport> reports;
   Outcome all = Outcome::PASSED;
   std::cout << "moeverify check: the reference fed the implementation's own previous-stage outputs "
-               "(docs/contract.md \"Checking outside code\")\n";
+               "(docs/contract.md §15)\n";
   for (const auto& [golden, act] : folders) {
     reports.push_back(check_folder(golden, act, a));
     std::cout << "actual outputs: " << act << "\n";

@@ -1,5 +1,4 @@
-// `moeverify export` and `moeverify check` (docs/contract.md "Checking
-// outside code"): golden files for an implementation moeverify did not write,
+// `moeverify export` and `moeverify check` (docs/contract.md §15): golden files for an implementation moeverify did not write,
 // and a stage-by-stage verdict on that implementation's outputs.
 //
 // Golden folder of one case (format "moeverify-golden/2"):

@@ -1,5 +1,5 @@
 // The verdict on one token's expert selection made by code moeverify did not
-// write (docs/contract.md "Checking outside code"). A set S of K experts is a
+// write (docs/contract.md §15). A set S of K experts is a
 // valid top-K selection exactly when every expert outside S that could have
 // been chosen has a choice value no larger than the smallest value in S:
 // min(S) >= max(outside). So any member of an exact tie at the K-th place is
