@@ -1,5 +1,6 @@
-// `moeverify export` and `moeverify check` (docs/contract.md §15): golden files for an implementation moeverify did not write,
-// and a stage-by-stage verdict on that implementation's outputs.
+// `moeverify export` and `moeverify check` (docs/contract.md §15): golden
+// files for an implementation moeverify did not write, and a stage-by-stage
+// verdict on that implementation's outputs.
 //
 // Golden folder of one case (format "moeverify-golden/2"):
 //   manifest.json  {"format", "tool", "case": the resolved configuration as
