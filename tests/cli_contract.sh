@@ -55,6 +55,10 @@ grep -Eq "^moeverify: NOT_SUPPORTED: fuzz --backend cuda: (no usable CUDA device
 expect fuzz-emulated 0 "$bin" fuzz --backend emulated --iterations 4 --seed 5 --out "$tmp/ff"
 grep -q "4 configurations" "$tmp/out" || { echo "FAIL fuzz-emulated summary"; cat "$tmp/out"; fails=$((fails + 1)); }
 expect validate 0 "$bin" validate "$src"/cases/basic.yaml
+# a passing case takes a few lines (issue 24): equal_split.yaml's whole report within 100
+expect short-report 0 "$bin" run "$src"/cases/equal_split.yaml
+[ "$(wc -l <"$tmp/out")" -le 100 ] && [ "$(grep -c '^   => PASSED' "$tmp/out")" -eq 5 ] ||
+  { echo "FAIL short-report: $(wc -l <"$tmp/out") lines"; fails=$((fails + 1)); }
 # all-zero outputs where the case promises data: NOT_VERIFIED, exit 4
 expect run-not-verified 4 "$bin" run "$src"/tests/data/not_verified.yaml --json "$tmp/nv.json"
 python3 -c "import json,sys; d=json.load(open(sys.argv[1])); assert d['outcome']=='NOT_VERIFIED', d['outcome']" "$tmp/nv.json" ||

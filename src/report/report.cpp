@@ -122,6 +122,43 @@ std::vector<VariantRow> variant_rows(const CaseReport& r) {
 /// Variant notes of the summary: each distinct note once, at most this many.
 constexpr size_t kSummaryNotes = 2;
 
+/// The overload factor line (CONTRACT §12), where the case has one to tell.
+void print_overload(const CaseReport& r, std::ostream& os, bool every) {
+  if (!r.overload.valid || (r.c.layers == 1 && r.c.ep == 1)) return;
+  os << "   overload factor (CONTRACT §12, " << r.overload.entries.size() << " entr"
+     << (r.overload.entries.size() == 1 ? "y" : "ies") << (r.c.backward == Switch::on ? " + backward" : "")
+     << "): avg " << num(r.overload.avg) << "  max " << num(r.overload.max) << "  max_cum " << num(r.overload.max_cum);
+  if (every) {
+    os << "  per entry:";
+    for (double v : r.overload.entries) os << " " << num(v);
+  }
+  os << "\n";
+}
+
+/// A case whose every check passed, in a few lines: what was compared, the
+/// largest share of a tolerance bound used, the case's notes. --verbose
+/// gives the full table.
+void print_passed(const CaseReport& r, std::ostream& os) {
+  std::set<std::string> slots;
+  int64_t variants = 0, elements = 0;
+  double bound = 0;
+  for (const VariantRow& row : variant_rows(r)) {
+    if (row.checks.empty()) continue;
+    slots.insert(row.slot);
+    ++variants;
+    for (const Check* ch : row.checks) {
+      elements += ch->diff.total;
+      if (ch->cls != CompareClass::exact) bound = std::max(bound, ch->diff.max_bound_ratio);
+    }
+  }
+  os << "   " << slots.size() << " stages, " << variants << " variants, " << r.checks.size() << " checks over "
+     << elements << " elements; largest error/bound " << num(bound) << " (--verbose: every stage and variant)\n";
+  for (const auto& n : capped(r.notes)) os << "   note: " << n << "\n";
+  print_overload(r, os, false);
+  os << "   => " << outcome_name(r.outcome) << "  (" << std::fixed << std::setprecision(3) << r.seconds << " s)\n";
+  os.unsetf(std::ios::fixed);
+}
+
 }  // namespace
 
 // The summary table has one line per (slot, variant): a variant not taken
@@ -134,6 +171,10 @@ void print_report(const CaseReport& r, std::ostream& os, ReportDetail detail) {
   os << "\n== case " << r.c.name << "  (" << r.c.source << ")\n   " << r.c.summary() << "\n";
   if (r.checks.size() == 1 && r.checks[0].slot == "backend") {  // run_case refused the backend: one line
     os << "   => " << outcome_name(r.outcome) << ": " << capped(r.checks[0].note) << "\n";
+    return;
+  }
+  if (!every && r.outcome == Outcome::PASSED) {
+    print_passed(r, os);
     return;
   }
   // On a device backend a last column: the device's own time in the
@@ -227,16 +268,7 @@ void print_report(const CaseReport& r, std::ostream& os, ReportDetail detail) {
     print_checks(shown, os);
   }
   for (const auto& n : capped(r.notes)) os << "   note: " << n << "\n";
-  if (r.overload.valid && (r.c.layers > 1 || r.c.ep > 1)) {
-    os << "   overload factor (CONTRACT §12, " << r.overload.entries.size() << " entr"
-       << (r.overload.entries.size() == 1 ? "y" : "ies") << (r.c.backward == Switch::on ? " + backward" : "")
-       << "): avg " << num(r.overload.avg) << "  max " << num(r.overload.max) << "  max_cum " << num(r.overload.max_cum);
-    if (every) {
-      os << "  per entry:";
-      for (double v : r.overload.entries) os << " " << num(v);
-    }
-    os << "\n";
-  }
+  print_overload(r, os, every);
   os << "   => " << outcome_name(r.outcome) << "  (" << std::fixed << std::setprecision(3) << r.seconds << " s)\n";
   os.unsetf(std::ios::fixed);
 }
