@@ -225,79 +225,6 @@ void check_routing_external(const Case& c, const Board& ref, const Board& merged
 
 }  // namespace
 
-nlohmann::ordered_json case_to_json(const Case& c) {
-  nlohmann::ordered_json j;
-  j["name"] = c.name;
-  // batch > 1 has no per-rank token list (every EP rank holds batch * seq_len)
-  if ((c.ep == 1 || c.batch > 1) && c.tokens_per_rank.empty() && c.tokens_uniform_lo < 0) {
-    j["shape.tokens"] = c.tokens;
-  } else {
-    std::vector<int64_t> t;
-    for (int r = 0; r < c.ep; ++r) t.push_back(c.tokens_on(r));
-    j["shape.tokens"] = c.tokens;
-    j["shape.tokens_per_rank"] = t;
-  }
-  j["shape.hidden"] = c.hidden;
-  j["shape.ffn"] = c.ffn;
-  j["shape.experts"] = c.num_experts;
-  j["shape.top_k"] = c.top_k;
-  j["dtype"] = enum_name(dtype_table(), c.dtype);
-  j["seed"] = c.seed;
-  j["data"] = enum_name(data_mode_table(), c.data);
-  j["router.score"] = enum_name(score_table(), c.router.score);
-  j["router.bias"] = enum_name(switch_table(), c.router.bias);
-  j["router.groups"] = c.router.groups;
-  j["router.limited_groups"] = c.router.limited_groups;
-  j["router.force_load_balance"] = enum_name(switch_table(), c.router.force_load_balance);
-  j["router.route_norm"] = enum_name(switch_table(), c.router.route_norm);
-  j["router.route_scale"] = double(c.router.route_scale);  // a float is exact as a double
-  j["router.hot_expert"] = c.router.hot_expert;
-  j["router.gate_dtype"] = enum_name(gate_dtype_table(), c.router.gate_dtype);
-  j["score_multiply"] = enum_name(score_multiply_table(), c.score_multiply);
-  j["experts.rounding"] = enum_name(experts_rounding_table(), c.experts.rounding);
-  j["experts.compute_dtype"] = enum_name(compute_dtype_table(), c.experts.compute_dtype);
-  j["experts.kind"] = enum_name(expert_kind_table(), c.experts.kind);
-  j["experts.impl"] = enum_name(experts_impl_table(), c.experts.impl);
-  j["shared_experts.kind"] = enum_name(shared_kind_table(), c.shared.kind);
-  j["shared_experts.order"] = enum_name(shared_order_table(), c.shared.order);
-  j["score_before_experts"] = enum_name(switch_table(), c.score_before_experts);
-  j["combine.accumulate"] = enum_name(accumulate_table(), c.combine.accumulate);
-  j["combine.placement"] = enum_name(placement_table(), c.combine.placement);
-  j["combine.buffer"] = enum_name(out_buffer_table(), c.combine.buffer);
-  j["combine.alias_offset"] = c.combine.alias_offset;
-  j["ep"] = c.ep;
-  j["align"] = c.align;
-  j["empty_groups"] = enum_name(empty_groups_table(), c.empty_groups);
-  j["permute"] = enum_name(permute_table(), c.permute);
-  j["equal_split.policy"] = enum_name(equal_split_table(), c.equal_split.policy);
-  j["equal_split.threshold"] = c.equal_split.threshold;
-  j["sp"] = c.sp;
-  j["shape.batch"] = c.batch;
-  j["shape.seq_len"] = c.tokens / c.batch;
-  j["sp_padding"] = enum_name(sp_padding_table(), c.sp_padding);
-  j["backward"] = enum_name(switch_table(), c.backward);
-  j["backend"] = enum_name(backend_table(), c.backend);
-  j["layers"] = c.layers;  // the golden tensors are entry 1's
-  j["capacity.factor"] = c.capacity.factor;
-  j["capacity.policy"] = enum_name(capacity_policy_table(), c.capacity.policy);
-  j["capacity.pad_to_capacity"] = enum_name(switch_table(), c.capacity.pad_to_capacity);
-  for (const auto& [cls, o] : c.tolerance_override) {
-    const std::string base = std::string("tolerance.") + enum_name(compare_class_table(), cls);
-    if (o.rtol) j[base + ".rtol"] = *o.rtol;
-    if (o.atol) j[base + ".atol"] = *o.atol;
-  }
-  return j;
-}
-
-Case case_from_json(const nlohmann::json& j, const std::string& where) {
-  if (!j.is_object()) bad_input(where + ": \"case\" is not an object; valid: the resolved case as `moeverify export` writes it");
-  // JSON is YAML: the case loader validates it like any case file entry.
-  const std::string text = "cases:\n  - " + j.dump(-1, ' ', true) + "\n";
-  std::vector<Case> cs = load_cases_text(text, where, {});
-  if (cs.size() != 1) bad_input(where + ": \"case\" must describe exactly one case (no sweep)");
-  return cs[0];
-}
-
 namespace {
 
 /// The .npy descriptors accepted for a wanted type: its own, and for
@@ -1022,7 +949,9 @@ int cmd_check(const CheckArgs& a) {
   for (const auto& r : reports) passed += r.outcome == Outcome::PASSED;
   std::cout << "\n" << passed << " of " << reports.size() << " case(s) PASSED; overall " << outcome_name(all) << "\n";
   if (a.want_json) {
-    const std::string err = write_file(a.json, {reports_json(reports, dir)});
+    ReportMeta meta;
+    meta.schema = "moeverify-check/1";
+    const std::string err = write_file(a.json, {reports_json(reports, dir, meta)});
     if (!err.empty()) bad_input("--json: " + err + "; valid: a writable file path such as report.json");
   }
   return exit_status(all);

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "case.h"
+#include "case_json.h"
 #include "runner.h"
 
 namespace moev {
@@ -34,12 +35,6 @@ namespace moev {
 /// The golden format written by export and read by check.
 inline constexpr const char* kGoldenFormat = "moeverify-golden/2";
 
-/// The resolved configuration of a case as {dotted key: value}; loading it
-/// back with case_from_json gives the same case (tokens resolved per rank).
-nlohmann::ordered_json case_to_json(const Case& c);
-/// The case of a manifest's "case" object, validated as a case file entry;
-/// `where` names the manifest in messages. Throws Error(bad_input).
-Case case_from_json(const nlohmann::json& j, const std::string& where);
 
 /// Reads a NumPy .npy file (little-endian f4, u2, i4 or i8, C order). The
 /// result's type is `want` (u2 data is taken as the bf16/fp16 bits `want`

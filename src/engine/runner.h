@@ -105,7 +105,14 @@ enum class ReportDetail { summary, every_check };
 /// Human table (stdout) and JSON (--json, every check always) of a run.
 void print_report(const CaseReport& r, std::ostream& os, ReportDetail detail = ReportDetail::summary);
 void print_tolerance_table(const std::vector<CaseReport>& reports, std::ostream& os);
-std::string reports_json(const std::vector<CaseReport>& reports, const std::string& file);
+/// What a JSON report says of the run as a whole (docs/json-schema.md).
+struct ReportMeta {
+  std::string schema = "moeverify-run/1";  // or "moeverify-check/1"
+  std::vector<std::string> faults;          // planted with --fault
+  /// Planted faults that no check caught (run --fault: the run must fail).
+  std::vector<std::string> faults_uncaught;
+};
+std::string reports_json(const std::vector<CaseReport>& reports, const std::string& file, const ReportMeta& meta = {});
 
 /// Writes `t` as a NumPy .npy file (bf16 as uint16; the manifest names it).
 void write_npy(const std::string& path, const Tensor& t);

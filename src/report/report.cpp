@@ -11,7 +11,9 @@
 #include <set>
 #include <sstream>
 
+#include "case_json.h"
 #include "dump.h"
+#include "version.h"
 #include "error.h"
 #include "runner.h"
 
@@ -290,18 +292,27 @@ void print_tolerance_table(const std::vector<CaseReport>& reports, std::ostream&
   }
 }
 
-std::string reports_json(const std::vector<CaseReport>& reports, const std::string& file) {
+std::string reports_json(const std::vector<CaseReport>& reports, const std::string& file, const ReportMeta& meta) {
   Outcome all = Outcome::PASSED;
   for (const auto& r : reports) all = worst(all, r.outcome);
   Json doc;
+  doc["schema"] = meta.schema;
+  doc["tool"] = {{"name", "moeverify"}, {"version", MOEVERIFY_VERSION}, {"commit", MOEVERIFY_COMMIT}};
   doc["file"] = file;
   doc["outcome"] = outcome_name(all);
+  Json counts = {{"cases", reports.size()}};
+  for (Outcome o : {Outcome::PASSED, Outcome::NOT_SUPPORTED, Outcome::NOT_VERIFIED, Outcome::INCORRECT, Outcome::ERROR})
+    counts[outcome_name(o)] = std::count_if(reports.begin(), reports.end(), [&](const CaseReport& r) { return r.outcome == o; });
+  doc["counts"] = counts;
+  doc["faults"] = meta.faults;
+  doc["faults_uncaught"] = meta.faults_uncaught;
   doc["cases"] = Json::array();
   for (const CaseReport& r : reports) {
     Json jc;
     jc["name"] = r.c.name;
     jc["source"] = r.c.source;
-    jc["config"] = r.c.summary();
+    jc["summary"] = r.c.summary();
+    jc["config"] = case_to_json(r.c);
     jc["backend"] = enum_name(backend_table(), r.c.backend);
     jc["seed"] = r.c.seed;
     jc["outcome"] = outcome_name(r.outcome);
@@ -322,10 +333,14 @@ std::string reports_json(const std::vector<CaseReport>& reports, const std::stri
     for (const Check& ch : r.checks) {
       Json first = Json::array();
       for (const auto& m : ch.diff.first)
-        first.push_back({{"at", capped(m.coords)}, {"fast", json_num(m.fast)}, {"ref", json_num(m.ref)}});
+        first.push_back({{"index", m.index}, {"at", capped(m.coords)}, {"fast", json_num(m.fast)}, {"ref", json_num(m.ref)}});
+      // "tensor@rank" in the text table; here the name and the rank apart.
+      const size_t at = ch.tensor.find('@');
+      const Json rank = at == std::string::npos ? Json(nullptr) : Json(std::atoi(ch.tensor.c_str() + at + 1));
       jc["checks"].push_back({{"stage", ch.slot},
                               {"variant", ch.variant},
-                              {"tensor", ch.tensor},
+                              {"tensor", ch.tensor.substr(0, at)},
+                              {"rank", rank},
                               {"against", ch.against},
                               {"class", enum_name(compare_class_table(), ch.cls)},
                               {"rtol", json_num(ch.tol.rtol)},

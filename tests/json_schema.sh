@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The JSON reports against docs/json-schema.md (issue 24): real output of
+# `run --json` and `check --json` holds every key the tables list, and no key
+# the tables do not list, at each level (document, case, path, check).
+# Usage: json_schema.sh MOEVERIFY SOURCE_DIR
+set -u
+bin=$1
+src=$2
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+"$bin" run "$src/cases/ep4.yaml" --case ep4_hot_expert --json "$tmp/run.json" >/dev/null || { echo "run failed"; exit 1; }
+"$bin" export "$src/cases/ep4.yaml" "$tmp/g" --case ep4_hot_expert >/dev/null || { echo "export failed"; exit 1; }
+d="$tmp/g/ep4_hot_expert"
+mkdir "$d/actual"
+/usr/bin/python3 -c "
+import numpy as np, sys
+a = np.load('$d/dispatch.routed_input.rank1.npy'); np.save('$d/actual/dispatch.routed_input.rank1.npy', a[:-1])"
+"$bin" check "$d" --json "$tmp/check.json" >/dev/null
+[ $? -eq 1 ] || { echo "check of a short tensor did not exit 1"; exit 1; }
+/usr/bin/python3 - "$src/docs/json-schema.md" "$tmp/run.json" "$tmp/check.json" <<'PY'
+import json, re, sys
+doc = open(sys.argv[1]).read()
+tables, current = {}, None
+for line in doc.splitlines():
+    h = re.match(r"^## (.*)", line)
+    if h:
+        current = h.group(1).split(" ")[0].lower()
+        tables[current] = {}
+        continue
+    if current and line.startswith("| `"):
+        cells = line.split("|")
+        optional = "optional" in cells[2]
+        for key in re.findall(r"`([a-z_]+)`", cells[1]):
+            tables[current][key] = optional
+def check(obj, table, where):
+    bad = []
+    for k, optional in tables[table].items():
+        if k not in obj and not optional: bad.append(f"{where}: key {k} listed but missing")
+    for k in obj:
+        if k not in tables[table]: bad.append(f"{where}: key {k} not in docs/json-schema.md ({table})")
+    return bad
+bad = []
+for path, schema in [(sys.argv[2], "moeverify-run/1"), (sys.argv[3], "moeverify-check/1")]:
+    j = json.load(open(path))
+    if j["schema"] != schema: bad.append(f"{path}: schema {j['schema']}")
+    bad += check(j, "document", path)
+    for c in j["cases"]:
+        bad += check(c, "case", path)
+        for p in c["paths"]: bad += check(p, "path", path)
+        for ch in c["checks"]: bad += check(ch, "check", path)
+    if schema == "moeverify-check/1" and not any("rows" in ch for c in j["cases"] for ch in c["checks"]):
+        bad.append("check: no rows object for the short tensor")
+for b in sorted(set(bad)): print("FAIL", b)
+sys.exit(1 if bad else 0)
+PY
+rc=$?
+[ $rc -eq 0 ] && echo "json schema: run and check reports match docs/json-schema.md"
+exit $rc
