@@ -59,6 +59,13 @@ expect validate 0 "$bin" validate "$src"/cases/basic.yaml
 expect short-report 0 "$bin" run "$src"/cases/equal_split.yaml
 [ "$(wc -l <"$tmp/out")" -le 100 ] && [ "$(grep -c '^   => PASSED' "$tmp/out")" -eq 5 ] ||
   { echo "FAIL short-report: $(wc -l <"$tmp/out") lines"; fails=$((fails + 1)); }
+# outputs never through a link, never a chain of new folders (issue 21 §4)
+expect fuzz-out-deep 2 "$bin" fuzz --iterations 1 --out "$tmp/no/such/folder"
+[ ! -e "$tmp/no" ] || { echo "FAIL fuzz --out created parent folders"; fails=$((fails + 1)); }
+echo precious >"$tmp/precious.txt" && ln -s "$tmp/precious.txt" "$tmp/link.json"
+expect json-link 2 "$bin" run "$src"/cases/basic.yaml --case exact_fp32 --json "$tmp/link.json"
+grep -q "symbolic link" "$tmp/err" && [ "$(cat "$tmp/precious.txt")" = precious ] ||
+  { echo "FAIL --json through a link"; fails=$((fails + 1)); }
 # all-zero outputs where the case promises data: NOT_VERIFIED, exit 4
 expect run-not-verified 4 "$bin" run "$src"/tests/data/not_verified.yaml --json "$tmp/nv.json"
 python3 -c "import json,sys; d=json.load(open(sys.argv[1])); assert d['outcome']=='NOT_VERIFIED', d['outcome']" "$tmp/nv.json" ||

@@ -203,8 +203,9 @@ int64_t tokens_of(const std::string& yaml) {
   return t;
 }
 
-/// Writes the shrunk case with its repro line under --out (created on the
-/// first failure); "" (and a note) when it cannot be written.
+/// Writes the shrunk case with its repro line under --out (checked and
+/// created before the first draw; a link at the file's path is not
+/// followed); "" (and a note) when it cannot be written.
 std::string write_failure(const FuzzOptions& o, FuzzFailure& f) {
   YAML::Node n = YAML::Load(f.shrunk);
   const std::string name = "fuzz_" + std::to_string(o.seed) + "_" + std::to_string(f.index);
@@ -216,9 +217,7 @@ std::string write_failure(const FuzzOptions& o, FuzzFailure& f) {
        << "# drawn: " << f.yaml << "\n"
        << "# repro: moeverify run " << path << " --threads " << threads_of(f.index) << o.fault_flags << "\n"
        << "cases:\n  - " << flow(n) << "\n";
-  std::error_code ec;
-  std::filesystem::create_directories(o.out_dir, ec);
-  const std::string err = ec ? ec.message() : write_file(path, {body.str()});
+  const std::string err = write_file(path, {body.str()}, /*no_follow=*/true);
   if (!err.empty()) {
     f.note += "; the shrunk case could not be written to " + path + ": " + err;
     return "";
@@ -230,6 +229,9 @@ std::string write_failure(const FuzzOptions& o, FuzzFailure& f) {
 
 FuzzResult fuzz(const FuzzOptions& o, std::ostream& progress) {
   if (o.seconds <= 0 && o.iterations == 0) bad_input("fuzz: give --seconds or --iterations");
+  // --out is a folder that exists or can be made in an existing one (never
+  // a chain of folders anywhere), checked now, not at the first failure.
+  if (!o.out_dir.empty()) prepare_dump_root(o.out_dir, "fuzz --out");
   FuzzResult res;
   res.seed = o.seed;
   res.fault_flags = o.fault_flags;

@@ -163,6 +163,8 @@ void check_output_file(const std::string& flag, const std::string& path) {
   if (path.empty()) bad_input(flag + ": the path is empty; " + valid);
   const std::string shown = printable(path, 200);
   struct stat st {};
+  if (lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode))
+    bad_input(flag + " " + shown + ": is a symbolic link (not followed: a report never writes through one); " + valid);
   if (stat(path.c_str(), &st) == 0) {
     if (!S_ISREG(st.st_mode) && !S_ISFIFO(st.st_mode))
       bad_input(flag + " " + shown + ": is " + file_kind(st.st_mode) + "; " + valid);

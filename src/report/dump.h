@@ -49,8 +49,8 @@ std::string dump_folder_name(const std::string& case_name);
 /// (--dump, or `export DIR`).
 void prepare_dump_root(const std::string& dir, const std::string& flag = "--dump");
 
-/// --json-style preflight of an output file: a non-empty path to an existing
-/// regular file (or FIFO) that opens for writing, or a new file that can be
+/// --json-style preflight of an output file: a non-empty path, not a
+/// symbolic link, to an existing regular file (or FIFO) that opens for writing, or a new file that can be
 /// created in an existing folder, not on a kernel pseudo file system (where
 /// writes vanish). Creates nothing it does not remove. Throws
 /// Error(bad_input) naming `flag`.
