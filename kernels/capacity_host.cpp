@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "ep_host.h"
+#include "parallel_errors.h"
 
 namespace moev {
 
@@ -20,15 +21,16 @@ void capacity_select(const ExecCtx& ctx, CapacityPolicy policy, const int64_t* c
   // Planted (TransformerEngine #3346 class): one row past capacity kept.
   const int64_t limit = ctx.faults.has(Fault::capacity_overflow) ? cap + 1 : cap;
   const bool higher = ctx.faults.has(Fault::capacity_tie_higher);
+  ParallelErrors errors;  // the probs policy allocates an index per expert
 #pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(1, ctx.threads)) if (ctx.threads > 1)
-  for (int e = 0; e < E; ++e) {
+  for (int e = 0; e < E; ++e) errors.run(e, [&] {
     const int64_t s = start[size_t(e)], n = counts[e];
     const int64_t take = std::min(n, limit);
     std::fill(keep + s, keep + s + n, uint8_t(0));
     kept[e] = take;
     if (policy == CapacityPolicy::position || take == n) {
       std::fill(keep + s, keep + s + take, uint8_t(1));  // rows are in ascending token order
-      continue;
+      return;
     }
     // probs: the `take` highest scores, ties to the lower token index
     std::vector<int64_t> idx(static_cast<size_t>(n));
@@ -38,7 +40,8 @@ void capacity_select(const ExecCtx& ctx, CapacityPolicy policy, const int64_t* c
       return higher ? token_sorted[a] > token_sorted[b] : token_sorted[a] < token_sorted[b];
     });
     for (int64_t i = 0; i < take; ++i) keep[idx[size_t(i)]] = 1;
-  }
+  });
+  errors.rethrow();
 }
 
 void capacity_apply(const ExecCtx& ctx, const int64_t* counts, int E, int64_t cap, bool pad, const uint8_t* keep,

@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "faults.h"
+#include "parallel_errors.h"
 
 namespace moev {
 
@@ -57,8 +58,10 @@ void host_run(const ExecCtx& ctx, int64_t n, const Body& body, int lanes = 1) {
     for (int64_t i = 0; i < n; ++i) block_item(body, i, lanes);
     return;
   }
+  ParallelErrors errors;  // a body may allocate (the GEMMs' thread-local buffers)
 #pragma omp parallel for num_threads(ctx.threads) schedule(static)
-  for (int64_t i = 0; i < n; ++i) block_item(body, i, lanes);
+  for (int64_t i = 0; i < n; ++i) errors.run(i, [&] { block_item(body, i, lanes); });
+  errors.rethrow();
 }
 
 }  // namespace moev

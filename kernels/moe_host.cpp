@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "device.h"
+#include "parallel_errors.h"
 
 namespace moev {
 namespace {
@@ -97,11 +98,17 @@ template <class T>
 const MatF& gemm_fp32(const T* X, int64_t rows, int64_t k, int64_t ldx, const T* W, int64_t n, WeightLayout wl) {
   thread_local std::vector<float> xf, wf;
   thread_local MatF yf;
-  to_float_block(X, rows, k, ldx, xf);
   const bool nk = wl == WeightLayout::n_by_k;
+  try {
+    xf.reserve(size_t(rows * k));
+    wf.reserve(size_t(n * k));
+    yf.resize(rows, n);
+  } catch (const std::bad_alloc&) {  // the size asked for, for the report
+    throw OutOfMemory(uint64_t(rows * k + n * k + rows * n) * sizeof(float));
+  }
+  to_float_block(X, rows, k, ldx, xf);
   to_float_block(W, nk ? n : k, nk ? k : n, nk ? k : n, wf);
   Eigen::Map<const MatF> xm(xf.data(), rows, k);
-  yf.resize(rows, n);
   if (nk) yf.noalias() = xm * Eigen::Map<const MatF>(wf.data(), n, k).transpose();
   else yf.noalias() = xm * Eigen::Map<const MatF>(wf.data(), k, n);
   return yf;

@@ -2,6 +2,7 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <limits>
 #include <thread>
 
@@ -233,9 +234,21 @@ template <class Body>
 void over_tokens(int64_t T, int threads, Body body) {
   const int64_t n = std::max<int64_t>(1, std::min<int64_t>(threads, T));
   if (n <= 1) return body(int64_t(0), T);
+  // A body allocates its accumulators; no exception may leave a thread's
+  // function (std::terminate): each is kept and rethrown here.
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
   std::vector<std::thread> pool;
-  for (int64_t k = 0; k < n; ++k) pool.emplace_back(body, T * k / n, T * (k + 1) / n);
+  for (int64_t k = 0; k < n; ++k)
+    pool.emplace_back([&, k] {
+      try {
+        body(T * k / n, T * (k + 1) / n);
+      } catch (...) {
+        errors[size_t(k)] = std::current_exception();
+      }
+    });
   for (auto& th : pool) th.join();
+  for (const auto& e : errors)
+    if (e) std::rethrow_exception(e);
 }
 
 }  // namespace

@@ -68,8 +68,7 @@ struct MemoryLimit {
 
 MemoryLimit memory_limit(const CLI::App* cmd, const std::string& text) {
   if (cmd->count("--max-memory")) return {parse_memory_size(text, "--max-memory"), "--max-memory " + printable(text)};
-  const uint64_t b = default_memory_limit();
-  return {b, "the default, 80% of physical memory; set it with --max-memory"};
+  return {default_memory_limit(), default_memory_limit_origin() + "; set it with --max-memory"};
 }
 
 struct RunArgs {
@@ -588,6 +587,12 @@ int main(int argc, char** argv) {
     // The last guard of "one line": messages escape user text themselves.
     std::cerr << ("moeverify: " + printable(e.what(), 4000) + "\n");  // one write: ranks share stderr
     return e.kind == ErrorKind::bad_input ? 2 : e.kind == ErrorKind::not_supported ? exit_status(Outcome::NOT_SUPPORTED) : 3;
+  } catch (const OutOfMemory& e) {
+    std::cerr << ("moeverify: " + printable(e.message(), 4000) + "\n");
+    return 3;
+  } catch (const std::bad_alloc&) {  // outside the runner: no case or stage to name
+    std::cerr << ("moeverify: " + OutOfMemory().message() + "\n");
+    return 3;
   } catch (const std::exception& e) {
     std::cerr << ("moeverify: internal error: " + printable(e.what(), 4000) + "\n");
     return 3;

@@ -9,6 +9,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "../kernels/parallel_errors.h"
+
 namespace moev {
 
 const char* outcome_name(Outcome o) {
@@ -325,9 +327,12 @@ Partial compare(const Spans<T>& s, int64_t n) {
   const int64_t block = kBlockBytes / int64_t(sizeof(T));
   const int64_t blocks = (n + block - 1) / block;
   std::vector<Partial> parts(static_cast<size_t>(blocks));
+  ParallelErrors errors;  // a block's partial result holds its first mismatches
 #pragma omp parallel for schedule(dynamic, 1) if (blocks > 1 && !omp_in_parallel())
-  for (int64_t k = 0; k < blocks; ++k)
+  for (int64_t k = 0; k < blocks; ++k) errors.run(k, [&] {
     parts[size_t(k)] = compare_block<T, R, kScale>(s, k * block, std::min(n, (k + 1) * block), check_bound);
+  });
+  errors.rethrow();
   Partial all;
   for (const Partial& p : parts) all.merge(p);
   return all;

@@ -5,6 +5,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "../../kernels/parallel_errors.h"  // OutOfMemory
+
 namespace moev {
 
 enum class ErrorKind { bad_input, runtime, not_supported /* a requested path this build cannot run: exit 5 */ };
@@ -16,5 +18,4 @@ struct Error : std::runtime_error {
 
 [[noreturn]] inline void bad_input(const std::string& msg) { throw Error(ErrorKind::bad_input, msg); }
 [[noreturn]] inline void runtime_error(const std::string& msg) { throw Error(ErrorKind::runtime, msg); }
-
 }  // namespace moev

@@ -157,10 +157,86 @@ double estimate_case_bytes(const Case& c, int threads) {
   return b;
 }
 
-uint64_t default_memory_limit() {
+namespace {
+
+/// The first line of `path` as a byte count; 0 when absent, "max" or not a
+/// number.
+uint64_t read_limit_file(const std::string& path) {
+  std::ifstream f(path);
+  std::string s;
+  if (!f || !std::getline(f, s) || s.empty() || !std::isdigit(static_cast<unsigned char>(s[0]))) return 0;
+  return uint64_t(std::strtoull(s.c_str(), nullptr, 10));
+}
+
+/// This process's cgroup memory limit, 0 when none. v2: memory.max of the
+/// cgroup named in /proc/self/cgroup ("0::/path"), else of the mount's root
+/// (a container's namespace shows its own cgroup there); v1: the memory
+/// controller's memory.limit_in_bytes, where "unlimited" reads as a value
+/// near 2^63.
+uint64_t cgroup_limit() {
+  std::ifstream f("/proc/self/cgroup");
+  std::string line, v2, v1;
+  while (std::getline(f, line)) {
+    if (line.rfind("0::", 0) == 0) v2 = line.substr(3);
+    const size_t a = line.find(':'), b = line.find(':', a + 1);
+    if (a != std::string::npos && b != std::string::npos) {
+      const std::string ctl = line.substr(a + 1, b - a - 1);
+      if (ctl == "memory" || ctl.find("memory,") == 0 || ctl.find(",memory") != std::string::npos)
+        v1 = line.substr(b + 1);
+    }
+  }
+  uint64_t lim = 0;
+  if (!v2.empty() && (lim = read_limit_file("/sys/fs/cgroup" + v2 + "/memory.max")) > 0) return lim;
+  if ((lim = read_limit_file("/sys/fs/cgroup/memory.max")) > 0) return lim;
+  for (const std::string& p : {"/sys/fs/cgroup/memory" + v1 + "/memory.limit_in_bytes",
+                               std::string("/sys/fs/cgroup/memory/memory.limit_in_bytes")})
+    if ((lim = read_limit_file(p)) > 0 && lim < (uint64_t(1) << 62)) return lim;
+  return 0;
+}
+
+}  // namespace
+
+MemorySources memory_sources() {
+  MemorySources s;
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-  if (pages <= 0 || page <= 0) return uint64_t(8) << 30;  // unknown: a modest 8 GiB
-  return uint64_t(double(pages) * double(page) * 0.8);
+  s.physical = pages > 0 && page > 0 ? uint64_t(pages) * uint64_t(page) : uint64_t(10) << 30;  // unknown: 10 GiB
+  s.cgroup = cgroup_limit();
+  rlimit r{};
+  if (getrlimit(RLIMIT_AS, &r) == 0 && r.rlim_cur != RLIM_INFINITY) s.address_space = uint64_t(r.rlim_cur);
+  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"}) {
+    const char* e = std::getenv(v);
+    if (e && std::atoi(e) > 0) {
+      s.local_ranks = std::atoi(e);
+      break;
+    }
+  }
+  return s;
+}
+
+uint64_t memory_limit_from(const MemorySources& s, std::string* origin) {
+  const bool by_cgroup = s.cgroup > 0 && s.cgroup < s.physical;
+  const uint64_t node = by_cgroup ? s.cgroup : s.physical;
+  const int ranks = std::max(1, s.local_ranks);
+  const double shared = 0.8 * double(node) / ranks, own = 0.8 * double(s.address_space);
+  const bool by_rlimit = s.address_space > 0 && own < shared;
+  if (origin) {
+    if (by_rlimit) {
+      *origin = "the default: 80% of the address-space limit (ulimit -v) " + format_bytes(double(s.address_space));
+    } else {
+      *origin = std::string("the default: 80% of ") + (by_cgroup ? "the cgroup limit " : "physical memory ") +
+                format_bytes(double(node));
+      if (ranks > 1) *origin += ", shared by " + std::to_string(ranks) + " ranks on this node";
+    }
+  }
+  return uint64_t(by_rlimit ? own : shared);
+}
+
+uint64_t default_memory_limit() { return memory_limit_from(memory_sources()); }
+
+std::string default_memory_limit_origin() {
+  std::string origin;
+  memory_limit_from(memory_sources(), &origin);
+  return origin;
 }
 
 uint64_t parse_memory_size(const std::string& text, const std::string& flag) {

@@ -18,8 +18,27 @@ namespace moev {
 /// far more than 2^64 bytes.
 double estimate_case_bytes(const Case& c, int threads);
 
-/// The limit used without --max-memory: 80% of physical memory.
+/// What bounds this process's memory: physical memory, its cgroup's limit
+/// (v2 memory.max, v1 memory.limit_in_bytes; 0: none), RLIMIT_AS (0:
+/// unlimited), and the processes of this MPI job on this node
+/// (OMPI_COMM_WORLD_LOCAL_SIZE or MPI_LOCALNRANKS; 1 outside mpirun).
+struct MemorySources {
+  uint64_t physical = 0, cgroup = 0, address_space = 0;
+  int local_ranks = 1;
+};
+MemorySources memory_sources();
+
+/// The default limit from `s`: 80% of the smaller of physical memory and
+/// the cgroup's limit, which the node's ranks share (divided among them),
+/// and at most 80% of RLIMIT_AS, which caps each process alone. `origin`,
+/// when given, gets which of them bounds it, for the refusal message.
+uint64_t memory_limit_from(const MemorySources& s, std::string* origin = nullptr);
+
+/// The limit used without --max-memory: memory_limit_from(memory_sources()).
 uint64_t default_memory_limit();
+/// Its origin, e.g. "the default: 80% of the cgroup limit 4.0 GiB, shared by
+/// 2 ranks on this node".
+std::string default_memory_limit_origin();
 
 /// Parses a --max-memory value: a positive number with an optional unit,
 /// B, K, M, G or T, each optionally followed by "iB" or "B" (512M, 8G,

@@ -18,6 +18,7 @@
 #include "dump.h"
 #include "error.h"
 #include "../kernels/overload_host.h"
+#include "../kernels/parallel_errors.h"
 #include "../reference/reference.h"
 
 namespace moev {
@@ -33,18 +34,13 @@ int ranks_side_by_side(int threads, int R) { return std::max(1, std::min(threads
 
 template <class Fn>
 void each_rank(int R, int threads, Fn fn, const std::vector<int>& order = {}) {
-  std::vector<std::exception_ptr> err(static_cast<size_t>(R));
+  ParallelErrors errors;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(ranks_side_by_side(threads, R)) if (threads > 1 && R > 1)
   for (int k = 0; k < R; ++k) {
     const int r = order.empty() ? k : order[size_t(k)];
-    try {
-      fn(r);
-    } catch (...) {
-      err[size_t(r)] = std::current_exception();
-    }
+    errors.run(r, [&] { fn(r); });
   }
-  for (auto& e : err)
-    if (e) std::rethrow_exception(e);
+  errors.rethrow();
 }
 
 /// Why an output can legitimately be all zero, for the NOT_VERIFIED note:
@@ -191,6 +187,9 @@ std::string run_fast(const Stage& s, const Case& c, const RunOptions& opt, const
                      std::vector<std::vector<std::string>>& notes, std::string& skipped, bool use_mpi) {
   const int R = int(in.ranks.size());
   std::vector<std::string> skip(static_cast<size_t>(R)), err(static_cast<size_t>(R));
+  // Out of memory is no verdict on the stage: it ends the run (exit 3), the
+  // lowest rank's rethrown once every rank is done.
+  std::vector<std::exception_ptr> oom(static_cast<size_t>(R));
   auto one = [&](int r, Comm* comm) {
     // In-process ranks share the machine: each gets its share of the
     // threads, so R ranks never run R x threads OpenMP workers (results do
@@ -199,10 +198,18 @@ std::string run_fast(const Stage& s, const Case& c, const RunOptions& opt, const
     FastCtx ctx{c, r, R, ex, comm, in.ranks[size_t(r)], out.ranks[size_t(r)], notes[size_t(r)], &skip[size_t(r)]};
     try {
       s.fast(ctx);
+    } catch (const std::bad_alloc&) {
+      oom[size_t(r)] = std::current_exception();
+      err[size_t(r)] = "out of memory";
+      comm->abort("out of memory");
     } catch (const std::exception& e) {
       err[size_t(r)] = e.what();
       comm->abort(e.what());
     }
+  };
+  auto rethrow_oom = [&] {
+    for (const auto& e : oom)
+      if (e) std::rethrow_exception(e);
   };
   if (!use_mpi) {
     // On a device the ranks are threads on it, exchanging device buffers
@@ -217,6 +224,7 @@ std::string run_fast(const Stage& s, const Case& c, const RunOptions& opt, const
       for (int r = 0; r < R; ++r) th.emplace_back([&, r] { one(r, comms[size_t(r)].get()); });
       for (auto& t : th) t.join();
     }
+    rethrow_oom();
   } else {
     Comm& w = mpi_world();
     const int me = w.rank();
@@ -225,6 +233,7 @@ std::string run_fast(const Stage& s, const Case& c, const RunOptions& opt, const
     one(me, c.backend == Backend::cuda && opt.mirror
                 ? &nccl_world(cuda_device_ordinal(), std::chrono::milliseconds(opt.collective_timeout_ms))
                 : &w);
+    rethrow_oom();  // the peers' deadline ends their wait for this rank
     const std::vector<uint8_t> mine = serialise(out.ranks[size_t(me)], notes[size_t(me)], skip[size_t(me)], err[size_t(me)]);
     std::vector<int64_t> sizes(static_cast<size_t>(R));
     const int64_t my_size = int64_t(mine.size());
@@ -257,8 +266,8 @@ std::string run_fast(const Stage& s, const Case& c, const RunOptions& opt, const
 /// end-to-end reference chain. `fast` ends holding every primary output.
 /// Returns false when a stage had no variant to feed the next one (the case
 /// is then ERROR and stops there).
-bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBoard>& inputs, bool use_mpi,
-                  CaseReport& rep, Board& fast, Board* chain_out = nullptr) {
+bool run_pipeline_stages(const Case& c, const RunOptions& opt, const std::vector<RankBoard>& inputs, bool use_mpi,
+                         CaseReport& rep, Board& fast, Board* chain_out, std::string& stage) {
   const int R = int(inputs.size());
   fast.ranks = inputs;
   // The reference chain starts from the same input tensors (no stage writes
@@ -321,6 +330,7 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
       VariantDecision* vd = nullptr;
       for (auto& d : rep.decisions)
         if (d.slot == s->slot && d.variant == s->variant) vd = &d;
+      stage = s->slot + "/" + s->variant;
       if (opt.progress) opt.progress(s->slot, s->variant);
       using clock = std::chrono::steady_clock;
       auto since = [](clock::time_point t) { return std::chrono::duration<double>(clock::now() - t).count(); };
@@ -576,6 +586,7 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
     // shares the fast storage, so the chain holds its own copy only where it
     // differs: past routing that is the tolerance-class scores and what they
     // scale, while the row stages share their rows.
+    stage = slot + " (reference chain)";
     bool chain_inputs_fast = true;
     const std::vector<std::string> primary_inputs = primary->inputs(c);
     for (int r = 0; r < R; ++r)
@@ -634,6 +645,7 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
     if (!keep_fast) drop_dead(fast, slot_index);
   }
   if (opt.fast_only) return true;
+  stage = "end_to_end";
   // End to end: the fast pipeline's output against the reference chain's,
   // with the error scale of the chain's combine (it also scales the EP
   // invariance check, so it stays on the fast board as out_magnitude).
@@ -659,6 +671,18 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
   return true;
 }
 
+/// run_pipeline_stages, with an allocation that fails named by the stage
+/// variant (or the phase) that asked for it.
+bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBoard>& inputs, bool use_mpi,
+                  CaseReport& rep, Board& fast, Board* chain_out = nullptr) {
+  std::string stage = "pipeline setup";
+  try {
+    return run_pipeline_stages(c, opt, inputs, use_mpi, rep, fast, chain_out, stage);
+  } catch (const std::bad_alloc&) {
+    rethrow_out_of_memory(c.name, stage);
+  }
+}
+
 }  // namespace
 
 namespace {
@@ -670,8 +694,14 @@ bool run_entry(const Case& c, const RunOptions& opt, bool use_mpi, CaseReport& r
   std::vector<RankBoard> inputs(static_cast<size_t>(R));
   // Each rank's inputs are a pure function of (seed, stream, rank, row,
   // column): ranks are generated on the run's threads.
+  ParallelErrors errors;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(1, opt.threads)) if (opt.threads > 1 && R > 1)
-  for (int r = 0; r < R; ++r) inputs[size_t(r)] = make_inputs(c, r, c.tokens_on(r));
+  for (int r = 0; r < R; ++r) errors.run(r, [&] { inputs[size_t(r)] = make_inputs(c, r, c.tokens_on(r)); });
+  try {
+    errors.rethrow();
+  } catch (const std::bad_alloc&) {
+    rethrow_out_of_memory(c.name, "input generation");
+  }
   const bool completed = run_pipeline(c, opt, inputs, use_mpi, rep, fast, &chain);
 
   // EP invariance (CONTRACT §3): each rank's output equals an EP = 1 run on
@@ -866,7 +896,11 @@ CaseReport run_case(const Case& c, const RunOptions& opt) {
                                      : "token all-to-all: MPI, host-staged (the emulated device is host memory)")
                               : "token all-to-all: in-process ranks, device-to-device copies");
   }
-  run_case_on(c, dopt, rep, t0);
+  try {
+    run_case_on(c, dopt, rep, t0);
+  } catch (const std::bad_alloc&) {
+    rethrow_out_of_memory(c.name, "");
+  }
   return rep;
 }
 

@@ -5,6 +5,8 @@
 #include <xxhash.h>
 #include <stdexcept>
 
+#include "error.h"
+
 namespace moev {
 
 const char* elem_name(ElemType t) {
@@ -49,7 +51,12 @@ Tensor Tensor::alloc(ElemType t, std::vector<int64_t> shape, uint8_t fill, size_
   Tensor r;
   r.type = t;
   r.shape = std::move(shape);
-  r.storage = std::make_shared<std::vector<uint8_t>>(r.bytes() + extra, fill);
+  const size_t bytes = r.bytes() + extra;
+  try {
+    r.storage = std::make_shared<std::vector<uint8_t>>(bytes, fill);
+  } catch (const std::bad_alloc&) {
+    throw OutOfMemory(bytes);
+  }
   return r;
 }
 
@@ -65,7 +72,11 @@ Tensor Tensor::view(ElemType t, std::vector<int64_t> shp, size_t offset) const {
 
 Tensor Tensor::clone() const {
   Tensor r = *this;  // the whole storage is copied: views past the tensor stay valid
-  r.storage = std::make_shared<std::vector<uint8_t>>(*storage);
+  try {
+    r.storage = std::make_shared<std::vector<uint8_t>>(*storage);
+  } catch (const std::bad_alloc&) {
+    throw OutOfMemory(storage->size());
+  }
   return r;
 }
 

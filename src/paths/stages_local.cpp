@@ -8,6 +8,7 @@
 #include <mutex>
 #include <tuple>
 
+#include "../kernels/parallel_errors.h"
 #include "../reference/reference.h"
 #include "error.h"
 #include "stages.h"
@@ -153,10 +154,9 @@ void ref_combine(RefCtx& r) {
   const Case& c = r.c;
   const int R = int(r.in.ranks.size());
   std::vector<Tensor> outs(static_cast<size_t>(R));
-  std::vector<std::string> errors(static_cast<size_t>(R));
+  ParallelErrors errors;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(1, r.threads)) if (r.threads > 1 && R > 1)
-  for (int q = 0; q < R; ++q) {
-    try {
+  for (int q = 0; q < R; ++q) errors.run(q, [&] {
       const RankBoard& in = r.in.ranks[size_t(q)];
       const Tensor& x = in.at("x");
       const bool add_after = c.shared.kind != SharedKind::none && c.shared.order == SharedOrder::add_after;
@@ -166,14 +166,9 @@ void ref_combine(RefCtx& r) {
                        to_floats(in.at("score_sorted")), combine_init(c, in), shared, x.shape[0], c.hidden,
                        R >= r.threads ? 1 : r.threads / R),
           x.type, x.shape);
-    } catch (const std::exception& e) {  // no exception may leave an OpenMP region
-      errors[size_t(q)] = e.what();
-    }
-  }
-  for (int q = 0; q < R; ++q) {
-    if (!errors[size_t(q)].empty()) runtime_error(errors[size_t(q)]);
-    r.out.ranks[size_t(q)]["out"] = std::move(outs[size_t(q)]);
-  }
+  });
+  errors.rethrow();
+  for (int q = 0; q < R; ++q) r.out.ranks[size_t(q)]["out"] = std::move(outs[size_t(q)]);
 }
 
 std::vector<std::string> combine_inputs(const Case& c) {
