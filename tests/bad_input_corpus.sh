@@ -167,6 +167,7 @@ v capacity_policy "capacity.policy: unknown value 'random'; valid: probs | posit
 v capacity_unknown_key "capacity.min_capacity: unknown key; valid keys here: factor, pad_to_capacity, policy"
 v capacity_sp "capacity_sp.yaml:4:24: capacity.factor: capacity dropping on the sequence-parallel layout is not implemented"
 v layers_zero "layers_zero.yaml:3:13: layers: value 0 is out of range"
+v batch_seq_len_past_range "shape.seq_len: batch 65536 x seq_len 65536 = 4294967296 tokens, past the token range"
 python3 -c "
 import sys
 f = open(sys.argv[1], 'w')

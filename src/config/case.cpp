@@ -576,6 +576,13 @@ Case build_case(const Flat& flat, const std::string& source) {
       bad_input(where(flat.at("shape.tokens")) + ": shape.tokens: " + std::to_string(c.tokens) +
                 " disagrees with batch * seq_len = " + std::to_string(c.batch * c.seq_len) +
                 "; valid: either shape.tokens or shape.seq_len (with shape.batch)");
+    // Each is held to its range alone; their product is the token count,
+    // held to shape.tokens' range (batch and seq_len up to 2^24 each would
+    // give 2^48 tokens).
+    if (c.batch * c.seq_len > int64_t(1) << 24)
+      bad_input(where(flat.at("shape.seq_len")) + ": shape.seq_len: batch " + std::to_string(c.batch) +
+                " x seq_len " + std::to_string(c.seq_len) + " = " + std::to_string(c.batch * c.seq_len) +
+                " tokens, past the token range; valid: batch * seq_len from 0 to 16777216 (2^24), as shape.tokens");
     c.tokens = c.batch * c.seq_len;
   }
   validate(c, flat);
