@@ -228,6 +228,11 @@ h += " " * ((64 - (10 + len(h) + 1) % 64) % 64) + "\n"
 open(sys.argv[1], "wb").write(b"\x93NUMPY\x01\x00" + len(h).to_bytes(2, "little") + h.encode() + b"\0" * 64)
 PY
 expect_rc 2 "$tmp/huge.log" -- "$bin" check "$ed" && one_line "$tmp/huge.log" "2^40 rows" "data bytes"
+# what was judged before a malformed file is still reported (issue 21 §3)
+"$py" -c "import numpy as np; a = np.load('$ed/routing.counts.rank0.npy'); a[0] += 1; np.save('$ed/actual/routing.counts.rank0.npy', a)"
+expect_rc 2 "$tmp/kept.log" -- "$bin" check "$ed" && grep -q -E 'routing +actual +counts .*INCORRECT' "$tmp/kept.log" ||
+  fail "an INCORRECT stage before a malformed file was not reported"
+cp "$ed/routing.counts.rank0.npy" "$ed/actual/"
 cp "$ed/$ri" "$ed/actual/$ri"
 # names under actual/: unknown files are exit 2 with the nearest valid name,
 # --allow-unknown lists them; a folder, a broken link or a FIFO is exit 2

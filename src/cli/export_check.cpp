@@ -626,7 +626,21 @@ bool ExternalEntry::stage(const Stage& s, Board& board) {
   std::vector<std::map<std::string, Tensor>> given(static_cast<size_t>(R));
   const size_t first_check = rep.checks.size();
   const Board fed = merged;  // what the reference saw, and its outputs
-  read_given(s, expected, fed, merged, given);
+  try {
+    read_given(s, expected, fed, merged, given);
+  } catch (const Error& e) {
+    if (e.kind != ErrorKind::bad_input) throw;
+    rep.bad_input = e.what();
+    Check ch;
+    ch.slot = s.slot;
+    ch.variant = "actual";
+    ch.tensor = "-";
+    ch.outcome = Outcome::ERROR;
+    ch.note = std::string("bad input: ") + e.what();
+    rep.checks.push_back(ch);
+    rep.notes.push_back("the check stopped at stage " + prefix + s.slot + ": a file of the implementation cannot be read");
+    return false;
+  }
   if (s.slot == "capacity" && !opt.strict_ties)
     for (int r = 0; r < R; ++r)
       if (adopt_capacity_ties(c, board.ranks[size_t(r)], given[size_t(r)], expected[size_t(r)]))
@@ -689,12 +703,14 @@ CaseReport run_external(const Case& c, const ActualFn* actual, std::vector<Golde
     for (auto& ch : rl.checks) ch.slot = prefix + ch.slot, rep.checks.push_back(std::move(ch));
     for (auto& d : rl.decisions) d.slot = prefix + d.slot, rep.decisions.push_back(std::move(d));
     for (auto& n : rl.notes) rep.notes.push_back(n);
+    if (!rl.bad_input.empty()) rep.bad_input = rl.bad_input;
     expected_total += entry.expected_total;
+    if (!rep.bad_input.empty()) break;
     checked += entry.checked;
     not_checked.insert(not_checked.end(), entry.not_checked.begin(), entry.not_checked.end());
     partly.insert(partly.end(), entry.partly.begin(), entry.partly.end());
   }
-  if (actual) {
+  if (actual && rep.bad_input.empty()) {
     auto joined = [](const std::vector<std::string>& v) {
       std::string m;
       for (const auto& n : v) m += (m.empty() ? "" : ", ") + n;
@@ -733,7 +749,7 @@ int cmd_export(const std::string& file, const std::string& dir, const std::strin
               "; valid: a name as `moeverify validate FILE` lists it");
   // The estimate of `run` bounds the reference chain's memory from above.
   for (const Case& c : chosen)
-    check_case_memory(c, 1, default_memory_limit(), "the default, 80% of physical memory");
+    check_case_memory(c, 1, default_memory_limit(), default_memory_limit_origin());
   prepare_dump_root(dir, "export DIR");
   for (const Case& c : chosen) {
     std::vector<GoldenTensor> golden;
@@ -865,7 +881,7 @@ CaseReport check_folder(const std::string& folder, const std::string& actual_dir
     bad_input(printable(mpath, 200) + ": needs \"case\", \"ranks\" and \"tensors\"; " + valid);
   Case c = case_from_json(m["case"], mpath);
   c.source = mpath;
-  check_case_memory(c, 1, default_memory_limit(), "the default, 80% of physical memory");
+  check_case_memory(c, 1, default_memory_limit(), default_memory_limit_origin());
   if (m["ranks"].get<int64_t>() != c.ep)
     bad_input(printable(mpath, 200) + ": \"ranks\" is " + m["ranks"].dump() + " but the case has ep " +
               std::to_string(c.ep) + "; " + valid);
@@ -948,12 +964,18 @@ int cmd_check(const CheckArgs& a) {
   size_t passed = 0;
   for (const auto& r : reports) passed += r.outcome == Outcome::PASSED;
   std::cout << "\n" << passed << " of " << reports.size() << " case(s) PASSED; overall " << outcome_name(all) << "\n";
+  std::string bad;
+  for (const auto& r : reports)
+    if (bad.empty() && !r.bad_input.empty()) bad = r.bad_input;
   if (a.want_json) {
     ReportMeta meta;
     meta.schema = "moeverify-check/1";
     const std::string err = write_file(a.json, {reports_json(reports, dir, meta)});
     if (!err.empty()) bad_input("--json: " + err + "; valid: a writable file path such as report.json");
   }
+  // What was judged before a malformed file is reported above; the run then
+  // ends as bad input.
+  if (!bad.empty()) bad_input(bad);
   return exit_status(all);
 }
 

@@ -65,6 +65,10 @@ struct CaseReport {
   Outcome outcome = Outcome::PASSED;
   double seconds = 0;
   Board fast;  // every primary fast output (of layer entry 1), when RunOptions::keep == fast_board
+  /// `check`: an implementation's file could not be read (malformed, wrong
+  /// dtype or columns). The checks hold what was judged before it; the
+  /// command reports them, then exits 2 with this line.
+  std::string bad_input;
   /// The overload factor of the case's layer entries (CONTRACT §12) from the
   /// fast pipeline; the checks compare it with the reference's.
   struct Overload {
