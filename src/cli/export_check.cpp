@@ -737,16 +737,17 @@ CaseReport run_external(const Case& c, const ActualFn* actual, std::vector<Golde
   return rep;
 }
 
-int cmd_export(const std::string& file, const std::string& dir, const std::string& only, bool select,
+int cmd_export(const std::string& file, const std::string& dir, const CaseFilter& filter,
                const std::vector<std::string>& sets) {
-  if (select && only.empty()) bad_input("--case: the name is empty; valid: a case name as `moeverify validate FILE` lists it");
+  filter.check_not_empty();
   const std::vector<Case> cases = load_cases(file, sets);
   std::vector<Case> chosen;
-  for (const Case& c : cases)
-    if (!select || c.name == only) chosen.push_back(c);
-  if (chosen.empty())
-    bad_input("--case " + printable(only) + ": no case of that name in " + printable(file, 200) +
-              "; valid: a name as `moeverify validate FILE` lists it");
+  std::vector<std::string> names;
+  for (const Case& c : cases) {
+    names.push_back(c.name);
+    if (filter.selects(c.name)) chosen.push_back(c);
+  }
+  filter.check_each_used(names, printable(file, 200));
   // The estimate of `run` bounds the reference chain's memory from above.
   for (const Case& c : chosen)
     check_case_memory(c, 1, default_memory_limit(), default_memory_limit_origin());

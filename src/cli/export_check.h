@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "case.h"
+#include "case_filter.h"
 #include "case_json.h"
 #include "runner.h"
 
@@ -89,7 +90,7 @@ CaseReport run_external(const Case& c, const ActualFn* actual, std::vector<Golde
                         const ExternalOptions& opt = {});
 
 /// `moeverify export FILE DIR [--case NAME]`: one golden folder per case.
-int cmd_export(const std::string& file, const std::string& dir, const std::string& only, bool select,
+int cmd_export(const std::string& file, const std::string& dir, const CaseFilter& cases,
                const std::vector<std::string>& sets);
 
 struct CheckArgs {

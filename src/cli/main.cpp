@@ -25,6 +25,7 @@
 #include "dump.h"
 #include "error.h"
 #include "fuzz.h"
+#include "case_filter.h"
 #include "export_check.h"
 #include "memory_estimate.h"
 #include "registry.h"
@@ -73,7 +74,8 @@ MemoryLimit memory_limit(const CLI::App* cmd, const std::string& text) {
 
 struct RunArgs {
   std::vector<std::string> files, sets, faults;
-  std::string threads, json, dump, only, timeout = "30", max_memory, backend;
+  std::string threads, json, dump, timeout = "30", max_memory, backend;
+  CaseFilter cases;
   bool verbose = false;
 };
 
@@ -126,6 +128,37 @@ void check_bench_backend(const std::string& backend) {
                                             backend + "` runs cases on a device");
 }
 
+/// A shell word: single-quoted unless it is plain.
+std::string shell_word(const std::string& w) {
+  if (!w.empty() && w.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-./=:") == std::string::npos)
+    return w;
+  std::string q = "'";
+  for (char ch : w) q += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+  return q + "'";
+}
+
+/// The end of a run that did not pass: each case that failed, its first
+/// check that did not pass, and the command that runs it alone.
+void print_failures(const std::vector<CaseReport>& reports, const RunArgs& a, std::ostream& out) {
+  bool header = false;
+  for (const CaseReport& r : reports) {
+    if (r.outcome == Outcome::PASSED) continue;
+    if (!header) out << "failures:\n";
+    header = true;
+    const Check* first = nullptr;
+    for (const Check& ch : r.checks)
+      if (!first && ch.outcome != Outcome::PASSED) first = &ch;
+    out << "   " << r.c.name << ": " << outcome_name(r.outcome);
+    if (first) out << " at " << first->slot << " / " << first->variant << " / " << first->tensor;
+    std::string file = r.c.source.substr(0, r.c.source.rfind(':'));
+    out << "\n      repro: moeverify run " << shell_word(file) << " --case " << shell_word(r.c.name);
+    for (const auto& st : a.sets) out << " --set " << shell_word(st);
+    for (const auto& f : a.faults) out << " --fault " << shell_word(f);
+    if (!a.backend.empty()) out << " --backend " << shell_word(a.backend);
+    out << "\n";
+  }
+}
+
 int cmd_run(const CLI::App* cmd, const RunArgs& a) {
   const bool mpi = launched_under_mpi();
   const bool writer = !mpi || mpi_world().rank() == 0;  // rank 0 prints and writes
@@ -136,8 +169,7 @@ int cmd_run(const CLI::App* cmd, const RunArgs& a) {
   opt.collective_timeout_ms = int(parse_real_option("--collective-timeout", a.timeout, 0.05, 3600.0) * 1000);
   set_mpi_collective_timeout(std::chrono::milliseconds(opt.collective_timeout_ms));  // MPI collectives too
   const MemoryLimit limit = memory_limit(cmd, a.max_memory);
-  if (cmd->count("--case") && a.only.empty())
-    bad_input("--case: the name is empty; valid: a case name as `moeverify validate FILE` lists it");
+  a.cases.check_not_empty();
   const bool want_json = cmd->count("--json") > 0, want_dump = cmd->count("--dump") > 0;
   if (want_json && a.json.empty()) bad_input("--json: the path is empty; valid: a file path such as report.json");
   if (want_dump && a.dump.empty()) bad_input("--dump: the path is empty; valid: a folder path such as dump/");
@@ -156,8 +188,14 @@ int cmd_run(const CLI::App* cmd, const RunArgs& a) {
   }
   std::vector<std::pair<std::string, std::vector<Case>>> all;
   for (const auto& f : a.files) all.push_back({f, load_cases(f, sets)});  // validate everything before running
-  const bool select = cmd->count("--case") > 0;
-  auto selected = [&](const Case& c) { return !select || c.name == a.only; };
+  const bool select = !a.cases.patterns.empty();
+  auto selected = [&](const Case& c) { return a.cases.selects(c.name); };
+  if (select) {
+    std::vector<std::string> names;
+    for (const auto& [file, cases] : all)
+      for (const auto& c : cases) names.push_back(c.name);
+    a.cases.check_each_used(names, "the given files");
+  }
   // Under mpirun every process runs every case (one rank each); rank 0 prints.
   const int world = mpi ? mpi_world().size() : 0;
   std::vector<std::string> skipped;
@@ -174,9 +212,8 @@ int cmd_run(const CLI::App* cmd, const RunArgs& a) {
     for (const auto& c : cases) total += selected(c);
   if (mpi) mpi_agree_on_case_count(int64_t(total));  // before any rank can stop alone
   if (total == 0)
-    bad_input(!select ? "no case with ep " + std::to_string(world) + " to run under mpirun -np " + std::to_string(world)
-                      : "--case " + printable(a.only) + ": no case of that name in the given files; " +
-                            "valid: a name as `moeverify validate FILE` lists it");
+    bad_input("no case with ep " + std::to_string(world) + " to run under mpirun -np " + std::to_string(world) +
+              (select ? " among those --case selects" : ""));
   // Everything that can be refused is refused before the first case runs:
   // memory, then the output paths.
   for (const auto& [file, cases] : all)
@@ -226,9 +263,20 @@ int cmd_run(const CLI::App* cmd, const RunArgs& a) {
   size_t passed = 0;
   for (const auto& r : reports) passed += r.outcome == Outcome::PASSED;
   out << "\n" << passed << " of " << reports.size() << " case(s) PASSED; overall " << outcome_name(worst_all) << "\n";
+  print_failures(reports, a, out);
+  ReportMeta meta;
+  meta.faults = a.faults;
+  if (opt.faults.bits && passed == reports.size()) {
+    // Every case passed with the fault on: nothing here exercises it.
+    meta.faults_uncaught = a.faults;
+    out << "PLANTED FAULT NOT CAUGHT:";
+    for (const auto& f : a.faults) out << " " << f;
+    out << " was on and every case PASSED: these cases do not exercise it (`moeverify selftest` names the case "
+           "or fuzz run that catches each fault)\n";
+  }
   if (writer && want_json) {
     const std::string err =
-        write_file(a.json, {reports_json(reports, a.files.size() == 1 ? a.files[0] : "(several)")});
+        write_file(a.json, {reports_json(reports, a.files.size() == 1 ? a.files[0] : "(several)", meta)});
     if (!err.empty()) bad_input("--json: " + err + "; valid: a writable file path such as report.json");
   }
   return exit_status(worst_all);
@@ -316,7 +364,8 @@ FaultSet parse_faults(const std::vector<std::string>& names, std::string* flags 
 
 struct BenchArgs {
   std::vector<std::string> files, sets;
-  std::string threads, repeat = "5", warmup = "1", json, plot, only, backend = "host", max_memory;
+  std::string threads, repeat = "5", warmup = "1", json, plot, backend = "host", max_memory;
+  CaseFilter cases;
   bool sweep = false;
 };
 
@@ -331,18 +380,18 @@ int cmd_bench(const CLI::App* cmd, const BenchArgs& a) {
   o.sweep = a.sweep;
   o.sets = a.sets;
   const MemoryLimit limit = memory_limit(cmd, a.max_memory);
-  if (cmd->count("--case") && a.only.empty())
-    bad_input("--case: the name is empty; valid: a case name as `moeverify validate FILE` lists it");
+  a.cases.check_not_empty();
   const bool want_json = cmd->count("--json") > 0, want_plot = cmd->count("--plot") > 0;
   if (want_json && a.json.empty()) bad_input("--json: the path is empty; valid: a file path such as bench.json");
   if (want_plot && a.plot.empty()) bad_input("--plot: the path is empty; valid: a file path such as bench.svg");
   std::vector<std::pair<std::string, Case>> selected;
+  std::vector<std::string> names;
   for (const auto& f : a.files)
-    for (const auto& c : load_cases(f, a.sets))
-      if (!cmd->count("--case") || c.name == a.only) selected.push_back({f, c});
-  if (selected.empty())
-    bad_input("--case " + printable(a.only) + ": no case of that name in the given files; " +
-              "valid: a name as `moeverify validate FILE` lists it");
+    for (const auto& c : load_cases(f, a.sets)) {
+      names.push_back(c.name);
+      if (a.cases.selects(c.name)) selected.push_back({f, c});
+    }
+  a.cases.check_each_used(names, "the given files");
   for (const auto& [f, c] : selected) check_case_memory(c, o.threads, limit.bytes, limit.origin);
   if (want_json) check_output_file("--json", a.json);
   if (want_plot) check_output_file("--plot", a.plot);
@@ -480,7 +529,10 @@ int main(int argc, char** argv) {
   run->add_option("--json", ra.json, "also write the report as JSON to this file");
   run->add_option("--dump", ra.dump, "write every stage's inputs and outputs as .npy under this folder");
   run->add_option("--fault", ra.faults, "turn on a planted fault (see `moeverify list`); the run must then fail");
-  run->add_option("--case", ra.only, "run only the case of this name");
+  run->add_option("--case", ra.cases.patterns,
+                  "run only these cases: names or shell patterns over the expanded sweep names (repeatable)")
+      ->expected(1)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   run->add_option("--backend", ra.backend,
                   "host (default) | cuda | emulated (the device plumbing on host memory, for testing): where the "
                   "fast path runs (the case key `backend`)");
@@ -504,13 +556,16 @@ int main(int argc, char** argv) {
   bool list_json = false;
   auto* ls = app.add_subcommand("list", "list registered paths, their stages and backends, and the planted faults");
   ls->add_flag("--json", list_json, "print the list as JSON (each variant with its `backends`)");
-  std::string ex_file, ex_dir, ex_case;
+  std::string ex_file, ex_dir;
+  CaseFilter ex_cases;
   CheckArgs ck;
   std::vector<std::string> ex_sets;
   auto* exp = app.add_subcommand("export", "write a case's inputs and expected stage outputs as .npy + manifest.json");
   exp->add_option("file", ex_file, "case file (YAML)")->required();
   exp->add_option("dir", ex_dir, "output folder (one folder per case inside)")->required();
-  exp->add_option("--case", ex_case, "export only the case of this name");
+  exp->add_option("--case", ex_cases.patterns, "export only these cases: names or shell patterns (repeatable)")
+      ->expected(1)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   exp->add_option("--set", ex_sets, "override a case key, as for run");
   auto* chk = app.add_subcommand("check", "check an implementation's outputs against the reference, stage by stage");
   chk->add_option("dir", ck.dir, "a folder written by export (or a folder of them)")->required();
@@ -548,7 +603,9 @@ int main(int argc, char** argv) {
   auto* bn = app.add_subcommand("bench", "time every stage variant against a memcpy of the same bytes (README: Benchmarks)");
   bn->add_option("files", ba.files, "case files (YAML)")->required();
   bn->add_option("--set", ba.sets, "override a case key, as for run");
-  bn->add_option("--case", ba.only, "bench only the case of this name");
+  bn->add_option("--case", ba.cases.patterns, "bench only these cases: names or shell patterns (repeatable)")
+      ->expected(1)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   bn->add_option("--threads", ba.threads, "host executor threads, 1 to 256 (default: the core count)")->type_name("INT");
   bn->add_option("--repeat", ba.repeat, "timed calls of each fast function (default 5)")->type_name("N");
   bn->add_option("--warmup", ba.warmup, "untimed calls before them (default 1)")->type_name("N");
@@ -576,7 +633,7 @@ int main(int argc, char** argv) {
     if (fz->parsed()) return cmd_fuzz(fz, fa);
     if (st->parsed()) return cmd_selftest(st, sa);
     if (bn->parsed()) return cmd_bench(bn, ba);
-    if (exp->parsed()) return cmd_export(ex_file, ex_dir, ex_case, exp->count("--case") > 0, ex_sets);
+    if (exp->parsed()) return cmd_export(ex_file, ex_dir, ex_cases, ex_sets);
     if (chk->parsed()) {
       ck.has_actual = chk->count("--actual") > 0;
       ck.want_json = chk->count("--json") > 0;

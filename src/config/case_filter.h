@@ -1,0 +1,43 @@
+// --case of run, bench and export: names or shell patterns over the expanded
+// sweep names (`name[key=value,...]`).
+#pragma once
+
+#include <fnmatch.h>
+
+#include <string>
+#include <vector>
+
+#include "error.h"
+
+namespace moev {
+
+/// A pattern selects a name it equals (so a sweep name's own brackets need
+/// no escaping) or that it matches as a shell glob (`*`, `?`, `[...]`). No
+/// pattern: every case. An empty pattern, or one that selects nothing in the
+/// files given, is bad input naming it.
+struct CaseFilter {
+  std::vector<std::string> patterns;
+
+  bool selects(const std::string& name) const {
+    if (patterns.empty()) return true;
+    for (const auto& p : patterns)
+      if (p == name || fnmatch(p.c_str(), name.c_str(), 0) == 0) return true;
+    return false;
+  }
+  void check_not_empty() const {
+    for (const auto& p : patterns)
+      if (p.empty()) bad_input("--case: the name is empty; valid: a case name or pattern as `moeverify validate FILE` lists names");
+  }
+  /// After selecting: every pattern must have selected some name.
+  void check_each_used(const std::vector<std::string>& names, const std::string& where) const {
+    for (const auto& p : patterns) {
+      bool used = false;
+      for (const auto& n : names) used = used || p == n || fnmatch(p.c_str(), n.c_str(), 0) == 0;
+      if (!used)
+        bad_input("--case " + printable(p) + ": no case of that name or pattern in " + where +
+                  "; valid: a name as `moeverify validate FILE` lists it, or a pattern such as 'ep4_*'");
+    }
+  }
+};
+
+}  // namespace moev
