@@ -6,20 +6,12 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "exec.h"  // core/: ExecCtx
 #include "faults.h"
 #include "parallel_errors.h"
 
 namespace moev {
 
-class Mirror;
-
-struct ExecCtx {
-  int threads = 1;
-  FaultSet faults;
-  /// Set: the entry points run their bodies on this mirror's device
-  /// (kernels/device.h); null: on the host executor.
-  Mirror* mirror = nullptr;
-};
 
 /// A phased body has `static constexpr int kPhases` and is called as
 /// body(phase, item, lane, lanes): the lanes of one item run phase p + 1

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "../kernels/bodies.h"
-#include "../kernels/dtype.h"
+#include "dtype.h"
 #include "../reference/reference.h"
 
 using namespace moev;

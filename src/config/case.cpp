@@ -137,6 +137,21 @@ const EnumTable<CompareClass>& compare_class_table() {
   return t;
 }
 
+Tolerance tolerance_for(const Case& c, CompareClass cls) {
+  if (cls == CompareClass::rounding) return default_tolerance(cls, c.dtype);
+  auto it = c.tolerance_override.find(cls);
+  // GEMMs run in bf16 under experts.compute_dtype bf16 (CONTRACT §14): their
+  // outputs, and the combined output built from them, carry bf16 errors.
+  const bool bf16_gemm = c.experts.compute_dtype == ComputeDtype::bf16 &&
+                         (cls == CompareClass::gemm || cls == CompareClass::end_to_end);
+  Tolerance t = default_tolerance(cls, bf16_gemm ? DType::bf16 : c.dtype);
+  if (it != c.tolerance_override.end()) {
+    if (it->second.rtol) t.rtol = *it->second.rtol;
+    if (it->second.atol) t.atol = *it->second.atol;
+  }
+  return t;
+}
+
 int64_t Case::tokens_on(int rank) const {
   if (!tokens_per_rank.empty()) return tokens_per_rank[size_t(rank)];
   if (tokens_uniform_lo >= 0) {  // a pure function of (seed, rank): every process draws the same

@@ -12,19 +12,16 @@
 
 #include "../kernels/bodies.h"
 #include "../kernels/capacity_host.h"
-#include "../kernels/dtype.h"
+#include "backend.h"
+#include "diff.h"
+#include "dtype.h"
 #include "../kernels/moe_host.h"
 #include "../kernels/sp_host.h"
 
 namespace moev {
 
 enum class DataMode { exact, realistic };
-/// Where the fast path runs (DESIGN.md "Scale and backends"): the host
-/// executor, or a device (kernels/device.h): `cuda`, a GPU; `emulated`, the
-/// device plumbing on host memory with the host executor's kernels (no GPU:
-/// it tests the tool, not a GPU). A case on a backend that cannot run it is
-/// NOT_SUPPORTED, never run on another backend in disguise.
-enum class Backend { host, cuda, emulated };
+/// Backend (where the fast path runs): core/backend.h.
 enum class ExpertKind { identity, swiglu };
 enum class SharedKind { none, identity, swiglu };
 enum class SharedOrder { add_after, init_with_shared };
@@ -68,14 +65,7 @@ const char* enum_name(const EnumTable<E>& t, E v) {
   return "?";
 }
 
-struct Tolerance {
-  double rtol = 0, atol = 0;
-};
-
-/// Comparison classes of the tolerance table (STYLE 4). `rounding`: equal up
-/// to the act rounding of a value known to a few fp32 ulps (the bound is the
-/// per-element half-width the reference gives; not overridable).
-enum class CompareClass { exact, logits, scores, gemm, end_to_end, rounding };
+/// Tolerance and CompareClass: core/diff.h.
 const EnumTable<CompareClass>& compare_class_table();
 
 struct Case {
@@ -161,6 +151,11 @@ struct Case {
   int64_t tokens_on(int rank) const;
   std::string summary() const;
 };
+
+/// The tolerance of class `cls` for case `c`: the table's row for the case's
+/// activation dtype (core/diff.h default_tolerance), bf16 for GEMM-like
+/// classes under experts.compute_dtype bf16, and the case's overrides.
+Tolerance tolerance_for(const Case& c, CompareClass cls);
 
 /// At most this many cases per file after sweep expansion: a sweep's size is
 /// checked before it is expanded, so a 10^8-case sweep is refused, not grown.

@@ -18,7 +18,7 @@
 #include "dump.h"
 #include "error.h"
 #include "../kernels/overload_host.h"
-#include "../kernels/parallel_errors.h"
+#include "parallel_errors.h"
 #include "../reference/reference.h"
 
 namespace moev {

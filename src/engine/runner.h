@@ -8,10 +8,9 @@
 
 #include "case.h"
 #include "registry.h"
+#include "report.h"  // CaseReport, VariantDecision: what a run produces and the reports render
 
 namespace moev {
-
-struct VariantDecision;
 
 struct RunOptions {
   int threads = 1;
@@ -42,42 +41,6 @@ struct RunOptions {
   Mirror* mirror = nullptr;
 };
 
-struct VariantDecision {
-  std::string slot, variant;
-  bool ran = false, primary = false;
-  std::string reason;               // why it did not run
-  std::vector<std::string> notes;   // what it reported (fast path taken, ...)
-  /// Wall seconds of this variant, summed over ranks run one after another:
-  /// the fast function (all ranks, with their collectives), its reference
-  /// on the same inputs, and the comparisons (input checks included).
-  double fast_seconds = 0, ref_seconds = 0, compare_seconds = 0;
-  /// On a device backend: the seconds its device spent in this variant's
-  /// kernels and GEMMs (Device::busy_seconds; CUDA events on a GPU), inside
-  /// fast_seconds, which adds the transfers and host work. < 0 on the host.
-  double device_seconds = -1;
-};
-
-struct CaseReport {
-  Case c;
-  std::vector<Check> checks;
-  std::vector<VariantDecision> decisions;
-  std::vector<std::string> notes;
-  Outcome outcome = Outcome::PASSED;
-  double seconds = 0;
-  Board fast;  // every primary fast output (of layer entry 1), when RunOptions::keep == fast_board
-  /// `check`: an implementation's file could not be read (malformed, wrong
-  /// dtype or columns). The checks hold what was judged before it; the
-  /// command reports them, then exits 2 with this line.
-  std::string bad_input;
-  /// The overload factor of the case's layer entries (CONTRACT §12) from the
-  /// fast pipeline; the checks compare it with the reference's.
-  struct Overload {
-    bool valid = false;
-    std::vector<double> entries;
-    double avg = 0, max = 0, max_cum = 0;
-  } overload;
-};
-
 CaseReport run_case(const Case& c, const RunOptions& opt);
 
 /// Why `c` cannot run on its backend ("" when it can): the backend is not
@@ -99,27 +62,6 @@ void check_sp_invariance(const Case& c, const RunOptions& opt, const Board& fast
 Check check_output(const Case& c, const std::string& slot, const std::string& variant, const OutputSpec& o,
                    const Tensor* actual, const Tensor* expected, const RankBoard& board, int rank, int ranks,
                    const std::string& against, const Tensor* scale = nullptr);
-
-/// How much of a case the human table shows. `summary`: one line per (slot,
-/// variant) aggregated over ranks and tensors, and the per-tensor rows of the
-/// checks that did not pass. `every_check`: every variant note and every
-/// per-tensor row as well (`moeverify run --verbose`).
-enum class ReportDetail { summary, every_check };
-
-/// Human table (stdout) and JSON (--json, every check always) of a run.
-void print_report(const CaseReport& r, std::ostream& os, ReportDetail detail = ReportDetail::summary);
-void print_tolerance_table(const std::vector<CaseReport>& reports, std::ostream& os);
-/// What a JSON report says of the run as a whole (docs/json-schema.md).
-struct ReportMeta {
-  std::string schema = "moeverify-run/1";  // or "moeverify-check/1"
-  std::vector<std::string> faults;          // planted with --fault
-  /// Planted faults that no check caught (run --fault: the run must fail).
-  std::vector<std::string> faults_uncaught;
-};
-std::string reports_json(const std::vector<CaseReport>& reports, const std::string& file, const ReportMeta& meta = {});
-
-/// Writes `t` as a NumPy .npy file (bf16 as uint16; the manifest names it).
-void write_npy(const std::string& path, const Tensor& t);
 
 /// The overload factor's values (CONTRACT §12), fast against reference:
 /// bitwise, a value count that differs is INCORRECT too.

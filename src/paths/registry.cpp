@@ -11,23 +11,8 @@
 
 namespace moev {
 
-const Tensor& Board::at(const std::string& name, int rank) const {
-  const RankBoard& b = ranks.at(size_t(rank));
-  auto it = b.find(name);
-  if (it == b.end()) runtime_error("internal: tensor '" + name + "' missing on rank " + std::to_string(rank));
-  return it->second;
-}
-
-bool Board::has(const std::string& name, int rank) const {
-  return size_t(rank) < ranks.size() && ranks[size_t(rank)].count(name) > 0;
-}
-
-const Tensor& FastCtx::input(const std::string& name) const {
-  auto it = in.find(name);
-  if (it == in.end()) runtime_error("internal: stage input '" + name + "' missing on rank " + std::to_string(rank));
-  return it->second;
-}
-
+// FastCtx::output and exchange_rows (declared in core/stage.h) are here:
+// they reach the device mirror and the communicator.
 Tensor& FastCtx::output(const std::string& name, ElemType t, std::vector<int64_t> shape) {
   Tensor& r = out[name];
   if (buffers == OutputBuffers::reuse && r.storage && r.type == t && r.shape == shape && r.offset_bytes == 0 &&

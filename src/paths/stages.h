@@ -22,6 +22,8 @@ Tensor rows_tensor(ref::Bytes&& b, ElemType t, int64_t cols);
 RouterConfig router_config(const Case& c);
 /// The reference router's spec for the case (CONTRACT §1).
 ref::RouterSpec ref_router_spec(const Case& c);
+/// The reference's SP padding mode of the case (CONTRACT §10).
+ref::SpPadding ref_padding(const Case& c);
 /// Initial value of the combine's scatter target for this rank (CONTRACT §2, §9).
 std::vector<float> combine_init(const Case& c, const RankBoard& in);
 

@@ -8,7 +8,7 @@
 #include <mutex>
 #include <tuple>
 
-#include "../kernels/parallel_errors.h"
+#include "parallel_errors.h"
 #include "../reference/reference.h"
 #include "error.h"
 #include "stages.h"

@@ -15,7 +15,7 @@
 #include <set>
 
 #include "error.h"
-#include "runner.h"
+#include "report.h"
 
 namespace moev {
 namespace {

@@ -15,7 +15,7 @@
 #include "dump.h"
 #include "version.h"
 #include "error.h"
-#include "runner.h"
+#include "report.h"
 
 namespace moev {
 namespace {

@@ -5,7 +5,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "../../kernels/parallel_errors.h"  // OutOfMemory
+#include "parallel_errors.h"  // OutOfMemory
 
 namespace moev {
 

@@ -9,10 +9,20 @@
 #include <string>
 #include <vector>
 
-#include "case.h"
+#include "dtype.h"
 #include "tensor.h"
 
 namespace moev {
+
+struct Tolerance {
+  double rtol = 0, atol = 0;
+};
+
+/// Comparison classes of the tolerance table (STYLE 4). `rounding`: equal up
+/// to the act rounding of a value known to a few fp32 ulps (the bound is the
+/// per-element half-width the reference gives; not overridable). Their
+/// names (case keys, reports): compare_class_table() in config/case.h.
+enum class CompareClass { exact, logits, scores, gemm, end_to_end, rounding };
 
 enum class Outcome { PASSED, NOT_SUPPORTED, NOT_VERIFIED, INCORRECT, ERROR };
 const char* outcome_name(Outcome o);
@@ -20,9 +30,8 @@ Outcome worst(Outcome a, Outcome b);
 int exit_status(Outcome o);
 
 /// The tolerance table, one row per (class, activation dtype); a case may
-/// override a class. `exact` is always {0, 0}.
+/// override a class (tolerance_for, config/case.h). `exact` is always {0, 0}.
 Tolerance default_tolerance(CompareClass cls, DType act);
-Tolerance tolerance_for(const Case& c, CompareClass cls);
 /// The constant c of the GEMM error bound (CONTRACT §15): GEMM and
 /// end-to-end outputs pass when |fast - ref| <= atol + c * u_act * s with s
 /// the sum of |terms| behind the element, so c = rtol / u_act, u_act the unit

@@ -9,7 +9,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "../kernels/parallel_errors.h"
+#include "parallel_errors.h"
 
 namespace moev {
 
@@ -66,21 +66,6 @@ Tolerance default_tolerance(CompareClass cls, DType act) {
 double gemm_bound_constant(DType act) {
   const double u = act == DType::fp32 ? std::ldexp(1.0, -24) : act == DType::bf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
   return default_tolerance(CompareClass::gemm, act).rtol / u;
-}
-
-Tolerance tolerance_for(const Case& c, CompareClass cls) {
-  if (cls == CompareClass::rounding) return default_tolerance(cls, c.dtype);
-  auto it = c.tolerance_override.find(cls);
-  // GEMMs run in bf16 under experts.compute_dtype bf16 (CONTRACT §14): their
-  // outputs, and the combined output built from them, carry bf16 errors.
-  const bool bf16_gemm = c.experts.compute_dtype == ComputeDtype::bf16 &&
-                         (cls == CompareClass::gemm || cls == CompareClass::end_to_end);
-  Tolerance t = default_tolerance(cls, bf16_gemm ? DType::bf16 : c.dtype);
-  if (it != c.tolerance_override.end()) {
-    if (it->second.rtol) t.rtol = *it->second.rtol;
-    if (it->second.atol) t.atol = *it->second.atol;
-  }
-  return t;
 }
 
 namespace {
