@@ -87,6 +87,11 @@ expect run-not-verified 4 "$bin" run "$src"/tests/data/not_verified.yaml --json 
 python3 -c "import json,sys; d=json.load(open(sys.argv[1])); assert d['outcome']=='NOT_VERIFIED', d['outcome']" "$tmp/nv.json" ||
   { echo "FAIL run-not-verified JSON"; fails=$((fails + 1)); }
 expect validate-keys 0 "$bin" validate --keys
+# docs/case-keys.md is the generated table, current, every key with a meaning
+expect validate-keys-md 0 "$bin" validate --keys --markdown
+diff -q "$tmp/out" "$src/docs/case-keys.md" >/dev/null ||
+  { echo "FAIL docs/case-keys.md is not current: moeverify validate --keys --markdown > docs/case-keys.md"; fails=$((fails + 1)); }
+! grep -E '^\| `' "$tmp/out" | grep -qE '\| *\|$' || { echo "FAIL a case key without a meaning"; fails=$((fails + 1)); }
 
 printf 'cases:\n  - name: a\n    shape: {experts: 4, top_k: 9}\n' >"$tmp/bad.yaml"
 expect bad-case 2 "$bin" run "$tmp/bad.yaml"

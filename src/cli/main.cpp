@@ -26,6 +26,7 @@
 #include "error.h"
 #include "fuzz.h"
 #include "case_filter.h"
+#include "case_key_docs.h"
 #include "export_check.h"
 #include "memory_estimate.h"
 #include "registry.h"
@@ -283,8 +284,13 @@ int cmd_run(const CLI::App* cmd, const RunArgs& a) {
 }
 
 int cmd_validate(const CLI::App* cmd, const std::vector<std::string>& files, const std::vector<std::string>& sets,
-                 bool keys, const std::string& max_memory) {
+                 bool keys, bool markdown, const std::string& max_memory) {
   const MemoryLimit limit = memory_limit(cmd, max_memory);
+  if (markdown && !keys) bad_input("validate --markdown: goes with --keys (moeverify validate --keys --markdown)");
+  if (keys && markdown) {
+    std::cout << case_keys_markdown();
+    return 0;
+  }
   if (keys) {
     for (const auto& [k, h] : case_keys()) std::cout << "  " << k << ": " << h << "\n";
     if (files.empty()) return 0;
@@ -551,6 +557,8 @@ int main(int argc, char** argv) {
   val->add_option("files", vfiles, "case files (YAML)");
   val->add_option("--set", vsets, "override a case key, as for run");
   val->add_flag("--keys", keys, "list every case key with its valid values");
+  bool keys_markdown = false;
+  val->add_flag("--markdown", keys_markdown, "with --keys: as the Markdown table of docs/case-keys.md");
   val->add_option("--max-memory", vmax_memory, mem_help)->type_name("SIZE");
 
   bool list_json = false;
@@ -629,7 +637,7 @@ int main(int argc, char** argv) {
       mpi_finalize_if_started();
       return rc;
     }
-    if (val->parsed()) return cmd_validate(val, vfiles, vsets, keys, vmax_memory);
+    if (val->parsed()) return cmd_validate(val, vfiles, vsets, keys, keys_markdown, vmax_memory);
     if (fz->parsed()) return cmd_fuzz(fz, fa);
     if (st->parsed()) return cmd_selftest(st, sa);
     if (bn->parsed()) return cmd_bench(bn, ba);

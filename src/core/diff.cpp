@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iomanip>
+#include <sstream>
 #include <stdexcept>
 #include <type_traits>
 #include <vector>
@@ -337,9 +339,53 @@ Partial compare_typed(const Tensor& fast, const Tensor& ref, CompareClass cls, T
 
 }  // namespace
 
+namespace {
+
+/// The bits of value v stored in type t (v is exactly representable there).
+uint32_t bits_of(double v, ElemType t) {
+  const float f = float(v);
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (t == ElemType::bf16) return u >> 16;
+  if (t == ElemType::f16) {
+    fp16 h = from_float<fp16>(f);
+    uint16_t b;
+    std::memcpy(&b, &h, 2);
+    return b;
+  }
+  return u;
+}
+
+/// Bits mapped to a line where adjacent values are adjacent integers.
+int64_t ordered(uint32_t b, int width) {
+  const uint32_t sign = 1u << (width - 1);
+  return (b & sign) ? -int64_t(b & (sign - 1)) : int64_t(b);
+}
+
+}  // namespace
+
+std::string value_text(double v, ElemType t) {
+  std::ostringstream o;
+  if (t == ElemType::i32 || t == ElemType::i64) {
+    o << int64_t(v);
+    return o.str();
+  }
+  o << std::setprecision(t == ElemType::f32 ? 9 : 5) << v << " (0x" << std::hex << std::setw(t == ElemType::f32 ? 8 : 4)
+    << std::setfill('0') << bits_of(v, t) << ")";
+  return o.str();
+}
+
+int64_t ulp_distance(double a, double b, ElemType t) {
+  if (t == ElemType::i32 || t == ElemType::i64) return 0;
+  if (!std::isfinite(a) || !std::isfinite(b)) return -1;
+  const int w = t == ElemType::f32 ? 32 : 16;
+  return std::llabs(ordered(bits_of(a, t), w) - ordered(bits_of(b, t), w));
+}
+
 DiffResult diff_tensors(const Tensor& fast, const Tensor& ref, CompareClass cls, Tolerance tol,
                         const CoordFn& coords, const std::vector<uint8_t>* mask, const Tensor* scale) {
   DiffResult r;
+  r.type = ref.type;
   if (scale && (scale->type != ElemType::f32 || scale->numel() != ref.numel()))
     throw std::logic_error("diff_tensors: the error scale must be f32 with the reference's element count");
   if (fast.type != ref.type || fast.shape != ref.shape) {

@@ -44,10 +44,18 @@ struct Mismatch {
   double fast = 0, ref = 0;
 };
 
+/// A value of a tensor of type `t` as a report shows it: floats with every
+/// significant digit and their bit pattern ("-3 (0xc040)"), integers plain.
+std::string value_text(double v, ElemType t);
+/// The distance in units in the last place of type `t` between two finite
+/// values of that type (0 for integers); -1 when either is NaN or infinite.
+int64_t ulp_distance(double a, double b, ElemType t);
+
 /// Names element i of a tensor in MoE coordinates.
 using CoordFn = std::function<std::string(int64_t)>;
 
 struct DiffResult {
+  ElemType type = ElemType::f32;  // of the tensors compared: how a mismatch's values are shown
   int64_t total = 0, mismatches = 0;
   double max_abs = 0, max_rel = 0, max_ulp = 0;
   std::vector<Mismatch> first, last;

@@ -82,9 +82,19 @@ void print_checks(const std::vector<const Check*>& checks, std::ostream& os) {
        << "\n";
     if (!ch.note.empty()) os << "      note: " << capped(ch.note) << "\n";
     auto show = [&](const std::vector<Mismatch>& ms, const char* label) {
-      for (const auto& m : ms)
-        os << "      " << label << " mismatch " << capped(m.coords) << ": fast " << num(m.fast) << " vs " << num(m.ref)
-           << "\n";
+      for (const auto& m : ms) {
+        // Exact classes show every digit and the bit patterns, and the ulp
+        // distance; tolerance classes the values to 3 digits.
+        os << "      " << label << " mismatch " << capped(m.coords) << ": fast ";
+        if (ch.cls == CompareClass::exact) {
+          os << value_text(m.fast, ch.diff.type) << " vs " << value_text(m.ref, ch.diff.type);
+          const int64_t u = ulp_distance(m.fast, m.ref, ch.diff.type);
+          if (u > 0) os << ", " << u << " ulp apart";
+        } else {
+          os << num(m.fast) << " vs " << num(m.ref);
+        }
+        os << "\n";
+      }
     };
     show(ch.diff.first, "first");
     show(ch.diff.last, "last ");
