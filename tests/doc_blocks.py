@@ -4,13 +4,14 @@
   yaml    a case file (it has `cases:`) must pass `moeverify validate`; any other
           YAML must parse
   python  must compile
-  sh      every command line must pass `bash -n`; a line that runs moeverify is
-          run from a copy of the source tree with the binary first on PATH and
-          must exit 0 (or the status its trailing comment names: "# exit N"),
-          except long-running commands (fuzz, selftest, bench, mpirun, and the
-          README's set-up lines, which tests/readme_commands.sh runs), whose case
-          files are validated instead; other lines (your own code) are only
-          syntax-checked
+  sh      every command line must pass `bash -n`; a line that runs moeverify
+          or one of examples/ is run, in order, from a copy of the source tree
+          with the binary first on PATH, and must exit 0 (or the status its
+          trailing comment names: "exit N"), except long-running commands
+          (fuzz, selftest, bench, mpirun, every case file at once, and the
+          README's set-up lines, which tests/readme_commands.sh runs), whose
+          case files are validated instead; other lines (your own code, the
+          GPU kit) are only syntax-checked
   text    shown output: nothing to run
 
 Usage: doc_blocks.py MOEVERIFY SOURCE_DIR
@@ -27,7 +28,7 @@ shutil.copytree(src, work, ignore=shutil.ignore_patterns("build*", ".git"))
 bindir = os.path.join(tmp, "bin")
 os.makedirs(bindir)
 os.symlink(binary, os.path.join(bindir, "moeverify"))
-env = dict(os.environ, PATH=bindir + ":" + os.environ["PATH"])
+env = dict(os.environ, PATH=bindir + ":" + os.environ["PATH"], PYTHONPATH=os.path.join(work, "python"))
 failures, counts = [], {}
 LONG = ("fuzz", "selftest", "bench")
 
@@ -71,17 +72,20 @@ for path in files:
                     failures.append(f"{where}: `{cmd}` is not valid shell: {p.stderr.strip()}")
                     continue
                 want = 0
-                ex = re.search(r"#\s*exit (\d+)", cmd)
+                ex = re.search(r"#.*\bexit (\d+)", cmd)
                 if ex:
                     want = int(ex.group(1))
                 words = shlex.split(cmd, comments=True)
                 if not words or "setup-deps" in cmd:
                     continue
                 prog = os.path.basename(words[0])
-                if prog == "mpirun" or (prog == "moeverify" and len(words) > 1 and words[1] in LONG):
+                wide = any("*" in w and w.endswith(".yaml") for w in words)
+                if prog == "python3" and len(words) > 1 and words[1].startswith("examples/"):
+                    run(cmd.replace("python3", "/usr/bin/python3", 1), where, want)
+                elif prog == "mpirun" or wide or (prog == "moeverify" and len(words) > 1 and words[1] in LONG):
                     for w in words:
                         if w.endswith(".yaml"):
-                            run(f"moeverify validate {shlex.quote(w)}", where)
+                            run(f"moeverify validate {w if '*' in w else shlex.quote(w)}", where)
                 elif prog == "moeverify":
                     run(cmd, where, want)
         elif lang not in ("text", ""):
