@@ -261,32 +261,33 @@ std::string run_fast(const Stage& s, const Case& c, const RunOptions& opt, const
   return first;
 }
 
-/// The pipeline on R ranks with the given inputs: every slot's applicable
-/// variants against the reference, the primary feeding the next slot, and the
-/// end-to-end reference chain. `fast` ends holding every primary output.
-/// Returns false when a stage had no variant to feed the next one (the case
-/// is then ERROR and stops there).
-bool run_pipeline_stages(const Case& c, const RunOptions& opt, const std::vector<RankBoard>& inputs, bool use_mpi,
-                         CaseReport& rep, Board& fast, Board* chain_out, std::string& stage) {
-  const int R = int(inputs.size());
-  fast.ranks = inputs;
-  // The reference chain starts from the same input tensors (no stage writes
-  // its inputs: each call is checked for that).
-  Board chain = fast;
-  auto rank_tag = [&](int r) { return R > 1 ? "@" + std::to_string(r) : std::string(); };
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-  // Streaming (DESIGN.md, "Scale and backends"). last_read[n]: the last slot
-  // (index into slot_order) whose applicable variants read tensor n. After
-  // that slot, n leaves both boards unless it is integer metadata (small,
-  // and it names mismatches in MoE coordinates) or a result of the pipeline; so the
-  // boards hold a few stages' rows, not the whole pipeline's.
+/// The streaming and memory policy of a pipeline (DESIGN.md "Scale and
+/// backends"), stated once. last_read[n]: the last slot (index into
+/// slot_order) whose applicable variants read tensor n. After that slot, n
+/// leaves both boards unless it is integer metadata (small, and it names
+/// mismatches in MoE coordinates) or a result of the pipeline
+/// (pipeline_results); so the boards hold a few stages' rows, not the whole
+/// pipeline's. The fast board keeps everything when the caller asked for it
+/// (RunOptions::Keep::fast_board). Within a slot, the variants' outputs and
+/// references live until the slot's primary has fed the chain, then go
+/// (SlotRun). Reference rows equal byte for byte to the fast ones share the
+/// fast storage (share_equal), so the chain holds its own copy only where it
+/// differs.
+struct Streaming {
   std::map<std::string, size_t> last_read;
-  for (size_t i = 0; i < slot_order().size(); ++i)
-    for (const Stage& s : registry())
-      if (s.slot == slot_order()[i] && s.applies(c).applies)
-        for (const auto& n : s.inputs(c)) last_read[n] = i;
-  const bool keep_fast = opt.keep == RunOptions::Keep::fast_board;
-  auto drop_dead = [&](Board& b, size_t slot_index) {
+  bool keep_fast = false;
+
+  Streaming(const Case& c, const RunOptions& opt) : keep_fast(opt.keep == RunOptions::Keep::fast_board) {
+    for (size_t i = 0; i < slot_order().size(); ++i)
+      for (const Stage& s : registry())
+        if (s.slot == slot_order()[i] && s.applies(c).applies)
+          for (const auto& n : s.inputs(c)) last_read[n] = i;
+  }
+  /// Drops what no slot after `slot_index` reads.
+  void release(Board& b, size_t slot_index) const {
     for (RankBoard& rb : b.ranks)
       for (auto it = rb.begin(); it != rb.end();) {
         const auto lr = last_read.find(it->first);
@@ -295,380 +296,507 @@ bool run_pipeline_stages(const Case& c, const RunOptions& opt, const std::vector
                           (lr == last_read.end() || lr->second <= slot_index);
         it = dead ? rb.erase(it) : std::next(it);
       }
-  };
-  size_t slot_index = size_t(-1);
+  }
+  void release_fast(Board& fast, size_t slot_index) const {
+    if (!keep_fast) release(fast, slot_index);
+  }
+  /// `t`, or the fast board's tensor of that name when its bytes are the same.
+  static const Tensor& share_equal(const RankBoard& fast, const std::string& n, const Tensor& t) {
+    const auto fi = fast.find(n);
+    return fi != fast.end() && same_bytes(fi->second, t) ? fi->second : t;
+  }
+};
 
-  Dumper dump;
-  if (!opt.dump_dir.empty()) {
-    dump.open(opt.dump_dir, c.name);
-    for (int r = 0; r < R; ++r)
-      for (auto& [n, t] : fast.ranks[size_t(r)]) dump.put("input." + n + rank_tag(r), t);
+/// What one slot's variants leave for the slot's end: the variants that ran
+/// with their outputs, their references, and the routing adoption reason.
+struct SlotRun {
+  std::string adopt_reason;
+  std::vector<std::pair<const Stage*, Board>> ran;
+  std::map<const Stage*, Board> refs;  // each variant's reference outputs, for the chain
+  const Stage* last_ref = nullptr;     // the last reference run in this slot, and its outputs
+  Board last_refout;
+};
+
+/// The pipeline on R ranks (run_pipeline_stages): the phases of one case's
+/// layer entry as methods, the boards and the report as members.
+class Pipeline {
+ public:
+  Pipeline(const Case& c, const RunOptions& opt, bool use_mpi, CaseReport& rep, Board& fast, std::string& stage)
+      : c_(c), opt_(opt), use_mpi_(use_mpi), rep_(rep), fast_(fast), stage_(stage), streaming_(c, opt) {}
+
+  bool run(const std::vector<RankBoard>& inputs, Board* chain_out) {
+    start(inputs);
+    size_t slot_index = size_t(-1);
+    for (const std::string& slot : slot_order()) {
+      ++slot_index;
+      const std::vector<const Stage*> runs = plan_variants(slot);
+      if (runs.empty()) continue;
+      SlotRun sr;
+      for (const Stage* s : runs)
+        if (run_variant(*s, sr)) break;  // fast_only: the first variant that runs
+      if (sr.ran.empty()) return stop_at(slot);
+      auto [primary, primary_out] = pick_primary(slot, sr);
+      cross_variant_checks(*primary, primary_out, sr);
+      feed_next_slot(primary_out, sr);
+      if (opt_.fast_only) {
+        fast_only_magnitude(slot);
+        sr = SlotRun{};
+        primary_out = Board{};
+        streaming_.release_fast(fast_, slot_index);
+        continue;
+      }
+      advance_chain(slot, *primary, primary_out, sr);
+      streaming_.release(chain_, slot_index);
+      streaming_.release_fast(fast_, slot_index);
+    }
+    if (opt_.fast_only) return true;
+    end_to_end_checks();
+    if (chain_out) *chain_out = std::move(chain_);
+    dump_.finish(c_);
+    return true;
   }
 
-  for (const std::string& slot : slot_order()) {
-    ++slot_index;
+ private:
+  std::string rank_tag(int r) const { return R_ > 1 ? "@" + std::to_string(r) : std::string(); }
+  VariantDecision& decision_of(const Stage& s) {
+    VariantDecision* vd = nullptr;
+    for (auto& d : rep_.decisions)
+      if (d.slot == s.slot && d.variant == s.variant) vd = &d;
+    return *vd;
+  }
+
+  /// Both boards start from the inputs (no stage writes its inputs: each
+  /// call is checked for that); --dump writes them.
+  void start(const std::vector<RankBoard>& inputs) {
+    R_ = int(inputs.size());
+    fast_.ranks = inputs;
+    chain_ = fast_;
+    if (!opt_.dump_dir.empty()) {
+      dump_.open(opt_.dump_dir, c_.name);
+      for (int r = 0; r < R_; ++r)
+        for (auto& [n, t] : fast_.ranks[size_t(r)]) dump_.put("input." + n + rank_tag(r), t);
+    }
+  }
+
+  /// The slot's variants that apply to the case (a decision recorded for
+  /// each); under fast_only the primary first.
+  std::vector<const Stage*> plan_variants(const std::string& slot) {
     std::vector<const Stage*> runs;
     for (const Stage& s : registry()) {
       if (s.slot != slot) continue;
-      Decision d = s.applies(c);
+      Decision d = s.applies(c_);
       // On a device a variant without a device form is not taken: never run
       // on the host in its place (backend_unsupported kept the primary ones).
-      if (d.applies && opt.mirror && !has_device_form(s))
-        d = {false, "no device implementation (backend " + std::string(enum_name(backend_table(), c.backend)) + ")"};
-      rep.decisions.push_back({s.slot, s.variant, d.applies, false, d.applies ? "" : d.reason, {}});
+      if (d.applies && opt_.mirror && !has_device_form(s))
+        d = {false, "no device implementation (backend " + std::string(enum_name(backend_table(), c_.backend)) + ")"};
+      rep_.decisions.push_back({s.slot, s.variant, d.applies, false, d.applies ? "" : d.reason, {}});
       if (d.applies) runs.push_back(&s);
     }
-    if (runs.empty()) continue;
-    if (opt.fast_only)  // the variant the case asks for first; the loop stops at the first that runs
-      std::stable_partition(runs.begin(), runs.end(), [&](const Stage* s) { return s->primary(c); });
-    std::string adopt_reason;
-    std::vector<std::pair<const Stage*, Board>> ran;
-    std::map<const Stage*, Board> refs;  // each variant's reference outputs, for the chain
-    const Stage* last_ref = nullptr;      // the last reference run in this slot, and its outputs
-    Board last_refout;
-    for (const Stage* s : runs) {
-      VariantDecision* vd = nullptr;
-      for (auto& d : rep.decisions)
-        if (d.slot == s->slot && d.variant == s->variant) vd = &d;
-      stage = s->slot + "/" + s->variant;
-      if (opt.progress) opt.progress(s->slot, s->variant);
-      using clock = std::chrono::steady_clock;
-      auto since = [](clock::time_point t) { return std::chrono::duration<double>(clock::now() - t).count(); };
-      auto tc = clock::now();
-      const std::vector<std::string> inputs_used = s->inputs(c);
-      auto input_modified = [&](const std::string& tensor, const std::string& against, const std::string& note) {
-        Check ch;
-        ch.slot = s->slot;
-        ch.variant = s->variant;
-        ch.tensor = tensor;
-        ch.against = against;
-        ch.outcome = Outcome::INCORRECT;
-        ch.note = note;
-        rep.checks.push_back(ch);
-      };
-      std::vector<std::vector<uint64_t>> sums(static_cast<size_t>(R));
-      each_rank(R, opt.threads, [&](int r) {
-        for (const auto& n : inputs_used) sums[size_t(r)].push_back(checksum(fast.at(n, r)));
-      });
-      // On a device: the stage's inputs are resident there (uploaded the
-      // first time a stage reads them), and hashed there before the call.
-      std::vector<std::vector<uint64_t>> dsums(static_cast<size_t>(R));
-      if (opt.mirror) {
-        for (int r = 0; r < R; ++r)
-          for (const auto& n : inputs_used) {
-            const Tensor& t = fast.at(n, r);
-            if (t.storage) opt.mirror->hold(t.storage->data(), t.storage->size(), t.storage);
-            dsums[size_t(r)].push_back(t.bytes() ? opt.mirror->device_hash(t.data(), t.bytes()) : 0);
-          }
-        opt.mirror->begin_call();
-      }
-      Board out;
-      out.ranks.resize(size_t(R));
-      std::vector<std::vector<std::string>> notes(static_cast<size_t>(R));
-      std::string skipped;
-      vd->compare_seconds += since(tc);
-      const auto tf = clock::now();
-      const double busy0 = opt.mirror ? opt.mirror->device().busy_seconds() : 0;
-      const std::string err = run_fast(*s, c, opt, fast, out, notes, skipped, use_mpi);
-      vd->fast_seconds = since(tf);
-      if (opt.mirror) vd->device_seconds = opt.mirror->device().busy_seconds() - busy0;
-      if (opt.mirror) {
-        // Outputs the host wrote (splits, an MPI exchange of host rows) go to the
-        // device for the next stage; device-written ones are there already
-        // (and on the host: write-through). Then the inputs' device copies
-        // must hash as before the call: a kernel writing past its output
-        // into another buffer shows here, not only where it lands.
-        for (int r = 0; r < R; ++r)
-          for (auto& [n, t] : out.ranks[size_t(r)])
-            if (t.bytes() && !opt.mirror->device_wrote(t.data(), t.bytes())) opt.mirror->host_wrote(t.data(), t.bytes());
-        for (int r = 0; r < R && err.empty(); ++r)
-          for (size_t i = 0; i < inputs_used.size(); ++i) {
-            const Tensor& t = fast.at(inputs_used[i], r);
-            if (t.bytes() && opt.mirror->device_hash(t.data(), t.bytes()) != dsums[size_t(r)][i])
-              input_modified(inputs_used[i] + rank_tag(r), "its device copy before the call",
-                             "input '" + inputs_used[i] + "' was modified on the device by the fast stage");
-          }
-        opt.mirror->end_call();
-      }
-      tc = clock::now();
-      for (int r = 0; r < R; ++r)
-        for (const auto& n : notes[size_t(r)]) vd->notes.push_back(n);
-      if (!err.empty()) {
-        Check ch;
-        ch.slot = s->slot;
-        ch.variant = s->variant;
-        ch.tensor = "-";
-        ch.outcome = Outcome::ERROR;
-        ch.note = "fast stage failed: " + err;
-        rep.checks.push_back(ch);
-        continue;
-      }
-      if (!skipped.empty()) {
-        vd->ran = false;
-        vd->reason = skipped;
-        continue;
-      }
-      std::vector<std::vector<uint64_t>> after(static_cast<size_t>(R));
-      each_rank(R, opt.threads, [&](int r) {
-        for (const auto& n : inputs_used) after[size_t(r)].push_back(checksum(fast.at(n, r)));
-      });
-      for (int r = 0; r < R; ++r)
-        for (size_t i = 0; i < inputs_used.size(); ++i)
-          if (after[size_t(r)][i] != sums[size_t(r)][i])
-            input_modified(inputs_used[i] + rank_tag(r), "its value before the call",
-                           "input '" + inputs_used[i] + "' was modified by the fast stage");
-      vd->compare_seconds += since(tc);
-      if (opt.fast_only) {
-        ran.push_back({s, out});
-        break;
-      }
-      const auto tr = clock::now();
-      Board refout;
-      Board merged = fast;  // this variant's outputs over its inputs
-      for (int r = 0; r < R; ++r)
-        for (auto& [n, t] : out.ranks[size_t(r)]) merged.ranks[size_t(r)][n] = t;
-      const bool reuse = last_ref && same_reference(*last_ref, *s, c);  // computed once per slot
-      auto check_rank = [&](const OutputSpec& o, int r) {
-        const RankBoard& fo = out.ranks[size_t(r)];
-        const RankBoard& ro = refout.ranks[size_t(r)];
-        auto fi = fo.find(o.name);
-        if (o.from_fast) {
-          Tensor scale;
-          const Tensor expect = o.from_fast(c, merged.ranks[size_t(r)], scale);
-          return make_check(c, s->slot, s->variant, o, fi == fo.end() ? nullptr : &fi->second, &expect,
-                            merged.ranks[size_t(r)], r, R, o.from_fast_label, &scale);
-        }
-        auto ri = ro.find(o.name);
-        return make_check(c, s->slot, s->variant, o, fi == fo.end() ? nullptr : &fi->second,
-                          ri == ro.end() ? nullptr : &ri->second, merged.ranks[size_t(r)], r, R, "reference");
-      };
-      auto dump_rank = [&](int r) {
-        for (auto& [n, t] : out.ranks[size_t(r)]) dump.put(s->slot + "." + s->variant + "." + n + rank_tag(r) + ".fast", t);
-        for (auto& [n, t] : refout.ranks[size_t(r)]) dump.put(s->slot + "." + s->variant + "." + n + rank_tag(r) + ".ref", t);
-      };
-      if (s->ref_per_rank && R > 1 && !s->check) {
-        // One rank's reference at a time on each of the run's threads:
-        // computed, compared, then kept only as the fast output's own
-        // storage where the bytes agree. The loop's wall time is split
-        // between reference and comparison in the ratio of their summed
-        // per-rank times.
-        refout.ranks.resize(size_t(R));
-        std::vector<std::vector<Check>> by_output(s->outputs.size(), std::vector<Check>(size_t(R)));
-        std::vector<double> ref_s(static_cast<size_t>(R)), cmp_s(static_cast<size_t>(R));
-        const auto tl = clock::now();
-        const int side = ranks_side_by_side(opt.threads, R);
-        each_rank(R, side, [&](int q) {
-          auto tq = clock::now();
-          if (reuse) {
-            refout.ranks[size_t(q)] = last_refout.ranks[size_t(q)];
-          } else {
-            Board rq;
-            rq.ranks.resize(size_t(R));
-            RefCtx rctx{c, fast, rq, q, std::max(1, opt.threads / side)};
-            s->ref(rctx);
-            refout.ranks[size_t(q)] = std::move(rq.ranks[size_t(q)]);
-          }
-          ref_s[size_t(q)] = since(tq);
-          tq = clock::now();
-          for (size_t i = 0; i < s->outputs.size(); ++i) by_output[i][size_t(q)] = check_rank(s->outputs[i], q);
-          for (auto& [n, t] : refout.ranks[size_t(q)]) {  // (the same bytes: the dump below is unchanged)
-            const auto fi = out.ranks[size_t(q)].find(n);
-            if (fi != out.ranks[size_t(q)].end() && same_bytes(fi->second, t)) t = fi->second;
-          }
-          cmp_s[size_t(q)] = since(tq);
-        }, largest_first(out));
-        const double wall = since(tl), rs = std::accumulate(ref_s.begin(), ref_s.end(), 0.0),
-                     cs = std::accumulate(cmp_s.begin(), cmp_s.end(), 0.0);
-        vd->ref_seconds += rs + cs > 0 ? wall * rs / (rs + cs) : 0;
-        vd->compare_seconds += rs + cs > 0 ? wall * cs / (rs + cs) : 0;
-        for (int q = 0; q < R; ++q) dump_rank(q);
-        for (auto& v : by_output) rep.checks.insert(rep.checks.end(), v.begin(), v.end());
-        if (!reuse) {
-          last_ref = s;
-          last_refout = refout;
-        }
-        tc = clock::now();
-      } else {
-        if (reuse) {
-          refout = last_refout;
-        } else {
-          refout.ranks.resize(size_t(R));
-          RefCtx rctx{c, fast, refout, -1, opt.threads};
-          s->ref(rctx);
-          last_ref = s;
-          last_refout = refout;
-        }
-        vd->ref_seconds = since(tr);
-        tc = clock::now();
-        for (int r = 0; r < R; ++r) dump_rank(r);
-        if (s->check) {
-          std::vector<Check> checks;
-          CheckCtx cc{c, merged, refout, checks, ""};
-          s->check(cc);
-          for (auto& ch : checks) ch.variant = s->variant;
-          rep.checks.insert(rep.checks.end(), checks.begin(), checks.end());
-          adopt_reason = cc.adopt_fast_reason;
-        } else {
-          for (const OutputSpec& o : s->outputs)
-            for (int r = 0; r < R; ++r) rep.checks.push_back(check_rank(o, r));
-        }
-      }
-      vd->compare_seconds += since(tc);
-      ran.push_back({s, out});
-      if (s->primary(c) || ran.size() == 1) refs[s] = std::move(refout);
+    if (opt_.fast_only)  // the variant the case asks for first; the loop stops at the first that runs
+      std::stable_partition(runs.begin(), runs.end(), [&](const Stage* s) { return s->primary(c_); });
+    return runs;
+  }
+
+  void input_modified(const Stage& s, const std::string& tensor, const std::string& against, const std::string& note) {
+    Check ch;
+    ch.slot = s.slot;
+    ch.variant = s.variant;
+    ch.tensor = tensor;
+    ch.against = against;
+    ch.outcome = Outcome::INCORRECT;
+    ch.note = note;
+    rep_.checks.push_back(ch);
+  }
+
+  /// One variant: the fast call, then (unless fast_only) its reference and
+  /// comparisons. Returns true when the slot's loop should stop (fast_only
+  /// and the variant ran).
+  bool run_variant(const Stage& s, SlotRun& sr) {
+    VariantDecision& vd = decision_of(s);
+    stage_ = s.slot + "/" + s.variant;
+    if (opt_.progress) opt_.progress(s.slot, s.variant);
+    Board out;
+    if (!fast_call(s, vd, out)) return false;
+    if (opt_.fast_only) {
+      sr.ran.push_back({&s, out});
+      return true;
     }
-    if (ran.empty()) {
-      // Every variant failed or declined: later slots have no inputs. The
-      // case ends here as ERROR (the failures are already checks); the next
-      // case still runs.
-      bool failed = false;
-      for (const auto& ch : rep.checks) failed = failed || (ch.slot == slot && ch.outcome == Outcome::ERROR);
-      if (!failed) {
-        Check ch;
-        ch.slot = slot;
-        ch.variant = "-";
-        ch.tensor = "-";
-        ch.outcome = Outcome::ERROR;
-        ch.note = "no variant of this stage ran";
-        rep.checks.push_back(ch);
-      }
-      rep.notes.push_back("the case stopped at stage " + slot + ": no variant produced outputs for the next stage");
-      dump.finish(c);
+    reference_checks(s, vd, out, sr);
+    sr.ran.push_back({&s, out});
+    return false;
+  }
+
+  /// The fast function on every rank, its inputs hashed before and after (on
+  /// the device too). False when it failed (an ERROR check) or declined.
+  bool fast_call(const Stage& s, VariantDecision& vd, Board& out) {
+    auto tc = Clock::now();
+    const std::vector<std::string> inputs_used = s.inputs(c_);
+    std::vector<std::vector<uint64_t>> sums(static_cast<size_t>(R_));
+    each_rank(R_, opt_.threads, [&](int r) {
+      for (const auto& n : inputs_used) sums[size_t(r)].push_back(checksum(fast_.at(n, r)));
+    });
+    std::vector<std::vector<uint64_t>> dsums = device_before_call(inputs_used);
+    out.ranks.resize(size_t(R_));
+    std::vector<std::vector<std::string>> notes(static_cast<size_t>(R_));
+    std::string skipped;
+    vd.compare_seconds += since(tc);
+    const auto tf = Clock::now();
+    const double busy0 = opt_.mirror ? opt_.mirror->device().busy_seconds() : 0;
+    const std::string err = run_fast(s, c_, opt_, fast_, out, notes, skipped, use_mpi_);
+    vd.fast_seconds = since(tf);
+    if (opt_.mirror) vd.device_seconds = opt_.mirror->device().busy_seconds() - busy0;
+    if (opt_.mirror) device_after_call(s, inputs_used, dsums, out, err);
+    tc = Clock::now();
+    for (int r = 0; r < R_; ++r)
+      for (const auto& n : notes[size_t(r)]) vd.notes.push_back(n);
+    if (!err.empty()) {
+      Check ch;
+      ch.slot = s.slot;
+      ch.variant = s.variant;
+      ch.tensor = "-";
+      ch.outcome = Outcome::ERROR;
+      ch.note = "fast stage failed: " + err;
+      rep_.checks.push_back(ch);
       return false;
     }
-    // The primary feeds the next slot: the one the case asks for, else the first that ran.
-    const Stage* primary = ran.front().first;
-    Board primary_out = ran.front().second;
-    for (auto& [s, out] : ran)
-      if (s->primary(c)) {
+    if (!skipped.empty()) {
+      vd.ran = false;
+      vd.reason = skipped;
+      return false;
+    }
+    std::vector<std::vector<uint64_t>> after(static_cast<size_t>(R_));
+    each_rank(R_, opt_.threads, [&](int r) {
+      for (const auto& n : inputs_used) after[size_t(r)].push_back(checksum(fast_.at(n, r)));
+    });
+    for (int r = 0; r < R_; ++r)
+      for (size_t i = 0; i < inputs_used.size(); ++i)
+        if (after[size_t(r)][i] != sums[size_t(r)][i])
+          input_modified(s, inputs_used[i] + rank_tag(r), "its value before the call",
+                         "input '" + inputs_used[i] + "' was modified by the fast stage");
+    vd.compare_seconds += since(tc);
+    return true;
+  }
+
+  /// On a device: the stage's inputs are resident there (uploaded the first
+  /// time a stage reads them), and hashed there before the call.
+  std::vector<std::vector<uint64_t>> device_before_call(const std::vector<std::string>& inputs_used) {
+    std::vector<std::vector<uint64_t>> dsums(static_cast<size_t>(R_));
+    if (!opt_.mirror) return dsums;
+    for (int r = 0; r < R_; ++r)
+      for (const auto& n : inputs_used) {
+        const Tensor& t = fast_.at(n, r);
+        if (t.storage) opt_.mirror->hold(t.storage->data(), t.storage->size(), t.storage);
+        dsums[size_t(r)].push_back(t.bytes() ? opt_.mirror->device_hash(t.data(), t.bytes()) : 0);
+      }
+    opt_.mirror->begin_call();
+    return dsums;
+  }
+
+  /// Outputs the host wrote (splits, an MPI exchange of host rows) go to the
+  /// device for the next stage; device-written ones are there already (and
+  /// on the host: write-through). Then the inputs' device copies must hash as
+  /// before the call: a kernel writing past its output into another buffer
+  /// shows here, not only where it lands.
+  void device_after_call(const Stage& s, const std::vector<std::string>& inputs_used,
+                         const std::vector<std::vector<uint64_t>>& dsums, Board& out, const std::string& err) {
+    for (int r = 0; r < R_; ++r)
+      for (auto& [n, t] : out.ranks[size_t(r)])
+        if (t.bytes() && !opt_.mirror->device_wrote(t.data(), t.bytes())) opt_.mirror->host_wrote(t.data(), t.bytes());
+    for (int r = 0; r < R_ && err.empty(); ++r)
+      for (size_t i = 0; i < inputs_used.size(); ++i) {
+        const Tensor& t = fast_.at(inputs_used[i], r);
+        if (t.bytes() && opt_.mirror->device_hash(t.data(), t.bytes()) != dsums[size_t(r)][i])
+          input_modified(s, inputs_used[i] + rank_tag(r), "its device copy before the call",
+                         "input '" + inputs_used[i] + "' was modified on the device by the fast stage");
+      }
+    opt_.mirror->end_call();
+  }
+
+  /// The check of one output on rank r: against the reference's, or against
+  /// what the reference derives from the variant's own outputs.
+  Check check_rank(const Stage& s, const OutputSpec& o, int r, const Board& out, const Board& refout,
+                   const Board& merged) {
+    const RankBoard& fo = out.ranks[size_t(r)];
+    const RankBoard& ro = refout.ranks[size_t(r)];
+    auto fi = fo.find(o.name);
+    if (o.from_fast) {
+      Tensor scale;
+      const Tensor expect = o.from_fast(c_, merged.ranks[size_t(r)], scale);
+      return make_check(c_, s.slot, s.variant, o, fi == fo.end() ? nullptr : &fi->second, &expect,
+                        merged.ranks[size_t(r)], r, R_, o.from_fast_label, &scale);
+    }
+    auto ri = ro.find(o.name);
+    return make_check(c_, s.slot, s.variant, o, fi == fo.end() ? nullptr : &fi->second,
+                      ri == ro.end() ? nullptr : &ri->second, merged.ranks[size_t(r)], r, R_, "reference");
+  }
+
+  void dump_rank(const Stage& s, int r, const Board& out, const Board& refout) {
+    for (auto& [n, t] : out.ranks[size_t(r)]) dump_.put(s.slot + "." + s.variant + "." + n + rank_tag(r) + ".fast", t);
+    for (auto& [n, t] : refout.ranks[size_t(r)]) dump_.put(s.slot + "." + s.variant + "." + n + rank_tag(r) + ".ref", t);
+  }
+
+  /// The reference on the same inputs (stage isolation) and the comparisons.
+  void reference_checks(const Stage& s, VariantDecision& vd, const Board& out, SlotRun& sr) {
+    const auto tr = Clock::now();
+    Board refout;
+    Board merged = fast_;  // this variant's outputs over its inputs
+    for (int r = 0; r < R_; ++r)
+      for (auto& [n, t] : out.ranks[size_t(r)]) merged.ranks[size_t(r)][n] = t;
+    const bool reuse = sr.last_ref && same_reference(*sr.last_ref, s, c_);  // computed once per slot
+    Clock::time_point tc;
+    if (s.ref_per_rank && R_ > 1 && !s.check) {
+      reference_per_rank(s, vd, out, merged, reuse, refout, sr);
+      tc = Clock::now();
+    } else {
+      if (reuse) {
+        refout = sr.last_refout;
+      } else {
+        refout.ranks.resize(size_t(R_));
+        RefCtx rctx{c_, fast_, refout, -1, opt_.threads};
+        s.ref(rctx);
+        sr.last_ref = &s;
+        sr.last_refout = refout;
+      }
+      vd.ref_seconds = since(tr);
+      tc = Clock::now();
+      for (int r = 0; r < R_; ++r) dump_rank(s, r, out, refout);
+      if (s.check) {
+        std::vector<Check> checks;
+        CheckCtx cc{c_, merged, refout, checks, ""};
+        s.check(cc);
+        for (auto& ch : checks) ch.variant = s.variant;
+        rep_.checks.insert(rep_.checks.end(), checks.begin(), checks.end());
+        sr.adopt_reason = cc.adopt_fast_reason;
+      } else {
+        for (const OutputSpec& o : s.outputs)
+          for (int r = 0; r < R_; ++r) rep_.checks.push_back(check_rank(s, o, r, out, refout, merged));
+      }
+    }
+    vd.compare_seconds += since(tc);
+    if (s.primary(c_) || sr.ran.empty()) sr.refs[&s] = std::move(refout);
+  }
+
+  /// One rank's reference at a time on each of the run's threads: computed,
+  /// compared, then kept only as the fast output's own storage where the
+  /// bytes agree. The loop's wall time is split between reference and
+  /// comparison in the ratio of their summed per-rank times.
+  void reference_per_rank(const Stage& s, VariantDecision& vd, const Board& out, const Board& merged, bool reuse,
+                          Board& refout, SlotRun& sr) {
+    refout.ranks.resize(size_t(R_));
+    std::vector<std::vector<Check>> by_output(s.outputs.size(), std::vector<Check>(size_t(R_)));
+    std::vector<double> ref_s(static_cast<size_t>(R_)), cmp_s(static_cast<size_t>(R_));
+    const auto tl = Clock::now();
+    const int side = ranks_side_by_side(opt_.threads, R_);
+    each_rank(R_, side, [&](int q) {
+      auto tq = Clock::now();
+      if (reuse) {
+        refout.ranks[size_t(q)] = sr.last_refout.ranks[size_t(q)];
+      } else {
+        Board rq;
+        rq.ranks.resize(size_t(R_));
+        RefCtx rctx{c_, fast_, rq, q, std::max(1, opt_.threads / side)};
+        s.ref(rctx);
+        refout.ranks[size_t(q)] = std::move(rq.ranks[size_t(q)]);
+      }
+      ref_s[size_t(q)] = since(tq);
+      tq = Clock::now();
+      for (size_t i = 0; i < s.outputs.size(); ++i) by_output[i][size_t(q)] = check_rank(s, s.outputs[i], q, out, refout, merged);
+      for (auto& [n, t] : refout.ranks[size_t(q)]) {  // (the same bytes: the dump below is unchanged)
+        const auto fi = out.ranks[size_t(q)].find(n);
+        if (fi != out.ranks[size_t(q)].end() && same_bytes(fi->second, t)) t = fi->second;
+      }
+      cmp_s[size_t(q)] = since(tq);
+    }, largest_first(out));
+    const double wall = since(tl), rs = std::accumulate(ref_s.begin(), ref_s.end(), 0.0),
+                 cs = std::accumulate(cmp_s.begin(), cmp_s.end(), 0.0);
+    vd.ref_seconds += rs + cs > 0 ? wall * rs / (rs + cs) : 0;
+    vd.compare_seconds += rs + cs > 0 ? wall * cs / (rs + cs) : 0;
+    for (int q = 0; q < R_; ++q) dump_rank(s, q, out, refout);
+    for (auto& v : by_output) rep_.checks.insert(rep_.checks.end(), v.begin(), v.end());
+    if (!reuse) {
+      sr.last_ref = &s;
+      sr.last_refout = refout;
+    }
+  }
+
+  /// Every variant failed or declined: later slots have no inputs. The case
+  /// ends here as ERROR (the failures are already checks); the next case
+  /// still runs.
+  bool stop_at(const std::string& slot) {
+    bool failed = false;
+    for (const auto& ch : rep_.checks) failed = failed || (ch.slot == slot && ch.outcome == Outcome::ERROR);
+    if (!failed) {
+      Check ch;
+      ch.slot = slot;
+      ch.variant = "-";
+      ch.tensor = "-";
+      ch.outcome = Outcome::ERROR;
+      ch.note = "no variant of this stage ran";
+      rep_.checks.push_back(ch);
+    }
+    rep_.notes.push_back("the case stopped at stage " + slot + ": no variant produced outputs for the next stage");
+    dump_.finish(c_);
+    return false;
+  }
+
+  /// The primary feeds the next slot: the one the case asks for, else the first that ran.
+  std::pair<const Stage*, Board> pick_primary(const std::string& slot, const SlotRun& sr) {
+    const Stage* primary = sr.ran.front().first;
+    Board primary_out = sr.ran.front().second;
+    for (auto& [s, out] : sr.ran)
+      if (s->primary(c_)) {
         primary = s;
         primary_out = out;
         break;
       }
-    for (auto& d : rep.decisions)
+    for (auto& d : rep_.decisions)
       if (d.slot == slot) d.primary = d.variant == primary->variant && d.ran;
-    // Cross-variant agreement: every other variant against the primary, in
-    // the output's own class (bitwise for exact outputs).
-    for (const auto& [s, out] : ran) {
-      if (s == primary) continue;
-      const auto tx = std::chrono::steady_clock::now();
+    return {primary, primary_out};
+  }
+
+  /// Cross-variant agreement: every other variant against the primary, in
+  /// the output's own class (bitwise for exact outputs).
+  void cross_variant_checks(const Stage& primary, const Board& primary_out, const SlotRun& sr) {
+    for (const auto& [s, out] : sr.ran) {
+      if (s == &primary) continue;
+      const auto tx = Clock::now();
       for (const OutputSpec& o : s->outputs)
-        for (int r = 0; r < R; ++r) {
+        for (int r = 0; r < R_; ++r) {
           if (o.from_fast) continue;
           auto fi = out.ranks[size_t(r)].find(o.name);
           auto pi = primary_out.ranks[size_t(r)].find(o.name);
           if (fi == out.ranks[size_t(r)].end() || pi == primary_out.ranks[size_t(r)].end()) continue;
-          rep.checks.push_back(make_check(c, s->slot, s->variant, o, &fi->second, &pi->second, fast.ranks[size_t(r)], r, R, primary->variant));
+          rep_.checks.push_back(make_check(c_, s->slot, s->variant, o, &fi->second, &pi->second, fast_.ranks[size_t(r)],
+                                           r, R_, primary.variant));
         }
-      for (auto& d : rep.decisions)  // counted as this variant's comparison time
-        if (d.slot == s->slot && d.variant == s->variant)
-          d.compare_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - tx).count();
+      decision_of(*s).compare_seconds += since(tx);  // counted as this variant's comparison time
     }
-    for (int r = 0; r < R; ++r)
-      for (auto& [n, t] : primary_out.ranks[size_t(r)]) fast.ranks[size_t(r)][n] = t;
-    if (opt.after_slot)
-      for (const auto& [s, out] : ran)
-        for (const auto& d : rep.decisions)
-          if (d.slot == s->slot && d.variant == s->variant) opt.after_slot(*s, d, fast);
-    if (opt.fast_only) {
-      if (slot == magnitude_slot(c) && opt.fast_only_magnitude)
-        for (int r = 0; r < R; ++r) fast.ranks[size_t(r)]["out_magnitude"] = combined_magnitude(c, fast.ranks[size_t(r)], opt.threads);
-      ran.clear();
-      primary_out = Board{};
-      if (!keep_fast) drop_dead(fast, slot_index);
-      continue;
-    }
-    // The reference chain advances with the primary's reference function:
-    // reused from the stage check where the chain holds the fast board's own
-    // tensors (same storage) for the stage's inputs and for all integer
-    // metadata (which a reference may read besides its inputs), else run on
-    // the chain. Either way, an output equal to the fast one, byte for byte,
-    // shares the fast storage, so the chain holds its own copy only where it
-    // differs: past routing that is the tolerance-class scores and what they
-    // scale, while the row stages share their rows.
-    stage = slot + " (reference chain)";
-    bool chain_inputs_fast = true;
-    const std::vector<std::string> primary_inputs = primary->inputs(c);
-    for (int r = 0; r < R; ++r)
-      for (const auto& [n, t] : chain.ranks[size_t(r)]) {
+  }
+
+  /// The primary's outputs join the fast board; after_slot sees it.
+  void feed_next_slot(const Board& primary_out, const SlotRun& sr) {
+    for (int r = 0; r < R_; ++r)
+      for (auto& [n, t] : primary_out.ranks[size_t(r)]) fast_.ranks[size_t(r)][n] = t;
+    if (opt_.after_slot)
+      for (const auto& [s, out] : sr.ran)
+        for (const auto& d : rep_.decisions)
+          if (d.slot == s->slot && d.variant == s->variant) opt_.after_slot(*s, d, fast_);
+  }
+
+  void fast_only_magnitude(const std::string& slot) {
+    if (slot == magnitude_slot(c_) && opt_.fast_only_magnitude)
+      for (int r = 0; r < R_; ++r)
+        fast_.ranks[size_t(r)]["out_magnitude"] = combined_magnitude(c_, fast_.ranks[size_t(r)], opt_.threads);
+  }
+
+  /// Whether the chain holds the fast board's own tensors (same storage) for
+  /// the primary's inputs and for all integer metadata (which a reference may
+  /// read besides its inputs): then the stage check's reference is the chain's.
+  bool chain_inputs_fast(const Stage& primary) const {
+    const std::vector<std::string> primary_inputs = primary.inputs(c_);
+    for (int r = 0; r < R_; ++r)
+      for (const auto& [n, t] : chain_.ranks[size_t(r)]) {
         const bool metadata = t.type == ElemType::i32 || t.type == ElemType::i64;
         if (!metadata && std::find(primary_inputs.begin(), primary_inputs.end(), n) == primary_inputs.end()) continue;
-        const auto fi = fast.ranks[size_t(r)].find(n);
-        if (fi == fast.ranks[size_t(r)].end() || fi->second.storage != t.storage || fi->second.offset_bytes != t.offset_bytes)
-          chain_inputs_fast = false;
+        const auto fi = fast_.ranks[size_t(r)].find(n);
+        if (fi == fast_.ranks[size_t(r)].end() || fi->second.storage != t.storage || fi->second.offset_bytes != t.offset_bytes)
+          return false;
       }
+    return true;
+  }
+
+  /// The reference chain advances with the primary's reference function:
+  /// reused from the stage check where the chain holds the fast board's own
+  /// tensors, else run on the chain. Either way, an output equal to the fast
+  /// one, byte for byte, shares the fast storage (Streaming::share_equal):
+  /// past routing the chain's own copies are the tolerance-class scores and
+  /// what they scale, while the row stages share their rows.
+  void advance_chain(const std::string& slot, const Stage& primary, Board& primary_out, SlotRun& sr) {
+    stage_ = slot + " (reference chain)";
+    const bool inputs_fast = chain_inputs_fast(primary);
     Board next;
-    if (!adopt_reason.empty()) {
-      rep.notes.push_back(adopt_reason);
+    if (!sr.adopt_reason.empty()) {
+      rep_.notes.push_back(sr.adopt_reason);
       next = primary_out;
-    } else if (chain_inputs_fast && refs.count(primary)) {
-      next = refs[primary];
-    } else if (primary->ref_per_rank && R > 1) {  // one rank's reference rows at a time, as for the stage check
-      next.ranks.resize(size_t(R));
-      const int side = ranks_side_by_side(opt.threads, R);
-      each_rank(R, side, [&](int q) {
+    } else if (inputs_fast && sr.refs.count(&primary)) {
+      next = sr.refs[&primary];
+    } else if (primary.ref_per_rank && R_ > 1) {  // one rank's reference rows at a time, as for the stage check
+      next.ranks.resize(size_t(R_));
+      const int side = ranks_side_by_side(opt_.threads, R_);
+      each_rank(R_, side, [&](int q) {
         Board rq;
-        rq.ranks.resize(size_t(R));
-        RefCtx rc{c, chain, rq, q, std::max(1, opt.threads / side)};
-        primary->ref(rc);
-        for (auto& [n, t] : rq.ranks[size_t(q)]) {
-          const auto fi = fast.ranks[size_t(q)].find(n);
-          next.ranks[size_t(q)][n] = fi != fast.ranks[size_t(q)].end() && same_bytes(fi->second, t) ? fi->second : t;
-        }
+        rq.ranks.resize(size_t(R_));
+        RefCtx rc{c_, chain_, rq, q, std::max(1, opt_.threads / side)};
+        primary.ref(rc);
+        for (auto& [n, t] : rq.ranks[size_t(q)]) next.ranks[size_t(q)][n] = Streaming::share_equal(fast_.ranks[size_t(q)], n, t);
       }, largest_first(primary_out));
     } else {
-      next.ranks.resize(size_t(R));
-      RefCtx rc{c, chain, next, -1, opt.threads};
-      primary->ref(rc);
+      next.ranks.resize(size_t(R_));
+      RefCtx rc{c_, chain_, next, -1, opt_.threads};
+      primary.ref(rc);
     }
-    if (primary->chain_adopt)
-      for (int r = 0; r < R; ++r) {
-        const std::string why = primary->chain_adopt(c, next.ranks[size_t(r)], primary_out.ranks[size_t(r)]);
+    if (primary.chain_adopt)
+      for (int r = 0; r < R_; ++r) {
+        const std::string why = primary.chain_adopt(c_, next.ranks[size_t(r)], primary_out.ranks[size_t(r)]);
         if (why.empty()) continue;
         next.ranks[size_t(r)] = primary_out.ranks[size_t(r)];
-        rep.notes.push_back(slot + (R > 1 ? " (rank " + std::to_string(r) + ")" : "") + ": " + why);
+        rep_.notes.push_back(slot + (R_ > 1 ? " (rank " + std::to_string(r) + ")" : "") + ": " + why);
       }
-    for (int r = 0; r < R; ++r)
-      for (auto& [n, t] : next.ranks[size_t(r)]) {
-        const auto fi = fast.ranks[size_t(r)].find(n);
-        chain.ranks[size_t(r)][n] = fi != fast.ranks[size_t(r)].end() && same_bytes(fi->second, t) ? fi->second : t;
-      }
-    refs.clear();
-    last_refout = Board{};
-    ran.clear();
+    for (int r = 0; r < R_; ++r)
+      for (auto& [n, t] : next.ranks[size_t(r)]) chain_.ranks[size_t(r)][n] = Streaming::share_equal(fast_.ranks[size_t(r)], n, t);
+    sr = SlotRun{};  // the slot's outputs and references go before the next slot
     primary_out = Board{};
     // The end-to-end error scale reads the chain's routed rows: computed as
     // soon as the chain has them, so they need not live to the end.
-    if (slot == magnitude_slot(c))
-      for (int r = 0; r < R; ++r) chain.ranks[size_t(r)]["out_magnitude"] = combined_magnitude(c, chain.ranks[size_t(r)], opt.threads);
-    drop_dead(chain, slot_index);
-    if (!keep_fast) drop_dead(fast, slot_index);
+    if (slot == magnitude_slot(c_))
+      for (int r = 0; r < R_; ++r)
+        chain_.ranks[size_t(r)]["out_magnitude"] = combined_magnitude(c_, chain_.ranks[size_t(r)], opt_.threads);
   }
-  if (opt.fast_only) return true;
-  stage = "end_to_end";
-  // End to end: the fast pipeline's output against the reference chain's,
-  // with the error scale of the chain's combine (it also scales the EP
-  // invariance check, so it stays on the fast board as out_magnitude).
-  const OutputSpec oe{"out", CompareClass::end_to_end, Coords::token_col, promise_combined, nullptr};
-  for (int r = 0; r < R; ++r) {
-    const bool hf = fast.has("out", r), hc = chain.has("out", r) && chain.has("out_magnitude", r);
-    if (hc) fast.ranks[size_t(r)]["out_magnitude"] = chain.at("out_magnitude", r);
-    rep.checks.push_back(make_check(c, "end_to_end", "pipeline", oe, hf ? &fast.at("out", r) : nullptr, hc ? &chain.at("out", r) : nullptr,
-                                    fast.ranks[size_t(r)], r, R, "reference chain",
-                                    hc ? &fast.at("out_magnitude", r) : nullptr));
-  }
-  // The backward's gradients end to end (src/paths/stages_backward.cpp), likewise.
-  for (const EndToEndOutput& e : backward_end_to_end(c))
-    for (int r = 0; r < R; ++r) {
-      const std::string& n = e.spec.name;
-      const bool hs = !e.scale.empty() && chain.has(e.scale, r);
-      rep.checks.push_back(make_check(c, "end_to_end", "backward", e.spec, fast.has(n, r) ? &fast.at(n, r) : nullptr,
-                                      chain.has(n, r) ? &chain.at(n, r) : nullptr, fast.ranks[size_t(r)], r, R,
-                                      "reference chain", hs ? &chain.at(e.scale, r) : nullptr));
+
+  /// End to end: the fast pipeline's output against the reference chain's,
+  /// with the error scale of the chain's combine (it also scales the EP
+  /// invariance check, so it stays on the fast board as out_magnitude); the
+  /// backward's gradients (src/paths/stages_backward.cpp) likewise.
+  void end_to_end_checks() {
+    stage_ = "end_to_end";
+    const OutputSpec oe{"out", CompareClass::end_to_end, Coords::token_col, promise_combined, nullptr};
+    for (int r = 0; r < R_; ++r) {
+      const bool hf = fast_.has("out", r), hc = chain_.has("out", r) && chain_.has("out_magnitude", r);
+      if (hc) fast_.ranks[size_t(r)]["out_magnitude"] = chain_.at("out_magnitude", r);
+      rep_.checks.push_back(make_check(c_, "end_to_end", "pipeline", oe, hf ? &fast_.at("out", r) : nullptr,
+                                       hc ? &chain_.at("out", r) : nullptr, fast_.ranks[size_t(r)], r, R_,
+                                       "reference chain", hc ? &fast_.at("out_magnitude", r) : nullptr));
     }
-  if (chain_out) *chain_out = std::move(chain);
-  dump.finish(c);
-  return true;
+    for (const EndToEndOutput& e : backward_end_to_end(c_))
+      for (int r = 0; r < R_; ++r) {
+        const std::string& n = e.spec.name;
+        const bool hs = !e.scale.empty() && chain_.has(e.scale, r);
+        rep_.checks.push_back(make_check(c_, "end_to_end", "backward", e.spec, fast_.has(n, r) ? &fast_.at(n, r) : nullptr,
+                                         chain_.has(n, r) ? &chain_.at(n, r) : nullptr, fast_.ranks[size_t(r)], r, R_,
+                                         "reference chain", hs ? &chain_.at(e.scale, r) : nullptr));
+      }
+  }
+
+  const Case& c_;
+  const RunOptions& opt_;
+  const bool use_mpi_;
+  CaseReport& rep_;
+  Board& fast_;         // every primary output (the inputs of the next slot)
+  std::string& stage_;  // what runs now, for an out-of-memory message
+  Streaming streaming_;
+  int R_ = 1;
+  Board chain_;         // the reference chain
+  Dumper dump_;
+};
+
+/// The pipeline on R ranks with the given inputs: every slot's applicable
+/// variants against the reference, the primary feeding the next slot, and the
+/// end-to-end reference chain. `fast` ends holding every primary output.
+/// Returns false when a stage had no variant to feed the next one (the case
+/// is then ERROR and stops there).
+bool run_pipeline_stages(const Case& c, const RunOptions& opt, const std::vector<RankBoard>& inputs, bool use_mpi,
+                         CaseReport& rep, Board& fast, Board* chain_out, std::string& stage) {
+  return Pipeline(c, opt, use_mpi, rep, fast, stage).run(inputs, chain_out);
 }
 
 /// run_pipeline_stages, with an allocation that fails named by the stage
