@@ -15,7 +15,7 @@ Every other stage is left to the reference (`check` lists it as not checked).
   unstable_order   rows of one expert in descending token order
   score_in_bf16    (bf16) score rounded to bf16 before the multiply
 
-The arithmetic follows CONTRACT.md §2 literally: a stable argsort of the
+The arithmetic follows docs/contract.md §2 literally: a stable argsort of the
 flat ids gives expert-major rows with ascending tokens inside an expert; the
 combine multiplies in fp32, rounds to the activation dtype, and adds the
 token's contributions in ascending dispatch row order, rounding after every
@@ -91,7 +91,7 @@ def main():
         perm[rows] = perm[rows][::-1]
     token_sorted = (perm // K).astype(np.int32)
     score_sorted = topk.reshape(-1)[perm].astype(np.float32)
-    # score_multiply: act (CONTRACT §14) multiplies by the score rounded to act
+    # score_multiply: act (docs/contract.md §14) multiplies by the score rounded to act
     smul = rnd(score_sorted, act) if case["score_multiply"] == "act" else score_sorted
     routed = x[token_sorted]
     if before:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A torchtitan-style local dispatcher run on exported inputs (FRAMEWORKS §2):
+"""A torchtitan-style local dispatcher run on exported inputs (docs/frameworks.md §2):
 argsort of the flat expert ids, index_select of the token rows, and a
 scatter_add combine; its outputs go to GOLDEN_DIR/actual/ for `moeverify check`.
 
@@ -9,7 +9,7 @@ Exits 77 (reported skipped by ctest, never passed) when torch cannot be
 imported. The combine follows torchtitan: y = (float(routed_output) * score)
 rounded to the activation dtype, then scatter_add into zeros. PyTorch's CPU
 scatter_add on bf16 accumulates a token's contributions in fp32 and rounds
-once (CONTRACT §14: `combine.accumulate: fp32_accumulate`), so bf16 cases are
+once (docs/contract.md §14: `combine.accumulate: fp32_accumulate`), so bf16 cases are
 exported with that option; in fp32 both accumulate modes are the same.
 """
 import json

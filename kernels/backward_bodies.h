@@ -1,5 +1,5 @@
-// Single-source kernel bodies of the backward token path (CONTRACT §13,
-// FRAMEWORKS §13), in the style of kernels/bodies.h: functors over an index
+// Single-source kernel bodies of the backward token path (docs/contract.md §13,
+// docs/frameworks.md §13), in the style of kernels/bodies.h: functors over an index
 // space (item, lane, lanes), no allocation, no atomics, each output element
 // written by exactly one (item, lane). The data movement of the backward (the
 // inverse permutes, padding, all-to-all with swapped splits) and the ordered
@@ -18,7 +18,7 @@ namespace moev::k {
 /// or exact fp32 products (the contract).
 enum class ProductRounding : uint8_t { fp32, act /* planted fault */ };
 
-/// Combine backward for dispatch row i (CONTRACT §13, FRAMEWORKS §13 "score
+/// Combine backward for dispatch row i (docs/contract.md §13, docs/frameworks.md §13 "score
 /// multiply"): the gradient of routed_output row i is the upstream gradient
 /// of its token, times the row's score under after_experts:
 ///   grad_rows[i] = round(float(G[token_sorted[i]]) * s_i)
@@ -47,7 +47,7 @@ struct CombineGradRowsBody {
   }
 };
 
-/// Score gradient of assignment a = t*K + k (FRAMEWORKS §13): the dot product
+/// Score gradient of assignment a = t*K + k (docs/frameworks.md §13): the dot product
 /// of the token-indexed row t of `token_rows` with dispatch row row_of[a] of
 /// `dispatch_rows`, summed in fp32 in ascending column order, each product an
 /// exact fp32 product of the two activation values; rounded to T at the end
@@ -83,10 +83,10 @@ struct ScoreGradBody {
 
 /// Which derivative of silu the SwiGLU backward takes: the contract's
 /// silu'(a) = sig(a) (1 + a (1 - sig(a))), or sig(a) alone (the planted
-/// fault swiglu_bwd_silu_grad, FRAMEWORKS §13).
+/// fault swiglu_bwd_silu_grad, docs/frameworks.md §13).
 enum class SiluGrad : uint8_t { exact, sigmoid_only /* planted fault */ };
 
-/// The elementwise SwiGLU backward of one (row, f) (CONTRACT §8, §13) on the
+/// The elementwise SwiGLU backward of one (row, f) (docs/contract.md §8, §13) on the
 /// values the contract rounds to T: a = h1, b = h3, g = dH. Gives the forward
 /// activation H = round(silu(a) b) (the dW2 operand), dh3 = round(g silu(a))
 /// and dh1 = round(g b silu'(a)), each rounded to T once and widened back.

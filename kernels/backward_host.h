@@ -1,8 +1,8 @@
-// The backward token path on the host executor (CONTRACT §13, FRAMEWORKS §13):
+// The backward token path on the host executor (docs/contract.md §13, docs/frameworks.md §13):
 // the entry points src/paths/stages_backward.cpp calls. Layouts are the forward's:
 // dispatch rows (N, D) expert-major, token rows (T, D), assignments (T, K) with
 // row_of[t*K + k] the dispatch row of assignment (t, k), all saved from the
-// forward (FRAMEWORKS §13 last line: never recomputed). Callers own every buffer.
+// forward (docs/frameworks.md §13 last line: never recomputed). Callers own every buffer.
 #pragma once
 
 #include <cstdint>
@@ -25,7 +25,7 @@ void combine_backward(const ExecCtx& ctx, DType dt, k::ScoreApply apply, k::Scor
 /// Whether the dispatch backward adds a shared expert's input gradient.
 enum class SharedGrad : uint8_t { none, add_after };
 
-/// Dispatch backward (CONTRACT §13: the gather's adjoint is the ordered
+/// Dispatch backward (docs/contract.md §13: the gather's adjoint is the ordered
 /// scatter-add): grad_x[t] = the token's K dispatch-row gradients added in
 /// ascending row (= ascending expert) order per the accumulate mode, from
 /// zeros, then + grad_shared[t] (one rounding) under SharedGrad::add_after.

@@ -1,4 +1,4 @@
-// Single-source kernel bodies (DESIGN.md idea 2). Each body is a functor over
+// Single-source kernel bodies (docs/architecture.md idea 2). Each body is a functor over
 // an index space (item, lane, lanes): the host executor calls it with lane 0 of
 // 1 for every item; the CUDA executor maps item to a block and lane to a
 // thread. Nothing here allocates, and every body is deterministic: no atomics,
@@ -33,15 +33,15 @@ enum class CombineInit : uint8_t { buffer, zeros };
 enum class CombineOrder : uint8_t { ascending_row, descending_row /* planted fault */ };
 enum class SoftmaxShift : uint8_t { subtract_max, none /* planted fault */ };
 enum class GroupTie : uint8_t { lower_group, higher_group /* planted fault */ };
-/// The SwiGLU activation's rounding points (CONTRACT §8, §14 `experts.rounding`):
+/// The SwiGLU activation's rounding points (docs/contract.md §8, §14 `experts.rounding`):
 /// `fused` rounds once, H = round(silu(h1) * h3); `rounded_to_act` rounds
 /// silu(h1) to the activation dtype first, as every torchtitan expert path
-/// does (FRAMEWORKS §8.1: silu and mul in bf16). The planted fault silu_rounded applies the second
+/// does (docs/frameworks.md §8.1: silu and mul in bf16). The planted fault silu_rounded applies the second
 /// where the case says `fused`.
 enum class SiluRounding : uint8_t { fused, rounded_to_act };
-/// The score multiply (CONTRACT §14 `score_multiply`): `fp32` multiplies by
+/// The score multiply (docs/contract.md §14 `score_multiply`): `fp32` multiplies by
 /// the fp32 score, `act` by the score rounded to the activation dtype first
-/// (FRAMEWORKS §2.2 step 1, the FK variant: ezpz PR #11 `routed_output * score.to(bf16)`).
+/// (docs/frameworks.md §2.2 step 1, the FK variant: ezpz PR #11 `routed_output * score.to(bf16)`).
 enum class ScoreMultiply : uint8_t { fp32, act };
 
 /// e^v from additions, multiplications and exponent bits only, so that the
@@ -68,7 +68,7 @@ MOEV_HD inline float k_exp(float v) {
   return p * k_pow2(e);
 }
 
-/// Router for one token (CONTRACT §1, steps 1-8). Layout: logits, scores and
+/// Router for one token (docs/contract.md §1, steps 1-8). Layout: logits, scores and
 /// choice are (T, E) row-major fp32; ids and topk_scores are (T, K), the K
 /// entries in descending choice order, ties to the lower id.
 ///
@@ -107,7 +107,7 @@ struct RouterBody {
       case 0:  // scores before normalisation
         if (softmax) {
           // exp(l - max) never overflows; exp(l) does past l ~ 88.7 in fp32
-          // (inf / inf = NaN). The planted fault drops the shift (FRAMEWORKS
+          // (inf / inf = NaN). The planted fault drops the shift (docs/frameworks.md
           // §1.2 step 2).
           float m = l[0];
           for (int e = 1; e < E; ++e) m = l[e] > m ? l[e] : m;
@@ -215,7 +215,7 @@ MOEV_HD inline void zero_row(T* dst, int64_t n, int lane, int lanes) {
   for (int64_t c = lane; c < n; c += lanes) dst[c] = from_float<T>(0.f);
 }
 
-/// Local dispatch gather (CONTRACT §2) for dispatch row i: perm[i] is the flat
+/// Local dispatch gather (docs/contract.md §2) for dispatch row i: perm[i] is the flat
 /// assignment a = t*K + k of row i. Writes the row, token_sorted[i],
 /// score_sorted[i] and the inverse map row_of[a] = i.
 template <class T>
@@ -253,7 +253,7 @@ struct GatherBody {
 };
 
 /// SwiGLU activation for row r: H = round(silu(float(h1)) * float(h3)) in fp32
-/// (CONTRACT §8), with silu(h1) rounded to T first under rounded_to_act
+/// (docs/contract.md §8), with silu(h1) rounded to T first under rounded_to_act
 /// (§14). h13 holds rows of width 2F: [h1 | h3] (W13 order, §8.1).
 template <class T>
 struct SwigluBody {
@@ -274,7 +274,7 @@ struct SwigluBody {
   }
 };
 
-/// Ordered combine for token t (CONTRACT §2, §9): the K dispatch rows of the
+/// Ordered combine for token t (docs/contract.md §2, §9): the K dispatch rows of the
 /// token, row_of[t*K + k], are visited in ascending row order (= ascending
 /// expert id) and each contribution y = round(float(routed_out[row]) * s) is
 /// added per the accumulate mode, starting from init[t]. No atomics: the token
@@ -308,7 +308,7 @@ struct CombineBody {
 
   MOEV_HD void operator()(int64_t t, int lane, int lanes) const {
     int32_t rows[kMaxTopK];
-    int n = 0;  // an assignment dropped by capacity (row -1, CONTRACT §11) adds nothing
+    int n = 0;  // an assignment dropped by capacity (row -1, docs/contract.md §11) adds nothing
     for (int k = 0; k < K; ++k) {
       const int32_t r = row_of[t * K + k];
       if (r < 0) continue;

@@ -59,7 +59,7 @@ void capacity_apply(const ExecCtx& ctx, const int64_t* counts, int E, int64_t ca
   // Output row o is input row src[o], or a zero filler row (-1): the rows
   // move with the row-map body (on the host executor or the mirror's device).
   std::vector<int64_t> src(static_cast<size_t>(M), -1);
-  // Planted: the renormalisation Megatron-LM does not do (FRAMEWORKS §11.1):
+  // Planted: the renormalisation Megatron-LM does not do (docs/frameworks.md §11.1):
   // a token's kept scores scaled back up to its original sum.
   std::vector<float> sum_all, sum_kept;
   const bool renorm = ctx.faults.has(Fault::capacity_renormalize);

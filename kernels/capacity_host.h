@@ -1,4 +1,4 @@
-// Capacity and token dropping (CONTRACT §11, FRAMEWORKS §11: Megatron-LM's
+// Capacity and token dropping (docs/contract.md §11, docs/frameworks.md §11: Megatron-LM's
 // router-level dropping and drop-and-pad). Applied to a rank's expert-major
 // dispatch (expert e owns counts[e] consecutive rows, ascending token inside
 // an expert): each expert keeps at most cap rows, in ascending token order;
@@ -18,7 +18,7 @@ namespace moev {
 
 enum class CapacityPolicy : uint8_t { probs, position };
 
-/// cap = ceil(T * K / E * factor) (CONTRACT §11).
+/// cap = ceil(T * K / E * factor) (docs/contract.md §11).
 int64_t capacity_of(int64_t T, int K, int E, double factor);
 
 /// Which rows of the dispatch survive, per expert: keep[i] = 1 for a kept

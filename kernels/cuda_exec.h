@@ -1,4 +1,4 @@
-// CUDA executor (DESIGN.md idea 2): the bodies of bodies.h launched on a grid,
+// CUDA executor (docs/architecture.md idea 2): the bodies of bodies.h launched on a grid,
 // item = block, lane = thread. Entry points take host pointers and stage them
 // through device memory, so the runner can compare device results with the
 // host executor's bitwise. Declared always; defined only in CUDA builds.

@@ -1,4 +1,4 @@
-// Device execution of the fast path (DESIGN.md idea 2, "Scale and backends";
+// Device execution of the fast path (docs/architecture.md idea 2, "Scale and backends";
 // issue 12). A Device owns memory of its own and runs the single-source bodies
 // of bodies.h (and the primitives that differ by nature: sort, GEMM) on it.
 // Two devices: the CUDA device (cuda_exec.cu: a GPU, CUB and cuBLAS) and the
@@ -64,7 +64,7 @@ struct RoundBody {
 };
 
 /// dst[i] = src[i] rounded to To for i < n (one rounding; exact where To is
-/// wider): the inputs and weights of compute_dtype bf16 (CONTRACT §14) and back.
+/// wider): the inputs and weights of compute_dtype bf16 (docs/contract.md §14) and back.
 template <class From, class To>
 struct ConvertBody {
   const From* src;

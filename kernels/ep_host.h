@@ -1,4 +1,4 @@
-// Expert-parallel index math (CONTRACT §3, §4, §7): splits, the rank-major ->
+// Expert-parallel index math (docs/contract.md §3, §4, §7): splits, the rank-major ->
 // expert-major permute (generic table or equal-count transpose), alignment
 // padding. Row maps are int64 (64-bit row arithmetic throughout); a map entry
 // < 0 means "zero row". Data is moved by k::RowMapBody on the executor.
@@ -15,7 +15,7 @@ namespace moev {
 /// input_splits[r] = sum of counts over rank r's expert block (E/R experts).
 std::vector<int64_t> splits_from_counts(const int64_t* counts, int E, int R);
 
-/// Generic permute (CONTRACT §3): recv is rank-major (p, j); the output is
+/// Generic permute (docs/contract.md §3): recv is rank-major (p, j); the output is
 /// expert-major (j, p). map[q] = source row of output row q.
 std::vector<int64_t> permute_map_generic(const int64_t* recv_counts, int R, int E_l);
 /// The generic map's 64-bit exclusive prefix over the rank-major segments:
@@ -23,7 +23,7 @@ std::vector<int64_t> permute_map_generic(const int64_t* recv_counts, int R, int 
 /// last entry (R*E_l) the total.
 std::vector<int64_t> rank_major_offsets(const int64_t* recv_counts, int R, int E_l);
 
-/// Equal-count permute (CONTRACT §7): every segment has c rows; the output is
+/// Equal-count permute (docs/contract.md §7): every segment has c rows; the output is
 /// the (R, E_l, c) -> (E_l, R, c) transpose, computed without a table.
 /// `inverse` gives the unpermute (expert-major -> rank-major).
 struct EqualCountMap {
@@ -53,17 +53,17 @@ PadLayout pad_layout(const int64_t* counts, int E_l, int64_t A, EmptyGroupRows e
 std::vector<int64_t> pad_map(const int64_t* counts, const PadLayout& layout, const FaultSet& faults);
 /// Unpadded row -> padded row.
 std::vector<int64_t> unpad_map(const int64_t* counts, const PadLayout& layout);
-/// Equal-split padding (CONTRACT §5): chunk i's splits[i] rows go to
+/// Equal-split padding (docs/contract.md §5): chunk i's splits[i] rows go to
 /// [i*Mstar, i*Mstar + splits[i]), zero rows after them (the fault puts the
 /// zeros first). map has R*Mstar entries.
 std::vector<int64_t> equal_split_pad_map(const std::vector<int64_t>& splits, int64_t Mstar, const FaultSet& faults);
 /// Compaction: the first splits[p] rows of each chunk p, in order.
 std::vector<int64_t> equal_split_compact_map(const std::vector<int64_t>& splits, int64_t Mstar);
 
-/// Force-load-balance counts (CONTRACT §6): floor(T*K/E) + [e < T*K mod E].
+/// Force-load-balance counts (docs/contract.md §6): floor(T*K/E) + [e < T*K mod E].
 std::vector<int64_t> force_lb_counts(int64_t T, int K, int E);
 
-/// The direct equal-split route (CONTRACT §6, FRAMEWORKS §6.3): the padded
+/// The direct equal-split route (docs/contract.md §6, docs/frameworks.md §6.3): the padded
 /// send buffer built from x without a gather. Valid only when K == E_l: then
 /// destination r receives tokens t = r mod R, once per local expert, so chunk
 /// r is x[r::R] repeated E_l times, zero rows after, Mstar rows per chunk.

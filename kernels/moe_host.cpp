@@ -1,6 +1,6 @@
 // Host implementations of the fast-path entry points: kernel bodies run by the
 // host executor, plus the primitives that differ by nature between host and
-// device (histogram, stable sort, GEMM; DESIGN.md idea 2).
+// device (histogram, stable sort, GEMM; docs/architecture.md idea 2).
 #include "moe_host.h"
 
 #include <Eigen/Core>
@@ -16,7 +16,7 @@
 namespace moev {
 namespace {
 
-/// The case's activation rounding (CONTRACT §14), or the planted fault's
+/// The case's activation rounding (docs/contract.md §14), or the planted fault's
 /// extra rounding where the case says `fused`.
 k::SiluRounding silu_rounding(const ExecCtx& ctx, const SwigluConventions& conv) {
   return ctx.faults.has(Fault::silu_rounded) ? k::SiluRounding::rounded_to_act : conv.rounding;
@@ -147,7 +147,7 @@ void router_logits(const ExecCtx& ctx, DType dt, const void* x, const void* wg, 
     host_run(ctx, tiles, [&](int64_t tile, int, int) {
       const int64_t r0 = tile * kGemmTile, rows = std::min(kGemmTile, T - r0);
       // logits stay fp32 (no rounding to the activation type) unless the
-      // case selects gate_dtype act (CONTRACT §14)
+      // case selects gate_dtype act (docs/contract.md §14)
       float* l = logits + r0 * E;
       Eigen::Map<MatF>(l, rows, E) =
           gemm_fp32(xs + r0 * D, rows, D, D, static_cast<const T_*>(wg), E, WeightLayout::n_by_k);
@@ -219,7 +219,7 @@ void expert_sort(const ExecCtx& ctx, const int32_t* ids, int64_t N, int E, int32
   });
   // exclusive scan in (expert, chunk) order. The planted fault scans in
   // (chunk, expert) order: with one chunk (N < 4096 or one thread) the two
-  // agree, with two or more the rows stop being expert-major (FRAMEWORKS §2.1).
+  // agree, with two or more the rows stop being expert-major (docs/frameworks.md §2.1).
   int64_t run = 0;
   if (ctx.faults.has(Fault::sort_chunk_offset)) {
     for (int64_t c = 0; c < chunks; ++c)
@@ -609,7 +609,7 @@ InPlaceResult combine_in_place(const ExecCtx& ctx, const CombineArgs& a, void* b
   auto on_device = [m](ByteRange r) { return m && r.bytes ? ByteRange{m->in(r.p, r.bytes), r.bytes} : r; };
   const ByteRange out = on_device({buf, size_t(a.T * a.D) * dtype_bytes(a.dt)});
   for (int i = 0; i < num_inputs; ++i) {
-    // The planted fault reproduces a data-pointer comparison (FRAMEWORKS §9.2
+    // The planted fault reproduces a data-pointer comparison (docs/frameworks.md §9.2
     // pitfall): a view at an offset inside the same allocation slips through.
     const bool hit = ctx.faults.has(Fault::pointer_alias_guard)
                          ? (out.bytes && inputs[i].bytes && out.p == on_device(inputs[i]).p)

@@ -23,10 +23,10 @@ struct RouterConfig {
   k::RouteNorm norm = k::RouteNorm::off;
 };
 
-/// Where the router GEMM's result is rounded (CONTRACT §14 `router.gate_dtype`):
+/// Where the router GEMM's result is rounded (docs/contract.md §14 `router.gate_dtype`):
 /// `fp32` keeps the fp32 accumulation; `act` rounds each logit to the
 /// activation dtype, then widens it back (torchtitan on CPU, where the fp32
-/// gate autocast of FRAMEWORKS §0 "Dtypes" is ignored).
+/// gate autocast of docs/frameworks.md §0 "Dtypes" is ignored).
 enum class GateDtype : uint8_t { fp32, act };
 
 /// logits (T, E) fp32 = float(x) (T, D) * float(wg)^T, wg (E, D) in dtype,
@@ -34,7 +34,7 @@ enum class GateDtype : uint8_t { fp32, act };
 void router_logits(const ExecCtx& ctx, DType dt, const void* x, const void* wg, int64_t T,
                    int64_t D, int E, float* logits, GateDtype gate = GateDtype::fp32);
 
-/// CONTRACT §1 steps 1-9 on given logits. `choice` is (T, E) scratch.
+/// docs/contract.md §1 steps 1-9 on given logits. `choice` is (T, E) scratch.
 void router_route(const ExecCtx& ctx, const RouterConfig& cfg, const float* logits,
                   const float* bias, int64_t T, float* scores, float* choice, int32_t* ids,
                   float* topk_scores, int64_t* counts);
@@ -45,7 +45,7 @@ void expert_histogram(const ExecCtx& ctx, const int32_t* ids, int64_t N, int E, 
 /// Stable counting sort of the flat ids: perm lists assignments by (ids[a], a).
 void expert_sort(const ExecCtx& ctx, const int32_t* ids, int64_t N, int E, int32_t* perm);
 
-/// Local dispatch (CONTRACT §2): see k::GatherBody for the outputs.
+/// Local dispatch (docs/contract.md §2): see k::GatherBody for the outputs.
 void dispatch_gather(const ExecCtx& ctx, DType dt, k::ScoreApply apply, const void* x,
                      const int32_t* perm, const float* topk_scores, int64_t N, int64_t D, int K,
                      void* routed, int32_t* token_sorted, float* score_sorted, int32_t* row_of,
@@ -53,13 +53,13 @@ void dispatch_gather(const ExecCtx& ctx, DType dt, k::ScoreApply apply, const vo
 
 enum class ExpertsImpl : uint8_t { loop, grouped, batched /* experts_swiglu_batched */ };
 
-/// The dtype the expert GEMMs run in (CONTRACT §14 `experts.compute_dtype`):
+/// The dtype the expert GEMMs run in (docs/contract.md §14 `experts.compute_dtype`):
 /// `act`, or `bf16`: X and the weights rounded to bf16, GEMMs in bf16 with
 /// fp32 accumulation (h13 and H in bf16), Y rounded to the activation dtype
-/// (torchtitan GroupedExperts casts with .bfloat16(), FRAMEWORKS §8.1).
+/// (torchtitan GroupedExperts casts with .bfloat16(), docs/frameworks.md §8.1).
 enum class ComputeDtype : uint8_t { act, bf16 };
 
-/// The numeric conventions of one SwiGLU call (CONTRACT §14).
+/// The numeric conventions of one SwiGLU call (docs/contract.md §14).
 struct SwigluConventions {
   k::SiluRounding rounding = k::SiluRounding::fused;
   ComputeDtype compute = ComputeDtype::act;
@@ -67,14 +67,14 @@ struct SwigluConventions {
 
 /// The SwiGLU intermediates, caller-owned, in dtype: h13 (rows, 2F) holds
 /// [h1 | h3] = [round(X W1^T) | round(X W3^T)] per row, H (rows, F) the
-/// activation round(silu(h1) * h3) (CONTRACT §8). Written so that the
+/// activation round(silu(h1) * h3) (docs/contract.md §8). Written so that the
 /// activation can be checked on its own, given the same GEMM outputs.
 struct SwigluIntermediates {
   void* h13;
   void* H;
 };
 
-/// SwiGLU experts (CONTRACT §8) over expert-major rows: expert j owns
+/// SwiGLU experts (docs/contract.md §8) over expert-major rows: expert j owns
 /// counts[j] consecutive rows of X. W1, W3: (E_l, F, D); W2: (E_l, D, F).
 /// Under ComputeDtype::bf16 the intermediates are bf16 (whatever dt is).
 void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* X,
@@ -86,8 +86,8 @@ void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* 
                     const int64_t* counts, int E_l, int64_t D, int64_t F, const void* W1,
                     const void* W3, const void* W2, void* Y);
 
-/// Fused and transposed weights of the batched experts (CONTRACT §8,
-/// FRAMEWORKS §8.1): W13 = [W1; W3] per expert, (E_l, 2F, D), the first F rows
+/// Fused and transposed weights of the batched experts (docs/contract.md §8,
+/// docs/frameworks.md §8.1): W13 = [W1; W3] per expert, (E_l, 2F, D), the first F rows
 /// the W1 part; W2T = W2^T, (E_l, F, D). Keyed by an explicit weight version
 /// that the caller bumps whenever the weights change (no pointer keys).
 struct BatchedWeightCache {
@@ -137,7 +137,7 @@ struct CombineArgs {
 
 /// Out-of-place combine: out = init + ordered scatter (init and out distinct).
 void combine(const ExecCtx& ctx, const CombineArgs& a, const void* init, void* out);
-/// Out-of-place combine from zeros: out = 0 + ordered scatter (CONTRACT §2,
+/// Out-of-place combine from zeros: out = 0 + ordered scatter (docs/contract.md §2,
 /// the default target), without reading or allocating an init buffer.
 void combine_from_zeros(const ExecCtx& ctx, const CombineArgs& a, void* out);
 
@@ -154,7 +154,7 @@ struct InPlaceResult {
   std::string reason;  // which input the buffer overlapped, when it fell back
 };
 
-/// In-place combine (CONTRACT §9): adds into `buf` (which holds the initial
+/// In-place combine (docs/contract.md §9): adds into `buf` (which holds the initial
 /// value) when buf overlaps none of `protected_inputs` by any byte; otherwise
 /// writes init(=buf contents) + scatter into `fallback` and leaves buf alone.
 InPlaceResult combine_in_place(const ExecCtx& ctx, const CombineArgs& a, void* buf,

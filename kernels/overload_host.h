@@ -1,4 +1,4 @@
-// The overload factor of MoE layer entries (CONTRACT §12, FRAMEWORKS §12:
+// The overload factor of MoE layer entries (docs/contract.md §12, docs/frameworks.md §12:
 // Megatron-LM's "overload factor logging"), as a training loop computes it
 // while it runs: one entry at a time, each rank keeping running sums.
 #pragma once

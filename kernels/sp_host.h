@@ -1,4 +1,4 @@
-// Sequence-parallel index math (CONTRACT §10, FRAMEWORKS §10.2-§10.3) for the
+// Sequence-parallel index math (docs/contract.md §10, docs/frameworks.md §10.2-§10.3) for the
 // fast path. One EP rank's T = B*L tokens (flattened b*L + l) are shared by S
 // SP ranks. The SP ranks' local tokens are held stacked, SP rank after SP
 // rank ("SP layout"): rank s's rows(s) local tokens start at row offset(s).
@@ -48,7 +48,7 @@ struct SpLayout {
     const int64_t o = s * nlt;
     return o < T ? o : T;
   }
-  /// Global row of local token t of SP rank s (CONTRACT §10).
+  /// Global row of local token t of SP rank s (docs/contract.md §10).
   MOEV_HD int64_t global(int64_t s, int64_t t) const {
     const bool b1_formula = (fault_bits & uint32_t(Fault::sp_b1_index)) != 0;
     if (padding == SpPadding::tail || B == 1 || b1_formula) return s * nlt + t;
@@ -95,7 +95,7 @@ struct PadRouteBody {
   }
 };
 
-/// Tail pad rows routed to expert 0 with score 0 (FRAMEWORKS §10.2): ids and
+/// Tail pad rows routed to expert 0 with score 0 (docs/frameworks.md §10.2): ids and
 /// topk_scores (rows, K) are rewritten in place for SP-layout rows whose
 /// global row is >= T; counts (E) are the histogram of the resulting ids.
 void sp_route_pad_rows(const ExecCtx& ctx, const SpLayout& l, int K, int E, int32_t* ids, float* topk_scores,

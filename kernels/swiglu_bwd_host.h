@@ -1,4 +1,4 @@
-// Fast host backward of the SwiGLU experts (CONTRACT §8, §13): the input and
+// Fast host backward of the SwiGLU experts (docs/contract.md §8, §13): the input and
 // weight gradients of experts_swiglu for the loss <Y, dY>.
 #pragma once
 

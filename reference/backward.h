@@ -1,4 +1,4 @@
-// Reference of the backward token path (CONTRACT §13, FRAMEWORKS §13). Like
+// Reference of the backward token path (docs/contract.md §13, docs/frameworks.md §13). Like
 // the rest of reference/, Eigen and the standard library only; written from
 // the contract, in the global view. The backward of a pure data movement is
 // the inverse data movement (the adjoint of a permutation is its inverse,
@@ -12,7 +12,7 @@
 
 namespace ref {
 
-/// Combine backward rows (CONTRACT §13): dispatch row i of the gradient of
+/// Combine backward rows (docs/contract.md §13): dispatch row i of the gradient of
 /// routed_output is round_act(float(G[token_sorted[i]]) * s_i) under
 /// after_experts (s_i the fp32 score, or round_act(s_i) under
 /// ScoreMultiply::act), G[token_sorted[i]] itself under before_experts.
@@ -20,7 +20,7 @@ namespace ref {
 Bytes combine_grad_rows(Act act, ScoreApply apply, ScoreMultiply smul, RowsRef grad_out, const Ids& token_sorted,
                         const Vec& score_sorted);
 
-/// Score gradient (FRAMEWORKS §13): for assignment (t, k) with dispatch row
+/// Score gradient (docs/frameworks.md §13): for assignment (t, k) with dispatch row
 /// i = row_of[t*K + k], sum_d token_rows[t, d] * dispatch_rows[i, d] in fp64,
 /// rounded to fp32, then to act under ScoreMultiply::act. (T, K). Writes in
 /// `halfwidth` how far a correct fp32 summation (any order) may land: any
@@ -28,7 +28,7 @@ Bytes combine_grad_rows(Act act, ScoreApply apply, ScoreMultiply smul, RowsRef g
 Vec score_grad(Act act, ScoreMultiply smul, RowsRef token_rows, RowsRef dispatch_rows, const Ids& row_of, int64_t T,
                int64_t D, int K, Vec& halfwidth);
 
-/// Dispatch backward (CONTRACT §13: the gather's adjoint is the ordered
+/// Dispatch backward (docs/contract.md §13: the gather's adjoint is the ordered
 /// scatter-add, §2's combine order): grad_x[t] starts at 0; for every
 /// dispatch row i in ascending order with token_sorted[i] = t, the row's
 /// contribution c_i (the gradient row, or round_act(g_i * s_i) under
@@ -38,11 +38,11 @@ Vec score_grad(Act act, ScoreMultiply smul, RowsRef token_rows, RowsRef dispatch
 Vec scatter_add_grad(Act act, ScoreApply apply, ScoreMultiply smul, Accumulate acc, RowsRef grad_rows,
                      const Ids& token_sorted, const Vec& score_sorted, const Vec& grad_shared, int64_t T, int64_t D);
 
-/// The forward all-to-all on any rows in the dispatch layout (CONTRACT §3):
+/// The forward all-to-all on any rows in the dispatch layout (docs/contract.md §3):
 /// rank p holds rows expert-major over all E experts, counts[p][e] of expert
 /// e; rank q receives, for each source p ascending and local expert j
 /// ascending, p's rows of expert q*E_l + j in p's order (rank-major). The
-/// combine's all-to-all backward (FRAMEWORKS §13: roles swapped).
+/// combine's all-to-all backward (docs/frameworks.md §13: roles swapped).
 std::vector<Bytes> ep_send_rows(const std::vector<RowsRef>& rows, const std::vector<Counts>& counts, int R, int E_l);
 
 }  // namespace ref

@@ -1,4 +1,4 @@
-// Reference capacity dropping (CONTRACT §11): for each expert's rows of the
+// Reference capacity dropping (docs/contract.md §11): for each expert's rows of the
 // dispatch, a row is kept when fewer than cap rows of its expert beat it
 // (policy probs: a higher score, or an equal score and a lower token index;
 // policy position: an earlier row, i.e. a lower token index). Counted pair by

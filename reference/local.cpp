@@ -1,4 +1,4 @@
-// Reference local dispatch, combine and SwiGLU experts (CONTRACT §2, §8).
+// Reference local dispatch, combine and SwiGLU experts (docs/contract.md §2, §8).
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
@@ -280,7 +280,7 @@ Vec combine_magnitude(const CombineSpec& s, RowsRef rows_magnitude, Act rows_act
 namespace {
 
 /// Token rows [t0, t1) of the combine: each element's terms in ascending
-/// routed-row order, as CONTRACT §2 states. `A` is a template argument so the
+/// routed-row order, as docs/contract.md §2 states. `A` is a template argument so the
 /// decode and the roundings inline into a branch-free column loop.
 template <Act A>
 void combine_tokens(const CombineSpec& s, RowsRef routed_out, const TokenRows& tr, const Vec& score_sorted,

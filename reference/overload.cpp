@@ -1,4 +1,4 @@
-// Reference overload factor (CONTRACT §12): the whole event timeline of a
+// Reference overload factor (docs/contract.md §12): the whole event timeline of a
 // run is laid out first (forward entries 1..N, then backward N..1 with
 // negated counts), its prefix sums taken per rank, and the peaks read off;
 // nothing is kept running.

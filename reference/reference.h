@@ -1,6 +1,6 @@
-// The CPU reference (DESIGN.md idea 1). It uses Eigen and the standard library
+// The CPU reference (docs/architecture.md idea 1). It uses Eigen and the standard library
 // only, never includes kernels/, and loops over experts and tokens in the order
-// spec/CONTRACT.md states. Activation tensors are std::vector<float> holding
+// docs/contract.md states. Activation tensors are std::vector<float> holding
 // values already representable in the activation type (bf16/fp16 values are
 // exact in fp32), so an exact comparison is a comparison of floats.
 #pragma once
@@ -117,14 +117,14 @@ struct RouterSpec {
   float route_scale = 1.f;
 };
 
-/// CONTRACT §14 `router.gate_dtype`: logits kept in fp32, or rounded to act.
+/// docs/contract.md §14 `router.gate_dtype`: logits kept in fp32, or rounded to act.
 enum class GateDtype { fp32, act };
-/// CONTRACT §14 `score_multiply`: the fp32 score, or the score rounded to act.
+/// docs/contract.md §14 `score_multiply`: the fp32 score, or the score rounded to act.
 enum class ScoreMultiply { fp32, act };
-/// CONTRACT §14 `experts.rounding`: H = round(silu(h1) h3) (`fused`), or
+/// docs/contract.md §14 `experts.rounding`: H = round(silu(h1) h3) (`fused`), or
 /// a = round(silu(h1)), H = round(a h3) (`torchtitan`).
 enum class SiluRounding { fused, torchtitan };
-/// CONTRACT §14 `experts.compute_dtype`: GEMMs in act, or X, weights, h13,
+/// docs/contract.md §14 `experts.compute_dtype`: GEMMs in act, or X, weights, h13,
 /// H and the GEMM result in bf16 and Y rounded to act.
 enum class Compute { act, bf16 };
 
@@ -132,7 +132,7 @@ enum class Compute { act, bf16 };
 /// fp32 (and then to `act` under GateDtype::act).
 Vec router_logits(const Vec& x, const Vec& wg, int64_t T, int64_t D, int E, GateDtype gate = GateDtype::fp32,
                   Act act = Act::fp32);
-/// Error scale of X W^T (CONTRACT §15): sum_k |x_ik| |w_jk|, (rows, n).
+/// Error scale of X W^T (docs/contract.md §15): sum_k |x_ik| |w_jk|, (rows, n).
 Vec gemm_magnitude(const Vec& X, const Vec& W, int64_t rows, int64_t D, int64_t n);
 /// Under GateDtype::act: how far a correct logit round_act(fp32-accumulated
 /// x wg^T) may land from router_logits' value, per element: any act rounding
@@ -148,7 +148,7 @@ struct RouterOut {
   Counts counts;     // (E)
 };
 
-/// CONTRACT §1 on given logits; bias has E entries. The composition of the
+/// docs/contract.md §1 on given logits; bias has E entries. The composition of the
 /// three steps below.
 RouterOut route(const RouterSpec& spec, const Vec& logits, const Vec& bias, int64_t T);
 /// Step 1: softmax (max subtracted, fp64) or sigmoid, rounded to fp32. (T, E).
@@ -170,13 +170,13 @@ struct LocalDispatch {
   Counts counts;       // (E)
 };
 
-/// CONTRACT §2 dispatch: for each expert e ascending, each token t ascending,
+/// docs/contract.md §2 dispatch: for each expert e ascending, each token t ascending,
 /// each k with ids[t,k] == e, emit one row.
 LocalDispatch local_dispatch(Act act, ScoreApply apply, RowsRef x, const Ids& ids,
                              const Vec& topk_scores, int64_t T, int64_t D, int K, int E,
                              ScoreMultiply smul = ScoreMultiply::fp32);
 
-/// CONTRACT §8 SwiGLU over expert-major rows (expert j owns counts[j] rows).
+/// docs/contract.md §8 SwiGLU over expert-major rows (expert j owns counts[j] rows).
 /// W1, W3: (E_l, F, D); W2: (E_l, D, F). GEMMs in fp64, rounded to act.
 Vec swiglu_experts(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F,
                    const Vec& W1, const Vec& W3, const Vec& W2);
@@ -192,7 +192,7 @@ SwigluTrace swiglu_experts_traced(Act act, const Vec& X, const Counts& counts, i
                                   const Vec& W1, const Vec& W3, const Vec& W2,
                                   SiluRounding rounding = SiluRounding::fused, Compute compute = Compute::act);
 
-/// The activation H = round_act(silu(h1) * h3) (CONTRACT §8) of given
+/// The activation H = round_act(silu(h1) * h3) (docs/contract.md §8) of given
 /// [h1 | h3] rows, computed in fp64: what H must be given those GEMM outputs.
 /// halfwidth[i] is how far a correct fp32 computation may land from H[i]
 /// (one act rounding of a value within 2^-20 relative of the exact one; under
@@ -201,16 +201,16 @@ Vec swiglu_hidden(Act act, const Vec& h13, int64_t rows, int64_t F, Vec& halfwid
                   SiluRounding rounding = SiluRounding::fused);
 
 /// How far a correct h13 = [round(X W1^T) | round(X W3^T)] (fp32 or better
-/// accumulation, CONTRACT §8) may land from swiglu_experts_traced's h13, per
+/// accumulation, docs/contract.md §8) may land from swiglu_experts_traced's h13, per
 /// element: any `act` rounding of a value within (D + 2) 2^-24 sum |x w| of
 /// the exact product of X and the weights rounded to `act`. Mostly 0 for
 /// bf16/fp16, so a wrong rounding of X, the weights or the result fails where
-/// the GEMM tolerance would hide it (experts.compute_dtype, CONTRACT §14).
+/// the GEMM tolerance would hide it (experts.compute_dtype, docs/contract.md §14).
 Vec swiglu_h13_halfwidth(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1,
                          const Vec& W3);
 
 
-/// Error scale of swiglu_experts (CONTRACT §15): element (i, j) of expert
+/// Error scale of swiglu_experts (docs/contract.md §15): element (i, j) of expert
 /// output is bounded by a multiple of the unit roundoff times
 ///   M_ij = sum_f Heff_if |W2_jf|,  Heff = |H| + |silu'(h1) h3| m1 + |silu(h1)| m3,
 /// with m1 = |X| |W1|^T, m3 = |X| |W3|^T: the sum of the absolute values of
@@ -227,7 +227,7 @@ struct SwigluGrads {
   Vec dW1, dW3;
   Vec dW2;
 };
-/// Backward of swiglu_experts for the loss <Y, dY> (CONTRACT §13 with §8).
+/// Backward of swiglu_experts for the loss <Y, dY> (docs/contract.md §13 with §8).
 /// Rounding points (the contract of the fast path), per expert j:
 ///   h1, h3 = round_act(X W1_j^T), round_act(X W3_j^T)   (as the forward)
 ///   H      = round_act(silu(h1) h3)                     (as the forward)
@@ -241,7 +241,7 @@ struct SwigluGrads {
 SwigluGrads swiglu_experts_backward(Act act, const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
                                     const Vec& W1, const Vec& W3, const Vec& W2,
                                     SiluRounding rounding = SiluRounding::fused, Compute compute = Compute::act);
-/// Error scales of swiglu_experts_backward (CONTRACT §15), same layouts: the
+/// Error scales of swiglu_experts_backward (docs/contract.md §15), same layouts: the
 /// sums of |terms| with a first-order propagation of the errors of every
 /// rounded intermediate (h1, h3 from |X||W|^T, dH from |dY||W2|, dh1, dh3
 /// from those). >= |value|, and it does not shrink under cancellation.
@@ -259,7 +259,7 @@ struct CombineSpec {
   ScoreMultiply smul = ScoreMultiply::fp32;
 };
 
-/// CONTRACT §2 combine: out = init; for i = 0..N-1 ascending,
+/// docs/contract.md §2 combine: out = init; for i = 0..N-1 ascending,
 /// out[token_sorted[i]] (+)= round(routed_out[i] * score_sorted[i]); then
 /// out += shared (one rounding) when shared_add == add_after. Computed token
 /// by token: each output row gathers its own routed rows in ascending i, the
@@ -283,7 +283,7 @@ Vec combine_magnitude(const CombineSpec& spec, RowsRef rows_magnitude, Act rows_
 
 namespace ref {
 
-/// Global-view EP dispatch (CONTRACT §3) of each rank's expert-major rows
+/// Global-view EP dispatch (docs/contract.md §3) of each rank's expert-major rows
 /// (routed[p]: expert e owns counts[p][e] consecutive rows): rank q receives,
 /// for each source p ascending, each local expert j ascending, source p's rows
 /// of expert q*E_l + j in their order. Returns per rank q the rank-major rows;
@@ -301,7 +301,7 @@ Bytes permute_to_expert_major(RowsRef recv, const Counts& recv_counts, int R, in
 /// The inverse: expert-major (j, p) -> rank-major (p, j).
 Bytes permute_to_rank_major(RowsRef rows, const Counts& recv_counts, int R, int E_l);
 
-/// Alignment padding (CONTRACT §4) of expert-major rows with group sizes
+/// Alignment padding (docs/contract.md §4) of expert-major rows with group sizes
 /// `counts`: each group's rows, then zero rows up to round_up(count, A) (an
 /// empty group gets A rows when empty_align); under empty_align the buffer is
 /// round_up(M + E_l*A, A) rows with a zero tail. Returns the rows and writes
@@ -310,13 +310,13 @@ Bytes pad_groups(RowsRef rows, const Counts& counts, int64_t A, bool empty_align
 /// Keeps the first counts[j] rows of each padded group.
 Bytes unpad_groups(RowsRef rows, const Counts& counts, const Counts& padded_sizes);
 
-/// Reverse all-to-all (CONTRACT §3.5): rank p gets back, for each q ascending,
+/// Reverse all-to-all (docs/contract.md §3.5): rank p gets back, for each q ascending,
 /// the rows q received from p, in the order p sent them. only >= 0: rank
 /// `only`'s rows alone.
 std::vector<Bytes> ep_return(const std::vector<RowsRef>& recv_out, const std::vector<Counts>& recv_counts, int R,
                              int E_l, int only = -1);
 
-// ---- sequence parallel (CONTRACT §10; reference/sp.cpp) ----------------------
+// ---- sequence parallel (docs/contract.md §10; reference/sp.cpp) ----------------------
 
 enum class SpPadding { virtual_, tail };
 
@@ -345,7 +345,7 @@ Vec sp_global_rows(const SpShard& sh, const Vec& out, int64_t S, int64_t D);
 /// counts (E) recomputed from the ids.
 void sp_route_pad_rows(const SpShard& sh, int64_t T, int K, int E, Ids& ids, Vec& topk_scores, Counts& counts);
 
-/// The overload factor of MoE layer entries (CONTRACT §12) from the rows
+/// The overload factor of MoE layer entries (docs/contract.md §12) from the rows
 /// each rank received (actual[entry][rank]) and its balanced share
 /// (balanced[entry][rank] = T_r * K): per entry max_r actual / (mean balanced
 /// + 1e-8), their mean and max, and max_cum, the largest over ranks of the
@@ -358,7 +358,7 @@ struct OverloadRef {
 OverloadRef overload_factors(const std::vector<std::vector<int64_t>>& actual,
                              const std::vector<std::vector<int64_t>>& balanced, bool backward);
 
-/// Capacity dropping (CONTRACT §11) of one rank's expert-major dispatch
+/// Capacity dropping (docs/contract.md §11) of one rank's expert-major dispatch
 /// (expert e owns counts[e] consecutive rows, ascending token inside it):
 /// each expert keeps at most cap rows, in their order: by_probs, the rows of
 /// highest score (ties to the lower token index), else the first cap. Kept

@@ -1,4 +1,4 @@
-// Reference router (CONTRACT §1): fp64 logits, scores in fp64 rounded to fp32,
+// Reference router (docs/contract.md §1): fp64 logits, scores in fp64 rounded to fp32,
 // selection by a full sort of (choice desc, id asc) per token.
 #include <Eigen/Core>
 #include <algorithm>

@@ -1,7 +1,7 @@
-// Reference sequence-parallel sharding and gather (CONTRACT §10). The slices
+// Reference sequence-parallel sharding and gather (docs/contract.md §10). The slices
 // are found by walking the sequences position by position in the global view;
 // no local -> global index formula is used, so a wrong formula in kernels/
-// (FRAMEWORKS §10.3: the B = 1 index with B > 1; torchtitan #3577: a stride
+// (docs/frameworks.md §10.3: the B = 1 index with B > 1; torchtitan #3577: a stride
 // of the local row count) cannot be copied here.
 #include "reference.h"
 

@@ -1,4 +1,4 @@
-// Reference backward of the SwiGLU experts (CONTRACT §8, §13): the input and
+// Reference backward of the SwiGLU experts (docs/contract.md §8, §13): the input and
 // weight gradients of swiglu_experts for the loss <Y, dY>, in fp64 from the
 // act-rounded inputs, rounded to act at the points listed in reference.h.
 // Written from the chain rule, independently of kernels/swiglu_bwd_host.cpp.

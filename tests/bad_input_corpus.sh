@@ -153,7 +153,7 @@ v out_of_range "shape.tokens: value -1 is out of range"
 v duplicate_name_after_sweep "duplicate case name 'a[seed=1]'"
 v name_with_newline "the name 'a\\x0ab' contains a control character"
 v tokens_per_rank_length "has 3 entries for ep 2"
-# sequence parallel (CONTRACT §10)
+# sequence parallel (docs/contract.md §10)
 v sp_zero "sp_zero.yaml:3:9: sp: value 0 is out of range"
 v sp_virtual_batch_uneven "sp_virtual_batch_uneven.yaml:4:32: shape.seq_len: virtual SP padding with batch 2 needs seq_len % sp == 0"
 v sp_seq_len_tokens_disagree "shape.tokens: 9 disagrees with batch * seq_len = 8"
@@ -161,7 +161,7 @@ v sp_padding_unknown "sp_padding: unknown value 'front'; valid: virtual | tail"
 v backward_sp "backward: the backward of the sequence-parallel shard and gather is not implemented; valid: backward: off with sp > 1"
 v backward_unknown "backward: unknown value 'yes please'; valid: off | on"
 v backend_unknown "backend_unknown.yaml:3:14: backend: unknown value 'gpu'; valid: host | cuda | emulated"
-# capacity (CONTRACT §11) and layer entries (§12)
+# capacity (docs/contract.md §11) and layer entries (§12)
 v capacity_negative "capacity_negative.yaml:3:24: capacity.factor: value -1 is out of range; valid: a number in [0, 1000]"
 v capacity_policy "capacity.policy: unknown value 'random'; valid: probs | position"
 v capacity_unknown_key "capacity.min_capacity: unknown key; valid keys here: factor, pad_to_capacity, policy"

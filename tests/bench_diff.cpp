@@ -2,7 +2,7 @@
 // seconds of one diff of two N-element tensors and the ratio to a memcpy of
 // the same bytes (both tensors' bytes: a diff reads two tensors, a memcpy
 // reads one and writes one), measured in the same run. Built, never timed by
-// ctest (STYLE: no timed unit tests).
+// ctest (no timed unit tests).
 //
 // Rows marked ~ differ in every element (1 ULP, within tolerance), so the
 // typed walk runs instead of the byte compare.

@@ -143,7 +143,7 @@ for t in range(T):
     if others:
         new = ids.copy()
         new[t, K - 1] = others[0]
-        # the implementation returns its K ids unsorted (CONTRACT §14): reverse them
+        # the implementation returns its K ids unsorted (docs/contract.md §14): reverse them
         new[t] = new[t][::-1]
         break
 else:

@@ -102,7 +102,7 @@ int device_entry_points() {
       apply_row_map(host, dt, r_h.data(), map.data(), N, D, m_h.data());
       apply_row_map(on_dev, dt, r_h.data(), map.data(), N, D, m_d.data());
       move_ok = move_ok && m_h == m_d;
-      // The backward (CONTRACT §13): gradient rows in dispatch order and the
+      // The backward (docs/contract.md §13): gradient rows in dispatch order and the
       // score gradient (a per-assignment fp32 dot product in column order).
       std::vector<uint8_t> g_h(r_h.size()), g_d(r_h.size());
       std::vector<float> gs_h(static_cast<size_t>(N)), gs_d(gs_h.size());
@@ -214,7 +214,7 @@ int main() {
       std::vector<uint8_t> rh(static_cast<size_t>(N * D) * eb), rd(rh.size());
       std::vector<int32_t> th(static_cast<size_t>(N)), td(static_cast<size_t>(N)), oh(static_cast<size_t>(N)), od(static_cast<size_t>(N));
       std::vector<float> sh(static_cast<size_t>(N)), sd(static_cast<size_t>(N));
-      // score_multiply act (CONTRACT §14) before the experts; the fp32 multiply
+      // score_multiply act (docs/contract.md §14) before the experts; the fp32 multiply
       // runs last so that rh holds plain rows for the combine below.
       for (k::ScoreMultiply smul : {k::ScoreMultiply::act, k::ScoreMultiply::fp32})
         for (k::ScoreApply apply : {k::ScoreApply::before_experts, k::ScoreApply::after_experts}) {

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The include graph follows the layers (DESIGN.md "Layers", issue 22): each
+# The include graph follows the layers (docs/architecture.md "Layers", issue 22): each
 # folder includes only its own files and folders beneath it. Parses every
 # #include "..." in src/ kernels/ reference/; a name is resolved as the
 # compiler does: next to the including file, else on the include path (every

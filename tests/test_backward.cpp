@@ -1,4 +1,4 @@
-// Backward of the token path (CONTRACT §13, FRAMEWORKS §13; src/paths/stages_backward.cpp):
+// Backward of the token path (docs/contract.md §13, docs/frameworks.md §13; src/paths/stages_backward.cpp):
 // the adjoint identities in fp64 on the fast kernels (exact data, so the
 // fp32 results are the exact values), the round trip of the gradient rows
 // through the whole EP backward (identity experts: every backward stage is

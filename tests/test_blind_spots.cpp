@@ -45,7 +45,7 @@ uint16_t pattern(int64_t r, int64_t c) { return from_float<bf16>(float((r * 7 + 
 
 }  // namespace
 
-// CONTRACT §4 "row offsets use 64-bit arithmetic" (FRAMEWORKS §4): the element
+// docs/contract.md §4 "row offsets use 64-bit arithmetic" (docs/frameworks.md §4): the element
 // offset of a row is row * D. tests/test_ep.cpp checks group offsets past 2^31
 // ROWS without moving data; this moves rows whose first element lies past
 // 2^31 and past 2^32 elements, through the row-map copy (permutes, padding,
@@ -136,7 +136,7 @@ TEST_CASE("rows past 2^31 and 2^32 elements move with 64-bit offsets (row map, g
 
 namespace {
 
-/// Splits of a case computed from the reference routing (CONTRACT §3): for
+/// Splits of a case computed from the reference routing (docs/contract.md §3): for
 /// every rank the reference router's counts on that rank's generated inputs,
 /// then input_splits per destination and output_splits per source.
 struct RefSplits {
@@ -161,7 +161,7 @@ RefSplits reference_splits(const Case& c) {
   return s;
 }
 
-/// FRAMEWORKS §5.1-5.2 written out: M* = max input split over all ranks; per
+/// docs/frameworks.md §5.1-5.2 written out: M* = max input split over all ranks; per
 /// rank overhead [sum(M* - in) + sum(M* - out)] / [sum in + sum out] in integer
 /// basis points; the decision uses the maximum over the ranks.
 struct Overhead {
@@ -220,7 +220,7 @@ void require_same_splits(const CaseReport& r, const RefSplits& s) {
 
 }  // namespace
 
-// CONTRACT §5, FRAMEWORKS §5.2: the overhead and the adaptive decision, not
+// docs/contract.md §5, docs/frameworks.md §5.2: the overhead and the adaptive decision, not
 // only the data. The expected M* and basis points come from the reference
 // routing; the threshold is then set exactly at the expected overhead (must
 // pad: overhead <= threshold) and one basis point below it (must not), so an

@@ -1,4 +1,4 @@
-// Capacity and token dropping (CONTRACT §11, FRAMEWORKS §11.4 D1-D4): random
+// Capacity and token dropping (docs/contract.md §11, docs/frameworks.md §11.4 D1-D4): random
 // configurations pass every check, experts keep at most cap rows (exactly cap
 // with padding), a dropped assignment adds exactly nothing, a cap of at least
 // T equals the dropless run bit for bit, and the planted faults are caught.

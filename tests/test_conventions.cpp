@@ -1,4 +1,4 @@
-// Framework conventions (CONTRACT §14): for each option, fast == reference on
+// Framework conventions (docs/contract.md §14): for each option, fast == reference on
 // random shapes and dtypes (RapidCheck), and a fixed case showing where the
 // option and the default give different results, so neither can silently
 // stand in for the other.
@@ -67,7 +67,7 @@ const Option kOptions[] = {
 
 }  // namespace
 
-TEST_CASE("conventions differ from the defaults where CONTRACT 14 says", "[cpu]") {
+TEST_CASE("conventions differ from the defaults where docs/contract.md §14 says", "[cpu]") {
   for (const Option& o : kOptions) {
     INFO(o.key << " in " << o.dtype);
     const std::string base = std::string("dtype: ") + o.dtype + ", router: {route_norm: on, route_scale: 2.5}";

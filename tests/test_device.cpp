@@ -134,7 +134,7 @@ TEST_CASE("entry points on the emulated device give the host executor's bytes", 
     combine_from_zeros(host, a, ch.data());
     combine_from_zeros(device, a, cd.data());
     CHECK(std::memcmp(ch.data(), cd.data(), ch.size() * 4) == 0);
-    // The combine's backward (CONTRACT §13): gradient rows and score gradient.
+    // The combine's backward (docs/contract.md §13): gradient rows and score gradient.
     std::vector<float> gh(static_cast<size_t>(N * D)), gd(size_t(N * D), -1.f), gsh(static_cast<size_t>(N)),
         gsd(size_t(N), -1.f);
     combine_backward(host, DType::fp32, k::ScoreApply::after_experts, k::ScoreMultiply::fp32, x.data(), rd.data(),

@@ -1,6 +1,6 @@
 // Expert parallelism: the communicator's failure modes, padding offsets,
 // the EP fault points, and RapidCheck properties over random EP configurations
-// (FRAMEWORKS §16 T-A1..A6, T-P1..P4, T-C1..C2).
+// (docs/frameworks.md §16 T-A1..A6, T-P1..P4, T-C1..C2).
 #include <catch2/catch.hpp>
 #include <rapidcheck/catch.h>
 

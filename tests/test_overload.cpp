@@ -1,4 +1,4 @@
-// The overload factor of MoE layer entries (CONTRACT §12, FRAMEWORKS §12):
+// The overload factor of MoE layer entries (docs/contract.md §12, docs/frameworks.md §12):
 // hand-worked values from the formula, the running-sum implementation against
 // the reference's timeline on random counts, the planted faults, and layer
 // entries with router weights of their own.

@@ -1,4 +1,4 @@
-// RapidCheck properties over random configurations (FRAMEWORKS §16: T-L1..L6,
+// RapidCheck properties over random configurations (docs/frameworks.md §16: T-L1..L6,
 // T-S1, T-S2). The seed is printed on stderr; RC_PARAMS="seed=N" replays.
 #include <catch2/catch.hpp>
 #include <rapidcheck/catch.h>
@@ -220,7 +220,7 @@ TEST_CASE("combine", "[cpu][prop]") {
     RC_ASSERT(std::fabs(lhs - rhs) <= 1e-6 * (mag + 1) * (r.K + 2));
   });
 
-  // FRAMEWORKS §9.2 pitfalls: the guard must check the caller's buffer against
+  // docs/frameworks.md §9.2 pitfalls: the guard must check the caller's buffer against
   // EVERY protected input by byte range, not only x (the one FK checks) and not
   // only the first range it is given. The buffer shares one allocation with a
   // drawn input (x, routed_output, score_sorted, row_of, token_sorted or

@@ -1,4 +1,4 @@
-// Sequence parallel (CONTRACT §10, FRAMEWORKS §10): the index maps against the
+// Sequence parallel (docs/contract.md §10, docs/frameworks.md §10): the index maps against the
 // reference's walk over the sequences, the SP invariance property (the SP
 // ranks' gathered outputs equal the sp = 1 output bit for bit), the planted
 // SP faults, and the refusal of virtual padding with B > 1 and L % S != 0.

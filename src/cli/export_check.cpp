@@ -59,7 +59,7 @@ std::string layout_of(const std::string& name) {
   static const std::map<std::string, std::string> m = {
       {"x", "(T, D) token rows"},
       {"x_tail", "(alias_offset) the elements that follow x in its buffer: the in-place combine's output starts "
-                 "alias_offset elements into x and runs past its end (CONTRACT §9)"},
+                 "alias_offset elements into x and runs past its end (docs/contract.md §9)"},
       {"wg", "(E, D) router weight; logits = x wg^T"},
       {"bias", "(E) fp32 selection bias"},
       {"w1", "(E, F, D) per expert; h1 = X w1^T"},
@@ -71,21 +71,21 @@ std::string layout_of(const std::string& name) {
       {"grad_out", "(T, D) upstream gradient of out"},
       {"logits", "(T, E) fp32"},
       {"scores", "(T, E) softmax/sigmoid of logits, fp32"},
-      {"ids", "(T, K) selected experts of each token, any order; judged as a selection (CONTRACT §15)"},
+      {"ids", "(T, K) selected experts of each token, any order; judged as a selection (docs/contract.md §15)"},
       {"topk_scores", "(T, K) score of ids[t, k], normalised and scaled"},
       {"counts", "(E) rows per expert (after capacity: kept rows)"},
-      {"routed_input", "(N, D) expert-major, ascending token inside an expert (CONTRACT §2); N = T*K, or the kept rows after capacity"},
+      {"routed_input", "(N, D) expert-major, ascending token inside an expert (docs/contract.md §2); N = T*K, or the kept rows after capacity"},
       {"token_sorted", "(N) token of each dispatch row"},
       {"score_sorted", "(N) score of each dispatch row"},
       {"row_of", "(T, K) dispatch row of assignment (t, k); -1 where capacity dropped it"},
       {"input_splits", "(R) rows sent to each rank"},
       {"output_splits", "(R) rows received from each rank"},
       {"recv_counts", "(R*E_l) flat, entry p*E_l + j: rows received from rank p for local expert j"},
-      {"recv", "(M, D) received rows: source rank, then local expert, then the source's order (CONTRACT §3)"},
+      {"recv", "(M, D) received rows: source rank, then local expert, then the source's order (docs/contract.md §3)"},
       {"overload", "(2) [largest rows received by a rank, rows received by the group]"},
-      {"permuted", "(M, D) expert-major: local expert, then source rank (CONTRACT §3)"},
+      {"permuted", "(M, D) expert-major: local expert, then source rank (docs/contract.md §3)"},
       {"expert_counts_real", "(E_l) real rows per local expert"},
-      {"expert_input", "(P, D) expert groups padded to a multiple of align with zero rows (CONTRACT §4)"},
+      {"expert_input", "(P, D) expert groups padded to a multiple of align with zero rows (docs/contract.md §4)"},
       {"expert_counts", "(E_l) padded rows per local expert"},
       {"expert_output", "(P, D) expert outputs of the padded groups; under empty_groups: pad an empty group keeps no rows"},
       {"expert_h13", "(P, 2F) [h1 | h3] per row"},
@@ -422,7 +422,7 @@ Check rows_check(const std::string& slot, const OutputSpec& o, int r, int R, con
   return ch;
 }
 
-/// The capacity boundary (CONTRACT §11, §15): under policy probs rows whose
+/// The capacity boundary (docs/contract.md §11, §15): under policy probs rows whose
 /// scores tie exactly at an expert's cap may be kept either way. When the
 /// implementation's kept tokens (its token_sorted, grouped by its counts) are
 /// such a choice for every expert (as many as the reference keeps, none
@@ -686,7 +686,7 @@ CaseReport run_external(const Case& c, const ActualFn* actual, std::vector<Golde
   Board first;
   int64_t expected_total = 0, checked = 0;
   std::vector<std::string> not_checked, partly;
-  // Layer entries (CONTRACT §12) one after another, each its own pipeline
+  // Layer entries (docs/contract.md §12) one after another, each its own pipeline
   // with its own router weights; entry l >= 2 is labelled "layer<l>/".
   for (int l = 0; l < c.layers; ++l) {
     Case cl = c;

@@ -366,7 +366,7 @@ struct Probe {
   bool (*caught)(const FaultSet&);
 };
 
-// CONTRACT §4: group starts past 2^31 rows need 64-bit offsets.
+// docs/contract.md §4: group starts past 2^31 rows need 64-bit offsets.
 bool probe_offsets(const FaultSet& f) {
   const int64_t A = 16;
   const std::vector<int64_t> counts = {(int64_t(1) << 31) - 5, 7, 1 << 20};
@@ -379,7 +379,7 @@ bool probe_offsets(const FaultSet& f) {
   return l.start[counts.size()] != start;
 }
 
-// FRAMEWORKS §8.1: the batched cache must be rebuilt when the weight version changes.
+// docs/frameworks.md §8.1: the batched cache must be rebuilt when the weight version changes.
 bool probe_weight_cache(const FaultSet& f) {
   const int E_l = 2;
   const int64_t c = 3, D = 4, F = 5;

@@ -1,11 +1,11 @@
-// The Communicator (DESIGN.md idea 3): rank code talks to peers only through
+// The Communicator (docs/architecture.md idea 3): rank code talks to peers only through
 // this interface and never asks which implementation it runs on.
 //   local: R ranks as threads of one process (default; tests and fuzzing)
 //   mpi:   one process per rank under mpirun (host buffers)
 //   nccl:  one process and one GPU per rank under mpirun with --backend cuda
 //          (token rows in device buffers; metadata over mpi)
 // Every collective checks its arguments on every rank (split consistency,
-// CONTRACT §3 A2, and the splits against the real buffer sizes), and all
+// docs/contract.md §3 A2, and the splits against the real buffer sizes), and all
 // ranks agree on the verdict before any data moves: either every rank copies
 // or none does, and no rank leaves a collective while a peer may still read
 // its buffers. A collective that does not complete in time fails with the

@@ -1,4 +1,4 @@
-// NCCL communicator (DESIGN.md idea 3, issue 12 item 4), built in CUDA builds.
+// NCCL communicator (docs/architecture.md idea 3, issue 12 item 4), built in CUDA builds.
 // One process per rank, one GPU per process. The token rows of an
 // all-to-all-v move on the GPU as grouped ncclSend/ncclRecv; the host
 // Communicator (the MPI world) broadcasts NCCL's unique id, agrees on every

@@ -140,7 +140,7 @@ const EnumTable<CompareClass>& compare_class_table() {
 Tolerance tolerance_for(const Case& c, CompareClass cls) {
   if (cls == CompareClass::rounding) return default_tolerance(cls, c.dtype);
   auto it = c.tolerance_override.find(cls);
-  // GEMMs run in bf16 under experts.compute_dtype bf16 (CONTRACT §14): their
+  // GEMMs run in bf16 under experts.compute_dtype bf16 (docs/contract.md §14): their
   // outputs, and the combined output built from them, carry bf16 errors.
   const bool bf16_gemm = c.experts.compute_dtype == ComputeDtype::bf16 &&
                          (cls == CompareClass::gemm || cls == CompareClass::end_to_end);
@@ -189,7 +189,7 @@ std::string Case::summary() const {
     o << " ep=" << ep << " align=" << align << "/" << enum_name(empty_groups_table(), empty_groups)
       << " permute=" << enum_name(permute_table(), permute);
   }
-  // Framework conventions (CONTRACT §14): named only when not the default.
+  // Framework conventions (docs/contract.md §14): named only when not the default.
   if (router.gate_dtype != GateDtype::fp32) o << " gate_dtype=" << enum_name(gate_dtype_table(), router.gate_dtype);
   if (score_multiply != k::ScoreMultiply::fp32)
     o << " score_multiply=" << enum_name(score_multiply_table(), score_multiply);
@@ -380,16 +380,16 @@ const std::vector<Field>& schema() {
                                              [](Case& c) -> EqualSplitPolicy& { return c.equal_split.policy; }));
     v.push_back({"equal_split.threshold", "number in [0, 10] (padding overhead fraction)",
                  [](Case& c, const Src& s, const std::string& k) { c.equal_split.threshold = as_real(s, k, 0, 10); }});
-    // sequence parallel (CONTRACT §10)
+    // sequence parallel (docs/contract.md §10)
     v.push_back(int_field("sp", 1, 256, [](Case& c, int64_t x) { c.sp = int(x); }));
     v.push_back(int_field("shape.batch", 1, 1 << 24, [](Case& c, int64_t x) { c.batch = x; }));
     v.push_back(int_field("shape.seq_len", 0, 1 << 24, [](Case& c, int64_t x) { c.seq_len = x; }));
     v.push_back(enum_field<SpPadding>("sp_padding", sp_padding_table(), [](Case& c) -> SpPadding& { return c.sp_padding; }));
-    // backward of the token path (CONTRACT §13, src/paths/stages_backward.cpp)
+    // backward of the token path (docs/contract.md §13, src/paths/stages_backward.cpp)
     v.push_back(enum_field<Switch>("backward", switch_table(), [](Case& c) -> Switch& { return c.backward; }));
-    // MoE layer entries and the overload factor (CONTRACT §12)
+    // MoE layer entries and the overload factor (docs/contract.md §12)
     v.push_back(int_field("layers", 1, 64, [](Case& c, int64_t x) { c.layers = int(x); }));
-    // capacity and token dropping (CONTRACT §11)
+    // capacity and token dropping (docs/contract.md §11)
     v.push_back({"capacity.factor", "number in [0, 1000] (cap = ceil(T*K/E * factor); 0: dropless, the default)",
                  [](Case& c, const Src& s, const std::string& k) { c.capacity.factor = as_real(s, k, 0, 1000); }});
     v.push_back(enum_field<CapacityPolicy>("capacity.policy", capacity_policy_table(),
@@ -539,7 +539,7 @@ void validate(const Case& c, const Flat& flat) {
   if (c.shared.kind == SharedKind::none && c.shared.order == SharedOrder::init_with_shared)
     fail("shared_experts.order", "init_with_shared needs a shared expert",
          "valid: shared_experts.kind identity | swiglu, or order add_after");
-  // sequence parallel (CONTRACT §10, FRAMEWORKS §10.3)
+  // sequence parallel (docs/contract.md §10, docs/frameworks.md §10.3)
   const int64_t B = c.batch;
   if (B > 1 && (!c.tokens_per_rank.empty() || c.tokens_uniform_lo >= 0))
     fail("shape.batch", "batch " + std::to_string(B) + " with per-rank token counts",
@@ -555,17 +555,17 @@ void validate(const Case& c, const Flat& flat) {
              " (the per-sequence shard index would keep the wrong rows, torchtitan #3604)",
          "valid: seq_len a multiple of " + std::to_string(c.sp) + ", batch 1, or sp_padding: tail");
   if (c.sp > 1 && c.router.force_load_balance == Switch::on)
-    fail("sp", "force-load-balance routing depends on a token's row on its rank (CONTRACT section 1 step 6), which sequence "
+    fail("sp", "force-load-balance routing depends on a token's row on its rank (docs/contract.md §1 step 6), which sequence "
                "parallelism changes, so the SP run cannot equal the sp = 1 run",
          "valid: sp 1, or router.force_load_balance off");
   if (c.sp > 1 && c.combine.buffer != OutBuffer::fresh)
     fail("combine.buffer", "an output buffer aliasing x with sp > 1: each SP rank's x is its own shard",
          "valid: buffer: fresh with sp > 1");
-  // backward (CONTRACT §13): what src/paths/stages_backward.cpp does not model is refused here.
+  // backward (docs/contract.md §13): what src/paths/stages_backward.cpp does not model is refused here.
   if (c.backward == Switch::on && c.sp > 1)
     fail("backward", "the backward of the sequence-parallel shard and gather is not implemented",
          "valid: backward: off with sp > 1, or sp: 1");
-  // capacity (CONTRACT §11): what src/paths/stages_capacity.cpp does not model.
+  // capacity (docs/contract.md §11): what src/paths/stages_capacity.cpp does not model.
   if (c.capacity.factor > 0 && c.sp > 1)
     fail("capacity.factor", "capacity dropping on the sequence-parallel layout is not implemented", "valid: sp: 1 with capacity");
   if (c.capacity.factor > 0 && c.backward == Switch::on)
@@ -585,7 +585,7 @@ Case build_case(const Flat& flat, const std::string& source) {
     auto it = flat.find(f.path);
     if (it != flat.end()) f.set(c, it->second, f.path);
   }
-  // shape.seq_len gives the tokens: T = batch * seq_len (CONTRACT §10).
+  // shape.seq_len gives the tokens: T = batch * seq_len (docs/contract.md §10).
   if (flat.count("shape.seq_len")) {
     if (flat.count("shape.tokens") && c.tokens != c.batch * c.seq_len)
       bad_input(where(flat.at("shape.tokens")) + ": shape.tokens: " + std::to_string(c.tokens) +

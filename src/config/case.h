@@ -1,5 +1,5 @@
 // A verification case: one set of structs filled from YAML files and `--set`
-// overrides (DESIGN.md "Configuration"). Every mode is an enum with one string
+// overrides (docs/architecture.md "Configuration"). Every mode is an enum with one string
 // table shared by YAML and the CLI.
 #pragma once
 
@@ -28,9 +28,9 @@ enum class SharedOrder { add_after, init_with_shared };
 enum class CombinePlacement { out_of_place, in_place };
 enum class OutBuffer { fresh, alias_x, alias_x_offset };
 enum class Switch { off, on };
-enum class EmptyGroups { zero, pad };           // CONTRACT §4: TE (0 rows) or torchao (A rows)
+enum class EmptyGroups { zero, pad };           // docs/contract.md §4: TE (0 rows) or torchao (A rows)
 enum class PermuteMode { auto_, generic, equal_count };
-enum class EqualSplitPolicy { off, force, adaptive };  // FRAMEWORKS §5.2
+enum class EqualSplitPolicy { off, force, adaptive };  // docs/frameworks.md §5.2
 
 template <class E>
 using EnumTable = std::vector<std::pair<const char*, E>>;
@@ -50,13 +50,13 @@ const EnumTable<Switch>& switch_table();
 const EnumTable<EmptyGroups>& empty_groups_table();
 const EnumTable<PermuteMode>& permute_table();
 const EnumTable<EqualSplitPolicy>& equal_split_table();
-// Framework conventions (CONTRACT §14, FRAMEWORKS §8, §9)
+// Framework conventions (docs/contract.md §14, docs/frameworks.md §8, §9)
 const EnumTable<GateDtype>& gate_dtype_table();
 const EnumTable<k::ScoreMultiply>& score_multiply_table();
 const EnumTable<k::SiluRounding>& experts_rounding_table();
 const EnumTable<ComputeDtype>& compute_dtype_table();
-const EnumTable<SpPadding>& sp_padding_table();  // CONTRACT §10
-const EnumTable<CapacityPolicy>& capacity_policy_table();  // CONTRACT §11
+const EnumTable<SpPadding>& sp_padding_table();  // docs/contract.md §10
+const EnumTable<CapacityPolicy>& capacity_policy_table();  // docs/contract.md §11
 
 template <class E>
 const char* enum_name(const EnumTable<E>& t, E v) {
@@ -86,12 +86,12 @@ struct Case {
     Switch route_norm = Switch::off;
     float route_scale = 1.f;
     int hot_expert = -1;  // >= 0: +1 selection bias on this expert (it enters every top-k)
-    GateDtype gate_dtype = GateDtype::fp32;  // CONTRACT §14: logits rounded to act under `act`
+    GateDtype gate_dtype = GateDtype::fp32;  // docs/contract.md §14: logits rounded to act under `act`
   } router;
   struct Experts {
     ExpertKind kind = ExpertKind::identity;
     ExpertsImpl impl = ExpertsImpl::loop;
-    // CONTRACT §14: `torchtitan` rounds silu(h1) to act before the product
+    // docs/contract.md §14: `torchtitan` rounds silu(h1) to act before the product
     // (routed and shared experts); `bf16` runs the routed experts' GEMMs in bf16.
     k::SiluRounding rounding = k::SiluRounding::fused;
     ComputeDtype compute_dtype = ComputeDtype::act;
@@ -101,7 +101,7 @@ struct Case {
     SharedOrder order = SharedOrder::add_after;
   } shared;
   Switch score_before_experts = Switch::off;
-  k::ScoreMultiply score_multiply = k::ScoreMultiply::fp32;  // CONTRACT §14: score rounded to act under `act`
+  k::ScoreMultiply score_multiply = k::ScoreMultiply::fp32;  // docs/contract.md §14: score rounded to act under `act`
   struct Combine {
     k::Accumulate accumulate = k::Accumulate::per_add;
     CombinePlacement placement = CombinePlacement::out_of_place;
@@ -114,33 +114,33 @@ struct Case {
     std::optional<double> rtol, atol;
   };
   std::map<CompareClass, ToleranceOverride> tolerance_override;
-  // expert parallelism (CONTRACT §3, §4, §7)
+  // expert parallelism (docs/contract.md §3, §4, §7)
   int ep = 1;                            // R ranks; experts are split in contiguous blocks of E/R
   std::vector<int64_t> tokens_per_rank;  // empty: every rank has `tokens` (or a draw, below)
   int64_t tokens_uniform_lo = -1, tokens_uniform_hi = -1;  // >= 0: T_r ~ uniform[lo, hi] from the seed
   int64_t align = 1;                     // A: expert group sizes padded to a multiple of A
   EmptyGroups empty_groups = EmptyGroups::zero;
   PermuteMode permute = PermuteMode::auto_;
-  // equal-split all-to-all (CONTRACT §5): pad every chunk to M* = max split
+  // equal-split all-to-all (docs/contract.md §5): pad every chunk to M* = max split
   struct EqualSplit {
     EqualSplitPolicy policy = EqualSplitPolicy::off;
     double threshold = 0.10;  // adaptive: pad only when the padding overhead <= threshold
   } equal_split;
-  // sequence parallel (CONTRACT §10): each EP rank's T = batch * seq_len
+  // sequence parallel (docs/contract.md §10): each EP rank's T = batch * seq_len
   // tokens are shared by `sp` SP ranks. SP ranks are a separate axis from the
-  // EP ranks (FRAMEWORKS §10: the TP axis); one EP rank's board holds its SP
+  // EP ranks (docs/frameworks.md §10: the TP axis); one EP rank's board holds its SP
   // ranks' shards stacked (kernels/sp_host.h "SP layout").
   int sp = 1;
   int64_t batch = 1;    // B; L = T / B
   int64_t seq_len = 0;  // L: shape.seq_len gives tokens = B*L; the loader stores tokens / B (0 in a Case built in code)
   SpPadding sp_padding = SpPadding::virtual_;
   Switch backward = Switch::off;
-  // MoE layer entries (CONTRACT §12): `layers` pipelines, entry l with router
+  // MoE layer entries (docs/contract.md §12): `layers` pipelines, entry l with router
   // weights of its own; `layer` is the entry a pipeline runs (set by the
   // runner, not a key; 0 keeps the single-layer inputs).
   int layers = 1;
   int layer = 0;
-  // capacity and token dropping (CONTRACT §11): factor 0 is dropless.
+  // capacity and token dropping (docs/contract.md §11): factor 0 is dropless.
   struct Capacity {
     double factor = 0;
     CapacityPolicy policy = CapacityPolicy::probs;

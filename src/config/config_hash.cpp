@@ -65,7 +65,7 @@ uint64_t config_hash(const Case& c) {
   f.e(c.shared.kind);
   f.e(c.shared.order);
   f.e(c.score_before_experts);
-  // the framework conventions (CONTRACT §14)
+  // the framework conventions (docs/contract.md §14)
   f.e(c.router.gate_dtype);
   f.e(c.score_multiply);
   f.e(c.experts.rounding);
@@ -92,16 +92,16 @@ uint64_t config_hash(const Case& c) {
   f.e(c.permute);
   f.e(c.equal_split.policy);
   f.f64(c.equal_split.threshold);
-  // sequence parallel (CONTRACT §10)
+  // sequence parallel (docs/contract.md §10)
   f.i64(c.sp);
   f.i64(c.batch);
   f.i64(c.seq_len);
   f.e(c.sp_padding);
-  f.e(c.backward);  // CONTRACT §13
+  f.e(c.backward);  // docs/contract.md §13
   f.e(c.backend);
-  f.i64(c.layers);   // CONTRACT §12
+  f.i64(c.layers);   // docs/contract.md §12
   f.i64(c.layer);
-  f.f64(c.capacity.factor);  // CONTRACT §11
+  f.f64(c.capacity.factor);  // docs/contract.md §11
   f.e(c.capacity.policy);
   f.e(c.capacity.pad_to_capacity);
   f.str(c.summary());  // whatever summary() shows is covered even if a field is missed above

@@ -72,7 +72,7 @@ std::map<std::string, Tensor> make_inputs(const Case& c, int rank, int64_t T) {
   const size_t tail = c.combine.buffer == OutBuffer::alias_x_offset ? size_t(c.combine.alias_offset) : 0;
   m["x"] = fill(c, act, {T, D}, kX, rank, 1.0, 0, tail);
   // Router gate, bias and expert weights are global: stream rank 0 everywhere.
-  // Layer entry l (CONTRACT §12) draws its own router gate and bias with l in
+  // Layer entry l (docs/contract.md §12) draws its own router gate and bias with l in
   // that rank slot, so entry 0 keeps the single-layer values.
   const int lr = c.layer;
   m["wg"] = fill(c, act, {E, D}, kWg, lr, 1.0 / std::sqrt(double(D)), 1);
@@ -88,7 +88,7 @@ std::map<std::string, Tensor> make_inputs(const Case& c, int rank, int64_t T) {
     m["w3"] = fill(c, act, {E, F, D}, kW3, 0, 1.0 / std::sqrt(double(D)), 2);
     m["w2"] = fill(c, act, {E, D, F}, kW2, 0, 1.0 / std::sqrt(double(F)), 2);
   }
-  // The upstream gradient of `out` (CONTRACT §13), a stream of its own: in
+  // The upstream gradient of `out` (docs/contract.md §13), a stream of its own: in
   // exact mode small integers like x, so the backward's sums are exact where
   // the forward's are.
   if (c.backward == Switch::on) m["grad_out"] = fill(c, act, {T, D}, kGradOut, rank, 1.0, 0);

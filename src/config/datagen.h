@@ -1,4 +1,4 @@
-// Exact-by-construction inputs (DESIGN.md idea 6): every value is a pure
+// Exact-by-construction inputs (docs/architecture.md idea 6): every value is a pure
 // function of (seed, tensor stream, rank, row, column), so any rank can
 // rebuild any slice without communicating.
 #pragma once

@@ -27,7 +27,7 @@ std::vector<int> divisors(int n) {
 
 std::string random_case_yaml(uint64_t seed, uint64_t index) {
   Draw d{std::mt19937_64(seed * 0x9E3779B97F4A7C15ull + index)};
-  // Sequence parallel (CONTRACT §10) from a stream of its own, so the other
+  // Sequence parallel (docs/contract.md §10) from a stream of its own, so the other
   // keys draw as before: sp > 1 in about 30% of cases (often more SP ranks
   // than tokens), virtual or tail padding, B in {2, 3} sequences for a third
   // of those with equal tokens per EP rank (virtual: L a multiple of sp).
@@ -116,20 +116,20 @@ std::string random_case_yaml(uint64_t seed, uint64_t index) {
   // Tolerance overrides only loosen: a user who widens a tolerance must not
   // get a false alarm from it.
   if (d.chance(0.1)) y << ", tolerance: {gemm: {rtol: 0.05, atol: 0.05}, end_to_end: {rtol: 0.05}, scores: {atol: 1e-6}, logits: {rtol: 1e-4}}";
-  // Framework conventions (CONTRACT §14).
+  // Framework conventions (docs/contract.md §14).
   y << ", router.gate_dtype: " << d.pick<const char*>({"fp32", "fp32", "act"});
   y << ", score_multiply: " << d.pick<const char*>({"fp32", "fp32", "act"});
   y << ", experts.rounding: " << d.pick<const char*>({"fused", "fused", "torchtitan"});
   y << ", experts.compute_dtype: " << d.pick<const char*>({"act", "act", "bf16"});
-  // backward (CONTRACT §13) from a stream of its own, so the other keys draw
+  // backward (docs/contract.md §13) from a stream of its own, so the other keys draw
   // as before: on in about 30% of the cases it supports (sp = 1, fresh buffer).
   Draw db{std::mt19937_64((seed ^ 0x425744ull) * 0x9E3779B97F4A7C15ull + index)};
   const bool backward = db.chance(0.3) && sp == 1 && buffer == "fresh";
   if (backward) y << ", backward: on";
-  // MoE layer entries (CONTRACT §12): each multiplies the run time, so 2 or 3
+  // MoE layer entries (docs/contract.md §12): each multiplies the run time, so 2 or 3
   // in about 10% of the cases.
   if (db.chance(0.1)) y << ", layers: " << db.in(2, 3);
-  // capacity (CONTRACT §11) in about 20% of the cases it supports.
+  // capacity (docs/contract.md §11) in about 20% of the cases it supports.
   if (db.chance(0.2) && sp == 1 && !backward && !force_lb)
     y << ", capacity: {factor: " << db.pick<const char*>({"0.25", "0.5", "1", "1.25", "4"})
       << ", policy: " << db.pick<const char*>({"probs", "position"})

@@ -20,7 +20,7 @@
 //   combine: per_add | fp32_accumulate, out_of_place | in_place, aliasing
 //     buffers where valid; align {1, 2, 4, 8, 16, 128}, empty_groups, permute,
 //     equal-split policy and threshold; 10% loosened tolerance overrides
-//   conventions (CONTRACT §14): each of gate_dtype act, score_multiply act,
+//   conventions (docs/contract.md §14): each of gate_dtype act, score_multiply act,
 //     experts.rounding torchtitan, experts.compute_dtype bf16 with 1/3
 #pragma once
 

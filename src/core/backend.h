@@ -4,7 +4,7 @@
 
 namespace moev {
 
-/// Where the fast path runs (DESIGN.md "Scale and backends"): the host
+/// Where the fast path runs (docs/architecture.md "Scale and backends"): the host
 /// executor, or a device (kernels/device.h): `cuda`, a GPU; `emulated`, the
 /// device plumbing on host memory with the host executor's kernels (no GPU:
 /// it tests the tool, not a GPU). A case on a backend that cannot run it is

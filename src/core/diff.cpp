@@ -50,7 +50,7 @@ Tolerance default_tolerance(CompareClass cls, DType act) {
     case CompareClass::logits: return {1e-5, 1e-5};
     case CompareClass::scores: return {1e-5, 1e-7};
     // GEMM outputs: PyTorch assert_close-like rtol, applied to the sum of
-    // |terms| (CONTRACT §15), so rtol = c * u_act with c about 4 for bf16 and
+    // |terms| (docs/contract.md §15), so rtol = c * u_act with c about 4 for bf16 and
     // fp16 (an intermediate rounding of h1, h3 or H propagated, and the
     // result's own rounding) and 218 for fp32 (fp32 accumulation over D or F
     // terms against an fp64 reference); atol covers results near zero.

@@ -1,4 +1,4 @@
-// Comparison of a fast-path tensor against the reference (STYLE 4, 6): exact
+// Comparison of a fast-path tensor against the reference: exact
 // for data movement and metadata, the per-dtype tolerance table for GEMM-like
 // outputs; mismatch count, max abs / rel / ULP error, and the first and last
 // mismatches named in MoE coordinates.
@@ -18,7 +18,7 @@ struct Tolerance {
   double rtol = 0, atol = 0;
 };
 
-/// Comparison classes of the tolerance table (STYLE 4). `rounding`: equal up
+/// Comparison classes of the tolerance table. `rounding`: equal up
 /// to the act rounding of a value known to a few fp32 ulps (the bound is the
 /// per-element half-width the reference gives; not overridable). Their
 /// names (case keys, reports): compare_class_table() in config/case.h.
@@ -32,7 +32,7 @@ int exit_status(Outcome o);
 /// The tolerance table, one row per (class, activation dtype); a case may
 /// override a class (tolerance_for, config/case.h). `exact` is always {0, 0}.
 Tolerance default_tolerance(CompareClass cls, DType act);
-/// The constant c of the GEMM error bound (CONTRACT §15): GEMM and
+/// The constant c of the GEMM error bound (docs/contract.md §15): GEMM and
 /// end-to-end outputs pass when |fast - ref| <= atol + c * u_act * s with s
 /// the sum of |terms| behind the element, so c = rtol / u_act, u_act the unit
 /// roundoff of the activation dtype (2^-24 fp32, 2^-8 bf16, 2^-11 fp16).
@@ -69,7 +69,7 @@ struct DiffResult {
 /// `mask`, when given, selects the elements compared (others are skipped).
 /// Tolerance classes pass element i when |fast - ref| <= atol + rtol * s_i,
 /// with s_i = max(|ref_i|, scale_i) when `scale` (an f32 tensor of the same
-/// element count: the sum of |terms| behind element i, CONTRACT §15) is given,
+/// element count: the sum of |terms| behind element i, docs/contract.md §15) is given,
 /// else |ref_i|; NaN at the same place in both agrees, as do equal infinities.
 /// Exact classes (and integer tensors) compare bits.
 DiffResult diff_tensors(const Tensor& fast, const Tensor& ref, CompareClass cls, Tolerance tol,

@@ -2,7 +2,7 @@
 // device code (MOEV_HD is empty without nvcc).
 //
 // bf16 and fp16 are stored as their IEEE bit patterns. float -> bf16/fp16 is a
-// single round-to-nearest-even (CONTRACT "Numeric conventions"); NaN stays a
+// single round-to-nearest-even (docs/contract.md "Numeric conventions"); NaN stays a
 // quiet NaN, overflow goes to +-inf. The reference rounds with its own,
 // arithmetic formulation (reference/numeric.h) so that a bug here cannot be
 // copied there.
@@ -99,7 +99,7 @@ inline const char* dtype_name(DType d) {
 
 inline size_t dtype_bytes(DType d) { return d == DType::fp32 ? 4 : 2; }
 
-/// The one place where a runtime DType becomes a C++ type (STYLE 9).
+/// The one place where a runtime DType becomes a C++ type.
 template <class F> decltype(auto) dispatch_dtype(DType d, F&& f) {
   switch (d) {
     case DType::fp32: return f(float{});

@@ -1,4 +1,4 @@
-// One typed exception for the whole tool (STYLE 10): libraries throw, main
+// One typed exception for the whole tool: libraries throw, main
 // catches once and maps the kind to an exit status.
 #pragma once
 

@@ -1,5 +1,5 @@
-// Planted faults (DESIGN.md idea 7). Each names a real bug class from
-// FRAMEWORKS.md; turning one on must make some check fail. They are passed
+// Planted faults (docs/architecture.md idea 7). Each names a real bug class from
+// docs/frameworks.md; turning one on must make some check fail. They are passed
 // explicitly through the executor context, never read from the environment.
 #pragma once
 
@@ -30,14 +30,14 @@ enum class Fault : uint32_t {
   sp_b1_index = 1u << 16,         // §10.3: the B = 1 SP index t + nlt*s used with B > 1 (pre-#3604)
   sp_even_combine = 1u << 17,     // §10.3, #3577: SP combine takes the local row count for nlt (evenly sharded)
   sp_tail_pad_score = 1u << 18,   // §10.2: tail pad rows keep the router's score instead of 0
-  // capacity (FRAMEWORKS §11)
+  // capacity (docs/frameworks.md §11)
   capacity_renormalize = 1u << 19,  // §11.1: kept scores renormalised to the token's original sum after a drop
   capacity_tie_higher = 1u << 20,   // §11.4 D3: equal scores keep the higher token index
   capacity_overflow = 1u << 21,     // TE #3346: one row past capacity kept (written over the next group's first row)
-  // overload factor (FRAMEWORKS §12)
+  // overload factor (docs/frameworks.md §12)
   overload_global_balanced = 1u << 22,  // §12: entry OF divides by the group's balanced rows, not one rank's share
   overload_cum_final = 1u << 23,  // §12: max_cum from the running sums where the timeline ends, not their peaks
-  // backward (FRAMEWORKS §13; bits 24..29)
+  // backward (docs/frameworks.md §13; bits 24..29)
   bwd_unswapped_splits = 1u << 24,   // §13, §3.5: the all-to-all backward reuses the forward's send/recv splits
   bwd_unordered_scatter = 1u << 25,  // §13, §9: gradient scatter-add not in ascending expert order
   bwd_score_grad_rounded = 1u << 26, // §13, TE #1336: score gradient summed from products rounded to act

@@ -1,4 +1,4 @@
-// The board and stage descriptor types (DESIGN.md idea 4): what the registry
+// The board and stage descriptor types (docs/architecture.md idea 4): what the registry
 // (paths/), the runner (engine/), the reports (report/) and the commands
 // (cli/) share. A stage variant is a Stage: its inputs, its outputs with their
 // comparison class, its fast function (FastCtx, one rank) and its reference
@@ -51,7 +51,7 @@ enum class Coords {
 /// exact-mode integer weights may cancel on tiny shapes.
 using Promise = std::function<bool(const Case&, const RankBoard&)>;
 
-/// The error scale of an output (CONTRACT §15): per element, the sum of the
+/// The error scale of an output (docs/contract.md §15): per element, the sum of the
 /// absolute values of the terms behind it, computed by the reference from the
 /// stage's inputs on one rank; an f32 tensor with the output's element count.
 using Magnitude = std::function<Tensor(const Case&, const RankBoard& inputs, int rank, int ranks)>;
@@ -135,7 +135,7 @@ struct Check {
   DiffResult diff;
   std::string note;
   /// Set when an outside implementation's tensor has another number of rows
-  /// than the reference's (CONTRACT: rows are part of the verdict): the row
+  /// than the reference's (docs/contract.md §15: rows are part of the verdict): the row
   /// counts, and per segment of the counts tensor that groups the rows
   /// (`segments_of`, e.g. "counts" per expert) the reference's and, where the
   /// implementation wrote that counts tensor, its own.

@@ -1,5 +1,5 @@
 // Host tensors of the tool: a typed, shaped view into shared byte storage.
-// Views may share storage at an offset (the aliasing cases of CONTRACT §9).
+// Views may share storage at an offset (the aliasing cases of docs/contract.md §9).
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,5 @@
 // The invariance reruns of a case: properties that compare two fast runs
-// (CONTRACT §3 EP invariance, §10 SP invariance) rather than a fast run with
+// (docs/contract.md §3 EP invariance, §10 SP invariance) rather than a fast run with
 // the reference.
 #include <algorithm>
 #include <string>
@@ -68,7 +68,7 @@ void sp_invariance_checks(const Case& c, const CaseReport& r1, const Board& fast
 
 }  // namespace
 
-// The SP ranks' outputs, gathered, equal the sp = 1 output (CONTRACT §10).
+// The SP ranks' outputs, gathered, equal the sp = 1 output (docs/contract.md §10).
 // Bitwise where every GEMM is exact whatever its shape: exact data, identity
 // routed experts, no SwiGLU shared expert. Otherwise the router logits and
 // the shared expert are GEMMs over other rows (the SP layout holds other row

@@ -1,4 +1,4 @@
-// The peak-memory estimate and its limit. The runner streams (DESIGN.md,
+// The peak-memory estimate and its limit. The runner streams (docs/architecture.md,
 // "Scale and backends"): a slot holds its inputs, each variant's outputs and
 // the reference's, and tensors leave the boards after the last slot that
 // reads them; the reference chain shares every tensor equal to the fast one.
@@ -79,7 +79,7 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
   // Worst-case alignment padding: every group rounded up to A, and with
   // empty_groups: pad an empty group holding A rows: E * A rows over all ranks.
   const double pad_rows = A > 1 ? E * A : 0;
-  // pad_to_capacity (CONTRACT §11) gives every expert cap rows: up to
+  // pad_to_capacity (docs/contract.md §11) gives every expert cap rows: up to
   // factor * T * K (+ E rounding) rows per rank.
   const bool cap_pad = c.capacity.factor > 0 && c.capacity.pad_to_capacity == Switch::on;
   const double routed = tokens * K * (cap_pad ? std::max(1.0, c.capacity.factor) : 1.0) + (cap_pad ? E * ranks : 0);
@@ -105,7 +105,7 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
   if (shared_swiglu) b += tokens * F * (kSwigluAct * s + kSwigluFloat * 4);
   b += equal_rows * D * (3 * s + 4);
   b += tokens * E * 4 * kTokenExpert;
-  // Backward (CONTRACT §13, src/paths/stages_backward.cpp): grad_out, grad_x_shared
+  // Backward (docs/contract.md §13, src/paths/stages_backward.cpp): grad_out, grad_x_shared
   // and grad_x in act on both boards and grad_x's fp32 error scale, per token;
   // the score gradient and its half-width (fp32, per assignment); and one more
   // routed copy: combine_bwd reads routed_output beside the gradient rows.
@@ -130,7 +130,7 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
 
 double estimate_case_bytes(const Case& c, int threads) {
   double total = 0, most = 0;
-  // Sequence parallel (CONTRACT §10): tail padding adds up to sp - 1 rows per
+  // Sequence parallel (docs/contract.md §10): tail padding adds up to sp - 1 rows per
   // EP rank; the SP layout, the global nlt*S rows and the kept rows are about
   // three more (T, D) buffers.
   const double sp_pad = c.sp > 1 && c.sp_padding == SpPadding::tail ? double(c.sp - 1) : 0;

@@ -1,5 +1,5 @@
 // Peak-memory estimate of a case, checked when the case files are loaded and
-// before anything is allocated (DESIGN.md "Scale and backends"): a case that
+// before anything is allocated (docs/architecture.md "Scale and backends"): a case that
 // would not fit is refused with the estimate and the limit (exit 2), never
 // killed by the OS or ended by bad_alloc halfway through.
 #pragma once

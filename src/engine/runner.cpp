@@ -91,7 +91,7 @@ Check make_check(const Case& c, const std::string& slot, const std::string& vari
   if (scale && ch.diff.structural.empty() && ch.diff.max_bound_ratio > 0) {
     std::ostringstream n;
     n.precision(3);
-    n << "bound atol + rtol * max(|ref|, sum of |terms|) (CONTRACT §15); largest error/bound " << ch.diff.max_bound_ratio;
+    n << "bound atol + rtol * max(|ref|, sum of |terms|) (docs/contract.md §15); largest error/bound " << ch.diff.max_bound_ratio;
     ch.note += (ch.note.empty() ? "" : "; ") + n.str();
   }
   return ch;
@@ -264,7 +264,7 @@ std::string run_fast(const Stage& s, const Case& c, const RunOptions& opt, const
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-/// The streaming and memory policy of a pipeline (DESIGN.md "Scale and
+/// The streaming and memory policy of a pipeline (docs/architecture.md "Scale and
 /// backends"), stated once. last_read[n]: the last slot (index into
 /// slot_order) whose applicable variants read tensor n. After that slot, n
 /// leaves both boards unless it is integer metadata (small, and it names
@@ -832,7 +832,7 @@ bool run_entry(const Case& c, const RunOptions& opt, bool use_mpi, CaseReport& r
   }
   const bool completed = run_pipeline(c, opt, inputs, use_mpi, rep, fast, &chain);
 
-  // EP invariance (CONTRACT §3): each rank's output equals an EP = 1 run on
+  // EP invariance (docs/contract.md §3): each rank's output equals an EP = 1 run on
   // that rank's tokens; bitwise when the experts are row-wise exact. The
   // EP = 1 run is the fast pipeline alone (the property compares two fast
   // runs; this pipeline's stages are checked above); only when the outputs
@@ -897,7 +897,7 @@ bool run_entry(const Case& c, const RunOptions& opt, bool use_mpi, CaseReport& r
         }
       }
       per_rank[size_t(p)].push_back(ch);
-      // The gradients too (CONTRACT §3 EP invariance, run backwards): bitwise
+      // The gradients too (docs/contract.md §3 EP invariance, run backwards): bitwise
       // with identity experts, the only experts the backward runs for now.
       if (exact)
         for (const EndToEndOutput& e : backward_end_to_end(c)) {
@@ -916,7 +916,7 @@ bool run_entry(const Case& c, const RunOptions& opt, bool use_mpi, CaseReport& r
 }
 
 /// Rows each rank's experts received in one entry (the all-to-all's
-/// received rows; CONTRACT §12 "tokens received"), from a board's counts.
+/// received rows; docs/contract.md §12 "tokens received"), from a board's counts.
 std::vector<int64_t> received_rows(const Board& b) {
   std::vector<int64_t> v;
   for (int r = 0; r < int(b.ranks.size()); ++r) {
@@ -1041,7 +1041,7 @@ void run_case_on(const Case& c, const RunOptions& opt, CaseReport& rep, std::chr
   if (use_mpi && mpi_world().size() != R)
     bad_input(c.source + ": case " + c.name + " has ep " + std::to_string(R) + " but mpirun started " +
               std::to_string(mpi_world().size()) + " processes; valid: mpirun -np " + std::to_string(R));
-  // MoE layer entries (CONTRACT §12) run one after another, each its own
+  // MoE layer entries (docs/contract.md §12) run one after another, each its own
   // pipeline with its own router weights; with more than one, an entry's
   // stages are reported as "layer<l>/<slot>".
   OverloadInput ov;
@@ -1076,7 +1076,7 @@ void run_case_on(const Case& c, const RunOptions& opt, CaseReport& rep, std::chr
     ref_actual.push_back(received_rows(chain));
     ref_balanced.push_back(bal);
   }
-  // The overload factor (CONTRACT §12): the running sums a training loop
+  // The overload factor (docs/contract.md §12): the running sums a training loop
   // keeps, from the fast pipeline's received rows, against the reference's
   // timeline from the reference chain's.
   if (completed && !opt.fast_only && ov.entries > 0) {

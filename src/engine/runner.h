@@ -51,7 +51,7 @@ std::string backend_unsupported(const Case& c);
 /// it can), e.g. "--backend cuda: no usable CUDA device (...)".
 std::string backend_unavailable(Backend b);
 
-/// SP invariance (CONTRACT §10, src/paths/stages_sp.cpp): with sp > 1, every EP
+/// SP invariance (docs/contract.md §10, src/paths/stages_sp.cpp): with sp > 1, every EP
 /// rank's gathered output `sp_out` on the fast board equals the sp = 1 run
 /// of the same inputs; appends one check per EP rank to `rep`.
 void check_sp_invariance(const Case& c, const RunOptions& opt, const Board& fast, CaseReport& rep);
@@ -63,7 +63,7 @@ Check check_output(const Case& c, const std::string& slot, const std::string& va
                    const Tensor* actual, const Tensor* expected, const RankBoard& board, int rank, int ranks,
                    const std::string& against, const Tensor* scale = nullptr);
 
-/// The overload factor's values (CONTRACT §12), fast against reference:
+/// The overload factor's values (docs/contract.md §12), fast against reference:
 /// bitwise, a value count that differs is INCORRECT too.
 Check overload_check(const std::string& what, const std::vector<double>& fast, const std::vector<double>& ref);
 

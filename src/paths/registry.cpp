@@ -38,7 +38,7 @@ void FastCtx::exchange_rows(const Tensor& in, const std::vector<int64_t>& send_r
   m.wrote(out.data(), out.bytes());
 }
 
-// Tail SP padding (CONTRACT §10) adds zero rows routed to expert 0, and
+// Tail SP padding (docs/contract.md §10) adds zero rows routed to expert 0, and
 // pad_to_capacity (§11) zero filler rows: a rank may then move nothing but
 // such rows, and all-zero data is legitimate there.
 bool promise_always(const Case& c, const RankBoard&) {
@@ -89,7 +89,7 @@ const std::vector<std::string>& slot_order() {
   static const std::vector<std::string> s = {
       "sp_shard", "router_logits", "routing", "sp_pad_route", "dispatch", "capacity", "ep_dispatch", "ep_permute", "align_pad", "experts",
       "align_unpad", "ep_unpermute", "ep_combine", "shared_experts", "combine", "sp_gather",
-      // backward (CONTRACT §13, src/paths/stages_backward.cpp): the adjoints in reverse order
+      // backward (docs/contract.md §13, src/paths/stages_backward.cpp): the adjoints in reverse order
       "combine_bwd", "shared_experts_bwd", "ep_combine_bwd", "ep_unpermute_bwd", "align_unpad_bwd", "experts_bwd",
       "align_pad_bwd", "ep_permute_bwd", "ep_dispatch_bwd", "dispatch_bwd"};
   return s;
@@ -167,7 +167,7 @@ CoordFn coords_for(Coords kind, const Tensor& t, const RankBoard& b, int rank, i
   return nullptr;
 }
 
-// Routing check (CONTRACT §1, last paragraph). Scores come from exp, so the
+// Routing check (docs/contract.md §1, last paragraph). Scores come from exp, so the
 // fast and reference scores may differ in the last bits, and a top-k choice
 // between values that close may legitimately differ: a near-tie. Judging ids
 // position by position (or against the reference's own selection) raises

@@ -1,4 +1,4 @@
-// The registry of path descriptors (DESIGN.md idea 4, STYLE 1). A pipeline is
+// The registry of path descriptors (docs/architecture.md idea 4). A pipeline is
 // an ordered list of slots (router_logits, routing, dispatch, ...); each slot
 // has registered variants, each with its reference function, fast function,
 // inputs, outputs with their comparison class, and when it applies. For every

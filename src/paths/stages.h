@@ -20,18 +20,18 @@ ref::RowsRef rows_of(const Tensor& t);
 /// bytes (no copy).
 Tensor rows_tensor(ref::Bytes&& b, ElemType t, int64_t cols);
 RouterConfig router_config(const Case& c);
-/// The reference router's spec for the case (CONTRACT §1).
+/// The reference router's spec for the case (docs/contract.md §1).
 ref::RouterSpec ref_router_spec(const Case& c);
-/// The reference's SP padding mode of the case (CONTRACT §10).
+/// The reference's SP padding mode of the case (docs/contract.md §10).
 ref::SpPadding ref_padding(const Case& c);
-/// Initial value of the combine's scatter target for this rank (CONTRACT §2, §9).
+/// Initial value of the combine's scatter target for this rank (docs/contract.md §2, §9).
 std::vector<float> combine_init(const Case& c, const RankBoard& in);
 
 /// c when every entry equals the same c > 0, else 0 (the equal-count
-/// precondition of CONTRACT §7 and of the batched experts, §8).
+/// precondition of docs/contract.md §7 and of the batched experts, §8).
 int64_t uniform_count(const std::vector<int64_t>& v);
 
-/// Routing comparison with near-tie handling (CONTRACT §1, last paragraph).
+/// Routing comparison with near-tie handling (docs/contract.md §1, last paragraph).
 void check_routing(CheckCtx& ctx);
 
 /// The backends of a variant whose fast function runs every body and
@@ -46,13 +46,13 @@ Stage make_stage(const std::string& slot, const std::string& variant, const std:
 
 void register_local_stages(std::vector<Stage>& reg);
 void register_ep_stages(std::vector<Stage>& reg);
-void register_sp_stages(std::vector<Stage>& reg);  // CONTRACT §10
-void register_capacity_stages(std::vector<Stage>& reg);  // CONTRACT §11
+void register_sp_stages(std::vector<Stage>& reg);  // docs/contract.md §10
+void register_capacity_stages(std::vector<Stage>& reg);  // docs/contract.md §11
 /// The capacity reference of one rank: `in` holds the dispatch outputs
 /// (routed_input, token_sorted, score_sorted, row_of, counts), `out` gets
 /// their capacity-limited versions under the same names. `keep` (one flag per
 /// dispatch row) overrides which rows are kept (see ref::capacity_dispatch).
 void capacity_reference(const Case& c, const RankBoard& in, RankBoard& out, const std::vector<uint8_t>* keep = nullptr);
-void register_backward_stages(std::vector<Stage>& reg);  // CONTRACT §13
+void register_backward_stages(std::vector<Stage>& reg);  // docs/contract.md §13
 
 }  // namespace moev

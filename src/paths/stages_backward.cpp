@@ -1,5 +1,5 @@
-// Stage variants of the backward token path (`backward: on`; CONTRACT §13,
-// FRAMEWORKS §13): the adjoint of every forward slot, in reverse order, each
+// Stage variants of the backward token path (`backward: on`; docs/contract.md §13,
+// docs/frameworks.md §13): the adjoint of every forward slot, in reverse order, each
 // fast stage against its reference on the same inputs (stage isolation).
 //
 // Slots (after the forward's) and the tensors they write, all prefixed grad_:
@@ -26,11 +26,11 @@
 //                      order, no atomics, + grad_x_shared; under scores before
 //                      the experts also grad_topk_scores
 //
-// Saved forward metadata only (FRAMEWORKS §13 last line): splits, counts,
+// Saved forward metadata only (docs/frameworks.md §13 last line): splits, counts,
 // row_of, token_sorted and score_sorted are read from the forward's board,
 // never recomputed from the routing. One backward serves every forward
 // variant of a slot: the forward variants are bit-identical data movements
-// (CONTRACT §5, §6, §7), so the backward of the equal-split and force-LB
+// (docs/contract.md §5, §6, §7), so the backward of the equal-split and force-LB
 // all-to-all is the variable all-to-all with swapped splits, and only the
 // permute has an equal-count variant of its own.
 //
@@ -197,7 +197,7 @@ void ref_shared_identity_bwd(RefCtx& r) {
   }
 }
 
-// ---- all-to-all backward (FRAMEWORKS §13, §3.5) -----------------------------------
+// ---- all-to-all backward (docs/frameworks.md §13, §3.5) -----------------------------------
 
 /// Sends `in` with send splits `send` and receives `recv` splits into `out`:
 /// the all-to-all of a gradient, whose splits are the forward's swapped. The
@@ -253,9 +253,9 @@ void ref_ep_dispatch_bwd(RefCtx& r) {
         rows_tensor(std::move(back[size_t(p)]), act_elem(r.c.dtype), r.c.hidden);
 }
 
-// ---- permutes (CONTRACT §3, §7; FRAMEWORKS §13 "permute by bijection") -------
+// ---- permutes (docs/contract.md §3, §7; docs/frameworks.md §13 "permute by bijection") -------
 
-/// Equal-count precondition (CONTRACT §7) on every rank's received counts;
+/// Equal-count precondition (docs/contract.md §7) on every rank's received counts;
 /// the ranks agree before any declines, as in the forward.
 bool equal_count_ready(FastCtx& ctx, int64_t& cnt) {
   cnt = uniform_count(to_ints(ctx.input("recv_counts")));
@@ -306,7 +306,7 @@ void ref_permute_bwd(RefCtx& r) {
                     act_elem(r.c.dtype), r.c.hidden);
 }
 
-// ---- padding (CONTRACT §4; FRAMEWORKS §13 "pad backward = slice") -----------------
+// ---- padding (docs/contract.md §4; docs/frameworks.md §13 "pad backward = slice") -----------------
 
 PadLayout layout_of(FastCtx& ctx, const std::vector<int64_t>& real) {
   const Case& c = ctx.c;
@@ -508,7 +508,7 @@ void ref_shared_swiglu_bwd(RefCtx& r) {
   }
 }
 
-/// End-to-end error scales (CONTRACT §15) of grad_x and grad_topk_scores
+/// End-to-end error scales (docs/contract.md §15) of grad_x and grad_topk_scores
 /// with SwiGLU experts, from the tokens, the forward metadata and the
 /// weights of one rank: each dispatch row i (token t, expert e by the counts,
 /// score s) is the expert's input x[t] (times s before the experts) with the
@@ -624,7 +624,7 @@ void ref_dispatch_bwd(RefCtx& r) {
       swiglu_end_to_end_scales(c, in, out);
       continue;
     }
-    // The end-to-end error scale (CONTRACT §15) of grad_x: the sum of the
+    // The end-to-end error scale (docs/contract.md §15) of grad_x: the sum of the
     // absolute values of the terms behind each element. The chain's routing
     // scores may differ from the fast path's in the last fp32 bits (a routing
     // tolerance), and every gradient row carries its score.
@@ -667,7 +667,7 @@ void register_backward_stages(std::vector<Stage>& reg) {
   const Promise from_g = moves_nonzero("grad_out");
   {
     Stage s = make("combine_bwd", "scores_after",
-                   "grad rows round(G[token] * s) in dispatch order; grad_topk_scores = fp32 sum_d G * y (FRAMEWORKS §13)",
+                   "grad rows round(G[token] * s) in dispatch order; grad_topk_scores = fp32 sum_d G * y (docs/frameworks.md §13)",
                    {"grad_out", "routed_output", "score_sorted", "token_sorted", "row_of"},
                    {{"grad_routed_output", CompareClass::exact, Coords::dispatch_row, nullptr}, score_grad_spec()},
                    fast_combine_bwd, ref_combine_bwd);
@@ -718,7 +718,7 @@ void register_backward_stages(std::vector<Stage>& reg) {
     reg.push_back(s);
   }
   reg.push_back(make("ep_combine_bwd", "a2a_swapped",
-                     "gradient all-to-all-v: send input_splits, receive output_splits (the combine's swapped, FRAMEWORKS §13)",
+                     "gradient all-to-all-v: send input_splits, receive output_splits (the combine's swapped, docs/frameworks.md §13)",
                      {"grad_routed_output", "input_splits", "output_splits", "counts"},
                      {{"grad_recv_out", CompareClass::exact, Coords::rank_major_row, nullptr}}, fast_ep_combine_bwd,
                      ref_ep_combine_bwd));
@@ -749,7 +749,7 @@ void register_backward_stages(std::vector<Stage>& reg) {
     p.applies = applies;
     reg.push_back(p);
   }
-  reg.push_back(make("align_unpad_bwd", "zero_fill", "the gradient padded like the forward: padding rows zero (FRAMEWORKS §13)",
+  reg.push_back(make("align_unpad_bwd", "zero_fill", "the gradient padded like the forward: padding rows zero (docs/frameworks.md §13)",
                      {"grad_unpadded", "expert_counts", "expert_counts_real"},
                      {{"grad_expert_output", CompareClass::exact, Coords::padded_row, moves_nonzero("grad_unpadded")}},
                      fast_unpad_bwd, ref_unpad_bwd));
@@ -782,12 +782,12 @@ void register_backward_stages(std::vector<Stage>& reg) {
     };
     reg.push_back(s);
   }
-  reg.push_back(make("align_pad_bwd", "drop_padding", "each group's real rows; padding-row gradients dropped (FRAMEWORKS §13)",
+  reg.push_back(make("align_pad_bwd", "drop_padding", "each group's real rows; padding-row gradients dropped (docs/frameworks.md §13)",
                      {"grad_expert_input", "expert_counts", "expert_counts_real"},
                      {{"grad_permuted", CompareClass::exact, Coords::expert_row, moves_nonzero("grad_expert_input")}},
                      fast_pad_bwd, ref_pad_bwd));
   reg.push_back(make("ep_dispatch_bwd", "a2a_swapped",
-                     "gradient all-to-all-v: send output_splits, receive input_splits (the dispatch's swapped, FRAMEWORKS §13)",
+                     "gradient all-to-all-v: send output_splits, receive input_splits (the dispatch's swapped, docs/frameworks.md §13)",
                      {"grad_recv", "input_splits", "output_splits", "recv_counts"},
                      {{"grad_routed_input", CompareClass::exact, Coords::dispatch_row, nullptr}}, fast_ep_dispatch_bwd,
                      ref_ep_dispatch_bwd));

@@ -1,4 +1,4 @@
-// Capacity and token dropping (CONTRACT §11, FRAMEWORKS §11). The slot
+// Capacity and token dropping (docs/contract.md §11, docs/frameworks.md §11). The slot
 // `capacity` follows `dispatch` on each rank and replaces the dispatch's
 // outputs by their capacity-limited versions under the same names
 // (routed_input, token_sorted, score_sorted, row_of, counts), so the EP
@@ -39,7 +39,7 @@ void register_capacity_stages(std::vector<Stage>& reg) {
   s.slot = "capacity";
   s.variant = "drop_per_expert";
   s.summary = "each expert keeps at most cap = ceil(T*K/E * factor) rows (probs: highest scores, ties to the lower "
-              "token; position: the first), no renormalisation; pad_to_capacity fills to cap (CONTRACT §11)";
+              "token; position: the first), no renormalisation; pad_to_capacity fills to cap (docs/contract.md §11)";
   s.applies = [](const Case& c) { return Decision{c.capacity.factor > 0, "capacity.factor: none (dropless)"}; };
   s.primary = [](const Case&) { return true; };
   s.inputs = fixed_inputs({"routed_input", "token_sorted", "score_sorted", "row_of", "counts"});
@@ -90,7 +90,7 @@ void register_capacity_stages(std::vector<Stage>& reg) {
       if (r.wants(q)) capacity_reference(r.c, r.in.ranks[size_t(q)], r.out.ranks[size_t(q)]);
   };
   // The reference chain's routing scores may differ from the fast ones in
-  // the last bits (class scores, CONTRACT §1): under policy probs a near-tie
+  // the last bits (class scores, docs/contract.md §1): under policy probs a near-tie
   // at an expert's cap boundary can then keep another token in the chain.
   // The stage check above compared the kept rows bitwise on the same inputs;
   // the chain continues from the fast kept rows when the kept tokens differ

@@ -1,4 +1,4 @@
-// Stage variants of the expert-parallel path (CONTRACT §3, §4, §7): the
+// Stage variants of the expert-parallel path (docs/contract.md §3, §4, §7): the
 // all-to-all dispatch, the rank-major -> expert-major permute (generic and
 // equal-count), alignment padding, and their inverses on the way back. With
 // ep = 1 they run too (one rank, identity permute), so one pipeline serves all.
@@ -43,7 +43,7 @@ std::vector<int64_t> real_counts_from(const std::vector<int64_t>& recv_counts, i
 
 // ---- fast functions ----------------------------------------------------------
 
-/// Splits from counts and the count exchange (CONTRACT §3.2): writes
+/// Splits from counts and the count exchange (docs/contract.md §3.2): writes
 /// input_splits, recv_counts and output_splits.
 struct Splits {
   std::vector<int64_t> in, out, recv_counts;
@@ -72,7 +72,7 @@ Splits exchange_counts(FastCtx& ctx) {
 
 void overload_and_notes(FastCtx& ctx, const Splits& s, int64_t N) {
   const int R = ctx.ranks, E_l = ctx.c.num_experts / R;
-  int64_t mx = s.M, total = N;  // CONTRACT §12: max received rows, total assignments
+  int64_t mx = s.M, total = N;  // docs/contract.md §12: max received rows, total assignments
   ctx.comm->allreduce_max(&mx, 1, "overload max");
   ctx.comm->allreduce_sum(&total, 1, "overload sum");
   out_ints(ctx, "overload", {mx, total});
@@ -93,7 +93,7 @@ void fast_a2a_dispatch(FastCtx& ctx) {
   overload_and_notes(ctx, s, routed.shape[0]);
 }
 
-/// The equal-split decision (CONTRACT §5, FRAMEWORKS §5.2): M* = all-reduce
+/// The equal-split decision (docs/contract.md §5, docs/frameworks.md §5.2): M* = all-reduce
 /// max of the splits; the padding overhead [sum(M*-in) + sum(M*-out)] /
 /// [sum in + sum out] is reduced to its maximum over the EP group *before* any
 /// data collective, so every rank takes the same branch. Returns M* when
@@ -161,7 +161,7 @@ void fast_equal_split_dispatch(FastCtx& ctx) {
   if (ctx.rank == 0) ctx.notes.push_back("equal_split: taken, " + why);
 }
 
-/// Force-load-balance dispatch (CONTRACT §6): analytic counts and splits on
+/// Force-load-balance dispatch (docs/contract.md §6): analytic counts and splits on
 /// every rank, no count exchange; the direct equal-split route from x when
 /// K == E_l, else the generic gathered rows with a variable all-to-all.
 void fast_force_lb_dispatch(FastCtx& ctx) {
@@ -184,7 +184,7 @@ void fast_force_lb_dispatch(FastCtx& ctx) {
   out_ints(ctx, "recv_counts", s.recv_counts);
   Tensor& recv = ctx.output("recv", x.type, {s.M, c.hidden});
   const int64_t mstar = *std::max_element(s.in.begin(), s.in.end());
-  // FRAMEWORKS §6.3: the shortcut is only right when E == K*R, and only for
+  // docs/frameworks.md §6.3: the shortcut is only right when E == K*R, and only for
   // the score applied after the experts (routed_input holds x * score otherwise).
   const bool guard = K == E_l || ctx.exec.faults.has(Fault::direct_route_unguarded);
   const bool scores_after =
@@ -237,7 +237,7 @@ void fast_permute_generic(FastCtx& ctx) {
   out_ints(ctx, "expert_counts_real", real_counts_from(rc, R, E_l));
 }
 
-/// Equal-count permute (CONTRACT §7); its precondition is checked on the
+/// Equal-count permute (docs/contract.md §7); its precondition is checked on the
 /// received counts of every rank, and all ranks agree before any skips.
 bool equal_count_ready(FastCtx& ctx, int64_t& cnt) {
   cnt = uniform_count(vec_of(ctx.input("recv_counts")));
@@ -330,7 +330,7 @@ void ref_a2a_dispatch(RefCtx& r) {
   const Case& c = r.c;
   const int R = int(r.in.ranks.size()), E_l = c.num_experts / R;
   // From the dispatch's expert-major rows (capacity-limited where capacity
-  // applies, CONTRACT §11), not from x and ids again: the stage's own input.
+  // applies, docs/contract.md §11), not from x and ids again: the stage's own input.
   std::vector<ref::Counts> counts;
   for (int q = 0; q < R; ++q) counts.push_back(ref_counts(r.in.at("counts", q)));
   ref::EpDispatch d = ref::ep_dispatch(rows_of_ranks(r.in, "routed_input"), counts, R, E_l, r.rank);
@@ -428,7 +428,7 @@ Stage make(const std::string& slot, const std::string& variant, const std::strin
   // Every forward EP variant moves rows with the row-map bodies (on a device
   // when there is one) and exchanges them through the Communicator
   // (FastCtx::exchange_rows: device to device where the Communicator moves
-  // device buffers, host-staged under MPI, DESIGN.md idea 3); the count
+  // device buffers, host-staged under MPI, docs/architecture.md idea 3); the count
   // exchange is host metadata, uploaded after the call where a device reads it.
   s.backends = kHostAndDevice;
   return s;
@@ -445,7 +445,7 @@ int64_t uniform_count(const std::vector<int64_t>& v) {
 
 void register_ep_stages(std::vector<Stage>& reg) {
   reg.push_back(make("ep_dispatch", "a2a_variable",
-                     "splits from counts, count exchange, token all-to-all-v; rank-major receive (CONTRACT §3)",
+                     "splits from counts, count exchange, token all-to-all-v; rank-major receive (docs/contract.md §3)",
                      {"routed_input", "counts", "x", "ids", "topk_scores"},
                      {{"input_splits", CompareClass::exact, Coords::flat, nullptr},
                       {"output_splits", CompareClass::exact, Coords::flat, nullptr},
@@ -456,7 +456,7 @@ void register_ep_stages(std::vector<Stage>& reg) {
   reg.back().primary = [](const Case& c) { return c.equal_split.policy == EqualSplitPolicy::off; };
   {
     Stage s = make("ep_dispatch", "a2a_equal_split",
-                   "pad every chunk to M* = max split (data first, zeros after), equal all-to-all, compact (CONTRACT §5)",
+                   "pad every chunk to M* = max split (data first, zeros after), equal all-to-all, compact (docs/contract.md §5)",
                    {"routed_input", "counts", "x", "ids", "topk_scores"}, reg.back().outputs, fast_equal_split_dispatch,
                    ref_a2a_dispatch);
     s.applies = [](const Case& c) {
@@ -467,7 +467,7 @@ void register_ep_stages(std::vector<Stage>& reg) {
   }
   {
     Stage s = make("ep_dispatch", "a2a_force_lb",
-                   "force-LB routing: analytic splits, no count exchange; direct route from x iff K == E_l (CONTRACT §6)",
+                   "force-LB routing: analytic splits, no count exchange; direct route from x iff K == E_l (docs/contract.md §6)",
                    {"routed_input", "counts", "x", "ids", "topk_scores"}, reg.back().outputs, fast_force_lb_dispatch,
                    ref_a2a_dispatch);
     s.applies = [](const Case& c) {
@@ -482,8 +482,8 @@ void register_ep_stages(std::vector<Stage>& reg) {
   for (PermuteMode m : {PermuteMode::generic, PermuteMode::equal_count}) {
     const bool eq = m == PermuteMode::equal_count;
     Stage s = make("ep_permute", eq ? "equal_count" : "generic",
-                   eq ? "transpose (R, E_l, c) -> (E_l, R, c) when every segment has c rows (CONTRACT §7)"
-                      : "index table from the received counts, rank-major -> expert-major (CONTRACT §3)",
+                   eq ? "transpose (R, E_l, c) -> (E_l, R, c) when every segment has c rows (docs/contract.md §7)"
+                      : "index table from the received counts, rank-major -> expert-major (docs/contract.md §3)",
                    {"recv", "recv_counts"},
                    {{"permuted", CompareClass::exact, Coords::expert_row, promise_always},
                     {"expert_counts_real", CompareClass::exact, Coords::flat, nullptr}},
@@ -493,7 +493,7 @@ void register_ep_stages(std::vector<Stage>& reg) {
     reg.push_back(s);
   }
   reg.push_back(make("align_pad", "pad_groups",
-                     "each expert group: real rows, then zero rows to a multiple of align; 64-bit offsets (CONTRACT §4)",
+                     "each expert group: real rows, then zero rows to a multiple of align; 64-bit offsets (docs/contract.md §4)",
                      {"permuted", "expert_counts_real"},
                      {{"expert_input", CompareClass::exact, Coords::padded_row, nullptr},  // a rank may hold only padding
                       {"expert_counts", CompareClass::exact, Coords::flat, nullptr}},
@@ -511,7 +511,7 @@ void register_ep_stages(std::vector<Stage>& reg) {
     if (eq) s.applies = [](const Case& c) { return Decision{c.permute != PermuteMode::generic, "permute: generic"}; };
     reg.push_back(s);
   }
-  reg.push_back(make("ep_combine", "a2a_variable", "reverse all-to-all-v with send/receive splits swapped (CONTRACT §3.5)",
+  reg.push_back(make("ep_combine", "a2a_variable", "reverse all-to-all-v with send/receive splits swapped (docs/contract.md §3.5)",
                      {"recv_out", "input_splits", "output_splits"},
                      {{"routed_output", CompareClass::exact, Coords::dispatch_row, nullptr}}, fast_a2a_return,
                      ref_a2a_return));

@@ -89,9 +89,9 @@ namespace {
 
 Decision always(const Case&) { return {}; }
 
-/// The conventions of a SwiGLU site (CONTRACT §14): experts.rounding applies
+/// The conventions of a SwiGLU site (docs/contract.md §14): experts.rounding applies
 /// to the routed and the shared experts (torchtitan's FeedForward rounds
-/// silu(h1) too), the compute dtype to the routed experts only (FRAMEWORKS
+/// silu(h1) too), the compute dtype to the routed experts only (docs/frameworks.md
 /// §8.1: GroupedExperts casts X and W to bf16; the shared FeedForward runs in act).
 /// `mid` is the site's intermediate prefix: "expert_" (routed) or "shared_".
 SwigluConventions swiglu_conventions(const Case& c, const std::string& mid) {
@@ -355,14 +355,14 @@ void ref_routed_swiglu(RefCtx& r) {
 
 namespace {
 
-// One descriptor per stage variant (DESIGN.md idea 4); register_local_stages
+// One descriptor per stage variant (docs/architecture.md idea 4); register_local_stages
 // lists them in slot order.
 
 Stage router_logits_fp32() {
   Stage s;
   s.slot = "router_logits";
   s.variant = "gemm_fp32";
-  s.summary = "logits = float(x) * float(Wg)^T, fp32 accumulation (CONTRACT §1)";
+  s.summary = "logits = float(x) * float(Wg)^T, fp32 accumulation (docs/contract.md §1)";
   s.applies = [](const Case& c) {
     return Decision{c.router.gate_dtype == GateDtype::fp32, "router.gate_dtype: act"};
   };
@@ -389,7 +389,7 @@ Stage router_logits_fp32() {
   return s;
 }
 
-// CONTRACT §14 router.gate_dtype act (torchtitan on CPU, where
+// docs/contract.md §14 router.gate_dtype act (torchtitan on CPU, where
 // autocast(float32) is ignored): each logit rounded to act. The fast
 // logit must be an act rounding of a value within the fp32 accumulation
 // bound of the exact one (class rounding; the half-width is mostly 0), so
@@ -398,7 +398,7 @@ Stage router_logits_act() {
   Stage s;
   s.slot = "router_logits";
   s.variant = "gemm_act";
-  s.summary = "logits = round_act(x * Wg^T), then fp32 (CONTRACT §14 router.gate_dtype: act)";
+  s.summary = "logits = round_act(x * Wg^T), then fp32 (docs/contract.md §14 router.gate_dtype: act)";
   s.applies = [](const Case& c) {
     return Decision{c.router.gate_dtype == GateDtype::act, "router.gate_dtype: fp32"};
   };
@@ -436,7 +436,7 @@ Stage topk_routing() {
   Stage s;
   s.slot = "routing";
   s.variant = "topk_router";
-  s.summary = "scores, bias, group limit, top-k (lower id wins ties), force-LB, norm, scale, counts (CONTRACT §1)";
+  s.summary = "scores, bias, group limit, top-k (lower id wins ties), force-LB, norm, scale, counts (docs/contract.md §1)";
   s.applies = always;
   s.primary = [](const Case&) { return true; };
   s.inputs = fixed_inputs({"logits", "bias"});
@@ -480,7 +480,7 @@ Stage local_sort_gather() {
   Stage s;
   s.slot = "dispatch";
   s.variant = "local_sort_gather";
-  s.summary = "stable counting sort by (expert, assignment), gather rows (CONTRACT §2)";
+  s.summary = "stable counting sort by (expert, assignment), gather rows (docs/contract.md §2)";
   s.applies = always;
   s.primary = [](const Case&) { return true; };
   s.inputs = fixed_inputs({"x", "ids", "topk_scores", "counts"});
@@ -528,7 +528,7 @@ Stage local_sort_gather() {
   return s;
 }
 
-// FRAMEWORKS §6.2: the stable sort of round-robin ids depends only on
+// docs/frameworks.md §6.2: the stable sort of round-robin ids depends only on
 // (T*K, E, K), so it is cached under that key. The variant applies only
 // with force-load-balance routing (a cached order used with top-k routing
 // would silently be wrong). Each rank has its own cache, as each process
@@ -622,7 +622,7 @@ Stage swiglu_experts(ExpertsImpl impl) {
   Stage s;
   s.slot = "experts";
   s.variant = std::string("swiglu_") + enum_name(experts_impl_table(), impl);
-  s.summary = impl == ExpertsImpl::loop ? "SwiGLU, one expert at a time, row-tiled GEMMs (CONTRACT §8)"
+  s.summary = impl == ExpertsImpl::loop ? "SwiGLU, one expert at a time, row-tiled GEMMs (docs/contract.md §8)"
                                         : "SwiGLU, one work list of (expert, tile) items over the group offsets";
   s.applies = [](const Case& c) { return Decision{c.experts.kind == ExpertKind::swiglu, "experts.kind is not swiglu"}; };
   s.primary = [impl](const Case& c) { return c.experts.impl == impl; };
@@ -644,7 +644,7 @@ Stage swiglu_batched() {
   Stage s;
   s.slot = "experts";
   s.variant = "swiglu_batched";
-  s.summary = "every local expert has c > 0 rows: fused W13 = [W1; W3] GEMM and cached W2^T (CONTRACT §8)";
+  s.summary = "every local expert has c > 0 rows: fused W13 = [W1; W3] GEMM and cached W2^T (docs/contract.md §8)";
   s.applies = [](const Case& c) { return Decision{c.experts.kind == ExpertKind::swiglu, "experts.kind is not swiglu"}; };
   s.primary = [](const Case& c) { return c.experts.impl == ExpertsImpl::batched; };
   s.inputs = fixed_inputs({"expert_input", "expert_counts", "w1", "w3", "w2"});
@@ -735,7 +735,7 @@ Stage combine_out_of_place() {
   Stage s;
   s.slot = "combine";
   s.variant = "out_of_place";
-  s.summary = "out = init + ordered scatter-add in ascending expert order, no atomics (CONTRACT §2, §9)";
+  s.summary = "out = init + ordered scatter-add in ascending expert order, no atomics (docs/contract.md §2, §9)";
   s.applies = always;
   s.primary = [](const Case& c) { return c.combine.placement == CombinePlacement::out_of_place; };
   s.inputs = combine_inputs;
@@ -763,7 +763,7 @@ Stage combine_in_place() {
   Stage s;
   s.slot = "combine";
   s.variant = "in_place";
-  s.summary = "adds into the caller's buffer unless it overlaps any input byte range (CONTRACT §9)";
+  s.summary = "adds into the caller's buffer unless it overlaps any input byte range (docs/contract.md §9)";
   s.applies = always;
   s.primary = [](const Case& c) { return c.combine.placement == CombinePlacement::in_place; };
   s.inputs = combine_inputs;

@@ -1,15 +1,15 @@
-// Stage variants of sequence parallelism (CONTRACT §10, FRAMEWORKS §10.2-§10.3).
+// Stage variants of sequence parallelism (docs/contract.md §10, docs/frameworks.md §10.2-§10.3).
 //
-// Model: SP ranks are a separate axis from the EP ranks (FRAMEWORKS §10: the
+// Model: SP ranks are a separate axis from the EP ranks (docs/frameworks.md §10: the
 // MoE region is sequence-parallel over the TP axis). Each EP rank's board
 // holds its T = B*L tokens; the slot sp_shard replaces x by the S SP ranks'
 // local tokens stacked SP rank after SP rank (kernels/sp_host.h, "SP layout"),
 // so that routing, dispatch, experts and combine run on exactly the rows the
 // SP ranks hold, each token once. A token's combined row depends only on its
-// own routing and expert rows (CONTRACT §2, §3), so this equals S separate
+// own routing and expert rows (docs/contract.md §2, §3), so this equals S separate
 // dispatches. sp_pad_route gives tail pad rows expert 0 with score 0, and
 // sp_gather writes the combine output to the global nlt*S rows and keeps the
-// first T (CONTRACT §10). Every slot applies only when sp > 1; with sp = 1 the
+// first T (docs/contract.md §10). Every slot applies only when sp > 1; with sp = 1 the
 // pipeline is untouched, which is what the SP invariance check compares with.
 #include <algorithm>
 #include <cstring>
@@ -52,7 +52,7 @@ void register_sp_stages(std::vector<Stage>& reg) {
     Stage s;
     s.slot = "sp_shard";
     s.variant = "sp_slices";
-    s.summary = "x -> the SP ranks' local tokens, stacked; virtual or tail padding (CONTRACT §10)";
+    s.summary = "x -> the SP ranks' local tokens, stacked; virtual or tail padding (docs/contract.md §10)";
     s.applies = sp_on;
     s.primary = [](const Case&) { return true; };
     s.inputs = fixed_inputs({"x"});
@@ -92,7 +92,7 @@ void register_sp_stages(std::vector<Stage>& reg) {
     Stage s;
     s.slot = "sp_pad_route";
     s.variant = "tail_pad_rows";
-    s.summary = "tail pad rows routed to expert 0 with score 0, counts recomputed (FRAMEWORKS §10.2)";
+    s.summary = "tail pad rows routed to expert 0 with score 0, counts recomputed (docs/frameworks.md §10.2)";
     s.applies = sp_tail;
     s.primary = [](const Case&) { return true; };
     s.inputs = fixed_inputs({"ids", "topk_scores", "counts", "sp_tokens"});
@@ -137,7 +137,7 @@ void register_sp_stages(std::vector<Stage>& reg) {
     Stage s;
     s.slot = "sp_gather";
     s.variant = "global_rows";
-    s.summary = "combine output of the SP ranks -> global nlt*S rows -> first B*L kept (CONTRACT §10)";
+    s.summary = "combine output of the SP ranks -> global nlt*S rows -> first B*L kept (docs/contract.md §10)";
     s.applies = sp_on;
     s.primary = [](const Case&) { return true; };
     s.inputs = fixed_inputs({"out", "sp_tokens"});

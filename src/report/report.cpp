@@ -1,4 +1,4 @@
-// Reports: a fixed-shape human table, JSON, and .npy tensors (STYLE 6).
+// Reports: a fixed-shape human table, JSON, and .npy tensors.
 // What a check says is bounded: a note longer than kMaxNoteChars and a list
 // of more than kMaxNotes notes are cut, with the count of what was left out,
 // in the table and in the JSON alike (a bug once grew one line past 64 MiB).
@@ -134,10 +134,10 @@ std::vector<VariantRow> variant_rows(const CaseReport& r) {
 /// Variant notes of the summary: each distinct note once, at most this many.
 constexpr size_t kSummaryNotes = 2;
 
-/// The overload factor line (CONTRACT §12), where the case has one to tell.
+/// The overload factor line (docs/contract.md §12), where the case has one to tell.
 void print_overload(const CaseReport& r, std::ostream& os, bool every) {
   if (!r.overload.valid || (r.c.layers == 1 && r.c.ep == 1)) return;
-  os << "   overload factor (CONTRACT §12, " << r.overload.entries.size() << " entr"
+  os << "   overload factor (docs/contract.md §12, " << r.overload.entries.size() << " entr"
      << (r.overload.entries.size() == 1 ? "y" : "ies") << (r.c.backward == Switch::on ? " + backward" : "")
      << "): avg " << num(r.overload.avg) << "  max " << num(r.overload.max) << "  max_cum " << num(r.overload.max_cum);
   if (every) {
@@ -289,7 +289,7 @@ void print_tolerance_table(const std::vector<CaseReport>& reports, std::ostream&
   std::set<DType> dts;
   for (const auto& r : reports) dts.insert(r.c.dtype);
   os << "\ntolerance table (pass: |fast - ref| <= atol + rtol * |ref|; gemm and end_to_end: atol + rtol * max(|ref|, "
-        "sum of |terms|) with rtol = c * u_act (CONTRACT §15); rounding: one act rounding; exact classes are bitwise):\n";
+        "sum of |terms|) with rtol = c * u_act (docs/contract.md §15); rounding: one act rounding; exact classes are bitwise):\n";
   for (const auto& [name, cls] : compare_class_table()) {
     if (cls == CompareClass::exact) continue;
     os << "   " << std::left << std::setw(12) << name;
@@ -371,7 +371,7 @@ std::string reports_json(const std::vector<CaseReport>& reports, const std::stri
                                        {"actual_segments", ch.rows.actual_segments}};
     }
     jc["notes"] = capped(r.notes);
-    if (r.overload.valid) {  // CONTRACT §12: overload_factor.avg, .max, .max_cum
+    if (r.overload.valid) {  // docs/contract.md §12: overload_factor.avg, .max, .max_cum
       Json entries = Json::array();
       for (double v : r.overload.entries) entries.push_back(json_num(v));
       jc["overload_factor"] = {{"avg", json_num(r.overload.avg)},

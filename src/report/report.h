@@ -39,7 +39,7 @@ struct CaseReport {
   /// dtype or columns). The checks hold what was judged before it; the
   /// command reports them, then exits 2 with this line.
   std::string bad_input;
-  /// The overload factor of the case's layer entries (CONTRACT §12) from the
+  /// The overload factor of the case's layer entries (docs/contract.md §12) from the
   /// fast pipeline; the checks compare it with the reference's.
   struct Overload {
     bool valid = false;

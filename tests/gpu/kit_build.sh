@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the GPU kit on a CPU machine (TOOLCHAIN.md §9, issue 12 item 7): the
+# Builds the GPU kit on a CPU machine (issue 12 item 7): the
 # tool and the gpu check binaries of a CUDA build tree, with every shared
 # library they load except the C library, the NVIDIA driver, cuBLAS and NCCL
 # (which the GPU machine has), into one folder that tests/gpu/kit_run.sh runs
