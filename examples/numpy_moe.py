@@ -1,106 +1,119 @@
 #!/usr/bin/env python3
-"""A local (EP = 1) MoE dispatch and combine written with NumPy only, apart
-from moeverify's code: the kind of implementation `moeverify check` verifies.
+"""An MoE dispatch, expert-parallel exchange and combine written with NumPy
+only, apart from moeverify's code: the kind of implementation `moeverify
+check` verifies. Local (EP = 1) and expert-parallel (EP = R) cases; the
+all-to-all is done in one process, by handing each rank's rows to the rank
+that owns their experts.
 
-    python3 examples/numpy_moe.py GOLDEN_DIR [--bug NAME]
+    python3 examples/numpy_moe.py GOLDEN_CASE_DIR [--bug NAME]
 
-Reads the exported inputs and routing of one golden folder (x.npy, ids.npy,
-topk_scores.npy, and the expert outputs routed_output.npy, as a model would
-hand them to the dispatcher) and writes under GOLDEN_DIR/actual/:
-  routed_input.npy, token_sorted.npy, score_sorted.npy   (dispatch)
-  out.npy                                                 (combine)
-Every other stage is left to the reference (`check` lists it as not checked).
+Reads, for every rank, the exported inputs and routing (x, ids, topk_scores)
+and the expert outputs in dispatch order (ep_combine.routed_output, as the
+model hands them back), and writes under GOLDEN_CASE_DIR/actual/:
+  dispatch.{routed_input,token_sorted,score_sorted,row_of}
+  ep_dispatch.{input_splits,output_splits,recv_counts,recv,overload}   (EP > 1)
+  ep_permute.{permuted,expert_counts_real}                              (EP > 1)
+  combine.out
+Every other stage is left to the reference (`check` lists it as not written).
 
 --bug plants a mistake so that a test can see `check` catch it:
-  unstable_order   rows of one expert in descending token order
-  score_in_bf16    (bf16) score rounded to bf16 before the multiply
+  unstable_order     rows of one expert in descending token order
+  score_in_bf16      (bf16) score rounded to bf16 before the multiply
+  skip_last_source   (EP) rank R-1's rows are never received (a skipped send)
+  source_major       (EP) ep_permute keeps received order, not expert-major
 
-The arithmetic follows docs/contract.md §2 literally: a stable argsort of the
-flat ids gives expert-major rows with ascending tokens inside an expert; the
-combine multiplies in fp32, rounds to the activation dtype, and adds the
-token's contributions in ascending dispatch row order, rounding after every
-addition (`per_add`) or once at the end (`fp32_accumulate`); under
+The arithmetic follows docs/contract.md §2 and §3 literally: a stable argsort
+of the flat ids gives expert-major rows with ascending tokens inside an
+expert; rank p receives, from every source rank in rank order, that source's
+rows for p's experts; the permute orders them by local expert, then source
+rank. The combine multiplies in fp32, rounds to the activation dtype, and
+adds a token's contributions in ascending dispatch row order, rounding after
+every addition (`per_add`) or once at the end (`fp32_accumulate`); under
 `score_multiply: act` the score is rounded to the activation dtype first.
 """
-import json
 import os
 import sys
 
 import numpy as np
 
+try:
+    import moeverify
+except ImportError:  # not installed: the package beside this source tree
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    import moeverify
 
-def to_f32(a, dtype):
-    """Stored activations to float32 values (bf16/fp16 arrive as uint16 bits)."""
-    if dtype == "bfloat16":
-        return (a.astype(np.uint32) << 16).view(np.float32)
-    if dtype == "float16":
-        return a.view(np.float16).astype(np.float32)
-    return a.astype(np.float32)
-
-
-def from_f32(v, dtype):
-    """float32 values to the stored form, one round-to-nearest-even."""
-    v = np.ascontiguousarray(v, dtype=np.float32)
-    if dtype == "bfloat16":
-        u = v.view(np.uint32).astype(np.uint64)
-        nan = np.isnan(v)
-        r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-        r[nan] = 0x7FC0
-        return r
-    if dtype == "float16":
-        return v.astype(np.float16).view(np.uint16)
-    return v
+BUGS = ("unstable_order", "score_in_bf16", "skip_last_source", "source_major")
+ROUND = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def rnd(v, dtype):
-    """Round float32 values to the activation dtype, back as float32."""
-    return to_f32(from_f32(v, dtype), dtype)
+    """float32 values rounded to the activation dtype, back as float32."""
+    v = np.asarray(v, np.float32)
+    if dtype == "float32":
+        return v
+    return moeverify.decode(moeverify.encode(v, dtype, "value"), dtype)
 
 
-def main():
-    args = sys.argv[1:]
-    bug = None
-    if "--bug" in args:
-        i = args.index("--bug")
-        bug = args[i + 1]
-        del args[i:i + 2]
-    if len(args) != 1:
-        sys.exit(__doc__)
-    gdir = args[0]
-    with open(os.path.join(gdir, "manifest.json")) as f:
-        man = json.load(f)
-    case = man["case"]
-    if man["ranks"] != 1:
-        sys.exit("numpy_moe.py implements the local path only (ranks == 1)")
-    dtypes = {t["name"]: t["dtype"] for t in man["tensors"]}
-    act = dtypes["x"]
-    load = lambda n: np.load(os.path.join(gdir, n + ".npy"))
-
-    x = to_f32(load("x"), act)                       # (T, D)
-    ids = load("ids").astype(np.int64)               # (T, K)
-    topk = load("topk_scores").astype(np.float32)    # (T, K)
+def dispatch(x, ids, topk, act, case, bug):
+    """One rank's local dispatch (docs/contract.md §2)."""
     T, K = ids.shape
-    before = case["score_before_experts"] == "on"
-
-    # Dispatch: a stable sort of the flat assignment ids a = t*K + k.
     flat = ids.reshape(-1)
     perm = np.argsort(flat, kind="stable")
-    if bug == "unstable_order":
-        e0 = flat[perm[0]]
-        rows = np.nonzero(flat[perm] == e0)[0]
+    if bug == "unstable_order" and perm.size:
+        rows = np.nonzero(flat[perm] == flat[perm[0]])[0]
         perm[rows] = perm[rows][::-1]
     token_sorted = (perm // K).astype(np.int32)
     score_sorted = topk.reshape(-1)[perm].astype(np.float32)
-    # score_multiply: act (docs/contract.md §14) multiplies by the score rounded to act
-    smul = rnd(score_sorted, act) if case["score_multiply"] == "act" else score_sorted
+    row_of = np.empty(T * K, np.int32)
+    row_of[perm] = np.arange(T * K, dtype=np.int32)
     routed = x[token_sorted]
-    if before:
-        routed = rnd(routed * smul[:, None], act)
+    if case["score_before_experts"] == "on":
+        routed = rnd(routed * score_factor(score_sorted, act, case)[:, None], act)
+    return routed, token_sorted, score_sorted, row_of.reshape(T, K)
 
-    # Combine of the expert outputs in dispatch row order.
-    y = to_f32(load("routed_output"), act)           # (T*K, D)
-    if not before:
-        s = smul
+
+def score_factor(score_sorted, act, case):
+    # score_multiply: act (docs/contract.md §14) multiplies by the score rounded to act
+    return rnd(score_sorted, act) if case["score_multiply"] == "act" else score_sorted
+
+
+def exchange(g, counts, routed, bug):
+    """The all-to-all of docs/contract.md §3 for every rank at once: rank p
+    receives from each source rank s, in rank order, s's rows for p's experts
+    (s's dispatch order). Returns per-rank dicts of the ep_* tensors."""
+    R = g.ranks
+    El = len(counts[0]) // R
+    starts = [np.concatenate([[0], np.cumsum(c)]) for c in counts]
+    out = []
+    for p in range(R):
+        sources = [s for s in range(R) if not (bug == "skip_last_source" and s == R - 1 and p != s)]
+        blocks = [routed[s][starts[s][p * El]:starts[s][(p + 1) * El]] for s in sources]
+        recv_counts = np.array([counts[s][p * El + j] for s in range(R) for j in range(El)], np.int64)
+        recv = np.concatenate(blocks) if blocks else routed[p][:0]
+        # expert-major: local expert j, then source rank s
+        offs = np.concatenate([[0], np.cumsum(recv_counts)])
+        order = [np.arange(offs[s * El + j], offs[s * El + j + 1]) for j in range(El) for s in range(R)]
+        idx = np.concatenate(order).astype(np.int64) if order else np.zeros(0, np.int64)
+        permuted = recv if bug == "source_major" else recv[idx[idx < len(recv)]]
+        out.append({
+            "ep_dispatch.input_splits": np.array([counts[p][q * El:(q + 1) * El].sum() for q in range(R)], np.int64),
+            "ep_dispatch.output_splits": recv_counts.reshape(R, El).sum(axis=1),
+            "ep_dispatch.recv_counts": recv_counts,
+            "ep_dispatch.recv": recv,
+            "ep_permute.permuted": permuted,
+            "ep_permute.expert_counts_real": recv_counts.reshape(R, El).sum(axis=0),
+        })
+    received = [len(o["ep_dispatch.recv"]) for o in out]
+    for o in out:
+        o["ep_dispatch.overload"] = np.array([max(received), sum(received)], np.int64)
+    return out
+
+
+def combine(g, r, x, token_sorted, score_sorted, act, case, bug):
+    """One rank's combine of the expert outputs in dispatch row order."""
+    y = g.expected("ep_combine.routed_output", rank=r)
+    if case["score_before_experts"] != "on":
+        s = score_factor(score_sorted, act, case)
         if bug == "score_in_bf16":
             s = rnd(s, "bfloat16")
         y = rnd(y * s[:, None], act)
@@ -108,28 +121,64 @@ def main():
     order = case["shared_experts.order"]
     out = np.zeros_like(x)
     if shared and order == "init_with_shared":
-        out = to_f32(load("shared_out"), act)
-    if case["combine.buffer"] != "fresh":
-        sys.exit("numpy_moe.py: combine.buffer must be fresh")
+        out = g.expected("shared_experts.shared_out", rank=r)
     if case["combine.accumulate"] == "per_add":
         for i in range(len(token_sorted)):           # ascending row = ascending expert
             t = token_sorted[i]
             out[t] = rnd(out[t] + y[i], act)
     else:
         wide = out.copy()
-        for i in range(len(token_sorted)):
-            wide[token_sorted[i]] += y[i]
+        np.add.at(wide, token_sorted, y)             # fp32 sums, rounded once
         out = rnd(wide, act)
     if shared and order == "add_after":
-        out = rnd(out + to_f32(load("shared_out"), act), act)
+        out = rnd(out + g.expected("shared_experts.shared_out", rank=r), act)
+    return out
 
-    adir = os.path.join(gdir, "actual")
-    os.makedirs(adir, exist_ok=True)
-    np.save(os.path.join(adir, "routed_input.npy"), from_f32(routed, act))
-    np.save(os.path.join(adir, "token_sorted.npy"), token_sorted)
-    np.save(os.path.join(adir, "score_sorted.npy"), score_sorted)
-    np.save(os.path.join(adir, "out.npy"), from_f32(out, act))
-    print("numpy_moe.py: wrote dispatch and combine outputs to", adir)
+
+def refuse_unsupported(case):
+    plain = {"capacity.factor": 0.0, "equal_split.policy": "off", "sp": 1, "combine.buffer": "fresh",
+             "combine.placement": "out_of_place"}
+    for key, want in plain.items():
+        if case[key] != want:
+            sys.exit("numpy_moe.py: %s must be %s (this example implements the plain path)" % (key, want))
+
+
+def main():
+    args = sys.argv[1:]
+    bug = None
+    if "--bug" in args:
+        i = args.index("--bug")
+        bug = args[i + 1] if i + 1 < len(args) else ""
+        del args[i:i + 2]
+        if bug not in BUGS:
+            sys.exit("numpy_moe.py: --bug %r; valid: %s" % (bug, ", ".join(BUGS)))
+    if len(args) != 1:
+        sys.exit(__doc__)
+    g = moeverify.open(args[0])
+    case = g.case
+    refuse_unsupported(case)
+    act = ROUND[case["dtype"]]
+    R = g.ranks
+
+    per_rank = []
+    for r in range(R):
+        x = g.input("x", rank=r)
+        ids = g.expected("routing.ids", rank=r).astype(np.int64)
+        topk = g.expected("routing.topk_scores", rank=r)
+        per_rank.append((x, ids) + dispatch(x, ids, topk, act, case, bug))
+    if R > 1:
+        E = case["shape.experts"]
+        counts = [np.bincount(ids.reshape(-1), minlength=E) for _, ids, *_ in per_rank]
+        for r, tensors in enumerate(exchange(g, counts, [p[2] for p in per_rank], bug)):
+            for name, value in tensors.items():
+                g.write(name, value, rank=r)
+    for r, (x, ids, routed, token_sorted, score_sorted, row_of) in enumerate(per_rank):
+        g.write("dispatch.routed_input", routed, rank=r)
+        g.write("dispatch.token_sorted", token_sorted, rank=r)
+        g.write("dispatch.score_sorted", score_sorted, rank=r)
+        g.write("dispatch.row_of", row_of, rank=r)
+        g.write("combine.out", combine(g, r, x, token_sorted, score_sorted, act, case, bug), rank=r)
+    print("numpy_moe.py: %s, %d rank(s): outputs written to %s" % (g.name, R, g.actual_dir))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs an example implementation on exported golden folders and checks it.
-#   run_examples.sh numpy MOEVERIFY SOURCE_DIR   every case of cases/basic.yaml
-#   run_examples.sh torch MOEVERIFY SOURCE_DIR   exits 77 (skipped) without torch
+#   run_examples.sh numpy MOEVERIFY SOURCE_DIR   every case of basic.yaml and ep4.yaml, and its planted bugs
+#   run_examples.sh torch MOEVERIFY SOURCE_DIR   torch_check.py and torch_ep.py (torchrun, gloo); exits 77 (skipped) without torch
 set -u
 mode=$1
 bin=$2
@@ -13,28 +13,69 @@ case "$mode" in
     py=/usr/bin/python3
     "$py" -c "import numpy" || { echo "numpy is not importable by $py (bash .ci/setup-deps installs python3-numpy)"; exit 1; }
     "$bin" export "$src/cases/basic.yaml" "$tmp/golden" >/dev/null || exit 1
+    "$bin" export "$src/cases/ep4.yaml" "$tmp/golden" >/dev/null || exit 1
+    cp -r "$tmp/golden" "$tmp/pristine"
     for d in "$tmp"/golden/*/; do "$py" "$src/examples/numpy_moe.py" "$d" >/dev/null || exit 1; done
     "$bin" check "$tmp/golden" >"$tmp/report.txt"
     rc=$?
     tail -3 "$tmp/report.txt"
     [ "$rc" -eq 0 ] || { grep -E "INCORRECT|ERROR" "$tmp/report.txt" | head; exit 1; }
-    n=$(grep -c -E '^   dispatch +actual +routed_input .*PASSED' "$tmp/report.txt")
+    n=$(grep -c -E '^   dispatch +actual\* +PASSED' "$tmp/report.txt")
     [ "$n" -eq "$(ls -d "$tmp"/golden/*/ | wc -l)" ] || { echo "dispatch was not checked in every case"; exit 1; }
+    n=$(grep -c -E '^   ep_permute +actual\* +PASSED' "$tmp/report.txt")
+    [ "$n" -eq "$(ls -d "$tmp"/golden/ep4_*/ "$tmp"/golden/mixtral_like/ | wc -l)" ] ||
+      { echo "ep_permute was not checked in every EP case ($n)"; exit 1; }
+    # Each planted bug: check exit 1, first INCORRECT at the stage it is in.
+    for spec in "unstable_order exact_fp32 dispatch" "score_in_bf16 realistic_bf16 combine" \
+                "skip_last_source ep4_hot_expert ep_dispatch" "source_major ep4_zero_token_rank ep_permute"; do
+      set -- $spec
+      rm -rf "$tmp/bug" && mkdir "$tmp/bug" && cp -r "$tmp/pristine/$2" "$tmp/bug/"
+      "$py" "$src/examples/numpy_moe.py" "$tmp/bug/$2" --bug "$1" >/dev/null || exit 1
+      "$bin" check "$tmp/bug/$2" >"$tmp/bug.txt"
+      rc=$?
+      first=$(grep -m1 -E '^   [a-z_]+ +actual\*? +INCORRECT' "$tmp/bug.txt" | awk '{print $1}')
+      echo "--bug $1 on $2: check exit $rc, first INCORRECT stage: ${first:-none}"
+      [ "$rc" -eq 1 ] && [ "$first" = "$3" ] || { echo "expected exit 1 and INCORRECT first at $3"; exit 1; }
+    done
     ;;
   torch)
+    # MOEVERIFY_TORCH_PYTHON names an interpreter with torch (a virtual
+    # environment, say); otherwise python3 and /usr/bin/python3 are tried.
     py=""
-    for p in python3 /usr/bin/python3; do
+    for p in ${MOEVERIFY_TORCH_PYTHON:-} python3 /usr/bin/python3; do
       if command -v "$p" >/dev/null && "$p" -c "import torch, numpy" 2>/dev/null; then py=$p; break; fi
     done
-    [ -n "$py" ] || { echo "torch is not importable: examples.torch skipped"; exit 77; }
+    [ -n "$py" ] || { echo "torch is not importable (set MOEVERIFY_TORCH_PYTHON to a python with torch): examples.torch skipped"; exit 77; }
+    "$py" -c "import torch.distributed as d; assert d.is_available() and d.is_gloo_available()" 2>/dev/null ||
+      { echo "torch.distributed with gloo is not available: examples.torch skipped"; exit 77; }
+    echo "torch: $("$py" -c 'import torch; print(torch.__version__)') ($py)"
     "$bin" export "$src/cases/basic.yaml" "$tmp/golden" --case exact_fp32 >/dev/null || exit 1
     "$bin" export "$src/cases/basic.yaml" "$tmp/golden" \
       --case "realistic_swiglu[dtype=bf16,experts.impl=loop,combine.accumulate=fp32_accumulate]" >/dev/null || exit 1
-    for d in "$tmp"/golden/*/; do "$py" "$src/examples/torch_check.py" "$d" || exit 1; done
+    "$bin" export "$src/cases/ep4.yaml" "$tmp/golden" --case ep4_hot_expert --case ep4_zero_token_rank >/dev/null || exit 1
+    cp -r "$tmp/golden" "$tmp/pristine"
+    export OMP_NUM_THREADS=1 MASTER_ADDR=127.0.0.1
+    for d in "$tmp"/golden/*/; do
+      case "$d" in
+        */ep4_*) "$py" -m torch.distributed.run --nproc-per-node 4 "$src/examples/torch_ep.py" "$d" 2>&1 |
+                   grep -v '^W[0-9]\|^\*\*\*' ; [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1 ;;
+        *) "$py" "$src/examples/torch_check.py" "$d" || exit 1 ;;
+      esac
+    done
     "$bin" check "$tmp/golden" >"$tmp/report.txt"
     rc=$?
     tail -3 "$tmp/report.txt"
     [ "$rc" -eq 0 ] || { grep -E "INCORRECT|ERROR" "$tmp/report.txt" | head; exit 1; }
+    n=$(grep -c -E '^   ep_dispatch +actual\* +PASSED' "$tmp/report.txt")
+    [ "$n" -eq 2 ] || { echo "ep_dispatch was not checked in both EP cases ($n)"; exit 1; }
+    mkdir "$tmp/bug" && cp -r "$tmp/pristine/ep4_hot_expert" "$tmp/bug/"
+    "$py" -m torch.distributed.run --nproc-per-node 4 "$src/examples/torch_ep.py" "$tmp/bug/ep4_hot_expert" \
+      --bug no_permute >/dev/null 2>&1 || exit 1
+    "$bin" check "$tmp/bug/ep4_hot_expert" >"$tmp/bug.txt"
+    rc=$?
+    first=$(grep -m1 -E '^   [a-z_]+ +actual\*? +INCORRECT' "$tmp/bug.txt" | awk '{print $1}')
+    echo "torch_ep.py --bug no_permute: check exit $rc, first INCORRECT stage: ${first:-none}"
+    [ "$rc" -eq 1 ] && [ "$first" = ep_permute ] || { echo "expected exit 1 and INCORRECT first at ep_permute"; exit 1; }
     ;;
   *) echo "usage: run_examples.sh numpy|torch MOEVERIFY SOURCE_DIR"; exit 2 ;;
 esac

@@ -3,7 +3,8 @@
 
   yaml    a case file (it has `cases:`) must pass `moeverify validate`; any other
           YAML must parse
-  python  must compile
+  python  must compile, and runs (with /usr/bin/python3 and the package in
+          python/ on PYTHONPATH, after the blocks above it) and must exit 0
   sh      every command line must pass `bash -n`; a line that runs moeverify
           or one of examples/ is run, in order, from a copy of the source tree
           with the binary first on PATH, and must exit 0 (or the status its
@@ -62,6 +63,10 @@ for path in files:
                 compile(body, where, "exec")
             except SyntaxError as e:
                 failures.append(f"{where}: Python does not compile: {e}")
+                continue
+            f = os.path.join(tmp, "block.py")
+            open(f, "w").write(body)
+            run(f"/usr/bin/python3 {f}", where)
         elif lang == "sh":
             for cmdline in body.splitlines():
                 cmd = cmdline.strip()

@@ -1,0 +1,80 @@
+"""Element encodings of a golden folder (docs/contract.md §15).
+
+bf16 and fp16 tensors are stored as uint16 bit patterns (NumPy has no bf16).
+Decoding is exact; encoding rounds float32 to nearest, ties to even, once,
+which is the rounding every stage of the contract uses.
+"""
+import numpy as np
+
+HALF = ("bfloat16", "float16")
+
+
+def bf16_to_f32(bits):
+    """uint16 bf16 bit patterns to the float32 values they stand for (exact)."""
+    bits = np.asarray(bits)
+    if bits.dtype != np.uint16:
+        raise TypeError("bf16_to_f32: uint16 bit patterns expected, got %s" % bits.dtype)
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(values):
+    """float32 values to bf16 bit patterns: round to nearest even; a NaN stays a
+    (quiet) NaN, infinities stay infinite."""
+    v = np.ascontiguousarray(values)
+    if v.dtype != np.float32:
+        raise TypeError("f32_to_bf16: float32 values expected, got %s (round float64 to float32 "
+                        "yourself only if a double rounding is what your code does)" % v.dtype)
+    u = v.view(np.uint32).astype(np.uint64)
+    bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(v)
+    bits[nan] = ((u[nan] >> 16).astype(np.uint16) | np.uint16(0x0040))
+    return bits
+
+
+def decode(stored, dtype):
+    """A stored array of manifest dtype `dtype` as NumPy values: bf16 and fp16
+    as float32, everything else as stored."""
+    if dtype == "bfloat16":
+        return bf16_to_f32(stored)
+    if dtype == "float16":
+        return np.asarray(stored).view(np.float16).astype(np.float32)
+    return stored
+
+
+def encode(values, dtype, what):
+    """NumPy values to the stored form of manifest dtype `dtype`.
+
+    Floating tensors: float32 values (bf16/fp16 rounded once, to nearest
+    even), or uint16 arrays taken as bit patterns already; fp16 also takes
+    float16. Integer tensors: any integer array whose values fit; it is
+    written in the manifest's width. `what` names the tensor in errors."""
+    a = np.asarray(values)
+    if dtype in HALF:
+        if a.dtype == np.uint16:
+            return a
+        if dtype == "float16" and a.dtype == np.float16:
+            return a.view(np.uint16)
+        if a.dtype != np.float32:
+            raise TypeError("%s is %s: pass float32 values (rounded here to %s, once) or uint16 "
+                            "bit patterns" % (what, dtype_text(a), dtype))
+        if dtype == "bfloat16":
+            return f32_to_bf16(a)
+        return a.astype(np.float16).view(np.uint16)
+    if dtype == "float32":
+        if a.dtype == np.float32:
+            return a
+        if a.dtype.kind == "f":
+            return a.astype(np.float32)
+        raise TypeError("%s is float32, not %s" % (what, dtype_text(a)))
+    if dtype in ("int32", "int64"):
+        if a.dtype.kind not in "iu":
+            raise TypeError("%s holds integers (%s), not %s" % (what, dtype, dtype_text(a)))
+        want = np.dtype(dtype)
+        if a.size and (a.min() < np.iinfo(want).min or a.max() > np.iinfo(want).max):
+            raise ValueError("%s: values outside %s" % (what, dtype))
+        return a.astype(want)
+    raise ValueError("%s: unknown manifest dtype %r" % (what, dtype))
+
+
+def dtype_text(a):
+    return str(a.dtype)

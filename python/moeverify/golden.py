@@ -1,0 +1,216 @@
+"""A golden folder written by `moeverify export` (format moeverify-golden/2,
+docs/contract.md §15): its manifest, its inputs and expected outputs, and the
+implementation's outputs written under actual/ for `moeverify check`.
+
+Names. Every tensor has a stage and a name; `name` may be given alone where
+one stage has it, or as "stage.name" (e.g. "capacity.counts" beside
+"routing.counts"). Layer entries 2 and up (`layers: L` cases) are addressed
+with layer=L; an input a later entry shares with entry 1 is read from entry 1.
+"""
+import builtins
+import difflib
+import json
+import os
+import re
+
+import numpy as np
+
+from . import codec
+
+FORMAT = "moeverify-golden/2"
+_LAYER = re.compile(r"^layer(\d+)/")
+
+
+class GoldenError(ValueError):
+    """A golden folder, a name or an array that moeverify check would refuse."""
+
+
+class Entry:
+    """One manifest row: a (stage, name, rank, layer) tensor and its file."""
+
+    __slots__ = ("name", "stage", "role", "rank", "layer", "file", "dtype", "shape", "layout")
+
+    def __init__(self, row):
+        self.name = row["name"]
+        self.stage = row["stage"]
+        self.role = row["role"]
+        self.rank = int(row["rank"])
+        self.file = row["file"]
+        self.dtype = row["dtype"]
+        self.shape = tuple(int(d) for d in row["shape"])
+        self.layout = row.get("layout", "")
+        m = _LAYER.match(self.stage)  # "layerL/stage" for entries L >= 2
+        self.layer = int(m.group(1)) if m else 1
+        if m:
+            self.stage = self.stage[m.end():]
+
+    @property
+    def qualified(self):
+        return self.stage + "." + self.name
+
+    def __repr__(self):
+        return "Entry(%s, rank=%d, layer=%d, %s %s, %r)" % (
+            self.qualified, self.rank, self.layer, self.dtype, list(self.shape), self.layout)
+
+
+class Golden:
+    """One case folder. `ranks`, `layers`, `case` (the case keys), `name`."""
+
+    def __init__(self, path, actual=None):
+        self.path = os.path.abspath(path)
+        mpath = os.path.join(self.path, "manifest.json")
+        try:
+            with builtins.open(mpath) as f:
+                man = json.load(f)
+        except OSError as e:
+            raise GoldenError("%s: no manifest (%s); valid: a case folder written by `moeverify export`"
+                              % (self.path, e.strerror)) from None
+        except ValueError as e:
+            raise GoldenError("%s: not JSON (%s)" % (mpath, e)) from None
+        fmt = man.get("format")
+        if fmt != FORMAT:
+            raise GoldenError("%s: format %r; this package reads %s: export the case again with this "
+                              "moeverify" % (mpath, fmt, FORMAT))
+        self.manifest = man
+        self.case = man["case"]
+        self.name = self.case.get("name", os.path.basename(self.path))
+        self.ranks = int(man["ranks"])
+        self.layers = int(man.get("layers", 1))
+        self.entries = [Entry(t) for t in man["tensors"]]
+        self.actual_dir = os.path.abspath(actual) if actual else os.path.join(self.path, "actual")
+        self._by_key = {(e.role, e.stage, e.name, e.rank, e.layer): e for e in self.entries}
+
+    def __repr__(self):
+        return "Golden(%r, ranks=%d, layers=%d)" % (self.name, self.ranks, self.layers)
+
+    # ---- lookup ---------------------------------------------------------
+
+    def stages(self):
+        """The stages with expected outputs, in manifest order."""
+        seen = []
+        for e in self.entries:
+            if e.role == "expected" and e.stage not in seen:
+                seen.append(e.stage)
+        return seen
+
+    def outputs(self, stage=None, rank=0, layer=1):
+        """Expected entries of one rank and layer, of one stage or all."""
+        return [e for e in self.entries if e.role == "expected" and e.rank == rank and e.layer == layer
+                and (stage is None or e.stage == stage)]
+
+    def entry(self, name, role="expected", rank=0, stage=None, layer=1):
+        """The manifest entry `name` ("name" or "stage.name") of `role`."""
+        if not 0 <= rank < self.ranks:
+            raise GoldenError("%s: rank %d; valid: 0..%d" % (self.name, rank, self.ranks - 1))
+        if not 1 <= layer <= self.layers:
+            raise GoldenError("%s: layer %d; valid: 1..%d" % (self.name, layer, self.layers))
+        if stage is None and "." in name:
+            stage, name = name.split(".", 1)
+        pool = [e for e in self.entries if e.role == role and e.name == name
+                and (stage is None or e.stage == stage)]
+        if not pool:
+            valid = sorted({e.qualified for e in self.entries if e.role == role})
+            bare = sorted({e.name for e in self.entries if e.role == role})
+            close = difflib.get_close_matches(name, bare, n=3, cutoff=0.6)
+            near = [v for c in close for v in valid if v.endswith("." + c)]
+            raise GoldenError("%s: no %s tensor %r%s; nearest: %s" % (
+                self.name, role, name, " in stage " + stage if stage else "",
+                ", ".join(near) if near else "(none); valid: " + ", ".join(valid)))
+        stages = sorted({e.stage for e in pool})
+        if len(stages) > 1:
+            raise GoldenError("%s: %r is a tensor of stages %s: say which, e.g. %r" % (
+                self.name, name, ", ".join(stages), stages[0] + "." + name))
+        st = stages[0]
+        for L in range(layer, 0, -1):  # a later entry's input may be entry 1's
+            e = self._by_key.get((role, st, name, rank, L))
+            if e is not None:
+                return e
+            if role != "input":
+                break
+        raise GoldenError("%s: %s.%s has no rank %d, layer %d entry" % (self.name, st, name, rank, layer))
+
+    # ---- reading --------------------------------------------------------
+
+    def input(self, name, rank=0, layer=1, as_torch=False, raw=False):
+        """An input of the case (x, wg, bias, w13, ...) for `rank`."""
+        return self._read(self.entry(name, "input", rank, None, layer), as_torch, raw)
+
+    def expected(self, name, rank=0, stage=None, layer=1, as_torch=False, raw=False):
+        """The reference's output `name` of a stage for `rank`."""
+        return self._read(self.entry(name, "expected", rank, stage, layer), as_torch, raw)
+
+    def _read(self, e, as_torch, raw):
+        a = np.load(os.path.join(self.path, e.file), allow_pickle=False)
+        if as_torch:
+            return _to_torch(a, e.dtype)
+        return a if raw else codec.decode(a, e.dtype)
+
+    # ---- writing --------------------------------------------------------
+
+    def write(self, name, array, rank=0, stage=None, layer=1):
+        """Writes the implementation's `name` for `rank` under actual/, named and
+        encoded as `moeverify check` reads it. `array`: NumPy or torch (bf16
+        and fp16 tensors exact; float32 values are rounded once). The row count
+        may differ from the expected one (check judges it INCORRECT at its
+        stage); the other dimensions may not. Returns the path written."""
+        e = self.entry(name, "expected", rank, stage, layer)
+        what = "%s %s rank %d" % (self.name, e.qualified, rank)
+        a = codec.encode(_from_torch(array), e.dtype, what)
+        if a.ndim != len(e.shape) or tuple(a.shape[1:]) != e.shape[1:]:
+            raise GoldenError("%s: shape %s; valid: %s with any number of rows, layout %s" % (
+                what, list(a.shape), ["rows"] + list(e.shape[1:]), e.layout))
+        if os.path.islink(self.actual_dir):
+            raise GoldenError("%s: a symbolic link; moeverify check does not follow it" % self.actual_dir)
+        os.makedirs(self.actual_dir, exist_ok=True)
+        dest = os.path.join(self.actual_dir, e.file)
+        tmp = dest + ".partial"
+        with builtins.open(tmp, "wb") as f:  # the final name appears only once complete
+            np.save(f, np.ascontiguousarray(a), allow_pickle=False)
+        os.replace(tmp, dest)
+        return dest
+
+
+def open(path, actual=None):  # noqa: A001 (the package's verb, as in moeverify.open)
+    """One case folder written by `moeverify export`."""
+    return Golden(path, actual)
+
+
+def open_all(root):
+    """Every case folder under `root` (or `root` itself if it is one), by name."""
+    root = os.fspath(root)
+    if os.path.isfile(os.path.join(root, "manifest.json")):
+        return [Golden(root)]
+    if not os.path.isdir(root):
+        raise GoldenError("%s: no such folder; valid: the folder given to `moeverify export`" % root)
+    found = sorted(d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, "manifest.json")))
+    if not found:
+        raise GoldenError("%s: no case folder (no */manifest.json); valid: the folder given to "
+                          "`moeverify export`" % root)
+    return [Golden(os.path.join(root, d)) for d in found]
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as e:
+        raise GoldenError("as_torch=True needs torch: %s" % e) from None
+    return torch
+
+
+def _to_torch(a, dtype):
+    torch = _torch()
+    if dtype in codec.HALF:  # the bit patterns reinterpreted, not converted
+        t = torch.from_numpy(np.ascontiguousarray(a).view(np.int16).copy())
+        return t.view(torch.bfloat16 if dtype == "bfloat16" else torch.float16)
+    return torch.from_numpy(np.ascontiguousarray(a).copy())
+
+
+def _from_torch(x):
+    """torch tensors to NumPy; bf16/fp16 as their uint16 bit patterns."""
+    if type(x).__module__.split(".")[0] != "torch":
+        return x
+    torch = _torch()
+    x = x.detach().cpu().contiguous()
+    if x.dtype in (torch.bfloat16, torch.float16):
+        return x.view(torch.int16).numpy().view(np.uint16)
+    return x.numpy()

@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""The Python package against the real tool (ctest python.package).
+
+    test_package.py MOEVERIFY SOURCE_DIR [--torch]
+
+Exports shipped cases (local, EP 4, layers, capacity with stage-shared names,
+the in-place alias region, bf16), writes every expected tensor back through
+the package (decoded, then encoded: the round trip must be bit-exact) and
+holds `moeverify check` to PASSED with nothing left unchecked; then one
+element changed by one unit in the last place, and a tensor with a row
+missing, must each be INCORRECT (exit 1) at that stage. The package's errors
+(unknown and ambiguous names, wrong columns, float64 for bf16, rank out of
+range, an old folder) are each provoked. --torch does the same reading and
+writing through torch tensors and exits 77 (skipped) when torch does not
+import.
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+try:
+    import numpy as np
+except ImportError as e:
+    if "--torch" not in sys.argv:
+        raise
+    print("numpy does not import in %s (%s): python.torch skipped" % (sys.executable, e))
+    sys.exit(77)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+import moeverify  # noqa: E402
+
+FILES = ["basic.yaml", "ep4.yaml", "capacity.yaml", "inplace.yaml", "layers.yaml", "backward_swiglu.yaml"]
+failures = []
+
+
+def expect(cond, what):
+    print(("ok    " if cond else "FAIL  ") + what)
+    if not cond:
+        failures.append(what)
+
+
+def check(tool, folder):
+    p = subprocess.run([tool, "check", folder], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return p.returncode, p.stdout
+
+
+def raises(fn, exc, *needles):
+    try:
+        fn()
+    except exc as e:
+        return all(n in str(e) for n in needles)
+    return False
+
+
+def copy_all(g, use_torch):
+    n = 0
+    for e in g.entries:
+        if e.role != "expected":
+            continue
+        if use_torch:
+            v = g.expected(e.qualified, rank=e.rank, layer=e.layer, as_torch=True)
+        else:
+            v = g.expected(e.qualified, rank=e.rank, layer=e.layer)
+        g.write(e.qualified, v, rank=e.rank, layer=e.layer)
+        n += 1
+    return n
+
+
+def bump(g, e):
+    """The expected tensor `e` with one element moved by one ulp of its dtype."""
+    v = g.expected(e.qualified, rank=e.rank, layer=e.layer, raw=True).copy()
+    flat = v.reshape(-1)
+    i = flat.size // 2
+    if e.dtype in ("bfloat16", "float16"):
+        flat[i] ^= np.uint16(1)
+    elif e.dtype == "float32":
+        flat[i] = np.nextafter(flat[i], np.float32(np.inf))
+    else:
+        flat[i] += 1
+    return v
+
+
+def main():
+    tool, src = sys.argv[1], sys.argv[2]
+    use_torch = "--torch" in sys.argv
+    if use_torch:
+        try:
+            import torch  # noqa: F401
+        except ImportError as e:
+            print("torch does not import (%s): python.torch skipped" % e)
+            return 77
+    tmp = tempfile.mkdtemp(prefix="moev_py_")
+    try:
+        run(tool, src, tmp, use_torch)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print("%d failure(s)" % len(failures))
+    return 1 if failures else 0
+
+
+def run(tool, src, tmp, use_torch):
+    root = os.path.join(tmp, "golden")
+    for f in FILES:
+        subprocess.run([tool, "export", os.path.join(src, "cases", f), root], check=True, stdout=subprocess.DEVNULL)
+    cases = moeverify.open_all(root)
+    expect(len(cases) > 20, "open_all finds %d case folders" % len(cases))
+
+    # 1. every expected tensor through the package: check must pass, all checked
+    written = 0
+    for g in cases:
+        written += copy_all(g, use_torch)
+    rc, out = check(tool, root)
+    expect(rc == 0, "all %d tensors of %d cases written back through the package: check exit %d" %
+           (written, len(cases), rc))
+    cover = re.findall(r"coverage: (\d+) of (\d+) expected tensors", out)
+    expect(len(cover) == len(cases) and all(a == b for a, b in cover),
+           "every case: every expected tensor written and checked (%d coverage lines)" % len(cover))
+    if rc != 0:
+        print("\n".join(out.splitlines()[-30:]))
+
+    # 2. one ulp off in one tensor, then a row missing: INCORRECT at its stage
+    def first(pred):
+        return [c for c in cases if pred(c)][0]
+    probes = [(first(lambda c: c.name == "exact_fp32"), "combine.out", 0, 1),
+              (first(lambda c: c.entry("x", "input").dtype == "bfloat16"), "dispatch.routed_input", 0, 1),
+              (first(lambda c: c.ranks == 4), "ep_dispatch.recv", 2, 1),
+              (first(lambda c: c.layers > 1), "combine.out", 1, 2),
+              (first(lambda c: "drops" in c.name), "capacity.routed_input", 0, 1)]
+    for g, name, rank, layer in probes:
+        e = g.entry(name, rank=rank, layer=layer)
+        one = os.path.join(tmp, "one")
+        shutil.rmtree(one, ignore_errors=True)
+        shutil.copytree(g.path, one)
+        h = moeverify.open(one)
+        h.write(name, bump(h, e), rank=rank, layer=layer)
+        rc, out = check(tool, one)
+        hit = [l for l in out.splitlines() if "INCORRECT" in l and e.stage in l]
+        expect(rc == 1 and bool(hit), "%s %s rank %d layer %d one ulp off: check exit %d, INCORRECT at %s" %
+               (g.name, name, rank, layer, rc, e.stage))
+        h.write(name, h.expected(name, rank=rank, layer=layer, raw=True)[:-1], rank=rank, layer=layer)
+        rc, out = check(tool, one)
+        expect(rc == 1 and "rows:" in out, "%s %s a row missing: check exit %d, the rows reported" %
+               (g.name, name, rc))
+
+    # 3. the package's own refusals, each named
+    g = [c for c in cases if "drops" in c.name][0]
+    expect(raises(lambda: g.entry("counts"), moeverify.GoldenError, "capacity.counts", "routing"),
+           "a name two stages share is refused, both stages named")
+    expect(g.entry("capacity.counts").stage == "capacity" and g.entry("counts", stage="routing").stage == "routing",
+           "stage.name and stage= pick one")
+    expect(raises(lambda: g.write("routed_inputs", np.zeros((1, 1), np.float32)), moeverify.GoldenError,
+                  "nearest", "dispatch.routed_input"), "an unknown name gives the nearest valid ones")
+    e = g.entry("dispatch.routed_input")
+    expect(raises(lambda: g.write(e.qualified, np.zeros((e.shape[0], e.shape[1] + 1), np.float32)),
+                  moeverify.GoldenError, "any number of rows"), "other columns are refused")
+    expect(raises(lambda: g.input("x", rank=g.ranks), moeverify.GoldenError, "valid: 0.."), "a rank out of range")
+    h = first(lambda c: c.entry("x", "input").dtype == "bfloat16")
+    e = h.entry("dispatch.routed_input")
+    expect(raises(lambda: h.write(e.qualified, np.zeros(e.shape, np.float64)), TypeError, "float64", "float32"),
+           "float64 for a bf16 tensor is refused (no silent double rounding)")
+    x = h.input("x")
+    bits = h.input("x", raw=True)
+    expect(x.dtype == np.float32 and bits.dtype == np.uint16 and
+           np.array_equal(moeverify.f32_to_bf16(x), bits), "bf16 decode then encode is the identity")
+    v = np.array([1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -0.0, np.inf, np.nan, 3.0e38], np.float32)
+    v[-1] = np.float32(3.4e38)
+    expect(list(moeverify.f32_to_bf16(v)) == [0x3F80, 0x3F82, 0x8000, 0x7F80, 0x7FC0, 0x7F80],
+           "bf16 rounding: ties to even, signed zero, infinity, a quiet NaN, overflow to infinity")
+    old = os.path.join(tmp, "old")
+    shutil.copytree(g.path, old)
+    with open(os.path.join(old, "manifest.json")) as f:
+        text = f.read().replace(moeverify.FORMAT, "moeverify-golden/1")
+    with open(os.path.join(old, "manifest.json"), "w") as f:
+        f.write(text)
+    expect(raises(lambda: moeverify.open(old), moeverify.GoldenError, "export the case again"),
+           "an old folder is refused with what to do")
+    if use_torch:
+        import torch
+        t = h.input("x", as_torch=True)
+        expect(t.dtype == torch.bfloat16 and torch.equal(t.float(), torch.from_numpy(x)),
+               "as_torch: bf16 arrives as torch.bfloat16 with the same values")
+        e = h.entry("combine.out")
+        h.write(e.qualified, h.expected(e.qualified, as_torch=True).float().to(torch.bfloat16))
+        expect(np.array_equal(np.load(os.path.join(h.actual_dir, e.file)), h.expected(e.qualified, raw=True)),
+               "a torch bf16 tensor is written as its exact bit patterns")
+    ints = g.entry("dispatch.token_sorted")
+    g.write(ints.qualified, g.expected(ints.qualified).astype(np.int64))
+    rc, _ = check(tool, g.path)
+    expect(rc == 0, "int64 ids written for an int32 entry: accepted (check exit %d)" % rc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
