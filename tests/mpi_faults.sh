@@ -7,6 +7,8 @@
 #       a 2-rank run; once rank 0 is past its first case, rank 1 gets the
 #       signal: the job must end non-zero within the deadline, with mpirun's
 #       note (KILL) or moeverify's collective timeout (STOP) on stderr.
+#   mpi_faults.sh MPIEXEC MOEVERIFY stop_at
+#       rank 1 stops itself at its 6th collective: rank 0 must name it.
 #   mpi_faults.sh MPIEXEC MOEVERIFY planted CASEFILE
 #       --fault unswapped_combine_splits on 2 ranks: the split check against
 #       the buffer sizes turns it into a clean ERROR naming the collective.
@@ -113,7 +115,10 @@ signal)
     grep -q "process rank 1 with PID [0-9]* on node .* exited on signal 9 (Killed)" "$tmp/err.log" ||
       fail "no note that rank 1 (pid $target) was killed"
   else
-    grep -q "moeverify: rank 0 (.*): collective .* not complete after [0-9.]* s (--collective-timeout): a peer rank is stopped, dead" "$tmp/err.log" ||
+    # Rank 1 stopped at a random point: outside a collective (rank 0 names
+    # it), or inside one after its arrival notice (rank 0 says every peer
+    # reached it); stop_at below holds the naming to a fixed point.
+    grep -q "moeverify: rank 0 (.*): collective .* not complete after [0-9.]* s (--collective-timeout); \(rank(s) 1 never reached it\|every peer rank reached it\)" "$tmp/err.log" ||
       fail "no collective-timeout message from rank 0"
     [ "$rc" = 3 ] || fail "exit $rc, expected 3 (MPI_Abort with moeverify's ERROR status)"
   fi
@@ -121,6 +126,20 @@ signal)
   for _ in $(seq 1 20); do kill -0 "$target" 2>/dev/null || break; sleep 0.1; done
   kill -0 "$target" 2>/dev/null && fail "rank 1 (pid $target) outlived the job"
   echo "ok   signal $arg: job ended with exit $rc; $(grep -m1 -o "collective .* not complete after [0-9.]* s\|exited on signal 9 (Killed)" "$tmp/err.log")"
+  ;;
+
+stop_at)
+  # Rank 1 stops itself (SIGSTOP, the test hook MOEVERIFY_TEST_STOP_AT) on
+  # reaching its 6th collective: rank 0's timeout line must name it.
+  write_cases "$tmp/long.yaml" 5 64 2 4
+  MOEVERIFY_TEST_STOP_AT=1:6 timeout -s KILL 60 "$mpiexec" -x MOEVERIFY_TEST_STOP_AT -np 2 "$bin" run "$tmp/long.yaml" \
+    --threads 1 --collective-timeout 3 >"$tmp/out.log" 2>"$tmp/err.log"
+  rc=$?
+  [ "$rc" = 137 ] && fail "hang: killed by timeout"
+  [ "$rc" = 3 ] || fail "exit $rc, expected 3"
+  grep -q "moeverify: rank 0 (.*): collective .* (.*, number 6) not complete after [0-9.]* s (--collective-timeout); rank(s) 1 never reached it" "$tmp/err.log" ||
+    fail "rank 0's timeout line does not name rank 1 as never reaching collective 6"
+  echo "ok   stop_at: exit 3; $(grep -m1 -o "collective .* never reached it" "$tmp/err.log")"
   ;;
 
 planted)

@@ -10,9 +10,11 @@
 //    every rank moves data; no rank's buffer is overrun.
 //  - MPI_COMM_WORLD uses MPI_ERRORS_RETURN: MPI errors become moeverify
 //    errors with the collective named, not an abort inside the library.
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <csignal>
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
@@ -86,6 +88,10 @@ class MpiComm final : public Comm {
     check(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
     MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
     MPI_Comm_size(MPI_COMM_WORLD, &size_);
+    if (const char* v = std::getenv("MOEVERIFY_TEST_STOP_AT")) {
+      long long r = -1, k = -1;
+      if (std::sscanf(v, "%lld:%lld", &r, &k) == 2 && r == rank_) stall_at_ = k;
+    }
   }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -197,23 +203,79 @@ class MpiComm final : public Comm {
     wait(req, what, "MPI_Iallreduce");
   }
 
-  /// Polls `req` until it completes; past the deadline, names this rank and
-  /// the collective on stderr and aborts the whole job (a collective cannot
-  /// be cancelled, so there is no way back into lockstep with the peers).
+  /// Arrival notices: on reaching the wait of its k-th collective, a rank
+  /// sends k to every peer (tag kArriveTag) and posts a receive from each.
+  /// Messages between two ranks do not overtake one another, so the k-th
+  /// receive from peer p completes exactly when p has reached its k-th
+  /// collective. A rank that times out names the peers whose notice has not
+  /// come: the ones that never reached the collective (stopped, dead, or
+  /// still at an earlier step), in the same line as its own wait.
+  struct Arrivals {
+    int64_t sent = 0;
+    std::vector<int64_t> got;
+    std::vector<MPI_Request> reqs;  // receives of the peers, then sends
+    std::vector<int> peer;          // the peer of each receive
+  };
+  static constexpr int kArriveTag = 7321;
+
+  void announce(Arrivals& a, const char* what) {
+    a.sent = ++collectives_;
+    if (a.sent == stall_at_) std::raise(SIGSTOP);  // the test hook below
+    a.got.assign(size_t(size_), 0);
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      a.reqs.emplace_back();
+      a.peer.push_back(p);
+      check(MPI_Irecv(&a.got[size_t(p)], 1, MPI_INT64_T, p, kArriveTag, MPI_COMM_WORLD, &a.reqs.back()), what);
+    }
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      a.reqs.emplace_back();
+      check(MPI_Isend(&a.sent, 1, MPI_INT64_T, p, kArriveTag, MPI_COMM_WORLD, &a.reqs.back()), what);
+    }
+  }
+
+  /// The peers whose notice of this collective has not arrived, as "1, 3".
+  std::string missing_peers(Arrivals& a, const char* what) {
+    std::string out;
+    for (size_t i = 0; i < a.peer.size(); ++i) {
+      int done = 0;
+      check(MPI_Test(&a.reqs[i], &done, MPI_STATUS_IGNORE), what);
+      if (!done) out += (out.empty() ? "" : ", ") + std::to_string(a.peer[i]);
+    }
+    return out;
+  }
+
+  /// Polls `req`, then this collective's arrival notices, until they
+  /// complete; past the deadline, names this rank, the collective and the
+  /// peers that never reached it on stderr and aborts the whole job (a
+  /// collective cannot be cancelled, so there is no way back into lockstep
+  /// with the peers).
   void wait(MPI_Request& req, const char* what, const char* call) {
+    Arrivals a;
+    announce(a, what);
     const auto t0 = std::chrono::steady_clock::now();
+    bool collective_done = false;
     for (long polls = 0;; ++polls) {
       int done = 0;
-      check(MPI_Test(&req, &done, MPI_STATUS_IGNORE), what);
-      if (done) return;
+      if (!collective_done) check(MPI_Test(&req, &done, MPI_STATUS_IGNORE), what);
+      collective_done = collective_done || done;
+      if (collective_done) {  // every peer entered it: their notices are on the way
+        int all = 0;
+        check(MPI_Testall(int(a.reqs.size()), a.reqs.data(), &all, MPI_STATUSES_IGNORE), what);
+        if (all) return;
+      }
       const auto waited = std::chrono::steady_clock::now() - t0;
       if (waited > g_timeout) {
+        const std::string missing = missing_peers(a, what);
         std::fprintf(stderr,
-                     "moeverify: rank %d (%s, pid %d): collective %s (%s) not complete after %.3g s "
-                     "(--collective-timeout): a peer rank is stopped, dead, or failed outside the collective; "
-                     "aborting the job\n",
-                     rank_, host_name().c_str(), int(getpid()), what, call,
-                     std::chrono::duration<double>(waited).count());
+                     "moeverify: rank %d (%s, pid %d): collective %s (%s, number %lld) not complete after %.3g s "
+                     "(--collective-timeout); %s; aborting the job\n",
+                     rank_, host_name().c_str(), int(getpid()), what, call, (long long)a.sent,
+                     std::chrono::duration<double>(waited).count(),
+                     missing.empty() ? "every peer rank reached it: a peer is stopped, dead, or failed inside it"
+                                     : ("rank(s) " + missing + " never reached it: stopped, dead, or stuck at an "
+                                        "earlier step").c_str());
         std::fflush(stderr);
         MPI_Abort(MPI_COMM_WORLD, 3);
         std::_Exit(3);
@@ -226,6 +288,11 @@ class MpiComm final : public Comm {
   }
 
   int rank_ = 0, size_ = 1;
+  /// Test hook (tests/mpi_faults.sh): MOEVERIFY_TEST_STOP_AT="R:K" stops rank
+  /// R with SIGSTOP on reaching its K-th collective, before its notices, so
+  /// that the peers' timeout line must name it.
+  int64_t stall_at_ = -1;
+  int64_t collectives_ = 0;  // collectives this rank has reached (arrival notices)
   bool agreed_failure_ = false;
 };
 
