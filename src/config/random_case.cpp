@@ -119,12 +119,15 @@ std::string random_case_yaml(uint64_t seed, uint64_t index) {
   // Framework conventions (docs/contract.md §14).
   y << ", router.gate_dtype: " << d.pick<const char*>({"fp32", "fp32", "act"});
   y << ", score_multiply: " << d.pick<const char*>({"fp32", "fp32", "act"});
-  y << ", experts.rounding: " << d.pick<const char*>({"fused", "fused", "torchtitan"});
-  y << ", experts.compute_dtype: " << d.pick<const char*>({"act", "act", "bf16"});
+  const std::string rounding = d.pick<const char*>({"fused", "fused", "torchtitan"});
+  const std::string compute = d.pick<const char*>({"act", "act", "bf16"});
+  y << ", experts.rounding: " << rounding << ", experts.compute_dtype: " << compute;
   // backward (docs/contract.md §13) from a stream of its own, so the other keys draw
-  // as before: on in about 30% of the cases it supports (sp = 1, fresh buffer).
+  // as before: on in about 30% of the cases it supports (sp = 1, fresh buffer,
+  // the conventions with a SwiGLU backward contract; the others would be
+  // NOT_SUPPORTED).
   Draw db{std::mt19937_64((seed ^ 0x425744ull) * 0x9E3779B97F4A7C15ull + index)};
-  const bool backward = db.chance(0.3) && sp == 1 && buffer == "fresh";
+  const bool backward = db.chance(0.3) && sp == 1 && buffer == "fresh" && rounding == "fused" && compute == "act";
   if (backward) y << ", backward: on";
   // MoE layer entries (docs/contract.md §12): each multiplies the run time, so 2 or 3
   // in about 10% of the cases.

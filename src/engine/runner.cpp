@@ -996,13 +996,16 @@ CaseReport run_case(const Case& c, const RunOptions& opt) {
   rep.c = c;
   // Never a run on another backend in disguise: a case the chosen backend
   // cannot run whole is NOT_SUPPORTED with the reason, and nothing runs.
-  if (const std::string why = backend_unsupported(c); !why.empty()) {
+  // Nor a pass on the forward alone when gradients were asked for and no
+  // backward contract covers the case.
+  const std::string no_backend = backend_unsupported(c), no_backward = backward_unsupported(c);
+  if (!no_backend.empty() || !no_backward.empty()) {
     Check ch;
-    ch.slot = "backend";
-    ch.variant = enum_name(backend_table(), c.backend);
+    ch.slot = no_backend.empty() ? "backward" : "backend";
+    ch.variant = no_backend.empty() ? "-" : enum_name(backend_table(), c.backend);
     ch.tensor = "-";
     ch.outcome = Outcome::NOT_SUPPORTED;
-    ch.note = why;
+    ch.note = no_backend.empty() ? no_backward + "; backward: off checks the forward" : no_backend;
     rep.checks.push_back(ch);
     rep.outcome = Outcome::NOT_SUPPORTED;
     return rep;

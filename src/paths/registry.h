@@ -43,6 +43,10 @@ const std::set<std::string>& pipeline_results();
 /// the chain tensor holding its error scale ("" for none).
 std::vector<EndToEndOutput> backward_end_to_end(const Case& c);
 
+/// Why the gradients a case asks for (backward: on) cannot be checked, or ""
+/// when they can: such a case is NOT_SUPPORTED as a whole.
+std::string backward_unsupported(const Case& c);
+
 /// Whether variant `s` runs on a device (its backends list cuda).
 bool has_device_form(const Stage& s);
 

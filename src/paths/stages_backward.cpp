@@ -42,13 +42,10 @@
 // against an fp64 reference (class rounding), which flags act-rounded
 // products (TransformerEngine #1336).
 //
-// SwiGLU experts: their gradients (dX, dW1, dW3, dW2) come from another
-// branch; until they are wired every backward slot declines SwiGLU cases with
-// kSwigluGradsMissing. Wiring them is one descriptor in experts_bwd (inputs
-// expert_input, expert_counts, w1, w3, w2, grad_expert_output; output
-// grad_expert_input and the weight gradients) and one in shared_experts_bwd
-// (inputs x, shared_w*, grad_out; output grad_x_shared), then
-// swiglu_grads_wired() returns true.
+// SwiGLU experts: their gradients (dX, dW1, dW3, dW2) have a contract for the
+// fused activation in act only; a case asking for gradients under another
+// convention is NOT_SUPPORTED as a whole (backward_unsupported), never a pass
+// on the forward alone.
 #include <cmath>
 #include <cstring>
 
@@ -60,23 +57,24 @@
 #include "stages.h"
 
 namespace moev {
-namespace {
 
-const char* const kSwigluGradsMissing = "SwiGLU expert gradients: wired at merge";
-
-/// Whether the SwiGLU expert gradients are registered (see the file comment).
-bool swiglu_grads_wired() { return true; }
-
-Decision backward_on(const Case& c) {
-  if (c.backward != Switch::on) return {false, "backward: off"};
+std::string backward_unsupported(const Case& c) {
+  if (c.backward != Switch::on) return "";
   const bool swiglu = c.experts.kind == ExpertKind::swiglu || c.shared.kind == SharedKind::swiglu;
-  if (swiglu && !swiglu_grads_wired()) return {false, kSwigluGradsMissing};
   // The SwiGLU backward's rounding points are defined for the fused
   // activation in act only (ref::swiglu_experts_backward).
   if (swiglu && c.experts.rounding != k::SiluRounding::fused)
-    return {false, "SwiGLU backward: experts.rounding torchtitan has no backward contract (fused only)"};
+    return "SwiGLU backward: experts.rounding torchtitan has no backward contract (fused only)";
   if (c.experts.kind == ExpertKind::swiglu && c.experts.compute_dtype != ComputeDtype::act)
-    return {false, "SwiGLU backward: experts.compute_dtype bf16 has no backward contract (act only)"};
+    return "SwiGLU backward: experts.compute_dtype bf16 has no backward contract (act only)";
+  return "";
+}
+
+namespace {
+
+Decision backward_on(const Case& c) {
+  if (c.backward != Switch::on) return {false, "backward: off"};
+  if (const std::string why = backward_unsupported(c); !why.empty()) return {false, why};
   return {};
 }
 
