@@ -61,7 +61,7 @@ compare() {
   local file=$1 R=$2 label=$3
   timeout -k 5 120 "$bin" run "$file" --threads 1 --json "$tmp/local.json" >"$tmp/local.log" 2>&1
   local rc_local=$?
-  timeout -k 5 120 "$mpiexec" -np "$R" "$bin" run "$file" --threads 1 --collective-timeout 10 \
+  timeout -k 5 120 "$mpiexec" -np "$R" "$bin" run "$file" --threads 1 --collective-timeout 30 \
     --json "$tmp/mpi.json" >"$tmp/mpi.log" 2>&1
   local rc_mpi=$?
   local why=""
