@@ -2,6 +2,14 @@
 // Activation buffers are raw bytes of the DType given; metadata is int32/int64
 // and fp32 scores. Callers own every buffer (outputs arrive poisoned); no entry
 // point allocates inside its per-row loops.
+//
+// One file per stage family implements them (docs/architecture.md "Layout"):
+//   router_host.cpp        router_logits, router_route
+//   dispatch_host.cpp      expert_histogram, expert_sort, dispatch_gather
+//   experts_host.cpp       experts_swiglu (loop, grouped), gemm_nt, gemm_nn, copy_bytes
+//   weight_cache_host.cpp  experts_swiglu_batched and its BatchedWeightCache
+//   combine_host.cpp       combine, combine_from_zeros, combine_in_place
+// with the GEMM and bf16 helpers they share in moe_host_detail.h.
 #pragma once
 
 #include <cstddef>

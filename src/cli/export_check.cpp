@@ -1,8 +1,9 @@
-// export and check (see export_check.h): the reference pipeline fed an
-// implementation's own stage outputs, golden files, and the .npy reader.
+// The stage-by-stage check of export and check (docs/contract.md §15; the
+// golden format in export_check.h): the reference pipeline fed an
+// implementation's own stage outputs (run_external), one golden folder
+// judged (check_folder) and `moeverify check`. The manifest and `export`
+// are golden_manifest.cpp, reading the implementation's files npy_read.cpp.
 #include "export_check.h"
-
-#include <sys/stat.h>
 
 #include <algorithm>
 #include <cmath>
@@ -10,7 +11,6 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <map>
 #include <set>
@@ -19,106 +19,14 @@
 #include "datagen.h"
 #include "dump.h"
 #include "error.h"
-#include "memory_estimate.h"
+#include "golden.h"
 #include "selection.h"
 #include "stages.h"
-#include "version.h"
 
 namespace moev {
+using golden::layout_of;
+
 namespace {
-
-const char* real_dtype(ElemType t) {
-  switch (t) {
-    case ElemType::f32: return "float32";
-    case ElemType::bf16: return "bfloat16";
-    case ElemType::f16: return "float16";
-    case ElemType::i32: return "int32";
-    case ElemType::i64: return "int64";
-  }
-  return "?";
-}
-
-const char* npy_descr(ElemType t) {
-  switch (t) {
-    case ElemType::f32: return "<f4";
-    case ElemType::bf16:
-    case ElemType::f16: return "<u2";
-    case ElemType::i32: return "<i4";
-    case ElemType::i64: return "<i8";
-  }
-  return "?";
-}
-
-/// What a user needs to know to produce a tensor: its shape and the order
-/// of its rows. The leading parenthesis is the shape, in the symbols of
-/// docs/contract.md; row counts that depend on the data are named: T tokens
-/// of the rank at that stage, N = T*K assignments (fewer, C per expert,
-/// after capacity), M rows received, P rows after alignment padding.
-/// tests/test_golden_roundtrip.cpp holds every exported shape to it.
-std::string layout_of(const std::string& name) {
-  static const std::map<std::string, std::string> m = {
-      {"x", "(T, D) token rows"},
-      {"x_tail", "(alias_offset) the elements that follow x in its buffer: the in-place combine's output starts "
-                 "alias_offset elements into x and runs past its end (docs/contract.md §9)"},
-      {"wg", "(E, D) router weight; logits = x wg^T"},
-      {"bias", "(E) fp32 selection bias"},
-      {"w1", "(E, F, D) per expert; h1 = X w1^T"},
-      {"w3", "(E, F, D) per expert; h3 = X w3^T"},
-      {"w2", "(E, D, F) per expert; Y = H w2^T"},
-      {"shared_w1", "(1, F, D)"},
-      {"shared_w3", "(1, F, D)"},
-      {"shared_w2", "(1, D, F)"},
-      {"grad_out", "(T, D) upstream gradient of out"},
-      {"logits", "(T, E) fp32"},
-      {"scores", "(T, E) softmax/sigmoid of logits, fp32"},
-      {"ids", "(T, K) selected experts of each token, any order; judged as a selection (docs/contract.md §15)"},
-      {"topk_scores", "(T, K) score of ids[t, k], normalised and scaled"},
-      {"counts", "(E) rows per expert (after capacity: kept rows)"},
-      {"routed_input", "(N, D) expert-major, ascending token inside an expert (docs/contract.md §2); N = T*K, or the kept rows after capacity"},
-      {"token_sorted", "(N) token of each dispatch row"},
-      {"score_sorted", "(N) score of each dispatch row"},
-      {"row_of", "(T, K) dispatch row of assignment (t, k); -1 where capacity dropped it"},
-      {"input_splits", "(R) rows sent to each rank"},
-      {"output_splits", "(R) rows received from each rank"},
-      {"recv_counts", "(R*E_l) flat, entry p*E_l + j: rows received from rank p for local expert j"},
-      {"recv", "(M, D) received rows: source rank, then local expert, then the source's order (docs/contract.md §3)"},
-      {"overload", "(2) [largest rows received by a rank, rows received by the group]"},
-      {"permuted", "(M, D) expert-major: local expert, then source rank (docs/contract.md §3)"},
-      {"expert_counts_real", "(E_l) real rows per local expert"},
-      {"expert_input", "(P, D) expert groups padded to a multiple of align with zero rows (docs/contract.md §4)"},
-      {"expert_counts", "(E_l) padded rows per local expert"},
-      {"expert_output", "(P, D) expert outputs of the padded groups; under empty_groups: pad an empty group keeps no rows"},
-      {"expert_h13", "(P, 2F) [h1 | h3] per row"},
-      {"expert_hidden", "(P, F) H = silu(h1) * h3 per row, judged on the implementation's own h13"},
-      {"unpadded", "(M, D) expert outputs without the padding rows"},
-      {"recv_out", "(M, D) expert outputs back in received (rank-major) order"},
-      {"routed_output", "(N, D) expert outputs in dispatch row order"},
-      {"shared_out", "(T, D) shared expert output"},
-      {"shared_h13", "(T, 2F) [h1 | h3] of the shared expert"},
-      {"shared_hidden", "(T, F) H of the shared expert, judged on the implementation's own shared_h13"},
-      {"out", "(T, D) combined output"},
-      {"sp_rows", "(S) token rows each SP rank holds, padding included"},
-      {"sp_tokens", "(1) tokens of the rank before SP sharding"},
-      {"sp_out", "(T, D) the rank's combined rows after the SP gather, padding dropped"},
-      {"sp_out_global", "(T, D) every SP rank's rows gathered in token order"},
-      {"grad_routed_output", "(N, D) gradient of routed_output"},
-      {"grad_topk_scores", "(T, K) gradient of topk_scores"},
-      {"grad_x_shared", "(T, D) gradient of x through the shared expert"},
-      {"grad_recv_out", "(M, D) gradient of recv_out (the reverse all-to-all with splits swapped)"},
-      {"grad_unpadded", "(M, D) gradient of unpadded"},
-      {"grad_recv", "(M, D) gradient of recv"},
-      {"grad_expert_output", "(P, D) gradient of expert_output, zero on padding rows"},
-      {"grad_expert_input", "(P, D) gradient of expert_input"},
-      {"grad_permuted", "(M, D) gradient of permuted"},
-      {"grad_routed_input", "(N, D) gradient of routed_input"},
-      {"grad_x", "(T, D) gradient of x"},
-      {"grad_w1", "(E_l, F, D) gradient of the rank's local experts' w1"},
-      {"grad_w3", "(E_l, F, D) gradient of the rank's local experts' w3"},
-      {"grad_w2", "(E_l, D, F) gradient of the rank's local experts' w2"},
-  };
-  auto it = m.find(name);
-  return it == m.end() ? "" : it->second;
-}
 
 /// The variant whose reference the external pipeline uses for a slot: the
 /// one `run` makes primary, else the first that applies.
@@ -227,150 +135,6 @@ void check_routing_external(const Case& c, const Board& ref, const Board& merged
 
 namespace {
 
-/// The .npy descriptors accepted for a wanted type: its own, and for
-/// integers the other width (frameworks hold ids and counts in int64), for
-/// fp16 NumPy's own float16.
-bool descr_accepted(ElemType want, const std::string& got) {
-  const std::string own = npy_descr(want);
-  if (got == own) return true;
-  if (want == ElemType::i32 || want == ElemType::i64) return got == "<i4" || got == "<i8";
-  return want == ElemType::f16 && got == "<f2";
-}
-
-size_t descr_bytes(const std::string& d) { return d.size() == 3 ? size_t(d[2] - '0') : 0; }
-
-}  // namespace
-
-Tensor read_npy(const std::string& path, ElemType want, const std::vector<int64_t>& want_shape,
-                std::vector<int64_t>* rows_differ) {
-  const std::string shown = printable(path, 200);
-  auto broken = [&](const std::string& what) -> void {
-    bad_input(shown + ": " + what + "; valid: a NumPy .npy file (np.save) of dtype " + real_dtype(want) +
-              (want == ElemType::bf16 || want == ElemType::f16 ? " stored as uint16 bit patterns" : "") + ", shape " +
-              Tensor{want, want_shape, nullptr, 0}.shape_str() +
-              (want_shape.empty() ? "" : " (the row count may differ: that is judged, not refused)"));
-  };
-  std::ifstream f(path, std::ios::binary);
-  if (!f) broken("cannot be opened");
-  f.seekg(0, std::ios::end);
-  const uint64_t file_size = uint64_t(std::max<std::streamoff>(f.tellg(), 0));
-  f.seekg(0);
-  // The header is read and validated against the file's size before any data.
-  char pre[12] = {};
-  f.read(pre, sizeof pre);
-  const size_t got_pre = size_t(f.gcount());
-  if (got_pre < 10 || std::memcmp(pre, "\x93NUMPY", 6) != 0) broken("not a .npy file (no \\x93NUMPY magic)");
-  const int major = static_cast<unsigned char>(pre[6]);
-  uint64_t hlen = 0, hstart = 0;
-  if (major == 1) {
-    hlen = uint64_t(static_cast<unsigned char>(pre[8])) | uint64_t(static_cast<unsigned char>(pre[9])) << 8;
-    hstart = 10;
-  } else if (major == 2 || major == 3) {
-    if (got_pre < 12) broken("truncated header");
-    for (int i = 0; i < 4; ++i) hlen |= uint64_t(static_cast<unsigned char>(pre[8 + i])) << (8 * i);
-    hstart = 12;
-  } else {
-    broken("unknown .npy version " + std::to_string(major));
-  }
-  if (hlen > (uint64_t(1) << 20)) broken("a header of " + std::to_string(hlen) + " bytes (NumPy writes a few hundred)");
-  if (file_size < hstart + hlen) broken("truncated header");
-  std::string h(size_t(hlen), '\0');
-  f.seekg(std::streamoff(hstart));
-  f.read(h.data(), std::streamsize(hlen));
-  if (uint64_t(f.gcount()) != hlen) broken("truncated header");
-  auto field = [&](const std::string& key) -> std::string {
-    const size_t k = h.find("'" + key + "'");
-    if (k == std::string::npos) broken("header has no '" + key + "'");
-    size_t v = h.find(':', k);
-    if (v == std::string::npos) broken("malformed header");
-    ++v;
-    while (v < h.size() && h[v] == ' ') ++v;
-    if (v >= h.size()) broken("malformed header");
-    size_t e = v;
-    if (h[v] == '\'') e = h.find('\'', v + 1);
-    else if (h[v] == '(') e = h.find(')', v);
-    else
-      while (e < h.size() && h[e] != ',' && h[e] != '}') ++e;
-    if (e == std::string::npos) broken("malformed header");
-    if (h[v] == '\'' || h[v] == '(') ++e;
-    return h.substr(v, e - v);
-  };
-  std::string descr = field("descr");
-  if (descr.size() >= 2) descr = descr.substr(1, descr.size() - 2);
-  const std::string fortran = field("fortran_order"), shape_text = field("shape");
-  if (fortran != "False") broken("Fortran order; write C-contiguous arrays (np.ascontiguousarray)");
-  std::vector<int64_t> shape;
-  {
-    std::stringstream ss(shape_text.substr(1, shape_text.size() - 2));
-    std::string part;
-    while (std::getline(ss, part, ',')) {
-      const size_t b = part.find_first_not_of(' ');
-      if (b == std::string::npos) continue;
-      char* end = nullptr;
-      errno = 0;
-      const long long v = std::strtoll(part.c_str() + b, &end, 10);
-      if (v < 0 || errno || end == part.c_str() + b || (*end != '\0' && *end != ' ' && *end != 'L'))
-        broken("malformed shape " + printable(shape_text));
-      shape.push_back(v);
-    }
-  }
-  std::string got = descr;
-  if (got.size() == 3 && (got[0] == '|' || got[0] == '=')) got[0] = '<';
-  if (!descr_accepted(want, got))
-    broken("dtype '" + printable(descr) + "' where " + real_dtype(want) + " ('" + npy_descr(want) + "') is expected");
-  const std::string shape_shown = Tensor{want, shape, nullptr, 0}.shape_str();
-  if (shape.size() != want_shape.size() || !std::equal(shape.begin() + (shape.empty() ? 0 : 1), shape.end(),
-                                                       want_shape.begin() + (want_shape.empty() ? 0 : 1)))
-    broken("shape " + shape_shown + " has other " + (shape.size() != want_shape.size() ? "dimensions" : "columns"));
-  // The data must be exactly what the header declares (checked without reading it).
-  const uint64_t item = descr_bytes(got);
-  uint64_t need = item;
-  for (int64_t d : shape) {
-    if (d != 0 && need > (uint64_t(1) << 62) / uint64_t(d)) broken("shape " + shape_shown + " is larger than any file");
-    need *= uint64_t(d);
-  }
-  const uint64_t have = file_size - hstart - hlen;
-  if (have != need)
-    broken("holds " + std::to_string(have) + " data bytes where its header's shape " + shape_shown + " needs " +
-           std::to_string(need));
-  if (shape != want_shape) {
-    if (!rows_differ) broken("shape " + shape_shown + " is wrong");
-    *rows_differ = shape;
-    return Tensor{want, shape, nullptr, 0};
-  }
-  Tensor t = Tensor::alloc(want, shape, 0);
-  if (item == elem_bytes(want)) {
-    f.read(static_cast<char*>(t.data()), std::streamsize(t.bytes()));
-    if (uint64_t(f.gcount()) != t.bytes()) broken("could not be read whole");
-    return t;
-  }
-  // The other integer width, value by value with a range check.
-  std::vector<uint8_t> raw(static_cast<size_t>(need));
-  f.read(reinterpret_cast<char*>(raw.data()), std::streamsize(need));
-  if (uint64_t(f.gcount()) != need) broken("could not be read whole");
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    int64_t v = 0;
-    if (item == 8) std::memcpy(&v, &raw[size_t(i) * 8], 8);
-    else { int32_t w; std::memcpy(&w, &raw[size_t(i) * 4], 4); v = w; }
-    if (want == ElemType::i32) {
-      if (v < INT32_MIN || v > INT32_MAX) broken("value " + std::to_string(v) + " at index " + std::to_string(i) + " does not fit int32");
-      t.as<int32_t>()[i] = int32_t(v);
-    } else {
-      t.as<int64_t>()[i] = v;
-    }
-  }
-  return t;
-}
-
-std::string golden_file(const std::string& stage, const std::string& name, int rank) {
-  std::string s = stage;
-  std::replace(s.begin(), s.end(), '/', '.');
-  const size_t in = s.rfind("inputs");
-  if (in != std::string::npos && in + 6 == s.size() && (in == 0 || s[in - 1] == '.')) s.erase(in + 5);  // "input"
-  return s + "." + name + ".rank" + std::to_string(rank) + ".npy";
-}
-
-namespace {
 
 /// The name of the counts tensor that groups a row tensor's rows into
 /// segments ("" for tensors that are not grouped).
@@ -737,156 +501,15 @@ CaseReport run_external(const Case& c, const ActualFn* actual, std::vector<Golde
   return rep;
 }
 
-int cmd_export(const std::string& file, const std::string& dir, const CaseFilter& filter,
-               const std::vector<std::string>& sets) {
-  filter.check_not_empty();
-  const std::vector<Case> cases = load_cases(file, sets);
-  std::vector<Case> chosen;
-  std::vector<std::string> names;
-  for (const Case& c : cases) {
-    names.push_back(c.name);
-    if (filter.selects(c.name)) chosen.push_back(c);
-  }
-  filter.check_each_used(names, printable(file, 200));
-  // The estimate of `run` bounds the reference chain's memory from above.
-  for (const Case& c : chosen)
-    check_case_memory(c, 1, default_memory_limit(), default_memory_limit_origin());
-  prepare_dump_root(dir, "export DIR");
-  for (const Case& c : chosen) {
-    std::vector<GoldenTensor> golden;
-    const CaseReport rep = run_external(c, nullptr, &golden);
-    if (rep.outcome != Outcome::PASSED)
-      runtime_error("export: the reference failed on case " + c.name + ": " +
-                    (rep.checks.empty() ? std::string("?") : rep.checks.back().note));
-    const std::string folder = dir + "/" + dump_folder_name(c.name);
-    prepare_case_folder(folder, "export DIR");
-    nlohmann::ordered_json m;
-    m["format"] = kGoldenFormat;
-    m["tool"] = std::string("moeverify ") + MOEVERIFY_VERSION;
-    m["case"] = case_to_json(c);
-    m["ranks"] = c.ep;
-    m["layers"] = c.layers;
-    m["note"] = "one file per (stage, tensor, rank): STAGE.NAME.rankR.npy, inputs as input.NAME.rankR.npy, layer "
-                "entry L >= 2 prefixed layerL. (its inputs only where they differ from entry 1's); bf16 and fp16 "
-                "are stored as uint16 bit patterns, integers may be written as int32 or int64; write an "
-                "implementation's outputs under actual/ with the expected entries' file names, then run "
-                "`moeverify check` on this folder";
-    m["tensors"] = nlohmann::ordered_json::array();
-    std::set<std::string> files;
-    for (const GoldenTensor& g : golden) {
-      const std::string f = golden_file(g.stage, g.name, g.rank);
-      if (!files.insert(f).second) runtime_error("export: internal: two tensors of case " + c.name + " map to " + f);
-      write_npy(folder + "/" + f, g.t);
-      m["tensors"].push_back({{"name", g.name},
-                              {"stage", g.stage},
-                              {"role", g.role},
-                              {"rank", g.rank},
-                              {"file", f},
-                              {"dtype", real_dtype(g.t.type)},
-                              {"shape", g.t.shape},
-                              {"layout", g.layout}});
-    }
-    const std::string text = m.dump(1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + "\n";
-    const std::string err = write_file(folder + "/manifest.json", {text}, /*no_follow=*/true);
-    if (!err.empty()) runtime_error("export: " + err);
-    std::cout << "exported " << c.name << ": " << golden.size() << " tensors, " << c.ep << " rank(s) -> " << folder
-              << "\n";
-  }
-  return 0;
-}
-
 namespace {
-
-bool is_dir(const std::string& p) {
-  struct stat st {};
-  return stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
-}
-bool is_file(const std::string& p) {
-  struct stat st {};
-  return stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode);
-}
-
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diag = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diag = up;
-    }
-  }
-  return row[b.size()];
-}
-
-std::string nearest(const std::string& name, const std::set<std::string>& valid) {
-  std::string best;
-  size_t d = SIZE_MAX;
-  for (const auto& v : valid)
-    if (const size_t e = edit_distance(name, v); e < d) d = e, best = v;
-  return best;
-}
-
-/// The implementation's files in `actual_dir`, each a regular file named as
-/// an expected entry of the manifest: anything else is refused (exit 2) with
-/// the nearest valid name, or with `allow_unknown` listed in `ignored`.
-std::set<std::string> actual_files(const std::string& actual_dir, const std::set<std::string>& expected,
-                                   bool allow_unknown, std::vector<std::string>& ignored) {
-  std::set<std::string> present;
-  std::vector<std::string> names;
-  for (const auto& e : std::filesystem::directory_iterator(actual_dir)) names.push_back(e.path().filename().string());
-  std::sort(names.begin(), names.end());
-  for (const std::string& n : names) {
-    const std::string p = actual_dir + "/" + n;
-    if (!expected.count(n)) {
-      if (allow_unknown) {
-        ignored.push_back(n);
-        continue;
-      }
-      bad_input(printable(p, 200) + ": no expected tensor of the manifest has this file name (did you mean " +
-                nearest(n, expected) + "?); valid: the \"file\" of an entry with role \"expected\" in manifest.json, "
-                "or pass --allow-unknown to ignore other files");
-    }
-    struct stat st {};
-    if (stat(p.c_str(), &st) != 0 || !S_ISREG(st.st_mode))
-      bad_input(printable(p, 200) + ": is not a regular file (a folder, a broken link or a pipe); valid: a .npy file");
-    present.insert(n);
-  }
-  return present;
-}
 
 /// One golden folder checked against the implementation's files in
 /// `actual_dir`; a missing folder is a case with nothing checked
 /// (NOT_VERIFIED). cmd_check refuses a missing --actual folder up front.
 CaseReport check_folder(const std::string& folder, const std::string& actual_dir, const CheckArgs& a) {
-  const std::string mpath = folder + "/manifest.json";
-  const std::string valid = "valid: a folder written by `moeverify export`";
-  nlohmann::json m;
-  try {
-    std::ifstream f(mpath);
-    if (!f) bad_input(printable(mpath, 200) + ": cannot be opened; " + valid);
-    m = nlohmann::json::parse(f);
-  } catch (const nlohmann::json::exception& e) {
-    bad_input(printable(mpath, 200) + ": not valid JSON (" + printable(e.what(), 200) + "); " + valid);
-  }
-  if (m.is_object() && m.contains("format") && m["format"] == "moeverify-golden/1")
-    bad_input(printable(mpath, 200) + ": written by an older moeverify (format moeverify-golden/1, whose file names "
-              "are shared between stages); export the case again: this version reads " + kGoldenFormat +
-              " (one file per stage and tensor, STAGE.NAME.rankR.npy)");
-  if (!m.is_object() || !m.contains("format") || m["format"] != kGoldenFormat)
-    bad_input(printable(mpath, 200) + ": \"format\" is not \"" + kGoldenFormat + "\"; " + valid);
-  if (!m.contains("case") || !m.contains("ranks") || !m["ranks"].is_number_integer() || !m.contains("tensors") ||
-      !m["tensors"].is_array())
-    bad_input(printable(mpath, 200) + ": needs \"case\", \"ranks\" and \"tensors\"; " + valid);
-  Case c = case_from_json(m["case"], mpath);
-  c.source = mpath;
-  check_case_memory(c, 1, default_memory_limit(), default_memory_limit_origin());
-  if (m["ranks"].get<int64_t>() != c.ep)
-    bad_input(printable(mpath, 200) + ": \"ranks\" is " + m["ranks"].dump() + " but the case has ep " +
-              std::to_string(c.ep) + "; " + valid);
-  if (!is_dir(actual_dir)) {
+  const golden::Manifest manifest = golden::read_manifest(folder);
+  const Case& c = manifest.c;
+  if (!golden::is_dir(actual_dir)) {
     CaseReport rep;
     rep.c = c;
     Check ch;
@@ -899,12 +522,9 @@ CaseReport check_folder(const std::string& folder, const std::string& actual_dir
     rep.outcome = ch.outcome;
     return rep;
   }
-  std::set<std::string> expected_files;
-  for (const auto& t : m["tensors"])
-    if (t.is_object() && t.value("role", "") == "expected" && t.contains("file") && t["file"].is_string())
-      expected_files.insert(t["file"].get<std::string>());
+  const std::set<std::string> expected_files = golden::expected_files(manifest.tensors);
   std::vector<std::string> ignored;
-  const std::set<std::string> present = actual_files(actual_dir, expected_files, a.allow_unknown, ignored);
+  const std::set<std::string> present = golden::actual_files(actual_dir, expected_files, a.allow_unknown, ignored);
   std::map<std::string, Tensor> loaded;
   const ActualFn fn = [&](const std::string& f, const Tensor& expected) {
     ActualTensor r;
@@ -931,17 +551,17 @@ int cmd_check(const CheckArgs& a) {
   if (dir.empty()) bad_input("check: the folder is empty; valid: a folder written by `moeverify export`");
   if (a.has_actual && a.actual_dir.empty()) bad_input("--actual: the path is empty; valid: a folder of .npy files");
   if (a.want_json && a.json.empty()) bad_input("--json: the path is empty; valid: a file path such as report.json");
-  if (a.has_actual && !is_dir(a.actual_dir))
+  if (a.has_actual && !golden::is_dir(a.actual_dir))
     bad_input("--actual " + printable(a.actual_dir, 200) + ": no such folder; valid: the folder holding the "
               "implementation's .npy files, named as in the manifest");
   // DIR is one golden folder (it holds manifest.json) or a folder of them.
   std::vector<std::pair<std::string, std::string>> folders;  // (golden, actual)
-  if (is_file(dir + "/manifest.json")) {
+  if (golden::is_file(dir + "/manifest.json")) {
     folders.push_back({dir, a.has_actual ? a.actual_dir : dir + "/actual"});
-  } else if (is_dir(dir)) {
+  } else if (golden::is_dir(dir)) {
     std::vector<std::string> subs;
     for (const auto& e : std::filesystem::directory_iterator(dir))
-      if (e.is_directory() && is_file(e.path().string() + "/manifest.json")) subs.push_back(e.path().filename().string());
+      if (e.is_directory() && golden::is_file(e.path().string() + "/manifest.json")) subs.push_back(e.path().filename().string());
     std::sort(subs.begin(), subs.end());
     for (const auto& s : subs)
       folders.push_back({dir + "/" + s, a.has_actual ? a.actual_dir + "/" + s : dir + "/" + s + "/actual"});

@@ -160,6 +160,87 @@ void print_failures(const std::vector<CaseReport>& reports, const RunArgs& a, st
   }
 }
 
+/// The case files of `run`, every case loaded and validated before any
+/// runs; --backend is the case key `backend` set for every case (validated
+/// there); every --case pattern must select some case.
+using CaseFiles = std::vector<std::pair<std::string, std::vector<Case>>>;
+CaseFiles load_run_cases(const CLI::App* cmd, const RunArgs& a) {
+  std::vector<std::string> sets = a.sets;
+  if (cmd->count("--backend")) {
+    backend_flag(a.backend);  // a wrong value is named as the flag, not as a --set
+    sets.push_back("backend=" + a.backend);
+  }
+  CaseFiles all;
+  for (const auto& f : a.files) all.push_back({f, load_cases(f, sets)});
+  if (!a.cases.patterns.empty()) {
+    std::vector<std::string> names;
+    for (const auto& [file, cases] : all)
+      for (const auto& c : cases) names.push_back(c.name);
+    a.cases.check_each_used(names, "the given files");
+  }
+  return all;
+}
+
+/// Under mpirun: keeps the cases whose ep equals the process count `world`;
+/// the others are returned as "NAME (ep N)" for the header.
+std::vector<std::string> keep_cases_of_world(CaseFiles& all, int world) {
+  std::vector<std::string> skipped;
+  for (auto& [file, cases] : all) {
+    std::vector<Case> keep;
+    for (auto& c : cases) {
+      if (c.ep != world) skipped.push_back(c.name + " (ep " + std::to_string(c.ep) + ")");
+      else keep.push_back(c);
+    }
+    cases = keep;
+  }
+  return skipped;
+}
+
+/// The first lines of `run`: version, threads, MPI ranks (world > 0), the
+/// planted faults, and the cases skipped under mpirun.
+void print_run_header(std::ostream& out, const RunArgs& a, int threads, int world, bool faults,
+                      const std::vector<std::string>& skipped) {
+  out << "moeverify " << MOEVERIFY_VERSION << "  threads=" << threads;
+  if (world > 0) out << "  mpi ranks=" << world;
+  if (faults) {
+    out << "  PLANTED FAULTS:";
+    for (const auto& f : a.faults) out << " " << f;
+  }
+  out << "\n";
+  if (!skipped.empty()) {
+    out << "skipped under mpirun -np " << world << " (ep must equal the process count):";
+    for (const auto& n : skipped) out << " " << n;
+    out << "\n";
+  }
+}
+
+/// The end of `run`: the tolerance table, the count of passed cases, the
+/// failures with their repro lines, a planted fault no case caught, and the
+/// JSON report (`write_json`: rank 0 with --json).
+void finish_run(const std::vector<CaseReport>& reports, Outcome worst_all, const RunArgs& a, bool faults,
+                bool write_json, std::ostream& out) {
+  print_tolerance_table(reports, out);
+  size_t passed = 0;
+  for (const auto& r : reports) passed += r.outcome == Outcome::PASSED;
+  out << "\n" << passed << " of " << reports.size() << " case(s) PASSED; overall " << outcome_name(worst_all) << "\n";
+  print_failures(reports, a, out);
+  ReportMeta meta;
+  meta.faults = a.faults;
+  if (faults && passed == reports.size()) {
+    // Every case passed with the fault on: nothing here exercises it.
+    meta.faults_uncaught = a.faults;
+    out << "PLANTED FAULT NOT CAUGHT:";
+    for (const auto& f : a.faults) out << " " << f;
+    out << " was on and every case PASSED: these cases do not exercise it (`moeverify selftest` names the case "
+           "or fuzz run that catches each fault)\n";
+  }
+  if (write_json) {
+    const std::string err =
+        write_file(a.json, {reports_json(reports, a.files.size() == 1 ? a.files[0] : "(several)", meta)});
+    if (!err.empty()) bad_input("--json: " + err + "; valid: a writable file path such as report.json");
+  }
+}
+
 int cmd_run(const CLI::App* cmd, const RunArgs& a) {
   const bool mpi = launched_under_mpi();
   const bool writer = !mpi || mpi_world().rank() == 0;  // rank 0 prints and writes
@@ -181,33 +262,12 @@ int cmd_run(const CLI::App* cmd, const RunArgs& a) {
       bad_input(std::string("--fault: ") + e.what());
     }
   }
-  // --backend is the case key `backend` set for every case (validated there).
-  std::vector<std::string> sets = a.sets;
-  if (cmd->count("--backend")) {
-    backend_flag(a.backend);  // a wrong value is named as the flag, not as a --set
-    sets.push_back("backend=" + a.backend);
-  }
-  std::vector<std::pair<std::string, std::vector<Case>>> all;
-  for (const auto& f : a.files) all.push_back({f, load_cases(f, sets)});  // validate everything before running
+  CaseFiles all = load_run_cases(cmd, a);
   const bool select = !a.cases.patterns.empty();
   auto selected = [&](const Case& c) { return a.cases.selects(c.name); };
-  if (select) {
-    std::vector<std::string> names;
-    for (const auto& [file, cases] : all)
-      for (const auto& c : cases) names.push_back(c.name);
-    a.cases.check_each_used(names, "the given files");
-  }
   // Under mpirun every process runs every case (one rank each); rank 0 prints.
   const int world = mpi ? mpi_world().size() : 0;
-  std::vector<std::string> skipped;
-  for (auto& [file, cases] : all) {
-    std::vector<Case> keep;
-    for (auto& c : cases) {
-      if (mpi && c.ep != world) skipped.push_back(c.name + " (ep " + std::to_string(c.ep) + ")");
-      else keep.push_back(c);
-    }
-    cases = keep;
-  }
+  const std::vector<std::string> skipped = mpi ? keep_cases_of_world(all, world) : std::vector<std::string>{};
   size_t total = 0;
   for (const auto& [file, cases] : all)
     for (const auto& c : cases) total += selected(c);
@@ -228,18 +288,7 @@ int cmd_run(const CLI::App* cmd, const RunArgs& a) {
   std::ostream& out = writer ? std::cout : null_stream;
   std::vector<CaseReport> reports;
   Outcome worst_all = Outcome::PASSED;
-  out << "moeverify " << MOEVERIFY_VERSION << "  threads=" << threads;
-  if (mpi) out << "  mpi ranks=" << world;
-  if (opt.faults.bits) {
-    out << "  PLANTED FAULTS:";
-    for (const auto& f : a.faults) out << " " << f;
-  }
-  out << "\n";
-  if (!skipped.empty()) {
-    out << "skipped under mpirun -np " << world << " (ep must equal the process count):";
-    for (const auto& n : skipped) out << " " << n;
-    out << "\n";
-  }
+  print_run_header(out, a, threads, mpi ? world : 0, opt.faults.bits != 0, skipped);
   size_t done = 0;
   // On a terminal a transient progress line; otherwise (tests, CI, logs) one
   // fixed line per case, never a progress line.
@@ -260,26 +309,7 @@ int cmd_run(const CLI::App* cmd, const RunArgs& a) {
       worst_all = worst(worst_all, reports.back().outcome);
     }
   }
-  print_tolerance_table(reports, out);
-  size_t passed = 0;
-  for (const auto& r : reports) passed += r.outcome == Outcome::PASSED;
-  out << "\n" << passed << " of " << reports.size() << " case(s) PASSED; overall " << outcome_name(worst_all) << "\n";
-  print_failures(reports, a, out);
-  ReportMeta meta;
-  meta.faults = a.faults;
-  if (opt.faults.bits && passed == reports.size()) {
-    // Every case passed with the fault on: nothing here exercises it.
-    meta.faults_uncaught = a.faults;
-    out << "PLANTED FAULT NOT CAUGHT:";
-    for (const auto& f : a.faults) out << " " << f;
-    out << " was on and every case PASSED: these cases do not exercise it (`moeverify selftest` names the case "
-           "or fuzz run that catches each fault)\n";
-  }
-  if (writer && want_json) {
-    const std::string err =
-        write_file(a.json, {reports_json(reports, a.files.size() == 1 ? a.files[0] : "(several)", meta)});
-    if (!err.empty()) bad_input("--json: " + err + "; valid: a writable file path such as report.json");
-  }
+  finish_run(reports, worst_all, a, opt.faults.bits != 0, writer && want_json, out);
   return exit_status(worst_all);
 }
 
@@ -503,6 +533,141 @@ std::string cli_error(const CLI::App& app, const CLI::ParseError& e, int argc, c
   return printable(msg, 300) + "; valid: see `moeverify " + sub + "--help`";
 }
 
+/// Every subcommand of the tool with the values its options fill (CLI11
+/// writes into these while parsing).
+struct Commands {
+  RunArgs ra;
+  bool keys = false, keys_markdown = false, list_json = false;
+  std::vector<std::string> vfiles, vsets, ex_sets;
+  std::string vmax_memory, ex_file, ex_dir;
+  CaseFilter ex_cases;
+  CheckArgs ck;
+  FuzzArgs fa;
+  SelftestArgs sa;
+  BenchArgs ba;
+  CLI::App *run = nullptr, *val = nullptr, *ls = nullptr, *exp = nullptr, *chk = nullptr, *fz = nullptr,
+           *st = nullptr, *bn = nullptr;
+};
+
+/// The help text of --max-memory (run, validate, bench).
+const char* const kMemHelp = "refuse a case whose estimated peak memory exceeds this (512M, 8G, 1.5GiB; "
+                             "default 80% of physical memory)";
+
+/// run, validate and list.
+void add_run_validate_list(CLI::App& app, Commands& c) {
+  c.run = app.add_subcommand("run", "run every case of the files: reference vs fast, stage by stage");
+  c.run->add_option("files", c.ra.files, "case files (YAML)")->required();
+  c.run->add_option("--set", c.ra.sets, "override a case key for every case, e.g. --set shape.tokens=128");
+  c.run->add_option("--threads", c.ra.threads, "host executor threads, 1 to 256 (default: the core count)")
+      ->type_name("INT");
+  c.run->add_option("--json", c.ra.json, "also write the report as JSON to this file");
+  c.run->add_option("--dump", c.ra.dump, "write every stage's inputs and outputs as .npy under this folder");
+  c.run->add_option("--fault", c.ra.faults, "turn on a planted fault (see `moeverify list`); the run must then fail");
+  c.run->add_option("--case", c.ra.cases.patterns,
+                  "run only these cases: names or shell patterns over the expanded sweep names (repeatable)")
+      ->expected(1)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  c.run->add_option("--backend", c.ra.backend,
+                  "host (default) | cuda | emulated (the device plumbing on host memory, for testing): where the "
+                  "fast path runs (the case key `backend`)");
+  c.run->add_option("--collective-timeout", c.ra.timeout,
+                  "seconds before a collective some rank never joins fails (in-process and MPI), 0.05 to 3600 (default 30)")
+      ->type_name("SECONDS");
+  c.run->add_option("--max-memory", c.ra.max_memory, kMemHelp)->type_name("SIZE");
+  c.run->add_flag("--verbose", c.ra.verbose,
+                "show every check of every tensor and rank and every variant note (default: one line per stage "
+                "variant, and the per-tensor rows of checks that did not pass)");
+
+  c.val = app.add_subcommand("validate", "check case files without running them");
+  c.val->add_option("files", c.vfiles, "case files (YAML)");
+  c.val->add_option("--set", c.vsets, "override a case key, as for run");
+  c.val->add_flag("--keys", c.keys, "list every case key with its valid values");
+  c.val->add_flag("--markdown", c.keys_markdown, "with --keys: as the Markdown table of docs/case-keys.md");
+  c.val->add_option("--max-memory", c.vmax_memory, kMemHelp)->type_name("SIZE");
+
+  c.ls = app.add_subcommand("list", "list registered paths, their stages and backends, and the planted faults");
+  c.ls->add_flag("--json", c.list_json, "print the list as JSON (each variant with its `backends`)");
+}
+
+/// export and check (docs/contract.md §15).
+void add_export_check(CLI::App& app, Commands& c) {
+  c.exp = app.add_subcommand("export", "write a case's inputs and expected stage outputs as .npy + manifest.json");
+  c.exp->add_option("file", c.ex_file, "case file (YAML)")->required();
+  c.exp->add_option("dir", c.ex_dir, "output folder (one folder per case inside)")->required();
+  c.exp->add_option("--case", c.ex_cases.patterns, "export only these cases: names or shell patterns (repeatable)")
+      ->expected(1)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  c.exp->add_option("--set", c.ex_sets, "override a case key, as for run");
+  c.chk = app.add_subcommand("check", "check an implementation's outputs against the reference, stage by stage");
+  c.chk->add_option("dir", c.ck.dir, "a folder written by export (or a folder of them)")->required();
+  c.chk->add_option("--actual", c.ck.actual_dir, "the implementation's .npy files (default DIR/actual)");
+  c.chk->add_option("--json", c.ck.json, "also write the report as JSON to this file");
+  c.chk->add_flag("--allow-unknown", c.ck.allow_unknown,
+                "ignore (and list) files under actual/ that name no expected tensor; by default they are refused");
+  c.chk->add_flag("--strict-ties", c.ck.external.strict_ties,
+                "hold routing to the lowest expert id among exact ties (for implementations that promise it)");
+}
+
+/// fuzz, selftest and bench.
+void add_fuzz_selftest_bench(CLI::App& app, Commands& c) {
+  c.fz = app.add_subcommand("fuzz", "random valid configurations of every path; failures shrunk to YAML cases");
+  c.fz->add_option("--seconds", c.fa.seconds, "stop after this many seconds (default 60 when --iterations is not given)")
+      ->type_name("SECONDS");
+  c.fz->add_option("--iterations", c.fa.iterations, "stop after this many configurations")->type_name("N");
+  c.fz->add_option("--seed", c.fa.seed, "the stream of configurations (default: from the clock; printed first)")
+      ->type_name("N");
+  c.fz->add_option("--jobs", c.fa.jobs, "configurations run at once (default 1)")->type_name("N");
+  c.fz->add_option("--backend", c.fa.backend,
+                 "host (default), cuda or emulated: the case key `backend` of every drawn configuration");
+  c.fz->add_option("--fault", c.fa.faults, "turn on a planted fault: the fuzz must then find it");
+  c.fz->add_option("--out", c.fa.out, "folder for the shrunk failing cases (default fuzz-failures, made on the first)");
+  c.fz->add_option("--json", c.fa.json, "also write the result as JSON");
+  c.fz->add_flag("--no-shrink", c.fa.no_shrink, "write failures as drawn");
+
+  c.st = app.add_subcommand("selftest", "show that every planted fault is caught by a case, the fuzz or a probe");
+  c.st->add_option("--cases", c.sa.cases, "the shipped case files (default: this build's source cases/)");
+  c.st->add_option("--seed", c.sa.seed, "the fuzz stream (default 1)")->type_name("N");
+  c.st->add_option("--budget", c.sa.budget, "fuzz configurations per fault (default 400)")->type_name("N");
+  c.st->add_option("--jobs", c.sa.jobs, "configurations run at once (default 1)")->type_name("N");
+  c.st->add_option("--json", c.sa.json, "also write the table as JSON");
+
+  c.bn = app.add_subcommand("bench", "time every stage variant against a memcpy of the same bytes (README: Benchmarks)");
+  c.bn->add_option("files", c.ba.files, "case files (YAML)")->required();
+  c.bn->add_option("--set", c.ba.sets, "override a case key, as for run");
+  c.bn->add_option("--case", c.ba.cases.patterns, "bench only these cases: names or shell patterns (repeatable)")
+      ->expected(1)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  c.bn->add_option("--threads", c.ba.threads, "host executor threads, 1 to 256 (default: the core count)")->type_name("INT");
+  c.bn->add_option("--repeat", c.ba.repeat, "timed calls of each fast function (default 5)")->type_name("N");
+  c.bn->add_option("--warmup", c.ba.warmup, "untimed calls before them (default 1)")->type_name("N");
+  c.bn->add_option("--json", c.ba.json, "also write the results as JSON (schema moeverify-bench/1)");
+  c.bn->add_option("--plot", c.ba.plot, "also draw the roof shares (and the --sweep growth) as an SVG file");
+  c.bn->add_flag("--sweep", c.ba.sweep, "also verify each case at 1/4, 1/2 and 1 of its T, D and R: time and peak memory");
+  c.bn->add_option("--backend", c.ba.backend, "host (default); cuda and emulated are NOT_SUPPORTED (run --backend)");
+  c.bn->add_option("--max-memory", c.ba.max_memory, kMemHelp)->type_name("SIZE");
+}
+
+/// Runs the parsed subcommand; its exit status.
+int dispatch(Commands& c) {
+  if (c.run->parsed()) {
+    const int rc = cmd_run(c.run, c.ra);
+    nccl_finalize_if_started();
+    mpi_finalize_if_started();
+    return rc;
+  }
+  if (c.val->parsed()) return cmd_validate(c.val, c.vfiles, c.vsets, c.keys, c.keys_markdown, c.vmax_memory);
+  if (c.fz->parsed()) return cmd_fuzz(c.fz, c.fa);
+  if (c.st->parsed()) return cmd_selftest(c.st, c.sa);
+  if (c.bn->parsed()) return cmd_bench(c.bn, c.ba);
+  if (c.exp->parsed()) return cmd_export(c.ex_file, c.ex_dir, c.ex_cases, c.ex_sets);
+  if (c.chk->parsed()) {
+    c.ck.has_actual = c.chk->count("--actual") > 0;
+    c.ck.want_json = c.chk->count("--json") > 0;
+    return cmd_check(c.ck);
+  }
+  return cmd_list(c.list_json);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -523,105 +688,10 @@ int main(int argc, char** argv) {
   CLI::App app{"moeverify: verify fast MoE token paths against an independent CPU reference"};
   app.set_version_flag("--version", std::string("moeverify ") + MOEVERIFY_VERSION);
   app.require_subcommand(1);
-
-  RunArgs ra;
-  const std::string mem_help = "refuse a case whose estimated peak memory exceeds this (512M, 8G, 1.5GiB; "
-                               "default 80% of physical memory)";
-  auto* run = app.add_subcommand("run", "run every case of the files: reference vs fast, stage by stage");
-  run->add_option("files", ra.files, "case files (YAML)")->required();
-  run->add_option("--set", ra.sets, "override a case key for every case, e.g. --set shape.tokens=128");
-  run->add_option("--threads", ra.threads, "host executor threads, 1 to 256 (default: the core count)")
-      ->type_name("INT");
-  run->add_option("--json", ra.json, "also write the report as JSON to this file");
-  run->add_option("--dump", ra.dump, "write every stage's inputs and outputs as .npy under this folder");
-  run->add_option("--fault", ra.faults, "turn on a planted fault (see `moeverify list`); the run must then fail");
-  run->add_option("--case", ra.cases.patterns,
-                  "run only these cases: names or shell patterns over the expanded sweep names (repeatable)")
-      ->expected(1)
-      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  run->add_option("--backend", ra.backend,
-                  "host (default) | cuda | emulated (the device plumbing on host memory, for testing): where the "
-                  "fast path runs (the case key `backend`)");
-  run->add_option("--collective-timeout", ra.timeout,
-                  "seconds before a collective some rank never joins fails (in-process and MPI), 0.05 to 3600 (default 30)")
-      ->type_name("SECONDS");
-  run->add_option("--max-memory", ra.max_memory, mem_help)->type_name("SIZE");
-  run->add_flag("--verbose", ra.verbose,
-                "show every check of every tensor and rank and every variant note (default: one line per stage "
-                "variant, and the per-tensor rows of checks that did not pass)");
-
-  bool keys = false;
-  std::vector<std::string> vfiles, vsets;
-  std::string vmax_memory;
-  auto* val = app.add_subcommand("validate", "check case files without running them");
-  val->add_option("files", vfiles, "case files (YAML)");
-  val->add_option("--set", vsets, "override a case key, as for run");
-  val->add_flag("--keys", keys, "list every case key with its valid values");
-  bool keys_markdown = false;
-  val->add_flag("--markdown", keys_markdown, "with --keys: as the Markdown table of docs/case-keys.md");
-  val->add_option("--max-memory", vmax_memory, mem_help)->type_name("SIZE");
-
-  bool list_json = false;
-  auto* ls = app.add_subcommand("list", "list registered paths, their stages and backends, and the planted faults");
-  ls->add_flag("--json", list_json, "print the list as JSON (each variant with its `backends`)");
-  std::string ex_file, ex_dir;
-  CaseFilter ex_cases;
-  CheckArgs ck;
-  std::vector<std::string> ex_sets;
-  auto* exp = app.add_subcommand("export", "write a case's inputs and expected stage outputs as .npy + manifest.json");
-  exp->add_option("file", ex_file, "case file (YAML)")->required();
-  exp->add_option("dir", ex_dir, "output folder (one folder per case inside)")->required();
-  exp->add_option("--case", ex_cases.patterns, "export only these cases: names or shell patterns (repeatable)")
-      ->expected(1)
-      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  exp->add_option("--set", ex_sets, "override a case key, as for run");
-  auto* chk = app.add_subcommand("check", "check an implementation's outputs against the reference, stage by stage");
-  chk->add_option("dir", ck.dir, "a folder written by export (or a folder of them)")->required();
-  chk->add_option("--actual", ck.actual_dir, "the implementation's .npy files (default DIR/actual)");
-  chk->add_option("--json", ck.json, "also write the report as JSON to this file");
-  chk->add_flag("--allow-unknown", ck.allow_unknown,
-                "ignore (and list) files under actual/ that name no expected tensor; by default they are refused");
-  chk->add_flag("--strict-ties", ck.external.strict_ties,
-                "hold routing to the lowest expert id among exact ties (for implementations that promise it)");
-
-  FuzzArgs fa;
-  auto* fz = app.add_subcommand("fuzz", "random valid configurations of every path; failures shrunk to YAML cases");
-  fz->add_option("--seconds", fa.seconds, "stop after this many seconds (default 60 when --iterations is not given)")
-      ->type_name("SECONDS");
-  fz->add_option("--iterations", fa.iterations, "stop after this many configurations")->type_name("N");
-  fz->add_option("--seed", fa.seed, "the stream of configurations (default: from the clock; printed first)")
-      ->type_name("N");
-  fz->add_option("--jobs", fa.jobs, "configurations run at once (default 1)")->type_name("N");
-  fz->add_option("--backend", fa.backend,
-                 "host (default), cuda or emulated: the case key `backend` of every drawn configuration");
-  fz->add_option("--fault", fa.faults, "turn on a planted fault: the fuzz must then find it");
-  fz->add_option("--out", fa.out, "folder for the shrunk failing cases (default fuzz-failures, made on the first)");
-  fz->add_option("--json", fa.json, "also write the result as JSON");
-  fz->add_flag("--no-shrink", fa.no_shrink, "write failures as drawn");
-
-  SelftestArgs sa;
-  auto* st = app.add_subcommand("selftest", "show that every planted fault is caught by a case, the fuzz or a probe");
-  st->add_option("--cases", sa.cases, "the shipped case files (default: this build's source cases/)");
-  st->add_option("--seed", sa.seed, "the fuzz stream (default 1)")->type_name("N");
-  st->add_option("--budget", sa.budget, "fuzz configurations per fault (default 400)")->type_name("N");
-  st->add_option("--jobs", sa.jobs, "configurations run at once (default 1)")->type_name("N");
-  st->add_option("--json", sa.json, "also write the table as JSON");
-
-  BenchArgs ba;
-  auto* bn = app.add_subcommand("bench", "time every stage variant against a memcpy of the same bytes (README: Benchmarks)");
-  bn->add_option("files", ba.files, "case files (YAML)")->required();
-  bn->add_option("--set", ba.sets, "override a case key, as for run");
-  bn->add_option("--case", ba.cases.patterns, "bench only these cases: names or shell patterns (repeatable)")
-      ->expected(1)
-      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  bn->add_option("--threads", ba.threads, "host executor threads, 1 to 256 (default: the core count)")->type_name("INT");
-  bn->add_option("--repeat", ba.repeat, "timed calls of each fast function (default 5)")->type_name("N");
-  bn->add_option("--warmup", ba.warmup, "untimed calls before them (default 1)")->type_name("N");
-  bn->add_option("--json", ba.json, "also write the results as JSON (schema moeverify-bench/1)");
-  bn->add_option("--plot", ba.plot, "also draw the roof shares (and the --sweep growth) as an SVG file");
-  bn->add_flag("--sweep", ba.sweep, "also verify each case at 1/4, 1/2 and 1 of its T, D and R: time and peak memory");
-  bn->add_option("--backend", ba.backend, "host (default); cuda and emulated are NOT_SUPPORTED (run --backend)");
-  bn->add_option("--max-memory", ba.max_memory, mem_help)->type_name("SIZE");
+  Commands c;
+  add_run_validate_list(app, c);
+  add_export_check(app, c);
+  add_fuzz_selftest_bench(app, c);
 
   try {
     app.parse(argc, argv);
@@ -631,23 +701,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    if (run->parsed()) {
-      const int rc = cmd_run(run, ra);
-      nccl_finalize_if_started();
-      mpi_finalize_if_started();
-      return rc;
-    }
-    if (val->parsed()) return cmd_validate(val, vfiles, vsets, keys, keys_markdown, vmax_memory);
-    if (fz->parsed()) return cmd_fuzz(fz, fa);
-    if (st->parsed()) return cmd_selftest(st, sa);
-    if (bn->parsed()) return cmd_bench(bn, ba);
-    if (exp->parsed()) return cmd_export(ex_file, ex_dir, ex_cases, ex_sets);
-    if (chk->parsed()) {
-      ck.has_actual = chk->count("--actual") > 0;
-      ck.want_json = chk->count("--json") > 0;
-      return cmd_check(ck);
-    }
-    return cmd_list(list_json);
+    return dispatch(c);
   } catch (const Error& e) {
     // The last guard of "one line": messages escape user text themselves.
     std::cerr << ("moeverify: " + printable(e.what(), 4000) + "\n");  // one write: ranks share stderr

@@ -23,6 +23,89 @@ std::vector<int> divisors(int n) {
   return d;
 }
 
+/// The router keys (score, bias, groups, force-LB, norm, scale, hot
+/// expert); whether force-load-balance routing was drawn.
+bool draw_router(Draw& d, std::ostream& y, int E, int K, int sp) {
+  y << ", router: {score: " << d.pick<const char*>({"softmax", "sigmoid"})
+    << ", bias: " << d.pick<const char*>({"off", "on"});
+  std::vector<int> groups;
+  for (int g : divisors(E))
+    if (g > 1 && E / g >= 2 && g <= 64) groups.push_back(g);
+  if (!groups.empty() && d.chance(0.3)) {
+    const int G = d.pick(groups);
+    const int min_kept = (K + E / G - 1) / (E / G);
+    y << ", groups: " << G << ", limited_groups: " << d.in(min_kept, G);
+  }
+  const bool force_lb = d.chance(0.2) && sp == 1;  // SP refuses force-LB routing (src/config/case_validate.cpp)
+  y << ", force_load_balance: " << (force_lb ? "on" : "off")
+    << ", route_norm: " << d.pick<const char*>({"off", "on"});
+  if (d.chance(0.5)) y << ", route_scale: " << d.pick<const char*>({"0.5", "2.5", "16", "76.8", "1000", "1e6", "0.001"});
+  if (d.chance(0.2)) y << ", hot_expert: " << d.in(0, E - 1);
+  y << "}";
+  return force_lb;
+}
+
+/// Experts, shared experts and the combine; the combine.buffer drawn (an
+/// aliasing buffer only where every rank has tokens).
+std::string draw_experts_combine(Draw& d, std::ostream& y, const std::vector<int64_t>& per_rank, int64_t D, int sp) {
+  y << ", experts: {kind: " << d.pick<const char*>({"identity", "swiglu"})
+    << ", impl: " << d.pick<const char*>({"loop", "grouped", "batched"}) << "}";
+  const char* shared = d.pick<const char*>({"none", "none", "identity", "swiglu"});
+  const bool init_with_shared = std::string(shared) != "none" && d.chance(0.5);
+  y << ", shared_experts: {kind: " << shared << ", order: " << (init_with_shared ? "init_with_shared" : "add_after") << "}";
+  y << ", score_before_experts: " << (d.chance(0.3) ? "on" : "off");
+  int64_t min_T = *std::min_element(per_rank.begin(), per_rank.end());
+  std::string buffer = "fresh";
+  if (std::string(shared) == "identity" && init_with_shared && min_T > 0 && d.chance(0.6) && sp == 1)
+    buffer = min_T * D > 1 && d.chance(0.5) ? "alias_x_offset" : "alias_x";
+  y << ", combine: {accumulate: " << d.pick<const char*>({"per_add", "fp32_accumulate"})
+    << ", placement: " << d.pick<const char*>({"out_of_place", "in_place"}) << ", buffer: " << buffer;
+  if (buffer == "alias_x_offset") y << ", alias_offset: " << d.in(1, min_T * D - 1);
+  y << "}";
+  return buffer;
+}
+
+/// EP-only keys (valid, and exercised, at ep = 1 too), tolerance overrides
+/// and the framework conventions.
+/// Returns whether the drawn conventions have a SwiGLU backward contract
+/// (docs/contract.md §13); elsewhere backward: on would be NOT_SUPPORTED.
+bool draw_ep_tolerance_conventions(Draw& d, std::ostream& y) {
+  y << ", align: " << d.pick<int64_t>({1, 1, 2, 4, 8, 16, 128}) << ", empty_groups: " << d.pick<const char*>({"zero", "pad"})
+    << ", permute: " << d.pick<const char*>({"auto", "generic", "equal_count"});
+  y << ", equal_split: {policy: " << d.pick<const char*>({"off", "force", "adaptive"})
+    << ", threshold: " << d.pick<const char*>({"0", "0.1", "0.5", "3"}) << "}";
+  // Tolerance overrides only loosen: a user who widens a tolerance must not
+  // get a false alarm from it.
+  if (d.chance(0.1)) y << ", tolerance: {gemm: {rtol: 0.05, atol: 0.05}, end_to_end: {rtol: 0.05}, scores: {atol: 1e-6}, logits: {rtol: 1e-4}}";
+  // Framework conventions (docs/contract.md §14).
+  y << ", router.gate_dtype: " << d.pick<const char*>({"fp32", "fp32", "act"});
+  y << ", score_multiply: " << d.pick<const char*>({"fp32", "fp32", "act"});
+  const std::string rounding = d.pick<const char*>({"fused", "fused", "torchtitan"});
+  const std::string compute = d.pick<const char*>({"act", "act", "bf16"});
+  y << ", experts.rounding: " << rounding << ", experts.compute_dtype: " << compute;
+  return rounding == "fused" && compute == "act";
+}
+
+/// Backward, layer entries and capacity from a stream of their own (seeded
+/// by seed and index), so the other keys draw as before they existed.
+void draw_backward_layers_capacity(uint64_t seed, uint64_t index, std::ostream& y, int sp, const std::string& buffer,
+                                   bool force_lb, bool backward_contract) {
+  // backward (docs/contract.md §13) from a stream of its own, so the other keys draw
+  // as before: on in about 30% of the cases it supports (sp = 1, fresh buffer,
+  // conventions with a backward contract).
+  Draw db{std::mt19937_64((seed ^ 0x425744ull) * 0x9E3779B97F4A7C15ull + index)};
+  const bool backward = db.chance(0.3) && sp == 1 && buffer == "fresh" && backward_contract;
+  if (backward) y << ", backward: on";
+  // MoE layer entries (docs/contract.md §12): each multiplies the run time, so 2 or 3
+  // in about 10% of the cases.
+  if (db.chance(0.1)) y << ", layers: " << db.in(2, 3);
+  // capacity (docs/contract.md §11) in about 20% of the cases it supports.
+  if (db.chance(0.2) && sp == 1 && !backward && !force_lb)
+    y << ", capacity: {factor: " << db.pick<const char*>({"0.25", "0.5", "1", "1.25", "4"})
+      << ", policy: " << db.pick<const char*>({"probs", "position"})
+      << ", pad_to_capacity: " << db.pick<const char*>({"off", "on"}) << "}";
+}
+
 }  // namespace
 
 std::string random_case_yaml(uint64_t seed, uint64_t index) {
@@ -76,67 +159,10 @@ std::string random_case_yaml(uint64_t seed, uint64_t index) {
   }
   y << "}";
   if (sp > 1) y << ", sp: " << sp << ", sp_padding: " << (sp_tail ? "tail" : "virtual");
-  // Router: score, bias, groups, force-LB, norm, scale, hot expert.
-  y << ", router: {score: " << d.pick<const char*>({"softmax", "sigmoid"})
-    << ", bias: " << d.pick<const char*>({"off", "on"});
-  std::vector<int> groups;
-  for (int g : divisors(E))
-    if (g > 1 && E / g >= 2 && g <= 64) groups.push_back(g);
-  if (!groups.empty() && d.chance(0.3)) {
-    const int G = d.pick(groups);
-    const int min_kept = (K + E / G - 1) / (E / G);
-    y << ", groups: " << G << ", limited_groups: " << d.in(min_kept, G);
-  }
-  const bool force_lb = d.chance(0.2) && sp == 1;  // SP refuses force-LB routing (src/config/case.cpp)
-  y << ", force_load_balance: " << (force_lb ? "on" : "off")
-    << ", route_norm: " << d.pick<const char*>({"off", "on"});
-  if (d.chance(0.5)) y << ", route_scale: " << d.pick<const char*>({"0.5", "2.5", "16", "76.8", "1000", "1e6", "0.001"});
-  if (d.chance(0.2)) y << ", hot_expert: " << d.in(0, E - 1);
-  y << "}";
-  // Experts, shared experts, combine.
-  y << ", experts: {kind: " << d.pick<const char*>({"identity", "swiglu"})
-    << ", impl: " << d.pick<const char*>({"loop", "grouped", "batched"}) << "}";
-  const char* shared = d.pick<const char*>({"none", "none", "identity", "swiglu"});
-  const bool init_with_shared = std::string(shared) != "none" && d.chance(0.5);
-  y << ", shared_experts: {kind: " << shared << ", order: " << (init_with_shared ? "init_with_shared" : "add_after") << "}";
-  y << ", score_before_experts: " << (d.chance(0.3) ? "on" : "off");
-  int64_t min_T = *std::min_element(per_rank.begin(), per_rank.end());
-  std::string buffer = "fresh";
-  if (std::string(shared) == "identity" && init_with_shared && min_T > 0 && d.chance(0.6) && sp == 1)
-    buffer = min_T * D > 1 && d.chance(0.5) ? "alias_x_offset" : "alias_x";
-  y << ", combine: {accumulate: " << d.pick<const char*>({"per_add", "fp32_accumulate"})
-    << ", placement: " << d.pick<const char*>({"out_of_place", "in_place"}) << ", buffer: " << buffer;
-  if (buffer == "alias_x_offset") y << ", alias_offset: " << d.in(1, min_T * D - 1);
-  y << "}";
-  // EP-only keys are valid (and exercised) at ep = 1 too.
-  y << ", align: " << d.pick<int64_t>({1, 1, 2, 4, 8, 16, 128}) << ", empty_groups: " << d.pick<const char*>({"zero", "pad"})
-    << ", permute: " << d.pick<const char*>({"auto", "generic", "equal_count"});
-  y << ", equal_split: {policy: " << d.pick<const char*>({"off", "force", "adaptive"})
-    << ", threshold: " << d.pick<const char*>({"0", "0.1", "0.5", "3"}) << "}";
-  // Tolerance overrides only loosen: a user who widens a tolerance must not
-  // get a false alarm from it.
-  if (d.chance(0.1)) y << ", tolerance: {gemm: {rtol: 0.05, atol: 0.05}, end_to_end: {rtol: 0.05}, scores: {atol: 1e-6}, logits: {rtol: 1e-4}}";
-  // Framework conventions (docs/contract.md §14).
-  y << ", router.gate_dtype: " << d.pick<const char*>({"fp32", "fp32", "act"});
-  y << ", score_multiply: " << d.pick<const char*>({"fp32", "fp32", "act"});
-  const std::string rounding = d.pick<const char*>({"fused", "fused", "torchtitan"});
-  const std::string compute = d.pick<const char*>({"act", "act", "bf16"});
-  y << ", experts.rounding: " << rounding << ", experts.compute_dtype: " << compute;
-  // backward (docs/contract.md §13) from a stream of its own, so the other keys draw
-  // as before: on in about 30% of the cases it supports (sp = 1, fresh buffer,
-  // the conventions with a SwiGLU backward contract; the others would be
-  // NOT_SUPPORTED).
-  Draw db{std::mt19937_64((seed ^ 0x425744ull) * 0x9E3779B97F4A7C15ull + index)};
-  const bool backward = db.chance(0.3) && sp == 1 && buffer == "fresh" && rounding == "fused" && compute == "act";
-  if (backward) y << ", backward: on";
-  // MoE layer entries (docs/contract.md §12): each multiplies the run time, so 2 or 3
-  // in about 10% of the cases.
-  if (db.chance(0.1)) y << ", layers: " << db.in(2, 3);
-  // capacity (docs/contract.md §11) in about 20% of the cases it supports.
-  if (db.chance(0.2) && sp == 1 && !backward && !force_lb)
-    y << ", capacity: {factor: " << db.pick<const char*>({"0.25", "0.5", "1", "1.25", "4"})
-      << ", policy: " << db.pick<const char*>({"probs", "position"})
-      << ", pad_to_capacity: " << db.pick<const char*>({"off", "on"}) << "}";
+  const bool force_lb = draw_router(d, y, E, K, sp);
+  const std::string buffer = draw_experts_combine(d, y, per_rank, D, sp);
+  const bool backward_contract = draw_ep_tolerance_conventions(d, y);
+  draw_backward_layers_capacity(seed, index, y, sp, buffer, force_lb, backward_contract);
   y << "}";
   return y.str();
 }

@@ -660,157 +660,208 @@ std::vector<EndToEndOutput> backward_end_to_end(const Case& c) {
           {score_grad_spec(), "grad_topk_scores_scale"}};
 }
 
+namespace {
+
+// One descriptor per stage variant (docs/architecture.md idea 4);
+// register_backward_stages lists them in slot order.
+
+/// combine_bwd, scores multiplied after the experts: row gradients and the score gradient.
+Stage combine_bwd_scores_after_stage() {
+  Stage s = make("combine_bwd", "scores_after",
+                 "grad rows round(G[token] * s) in dispatch order; grad_topk_scores = fp32 sum_d G * y (docs/frameworks.md §13)",
+                 {"grad_out", "routed_output", "score_sorted", "token_sorted", "row_of"},
+                 {{"grad_routed_output", CompareClass::exact, Coords::dispatch_row, nullptr}, score_grad_spec()},
+                 fast_combine_bwd, ref_combine_bwd);
+  s.applies = [](const Case& c) {
+    const Decision d = backward_on(c);
+    if (!d.applies) return d;
+    return Decision{!scores_before(c), "score_before_experts: on (the score gradient is the dispatch's)"};
+  };
+  return s;
+}
+
+/// combine_bwd, scores multiplied at dispatch: the row gradients alone.
+Stage combine_bwd_scores_before_stage() {
+  Stage s = make("combine_bwd", "scores_before", "grad rows G[token] in dispatch order (the score multiply was at dispatch)",
+                 {"grad_out", "score_sorted", "token_sorted", "row_of"},
+                 {{"grad_routed_output", CompareClass::exact, Coords::dispatch_row, moves_nonzero("grad_out")}}, fast_combine_bwd,
+                 ref_combine_bwd);
+  s.applies = [](const Case& c) {
+    const Decision d = backward_on(c);
+    if (!d.applies) return d;
+    return Decision{scores_before(c), "score_before_experts: off"};
+  };
+  return s;
+}
+
+/// shared_experts_bwd of an identity shared expert.
+Stage shared_identity_bwd_stage() {
+  Stage s = make("shared_experts_bwd", "shared_identity", "grad_x_shared = grad_out (shared(x) = x)", {"grad_out"},
+                 {{"grad_x_shared", CompareClass::exact, Coords::token_col, moves_nonzero("grad_out")}}, fast_shared_identity_bwd,
+                 ref_shared_identity_bwd);
+  s.applies = [](const Case& c) {
+    const Decision d = backward_on(c);
+    if (!d.applies) return d;
+    return Decision{c.shared.kind == SharedKind::identity, "shared_experts.kind is not identity"};
+  };
+  return s;
+}
+
+/// shared_experts_bwd of a SwiGLU shared expert.
+Stage shared_swiglu_bwd_stage() {
+  Stage s = make("shared_experts_bwd", "shared_swiglu",
+                 "grad_x_shared = dX of the shared SwiGLU expert over every token (ref::swiglu_experts_backward)",
+                 {"x", "shared_w1", "shared_w3", "shared_w2", "grad_out"},
+                 {{"grad_x_shared", CompareClass::gemm, Coords::token_col, swiglu_grad_promise("grad_out"),
+                   [](const Case& c, const RankBoard& b, int, int) {
+                     return from_floats(magnitude_of(c, shared_args(c, b)).dX, ElemType::f32, b.at("x").shape);
+                   }}},
+                 fast_shared_swiglu_bwd, ref_shared_swiglu_bwd);
+  s.applies = [](const Case& c) {
+    const Decision d = backward_on(c);
+    if (!d.applies) return d;
+    return Decision{shared_swiglu(c), "shared_experts.kind is not swiglu"};
+  };
+  return s;
+}
+
+/// experts_bwd of identity experts.
+Stage experts_identity_bwd_stage() {
+  Stage s = make("experts_bwd", "identity", "grad_expert_input = grad_expert_output (Y = X)",
+                 {"grad_expert_output", "expert_counts"},
+                 {{"grad_expert_input", CompareClass::exact, Coords::padded_row, moves_nonzero("grad_expert_output")}},
+                 fast_experts_identity_bwd, ref_experts_identity_bwd);
+  s.applies = [](const Case& c) {
+    const Decision d = backward_on(c);
+    if (!d.applies) return d;
+    return Decision{c.experts.kind == ExpertKind::identity, "experts.kind is not identity"};
+  };
+  return s;
+}
+
+/// experts_bwd of SwiGLU experts: dX and the weight gradients.
+Stage experts_swiglu_bwd_stage() {
+  Stage s = make("experts_bwd", "swiglu",
+                 "dX = round(dh1 W1 + dh3 W3), dW1 = dh1^T X, dW3 = dh3^T X, dW2 = dY^T H in fp32 (reference/reference.h)",
+                 {"expert_input", "expert_counts", "w1", "w3", "w2", "grad_expert_output"},
+                 {{"grad_expert_input", CompareClass::gemm, Coords::padded_row,
+                   swiglu_grad_promise("grad_expert_output"), routed_grad_scale(0)},
+                  {"grad_w1", CompareClass::gemm, Coords::flat, nullptr, routed_grad_scale(1)},
+                  {"grad_w3", CompareClass::gemm, Coords::flat, nullptr, routed_grad_scale(2)},
+                  {"grad_w2", CompareClass::gemm, Coords::flat, nullptr, routed_grad_scale(3)}},
+                 fast_experts_swiglu_bwd, ref_experts_swiglu_bwd);
+  s.applies = [](const Case& c) {
+    const Decision d = backward_on(c);
+    if (!d.applies) return d;
+    return Decision{routed_swiglu(c), "experts.kind is not swiglu"};
+  };
+  return s;
+}
+
+/// dispatch_bwd: the ordered scatter of the row gradients into grad_x, and
+/// its variant with the score gradient when scores were multiplied at dispatch.
+void add_dispatch_bwd(std::vector<Stage>& reg) {
+  Stage s = make("dispatch_bwd", "ordered_scatter",
+                 "grad_x = ordered scatter-add of the K row gradients per token, ascending expert, no atomics; + shared",
+                 {}, {{"grad_x", CompareClass::exact, Coords::token_col, nullptr}}, fast_dispatch_bwd, ref_dispatch_bwd);
+  s.inputs = dispatch_bwd_inputs;
+  s.applies = [](const Case& c) {
+    const Decision d = backward_on(c);
+    if (!d.applies) return d;
+    return Decision{!scores_before(c), "score_before_experts: on"};
+  };
+  reg.push_back(s);
+  Stage b = s;
+  b.variant = "ordered_scatter_scores";
+  b.summary = "score_before_experts: grad_x from round(g * s) rows, ordered; grad_topk_scores = fp32 sum_d g * x";
+  b.outputs.push_back(score_grad_spec());
+  b.applies = [](const Case& c) {
+    const Decision d = backward_on(c);
+    if (!d.applies) return d;
+    return Decision{scores_before(c), "score_before_experts: off"};
+  };
+  reg.push_back(b);
+}
+
+/// ep_unpermute_bwd and ep_permute_bwd of permute mode m (generic or equal_count).
+void add_permute_bwd(std::vector<Stage>& reg, PermuteMode m) {
+  const bool eq = m == PermuteMode::equal_count;
+  const auto primary = [m](const Case& c) {
+    return c.permute == m || (c.permute == PermuteMode::auto_ && m == PermuteMode::equal_count);
+  };
+  const auto applies = [eq](const Case& c) {
+    const Decision d = backward_on(c);
+    if (!d.applies || !eq) return d;
+    return Decision{c.permute != PermuteMode::generic, "permute: generic"};
+  };
+  Stage u = make("ep_unpermute_bwd", eq ? "equal_count" : "generic",
+                 eq ? "transpose (R, E_l, c) -> (E_l, R, c) of the gradient" : "the permute's table on the gradient",
+                 {"grad_recv_out", "recv_counts"}, {{"grad_unpadded", CompareClass::exact, Coords::expert_row, nullptr}},
+                 [m](FastCtx& ctx) { fast_permute_rows(ctx, m, 0, "grad_recv_out", "grad_unpadded"); },
+                 ref_unpermute_bwd);
+  u.primary = primary;
+  u.applies = applies;
+  reg.push_back(u);
+  Stage p = make("ep_permute_bwd", eq ? "equal_count" : "generic",
+                 eq ? "inverse transpose (E_l, R, c) -> (R, E_l, c) of the gradient"
+                    : "the inverse table on the gradient (inverse scatter, no duplicates)",
+                 {"grad_permuted", "recv_counts"}, {{"grad_recv", CompareClass::exact, Coords::rank_major_row, nullptr}},
+                 [m](FastCtx& ctx) { fast_permute_rows(ctx, m, 1, "grad_permuted", "grad_recv"); }, ref_permute_bwd);
+  p.primary = primary;
+  p.applies = applies;
+  reg.push_back(p);
+}
+
+/// ep_combine_bwd: the gradient all-to-all of the combine, splits swapped.
+Stage ep_combine_bwd_stage() {
+  return make("ep_combine_bwd", "a2a_swapped",
+              "gradient all-to-all-v: send input_splits, receive output_splits (the combine's swapped, docs/frameworks.md §13)",
+              {"grad_routed_output", "input_splits", "output_splits", "counts"},
+              {{"grad_recv_out", CompareClass::exact, Coords::rank_major_row, nullptr}}, fast_ep_combine_bwd,
+              ref_ep_combine_bwd);
+}
+
+/// align_unpad_bwd: the gradient padded like the forward.
+Stage align_unpad_bwd_stage() {
+  return make("align_unpad_bwd", "zero_fill", "the gradient padded like the forward: padding rows zero (docs/frameworks.md §13)",
+              {"grad_unpadded", "expert_counts", "expert_counts_real"},
+              {{"grad_expert_output", CompareClass::exact, Coords::padded_row, moves_nonzero("grad_unpadded")}},
+              fast_unpad_bwd, ref_unpad_bwd);
+}
+
+/// align_pad_bwd: padding-row gradients dropped.
+Stage align_pad_bwd_stage() {
+  return make("align_pad_bwd", "drop_padding", "each group's real rows; padding-row gradients dropped (docs/frameworks.md §13)",
+              {"grad_expert_input", "expert_counts", "expert_counts_real"},
+              {{"grad_permuted", CompareClass::exact, Coords::expert_row, moves_nonzero("grad_expert_input")}},
+              fast_pad_bwd, ref_pad_bwd);
+}
+
+/// ep_dispatch_bwd: the gradient all-to-all of the dispatch, splits swapped.
+Stage ep_dispatch_bwd_stage() {
+  return make("ep_dispatch_bwd", "a2a_swapped",
+              "gradient all-to-all-v: send output_splits, receive input_splits (the dispatch's swapped, docs/frameworks.md §13)",
+              {"grad_recv", "input_splits", "output_splits", "recv_counts"},
+              {{"grad_routed_input", CompareClass::exact, Coords::dispatch_row, nullptr}}, fast_ep_dispatch_bwd,
+              ref_ep_dispatch_bwd);
+}
+
+}  // namespace
+
 void register_backward_stages(std::vector<Stage>& reg) {
   const size_t first = reg.size();
-  const Promise from_g = moves_nonzero("grad_out");
-  {
-    Stage s = make("combine_bwd", "scores_after",
-                   "grad rows round(G[token] * s) in dispatch order; grad_topk_scores = fp32 sum_d G * y (docs/frameworks.md §13)",
-                   {"grad_out", "routed_output", "score_sorted", "token_sorted", "row_of"},
-                   {{"grad_routed_output", CompareClass::exact, Coords::dispatch_row, nullptr}, score_grad_spec()},
-                   fast_combine_bwd, ref_combine_bwd);
-    s.applies = [](const Case& c) {
-      const Decision d = backward_on(c);
-      if (!d.applies) return d;
-      return Decision{!scores_before(c), "score_before_experts: on (the score gradient is the dispatch's)"};
-    };
-    reg.push_back(s);
-  }
-  {
-    Stage s = make("combine_bwd", "scores_before", "grad rows G[token] in dispatch order (the score multiply was at dispatch)",
-                   {"grad_out", "score_sorted", "token_sorted", "row_of"},
-                   {{"grad_routed_output", CompareClass::exact, Coords::dispatch_row, from_g}}, fast_combine_bwd,
-                   ref_combine_bwd);
-    s.applies = [](const Case& c) {
-      const Decision d = backward_on(c);
-      if (!d.applies) return d;
-      return Decision{scores_before(c), "score_before_experts: off"};
-    };
-    reg.push_back(s);
-  }
-  {
-    Stage s = make("shared_experts_bwd", "shared_identity", "grad_x_shared = grad_out (shared(x) = x)", {"grad_out"},
-                   {{"grad_x_shared", CompareClass::exact, Coords::token_col, from_g}}, fast_shared_identity_bwd,
-                   ref_shared_identity_bwd);
-    s.applies = [](const Case& c) {
-      const Decision d = backward_on(c);
-      if (!d.applies) return d;
-      return Decision{c.shared.kind == SharedKind::identity, "shared_experts.kind is not identity"};
-    };
-    reg.push_back(s);
-  }
-  {
-    Stage s = make("shared_experts_bwd", "shared_swiglu",
-                   "grad_x_shared = dX of the shared SwiGLU expert over every token (ref::swiglu_experts_backward)",
-                   {"x", "shared_w1", "shared_w3", "shared_w2", "grad_out"},
-                   {{"grad_x_shared", CompareClass::gemm, Coords::token_col, swiglu_grad_promise("grad_out"),
-                     [](const Case& c, const RankBoard& b, int, int) {
-                       return from_floats(magnitude_of(c, shared_args(c, b)).dX, ElemType::f32, b.at("x").shape);
-                     }}},
-                   fast_shared_swiglu_bwd, ref_shared_swiglu_bwd);
-    s.applies = [](const Case& c) {
-      const Decision d = backward_on(c);
-      if (!d.applies) return d;
-      return Decision{shared_swiglu(c), "shared_experts.kind is not swiglu"};
-    };
-    reg.push_back(s);
-  }
-  reg.push_back(make("ep_combine_bwd", "a2a_swapped",
-                     "gradient all-to-all-v: send input_splits, receive output_splits (the combine's swapped, docs/frameworks.md §13)",
-                     {"grad_routed_output", "input_splits", "output_splits", "counts"},
-                     {{"grad_recv_out", CompareClass::exact, Coords::rank_major_row, nullptr}}, fast_ep_combine_bwd,
-                     ref_ep_combine_bwd));
-  for (PermuteMode m : {PermuteMode::generic, PermuteMode::equal_count}) {
-    const bool eq = m == PermuteMode::equal_count;
-    const auto primary = [m](const Case& c) {
-      return c.permute == m || (c.permute == PermuteMode::auto_ && m == PermuteMode::equal_count);
-    };
-    const auto applies = [eq](const Case& c) {
-      const Decision d = backward_on(c);
-      if (!d.applies || !eq) return d;
-      return Decision{c.permute != PermuteMode::generic, "permute: generic"};
-    };
-    Stage u = make("ep_unpermute_bwd", eq ? "equal_count" : "generic",
-                   eq ? "transpose (R, E_l, c) -> (E_l, R, c) of the gradient" : "the permute's table on the gradient",
-                   {"grad_recv_out", "recv_counts"}, {{"grad_unpadded", CompareClass::exact, Coords::expert_row, nullptr}},
-                   [m](FastCtx& ctx) { fast_permute_rows(ctx, m, 0, "grad_recv_out", "grad_unpadded"); },
-                   ref_unpermute_bwd);
-    u.primary = primary;
-    u.applies = applies;
-    reg.push_back(u);
-    Stage p = make("ep_permute_bwd", eq ? "equal_count" : "generic",
-                   eq ? "inverse transpose (E_l, R, c) -> (R, E_l, c) of the gradient"
-                      : "the inverse table on the gradient (inverse scatter, no duplicates)",
-                   {"grad_permuted", "recv_counts"}, {{"grad_recv", CompareClass::exact, Coords::rank_major_row, nullptr}},
-                   [m](FastCtx& ctx) { fast_permute_rows(ctx, m, 1, "grad_permuted", "grad_recv"); }, ref_permute_bwd);
-    p.primary = primary;
-    p.applies = applies;
-    reg.push_back(p);
-  }
-  reg.push_back(make("align_unpad_bwd", "zero_fill", "the gradient padded like the forward: padding rows zero (docs/frameworks.md §13)",
-                     {"grad_unpadded", "expert_counts", "expert_counts_real"},
-                     {{"grad_expert_output", CompareClass::exact, Coords::padded_row, moves_nonzero("grad_unpadded")}},
-                     fast_unpad_bwd, ref_unpad_bwd));
-  {
-    Stage s = make("experts_bwd", "identity", "grad_expert_input = grad_expert_output (Y = X)",
-                   {"grad_expert_output", "expert_counts"},
-                   {{"grad_expert_input", CompareClass::exact, Coords::padded_row, moves_nonzero("grad_expert_output")}},
-                   fast_experts_identity_bwd, ref_experts_identity_bwd);
-    s.applies = [](const Case& c) {
-      const Decision d = backward_on(c);
-      if (!d.applies) return d;
-      return Decision{c.experts.kind == ExpertKind::identity, "experts.kind is not identity"};
-    };
-    reg.push_back(s);
-  }
-  {
-    Stage s = make("experts_bwd", "swiglu",
-                   "dX = round(dh1 W1 + dh3 W3), dW1 = dh1^T X, dW3 = dh3^T X, dW2 = dY^T H in fp32 (reference/reference.h)",
-                   {"expert_input", "expert_counts", "w1", "w3", "w2", "grad_expert_output"},
-                   {{"grad_expert_input", CompareClass::gemm, Coords::padded_row,
-                     swiglu_grad_promise("grad_expert_output"), routed_grad_scale(0)},
-                    {"grad_w1", CompareClass::gemm, Coords::flat, nullptr, routed_grad_scale(1)},
-                    {"grad_w3", CompareClass::gemm, Coords::flat, nullptr, routed_grad_scale(2)},
-                    {"grad_w2", CompareClass::gemm, Coords::flat, nullptr, routed_grad_scale(3)}},
-                   fast_experts_swiglu_bwd, ref_experts_swiglu_bwd);
-    s.applies = [](const Case& c) {
-      const Decision d = backward_on(c);
-      if (!d.applies) return d;
-      return Decision{routed_swiglu(c), "experts.kind is not swiglu"};
-    };
-    reg.push_back(s);
-  }
-  reg.push_back(make("align_pad_bwd", "drop_padding", "each group's real rows; padding-row gradients dropped (docs/frameworks.md §13)",
-                     {"grad_expert_input", "expert_counts", "expert_counts_real"},
-                     {{"grad_permuted", CompareClass::exact, Coords::expert_row, moves_nonzero("grad_expert_input")}},
-                     fast_pad_bwd, ref_pad_bwd));
-  reg.push_back(make("ep_dispatch_bwd", "a2a_swapped",
-                     "gradient all-to-all-v: send output_splits, receive input_splits (the dispatch's swapped, docs/frameworks.md §13)",
-                     {"grad_recv", "input_splits", "output_splits", "recv_counts"},
-                     {{"grad_routed_input", CompareClass::exact, Coords::dispatch_row, nullptr}}, fast_ep_dispatch_bwd,
-                     ref_ep_dispatch_bwd));
-  {
-    Stage s = make("dispatch_bwd", "ordered_scatter",
-                   "grad_x = ordered scatter-add of the K row gradients per token, ascending expert, no atomics; + shared",
-                   {}, {{"grad_x", CompareClass::exact, Coords::token_col, nullptr}}, fast_dispatch_bwd, ref_dispatch_bwd);
-    s.inputs = dispatch_bwd_inputs;
-    s.applies = [](const Case& c) {
-      const Decision d = backward_on(c);
-      if (!d.applies) return d;
-      return Decision{!scores_before(c), "score_before_experts: on"};
-    };
-    reg.push_back(s);
-    Stage b = s;
-    b.variant = "ordered_scatter_scores";
-    b.summary = "score_before_experts: grad_x from round(g * s) rows, ordered; grad_topk_scores = fp32 sum_d g * x";
-    b.outputs.push_back(score_grad_spec());
-    b.applies = [](const Case& c) {
-      const Decision d = backward_on(c);
-      if (!d.applies) return d;
-      return Decision{scores_before(c), "score_before_experts: off"};
-    };
-    reg.push_back(b);
-  }
+  reg.push_back(combine_bwd_scores_after_stage());
+  reg.push_back(combine_bwd_scores_before_stage());
+  reg.push_back(shared_identity_bwd_stage());
+  reg.push_back(shared_swiglu_bwd_stage());
+  reg.push_back(ep_combine_bwd_stage());
+  for (PermuteMode m : {PermuteMode::generic, PermuteMode::equal_count}) add_permute_bwd(reg, m);
+  reg.push_back(align_unpad_bwd_stage());
+  reg.push_back(experts_identity_bwd_stage());
+  reg.push_back(experts_swiglu_bwd_stage());
+  reg.push_back(align_pad_bwd_stage());
+  reg.push_back(ep_dispatch_bwd_stage());
+  add_dispatch_bwd(reg);
   // Device forms (issue 12): every variant runs its bodies through entry
   // points that take the mirror (row maps, the combine body, copy_bytes,
   // CombineGradRowsBody, ScoreGradBody, the SwiGLU backward's GEMMs and

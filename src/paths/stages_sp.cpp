@@ -46,132 +46,144 @@ int64_t tokens_of(const RankBoard& b) {
 
 }  // namespace
 
-void register_sp_stages(std::vector<Stage>& reg) {
-  // --- sp_shard: each SP rank's slice of the tokens -------------------------
-  {
-    Stage s;
-    s.slot = "sp_shard";
-    s.variant = "sp_slices";
-    s.summary = "x -> the SP ranks' local tokens, stacked; virtual or tail padding (docs/contract.md §10)";
-    s.applies = sp_on;
-    s.primary = [](const Case&) { return true; };
-    s.inputs = fixed_inputs({"x"});
-    s.outputs = {{"x", CompareClass::exact, Coords::token_col, promise_always},
-                 {"sp_rows", CompareClass::exact, Coords::flat, nullptr},
-                 {"sp_tokens", CompareClass::exact, Coords::flat, nullptr}};
-    s.fast = [](FastCtx& ctx) {
-      const Case& c = ctx.c;
-      const Tensor& x = ctx.input("x");
+namespace {
+
+// One descriptor per stage variant (docs/architecture.md idea 4);
+// register_sp_stages lists them in slot order.
+
+/// sp_shard: each SP rank's slice of the tokens.
+Stage sp_shard_stage() {
+  Stage s;
+  s.slot = "sp_shard";
+  s.variant = "sp_slices";
+  s.summary = "x -> the SP ranks' local tokens, stacked; virtual or tail padding (docs/contract.md §10)";
+  s.applies = sp_on;
+  s.primary = [](const Case&) { return true; };
+  s.inputs = fixed_inputs({"x"});
+  s.outputs = {{"x", CompareClass::exact, Coords::token_col, promise_always},
+               {"sp_rows", CompareClass::exact, Coords::flat, nullptr},
+               {"sp_tokens", CompareClass::exact, Coords::flat, nullptr}};
+  s.fast = [](FastCtx& ctx) {
+    const Case& c = ctx.c;
+    const Tensor& x = ctx.input("x");
+    const int64_t T = x.shape[0];
+    const SpLayout l = sp_layout(T, c.batch, c.sp, c.sp_padding, ctx.exec.faults);
+    const std::vector<int64_t> map = sp_shard_map(l);
+    Tensor& xs = ctx.output("x", x.type, {int64_t(map.size()), c.hidden});
+    apply_row_map(ctx.exec, c.dtype, x.data(), map.data(), int64_t(map.size()), c.hidden, xs.data());
+    Tensor& rows = ctx.output("sp_rows", ElemType::i64, {int64_t(c.sp)});
+    for (int64_t q = 0; q < c.sp; ++q) rows.as<int64_t>()[q] = l.rows(q);
+    ctx.output("sp_tokens", ElemType::i64, {1}).as<int64_t>()[0] = T;
+  };
+  s.ref = [](RefCtx& r) {
+    const Case& c = r.c;
+    for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+      const Tensor& x = r.in.at("x", int(q));
       const int64_t T = x.shape[0];
-      const SpLayout l = sp_layout(T, c.batch, c.sp, c.sp_padding, ctx.exec.faults);
-      const std::vector<int64_t> map = sp_shard_map(l);
-      Tensor& xs = ctx.output("x", x.type, {int64_t(map.size()), c.hidden});
-      apply_row_map(ctx.exec, c.dtype, x.data(), map.data(), int64_t(map.size()), c.hidden, xs.data());
-      Tensor& rows = ctx.output("sp_rows", ElemType::i64, {int64_t(c.sp)});
-      for (int64_t q = 0; q < c.sp; ++q) rows.as<int64_t>()[q] = l.rows(q);
-      ctx.output("sp_tokens", ElemType::i64, {1}).as<int64_t>()[0] = T;
-    };
-    s.ref = [](RefCtx& r) {
-      const Case& c = r.c;
-      for (size_t q = 0; q < r.in.ranks.size(); ++q) {
-        const Tensor& x = r.in.at("x", int(q));
-        const int64_t T = x.shape[0];
-        const ref::SpShard sh = ref::sp_shard(T, c.batch, c.sp, ref_padding(c));
-        RankBoard& out = r.out.ranks[q];
-        out["x"] = from_floats(ref::sp_shard_rows(sh, to_floats(x), T, c.hidden), x.type,
-                               {int64_t(sh.position.size()), c.hidden});
-        out["sp_rows"] = from_ints(sh.rows_per_rank, ElemType::i64, {int64_t(c.sp)});
-        out["sp_tokens"] = from_ints({T}, ElemType::i64, {1});
-      }
-    };
-    s.backends = kHostAndDevice;
-    reg.push_back(s);
-  }
-  // --- sp_pad_route: tail pad rows to expert 0 with score 0 -------------------
-  {
-    Stage s;
-    s.slot = "sp_pad_route";
-    s.variant = "tail_pad_rows";
-    s.summary = "tail pad rows routed to expert 0 with score 0, counts recomputed (docs/frameworks.md §10.2)";
-    s.applies = sp_tail;
-    s.primary = [](const Case&) { return true; };
-    s.inputs = fixed_inputs({"ids", "topk_scores", "counts", "sp_tokens"});
-    s.outputs = {{"ids", CompareClass::exact, Coords::token_k, nullptr},
-                 {"topk_scores", CompareClass::exact, Coords::token_k, nullptr},
-                 {"counts", CompareClass::exact, Coords::expert, nullptr}};
-    s.fast = [](FastCtx& ctx) {
-      const Case& c = ctx.c;
-      const Tensor& ids = ctx.input("ids");
-      const SpLayout l = sp_layout(tokens_of(ctx.in), c.batch, c.sp, c.sp_padding, ctx.exec.faults);
-      Tensor& oi = ctx.output("ids", ElemType::i32, ids.shape);
-      Tensor& os = ctx.output("topk_scores", ElemType::f32, ids.shape);
-      if (ids.bytes()) {  // a rank with no tokens has no storage
-        copy_bytes(ctx.exec, oi.data(), ids.data(), ids.bytes());
-        copy_bytes(ctx.exec, os.data(), ctx.input("topk_scores").data(), os.bytes());
-      }
-      Tensor& counts = ctx.output("counts", ElemType::i64, {int64_t(c.num_experts)});
-      sp_route_pad_rows(ctx.exec, l, c.top_k, c.num_experts, oi.as<int32_t>(), os.as<float>(), counts.as<int64_t>());
-    };
-    s.ref = [](RefCtx& r) {
-      const Case& c = r.c;
-      for (size_t q = 0; q < r.in.ranks.size(); ++q) {
-        const RankBoard& in = r.in.ranks[q];
-        const int64_t T = tokens_of(in);
-        const ref::SpShard sh = ref::sp_shard(T, c.batch, c.sp, ref_padding(c));
-        const Tensor& ids_in = in.at("ids");
-        ref::Ids ids = ref_ids(ids_in);
-        ref::Vec sc = to_floats(in.at("topk_scores"));
-        ref::Counts counts;
-        ref::sp_route_pad_rows(sh, T, c.top_k, c.num_experts, ids, sc, counts);
-        RankBoard& out = r.out.ranks[q];
-        out["ids"] = ids_tensor(ids, ElemType::i32, ids_in.shape);
-        out["topk_scores"] = from_floats(sc, ElemType::f32, ids_in.shape);
-        out["counts"] = from_ints(counts, ElemType::i64, {int64_t(c.num_experts)});
-      }
-    };
-    s.backends = kHostAndDevice;
-    reg.push_back(s);
-  }
-  // --- sp_gather: the global nlt*S rows, the first T kept ---------------------
-  {
-    Stage s;
-    s.slot = "sp_gather";
-    s.variant = "global_rows";
-    s.summary = "combine output of the SP ranks -> global nlt*S rows -> first B*L kept (docs/contract.md §10)";
-    s.applies = sp_on;
-    s.primary = [](const Case&) { return true; };
-    s.inputs = fixed_inputs({"out", "sp_tokens"});
-    s.outputs = {{"sp_out_global", CompareClass::exact, Coords::token_col, promise_combined},
-                 {"sp_out", CompareClass::exact, Coords::token_col, promise_combined}};
-    s.fast = [](FastCtx& ctx) {
-      const Case& c = ctx.c;
-      const Tensor& out = ctx.input("out");
-      const int64_t T = tokens_of(ctx.in);
-      const SpLayout l = sp_layout(T, c.batch, c.sp, c.sp_padding, ctx.exec.faults);
-      const std::vector<int64_t> map = sp_gather_map(l);
-      Tensor& g = ctx.output("sp_out_global", out.type, {l.global_rows(), c.hidden});
-      apply_row_map(ctx.exec, c.dtype, out.data(), map.data(), l.global_rows(), c.hidden, g.data());
-      Tensor& kept = ctx.output("sp_out", out.type, {T, c.hidden});
-      copy_bytes(ctx.exec, kept.data(), g.data(), kept.bytes());  // no tokens: no storage, no copy
-    };
-    s.ref = [](RefCtx& r) {
-      const Case& c = r.c;
-      for (size_t q = 0; q < r.in.ranks.size(); ++q) {
-        const RankBoard& in = r.in.ranks[q];
-        const int64_t T = tokens_of(in);
-        const Tensor& out = in.at("out");
-        const ref::SpShard sh = ref::sp_shard(T, c.batch, c.sp, ref_padding(c));
-        ref::Vec g = ref::sp_global_rows(sh, to_floats(out), c.sp, c.hidden);
-        RankBoard& o = r.out.ranks[q];
-        o["sp_out_global"] = from_floats(g, out.type, {sh.nlt * c.sp, c.hidden});
-        g.resize(size_t(T * c.hidden));
-        o["sp_out"] = from_floats(g, out.type, {T, c.hidden});
-      }
-    };
-    s.backends = kHostAndDevice;
-    reg.push_back(s);
-  }
+      const ref::SpShard sh = ref::sp_shard(T, c.batch, c.sp, ref_padding(c));
+      RankBoard& out = r.out.ranks[q];
+      out["x"] = from_floats(ref::sp_shard_rows(sh, to_floats(x), T, c.hidden), x.type,
+                             {int64_t(sh.position.size()), c.hidden});
+      out["sp_rows"] = from_ints(sh.rows_per_rank, ElemType::i64, {int64_t(c.sp)});
+      out["sp_tokens"] = from_ints({T}, ElemType::i64, {1});
+    }
+  };
+  s.backends = kHostAndDevice;
+  return s;
 }
 
+/// sp_pad_route: tail pad rows to expert 0 with score 0.
+Stage sp_pad_route_stage() {
+  Stage s;
+  s.slot = "sp_pad_route";
+  s.variant = "tail_pad_rows";
+  s.summary = "tail pad rows routed to expert 0 with score 0, counts recomputed (docs/frameworks.md §10.2)";
+  s.applies = sp_tail;
+  s.primary = [](const Case&) { return true; };
+  s.inputs = fixed_inputs({"ids", "topk_scores", "counts", "sp_tokens"});
+  s.outputs = {{"ids", CompareClass::exact, Coords::token_k, nullptr},
+               {"topk_scores", CompareClass::exact, Coords::token_k, nullptr},
+               {"counts", CompareClass::exact, Coords::expert, nullptr}};
+  s.fast = [](FastCtx& ctx) {
+    const Case& c = ctx.c;
+    const Tensor& ids = ctx.input("ids");
+    const SpLayout l = sp_layout(tokens_of(ctx.in), c.batch, c.sp, c.sp_padding, ctx.exec.faults);
+    Tensor& oi = ctx.output("ids", ElemType::i32, ids.shape);
+    Tensor& os = ctx.output("topk_scores", ElemType::f32, ids.shape);
+    if (ids.bytes()) {  // a rank with no tokens has no storage
+      copy_bytes(ctx.exec, oi.data(), ids.data(), ids.bytes());
+      copy_bytes(ctx.exec, os.data(), ctx.input("topk_scores").data(), os.bytes());
+    }
+    Tensor& counts = ctx.output("counts", ElemType::i64, {int64_t(c.num_experts)});
+    sp_route_pad_rows(ctx.exec, l, c.top_k, c.num_experts, oi.as<int32_t>(), os.as<float>(), counts.as<int64_t>());
+  };
+  s.ref = [](RefCtx& r) {
+    const Case& c = r.c;
+    for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+      const RankBoard& in = r.in.ranks[q];
+      const int64_t T = tokens_of(in);
+      const ref::SpShard sh = ref::sp_shard(T, c.batch, c.sp, ref_padding(c));
+      const Tensor& ids_in = in.at("ids");
+      ref::Ids ids = ref_ids(ids_in);
+      ref::Vec sc = to_floats(in.at("topk_scores"));
+      ref::Counts counts;
+      ref::sp_route_pad_rows(sh, T, c.top_k, c.num_experts, ids, sc, counts);
+      RankBoard& out = r.out.ranks[q];
+      out["ids"] = ids_tensor(ids, ElemType::i32, ids_in.shape);
+      out["topk_scores"] = from_floats(sc, ElemType::f32, ids_in.shape);
+      out["counts"] = from_ints(counts, ElemType::i64, {int64_t(c.num_experts)});
+    }
+  };
+  s.backends = kHostAndDevice;
+  return s;
+}
+
+/// sp_gather: the global nlt*S rows, the first T kept.
+Stage sp_gather_stage() {
+  Stage s;
+  s.slot = "sp_gather";
+  s.variant = "global_rows";
+  s.summary = "combine output of the SP ranks -> global nlt*S rows -> first B*L kept (docs/contract.md §10)";
+  s.applies = sp_on;
+  s.primary = [](const Case&) { return true; };
+  s.inputs = fixed_inputs({"out", "sp_tokens"});
+  s.outputs = {{"sp_out_global", CompareClass::exact, Coords::token_col, promise_combined},
+               {"sp_out", CompareClass::exact, Coords::token_col, promise_combined}};
+  s.fast = [](FastCtx& ctx) {
+    const Case& c = ctx.c;
+    const Tensor& out = ctx.input("out");
+    const int64_t T = tokens_of(ctx.in);
+    const SpLayout l = sp_layout(T, c.batch, c.sp, c.sp_padding, ctx.exec.faults);
+    const std::vector<int64_t> map = sp_gather_map(l);
+    Tensor& g = ctx.output("sp_out_global", out.type, {l.global_rows(), c.hidden});
+    apply_row_map(ctx.exec, c.dtype, out.data(), map.data(), l.global_rows(), c.hidden, g.data());
+    Tensor& kept = ctx.output("sp_out", out.type, {T, c.hidden});
+    copy_bytes(ctx.exec, kept.data(), g.data(), kept.bytes());  // no tokens: no storage, no copy
+  };
+  s.ref = [](RefCtx& r) {
+    const Case& c = r.c;
+    for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+      const RankBoard& in = r.in.ranks[q];
+      const int64_t T = tokens_of(in);
+      const Tensor& out = in.at("out");
+      const ref::SpShard sh = ref::sp_shard(T, c.batch, c.sp, ref_padding(c));
+      ref::Vec g = ref::sp_global_rows(sh, to_floats(out), c.sp, c.hidden);
+      RankBoard& o = r.out.ranks[q];
+      o["sp_out_global"] = from_floats(g, out.type, {sh.nlt * c.sp, c.hidden});
+      g.resize(size_t(T * c.hidden));
+      o["sp_out"] = from_floats(g, out.type, {T, c.hidden});
+    }
+  };
+  s.backends = kHostAndDevice;
+  return s;
+}
+
+}  // namespace
+
+void register_sp_stages(std::vector<Stage>& reg) {
+  reg.push_back(sp_shard_stage());
+  reg.push_back(sp_pad_route_stage());
+  reg.push_back(sp_gather_stage());
+}
 
 }  // namespace moev

@@ -173,6 +173,58 @@ void print_passed(const CaseReport& r, std::ostream& os) {
 
 }  // namespace
 
+namespace {
+
+/// One row of the summary table: the slot (on its first row), the variant
+/// (* when primary), then why it was not taken, or its worst outcome, checks,
+/// mismatches, max_abs, bound used and seconds (device seconds on a device
+/// backend).
+void print_variant_row(const VariantRow& row, bool first, bool on_device, std::ostream& os) {
+  const VariantDecision* d = row.decision;
+  const std::string name = row.variant + (d && d->ran && d->primary ? "*" : "");
+  os << "   " << std::left << std::setw(20) << (first ? row.slot : "") << std::setw(24) << name;
+  if (d && !d->ran) {
+    os << "not taken: " << capped(d->reason) << "\n";
+  } else {
+    Outcome o = Outcome::PASSED;
+    int64_t mismatches = 0, total = 0;
+    double max_abs = 0, bound = 0;
+    bool any_tolerance = false;
+    for (const Check* ch : row.checks) {
+      o = worst(o, ch->outcome);
+      mismatches += ch->diff.mismatches;
+      total += ch->diff.total;
+      if (!(ch->diff.max_abs <= max_abs)) max_abs = ch->diff.max_abs;  // NaN wins: it is shown
+      if (ch->cls != CompareClass::exact) {
+        any_tolerance = true;
+        bound = std::max(bound, ch->diff.max_bound_ratio);
+      }
+    }
+    os << std::setw(14) << (row.checks.empty() ? "(no checks)" : outcome_name(o)) << std::right << std::setw(7)
+       << row.checks.size() << std::setw(22) << (std::to_string(mismatches) + "/" + std::to_string(total))
+       << std::setw(10) << num(max_abs) << std::setw(11) << (any_tolerance ? num(bound) : "-");
+    if (d) os << std::setw(11) << secs(d->fast_seconds) << std::setw(11)
+              << secs(d->fast_seconds + d->ref_seconds + d->compare_seconds);
+    if (d && on_device && d->device_seconds >= 0) os << std::setw(11) << secs(d->device_seconds);
+    os << "\n";
+  }
+}
+
+/// The notes of a variant under its row: each once and at most
+/// kSummaryNotes in the summary, every one with --verbose.
+void print_variant_notes(const VariantDecision& v, bool every, std::ostream& os) {
+  std::vector<std::string> notes;
+  for (const auto& n : v.notes)
+    if (every || std::find(notes.begin(), notes.end(), n) == notes.end()) notes.push_back(n);
+  const size_t shown = every ? notes.size() : std::min(notes.size(), kSummaryNotes);
+  std::vector<std::string> kept(notes.begin(), notes.begin() + std::ptrdiff_t(shown));
+  for (const auto& n : capped(kept)) os << std::string(20, ' ') << "- " << n << "\n";
+  if (shown < notes.size())
+    os << std::string(20, ' ') << "- ... (" << notes.size() - shown << " more notes with --verbose)\n";
+}
+
+}  // namespace
+
 // The summary table has one line per (slot, variant): a variant not taken
 // shows its reason; a taken one its worst outcome, the largest max_abs and
 // the largest fraction of a tolerance bound used over its checks (all ranks,
@@ -224,43 +276,8 @@ void print_report(const CaseReport& r, std::ostream& os, ReportDetail detail) {
     }
     const bool first = row.slot != slot;
     slot = row.slot;
-    const VariantDecision* d = row.decision;
-    const std::string name = row.variant + (d && d->ran && d->primary ? "*" : "");
-    os << "   " << std::left << std::setw(20) << (first ? row.slot : "") << std::setw(24) << name;
-    if (d && !d->ran) {
-      os << "not taken: " << capped(d->reason) << "\n";
-    } else {
-      Outcome o = Outcome::PASSED;
-      int64_t mismatches = 0, total = 0;
-      double max_abs = 0, bound = 0;
-      bool any_tolerance = false;
-      for (const Check* ch : row.checks) {
-        o = worst(o, ch->outcome);
-        mismatches += ch->diff.mismatches;
-        total += ch->diff.total;
-        if (!(ch->diff.max_abs <= max_abs)) max_abs = ch->diff.max_abs;  // NaN wins: it is shown
-        if (ch->cls != CompareClass::exact) {
-          any_tolerance = true;
-          bound = std::max(bound, ch->diff.max_bound_ratio);
-        }
-      }
-      os << std::setw(14) << (row.checks.empty() ? "(no checks)" : outcome_name(o)) << std::right << std::setw(7)
-         << row.checks.size() << std::setw(22) << (std::to_string(mismatches) + "/" + std::to_string(total))
-         << std::setw(10) << num(max_abs) << std::setw(11) << (any_tolerance ? num(bound) : "-");
-      if (d) os << std::setw(11) << secs(d->fast_seconds) << std::setw(11)
-                << secs(d->fast_seconds + d->ref_seconds + d->compare_seconds);
-      if (d && on_device && d->device_seconds >= 0) os << std::setw(11) << secs(d->device_seconds);
-      os << "\n";
-    }
-    if (!d) continue;
-    std::vector<std::string> notes;
-    for (const auto& n : d->notes)
-      if (every || std::find(notes.begin(), notes.end(), n) == notes.end()) notes.push_back(n);
-    const size_t shown = every ? notes.size() : std::min(notes.size(), kSummaryNotes);
-    std::vector<std::string> kept(notes.begin(), notes.begin() + std::ptrdiff_t(shown));
-    for (const auto& n : capped(kept)) os << std::string(20, ' ') << "- " << n << "\n";
-    if (shown < notes.size())
-      os << std::string(20, ' ') << "- ... (" << notes.size() - shown << " more notes with --verbose)\n";
+    print_variant_row(row, first, on_device, os);
+    if (row.decision) print_variant_notes(*row.decision, every, os);
   }
   if (!idle_groups.empty()) {
     os << "   stages not taken (--verbose lists each variant):\n";

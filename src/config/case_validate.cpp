@@ -1,0 +1,139 @@
+// A Case from its flattened keys, and the rules that hold between keys
+// (docs/architecture.md "Configuration"): what one key's range cannot say,
+// refused with the key's FILE:LINE:COLUMN and what would be valid.
+#include <algorithm>
+#include <string>
+
+#include "case_schema.h"
+#include "error.h"
+
+namespace moev {
+namespace case_detail {
+namespace {
+
+/// Where a key of the case was set, or the case's source and "(default KEY)"
+/// where it was not.
+std::string loc(const Flat& flat, const std::string& path, const Case& c) {
+  auto it = flat.find(path);
+  return it == flat.end() ? c.source + " (default " + path + ")" : where(it->second);
+}
+
+/// The rules between keys (divisibility, ranges that depend on another key,
+/// combinations a path does not model), each refused with where the key was
+/// set and what would be valid.
+void validate(const Case& c, const Flat& flat) {
+  auto fail = [&](const std::string& path, const std::string& what, const std::string& valid) {
+    bad_input(loc(flat, path, c) + ": " + path + ": " + what + "; " + valid);
+  };
+  const int E = c.num_experts, K = c.top_k;
+  if (K > E)
+    fail("shape.top_k", "top_k " + std::to_string(K) + " exceeds experts " + std::to_string(E),
+         "valid: 1 <= top_k <= experts (" + std::to_string(E) + ")");
+  const int G = c.router.groups, L = c.router.limited_groups;
+  if (E % G != 0)
+    fail("router.groups", "experts " + std::to_string(E) + " are not divisible by groups " + std::to_string(G),
+         "valid: a divisor of experts");
+  if (G > 1 && E / G < 2)
+    fail("router.groups", "each group needs at least 2 experts (group score = sum of its two largest)",
+         "valid: groups <= experts / 2 = " + std::to_string(E / 2));
+  if (L > G)
+    fail("router.limited_groups", "limited_groups " + std::to_string(L) + " exceeds groups " + std::to_string(G),
+         "valid: 1 <= limited_groups <= groups");
+  if (G > 1 && int64_t(L) * (E / G) < K)
+    fail("router.limited_groups", "the kept groups hold " + std::to_string(L * (E / G)) + " experts, fewer than top_k",
+         "valid: limited_groups * experts / groups >= top_k");
+  if (c.router.hot_expert >= E)
+    fail("router.hot_expert", "expert " + std::to_string(c.router.hot_expert) + " does not exist",
+         "valid: -1 (none) or 0 <= hot_expert < experts (" + std::to_string(E) + ")");
+  if (E % c.ep != 0)
+    fail("ep", "experts " + std::to_string(E) + " are not divisible by ep " + std::to_string(c.ep),
+         "valid: ep a divisor of experts (experts are split in contiguous blocks of experts/ep)");
+  if (!c.tokens_per_rank.empty() && int(c.tokens_per_rank.size()) != c.ep)
+    fail("shape.tokens_per_rank", "has " + std::to_string(c.tokens_per_rank.size()) + " entries for ep " + std::to_string(c.ep),
+         "valid: exactly ep entries, one per rank");
+  if (c.combine.buffer != OutBuffer::fresh) {
+    if (c.shared.kind != SharedKind::identity || c.shared.order != SharedOrder::init_with_shared)
+      fail("combine.buffer", "an output buffer aliasing x models an identity shared expert that returns x",
+           "valid: shared_experts {kind: identity, order: init_with_shared} with this buffer, or buffer: fresh");
+    for (int r = 0; r < c.ep; ++r)
+      if (c.tokens_on(r) == 0)
+        fail("combine.buffer", "an aliasing buffer needs tokens > 0 on every rank", "valid: buffer: fresh when a rank has no tokens");
+  }
+  int64_t min_tokens = c.tokens;
+  for (int r = 0; r < c.ep; ++r) min_tokens = std::min(min_tokens, c.tokens_on(r));
+  if (c.combine.buffer == OutBuffer::alias_x_offset && c.combine.alias_offset >= min_tokens * c.hidden)
+    fail("combine.alias_offset", "offset " + std::to_string(c.combine.alias_offset) + " leaves no overlap with x",
+         "valid: 1 <= alias_offset < tokens*hidden = " + std::to_string(min_tokens * c.hidden));
+  if (c.shared.kind == SharedKind::none && c.shared.order == SharedOrder::init_with_shared)
+    fail("shared_experts.order", "init_with_shared needs a shared expert",
+         "valid: shared_experts.kind identity | swiglu, or order add_after");
+  // sequence parallel (docs/contract.md §10, docs/frameworks.md §10.3)
+  const int64_t B = c.batch;
+  if (B > 1 && (!c.tokens_per_rank.empty() || c.tokens_uniform_lo >= 0))
+    fail("shape.batch", "batch " + std::to_string(B) + " with per-rank token counts",
+         "valid: batch 1 with shape.tokens_per_rank, or shape.batch with shape.seq_len (every EP rank holds batch*seq_len tokens)");
+  if (B > 1 && c.tokens % B != 0)
+    fail("shape.batch", "tokens " + std::to_string(c.tokens) + " are not batch " + std::to_string(B) + " sequences",
+         "valid: tokens a multiple of batch, or shape.seq_len instead of shape.tokens");
+  const int64_t seq = c.tokens / B;
+  if (c.sp > 1 && B > 1 && c.sp_padding == SpPadding::virtual_ && seq % c.sp != 0)
+    fail(flat.count("shape.seq_len") ? "shape.seq_len" : flat.count("shape.batch") ? "shape.batch" : "sp",
+         "virtual SP padding with batch " + std::to_string(B) + " needs seq_len % sp == 0, but seq_len " +
+             std::to_string(seq) + " % sp " + std::to_string(c.sp) + " = " + std::to_string(seq % c.sp) +
+             " (the per-sequence shard index would keep the wrong rows, torchtitan #3604)",
+         "valid: seq_len a multiple of " + std::to_string(c.sp) + ", batch 1, or sp_padding: tail");
+  if (c.sp > 1 && c.router.force_load_balance == Switch::on)
+    fail("sp", "force-load-balance routing depends on a token's row on its rank (docs/contract.md §1 step 6), which sequence "
+               "parallelism changes, so the SP run cannot equal the sp = 1 run",
+         "valid: sp 1, or router.force_load_balance off");
+  if (c.sp > 1 && c.combine.buffer != OutBuffer::fresh)
+    fail("combine.buffer", "an output buffer aliasing x with sp > 1: each SP rank's x is its own shard",
+         "valid: buffer: fresh with sp > 1");
+  // backward (docs/contract.md §13): what src/paths/stages_backward.cpp does not model is refused here.
+  if (c.backward == Switch::on && c.sp > 1)
+    fail("backward", "the backward of the sequence-parallel shard and gather is not implemented",
+         "valid: backward: off with sp > 1, or sp: 1");
+  // capacity (docs/contract.md §11): what src/paths/stages_capacity.cpp does not model.
+  if (c.capacity.factor > 0 && c.sp > 1)
+    fail("capacity.factor", "capacity dropping on the sequence-parallel layout is not implemented", "valid: sp: 1 with capacity");
+  if (c.capacity.factor > 0 && c.backward == Switch::on)
+    fail("capacity.factor", "the backward of capacity dropping is not implemented", "valid: backward: off with capacity");
+  if (c.capacity.factor > 0 && c.router.force_load_balance == Switch::on)
+    fail("capacity.factor", "the force-load-balance fast path derives its splits from T, K and E, not from the kept counts",
+         "valid: router.force_load_balance: off with capacity");
+  if (c.backward == Switch::on && c.combine.buffer != OutBuffer::fresh)
+    fail("backward", "an output buffer aliasing x adds x itself to the output, a gradient path the backward does not model",
+         "valid: combine.buffer: fresh with backward: on");
+}
+
+}  // namespace
+
+Case build_case(const Flat& flat, const std::string& source) {
+  Case c;
+  c.source = source;
+  for (const auto& f : schema()) {
+    auto it = flat.find(f.path);
+    if (it != flat.end()) f.set(c, it->second, f.path);
+  }
+  // shape.seq_len gives the tokens: T = batch * seq_len (docs/contract.md §10).
+  if (flat.count("shape.seq_len")) {
+    if (flat.count("shape.tokens") && c.tokens != c.batch * c.seq_len)
+      bad_input(where(flat.at("shape.tokens")) + ": shape.tokens: " + std::to_string(c.tokens) +
+                " disagrees with batch * seq_len = " + std::to_string(c.batch * c.seq_len) +
+                "; valid: either shape.tokens or shape.seq_len (with shape.batch)");
+    // Each is held to its range alone; their product is the token count,
+    // held to shape.tokens' range (batch and seq_len up to 2^24 each would
+    // give 2^48 tokens).
+    if (c.batch * c.seq_len > int64_t(1) << 24)
+      bad_input(where(flat.at("shape.seq_len")) + ": shape.seq_len: batch " + std::to_string(c.batch) +
+                " x seq_len " + std::to_string(c.seq_len) + " = " + std::to_string(c.batch * c.seq_len) +
+                " tokens, past the token range; valid: batch * seq_len from 0 to 16777216 (2^24), as shape.tokens");
+    c.tokens = c.batch * c.seq_len;
+  }
+  validate(c, flat);
+  c.seq_len = c.tokens / c.batch;  // one value for a case however it was written
+  return c;
+}
+
+}  // namespace case_detail
+}  // namespace moev
