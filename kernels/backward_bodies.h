@@ -18,13 +18,21 @@ namespace moev::k {
 /// or exact fp32 products (the contract).
 enum class ProductRounding : uint8_t { fp32, act /* planted fault */ };
 
+/// What the score gradient gives an assignment capacity dropped (row_of -1,
+/// docs/contract.md §11, §13): 0, since it added nothing to its token, or the
+/// dot product with dispatch row 0, an index clamped instead of masked (the
+/// planted fault bwd_dropped_grad: the drop not replayed in the backward).
+enum class DroppedGrad : uint8_t { zero, clamped_row0 /* planted fault */ };
+
 /// Combine backward for dispatch row i (docs/contract.md §13, docs/frameworks.md §13 "score
 /// multiply"): the gradient of routed_output row i is the upstream gradient
 /// of its token, times the row's score under after_experts:
 ///   grad_rows[i] = round(float(G[token_sorted[i]]) * s_i)
 /// with s_i the fp32 score, or the score rounded to T under ScoreMultiply::act
 /// (the forward multiplied by that value). Under before_experts the score
-/// multiply sits at dispatch, and the row is G[token] unchanged.
+/// multiply sits at dispatch, and the row is G[token] unchanged. A filler row
+/// of pad_to_capacity (token -1, docs/contract.md §11) added nothing to any
+/// token: its gradient row is zero.
 template <class T>
 struct CombineGradRowsBody {
   const T* grad_out;           // (T, D)
@@ -36,8 +44,12 @@ struct CombineGradRowsBody {
   ScoreMultiply smul;
 
   MOEV_HD void operator()(int64_t i, int lane, int lanes) const {
-    const T* g = grad_out + int64_t(token_sorted[i]) * D;
     T* dst = grad_rows + i * D;
+    if (token_sorted[i] < 0) {
+      for (int64_t c = lane; c < D; c += lanes) dst[c] = from_float<T>(0.f);
+      return;
+    }
+    const T* g = grad_out + int64_t(token_sorted[i]) * D;
     if (apply == ScoreApply::before_experts) {
       copy_row(dst, g, D, lane, lanes);
       return;
@@ -55,7 +67,8 @@ struct CombineGradRowsBody {
 /// gradient autograd reduces in T and widens back). Under after_experts the
 /// token rows are grad_out and the dispatch rows routed_output; under
 /// before_experts x and the gradient of routed_input. One thread per
-/// assignment: a reduction, and D is small next to the row traffic.
+/// assignment: a reduction, and D is small next to the row traffic. An
+/// assignment capacity dropped (row_of -1) gets 0.
 template <class T>
 struct ScoreGradBody {
   const T* token_rows;     // (T, D)
@@ -66,11 +79,18 @@ struct ScoreGradBody {
   int K;
   ScoreMultiply smul;
   ProductRounding products = ProductRounding::fp32;
+  DroppedGrad dropped = DroppedGrad::zero;
 
   MOEV_HD void operator()(int64_t a, int lane, int) const {
     if (lane != 0) return;
+    int64_t row = row_of[a];
+    if (row < 0 && dropped == DroppedGrad::zero) {
+      grad_scores[a] = 0.f;
+      return;
+    }
+    if (row < 0) row = 0;
     const T* u = token_rows + (a / K) * D;
-    const T* v = dispatch_rows + int64_t(row_of[a]) * D;
+    const T* v = dispatch_rows + row * D;
     float sum = 0.f;
     for (int64_t c = 0; c < D; ++c) {
       float p = to_float(u[c]) * to_float(v[c]);

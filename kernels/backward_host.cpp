@@ -20,6 +20,10 @@ k::ProductRounding product_rounding(const ExecCtx& ctx) {
   return ctx.faults.has(Fault::bwd_score_grad_rounded) ? k::ProductRounding::act : k::ProductRounding::fp32;
 }
 
+k::DroppedGrad dropped_grad(const ExecCtx& ctx) {
+  return ctx.faults.has(Fault::bwd_dropped_grad) ? k::DroppedGrad::clamped_row0 : k::DroppedGrad::zero;
+}
+
 template <class V>
 void score_grad(const ExecCtx& ctx, const void* token_rows, const void* dispatch_rows, const int32_t* row_of, int64_t T,
                 int64_t N, int64_t D, int K, k::ScoreMultiply smul, float* grad) {
@@ -31,13 +35,14 @@ void score_grad(const ExecCtx& ctx, const void* token_rows, const void* dispatch
     m.device().run(k::ScoreGradBody<V>{static_cast<const V*>(m.in(token_rows, size_t(T * D) * sizeof(V))),
                                        static_cast<const V*>(m.in(dispatch_rows, size_t(N * D) * sizeof(V))),
                                        static_cast<const int32_t*>(m.in(row_of, size_t(T * K) * 4)),
-                                       static_cast<float*>(m.out(grad, gb)), D, K, smul, product_rounding(ctx)},
+                                       static_cast<float*>(m.out(grad, gb)), D, K, smul, product_rounding(ctx),
+                                       dropped_grad(ctx)},
                    T * K);
     m.wrote(grad, gb);
     return;
   }
   const k::ScoreGradBody<V> body{static_cast<const V*>(token_rows), static_cast<const V*>(dispatch_rows), row_of, grad,
-                                 D, K, smul, product_rounding(ctx)};
+                                 D, K, smul, product_rounding(ctx), dropped_grad(ctx)};
   host_run(ctx, T * K, body);
 }
 

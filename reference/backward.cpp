@@ -11,8 +11,12 @@ Bytes combine_grad_rows(Act act, ScoreApply apply, ScoreMultiply smul, RowsRef g
   const int64_t D = int64_t(rb / eb);
   Bytes out(token_sorted.size() * rb);
   for (size_t i = 0; i < token_sorted.size(); ++i) {
-    const uint8_t* g = grad_out.row(token_sorted[i]);
     uint8_t* o = out.data() + i * rb;
+    if (token_sorted[i] < 0) {  // a pad_to_capacity filler fed no token: zero gradient
+      for (int64_t d = 0; d < D; ++d) encode_act(act, 0.f, o + size_t(d) * eb);
+      continue;
+    }
+    const uint8_t* g = grad_out.row(token_sorted[i]);
     const double s = smul == ScoreMultiply::act ? round_act(act, score_sorted[i]) : score_sorted[i];
     for (int64_t d = 0; d < D; ++d) {
       const float gv = decode_act(act, g + size_t(d) * eb);
@@ -33,6 +37,7 @@ Vec score_grad(Act act, ScoreMultiply smul, RowsRef token_rows, RowsRef dispatch
   for (int64_t t = 0; t < T; ++t)
     for (int k = 0; k < K; ++k) {
       const size_t a = size_t(t * K + k);
+      if (row_of[a] < 0) continue;  // dropped by capacity: added nothing, gradient 0
       const uint8_t* u = token_rows.row(t);
       const uint8_t* v = dispatch_rows.row(row_of[a]);
       double sum = 0, mag = 0;
@@ -56,6 +61,7 @@ Vec scatter_add_grad(Act act, ScoreApply apply, ScoreMultiply smul, Accumulate a
   Vec out(size_t(T * D), 0.f);
   for (size_t i = 0; i < token_sorted.size(); ++i) {  // ascending dispatch row
     const int64_t t = token_sorted[i];
+    if (t < 0) continue;  // a pad_to_capacity filler
     const double s = smul == ScoreMultiply::act ? round_act(act, score_sorted[i]) : score_sorted[i];
     for (int64_t d = 0; d < D; ++d) {
       const float gv = decode_act(act, grad_rows.row(int64_t(i)) + size_t(d) * eb);

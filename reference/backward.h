@@ -15,13 +15,14 @@ namespace ref {
 /// Combine backward rows (docs/contract.md §13): dispatch row i of the gradient of
 /// routed_output is round_act(float(G[token_sorted[i]]) * s_i) under
 /// after_experts (s_i the fp32 score, or round_act(s_i) under
-/// ScoreMultiply::act), G[token_sorted[i]] itself under before_experts.
+/// ScoreMultiply::act), G[token_sorted[i]] itself under before_experts; a
+/// pad_to_capacity filler row (token -1) gets a zero row.
 /// G is (T, D) in act; returns (N, D) act bytes.
 Bytes combine_grad_rows(Act act, ScoreApply apply, ScoreMultiply smul, RowsRef grad_out, const Ids& token_sorted,
                         const Vec& score_sorted);
 
-/// Score gradient (docs/frameworks.md §13): for assignment (t, k) with dispatch row
-/// i = row_of[t*K + k], sum_d token_rows[t, d] * dispatch_rows[i, d] in fp64,
+/// Score gradient (docs/frameworks.md §13): 0 for an assignment capacity dropped
+/// (row_of -1); otherwise, with dispatch row i = row_of[t*K + k], sum_d token_rows[t, d] * dispatch_rows[i, d] in fp64,
 /// rounded to fp32, then to act under ScoreMultiply::act. (T, K). Writes in
 /// `halfwidth` how far a correct fp32 summation (any order) may land: any
 /// rounding of a value within (D + 2) 2^-24 sum_d |terms| of the exact sum.
@@ -34,7 +35,8 @@ Vec score_grad(Act act, ScoreMultiply smul, RowsRef token_rows, RowsRef dispatch
 /// contribution c_i (the gradient row, or round_act(g_i * s_i) under
 /// before_experts) is added: per_add rounds after each addition,
 /// fp32_accumulate sums in fp32 and rounds once. Then grad_shared[t] is added
-/// with one rounding when it is not empty. (T, D) values.
+/// with one rounding when it is not empty. Filler rows (token -1) add nothing.
+/// (T, D) values.
 Vec scatter_add_grad(Act act, ScoreApply apply, ScoreMultiply smul, Accumulate acc, RowsRef grad_rows,
                      const Ids& token_sorted, const Vec& score_sorted, const Vec& grad_shared, int64_t T, int64_t D);
 

@@ -33,6 +33,8 @@ TEST_CASE("capacity properties", "[cpu][capacity][prop]") {
     c.dtype = *rc::gen::element(DType::fp32, DType::bf16);
     c.align = *rc::gen::element<int64_t>(1, 1, 4);
     c.experts.kind = *rc::gen::element(ExpertKind::identity, ExpertKind::swiglu);
+    c.backward = *rc::gen::element(Switch::off, Switch::on);
+    c.score_before_experts = *rc::gen::element(Switch::off, Switch::on);
     RunOptions o;
     o.keep = RunOptions::Keep::fast_board;
     const CaseReport r = run_case(c, o);
@@ -45,8 +47,31 @@ TEST_CASE("capacity properties", "[cpu][capacity][prop]") {
         RC_ASSERT(n <= cap);
         if (c.capacity.pad_to_capacity == Switch::on) RC_ASSERT(n == cap);
       }
+      // The backward replays the drops (docs/contract.md §11): a dropped
+      // assignment's score gradient is exactly 0.
+      if (c.backward == Switch::on) {
+        const std::vector<int64_t> row_of = to_ints(r.fast.at("row_of", q));
+        const Tensor& g = r.fast.at("grad_topk_scores", q);
+        RC_ASSERT(g.numel() == int64_t(row_of.size()));
+        for (size_t a = 0; a < row_of.size(); ++a)
+          if (row_of[a] < 0) RC_ASSERT(g.as<float>()[a] == 0.f);
+      }
     }
   });
+}
+
+TEST_CASE("fault bwd_dropped_grad is caught by the capacity backward cases", "[cpu][capacity][backward][fault]") {
+  int cases = 0;
+  for (const Case& c : load_cases(std::string(MOEV_SOURCE_DIR) + "/cases/capacity.yaml", {})) {
+    if (c.name.rfind("backward_drops", 0) != 0) continue;
+    INFO(c.name);
+    ++cases;
+    REQUIRE(run_case(c, RunOptions{}).outcome == Outcome::PASSED);
+    RunOptions o;
+    o.faults.bits = uint32_t(Fault::bwd_dropped_grad);
+    CHECK(run_case(c, o).outcome == Outcome::INCORRECT);
+  }
+  CHECK(cases == 5);
 }
 
 TEST_CASE("a dropped assignment adds exactly nothing to its token", "[cpu][capacity]") {
@@ -115,7 +140,7 @@ TEST_CASE("the planted capacity faults are caught on the shipped cases", "[cpu][
 }
 
 TEST_CASE("capacity combinations that are not modelled are refused", "[cpu][capacity]") {
-  for (const char* bad : {"sp: 2", "backward: on", "router: {force_load_balance: on}"}) {
+  for (const char* bad : {"sp: 2", "router: {force_load_balance: on}"}) {
     const std::string text = std::string("cases:\n  - name: x\n    capacity: {factor: 1}\n    ") + bad + "\n";
     INFO(text);
     CHECK_THROWS_WITH(load_cases_text(text, "t.yaml", {}), Catch::Contains("capacity"));

@@ -96,8 +96,6 @@ void validate(const Case& c, const Flat& flat) {
   // capacity (docs/contract.md §11): what src/paths/stages_capacity.cpp does not model.
   if (c.capacity.factor > 0 && c.sp > 1)
     fail("capacity.factor", "capacity dropping on the sequence-parallel layout is not implemented", "valid: sp: 1 with capacity");
-  if (c.capacity.factor > 0 && c.backward == Switch::on)
-    fail("capacity.factor", "the backward of capacity dropping is not implemented", "valid: backward: off with capacity");
   if (c.capacity.factor > 0 && c.router.force_load_balance == Switch::on)
     fail("capacity.factor", "the force-load-balance fast path derives its splits from T, K and E, not from the kept counts",
          "valid: router.force_load_balance: off with capacity");

@@ -100,7 +100,7 @@ void draw_backward_layers_capacity(uint64_t seed, uint64_t index, std::ostream& 
   // in about 10% of the cases.
   if (db.chance(0.1)) y << ", layers: " << db.in(2, 3);
   // capacity (docs/contract.md §11) in about 20% of the cases it supports.
-  if (db.chance(0.2) && sp == 1 && !backward && !force_lb)
+  if (db.chance(0.2) && sp == 1 && !force_lb)
     y << ", capacity: {factor: " << db.pick<const char*>({"0.25", "0.5", "1", "1.25", "4"})
       << ", policy: " << db.pick<const char*>({"probs", "position"})
       << ", pad_to_capacity: " << db.pick<const char*>({"off", "on"}) << "}";

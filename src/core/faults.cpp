@@ -41,6 +41,9 @@ const std::vector<FaultInfo>& fault_table() {
        "the routing-score gradient sums products rounded to the activation dtype (TransformerEngine #1336)"},
       {Fault::bwd_pad_grad_kept, "bwd_pad_grad_kept",
        "the pad backward takes the first M rows of the padded gradient, padding rows included (docs/frameworks.md §13)"},
+      {Fault::bwd_dropped_grad, "bwd_dropped_grad",
+       "a capacity-dropped assignment gets a score gradient: its row index -1 clamped to dispatch row 0, not masked "
+       "(the drop not replayed in the backward)"},
       {Fault::capacity_renormalize, "capacity_renormalize",
        "capacity dropping renormalises a token's kept scores to its original sum (docs/frameworks.md §11.1 says it must not)"},
       {Fault::capacity_tie_higher, "capacity_tie_higher",

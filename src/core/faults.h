@@ -42,6 +42,7 @@ enum class Fault : uint32_t {
   bwd_unordered_scatter = 1u << 25,  // §13, §9: gradient scatter-add not in ascending expert order
   bwd_score_grad_rounded = 1u << 26, // §13, TE #1336: score gradient summed from products rounded to act
   bwd_pad_grad_kept = 1u << 27,      // §13: pad backward slices the padded gradient instead of dropping padding rows
+  bwd_dropped_grad = 1u << 28,       // §11, §13: a capacity-dropped assignment gets a score gradient (row_of -1 clamped to 0)
   swiglu_bwd_silu_grad = 1u << 29,   // §13, §8: SwiGLU backward takes silu'(h1) as sigmoid(h1)
 };
 
