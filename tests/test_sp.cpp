@@ -111,6 +111,7 @@ TEST_CASE("SP invariance: the gathered SP output equals the sp = 1 output bit fo
     c.shared.kind = *rc::gen::element(SharedKind::none, SharedKind::identity);
     c.combine.accumulate = *rc::gen::element(k::Accumulate::per_add, k::Accumulate::fp32_accumulate);
     c.score_before_experts = *rc::gen::element(Switch::off, Switch::on);
+    c.backward = *rc::gen::element(Switch::off, Switch::on);
     if (s.B == 1 && c.ep > 1 && *rc::gen::arbitrary<bool>()) {  // uneven EP ranks, some empty
       for (int r = 0; r < c.ep; ++r) c.tokens_per_rank.push_back(*rc::gen::element<int64_t>(0, 1, 3, 7, 10));
     }
@@ -131,6 +132,13 @@ TEST_CASE("SP invariance: the gathered SP output equals the sp = 1 output bit fo
       const Tensor& b = r1.fast.at("out", q);
       RC_ASSERT(a.shape == b.shape);
       RC_ASSERT(checksum(a) == checksum(b));
+      // the backward's token gradients, through the SP adjoints (docs/contract.md §10, §13)
+      if (c.backward == Switch::on) {
+        const Tensor& ga = r.fast.at("grad_x", q);
+        const Tensor& gb = r1.fast.at("grad_x", q);
+        RC_ASSERT(ga.shape == gb.shape);
+        RC_ASSERT(checksum(ga) == checksum(gb));
+      }
     }
   });
 }
@@ -141,6 +149,14 @@ TEST_CASE("fault sp_b1_index is caught by the SP shard check with B > 1", "[cpu]
     const auto failed = caught_by(case_named("sp.yaml", name), Fault::sp_b1_index);
     CHECK((contains(failed, "sp_shard/x") || contains(failed, "sp_shard/x@0")));
   }
+}
+
+// Under tail padding (and B = 1) the SP layout is the flattened token order,
+// so only the batch-aware virtual layout tells the two apart.
+TEST_CASE("fault sp_bwd_token_order is caught by the SP backward with B > 1", "[cpu][fault][sp][backward]") {
+  const auto failed = caught_by(case_named("sp.yaml", "backward_batch_aware[sp_padding=virtual]"), Fault::sp_bwd_token_order);
+  CHECK(contains(failed, "sp_shard_bwd/grad_x"));
+  CHECK(contains(failed, "sp_invariance/grad_x"));
 }
 
 TEST_CASE("fault sp_even_combine is caught by the SP gather and the sp = 1 comparison", "[cpu][fault][sp]") {

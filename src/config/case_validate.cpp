@@ -90,9 +90,6 @@ void validate(const Case& c, const Flat& flat) {
     fail("combine.buffer", "an output buffer aliasing x with sp > 1: each SP rank's x is its own shard",
          "valid: buffer: fresh with sp > 1");
   // backward (docs/contract.md §13): what src/paths/stages_backward.cpp does not model is refused here.
-  if (c.backward == Switch::on && c.sp > 1)
-    fail("backward", "the backward of the sequence-parallel shard and gather is not implemented",
-         "valid: backward: off with sp > 1, or sp: 1");
   // capacity (docs/contract.md §11): what src/paths/stages_capacity.cpp does not model.
   if (c.capacity.factor > 0 && c.sp > 1)
     fail("capacity.factor", "capacity dropping on the sequence-parallel layout is not implemented", "valid: sp: 1 with capacity");

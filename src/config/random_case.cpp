@@ -91,10 +91,10 @@ bool draw_ep_tolerance_conventions(Draw& d, std::ostream& y) {
 void draw_backward_layers_capacity(uint64_t seed, uint64_t index, std::ostream& y, int sp, const std::string& buffer,
                                    bool force_lb, bool backward_contract) {
   // backward (docs/contract.md §13) from a stream of its own, so the other keys draw
-  // as before: on in about 30% of the cases it supports (sp = 1, fresh buffer,
+  // as before: on in about 30% of the cases it supports (a fresh buffer,
   // conventions with a backward contract).
   Draw db{std::mt19937_64((seed ^ 0x425744ull) * 0x9E3779B97F4A7C15ull + index)};
-  const bool backward = db.chance(0.3) && sp == 1 && buffer == "fresh" && backward_contract;
+  const bool backward = db.chance(0.3) && buffer == "fresh" && backward_contract;
   if (backward) y << ", backward: on";
   // MoE layer entries (docs/contract.md §12): each multiplies the run time, so 2 or 3
   // in about 10% of the cases.

@@ -41,6 +41,9 @@ const std::vector<FaultInfo>& fault_table() {
        "the routing-score gradient sums products rounded to the activation dtype (TransformerEngine #1336)"},
       {Fault::bwd_pad_grad_kept, "bwd_pad_grad_kept",
        "the pad backward takes the first M rows of the padded gradient, padding rows included (docs/frameworks.md §13)"},
+      {Fault::sp_bwd_token_order, "sp_bwd_token_order",
+       "the SP backward returns SP-layout row t as token t's gradient, right for B = 1 only (the #3604 index class, "
+       "in the backward; docs/frameworks.md §10.3)"},
       {Fault::bwd_dropped_grad, "bwd_dropped_grad",
        "a capacity-dropped assignment gets a score gradient: its row index -1 clamped to dispatch row 0, not masked "
        "(the drop not replayed in the backward)"},

@@ -44,6 +44,7 @@ enum class Fault : uint32_t {
   bwd_pad_grad_kept = 1u << 27,      // §13: pad backward slices the padded gradient instead of dropping padding rows
   bwd_dropped_grad = 1u << 28,       // §11, §13: a capacity-dropped assignment gets a score gradient (row_of -1 clamped to 0)
   swiglu_bwd_silu_grad = 1u << 29,   // §13, §8: SwiGLU backward takes silu'(h1) as sigmoid(h1)
+  sp_bwd_token_order = 1u << 30,     // §10, §13: the SP backward takes SP-layout row t as token t (right for B = 1 only)
 };
 
 struct FaultSet {

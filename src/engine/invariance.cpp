@@ -57,12 +57,23 @@ void sp_invariance_checks(const Case& c, const CaseReport& r1, const Board& fast
     Check ch = check_output(c, "sp_invariance", variant, os, fast.has("sp_out", r) ? &fast.at("sp_out", r) : nullptr,
                             have ? &r1.fast.at("out", r) : nullptr, fast.ranks[size_t(r)], r, R, "sp = 1 run",
                             !exact && r1.fast.has("out_magnitude", r) ? &r1.fast.at("out_magnitude", r) : nullptr);
-    if (first_bad) {
-      ch.outcome = worst(ch.outcome, r1.outcome);
-      ch.note = std::string("the sp = 1 run was ") + outcome_name(r1.outcome) + " at " + first_bad->slot + "/" +
-                first_bad->variant + "/" + first_bad->tensor + (ch.note.empty() ? "" : "; " + ch.note);
+    std::vector<Check> row{ch};
+    // The token gradients too (backward: on): bitwise where the outputs are,
+    // since a token's gradient is made of its own rows only (docs/contract.md §13).
+    if (exact && c.backward == Switch::on) {
+      const OutputSpec og{"grad_x", CompareClass::exact, Coords::token_col, nullptr};
+      row.push_back(check_output(c, "sp_invariance", variant, og, fast.has("grad_x", r) ? &fast.at("grad_x", r) : nullptr,
+                                 r1.fast.has("grad_x", r) ? &r1.fast.at("grad_x", r) : nullptr, fast.ranks[size_t(r)], r,
+                                 R, "sp = 1 run"));
     }
-    out.push_back(ch);
+    for (Check& k : row) {
+      if (first_bad) {
+        k.outcome = worst(k.outcome, r1.outcome);
+        k.note = std::string("the sp = 1 run was ") + outcome_name(r1.outcome) + " at " + first_bad->slot + "/" +
+                 first_bad->variant + "/" + first_bad->tensor + (k.note.empty() ? "" : "; " + k.note);
+      }
+      out.push_back(k);
+    }
   }
 }
 

@@ -90,8 +90,8 @@ const std::vector<std::string>& slot_order() {
       "sp_shard", "router_logits", "routing", "sp_pad_route", "dispatch", "capacity", "ep_dispatch", "ep_permute", "align_pad", "experts",
       "align_unpad", "ep_unpermute", "ep_combine", "shared_experts", "combine", "sp_gather",
       // backward (docs/contract.md §13, src/paths/stages_backward.cpp): the adjoints in reverse order
-      "combine_bwd", "shared_experts_bwd", "ep_combine_bwd", "ep_unpermute_bwd", "align_unpad_bwd", "experts_bwd",
-      "align_pad_bwd", "ep_permute_bwd", "ep_dispatch_bwd", "dispatch_bwd"};
+      "sp_gather_bwd", "combine_bwd", "shared_experts_bwd", "ep_combine_bwd", "ep_unpermute_bwd", "align_unpad_bwd",
+      "experts_bwd", "align_pad_bwd", "ep_permute_bwd", "ep_dispatch_bwd", "dispatch_bwd", "sp_shard_bwd"};
   return s;
 }
 

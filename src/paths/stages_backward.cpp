@@ -527,7 +527,7 @@ void swiglu_end_to_end_scales(const Case& c, const RankBoard& in, RankBoard& out
     const int64_t N = int64_t(tok.size());
     ref::Vec X(size_t(N * D)), dY(size_t(N * D));
     for (int64_t i = 0; i < N; ++i)
-      for (int64_t d = 0; d < D; ++d) {
+      for (int64_t d = 0; d < D && tok[size_t(i)] >= 0; ++d) {  // a capacity filler row stays zero
         const float s = sc[size_t(i)];
         X[size_t(i * D + d)] = x[size_t(tok[size_t(i)] * D + d)] * (before ? s : 1.f);
         dY[size_t(i * D + d)] = g[size_t(tok[size_t(i)] * D + d)] * (before ? 1.f : s);
@@ -543,6 +543,7 @@ void swiglu_end_to_end_scales(const Case& c, const RankBoard& in, RankBoard& out
     ref::Vec sscale(size_t(T * K), 0.f);
     for (int64_t i = 0; i < N; ++i) {
       const int64_t t = tok[size_t(i)];
+      if (t < 0) continue;  // a capacity filler row reaches no token
       const double w = before ? std::fabs(sc[size_t(i)]) : 1.0;
       double ss = 0;
       for (int64_t d = 0; d < D; ++d) {
@@ -559,6 +560,7 @@ void swiglu_end_to_end_scales(const Case& c, const RankBoard& in, RankBoard& out
     const ref::Ids tok = ref_ids(in.at("token_sorted"));
     const ref::Vec sc = to_floats(in.at("score_sorted"));
     for (size_t i = 0; i < tok.size(); ++i) {
+      if (tok[i] < 0) continue;  // a capacity filler row
       const float w = scores_before(c) ? std::fabs(sc[i]) : 1.f;
       for (int64_t d = 0; d < D; ++d) scale[size_t(tok[i] * D + d)] += w * std::fabs(gx[i * size_t(D) + size_t(d)]);
     }
@@ -631,6 +633,7 @@ void ref_dispatch_bwd(RefCtx& r) {
     const ref::Vec sc = to_floats(in.at("score_sorted"));
     ref::Vec scale(size_t(T * c.hidden), 0.f);
     for (size_t i = 0; i < tok.size(); ++i) {
+      if (tok[i] < 0) continue;  // a capacity filler row
       const float w = scores_before(c) ? std::fabs(sc[i]) : 1.f;
       for (int64_t d = 0; d < c.hidden; ++d)
         scale[size_t(tok[i] * c.hidden + d)] +=

@@ -178,12 +178,105 @@ Stage sp_gather_stage() {
   return s;
 }
 
+// ---- backward (docs/contract.md §10, §13) --------------------------------------
+// Both SP steps move rows, so their adjoints are the inverse row maps: the
+// gather's adjoint takes grad_out (T, D) into the SP layout by the shard map
+// (a tail pad row, which no token feeds, gets a zero row); the shard's adjoint
+// takes grad_x from the SP layout back to (T, D) by the gather map's first T
+// rows (pad rows' gradients dropped). Every other backward slot runs on the
+// SP layout unchanged, as the forward does.
+
+Decision sp_backward_on(const Case& c) {
+  if (c.sp <= 1) return {false, "sp = 1"};
+  if (c.backward != Switch::on) return {false, "backward: off"};
+  if (const std::string why = backward_unsupported(c); !why.empty()) return {false, why};
+  return {};
+}
+
+/// sp_gather_bwd: grad_out (T, D) -> the SP layout.
+Stage sp_gather_bwd_stage() {
+  Stage s;
+  s.slot = "sp_gather_bwd";
+  s.variant = "shard_rows";
+  s.summary = "grad_out (T, D) -> the SP layout by the shard map, tail pad rows zero (the gather's adjoint)";
+  s.applies = sp_backward_on;
+  s.primary = [](const Case&) { return true; };
+  s.inputs = fixed_inputs({"grad_out", "sp_tokens"});
+  s.outputs = {{"grad_out", CompareClass::exact, Coords::token_col, promise_always}};
+  s.fast = [](FastCtx& ctx) {
+    const Case& c = ctx.c;
+    const Tensor& g = ctx.input("grad_out");
+    const SpLayout l = sp_layout(tokens_of(ctx.in), c.batch, c.sp, c.sp_padding, ctx.exec.faults);
+    const std::vector<int64_t> map = sp_shard_map(l);
+    Tensor& gs = ctx.output("grad_out", g.type, {int64_t(map.size()), c.hidden});
+    apply_row_map(ctx.exec, c.dtype, g.data(), map.data(), int64_t(map.size()), c.hidden, gs.data());
+  };
+  s.ref = [](RefCtx& r) {
+    const Case& c = r.c;
+    for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+      const RankBoard& in = r.in.ranks[q];
+      const Tensor& g = in.at("grad_out");
+      const int64_t T = tokens_of(in);
+      const ref::SpShard sh = ref::sp_shard(T, c.batch, c.sp, ref_padding(c));
+      r.out.ranks[q]["grad_out"] = from_floats(ref::sp_shard_rows(sh, to_floats(g), T, c.hidden), g.type,
+                                               {int64_t(sh.position.size()), c.hidden});
+    }
+  };
+  s.backends = kHostAndDevice;
+  return s;
+}
+
+/// sp_shard_bwd: grad_x in the SP layout -> (T, D).
+Stage sp_shard_bwd_stage() {
+  Stage s;
+  s.slot = "sp_shard_bwd";
+  s.variant = "gather_rows";
+  s.summary = "grad_x from the SP layout -> (T, D) by the gather map, pad rows' gradients dropped (the shard's adjoint)";
+  s.applies = sp_backward_on;
+  s.primary = [](const Case&) { return true; };
+  s.inputs = fixed_inputs({"grad_x", "sp_tokens"});
+  s.outputs = {{"grad_x", CompareClass::exact, Coords::token_col, nullptr}};
+  s.fast = [](FastCtx& ctx) {
+    const Case& c = ctx.c;
+    const Tensor& g = ctx.input("grad_x");
+    const int64_t T = tokens_of(ctx.in);
+    const SpLayout l = sp_layout(T, c.batch, c.sp, c.sp_padding, ctx.exec.faults);
+    std::vector<int64_t> map = sp_gather_map(l);  // its first T rows: token t's SP row
+    if (ctx.exec.faults.has(Fault::sp_bwd_token_order))
+      for (int64_t t = 0; t < T; ++t) map[size_t(t)] = t;
+    Tensor& gx = ctx.output("grad_x", g.type, {T, c.hidden});
+    apply_row_map(ctx.exec, c.dtype, g.data(), map.data(), T, c.hidden, gx.data());
+  };
+  s.ref = [](RefCtx& r) {
+    const Case& c = r.c;
+    for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+      const RankBoard& in = r.in.ranks[q];
+      const int64_t T = tokens_of(in);
+      const ref::SpShard sh = ref::sp_shard(T, c.batch, c.sp, ref_padding(c));
+      RankBoard& out = r.out.ranks[q];
+      // grad_x, and on the reference chain its end-to-end error scale, which
+      // dispatch_bwd wrote in the SP layout
+      for (const char* n : {"grad_x", "grad_x_scale"}) {
+        const auto it = in.find(n);
+        if (it == in.end()) continue;
+        ref::Vec v = ref::sp_global_rows(sh, to_floats(it->second), c.sp, c.hidden);
+        v.resize(size_t(T * c.hidden));
+        out[n] = from_floats(v, it->second.type, {T, c.hidden});
+      }
+    }
+  };
+  s.backends = kHostAndDevice;
+  return s;
+}
+
 }  // namespace
 
 void register_sp_stages(std::vector<Stage>& reg) {
   reg.push_back(sp_shard_stage());
   reg.push_back(sp_pad_route_stage());
   reg.push_back(sp_gather_stage());
+  reg.push_back(sp_gather_bwd_stage());
+  reg.push_back(sp_shard_bwd_stage());
 }
 
 }  // namespace moev
