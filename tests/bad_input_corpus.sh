@@ -158,7 +158,6 @@ v sp_zero "sp_zero.yaml:3:9: sp: value 0 is out of range"
 v sp_virtual_batch_uneven "sp_virtual_batch_uneven.yaml:4:32: shape.seq_len: virtual SP padding with batch 2 needs seq_len % sp == 0"
 v sp_seq_len_tokens_disagree "shape.tokens: 9 disagrees with batch * seq_len = 8"
 v sp_padding_unknown "sp_padding: unknown value 'front'; valid: virtual | tail"
-v backward_sp "backward: the backward of the sequence-parallel shard and gather is not implemented; valid: backward: off with sp > 1"
 v backward_unknown "backward: unknown value 'yes please'; valid: off | on"
 v backend_unknown "backend_unknown.yaml:3:14: backend: unknown value 'gpu'; valid: host | cuda | emulated"
 # capacity (docs/contract.md §11) and layer entries (§12)
