@@ -448,6 +448,11 @@ Magnitude routed_grad_scale(int which) {
   };
 }
 
+/// Error scale of the shared expert's input gradient.
+Tensor shared_grad_scale(const Case& c, const RankBoard& b, int, int) {
+  return from_floats(magnitude_of(c, shared_args(c, b)).dX, ElemType::f32, b.at("x").shape);
+}
+
 /// Realistic data with a gradient that is not all zero gives a nonzero input gradient.
 Promise swiglu_grad_promise(const std::string& g) {
   return [g](const Case& c, const RankBoard& b) {
@@ -474,15 +479,26 @@ void fast_experts_swiglu_bwd(FastCtx& ctx) {
 void ref_experts_swiglu_bwd(RefCtx& r) {
   const Case& c = r.c;
   for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+    if (!r.wants(int(q))) continue;
     const SwigluBwdArgs a = routed_args(c, r.in.ranks[q], int(q));
-    const ref::SwigluGrads g = ref::swiglu_experts_backward(ref_act(c.dtype), a.X, a.dY, a.counts, c.hidden, c.ffn,
-                                                            a.W1, a.W3, a.W2);
+    // The stage's tensors hold act values, so the error scales of the
+    // act-rounded inputs are routed_grad_scale's, from the same GEMMs.
+    const ref::SwigluGrads g =
+        ref::swiglu_experts_backward(ref_act(c.dtype), a.X, a.dY, a.counts, c.hidden, c.ffn, a.W1, a.W3, a.W2,
+                                     ref::SiluRounding::fused, ref::Compute::act, r.threads, r.wants_scales());
     const int64_t E_l = int64_t(a.counts.size());
     RankBoard& out = r.out.ranks[q];
     out["grad_expert_input"] = from_floats(g.dX, act_elem(c.dtype), {a.rows, c.hidden});
     out["grad_w1"] = from_floats(g.dW1, ElemType::f32, {E_l, c.ffn, c.hidden});
     out["grad_w3"] = from_floats(g.dW3, ElemType::f32, {E_l, c.ffn, c.hidden});
     out["grad_w2"] = from_floats(g.dW2, ElemType::f32, {E_l, c.hidden, c.ffn});
+    if (r.wants_scales()) {
+      RankBoard& sc = r.scales->ranks[q];
+      sc["grad_expert_input"] = from_floats(g.mdX, ElemType::f32, {a.rows, c.hidden});
+      sc["grad_w1"] = from_floats(g.mdW1, ElemType::f32, {E_l, c.ffn, c.hidden});
+      sc["grad_w3"] = from_floats(g.mdW3, ElemType::f32, {E_l, c.ffn, c.hidden});
+      sc["grad_w2"] = from_floats(g.mdW2, ElemType::f32, {E_l, c.hidden, c.ffn});
+    }
   }
 }
 
@@ -501,10 +517,13 @@ void fast_shared_swiglu_bwd(FastCtx& ctx) {
 void ref_shared_swiglu_bwd(RefCtx& r) {
   const Case& c = r.c;
   for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+    if (!r.wants(int(q))) continue;
     const SwigluBwdArgs a = shared_args(c, r.in.ranks[q]);
-    const ref::SwigluGrads g = ref::swiglu_experts_backward(ref_act(c.dtype), a.X, a.dY, a.counts, c.hidden, c.ffn,
-                                                            a.W1, a.W3, a.W2);
+    const ref::SwigluGrads g =
+        ref::swiglu_experts_backward(ref_act(c.dtype), a.X, a.dY, a.counts, c.hidden, c.ffn, a.W1, a.W3, a.W2,
+                                     ref::SiluRounding::fused, ref::Compute::act, r.threads, r.wants_scales());
     r.out.ranks[q]["grad_x_shared"] = from_floats(g.dX, act_elem(c.dtype), {a.rows, c.hidden});
+    if (r.wants_scales()) r.scales->ranks[q]["grad_x_shared"] = from_floats(g.mdX, ElemType::f32, {a.rows, c.hidden});
   }
 }
 
@@ -516,8 +535,9 @@ void ref_shared_swiglu_bwd(RefCtx& r) {
 /// rows of the dX scale (times |s| before the experts) + the shared expert's.
 /// grad_topk_scores: sum_d |grad_out| * forward scale of the row (after) or
 /// sum_d |x| * dX scale (before). Written onto `out` as grad_x_scale and,
-/// with routed SwiGLU experts, grad_topk_scores_scale.
-void swiglu_end_to_end_scales(const Case& c, const RankBoard& in, RankBoard& out) {
+/// with routed SwiGLU experts, grad_topk_scores_scale. The SwiGLU scales run
+/// on `threads` threads.
+void swiglu_end_to_end_scales(const Case& c, const RankBoard& in, RankBoard& out, int threads) {
   const int64_t T = in.at("row_of").shape[0], D = c.hidden, K = c.top_k;
   const ref::Vec x = to_floats(in.at("x")), g = to_floats(in.at("grad_out"));
   ref::Vec scale(size_t(T * D), 0.f);
@@ -535,8 +555,8 @@ void swiglu_end_to_end_scales(const Case& c, const RankBoard& in, RankBoard& out
         dY[size_t(i * D + d)] = g[size_t(tok[size_t(i)] * D + d)] * (before ? 1.f : s);
       }
     const ref::Vec w1 = to_floats(in.at("w1")), w3 = to_floats(in.at("w3")), w2 = to_floats(in.at("w2"));
-    const ref::SwigluGrads m = ref::swiglu_backward_magnitude(X, dY, counts, D, c.ffn, w1, w3, w2);
-    const ref::Vec fwd = before ? ref::Vec{} : ref::swiglu_magnitude(X, counts, D, c.ffn, w1, w3, w2);
+    const ref::SwigluGrads m = ref::swiglu_backward_magnitude(X, dY, counts, D, c.ffn, w1, w3, w2, threads);
+    const ref::Vec fwd = before ? ref::Vec{} : ref::swiglu_magnitude(X, counts, D, c.ffn, w1, w3, w2, threads);
     // the row's (t, k): row_of maps assignment a = t*K + k to its row
     const ref::Ids row_of = ref_ids(in.at("row_of"));
     std::vector<int64_t> assignment(size_t(N), -1);
@@ -621,7 +641,7 @@ void ref_dispatch_bwd(RefCtx& r) {
                                 act_elem(c.dtype), {T, c.hidden});
     if (scores_before(c)) ref_score_grad(c, in, out, "x", "grad_routed_input");
     if (routed_swiglu(c) || shared_swiglu(c)) {
-      swiglu_end_to_end_scales(c, in, out);
+      swiglu_end_to_end_scales(c, in, out, r.threads);
       continue;
     }
     // The end-to-end error scale (docs/contract.md §15) of grad_x: the sum of the
@@ -706,10 +726,9 @@ void register_backward_stages(std::vector<Stage>& reg) {
                    "grad_x_shared = dX of the shared SwiGLU expert over every token (ref::swiglu_experts_backward)",
                    {"x", "shared_w1", "shared_w3", "shared_w2", "grad_out"},
                    {{"grad_x_shared", CompareClass::gemm, Coords::token_col, swiglu_grad_promise("grad_out"),
-                     [](const Case& c, const RankBoard& b, int, int) {
-                       return from_floats(magnitude_of(c, shared_args(c, b)).dX, ElemType::f32, b.at("x").shape);
-                     }}},
+                     shared_grad_scale}},
                    fast_shared_swiglu_bwd, ref_shared_swiglu_bwd);
+    s.ref_per_rank = true;  // ref_shared_swiglu_bwd honours RefCtx::rank
     s.applies = [](const Case& c) {
       const Decision d = backward_on(c);
       if (!d.applies) return d;
@@ -775,6 +794,7 @@ void register_backward_stages(std::vector<Stage>& reg) {
                     {"grad_w3", CompareClass::gemm, Coords::flat, nullptr, routed_grad_scale(2)},
                     {"grad_w2", CompareClass::gemm, Coords::flat, nullptr, routed_grad_scale(3)}},
                    fast_experts_swiglu_bwd, ref_experts_swiglu_bwd);
+    s.ref_per_rank = true;  // ref_experts_swiglu_bwd honours RefCtx::rank
     s.applies = [](const Case& c) {
       const Decision d = backward_on(c);
       if (!d.applies) return d;

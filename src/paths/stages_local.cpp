@@ -210,7 +210,7 @@ ref::Vec slice_weights(const Tensor& w, int64_t first, int64_t count) {
 /// Error scale of SwiGLU over the first sum(counts) rows of X with the
 /// weights of experts [first, first + counts.size()) of the `w_prefix` tensors.
 Tensor swiglu_scale(const Case& c, const RankBoard& b, const Tensor& X, const ref::Counts& counts,
-                    const std::string& w_prefix, int64_t first) {
+                    const std::string& w_prefix, int64_t first, int threads = 1) {
   int64_t rows = 0;
   for (int64_t n : counts) rows += n;
   ref::Vec xv = to_floats(X);
@@ -218,7 +218,7 @@ Tensor swiglu_scale(const Case& c, const RankBoard& b, const Tensor& X, const re
   const int64_t E_l = int64_t(counts.size());
   return from_floats(ref::swiglu_magnitude(xv, counts, c.hidden, c.ffn, slice_weights(b.at(w_prefix + "w1"), first, E_l),
                                            slice_weights(b.at(w_prefix + "w3"), first, E_l),
-                                           slice_weights(b.at(w_prefix + "w2"), first, E_l)),
+                                           slice_weights(b.at(w_prefix + "w2"), first, E_l), threads),
                      ElemType::f32, {rows, c.hidden});
 }
 
@@ -307,7 +307,7 @@ Tensor combined_magnitude(const Case& c, const RankBoard& b, int threads) {
   // their scale is |row| itself where the experts are exact.
   const Tensor& routed = b.at("routed_input");
   const Tensor rows = c.experts.kind == ExpertKind::swiglu
-                          ? swiglu_scale(c, b, routed, ref_counts(b.at("counts")), "", 0)
+                          ? swiglu_scale(c, b, routed, ref_counts(b.at("counts")), "", 0, threads)
                           : routed;
   const bool shared = c.shared.kind != SharedKind::none;
   const ref::Vec sh = shared ? shared_scale(c, b) : ref::Vec{};
@@ -326,6 +326,7 @@ void ref_swiglu(RefCtx& r, const std::string& in, const std::function<ref::Count
                 const std::string& w_prefix, int64_t expert0_per_rank, const std::string& out, const std::string& mid) {
   const Case& c = r.c;
   for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+    if (!r.wants(int(q))) continue;
     const RankBoard& b = r.in.ranks[q];
     const ref::Counts counts = counts_of(b);
     const int64_t E_l = int64_t(counts.size());
@@ -339,9 +340,14 @@ void ref_swiglu(RefCtx& r, const std::string& in, const std::function<ref::Count
     const ref::SwigluTrace tr = ref::swiglu_experts_traced(
         ref_act(c.dtype), xv, counts, c.hidden, c.ffn, slice_weights(b.at(w_prefix + "w1"), first, E_l),
         slice_weights(b.at(w_prefix + "w3"), first, E_l), slice_weights(b.at(w_prefix + "w2"), first, E_l),
-        ref_rounding(conv), conv.compute == ComputeDtype::bf16 ? ref::Compute::bf16 : ref::Compute::act);
+        ref_rounding(conv), conv.compute == ComputeDtype::bf16 ? ref::Compute::bf16 : ref::Compute::act, r.threads,
+        r.wants_scales());
     r.out.ranks[q][out] = from_floats(tr.Y, X.type, {rows, c.hidden});
     r.out.ranks[q][mid + "h13"] = from_floats(tr.h13, mid_type(c, conv), {rows, 2 * c.ffn});
+    if (r.wants_scales()) {  // the error scales of Y and h13, from the same GEMMs (swiglu_mid_outputs)
+      r.scales->ranks[q][out] = from_floats(tr.magnitude, ElemType::f32, {rows, c.hidden});
+      r.scales->ranks[q][mid + "h13"] = from_floats(tr.h13_halfwidth, ElemType::f32, {rows, 2 * c.ffn});
+    }
   }
 }
 
@@ -636,6 +642,7 @@ Stage swiglu_experts(ExpertsImpl impl) {
                 "expert_output", "expert_");
   };
   s.ref = ref_routed_swiglu;
+  s.ref_per_rank = true;  // ref_swiglu honours RefCtx::rank
   s.backends = kHostAndDevice;
   return s;
 }
@@ -673,6 +680,7 @@ Stage swiglu_batched() {
                         ", " + std::to_string(cnt) + ")");
   };
   s.ref = ref_routed_swiglu;
+  s.ref_per_rank = true;  // ref_swiglu honours RefCtx::rank
   s.backends = kHostAndDevice;
   return s;
 }
@@ -727,6 +735,7 @@ Stage shared_swiglu() {
     ref_swiglu(r, "x", [](const RankBoard& b) { return ref::Counts{b.at("x").shape[0]}; }, "shared_", 0, "shared_out",
                "shared_");
   };
+  s.ref_per_rank = true;
   s.backends = kHostAndDevice;
   return s;
 }
