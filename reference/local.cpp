@@ -55,7 +55,7 @@ struct SwigluWant {
   bool trace = false, halfwidth = false, magnitude = false;
 };
 
-ExpertWeights expert_weights(Act ca, const Vec& W1, const Vec& W3, const Vec& W2, int64_t j, int64_t D, int64_t F,
+ExpertWeights expert_weights(Act ca, WeightView W1, WeightView W3, WeightView W2, int64_t j, int64_t D, int64_t F,
                              const SwigluWant& want) {
   ExpertWeights w;
   const bool abs = want.halfwidth || want.magnitude, w2 = want.trace || want.magnitude;
@@ -92,8 +92,8 @@ ExpertWeights expert_weights(Act ca, const Vec& W1, const Vec& W3, const Vec& W2
 /// is an fp64 Eigen product; the sums of |terms| are fp32 products of
 /// absolute values made upper bounds (abs_sum_upper). The same h1 and h3
 /// serve the trace, the half-widths and the error scale.
-SwigluTrace swiglu_core(Act act, Act ca, const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1,
-                        const Vec& W3, const Vec& W2, SiluRounding rounding, const SwigluWant& want, int threads) {
+SwigluTrace swiglu_core(Act act, Act ca, const Vec& X, const Counts& counts, int64_t D, int64_t F, WeightView W1,
+                        WeightView W3, WeightView W2, SiluRounding rounding, const SwigluWant& want, int threads) {
   int64_t rows = 0;
   std::vector<int64_t> first(counts.size(), 0);
   for (size_t j = 0; j < counts.size(); ++j) first[j] = rows, rows += counts[j];
@@ -165,7 +165,7 @@ SwigluTrace swiglu_core(Act act, Act ca, const Vec& X, const Counts& counts, int
 }  // namespace
 
 SwigluTrace swiglu_experts_traced(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F,
-                                  const Vec& W1, const Vec& W3, const Vec& W2, SiluRounding rounding,
+                                  WeightView W1, WeightView W3, WeightView W2, SiluRounding rounding,
                                   Compute compute, int threads, bool bounds) {
   // ca: the dtype the GEMMs and the activation round to; the inputs are
   // rounded to it first (exact when ca == act).
@@ -180,8 +180,8 @@ SwigluTrace swiglu_experts_traced(Act act, const Vec& X, const Counts& counts, i
   return o;
 }
 
-Vec swiglu_experts(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1, const Vec& W3,
-                   const Vec& W2) {
+Vec swiglu_experts(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F, WeightView W1, WeightView W3,
+                   WeightView W2) {
   return swiglu_experts_traced(act, X, counts, D, F, W1, W3, W2).Y;
 }
 
@@ -248,15 +248,15 @@ Vec gemm_magnitude(const Vec& X, const Vec& W, int64_t rows, int64_t D, int64_t 
   return m;
 }
 
-Vec swiglu_h13_halfwidth(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1,
-                         const Vec& W3, int threads) {
+Vec swiglu_h13_halfwidth(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F, WeightView W1,
+                         WeightView W3, int threads) {
   SwigluWant want;
   want.halfwidth = true;
-  return swiglu_core(act, act, X, counts, D, F, W1, W3, Vec{}, SiluRounding::fused, want, threads).h13_halfwidth;
+  return swiglu_core(act, act, X, counts, D, F, W1, W3, WeightView{}, SiluRounding::fused, want, threads).h13_halfwidth;
 }
 
-Vec swiglu_magnitude(const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1, const Vec& W3,
-                     const Vec& W2, int threads) {
+Vec swiglu_magnitude(const Vec& X, const Counts& counts, int64_t D, int64_t F, WeightView W1, WeightView W3,
+                     WeightView W2, int threads) {
   // Act::fp32: the values as they are (round_act to fp32 is the identity).
   SwigluWant want;
   want.magnitude = true;

@@ -106,6 +106,20 @@ inline float decode_act(Act act, const uint8_t* p) {
 /// Stores v, which must be representable in `act` (round_act first), at p.
 void encode_act(Act act, float v, uint8_t* p);
 
+/// Expert weights where they are stored: element i is of type `type` at
+/// data + i * act_bytes(type) (the bf16/fp16/fp32 bytes of a weight tensor,
+/// or the floats of a Vec, which convert implicitly). The SwiGLU references
+/// decode one expert at a time from it, so no fp32 copy of every expert's
+/// weights is ever made.
+struct WeightView {
+  const uint8_t* data = nullptr;
+  Act type = Act::fp32;
+  WeightView() = default;
+  WeightView(const Vec& v) : data(reinterpret_cast<const uint8_t*>(v.data())) {}  // NOLINT: implicit on purpose
+  WeightView(const void* p, Act t) : data(static_cast<const uint8_t*>(p)), type(t) {}
+  float operator[](size_t i) const { return decode_act(type, data + i * act_bytes(type)); }
+};
+
 enum class Score { softmax, sigmoid };
 enum class Selection { topk, force_load_balance };
 
@@ -181,7 +195,7 @@ LocalDispatch local_dispatch(Act act, ScoreApply apply, RowsRef x, const Ids& id
 /// docs/contract.md §8 SwiGLU over expert-major rows (expert j owns counts[j] rows).
 /// W1, W3: (E_l, F, D); W2: (E_l, D, F). GEMMs in fp64, rounded to act.
 Vec swiglu_experts(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F,
-                   const Vec& W1, const Vec& W3, const Vec& W2);
+                   WeightView W1, WeightView W3, WeightView W2);
 
 /// swiglu_experts with its intermediates at the contract's rounding points:
 /// h13 (rows, 2F) = [h1 | h3] rounded to act, H (rows, F), Y (rows, D); with
@@ -195,7 +209,7 @@ struct SwigluTrace {
 /// rounded to act. Row blocks of each expert run on `threads` threads; the
 /// result does not depend on their number (reference/blocked.h).
 SwigluTrace swiglu_experts_traced(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F,
-                                  const Vec& W1, const Vec& W3, const Vec& W2,
+                                  WeightView W1, WeightView W3, WeightView W2,
                                   SiluRounding rounding = SiluRounding::fused, Compute compute = Compute::act,
                                   int threads = 1, bool bounds = false);
 
@@ -215,8 +229,8 @@ Vec swiglu_hidden(Act act, const Vec& h13, int64_t rows, int64_t F, Vec& halfwid
 /// the GEMM tolerance would hide it (experts.compute_dtype, docs/contract.md §14).
 /// The sum of |x w| is an upper bound from an fp32 GEMM of absolute values
 /// (reference/blocked.h), never below the exact one.
-Vec swiglu_h13_halfwidth(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1,
-                         const Vec& W3, int threads = 1);
+Vec swiglu_h13_halfwidth(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F, WeightView W1,
+                         WeightView W3, int threads = 1);
 
 
 /// Error scale of swiglu_experts (docs/contract.md §15): element (i, j) of expert
@@ -227,8 +241,8 @@ Vec swiglu_h13_halfwidth(Act act, const Vec& X, const Counts& counts, int64_t D,
 /// is >= |Y| and does not shrink under cancellation. Same layout as the output.
 /// h1, h3 are fp64 GEMMs; m1, m3 and the last product are fp32 GEMMs of
 /// absolute values made upper bounds (reference/blocked.h).
-Vec swiglu_magnitude(const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1, const Vec& W3,
-                     const Vec& W2, int threads = 1);
+Vec swiglu_magnitude(const Vec& X, const Counts& counts, int64_t D, int64_t F, WeightView W1, WeightView W3,
+                     WeightView W2, int threads = 1);
 
 /// Gradients of swiglu_experts (reference/swiglu_bwd.cpp): dX (rows, D) in
 /// act values; dW1, dW3 (E_l, F, D) and dW2 (E_l, D, F), the weights'
@@ -256,7 +270,7 @@ struct SwigluGrads {
 /// of the act-rounded inputs from the same GEMMs (swiglu_backward_magnitude's
 /// when the inputs are act values, as a stage's tensors are).
 SwigluGrads swiglu_experts_backward(Act act, const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
-                                    const Vec& W1, const Vec& W3, const Vec& W2,
+                                    WeightView W1, WeightView W3, WeightView W2,
                                     SiluRounding rounding = SiluRounding::fused, Compute compute = Compute::act,
                                     int threads = 1, bool bounds = false);
 /// Error scales of swiglu_experts_backward (docs/contract.md §15), same layouts: the
@@ -265,7 +279,7 @@ SwigluGrads swiglu_experts_backward(Act act, const Vec& X, const Vec& dY, const 
 /// from those). >= |value|, and it does not shrink under cancellation.
 /// fp64 values, fp32 GEMMs of absolute values made upper bounds (reference/blocked.h).
 SwigluGrads swiglu_backward_magnitude(const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
-                                      const Vec& W1, const Vec& W3, const Vec& W2, int threads = 1);
+                                      WeightView W1, WeightView W3, WeightView W2, int threads = 1);
 
 enum class Accumulate { per_add, fp32_accumulate };
 enum class SharedAdd { none, add_after };

@@ -20,7 +20,7 @@ MatD block(Act act, const Vec& v, int64_t row, int64_t n, int64_t cols) {
 }
 
 /// Expert j's (a, b) weight matrix, rounded to act.
-MatD weight(Act act, const Vec& w, size_t j, int64_t a, int64_t b) {
+MatD weight(Act act, WeightView w, size_t j, int64_t a, int64_t b) {
   MatD m(a, b);
   for (int64_t i = 0; i < a * b; ++i) m.data()[i] = round_act(act, w[j * size_t(a * b) + size_t(i)]);
   return m;
@@ -51,7 +51,7 @@ struct BwdWant {
 /// their first-order terms use the same fp64 h1, h3 and dY W2. The error
 /// scales are of the inputs as given (act = fp32 leaves them unrounded).
 SwigluGrads swiglu_bwd_core(Act act, const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
-                            const Vec& W1, const Vec& W3, const Vec& W2, const BwdWant& want, int threads) {
+                            WeightView W1, WeightView W3, WeightView W2, const BwdWant& want, int threads) {
   const int E_l = int(counts.size());
   std::vector<int64_t> first(counts.size(), 0);
   int64_t rows = 0;
@@ -116,7 +116,7 @@ SwigluGrads swiglu_bwd_core(Act act, const Vec& X, const Vec& dY, const Counts& 
 }  // namespace
 
 SwigluGrads swiglu_experts_backward(Act act, const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
-                                    const Vec& W1, const Vec& W3, const Vec& W2, SiluRounding rounding,
+                                    WeightView W1, WeightView W3, WeightView W2, SiluRounding rounding,
                                     Compute compute, int threads, bool bounds) {
   if (rounding != SiluRounding::fused)
     throw std::invalid_argument("swiglu_experts_backward: experts.rounding torchtitan has no backward contract");
@@ -129,7 +129,7 @@ SwigluGrads swiglu_experts_backward(Act act, const Vec& X, const Vec& dY, const 
 }
 
 SwigluGrads swiglu_backward_magnitude(const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
-                                      const Vec& W1, const Vec& W3, const Vec& W2, int threads) {
+                                      WeightView W1, WeightView W3, WeightView W2, int threads) {
   BwdWant want;
   want.magnitude = true;
   SwigluGrads m = swiglu_bwd_core(Act::fp32, X, dY, counts, D, F, W1, W3, W2, want, threads);

@@ -380,12 +380,6 @@ void ref_experts_identity_bwd(RefCtx& r) {
 
 // ---- SwiGLU experts and shared experts backward (kernels/swiglu_bwd_host.h) ------
 
-/// The weights of experts [first, first + count) of an (E, ...) tensor.
-ref::Vec weight_slice(const Tensor& w, int64_t first, int64_t count) {
-  const int64_t per = w.numel() / w.shape[0];
-  return to_floats(w.view(w.type, {count * per}, w.offset_bytes + size_t(first * per) * elem_bytes(w.type)));
-}
-
 const void* weight_ptr(const FastCtx& ctx, const std::string& name, int64_t first) {
   const Tensor& w = ctx.input(name);
   return static_cast<const uint8_t*>(w.data()) + size_t(first) * size_t(w.numel() / w.shape[0]) * elem_bytes(w.type);
@@ -394,7 +388,8 @@ const void* weight_ptr(const FastCtx& ctx, const std::string& name, int64_t firs
 /// One SwiGLU backward problem in reference values: rows grouped by counts,
 /// the weights of the experts concerned.
 struct SwigluBwdArgs {
-  ref::Vec X, dY, W1, W3, W2;
+  ref::Vec X, dY;
+  ref::WeightView W1, W3, W2;  // in place on the board
   ref::Counts counts;
   int64_t rows = 0;
 };
@@ -410,9 +405,9 @@ SwigluBwdArgs routed_args(const Case& c, const RankBoard& b, int rank) {
   a.dY = to_floats(b.at("grad_expert_output"));
   a.dY.resize(size_t(a.rows * c.hidden));
   const int64_t E_l = int64_t(a.counts.size()), first = int64_t(rank) * E_l;
-  a.W1 = weight_slice(b.at("w1"), first, E_l);
-  a.W3 = weight_slice(b.at("w3"), first, E_l);
-  a.W2 = weight_slice(b.at("w2"), first, E_l);
+  a.W1 = weight_view(b.at("w1"), first);
+  a.W3 = weight_view(b.at("w3"), first);
+  a.W2 = weight_view(b.at("w2"), first);
   return a;
 }
 
@@ -423,9 +418,9 @@ SwigluBwdArgs shared_args(const Case&, const RankBoard& b) {
   a.dY = to_floats(b.at("grad_out"));
   a.rows = b.at("x").shape[0];
   a.counts = {a.rows};
-  a.W1 = to_floats(b.at("shared_w1"));
-  a.W3 = to_floats(b.at("shared_w3"));
-  a.W2 = to_floats(b.at("shared_w2"));
+  a.W1 = weight_view(b.at("shared_w1"), 0);
+  a.W3 = weight_view(b.at("shared_w3"), 0);
+  a.W2 = weight_view(b.at("shared_w2"), 0);
   return a;
 }
 
@@ -554,7 +549,8 @@ void swiglu_end_to_end_scales(const Case& c, const RankBoard& in, RankBoard& out
         X[size_t(i * D + d)] = x[size_t(tok[size_t(i)] * D + d)] * (before ? s : 1.f);
         dY[size_t(i * D + d)] = g[size_t(tok[size_t(i)] * D + d)] * (before ? 1.f : s);
       }
-    const ref::Vec w1 = to_floats(in.at("w1")), w3 = to_floats(in.at("w3")), w2 = to_floats(in.at("w2"));
+    const ref::WeightView w1 = weight_view(in.at("w1"), 0), w3 = weight_view(in.at("w3"), 0),
+                          w2 = weight_view(in.at("w2"), 0);
     const ref::SwigluGrads m = ref::swiglu_backward_magnitude(X, dY, counts, D, c.ffn, w1, w3, w2, threads);
     const ref::Vec fwd = before ? ref::Vec{} : ref::swiglu_magnitude(X, counts, D, c.ffn, w1, w3, w2, threads);
     // the row's (t, k): row_of maps assignment a = t*K + k to its row

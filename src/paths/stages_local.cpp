@@ -17,6 +17,15 @@ namespace moev {
 
 ref::Act ref_act(DType d) { return d == DType::fp32 ? ref::Act::fp32 : d == DType::bf16 ? ref::Act::bf16 : ref::Act::fp16; }
 
+ref::WeightView weight_view(const Tensor& w, int64_t first) {
+  const int64_t per = w.numel() / w.shape[0];
+  const ref::Act t = w.type == ElemType::f32    ? ref::Act::fp32
+                     : w.type == ElemType::bf16 ? ref::Act::bf16
+                     : w.type == ElemType::f16  ? ref::Act::fp16
+                                                : throw std::logic_error("weight_view: not a float tensor");
+  return ref::WeightView(static_cast<const uint8_t*>(w.data()) + size_t(first * per) * elem_bytes(w.type), t);
+}
+
 ref::Ids ref_ids(const Tensor& t) {
   ref::Ids v;
   for (int64_t x : to_ints(t)) v.push_back(int32_t(x));
@@ -201,11 +210,7 @@ void fast_swiglu(FastCtx& ctx, ExpertsImpl impl, const Tensor& X, const int64_t*
                  conv);
 }
 
-/// The weights of experts [first, first + count) of an (E, ...) tensor.
-ref::Vec slice_weights(const Tensor& w, int64_t first, int64_t count) {
-  const int64_t per = w.numel() / w.shape[0];
-  return to_floats(w.view(w.type, {count * per}, w.offset_bytes + size_t(first * per) * elem_bytes(w.type)));
-}
+
 
 /// Error scale of SwiGLU over the first sum(counts) rows of X with the
 /// weights of experts [first, first + counts.size()) of the `w_prefix` tensors.
@@ -216,9 +221,9 @@ Tensor swiglu_scale(const Case& c, const RankBoard& b, const Tensor& X, const re
   ref::Vec xv = to_floats(X);
   xv.resize(size_t(rows * c.hidden));
   const int64_t E_l = int64_t(counts.size());
-  return from_floats(ref::swiglu_magnitude(xv, counts, c.hidden, c.ffn, slice_weights(b.at(w_prefix + "w1"), first, E_l),
-                                           slice_weights(b.at(w_prefix + "w3"), first, E_l),
-                                           slice_weights(b.at(w_prefix + "w2"), first, E_l), threads),
+  return from_floats(ref::swiglu_magnitude(xv, counts, c.hidden, c.ffn, weight_view(b.at(w_prefix + "w1"), first),
+                                           weight_view(b.at(w_prefix + "w3"), first),
+                                           weight_view(b.at(w_prefix + "w2"), first), threads),
                      ElemType::f32, {rows, c.hidden});
 }
 
@@ -266,8 +271,8 @@ std::vector<OutputSpec> swiglu_mid_outputs(const SwigluSite& site, Coords co) {
                    const int64_t first = st->first_expert(c, rank, ranks), E_l = int64_t(counts.size());
                    return from_floats(ref::swiglu_h13_halfwidth(mid_act(c, swiglu_conventions(c, st->mid)), xv, counts,
                                                                 c.hidden, c.ffn,
-                                                                slice_weights(b.at(st->w_prefix + "w1"), first, E_l),
-                                                                slice_weights(b.at(st->w_prefix + "w3"), first, E_l)),
+                                                                weight_view(b.at(st->w_prefix + "w1"), first),
+                                                                weight_view(b.at(st->w_prefix + "w3"), first)),
                                       ElemType::f32, {rows, 2 * c.ffn});
                  });
   OutputSpec hidden(site.mid + "hidden", CompareClass::rounding, co, nullptr);
@@ -338,8 +343,8 @@ void ref_swiglu(RefCtx& r, const std::string& in, const std::function<ref::Count
     xv.resize(size_t(rows * c.hidden));  // rows past the last group (a padding tail) are no expert's
     const SwigluConventions conv = swiglu_conventions(c, mid);
     const ref::SwigluTrace tr = ref::swiglu_experts_traced(
-        ref_act(c.dtype), xv, counts, c.hidden, c.ffn, slice_weights(b.at(w_prefix + "w1"), first, E_l),
-        slice_weights(b.at(w_prefix + "w3"), first, E_l), slice_weights(b.at(w_prefix + "w2"), first, E_l),
+        ref_act(c.dtype), xv, counts, c.hidden, c.ffn, weight_view(b.at(w_prefix + "w1"), first),
+        weight_view(b.at(w_prefix + "w3"), first), weight_view(b.at(w_prefix + "w2"), first),
         ref_rounding(conv), conv.compute == ComputeDtype::bf16 ? ref::Compute::bf16 : ref::Compute::act, r.threads,
         r.wants_scales());
     r.out.ranks[q][out] = from_floats(tr.Y, X.type, {rows, c.hidden});
