@@ -6,6 +6,7 @@
 #include <limits>
 #include <thread>
 
+#include "blocked.h"
 #include "reference.h"
 
 namespace ref {
@@ -39,52 +40,148 @@ LocalDispatch local_dispatch(Act act, ScoreApply apply, RowsRef x, const Ids& id
   return d;
 }
 
-SwigluTrace swiglu_experts_traced(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F,
-                                  const Vec& W1, const Vec& W3, const Vec& W2, SiluRounding rounding,
-                                  Compute compute) {
-  // ca: the dtype the GEMMs and the activation round to; the inputs are
-  // rounded to it first (exact when ca == act).
-  const Act ca = compute == Compute::bf16 ? Act::bf16 : act;
-  using MatD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  int64_t rows = 0;
-  for (int64_t n : counts) rows += n;
-  SwigluTrace o;
-  o.Y.assign(X.size(), 0.f);
-  o.h13.assign(size_t(rows * 2 * F), 0.f);
-  o.H.assign(size_t(rows * F), 0.f);
-  int64_t row = 0;
-  for (size_t j = 0; j < counts.size(); ++j) {
-    const int64_t n = counts[j];
-    MatD xj(n, D), w1(F, D), w3(F, D), w2(D, F);
-    for (int64_t i = 0; i < n * D; ++i) xj.data()[i] = round_act(ca, X[size_t(row * D + i)]);
-    for (int64_t i = 0; i < F * D; ++i) {
-      w1.data()[i] = round_act(ca, W1[size_t(int64_t(j) * F * D + i)]);
-      w3.data()[i] = round_act(ca, W3[size_t(int64_t(j) * F * D + i)]);
-      w2.data()[i] = round_act(ca, W2[size_t(int64_t(j) * D * F + i)]);
-    }
-    const MatD h1 = xj * w1.transpose(), h3 = xj * w3.transpose();
-    MatD H(n, F);
-    for (int64_t r = 0; r < n; ++r)
-      for (int64_t f = 0; f < F; ++f) {
-        const float a = round_act(ca, f32(h1(r, f)));
-        const float b = round_act(ca, f32(h3(r, f)));
-        o.h13[size_t((row + r) * 2 * F + f)] = a;
-        o.h13[size_t((row + r) * 2 * F + F + f)] = b;
-        float silu = f32(double(a) / (1.0 + std::exp(-double(a))));
-        if (rounding == SiluRounding::torchtitan) silu = round_act(ca, silu);
-        H(r, f) = round_act(ca, f32(double(silu) * b));
-        o.H[size_t((row + r) * F + f)] = float(H(r, f));
-      }
-    const MatD y = H * w2.transpose();
-    for (int64_t i = 0; i < n * D; ++i)
-      o.Y[size_t(row * D + i)] = round_act(act, round_act(ca, f32(y.data()[i])));
-    row += n;
+namespace {
+
+/// Expert j's weights rounded to `ca` in fp64 (the values' GEMMs) and, for
+/// the bounds, their absolute values in fp32 (exact: act values).
+struct ExpertWeights {
+  MatD w1, w3, w2;
+  MatF a1, a3, a2;
+};
+
+/// What swiglu_core computes: the trace (h13, H, Y), the h13 half-widths,
+/// the error scale of Y.
+struct SwigluWant {
+  bool trace = false, halfwidth = false, magnitude = false;
+};
+
+ExpertWeights expert_weights(Act ca, WeightView W1, WeightView W3, WeightView W2, int64_t j, int64_t D, int64_t F,
+                             const SwigluWant& want) {
+  ExpertWeights w;
+  const bool abs = want.halfwidth || want.magnitude, w2 = want.trace || want.magnitude;
+  const size_t at = size_t(j * F * D);
+  w.w1.resize(F, D);
+  w.w3.resize(F, D);
+  if (abs) {
+    w.a1.resize(F, D);
+    w.a3.resize(F, D);
   }
+  for (int64_t i = 0; i < F * D; ++i) {
+    const float v1 = round_act(ca, W1[at + size_t(i)]), v3 = round_act(ca, W3[at + size_t(i)]);
+    w.w1.data()[i] = v1;
+    w.w3.data()[i] = v3;
+    if (abs) {
+      w.a1.data()[i] = std::fabs(v1);
+      w.a3.data()[i] = std::fabs(v3);
+    }
+  }
+  if (w2) {
+    if (want.trace) w.w2.resize(D, F);
+    if (want.magnitude) w.a2.resize(D, F);
+    for (int64_t i = 0; i < D * F; ++i) {
+      const float v = round_act(ca, W2[at + size_t(i)]);
+      if (want.trace) w.w2.data()[i] = v;
+      if (want.magnitude) w.a2.data()[i] = std::fabs(v);
+    }
+  }
+  return w;
+}
+
+/// SwiGLU over expert-major rows with X and the weights rounded to `ca`, in
+/// row blocks on `threads` threads (reference/blocked.h). Every GEMM of values
+/// is an fp64 Eigen product; the sums of |terms| are fp32 products of
+/// absolute values made upper bounds (abs_sum_upper). The same h1 and h3
+/// serve the trace, the half-widths and the error scale.
+SwigluTrace swiglu_core(Act act, Act ca, const Vec& X, const Counts& counts, int64_t D, int64_t F, WeightView W1,
+                        WeightView W3, WeightView W2, SiluRounding rounding, const SwigluWant& want, int threads) {
+  int64_t rows = 0;
+  std::vector<int64_t> first(counts.size(), 0);
+  for (size_t j = 0; j < counts.size(); ++j) first[j] = rows, rows += counts[j];
+  SwigluTrace o;
+  if (want.trace) {
+    o.Y.assign(size_t(rows * D), 0.f);
+    o.h13.assign(size_t(rows * 2 * F), 0.f);
+    o.H.assign(size_t(rows * F), 0.f);
+  }
+  if (want.halfwidth) o.h13_halfwidth.assign(size_t(rows * 2 * F), 0.f);
+  if (want.magnitude) o.magnitude.assign(size_t(rows * D), 0.f);
+  const double gamma = double(D + 2) * std::ldexp(1.0, -24);
+  over_expert_blocks(
+      counts, threads, [&](int64_t j) { return expert_weights(ca, W1, W3, W2, j, D, F, want); },
+      [&](const ExpertWeights& w, int64_t j, int64_t r0, int64_t r1) {
+        const int64_t n = r1 - r0, g0 = first[size_t(j)] + r0;  // g0: the block's first row overall
+        MatD x(n, D);
+        for (int64_t i = 0; i < n * D; ++i) x.data()[i] = round_act(ca, X[size_t(g0 * D + i)]);
+        const MatD h1 = x * w.w1.transpose(), h3 = x * w.w3.transpose();
+        MatD m1, m3;
+        if (want.halfwidth || want.magnitude) {
+          const MatF ax = x.cwiseAbs().cast<float>();  // exact: act values
+          m1 = abs_product_nt(ax, w.a1);
+          m3 = abs_product_nt(ax, w.a3);
+        }
+        if (want.trace) {
+          MatD H(n, F);
+          for (int64_t r = 0; r < n; ++r)
+            for (int64_t f = 0; f < F; ++f) {
+              const float a = round_act(ca, f32(h1(r, f)));
+              const float b = round_act(ca, f32(h3(r, f)));
+              o.h13[size_t((g0 + r) * 2 * F + f)] = a;
+              o.h13[size_t((g0 + r) * 2 * F + F + f)] = b;
+              float silu = f32(double(a) / (1.0 + std::exp(-double(a))));
+              if (rounding == SiluRounding::torchtitan) silu = round_act(ca, silu);
+              H(r, f) = round_act(ca, f32(double(silu) * b));
+              o.H[size_t((g0 + r) * F + f)] = float(H(r, f));
+            }
+          const MatD y = H * w.w2.transpose();
+          for (int64_t i = 0; i < n * D; ++i) o.Y[size_t(g0 * D + i)] = round_act(act, round_act(ca, f32(y.data()[i])));
+        }
+        if (want.halfwidth)
+          for (int64_t r = 0; r < n; ++r)
+            for (int part = 0; part < 2; ++part)
+              for (int64_t f = 0; f < F; ++f) {
+                const double v = part == 0 ? h1(r, f) : h3(r, f), m = part == 0 ? m1(r, f) : m3(r, f);
+                const double room = gamma * m + std::ldexp(1.0, -126);
+                const float mid = round_act(ca, f32(v));
+                const float lo = round_act(ca, f32(v - room)), hi = round_act(ca, f32(v + room));
+                o.h13_halfwidth[size_t((g0 + r) * 2 * F + part * F + f)] =
+                    std::isfinite(mid) ? std::max(hi - mid, mid - lo) : 0.f;
+              }
+        if (want.magnitude) {
+          MatD Heff(n, F);
+          for (int64_t i = 0; i < n * F; ++i) {
+            const double a = h1.data()[i], b = h3.data()[i];
+            const double sig = 1.0 / (1.0 + std::exp(-a));
+            const double silu = a * sig, dsilu = sig * (1.0 + a * (1.0 - sig));
+            // first-order propagation of an error of m1 in h1 and of m3 in h3
+            Heff.data()[i] = std::fabs(silu * b) + std::fabs(dsilu * b) * m1.data()[i] + std::fabs(silu) * m3.data()[i];
+          }
+          const MatD y = abs_product_nt(abs_f32_up(Heff), w.a2);
+          for (int64_t i = 0; i < n * D; ++i) o.magnitude[size_t(g0 * D + i)] = f32(y.data()[i]);
+        }
+      });
   return o;
 }
 
-Vec swiglu_experts(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1, const Vec& W3,
-                   const Vec& W2) {
+}  // namespace
+
+SwigluTrace swiglu_experts_traced(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F,
+                                  WeightView W1, WeightView W3, WeightView W2, SiluRounding rounding,
+                                  Compute compute, int threads, bool bounds) {
+  // ca: the dtype the GEMMs and the activation round to; the inputs are
+  // rounded to it first (exact when ca == act).
+  const Act ca = compute == Compute::bf16 ? Act::bf16 : act;
+  SwigluWant want;
+  want.trace = true;
+  want.halfwidth = bounds;
+  // The error scale is of the unrounded inputs: the same GEMMs when ca == act.
+  want.magnitude = bounds && ca == act;
+  SwigluTrace o = swiglu_core(act, ca, X, counts, D, F, W1, W3, W2, rounding, want, threads);
+  if (bounds && ca != act) o.magnitude = swiglu_magnitude(X, counts, D, F, W1, W3, W2, threads);
+  return o;
+}
+
+Vec swiglu_experts(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F, WeightView W1, WeightView W3,
+                   WeightView W2) {
   return swiglu_experts_traced(act, X, counts, D, F, W1, W3, W2).Y;
 }
 
@@ -137,75 +234,33 @@ Vec swiglu_hidden(Act act, const Vec& h13, int64_t rows, int64_t F, Vec& halfwid
   return H;
 }
 
-Vec gemm_magnitude(const Vec& X, const Vec& W, int64_t rows, int64_t D, int64_t n) {
+Vec gemm_magnitude(const Vec& X, const Vec& W, int64_t rows, int64_t D, int64_t n, int threads) {
   Vec m(size_t(rows * n), 0.f);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < n; ++j) {
-      double s = 0;
-      for (int64_t d = 0; d < D; ++d) s += std::fabs(double(X[size_t(r * D + d)])) * std::fabs(double(W[size_t(j * D + d)]));
-      m[size_t(r * n + j)] = f32(s);
-    }
+  MatF aw(n, D);
+  for (int64_t i = 0; i < n * D; ++i) aw.data()[i] = std::fabs(W[size_t(i)]);
+  parallel_items((rows + kRowBlock - 1) / kRowBlock, threads, [&](int64_t b) {
+    const int64_t r0 = b * kRowBlock, r1 = std::min(rows, r0 + kRowBlock);
+    MatF ax(r1 - r0, D);
+    for (int64_t i = 0; i < (r1 - r0) * D; ++i) ax.data()[i] = std::fabs(X[size_t(r0 * D + i)]);
+    const MatD s = abs_product_nt(ax, aw);
+    for (int64_t i = 0; i < s.size(); ++i) m[size_t(r0 * n + i)] = f32(s.data()[i]);
+  });
   return m;
 }
 
-Vec swiglu_h13_halfwidth(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1,
-                         const Vec& W3) {
-  int64_t rows = 0;
-  for (int64_t n : counts) rows += n;
-  const double gamma = double(D + 2) * std::ldexp(1.0, -24);
-  Vec half(size_t(rows * 2 * F), 0.f);
-  int64_t row = 0;
-  for (size_t j = 0; j < counts.size(); ++j) {
-    for (int64_t r = row; r < row + counts[j]; ++r)
-      for (int64_t f = 0; f < F; ++f)
-        for (int part = 0; part < 2; ++part) {
-          const Vec& W = part == 0 ? W1 : W3;
-          double v = 0, m = 0;
-          for (int64_t d = 0; d < D; ++d) {
-            const double x = round_act(act, X[size_t(r * D + d)]);
-            const double w = round_act(act, W[size_t((int64_t(j) * F + f) * D + d)]);
-            v += x * w;
-            m += std::fabs(x * w);
-          }
-          const double room = gamma * m + std::ldexp(1.0, -126);
-          const float mid = round_act(act, f32(v));
-          const float lo = round_act(act, f32(v - room)), hi = round_act(act, f32(v + room));
-          half[size_t(r * 2 * F + part * F + f)] = std::isfinite(mid) ? std::max(hi - mid, mid - lo) : 0.f;
-        }
-    row += counts[j];
-  }
-  return half;
+Vec swiglu_h13_halfwidth(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F, WeightView W1,
+                         WeightView W3, int threads) {
+  SwigluWant want;
+  want.halfwidth = true;
+  return swiglu_core(act, act, X, counts, D, F, W1, W3, WeightView{}, SiluRounding::fused, want, threads).h13_halfwidth;
 }
 
-Vec swiglu_magnitude(const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1, const Vec& W3,
-                     const Vec& W2) {
-  using MatD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  Vec M(X.size(), 0.f);
-  int64_t row = 0;
-  for (size_t j = 0; j < counts.size(); ++j) {
-    const int64_t n = counts[j];
-    MatD xj(n, D), w1(F, D), w3(F, D), w2(D, F);
-    for (int64_t i = 0; i < n * D; ++i) xj.data()[i] = X[size_t(row * D + i)];
-    for (int64_t i = 0; i < F * D; ++i) {
-      w1.data()[i] = W1[size_t(int64_t(j) * F * D + i)];
-      w3.data()[i] = W3[size_t(int64_t(j) * F * D + i)];
-      w2.data()[i] = W2[size_t(int64_t(j) * D * F + i)];
-    }
-    const MatD h1 = xj * w1.transpose(), h3 = xj * w3.transpose();
-    const MatD m1 = xj.cwiseAbs() * w1.cwiseAbs().transpose(), m3 = xj.cwiseAbs() * w3.cwiseAbs().transpose();
-    MatD Heff(n, F);
-    for (int64_t i = 0; i < n * F; ++i) {
-      const double a = h1.data()[i], b = h3.data()[i];
-      const double sig = 1.0 / (1.0 + std::exp(-a));
-      const double silu = a * sig, dsilu = sig * (1.0 + a * (1.0 - sig));
-      // first-order propagation of an error of m1 in h1 and of m3 in h3
-      Heff.data()[i] = std::fabs(silu * b) + std::fabs(dsilu * b) * m1.data()[i] + std::fabs(silu) * m3.data()[i];
-    }
-    const MatD y = Heff * w2.cwiseAbs().transpose();
-    for (int64_t i = 0; i < n * D; ++i) M[size_t(row * D + i)] = f32(y.data()[i]);
-    row += n;
-  }
-  return M;
+Vec swiglu_magnitude(const Vec& X, const Counts& counts, int64_t D, int64_t F, WeightView W1, WeightView W3,
+                     WeightView W2, int threads) {
+  // Act::fp32: the values as they are (round_act to fp32 is the identity).
+  SwigluWant want;
+  want.magnitude = true;
+  return swiglu_core(Act::fp32, Act::fp32, X, counts, D, F, W1, W3, W2, SiluRounding::fused, want, threads).magnitude;
 }
 
 namespace {

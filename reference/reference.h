@@ -106,6 +106,20 @@ inline float decode_act(Act act, const uint8_t* p) {
 /// Stores v, which must be representable in `act` (round_act first), at p.
 void encode_act(Act act, float v, uint8_t* p);
 
+/// Expert weights where they are stored: element i is of type `type` at
+/// data + i * act_bytes(type) (the bf16/fp16/fp32 bytes of a weight tensor,
+/// or the floats of a Vec, which convert implicitly). The SwiGLU references
+/// decode one expert at a time from it, so no fp32 copy of every expert's
+/// weights is ever made.
+struct WeightView {
+  const uint8_t* data = nullptr;
+  Act type = Act::fp32;
+  WeightView() = default;
+  WeightView(const Vec& v) : data(reinterpret_cast<const uint8_t*>(v.data())) {}  // NOLINT: implicit on purpose
+  WeightView(const void* p, Act t) : data(static_cast<const uint8_t*>(p)), type(t) {}
+  float operator[](size_t i) const { return decode_act(type, data + i * act_bytes(type)); }
+};
+
 enum class Score { softmax, sigmoid };
 enum class Selection { topk, force_load_balance };
 
@@ -132,8 +146,10 @@ enum class Compute { act, bf16 };
 /// fp32 (and then to `act` under GateDtype::act).
 Vec router_logits(const Vec& x, const Vec& wg, int64_t T, int64_t D, int E, GateDtype gate = GateDtype::fp32,
                   Act act = Act::fp32);
-/// Error scale of X W^T (docs/contract.md §15): sum_k |x_ik| |w_jk|, (rows, n).
-Vec gemm_magnitude(const Vec& X, const Vec& W, int64_t rows, int64_t D, int64_t n);
+/// Error scale of X W^T (docs/contract.md §15): sum_k |x_ik| |w_jk|, (rows, n),
+/// as an fp32 GEMM of absolute values made an upper bound of the exact sum
+/// (reference/blocked.h), over row blocks on `threads` threads.
+Vec gemm_magnitude(const Vec& X, const Vec& W, int64_t rows, int64_t D, int64_t n, int threads = 1);
 /// Under GateDtype::act: how far a correct logit round_act(fp32-accumulated
 /// x wg^T) may land from router_logits' value, per element: any act rounding
 /// of a value within the fp32 accumulation bound (D + 2) 2^-24 sum |x w| of
@@ -179,18 +195,23 @@ LocalDispatch local_dispatch(Act act, ScoreApply apply, RowsRef x, const Ids& id
 /// docs/contract.md §8 SwiGLU over expert-major rows (expert j owns counts[j] rows).
 /// W1, W3: (E_l, F, D); W2: (E_l, D, F). GEMMs in fp64, rounded to act.
 Vec swiglu_experts(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F,
-                   const Vec& W1, const Vec& W3, const Vec& W2);
+                   WeightView W1, WeightView W3, WeightView W2);
 
 /// swiglu_experts with its intermediates at the contract's rounding points:
-/// h13 (rows, 2F) = [h1 | h3] rounded to act, H (rows, F), Y (rows, D).
+/// h13 (rows, 2F) = [h1 | h3] rounded to act, H (rows, F), Y (rows, D); with
+/// bounds, also what swiglu_h13_halfwidth and swiglu_magnitude return, from
+/// the same GEMMs.
 struct SwigluTrace {
   Vec h13, H, Y;
+  Vec h13_halfwidth, magnitude;
 };
 /// Under Compute::bf16, h13 and H hold bf16 values and Y is the bf16 result
-/// rounded to act.
+/// rounded to act. Row blocks of each expert run on `threads` threads; the
+/// result does not depend on their number (reference/blocked.h).
 SwigluTrace swiglu_experts_traced(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F,
-                                  const Vec& W1, const Vec& W3, const Vec& W2,
-                                  SiluRounding rounding = SiluRounding::fused, Compute compute = Compute::act);
+                                  WeightView W1, WeightView W3, WeightView W2,
+                                  SiluRounding rounding = SiluRounding::fused, Compute compute = Compute::act,
+                                  int threads = 1, bool bounds = false);
 
 /// The activation H = round_act(silu(h1) * h3) (docs/contract.md §8) of given
 /// [h1 | h3] rows, computed in fp64: what H must be given those GEMM outputs.
@@ -206,8 +227,10 @@ Vec swiglu_hidden(Act act, const Vec& h13, int64_t rows, int64_t F, Vec& halfwid
 /// the exact product of X and the weights rounded to `act`. Mostly 0 for
 /// bf16/fp16, so a wrong rounding of X, the weights or the result fails where
 /// the GEMM tolerance would hide it (experts.compute_dtype, docs/contract.md §14).
-Vec swiglu_h13_halfwidth(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1,
-                         const Vec& W3);
+/// The sum of |x w| is an upper bound from an fp32 GEMM of absolute values
+/// (reference/blocked.h), never below the exact one.
+Vec swiglu_h13_halfwidth(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F, WeightView W1,
+                         WeightView W3, int threads = 1);
 
 
 /// Error scale of swiglu_experts (docs/contract.md §15): element (i, j) of expert
@@ -216,8 +239,10 @@ Vec swiglu_h13_halfwidth(Act act, const Vec& X, const Counts& counts, int64_t D,
 /// with m1 = |X| |W1|^T, m3 = |X| |W3|^T: the sum of the absolute values of
 /// every term, with a first-order propagation of the errors of h1 and h3. It
 /// is >= |Y| and does not shrink under cancellation. Same layout as the output.
-Vec swiglu_magnitude(const Vec& X, const Counts& counts, int64_t D, int64_t F, const Vec& W1, const Vec& W3,
-                     const Vec& W2);
+/// h1, h3 are fp64 GEMMs; m1, m3 and the last product are fp32 GEMMs of
+/// absolute values made upper bounds (reference/blocked.h).
+Vec swiglu_magnitude(const Vec& X, const Counts& counts, int64_t D, int64_t F, WeightView W1, WeightView W3,
+                     WeightView W2, int threads = 1);
 
 /// Gradients of swiglu_experts (reference/swiglu_bwd.cpp): dX (rows, D) in
 /// act values; dW1, dW3 (E_l, F, D) and dW2 (E_l, D, F), the weights'
@@ -226,6 +251,8 @@ struct SwigluGrads {
   Vec dX;
   Vec dW1, dW3;
   Vec dW2;
+  /// With bounds: the error scales of the four, as swiglu_backward_magnitude's.
+  Vec mdX, mdW1, mdW3, mdW2;
 };
 /// Backward of swiglu_experts for the loss <Y, dY> (docs/contract.md §13 with §8).
 /// Rounding points (the contract of the fast path), per expert j:
@@ -238,15 +265,21 @@ struct SwigluGrads {
 ///   dW1_j  = dh1^T X_j,  dW3_j = dh3^T X_j,  dW2_j = dY_j^T H_j   (fp32 results, no act rounding)
 /// Computed in fp64 from the act-rounded inputs. Only SiluRounding::fused
 /// and Compute::act are defined; the others throw std::invalid_argument.
+/// Experts run on `threads` threads (each expert on one: the result does not
+/// depend on their number). With bounds, the m* fields hold the error scales
+/// of the act-rounded inputs from the same GEMMs (swiglu_backward_magnitude's
+/// when the inputs are act values, as a stage's tensors are).
 SwigluGrads swiglu_experts_backward(Act act, const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
-                                    const Vec& W1, const Vec& W3, const Vec& W2,
-                                    SiluRounding rounding = SiluRounding::fused, Compute compute = Compute::act);
+                                    WeightView W1, WeightView W3, WeightView W2,
+                                    SiluRounding rounding = SiluRounding::fused, Compute compute = Compute::act,
+                                    int threads = 1, bool bounds = false);
 /// Error scales of swiglu_experts_backward (docs/contract.md §15), same layouts: the
 /// sums of |terms| with a first-order propagation of the errors of every
 /// rounded intermediate (h1, h3 from |X||W|^T, dH from |dY||W2|, dh1, dh3
 /// from those). >= |value|, and it does not shrink under cancellation.
+/// fp64 values, fp32 GEMMs of absolute values made upper bounds (reference/blocked.h).
 SwigluGrads swiglu_backward_magnitude(const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
-                                      const Vec& W1, const Vec& W3, const Vec& W2);
+                                      WeightView W1, WeightView W3, WeightView W2, int threads = 1);
 
 enum class Accumulate { per_add, fp32_accumulate };
 enum class SharedAdd { none, add_after };

@@ -124,7 +124,7 @@ item unknown_option "--frob" run "$ok_file" --frob
 v huge_tokens_hidden "case 'huge': estimated peak memory"
 item huge_tokens_hidden_limit "exceeds the limit 1.0 GiB (--max-memory 1G)" run "$dir/huge_tokens_hidden.yaml" --max-memory 1G
 item align_4096 "case 'wide_align': estimated peak memory" run "$dir/align_4096.yaml" --max-memory 4G
-item ep256_swiglu "case 'ep256': estimated peak memory" run "$dir/ep256_swiglu.yaml" --max-memory 2G
+item ep256_swiglu "case 'ep256': estimated peak memory" run "$dir/ep256_swiglu.yaml" --max-memory 1G
 item set_tokens_over_limit "exceeds the limit 64.0 MiB" run "$ok_file" --set shape.tokens=1000000 --max-memory 64M
 item validate_over_limit "exceeds the limit 512.0 KiB" validate "$ok_file" --max-memory 512K
 v huge_sweep "huge_sweep.yaml:4:5: sweep: expands the file to more than 10000 cases"

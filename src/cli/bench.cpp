@@ -2,7 +2,10 @@
 
 #include <unistd.h>
 
+#include <Eigen/Core>
+
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -136,6 +139,72 @@ double time_fast_once(const Stage& s, const Case& c, const Board& in, std::vecto
   return sec;
 }
 
+/// The GEMMs of a stage as (M, K, N) shapes summed over ranks, as
+/// docs/contract.md names them: the router logits (T, D, E); SwiGLU forward
+/// h1, h3 (rows, D, F) and Y (rows, F, D); SwiGLU backward h1, h3 again, dH
+/// (rows, D, F), dX as two (rows, F, D), dW1, dW3 (F, rows, D) and dW2
+/// (D, rows, F). rows: the rows of the stage's groups. Empty for a stage
+/// that runs no GEMM.
+std::vector<std::array<int64_t, 3>> gemm_shapes(const Stage& s, const Case& c, const Board& in) {
+  std::vector<std::array<int64_t, 3>> g;
+  const int64_t D = c.hidden, F = c.ffn;
+  const int R = int(in.ranks.size());
+  auto rows_of = [&](const std::string& counts, const std::string& tokens) {
+    int64_t n = 0;
+    for (int r = 0; r < R; ++r) {
+      if (!counts.empty() && in.has(counts, r)) {
+        const Tensor& t = in.at(counts, r);
+        for (int64_t i = 0; i < t.numel(); ++i) n += t.as<int64_t>()[i];
+      } else if (!tokens.empty() && in.has(tokens, r)) {
+        n += in.at(tokens, r).shape[0];
+      }
+    }
+    return n;
+  };
+  auto swiglu = [&](int64_t n, bool backward) {
+    g.push_back({n, D, F});
+    g.push_back({n, D, F});
+    if (!backward) return g.push_back({n, F, D});
+    g.push_back({n, D, F});
+    g.push_back({n, F, D});
+    g.push_back({n, F, D});
+    g.push_back({F, n, D});
+    g.push_back({F, n, D});
+    g.push_back({D, n, F});
+  };
+  if (s.slot == "router_logits") g.push_back({rows_of("", "x"), D, c.num_experts});
+  if (s.slot == "experts" && s.variant.rfind("swiglu", 0) == 0) swiglu(rows_of("expert_counts", ""), false);
+  if (s.slot == "shared_experts" && s.variant == "shared_swiglu") swiglu(rows_of("", "x"), false);
+  if (s.slot == "experts_bwd" && s.variant == "swiglu") swiglu(rows_of("expert_counts", ""), true);
+  if (s.slot == "shared_experts_bwd" && s.variant == "shared_swiglu") swiglu(rows_of("", "x"), true);
+  return g;
+}
+
+/// Seconds of Eigen fp32 GEMMs of `shapes` on `threads` threads (Eigen's
+/// OpenMP split), each the fastest of `repeat` products after one untimed
+/// one; operands are filled once with small values.
+double eigen_gemm_seconds(const std::vector<std::array<int64_t, 3>>& shapes, int threads, int repeat) {
+  using MatF = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  const int saved = Eigen::nbThreads();
+  Eigen::setNbThreads(std::max(1, threads));
+  double total = 0;
+  for (const auto& [M, K, N] : shapes) {
+    if (M == 0 || K == 0 || N == 0) continue;
+    const MatF a = MatF::Constant(M, K, 0.5f), b = MatF::Constant(K, N, 0.25f);
+    MatF out(M, N);
+    out.noalias() = a * b;
+    double best = 1e300;
+    for (int r = 0; r < std::max(1, repeat); ++r) {
+      const auto t = clock_type::now();
+      out.noalias() = a * b;
+      best = std::min(best, seconds_since(t));
+    }
+    total += best;
+  }
+  Eigen::setNbThreads(saved);
+  return total;
+}
+
 StageBench bench_stage(const Stage& s, const VariantDecision& vd, const Case& c, const Board& board,
                        const BenchOptions& opt) {
   StageBench b;
@@ -174,6 +243,14 @@ StageBench bench_stage(const Stage& s, const VariantDecision& vd, const Case& c,
   if (is_all_to_all(s.slot) && b.seconds_min > 0) {
     b.algbw_gbps = b.bytes / 2 / R / b.seconds_min / 1e9;
     b.busbw_gbps = b.algbw_gbps * double(R - 1) / double(R);
+  }
+  if (b.seconds_min > 0) b.check_ratio = (b.ref_seconds + b.compare_seconds) / b.seconds_min;
+  const std::vector<std::array<int64_t, 3>> shapes = gemm_shapes(s, c, board);
+  for (const auto& [M, K, N] : shapes) b.flops += 2.0 * double(M) * double(K) * double(N);
+  if (b.flops > 0 && b.seconds_min > 0) {
+    b.gflops = b.flops / b.seconds_min / 1e9;
+    b.eigen_seconds = eigen_gemm_seconds(shapes, opt.threads, opt.repeat);
+    b.eigen_ratio = b.eigen_seconds / b.seconds_min;
   }
   return b;
 }
@@ -308,7 +385,8 @@ void print_bench(const CaseBench& b, std::ostream& os) {
      << memory_line(b.estimated_bytes, b.peak_rss_bytes) << "\n";
   os << "  " << std::left << std::setw(16) << "slot" << std::setw(24) << "variant" << std::right << std::setw(10)
      << "min ms" << std::setw(10) << "med ms" << std::setw(11) << "MB" << std::setw(9) << "GB/s" << std::setw(10)
-     << "roof GB/s" << std::setw(8) << "%roof" << std::setw(10) << "ref ms" << std::setw(10) << "diff ms" << "\n";
+     << "roof GB/s" << std::setw(8) << "%roof" << std::setw(10) << "ref ms" << std::setw(10) << "diff ms"
+     << std::setw(11) << "check/fast" << "\n";
   for (const auto& s : b.stages) {
     os << "  " << std::left << std::setw(16) << s.slot << std::setw(24) << s.variant << std::right;
     if (!s.ran) {
@@ -318,8 +396,15 @@ void print_bench(const CaseBench& b, std::ostream& os) {
     os << std::setw(10) << fmt(s.seconds_min * 1e3, 3) << std::setw(10) << fmt(s.seconds_median * 1e3, 3)
        << std::setw(11) << fmt(s.bytes / 1e6, 1) << std::setw(9) << fmt(s.gbps, 2) << std::setw(10)
        << fmt(s.roof_gbps, 2) << std::setw(8) << fmt(100 * s.ratio_to_roof, 1) << std::setw(10)
-       << fmt(s.ref_seconds * 1e3, 1) << std::setw(10) << fmt(s.compare_seconds * 1e3, 1) << "\n";
+       << fmt(s.ref_seconds * 1e3, 1) << std::setw(10) << fmt(s.compare_seconds * 1e3, 1) << std::setw(11)
+       << fmt(s.check_ratio, 2) << "\n";
   }
+  for (const auto& s : b.stages)
+    if (s.ran && s.flops > 0)
+      os << "  GEMM " << s.slot << "/" << s.variant << ": " << fmt(s.flops / 1e9, 3) << " GFLOP, " << fmt(s.gflops, 2)
+         << " GFLOP/s; Eigen fp32 GEMMs of the same shapes " << fmt(s.eigen_seconds * 1e3, 3) << " ms ("
+         << fmt(s.eigen_seconds > 0 ? s.flops / s.eigen_seconds / 1e9 : 0, 2) << " GFLOP/s): ratio to Eigen "
+         << fmt(s.eigen_ratio, 3) << "; check/fast " << fmt(s.check_ratio, 2) << "\n";
   for (const auto& s : b.stages)
     if (s.ran && is_all_to_all(s.slot))
       os << "  all-to-all " << s.slot << "/" << s.variant << ": algbw " << fmt(s.algbw_gbps, 2) << " GB/s, busbw "
@@ -400,7 +485,13 @@ std::string bench_json(const std::vector<CaseBench>& all, const BenchOptions& op
                    {"roof_gbps", s.roof_gbps},
                    {"ratio_to_roof", s.ratio_to_roof},
                    {"ref_seconds", s.ref_seconds},
-                   {"compare_seconds", s.compare_seconds}});
+                   {"compare_seconds", s.compare_seconds},
+                   {"check_ratio", s.check_ratio}});
+        if (s.flops > 0)
+          js.update({{"gemm_flops", s.flops},
+                     {"gflops", s.gflops},
+                     {"eigen_seconds", s.eigen_seconds},
+                     {"eigen_ratio", s.eigen_ratio}});
         if (is_all_to_all(s.slot)) js.update({{"algbw_gbps", s.algbw_gbps}, {"busbw_gbps", s.busbw_gbps}});
       }
       stages.push_back(js);

@@ -43,6 +43,16 @@ struct StageBench {
   double algbw_gbps = 0, busbw_gbps = 0;
   /// The verification's own cost in the run that built the board.
   double ref_seconds = 0, compare_seconds = 0;
+  /// (ref_seconds + compare_seconds) / seconds_min: what checking this
+  /// variant costs per fast call. A slot's reference is computed once, with
+  /// the first variant that runs; the others pay their comparisons only.
+  double check_ratio = 0;
+  /// GEMM stages (gemm_shapes in bench.cpp): the FLOPs of the GEMMs the
+  /// contract names (2 M K N each, summed over ranks), GFLOP/s at
+  /// seconds_min, and an Eigen fp32 GEMM of the same shapes on the same
+  /// threads timed in the same run: eigen_ratio = eigen_seconds /
+  /// seconds_min (above 1: faster than Eigen). 0 for other stages.
+  double flops = 0, gflops = 0, eigen_seconds = 0, eigen_ratio = 0;
 };
 
 /// A point of the growth sweep: the case with one of T, D, R scaled.

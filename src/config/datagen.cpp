@@ -35,12 +35,14 @@ float exact_value(uint64_t seed, uint64_t stream, uint64_t rank, uint64_t row, u
 }
 
 Tensor fill(const Case& c, ElemType et, std::vector<int64_t> shape, uint64_t stream, int rank, double scale,
-            int exact_kind, size_t extra_elems = 0) {
+            int exact_kind, size_t extra_elems = 0, int threads = 1) {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   const int64_t cols = std::max<int64_t>(shape.back(), 1), total = n + int64_t(extra_elems);
-  // One allocation, each value converted to et where it is drawn.
+  // One allocation, each value converted to et where it is drawn; every
+  // value is a pure function of its index, so threads change nothing.
   Tensor whole = Tensor::alloc(et, {total}, 0);
+#pragma omp parallel for schedule(static) num_threads(std::max(1, threads)) if (threads > 1 && total > (1 << 16))
   for (int64_t i = 0; i < total; ++i) {
     const uint64_t r = uint64_t(i / cols), col = uint64_t(i % cols);
     const uint64_t s = i < n ? stream : kTail;
@@ -63,14 +65,10 @@ double hash_uniform(uint64_t seed, uint64_t stream, uint64_t rank, uint64_t row,
   return double(h >> 11) * (1.0 / 9007199254740992.0);
 }
 
-std::map<std::string, Tensor> make_inputs(const Case& c, int rank, int64_t T) {
+std::map<std::string, Tensor> make_global_inputs(const Case& c, int threads) {
   const ElemType act = act_elem(c.dtype);
   const int64_t D = c.hidden, F = c.ffn, E = c.num_experts;
   std::map<std::string, Tensor> m;
-  // Only an output buffer at an offset into x reads past x's end: a fresh
-  // buffer must not pay for alias_offset (up to 2^40) unused elements.
-  const size_t tail = c.combine.buffer == OutBuffer::alias_x_offset ? size_t(c.combine.alias_offset) : 0;
-  m["x"] = fill(c, act, {T, D}, kX, rank, 1.0, 0, tail);
   // Router gate, bias and expert weights are global: stream rank 0 everywhere.
   // Layer entry l (docs/contract.md §12) draws its own router gate and bias with l in
   // that rank slot, so entry 0 keeps the single-layer values.
@@ -84,19 +82,31 @@ std::map<std::string, Tensor> make_inputs(const Case& c, int rank, int64_t T) {
   if (c.router.hot_expert >= 0) bias[size_t(c.router.hot_expert)] += 1.f;
   m["bias"] = from_floats(bias, ElemType::f32, {E});
   if (c.experts.kind == ExpertKind::swiglu) {
-    m["w1"] = fill(c, act, {E, F, D}, kW1, 0, 1.0 / std::sqrt(double(D)), 2);
-    m["w3"] = fill(c, act, {E, F, D}, kW3, 0, 1.0 / std::sqrt(double(D)), 2);
-    m["w2"] = fill(c, act, {E, D, F}, kW2, 0, 1.0 / std::sqrt(double(F)), 2);
+    m["w1"] = fill(c, act, {E, F, D}, kW1, 0, 1.0 / std::sqrt(double(D)), 2, 0, threads);
+    m["w3"] = fill(c, act, {E, F, D}, kW3, 0, 1.0 / std::sqrt(double(D)), 2, 0, threads);
+    m["w2"] = fill(c, act, {E, D, F}, kW2, 0, 1.0 / std::sqrt(double(F)), 2, 0, threads);
   }
+  if (c.shared.kind == SharedKind::swiglu) {
+    m["shared_w1"] = fill(c, act, {1, F, D}, kSW1, 0, 1.0 / std::sqrt(double(D)), 2, 0, threads);
+    m["shared_w3"] = fill(c, act, {1, F, D}, kSW3, 0, 1.0 / std::sqrt(double(D)), 2, 0, threads);
+    m["shared_w2"] = fill(c, act, {1, D, F}, kSW2, 0, 1.0 / std::sqrt(double(F)), 2, 0, threads);
+  }
+  return m;
+}
+
+std::map<std::string, Tensor> make_inputs(const Case& c, int rank, int64_t T,
+                                          const std::map<std::string, Tensor>* globals) {
+  const ElemType act = act_elem(c.dtype);
+  const int64_t D = c.hidden;
+  std::map<std::string, Tensor> m = globals ? *globals : make_global_inputs(c);
+  // Only an output buffer at an offset into x reads past x's end: a fresh
+  // buffer must not pay for alias_offset (up to 2^40) unused elements.
+  const size_t tail = c.combine.buffer == OutBuffer::alias_x_offset ? size_t(c.combine.alias_offset) : 0;
+  m["x"] = fill(c, act, {T, D}, kX, rank, 1.0, 0, tail);
   // The upstream gradient of `out` (docs/contract.md §13), a stream of its own: in
   // exact mode small integers like x, so the backward's sums are exact where
   // the forward's are.
   if (c.backward == Switch::on) m["grad_out"] = fill(c, act, {T, D}, kGradOut, rank, 1.0, 0);
-  if (c.shared.kind == SharedKind::swiglu) {
-    m["shared_w1"] = fill(c, act, {1, F, D}, kSW1, 0, 1.0 / std::sqrt(double(D)), 2);
-    m["shared_w3"] = fill(c, act, {1, F, D}, kSW3, 0, 1.0 / std::sqrt(double(D)), 2);
-    m["shared_w2"] = fill(c, act, {1, D, F}, kSW2, 0, 1.0 / std::sqrt(double(F)), 2);
-  }
   return m;
 }
 

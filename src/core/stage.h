@@ -118,7 +118,14 @@ struct RefCtx {
   int rank = -1;
   /// Threads a reference may use over independent ranks (RunOptions::threads).
   int threads = 1;
+  /// When set, a reference that derives an output's error scale from the
+  /// GEMMs it runs anyway (the magnitude of a gemm output, the half-width of
+  /// a rounding one) writes it here under the output's name, rank by rank;
+  /// the runner then uses it in place of OutputSpec::magnitude. Null (the
+  /// reference chain, `moeverify check`): values only.
+  Board* scales = nullptr;
   bool wants(int q) const { return rank < 0 || rank == q; }
+  bool wants_scales() const { return scales != nullptr; }
 };
 
 struct Decision {

@@ -54,19 +54,24 @@ constexpr double kPaddedFloat = 1;
 constexpr double kSwigluAct = 3, kSwigluFloat = 3;
 //  - (T, E) router tensors: logits, scores, the selection copy on both boards
 //    and in the reference; measured about 7 fp32 copies.
-constexpr double kTokenExpert = 9;
+constexpr double kTokenExpert = 7;
 //  - (T, K) index tensors (ids, topk_scores, row_of, token_sorted,
 //    score_sorted) on both boards, and the reference's int64 copies.
 constexpr double kTokenKBytes = 120;
-//  - weights: every rank's inputs on the fast board and the chain (each rank
-//    generates the global weights), the rerun's clone, the batched cache, the
-//    reference's fp32 conversion; measured 2R + 1.4 fp32 copies.
-constexpr double kWeightActPerRank = 2, kWeightActExtra = 2, kWeightFloat = 2;
-// The process itself: binary, libraries, allocator slack (about 8 MiB measured).
-constexpr double kBaseBytes = 32.0 * (1 << 20);
+//  - weights: generated once and shared by every rank's board, the chain's
+//    and the EP = 1 reruns' (make_global_inputs): one act copy. The
+//    reference decodes one expert at a time (ref::WeightView) into fp64
+//    values and fp32 absolute values, one expert per thread at work
+//    (kExpertBytesPerElem per element of an expert's three matrices); the
+//    batched variant caches one rank's experts in fp32 per rank at work.
+constexpr double kExpertBytesPerElem = 8 + 4;
+// The process itself: binary, libraries, allocator slack (7.6 MiB measured
+// for `moeverify validate`, 8.7 MiB for the smallest run; the smallest SP
+// cases peak at 11.1 MiB).
+constexpr double kBaseBytes = 11.25 * (1 << 20);
 // Per thread (rank threads and executor threads): stack pages touched and
 // thread-local GEMM buffers (see the per-thread term below).
-constexpr double kThreadBytes = 2.0 * (1 << 20);
+constexpr double kThreadBytes = 64.0 * 1024;
 
 /// The estimate of one pipeline over ranks holding `tokens` in all, at most
 /// `tokens_max` on one rank, with `ranks` ranks.
@@ -85,10 +90,11 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
   const double routed = tokens * K * (cap_pad ? std::max(1.0, c.capacity.factor) : 1.0) + (cap_pad ? E * ranks : 0);
   const double padded = routed + pad_rows;
   // Equal-split all-to-all: every (source, destination) chunk padded to the
-  // largest split, at most one rank's T * K rows: R * R * T_max * K rows.
+  // largest split, at most T_max * min(K, E_l) rows (a token sends one row
+  // per chosen expert of the destination): R * R * T_max * min(K, E_l) rows.
   const bool equal = ranks > 1 && (c.equal_split.policy != EqualSplitPolicy::off ||
                                    c.router.force_load_balance == Switch::on);
-  const double equal_rows = equal ? ranks * ranks * tokens_max * K : 0;
+  const double equal_rows = equal ? ranks * ranks * tokens_max * std::min(K, std::max(1.0, E / ranks)) : 0;
   const double tail = c.combine.buffer == OutBuffer::alias_x_offset ? double(c.combine.alias_offset) : 0;
 
   double b = 0;
@@ -115,18 +121,36 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
   }
   b += routed * kTokenKBytes;
   // Weights (elements of one copy): gate, routed experts, shared expert.
-  const double w = E * D + (swiglu ? 3 * E * F * D : 0) + (shared_swiglu ? 3 * F * D : 0);
-  b += w * ((kWeightActPerRank * ranks + kWeightActExtra) * s + kWeightFloat * 4);
+  b += E * D * 4;  // the gate's fp32 view in the router reference (its act copy: global_bytes)
+  const double expert = swiglu || shared_swiglu ? 3 * F * D : 0;
+  b += std::max(1.0, double(threads)) * expert * kExpertBytesPerElem;
+  if (swiglu) b += side * (E / ranks) * expert * 4;
+  // The SwiGLU checks' error scales (RefCtx::scales), held for the slot:
+  // Y's and h13's, fp32, per padded row.
+  if (swiglu) b += padded * (D + 2 * F) * 4;
   // Per thread: the GEMM's thread-local fp32 copies of one weight matrix (at
   // most 2F x D or E x D), a 64-row tile of X and of the product.
+  // Stacks: rank threads and executor threads. GEMM buffers: the threads
+  // that run GEMMs at once, the ranks' executors (threads / ranks each, at
+  // least one) or the run's threads, whichever is more.
   const double nthreads = ranks + double(threads);
+  const double gemm_threads = std::max(ranks, double(threads));
   const double Fg = swiglu || shared_swiglu ? F : 0;  // F is no GEMM's dimension without SwiGLU
   const double per_thread = 4 * (std::max(2 * Fg * D, E * D) + 64 * (D + Fg) + 64 * std::max(2 * Fg, E));
-  b += nthreads * (per_thread + kThreadBytes);
+  b += nthreads * kThreadBytes + gemm_threads * per_thread;
   return b;
 }
 
 }  // namespace
+
+/// The global inputs (make_global_inputs), held once by the whole run:
+/// gate, routed experts, shared expert in act.
+double global_bytes(const Case& c) {
+  const double D = double(c.hidden), F = double(c.ffn), E = double(c.num_experts);
+  const double w = E * D + (c.experts.kind == ExpertKind::swiglu ? 3 * E * F * D : 0) +
+                   (c.shared.kind == SharedKind::swiglu ? 3 * F * D : 0);
+  return w * double(elem_bytes(act_elem(c.dtype)));
+}
 
 double estimate_case_bytes(const Case& c, int threads) {
   double total = 0, most = 0;
@@ -139,7 +163,7 @@ double estimate_case_bytes(const Case& c, int threads) {
     most = std::max(most, double(c.tokens_on(r)) + sp_pad);
   }
   const double sp_rows = c.sp > 1 ? 3 * total * double(c.hidden) * 4 : 0;
-  const double main_run = kBaseBytes + pipeline_bytes(c, total, most, double(c.ep), threads) + sp_rows;
+  const double main_run = kBaseBytes + global_bytes(c) + pipeline_bytes(c, total, most, double(c.ep), threads) + sp_rows;
   // After the pipeline only its results stay (out in act, its fp32 error
   // scale, sp_out) while the invariance reruns run: EP = 1 reruns of each
   // rank's tokens (as many side by side as there are threads), then an
@@ -147,7 +171,7 @@ double estimate_case_bytes(const Case& c, int threads) {
   // With backward on, grad_x (act) and its fp32 error scale stay too.
   const double bwd_results = c.backward == Switch::on ? double(elem_bytes(act_elem(c.dtype))) + 4 : 0;
   const double results =
-      kBaseBytes + sp_rows + total * double(c.hidden) * (2 * double(elem_bytes(act_elem(c.dtype))) + 4 + bwd_results);
+      kBaseBytes + global_bytes(c) + sp_rows + total * double(c.hidden) * (2 * double(elem_bytes(act_elem(c.dtype))) + 4 + bwd_results);
   double b = main_run;
   if (c.ep > 1) {
     const int side = std::min(std::max(1, threads), c.ep);

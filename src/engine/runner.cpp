@@ -60,7 +60,7 @@ std::string all_zero_reason(const Case& c, const std::string& output, const Rank
 
 Check make_check(const Case& c, const std::string& slot, const std::string& variant, const OutputSpec& o,
                  const Tensor* f, const Tensor* r, const RankBoard& fb, int rank, int ranks, const std::string& against,
-                 const Tensor* scale = nullptr) {
+                 const Tensor* scale = nullptr, const Tensor* precomputed = nullptr) {
   Check ch;
   ch.slot = slot;
   ch.variant = variant;
@@ -75,8 +75,9 @@ Check make_check(const Case& c, const std::string& slot, const std::string& vari
   }
   Tensor own_scale;
   if (!scale && o.magnitude && o.cls != CompareClass::exact && f->type == r->type && f->shape == r->shape) {
-    own_scale = o.magnitude(c, fb, rank, ranks);
-    scale = &own_scale;
+    // The reference's own scale (RefCtx::scales) where it wrote one.
+    if (!precomputed) own_scale = o.magnitude(c, fb, rank, ranks);
+    scale = precomputed ? precomputed : &own_scale;
   }
   ch.diff = diff_tensors(*f, *r, o.cls, ch.tol, coords_for(o.coords, *f, fb, rank, ranks), nullptr, scale);
   if (!ch.diff.structural.empty()) {
@@ -313,8 +314,8 @@ struct SlotRun {
   std::string adopt_reason;
   std::vector<std::pair<const Stage*, Board>> ran;
   std::map<const Stage*, Board> refs;  // each variant's reference outputs, for the chain
-  const Stage* last_ref = nullptr;     // the last reference run in this slot, and its outputs
-  Board last_refout;
+  const Stage* last_ref = nullptr;     // the last reference run in this slot, its outputs and error scales
+  Board last_refout, last_scales;
 };
 
 /// The pipeline on R ranks (run_pipeline_stages): the phases of one case's
@@ -515,7 +516,7 @@ class Pipeline {
   /// The check of one output on rank r: against the reference's, or against
   /// what the reference derives from the variant's own outputs.
   Check check_rank(const Stage& s, const OutputSpec& o, int r, const Board& out, const Board& refout,
-                   const Board& merged) {
+                   const Board& merged, const Board& scales) {
     const RankBoard& fo = out.ranks[size_t(r)];
     const RankBoard& ro = refout.ranks[size_t(r)];
     auto fi = fo.find(o.name);
@@ -526,8 +527,13 @@ class Pipeline {
                         merged.ranks[size_t(r)], r, R_, o.from_fast_label, &scale);
     }
     auto ri = ro.find(o.name);
+    const Tensor* pre = nullptr;
+    if (size_t(r) < scales.ranks.size()) {
+      const auto si = scales.ranks[size_t(r)].find(o.name);
+      if (si != scales.ranks[size_t(r)].end()) pre = &si->second;
+    }
     return make_check(c_, s.slot, s.variant, o, fi == fo.end() ? nullptr : &fi->second,
-                      ri == ro.end() ? nullptr : &ri->second, merged.ranks[size_t(r)], r, R_, "reference");
+                      ri == ro.end() ? nullptr : &ri->second, merged.ranks[size_t(r)], r, R_, "reference", nullptr, pre);
   }
 
   void dump_rank(const Stage& s, int r, const Board& out, const Board& refout) {
@@ -544,18 +550,22 @@ class Pipeline {
       for (auto& [n, t] : out.ranks[size_t(r)]) merged.ranks[size_t(r)][n] = t;
     const bool reuse = sr.last_ref && same_reference(*sr.last_ref, s, c_);  // computed once per slot
     Clock::time_point tc;
+    Board scales;
     if (s.ref_per_rank && R_ > 1 && !s.check) {
       reference_per_rank(s, vd, out, merged, reuse, refout, sr);
       tc = Clock::now();
     } else {
       if (reuse) {
         refout = sr.last_refout;
+        scales = sr.last_scales;
       } else {
         refout.ranks.resize(size_t(R_));
-        RefCtx rctx{c_, fast_, refout, -1, opt_.threads};
+        scales.ranks.resize(size_t(R_));
+        RefCtx rctx{c_, fast_, refout, -1, opt_.threads, &scales};
         s.ref(rctx);
         sr.last_ref = &s;
         sr.last_refout = refout;
+        sr.last_scales = scales;
       }
       vd.ref_seconds = since(tr);
       tc = Clock::now();
@@ -569,7 +579,7 @@ class Pipeline {
         sr.adopt_reason = cc.adopt_fast_reason;
       } else {
         for (const OutputSpec& o : s.outputs)
-          for (int r = 0; r < R_; ++r) rep_.checks.push_back(check_rank(s, o, r, out, refout, merged));
+          for (int r = 0; r < R_; ++r) rep_.checks.push_back(check_rank(s, o, r, out, refout, merged, scales));
       }
     }
     vd.compare_seconds += since(tc);
@@ -583,6 +593,8 @@ class Pipeline {
   void reference_per_rank(const Stage& s, VariantDecision& vd, const Board& out, const Board& merged, bool reuse,
                           Board& refout, SlotRun& sr) {
     refout.ranks.resize(size_t(R_));
+    Board scales;
+    scales.ranks.resize(size_t(R_));
     std::vector<std::vector<Check>> by_output(s.outputs.size(), std::vector<Check>(size_t(R_)));
     std::vector<double> ref_s(static_cast<size_t>(R_)), cmp_s(static_cast<size_t>(R_));
     const auto tl = Clock::now();
@@ -591,16 +603,20 @@ class Pipeline {
       auto tq = Clock::now();
       if (reuse) {
         refout.ranks[size_t(q)] = sr.last_refout.ranks[size_t(q)];
+        scales.ranks[size_t(q)] = sr.last_scales.ranks[size_t(q)];
       } else {
-        Board rq;
+        Board rq, sq;
         rq.ranks.resize(size_t(R_));
-        RefCtx rctx{c_, fast_, rq, q, std::max(1, opt_.threads / side)};
+        sq.ranks.resize(size_t(R_));
+        RefCtx rctx{c_, fast_, rq, q, std::max(1, opt_.threads / side), &sq};
         s.ref(rctx);
         refout.ranks[size_t(q)] = std::move(rq.ranks[size_t(q)]);
+        scales.ranks[size_t(q)] = std::move(sq.ranks[size_t(q)]);
       }
       ref_s[size_t(q)] = since(tq);
       tq = Clock::now();
-      for (size_t i = 0; i < s.outputs.size(); ++i) by_output[i][size_t(q)] = check_rank(s, s.outputs[i], q, out, refout, merged);
+      for (size_t i = 0; i < s.outputs.size(); ++i)
+        by_output[i][size_t(q)] = check_rank(s, s.outputs[i], q, out, refout, merged, scales);
       for (auto& [n, t] : refout.ranks[size_t(q)]) {  // (the same bytes: the dump below is unchanged)
         const auto fi = out.ranks[size_t(q)].find(n);
         if (fi != out.ranks[size_t(q)].end() && same_bytes(fi->second, t)) t = fi->second;
@@ -616,6 +632,7 @@ class Pipeline {
     if (!reuse) {
       sr.last_ref = &s;
       sr.last_refout = refout;
+      sr.last_scales = std::move(scales);
     }
   }
 
@@ -815,6 +832,90 @@ bool run_pipeline(const Case& c, const RunOptions& opt, const std::vector<RankBo
 
 namespace {
 
+/// EP invariance (docs/contract.md §3): each rank's output equals an EP = 1 run on
+/// that rank's tokens; bitwise when the experts are row-wise exact. The
+/// EP = 1 run is the fast pipeline alone (the property compares two fast
+/// runs; the case's own stages are checked by run_pipeline); only when the outputs
+/// differ is it run again with every stage checked, to name the first stage
+/// of the EP = 1 run that fails. Its error scale for the GEMM class is that
+/// of the EP = 1 run's own routed rows and scores.
+void check_ep_invariance(const Case& c, const RunOptions& opt, const std::vector<RankBoard>& inputs,
+                         const std::map<std::string, Tensor>& globals, const Board& fast, CaseReport& rep) {
+  const int R = c.ep;
+  Case c1 = c;
+  c1.ep = 1;
+  c1.tokens_per_rank.clear();
+  RunOptions o1 = opt;
+  o1.dump_dir.clear();
+  o1.after_slot = nullptr;
+  const bool exact = c.experts.kind == ExpertKind::identity;
+  const OutputSpec oi{"out", exact ? CompareClass::exact : CompareClass::gemm, Coords::token_col, promise_combined,
+                      nullptr};
+  // The ranks' EP = 1 runs are independent: on the host they run side by
+  // side on the run's threads, each with its share of them (on a device,
+  // one at a time).
+  const int side = opt.mirror ? 1 : ranks_side_by_side(opt.threads, R);
+  if (side > 1) {
+    o1.threads = std::max(1, opt.threads / side);
+    o1.progress = nullptr;  // one progress line per case, not interleaved ones
+  }
+  std::vector<std::vector<Check>> per_rank(static_cast<size_t>(R));
+  each_rank(R, side, [&](int p) {
+    Case cp = c1;
+    cp.tokens = c.tokens_on(p);
+    RunOptions op = o1;
+    auto rerun = [&](bool fast_only, CaseReport& r1, Board& f1) {
+      r1.c = cp;
+      op.fast_only = fast_only;
+      op.fast_only_magnitude = !exact;
+      std::vector<RankBoard> in1 = {RankBoard{}};
+      // Per-rank tensors are cloned (an in-place stage may write into x);
+      // the global ones are shared, read-only like every stage input.
+      for (auto& [n, t] : inputs[size_t(p)]) in1[0][n] = globals.count(n) ? t : t.clone();
+      run_pipeline(cp, op, in1, false, r1, f1);
+      return make_check(c, "ep_invariance", "ep1_vs_ep" + std::to_string(R), oi,
+                        fast.has("out", p) ? &fast.at("out", p) : nullptr, f1.has("out", 0) ? &f1.at("out", 0) : nullptr,
+                        fast.ranks[size_t(p)], p, R, "EP = 1 run",
+                        !exact && f1.has("out_magnitude", 0) ? &f1.at("out_magnitude", 0) : nullptr);
+    };
+    CaseReport r1;
+    Board f1;
+    Check ch = rerun(true, r1, f1);
+    for (const auto& e : r1.checks) ch.outcome = worst(ch.outcome, e.outcome);  // a fast stage that failed
+    if (ch.outcome != Outcome::PASSED) {
+      r1 = CaseReport{};
+      f1 = Board{};
+      ch = rerun(false, r1, f1);
+      Outcome w1 = Outcome::PASSED;
+      const Check* first_bad = nullptr;
+      for (const auto& e : r1.checks) {
+        if (e.outcome != Outcome::PASSED && !first_bad) first_bad = &e;
+        w1 = worst(w1, e.outcome);
+      }
+      if (first_bad) {
+        ch.outcome = worst(ch.outcome, w1);
+        ch.note = std::string("the EP = 1 run of this rank's tokens was ") + outcome_name(w1) + " at " +
+                  first_bad->slot + "/" + first_bad->variant + "/" + first_bad->tensor + " against " +
+                  first_bad->against + (first_bad->note.empty() ? "" : " (" + first_bad->note + ")") +
+                  (ch.note.empty() ? "" : "; " + ch.note);
+      }
+    }
+    per_rank[size_t(p)].push_back(ch);
+    // The gradients too (docs/contract.md §3 EP invariance, run backwards): bitwise
+    // with identity experts, the only experts the backward runs for now.
+    if (exact)
+      for (const EndToEndOutput& e : backward_end_to_end(c)) {
+        const std::string& n = e.spec.name;
+        const OutputSpec og{n, CompareClass::exact, e.spec.coords, nullptr};
+        per_rank[size_t(p)].push_back(make_check(c, "ep_invariance", "ep1_vs_ep" + std::to_string(R), og,
+                                                 fast.has(n, p) ? &fast.at(n, p) : nullptr,
+                                                 f1.has(n, 0) ? &f1.at(n, 0) : nullptr, fast.ranks[size_t(p)], p, R,
+                                                 "EP = 1 run"));
+      }
+  });
+  for (const auto& v : per_rank) rep.checks.insert(rep.checks.end(), v.begin(), v.end());
+}
+
 /// One MoE layer entry of a case: the pipeline, then the EP and SP
 /// invariance checks; the reference chain's integer metadata in `chain`.
 bool run_entry(const Case& c, const RunOptions& opt, bool use_mpi, CaseReport& rep, Board& fast, Board& chain) {
@@ -823,8 +924,15 @@ bool run_entry(const Case& c, const RunOptions& opt, bool use_mpi, CaseReport& r
   // Each rank's inputs are a pure function of (seed, stream, rank, row,
   // column): ranks are generated on the run's threads.
   ParallelErrors errors;
+  // The global tensors (gate, weights) once, shared by every rank's board.
+  std::map<std::string, Tensor> globals;
+  try {
+    globals = make_global_inputs(c, opt.threads);
+  } catch (const std::bad_alloc&) {
+    rethrow_out_of_memory(c.name, "input generation");
+  }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(1, opt.threads)) if (opt.threads > 1 && R > 1)
-  for (int r = 0; r < R; ++r) errors.run(r, [&] { inputs[size_t(r)] = make_inputs(c, r, c.tokens_on(r)); });
+  for (int r = 0; r < R; ++r) errors.run(r, [&] { inputs[size_t(r)] = make_inputs(c, r, c.tokens_on(r), &globals); });
   try {
     errors.rethrow();
   } catch (const std::bad_alloc&) {
@@ -832,85 +940,7 @@ bool run_entry(const Case& c, const RunOptions& opt, bool use_mpi, CaseReport& r
   }
   const bool completed = run_pipeline(c, opt, inputs, use_mpi, rep, fast, &chain);
 
-  // EP invariance (docs/contract.md §3): each rank's output equals an EP = 1 run on
-  // that rank's tokens; bitwise when the experts are row-wise exact. The
-  // EP = 1 run is the fast pipeline alone (the property compares two fast
-  // runs; this pipeline's stages are checked above); only when the outputs
-  // differ is it run again with every stage checked, to name the first stage
-  // of the EP = 1 run that fails. Its error scale for the GEMM class is that
-  // of the EP = 1 run's own routed rows and scores.
-  if (R > 1 && completed && !opt.fast_only) {
-    Case c1 = c;
-    c1.ep = 1;
-    c1.tokens_per_rank.clear();
-    RunOptions o1 = opt;
-    o1.dump_dir.clear();
-    o1.after_slot = nullptr;
-    const bool exact = c.experts.kind == ExpertKind::identity;
-    const OutputSpec oi{"out", exact ? CompareClass::exact : CompareClass::gemm, Coords::token_col, promise_combined,
-                        nullptr};
-    // The ranks' EP = 1 runs are independent: on the host they run side by
-    // side on the run's threads, each with its share of them (on a device,
-    // one at a time).
-    const int side = opt.mirror ? 1 : ranks_side_by_side(opt.threads, R);
-    if (side > 1) {
-      o1.threads = std::max(1, opt.threads / side);
-      o1.progress = nullptr;  // one progress line per case, not interleaved ones
-    }
-    std::vector<std::vector<Check>> per_rank(static_cast<size_t>(R));
-    each_rank(R, side, [&](int p) {
-      Case cp = c1;
-      cp.tokens = c.tokens_on(p);
-      RunOptions op = o1;
-      auto rerun = [&](bool fast_only, CaseReport& r1, Board& f1) {
-        r1.c = cp;
-        op.fast_only = fast_only;
-        op.fast_only_magnitude = !exact;
-        std::vector<RankBoard> in1 = {RankBoard{}};
-        for (auto& [n, t] : inputs[size_t(p)]) in1[0][n] = t.clone();
-        run_pipeline(cp, op, in1, false, r1, f1);
-        return make_check(c, "ep_invariance", "ep1_vs_ep" + std::to_string(R), oi,
-                          fast.has("out", p) ? &fast.at("out", p) : nullptr, f1.has("out", 0) ? &f1.at("out", 0) : nullptr,
-                          fast.ranks[size_t(p)], p, R, "EP = 1 run",
-                          !exact && f1.has("out_magnitude", 0) ? &f1.at("out_magnitude", 0) : nullptr);
-      };
-      CaseReport r1;
-      Board f1;
-      Check ch = rerun(true, r1, f1);
-      for (const auto& e : r1.checks) ch.outcome = worst(ch.outcome, e.outcome);  // a fast stage that failed
-      if (ch.outcome != Outcome::PASSED) {
-        r1 = CaseReport{};
-        f1 = Board{};
-        ch = rerun(false, r1, f1);
-        Outcome w1 = Outcome::PASSED;
-        const Check* first_bad = nullptr;
-        for (const auto& e : r1.checks) {
-          if (e.outcome != Outcome::PASSED && !first_bad) first_bad = &e;
-          w1 = worst(w1, e.outcome);
-        }
-        if (first_bad) {
-          ch.outcome = worst(ch.outcome, w1);
-          ch.note = std::string("the EP = 1 run of this rank's tokens was ") + outcome_name(w1) + " at " +
-                    first_bad->slot + "/" + first_bad->variant + "/" + first_bad->tensor + " against " +
-                    first_bad->against + (first_bad->note.empty() ? "" : " (" + first_bad->note + ")") +
-                    (ch.note.empty() ? "" : "; " + ch.note);
-        }
-      }
-      per_rank[size_t(p)].push_back(ch);
-      // The gradients too (docs/contract.md §3 EP invariance, run backwards): bitwise
-      // with identity experts, the only experts the backward runs for now.
-      if (exact)
-        for (const EndToEndOutput& e : backward_end_to_end(c)) {
-          const std::string& n = e.spec.name;
-          const OutputSpec og{n, CompareClass::exact, e.spec.coords, nullptr};
-          per_rank[size_t(p)].push_back(make_check(c, "ep_invariance", "ep1_vs_ep" + std::to_string(R), og,
-                                                   fast.has(n, p) ? &fast.at(n, p) : nullptr,
-                                                   f1.has(n, 0) ? &f1.at(n, 0) : nullptr, fast.ranks[size_t(p)], p, R,
-                                                   "EP = 1 run"));
-        }
-    });
-    for (const auto& v : per_rank) rep.checks.insert(rep.checks.end(), v.begin(), v.end());
-  }
+  if (R > 1 && completed && !opt.fast_only) check_ep_invariance(c, opt, inputs, globals, fast, rep);
   if (c.sp > 1 && completed && !opt.fast_only) check_sp_invariance(c, opt, fast, rep);
   return completed;
 }

@@ -11,6 +11,9 @@
 namespace moev {
 
 ref::Act ref_act(DType d);
+/// Experts [first, ...) of an (E, ...) weight tensor as the reference reads
+/// them: in place, in the tensor's own type, decoded one expert at a time.
+ref::WeightView weight_view(const Tensor& w, int64_t first);
 ref::Ids ref_ids(const Tensor& t);
 ref::Counts ref_counts(const Tensor& t);
 Tensor ids_tensor(const ref::Ids& v, ElemType t, std::vector<int64_t> shape);

@@ -378,12 +378,6 @@ void ref_experts_identity_bwd(RefCtx& r) {
 
 // ---- SwiGLU experts and shared experts backward (kernels/swiglu_bwd_host.h) ------
 
-/// The weights of experts [first, first + count) of an (E, ...) tensor.
-ref::Vec weight_slice(const Tensor& w, int64_t first, int64_t count) {
-  const int64_t per = w.numel() / w.shape[0];
-  return to_floats(w.view(w.type, {count * per}, w.offset_bytes + size_t(first * per) * elem_bytes(w.type)));
-}
-
 const void* weight_ptr(const FastCtx& ctx, const std::string& name, int64_t first) {
   const Tensor& w = ctx.input(name);
   return static_cast<const uint8_t*>(w.data()) + size_t(first) * size_t(w.numel() / w.shape[0]) * elem_bytes(w.type);
@@ -392,7 +386,8 @@ const void* weight_ptr(const FastCtx& ctx, const std::string& name, int64_t firs
 /// One SwiGLU backward problem in reference values: rows grouped by counts,
 /// the weights of the experts concerned.
 struct SwigluBwdArgs {
-  ref::Vec X, dY, W1, W3, W2;
+  ref::Vec X, dY;
+  ref::WeightView W1, W3, W2;  // in place on the board
   ref::Counts counts;
   int64_t rows = 0;
 };
@@ -408,9 +403,9 @@ SwigluBwdArgs routed_args(const Case& c, const RankBoard& b, int rank) {
   a.dY = to_floats(b.at("grad_expert_output"));
   a.dY.resize(size_t(a.rows * c.hidden));
   const int64_t E_l = int64_t(a.counts.size()), first = int64_t(rank) * E_l;
-  a.W1 = weight_slice(b.at("w1"), first, E_l);
-  a.W3 = weight_slice(b.at("w3"), first, E_l);
-  a.W2 = weight_slice(b.at("w2"), first, E_l);
+  a.W1 = weight_view(b.at("w1"), first);
+  a.W3 = weight_view(b.at("w3"), first);
+  a.W2 = weight_view(b.at("w2"), first);
   return a;
 }
 
@@ -421,9 +416,9 @@ SwigluBwdArgs shared_args(const Case&, const RankBoard& b) {
   a.dY = to_floats(b.at("grad_out"));
   a.rows = b.at("x").shape[0];
   a.counts = {a.rows};
-  a.W1 = to_floats(b.at("shared_w1"));
-  a.W3 = to_floats(b.at("shared_w3"));
-  a.W2 = to_floats(b.at("shared_w2"));
+  a.W1 = weight_view(b.at("shared_w1"), 0);
+  a.W3 = weight_view(b.at("shared_w3"), 0);
+  a.W2 = weight_view(b.at("shared_w2"), 0);
   return a;
 }
 
@@ -444,6 +439,11 @@ Magnitude routed_grad_scale(int which) {
       default: return from_floats(m.dW2, ElemType::f32, {E_l, D, F});
     }
   };
+}
+
+/// Error scale of the shared expert's input gradient.
+Tensor shared_grad_scale(const Case& c, const RankBoard& b, int, int) {
+  return from_floats(magnitude_of(c, shared_args(c, b)).dX, ElemType::f32, b.at("x").shape);
 }
 
 /// Realistic data with a gradient that is not all zero gives a nonzero input gradient.
@@ -472,15 +472,26 @@ void fast_experts_swiglu_bwd(FastCtx& ctx) {
 void ref_experts_swiglu_bwd(RefCtx& r) {
   const Case& c = r.c;
   for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+    if (!r.wants(int(q))) continue;
     const SwigluBwdArgs a = routed_args(c, r.in.ranks[q], int(q));
-    const ref::SwigluGrads g = ref::swiglu_experts_backward(ref_act(c.dtype), a.X, a.dY, a.counts, c.hidden, c.ffn,
-                                                            a.W1, a.W3, a.W2);
+    // The stage's tensors hold act values, so the error scales of the
+    // act-rounded inputs are routed_grad_scale's, from the same GEMMs.
+    const ref::SwigluGrads g =
+        ref::swiglu_experts_backward(ref_act(c.dtype), a.X, a.dY, a.counts, c.hidden, c.ffn, a.W1, a.W3, a.W2,
+                                     ref::SiluRounding::fused, ref::Compute::act, r.threads, r.wants_scales());
     const int64_t E_l = int64_t(a.counts.size());
     RankBoard& out = r.out.ranks[q];
     out["grad_expert_input"] = from_floats(g.dX, act_elem(c.dtype), {a.rows, c.hidden});
     out["grad_w1"] = from_floats(g.dW1, ElemType::f32, {E_l, c.ffn, c.hidden});
     out["grad_w3"] = from_floats(g.dW3, ElemType::f32, {E_l, c.ffn, c.hidden});
     out["grad_w2"] = from_floats(g.dW2, ElemType::f32, {E_l, c.hidden, c.ffn});
+    if (r.wants_scales()) {
+      RankBoard& sc = r.scales->ranks[q];
+      sc["grad_expert_input"] = from_floats(g.mdX, ElemType::f32, {a.rows, c.hidden});
+      sc["grad_w1"] = from_floats(g.mdW1, ElemType::f32, {E_l, c.ffn, c.hidden});
+      sc["grad_w3"] = from_floats(g.mdW3, ElemType::f32, {E_l, c.ffn, c.hidden});
+      sc["grad_w2"] = from_floats(g.mdW2, ElemType::f32, {E_l, c.hidden, c.ffn});
+    }
   }
 }
 
@@ -499,10 +510,13 @@ void fast_shared_swiglu_bwd(FastCtx& ctx) {
 void ref_shared_swiglu_bwd(RefCtx& r) {
   const Case& c = r.c;
   for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+    if (!r.wants(int(q))) continue;
     const SwigluBwdArgs a = shared_args(c, r.in.ranks[q]);
-    const ref::SwigluGrads g = ref::swiglu_experts_backward(ref_act(c.dtype), a.X, a.dY, a.counts, c.hidden, c.ffn,
-                                                            a.W1, a.W3, a.W2);
+    const ref::SwigluGrads g =
+        ref::swiglu_experts_backward(ref_act(c.dtype), a.X, a.dY, a.counts, c.hidden, c.ffn, a.W1, a.W3, a.W2,
+                                     ref::SiluRounding::fused, ref::Compute::act, r.threads, r.wants_scales());
     r.out.ranks[q]["grad_x_shared"] = from_floats(g.dX, act_elem(c.dtype), {a.rows, c.hidden});
+    if (r.wants_scales()) r.scales->ranks[q]["grad_x_shared"] = from_floats(g.mdX, ElemType::f32, {a.rows, c.hidden});
   }
 }
 
@@ -514,8 +528,9 @@ void ref_shared_swiglu_bwd(RefCtx& r) {
 /// rows of the dX scale (times |s| before the experts) + the shared expert's.
 /// grad_topk_scores: sum_d |grad_out| * forward scale of the row (after) or
 /// sum_d |x| * dX scale (before). Written onto `out` as grad_x_scale and,
-/// with routed SwiGLU experts, grad_topk_scores_scale.
-void swiglu_end_to_end_scales(const Case& c, const RankBoard& in, RankBoard& out) {
+/// with routed SwiGLU experts, grad_topk_scores_scale. The SwiGLU scales run
+/// on `threads` threads.
+void swiglu_end_to_end_scales(const Case& c, const RankBoard& in, RankBoard& out, int threads) {
   const int64_t T = in.at("row_of").shape[0], D = c.hidden, K = c.top_k;
   const ref::Vec x = to_floats(in.at("x")), g = to_floats(in.at("grad_out"));
   ref::Vec scale(size_t(T * D), 0.f);
@@ -532,9 +547,10 @@ void swiglu_end_to_end_scales(const Case& c, const RankBoard& in, RankBoard& out
         X[size_t(i * D + d)] = x[size_t(tok[size_t(i)] * D + d)] * (before ? s : 1.f);
         dY[size_t(i * D + d)] = g[size_t(tok[size_t(i)] * D + d)] * (before ? 1.f : s);
       }
-    const ref::Vec w1 = to_floats(in.at("w1")), w3 = to_floats(in.at("w3")), w2 = to_floats(in.at("w2"));
-    const ref::SwigluGrads m = ref::swiglu_backward_magnitude(X, dY, counts, D, c.ffn, w1, w3, w2);
-    const ref::Vec fwd = before ? ref::Vec{} : ref::swiglu_magnitude(X, counts, D, c.ffn, w1, w3, w2);
+    const ref::WeightView w1 = weight_view(in.at("w1"), 0), w3 = weight_view(in.at("w3"), 0),
+                          w2 = weight_view(in.at("w2"), 0);
+    const ref::SwigluGrads m = ref::swiglu_backward_magnitude(X, dY, counts, D, c.ffn, w1, w3, w2, threads);
+    const ref::Vec fwd = before ? ref::Vec{} : ref::swiglu_magnitude(X, counts, D, c.ffn, w1, w3, w2, threads);
     // the row's (t, k): row_of maps assignment a = t*K + k to its row
     const ref::Ids row_of = ref_ids(in.at("row_of"));
     std::vector<int64_t> assignment(size_t(N), -1);
@@ -621,7 +637,7 @@ void ref_dispatch_bwd(RefCtx& r) {
                                 act_elem(c.dtype), {T, c.hidden});
     if (scores_before(c)) ref_score_grad(c, in, out, "x", "grad_routed_input");
     if (routed_swiglu(c) || shared_swiglu(c)) {
-      swiglu_end_to_end_scales(c, in, out);
+      swiglu_end_to_end_scales(c, in, out, r.threads);
       continue;
     }
     // The end-to-end error scale (docs/contract.md §15) of grad_x: the sum of the
@@ -716,10 +732,9 @@ Stage shared_swiglu_bwd_stage() {
                  "grad_x_shared = dX of the shared SwiGLU expert over every token (ref::swiglu_experts_backward)",
                  {"x", "shared_w1", "shared_w3", "shared_w2", "grad_out"},
                  {{"grad_x_shared", CompareClass::gemm, Coords::token_col, swiglu_grad_promise("grad_out"),
-                   [](const Case& c, const RankBoard& b, int, int) {
-                     return from_floats(magnitude_of(c, shared_args(c, b)).dX, ElemType::f32, b.at("x").shape);
-                   }}},
+                   shared_grad_scale}},
                  fast_shared_swiglu_bwd, ref_shared_swiglu_bwd);
+  s.ref_per_rank = true;  // ref_shared_swiglu_bwd honours RefCtx::rank
   s.applies = [](const Case& c) {
     const Decision d = backward_on(c);
     if (!d.applies) return d;
@@ -753,6 +768,7 @@ Stage experts_swiglu_bwd_stage() {
                   {"grad_w3", CompareClass::gemm, Coords::flat, nullptr, routed_grad_scale(2)},
                   {"grad_w2", CompareClass::gemm, Coords::flat, nullptr, routed_grad_scale(3)}},
                  fast_experts_swiglu_bwd, ref_experts_swiglu_bwd);
+  s.ref_per_rank = true;  // ref_experts_swiglu_bwd honours RefCtx::rank
   s.applies = [](const Case& c) {
     const Decision d = backward_on(c);
     if (!d.applies) return d;

@@ -17,6 +17,15 @@ namespace moev {
 
 ref::Act ref_act(DType d) { return d == DType::fp32 ? ref::Act::fp32 : d == DType::bf16 ? ref::Act::bf16 : ref::Act::fp16; }
 
+ref::WeightView weight_view(const Tensor& w, int64_t first) {
+  const int64_t per = w.numel() / w.shape[0];
+  const ref::Act t = w.type == ElemType::f32    ? ref::Act::fp32
+                     : w.type == ElemType::bf16 ? ref::Act::bf16
+                     : w.type == ElemType::f16  ? ref::Act::fp16
+                                                : throw std::logic_error("weight_view: not a float tensor");
+  return ref::WeightView(static_cast<const uint8_t*>(w.data()) + size_t(first * per) * elem_bytes(w.type), t);
+}
+
 ref::Ids ref_ids(const Tensor& t) {
   ref::Ids v;
   for (int64_t x : to_ints(t)) v.push_back(int32_t(x));
@@ -201,24 +210,20 @@ void fast_swiglu(FastCtx& ctx, ExpertsImpl impl, const Tensor& X, const int64_t*
                  conv);
 }
 
-/// The weights of experts [first, first + count) of an (E, ...) tensor.
-ref::Vec slice_weights(const Tensor& w, int64_t first, int64_t count) {
-  const int64_t per = w.numel() / w.shape[0];
-  return to_floats(w.view(w.type, {count * per}, w.offset_bytes + size_t(first * per) * elem_bytes(w.type)));
-}
+
 
 /// Error scale of SwiGLU over the first sum(counts) rows of X with the
 /// weights of experts [first, first + counts.size()) of the `w_prefix` tensors.
 Tensor swiglu_scale(const Case& c, const RankBoard& b, const Tensor& X, const ref::Counts& counts,
-                    const std::string& w_prefix, int64_t first) {
+                    const std::string& w_prefix, int64_t first, int threads = 1) {
   int64_t rows = 0;
   for (int64_t n : counts) rows += n;
   ref::Vec xv = to_floats(X);
   xv.resize(size_t(rows * c.hidden));
   const int64_t E_l = int64_t(counts.size());
-  return from_floats(ref::swiglu_magnitude(xv, counts, c.hidden, c.ffn, slice_weights(b.at(w_prefix + "w1"), first, E_l),
-                                           slice_weights(b.at(w_prefix + "w3"), first, E_l),
-                                           slice_weights(b.at(w_prefix + "w2"), first, E_l)),
+  return from_floats(ref::swiglu_magnitude(xv, counts, c.hidden, c.ffn, weight_view(b.at(w_prefix + "w1"), first),
+                                           weight_view(b.at(w_prefix + "w3"), first),
+                                           weight_view(b.at(w_prefix + "w2"), first), threads),
                      ElemType::f32, {rows, c.hidden});
 }
 
@@ -266,8 +271,8 @@ std::vector<OutputSpec> swiglu_mid_outputs(const SwigluSite& site, Coords co) {
                    const int64_t first = st->first_expert(c, rank, ranks), E_l = int64_t(counts.size());
                    return from_floats(ref::swiglu_h13_halfwidth(mid_act(c, swiglu_conventions(c, st->mid)), xv, counts,
                                                                 c.hidden, c.ffn,
-                                                                slice_weights(b.at(st->w_prefix + "w1"), first, E_l),
-                                                                slice_weights(b.at(st->w_prefix + "w3"), first, E_l)),
+                                                                weight_view(b.at(st->w_prefix + "w1"), first),
+                                                                weight_view(b.at(st->w_prefix + "w3"), first)),
                                       ElemType::f32, {rows, 2 * c.ffn});
                  });
   OutputSpec hidden(site.mid + "hidden", CompareClass::rounding, co, nullptr);
@@ -307,7 +312,7 @@ Tensor combined_magnitude(const Case& c, const RankBoard& b, int threads) {
   // their scale is |row| itself where the experts are exact.
   const Tensor& routed = b.at("routed_input");
   const Tensor rows = c.experts.kind == ExpertKind::swiglu
-                          ? swiglu_scale(c, b, routed, ref_counts(b.at("counts")), "", 0)
+                          ? swiglu_scale(c, b, routed, ref_counts(b.at("counts")), "", 0, threads)
                           : routed;
   const bool shared = c.shared.kind != SharedKind::none;
   const ref::Vec sh = shared ? shared_scale(c, b) : ref::Vec{};
@@ -326,6 +331,7 @@ void ref_swiglu(RefCtx& r, const std::string& in, const std::function<ref::Count
                 const std::string& w_prefix, int64_t expert0_per_rank, const std::string& out, const std::string& mid) {
   const Case& c = r.c;
   for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+    if (!r.wants(int(q))) continue;
     const RankBoard& b = r.in.ranks[q];
     const ref::Counts counts = counts_of(b);
     const int64_t E_l = int64_t(counts.size());
@@ -337,11 +343,16 @@ void ref_swiglu(RefCtx& r, const std::string& in, const std::function<ref::Count
     xv.resize(size_t(rows * c.hidden));  // rows past the last group (a padding tail) are no expert's
     const SwigluConventions conv = swiglu_conventions(c, mid);
     const ref::SwigluTrace tr = ref::swiglu_experts_traced(
-        ref_act(c.dtype), xv, counts, c.hidden, c.ffn, slice_weights(b.at(w_prefix + "w1"), first, E_l),
-        slice_weights(b.at(w_prefix + "w3"), first, E_l), slice_weights(b.at(w_prefix + "w2"), first, E_l),
-        ref_rounding(conv), conv.compute == ComputeDtype::bf16 ? ref::Compute::bf16 : ref::Compute::act);
+        ref_act(c.dtype), xv, counts, c.hidden, c.ffn, weight_view(b.at(w_prefix + "w1"), first),
+        weight_view(b.at(w_prefix + "w3"), first), weight_view(b.at(w_prefix + "w2"), first),
+        ref_rounding(conv), conv.compute == ComputeDtype::bf16 ? ref::Compute::bf16 : ref::Compute::act, r.threads,
+        r.wants_scales());
     r.out.ranks[q][out] = from_floats(tr.Y, X.type, {rows, c.hidden});
     r.out.ranks[q][mid + "h13"] = from_floats(tr.h13, mid_type(c, conv), {rows, 2 * c.ffn});
+    if (r.wants_scales()) {  // the error scales of Y and h13, from the same GEMMs (swiglu_mid_outputs)
+      r.scales->ranks[q][out] = from_floats(tr.magnitude, ElemType::f32, {rows, c.hidden});
+      r.scales->ranks[q][mid + "h13"] = from_floats(tr.h13_halfwidth, ElemType::f32, {rows, 2 * c.ffn});
+    }
   }
 }
 
@@ -636,6 +647,7 @@ Stage swiglu_experts(ExpertsImpl impl) {
                 "expert_output", "expert_");
   };
   s.ref = ref_routed_swiglu;
+  s.ref_per_rank = true;  // ref_swiglu honours RefCtx::rank
   s.backends = kHostAndDevice;
   return s;
 }
@@ -673,6 +685,7 @@ Stage swiglu_batched() {
                         ", " + std::to_string(cnt) + ")");
   };
   s.ref = ref_routed_swiglu;
+  s.ref_per_rank = true;  // ref_swiglu honours RefCtx::rank
   s.backends = kHostAndDevice;
   return s;
 }
@@ -727,6 +740,7 @@ Stage shared_swiglu() {
     ref_swiglu(r, "x", [](const RankBoard& b) { return ref::Counts{b.at("x").shape[0]}; }, "shared_", 0, "shared_out",
                "shared_");
   };
+  s.ref_per_rank = true;
   s.backends = kHostAndDevice;
   return s;
 }
