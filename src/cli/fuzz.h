@@ -67,6 +67,10 @@ struct SelftestOptions {
   uint64_t seed = 1;
   uint64_t fuzz_budget = 400;  // configurations per fault
   int jobs = 1;
+  /// Shipped cases (and probes) first; the fuzz budget only for a fault no
+  /// case catches, its failure not shrunk. The full mode also shows the fuzz
+  /// finding every fault on its own.
+  bool quick = false;
 };
 
 struct SelftestRow {

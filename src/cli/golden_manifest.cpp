@@ -106,6 +106,9 @@ std::string layout_of(const std::string& name) {
       {"grad_w1", "(E_l, F, D) gradient of the rank's local experts' w1"},
       {"grad_w3", "(E_l, F, D) gradient of the rank's local experts' w3"},
       {"grad_w2", "(E_l, D, F) gradient of the rank's local experts' w2"},
+      {"grad_shared_w1", "(F, D) fp32 gradient of shared_w1 from this rank's tokens"},
+      {"grad_shared_w3", "(F, D) fp32 gradient of shared_w3 from this rank's tokens"},
+      {"grad_shared_w2", "(D, F) fp32 gradient of shared_w2 from this rank's tokens"},
   };
   auto it = m.find(name);
   return it == m.end() ? "" : it->second;

@@ -494,6 +494,7 @@ int cmd_fuzz(const CLI::App* cmd, const FuzzArgs& a) {
 
 struct SelftestArgs {
   std::string cases = MOEVERIFY_SOURCE_DIR "/cases", seed = "1", budget = "400", jobs = "1", json;
+  bool quick = false;
 };
 
 int cmd_selftest(const CLI::App* cmd, const SelftestArgs& a) {
@@ -502,6 +503,7 @@ int cmd_selftest(const CLI::App* cmd, const SelftestArgs& a) {
   o.seed = parse_u64_option("--seed", a.seed);
   o.fuzz_budget = parse_u64_option("--budget", a.budget);
   o.jobs = parse_int_option("--jobs", a.jobs, 1, 256);
+  o.quick = a.quick;
   if (cmd->count("--json")) check_output_file("--json", a.json);
   const std::vector<SelftestRow> rows = selftest(o, std::cerr);
   print_selftest(rows, std::cout);
@@ -630,6 +632,8 @@ void add_fuzz_selftest_bench(CLI::App& app, Commands& c) {
   c.st->add_option("--budget", c.sa.budget, "fuzz configurations per fault (default 400)")->type_name("N");
   c.st->add_option("--jobs", c.sa.jobs, "configurations run at once (default 1)")->type_name("N");
   c.st->add_option("--json", c.sa.json, "also write the table as JSON");
+  c.st->add_flag("--quick", c.sa.quick,
+                 "shipped cases and probes first, the fuzz only for a fault no case catches (not shrunk)");
 
   c.bn = app.add_subcommand("bench", "time every stage variant against a memcpy of the same bytes (README: Benchmarks)");
   c.bn->add_option("files", c.ba.files, "case files (YAML)")->required();

@@ -446,6 +446,18 @@ Tensor shared_grad_scale(const Case& c, const RankBoard& b, int, int) {
   return from_floats(magnitude_of(c, shared_args(c, b)).dX, ElemType::f32, b.at("x").shape);
 }
 
+/// Error scales of the shared expert's weight gradients (1: dW1, 2: dW3,
+/// 3: dW2), where the reference wrote none of its own.
+Magnitude shared_weight_grad_scale(int which) {
+  return [which](const Case& c, const RankBoard& b, int, int) {
+    const ref::SwigluGrads m = magnitude_of(c, shared_args(c, b));
+    const int64_t D = c.hidden, F = c.ffn;
+    if (which == 1) return from_floats(m.dW1, ElemType::f32, {F, D});
+    if (which == 2) return from_floats(m.dW3, ElemType::f32, {F, D});
+    return from_floats(m.dW2, ElemType::f32, {D, F});
+  };
+}
+
 /// Realistic data with a gradient that is not all zero gives a nonzero input gradient.
 Promise swiglu_grad_promise(const std::string& g) {
   return [g](const Case& c, const RankBoard& b) {
@@ -500,10 +512,14 @@ void fast_shared_swiglu_bwd(FastCtx& ctx) {
   const Tensor& x = ctx.input("x");
   const int64_t T = x.shape[0], D = c.hidden, F = c.ffn;
   Tensor& dx = rows_out(ctx, "grad_x_shared", T);
-  std::vector<float> dw1(size_t(F * D)), dw3(size_t(F * D)), dw2(size_t(D * F));  // not checked here
+  // This rank's share of the weight gradients (its tokens' sum, fp32), as
+  // the routed experts' (a data-parallel all-reduce would add the ranks').
+  Tensor& dw1 = ctx.output("grad_shared_w1", ElemType::f32, {F, D});
+  Tensor& dw3 = ctx.output("grad_shared_w3", ElemType::f32, {F, D});
+  Tensor& dw2 = ctx.output("grad_shared_w2", ElemType::f32, {D, F});
   experts_swiglu_backward(ctx.exec, c.dtype, x.data(), ctx.input("grad_out").data(), &T, 1, D, F,
                           ctx.input("shared_w1").data(), ctx.input("shared_w3").data(), ctx.input("shared_w2").data(),
-                          dx.data(), dw1.data(), dw3.data(), dw2.data(),
+                          dx.data(), dw1.as<float>(), dw3.as<float>(), dw2.as<float>(),
                           SwigluConventions{c.experts.rounding, ComputeDtype::act});
 }
 
@@ -515,8 +531,19 @@ void ref_shared_swiglu_bwd(RefCtx& r) {
     const ref::SwigluGrads g =
         ref::swiglu_experts_backward(ref_act(c.dtype), a.X, a.dY, a.counts, c.hidden, c.ffn, a.W1, a.W3, a.W2,
                                      ref::SiluRounding::fused, ref::Compute::act, r.threads, r.wants_scales());
-    r.out.ranks[q]["grad_x_shared"] = from_floats(g.dX, act_elem(c.dtype), {a.rows, c.hidden});
-    if (r.wants_scales()) r.scales->ranks[q]["grad_x_shared"] = from_floats(g.mdX, ElemType::f32, {a.rows, c.hidden});
+    const int64_t D = c.hidden, F = c.ffn;
+    RankBoard& out = r.out.ranks[q];
+    out["grad_x_shared"] = from_floats(g.dX, act_elem(c.dtype), {a.rows, D});
+    out["grad_shared_w1"] = from_floats(g.dW1, ElemType::f32, {F, D});
+    out["grad_shared_w3"] = from_floats(g.dW3, ElemType::f32, {F, D});
+    out["grad_shared_w2"] = from_floats(g.dW2, ElemType::f32, {D, F});
+    if (r.wants_scales()) {
+      RankBoard& sc = r.scales->ranks[q];
+      sc["grad_x_shared"] = from_floats(g.mdX, ElemType::f32, {a.rows, D});
+      sc["grad_shared_w1"] = from_floats(g.mdW1, ElemType::f32, {F, D});
+      sc["grad_shared_w3"] = from_floats(g.mdW3, ElemType::f32, {F, D});
+      sc["grad_shared_w2"] = from_floats(g.mdW2, ElemType::f32, {D, F});
+    }
   }
 }
 
@@ -732,7 +759,10 @@ Stage shared_swiglu_bwd_stage() {
                  "grad_x_shared = dX of the shared SwiGLU expert over every token (ref::swiglu_experts_backward)",
                  {"x", "shared_w1", "shared_w3", "shared_w2", "grad_out"},
                  {{"grad_x_shared", CompareClass::gemm, Coords::token_col, swiglu_grad_promise("grad_out"),
-                   shared_grad_scale}},
+                   shared_grad_scale},
+                  {"grad_shared_w1", CompareClass::gemm, Coords::flat, nullptr, shared_weight_grad_scale(1)},
+                  {"grad_shared_w3", CompareClass::gemm, Coords::flat, nullptr, shared_weight_grad_scale(2)},
+                  {"grad_shared_w2", CompareClass::gemm, Coords::flat, nullptr, shared_weight_grad_scale(3)}},
                  fast_shared_swiglu_bwd, ref_shared_swiglu_bwd);
   s.ref_per_rank = true;  // ref_shared_swiglu_bwd honours RefCtx::rank
   s.applies = [](const Case& c) {
