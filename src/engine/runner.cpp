@@ -840,7 +840,8 @@ namespace {
 /// of the EP = 1 run that fails. Its error scale for the GEMM class is that
 /// of the EP = 1 run's own routed rows and scores.
 void check_ep_invariance(const Case& c, const RunOptions& opt, const std::vector<RankBoard>& inputs,
-                         const std::map<std::string, Tensor>& globals, const Board& fast, CaseReport& rep) {
+                         const std::map<std::string, Tensor>& globals, const Board& fast, const Board& chain,
+                         CaseReport& rep) {
   const int R = c.ep;
   Case c1 = c;
   c1.ep = 1;
@@ -902,16 +903,19 @@ void check_ep_invariance(const Case& c, const RunOptions& opt, const std::vector
     }
     per_rank[size_t(p)].push_back(ch);
     // The gradients too (docs/contract.md §3 EP invariance, run backwards): bitwise
-    // with identity experts, the only experts the backward runs for now.
-    if (exact)
-      for (const EndToEndOutput& e : backward_end_to_end(c)) {
-        const std::string& n = e.spec.name;
-        const OutputSpec og{n, CompareClass::exact, e.spec.coords, nullptr};
-        per_rank[size_t(p)].push_back(make_check(c, "ep_invariance", "ep1_vs_ep" + std::to_string(R), og,
-                                                 fast.has(n, p) ? &fast.at(n, p) : nullptr,
-                                                 f1.has(n, 0) ? &f1.at(n, 0) : nullptr, fast.ranks[size_t(p)], p, R,
-                                                 "EP = 1 run"));
-      }
+    // with identity experts; with SwiGLU experts in the end-to-end class,
+    // scaled by this rank's error scales on the reference chain (the same
+    // tokens and rows as the EP = 1 run's).
+    for (const EndToEndOutput& e : backward_end_to_end(c)) {
+      const std::string& n = e.spec.name;
+      const Tensor* scale = !exact && chain.has(e.scale, p) ? &chain.at(e.scale, p) : nullptr;
+      if (!exact && !scale) continue;
+      const OutputSpec og = exact ? OutputSpec{n, CompareClass::exact, e.spec.coords, nullptr} : e.spec;
+      per_rank[size_t(p)].push_back(make_check(c, "ep_invariance", "ep1_vs_ep" + std::to_string(R), og,
+                                               fast.has(n, p) ? &fast.at(n, p) : nullptr,
+                                               f1.has(n, 0) ? &f1.at(n, 0) : nullptr, fast.ranks[size_t(p)], p, R,
+                                               "EP = 1 run", scale));
+    }
   });
   for (const auto& v : per_rank) rep.checks.insert(rep.checks.end(), v.begin(), v.end());
 }
@@ -940,7 +944,7 @@ bool run_entry(const Case& c, const RunOptions& opt, bool use_mpi, CaseReport& r
   }
   const bool completed = run_pipeline(c, opt, inputs, use_mpi, rep, fast, &chain);
 
-  if (R > 1 && completed && !opt.fast_only) check_ep_invariance(c, opt, inputs, globals, fast, rep);
+  if (R > 1 && completed && !opt.fast_only) check_ep_invariance(c, opt, inputs, globals, fast, chain, rep);
   if (c.sp > 1 && completed && !opt.fast_only) check_sp_invariance(c, opt, fast, rep);
   return completed;
 }
