@@ -493,7 +493,8 @@ int cmd_fuzz(const CLI::App* cmd, const FuzzArgs& a) {
 }
 
 struct SelftestArgs {
-  std::string cases = MOEVERIFY_SOURCE_DIR "/cases", seed = "1", budget = "400", jobs = "1", json;
+  std::string cases = MOEVERIFY_SOURCE_DIR "/cases", seed = "1", budget = "400",
+              jobs = std::to_string(std::max(1u, std::thread::hardware_concurrency())), json;
   bool quick = false;
 };
 
@@ -630,7 +631,7 @@ void add_fuzz_selftest_bench(CLI::App& app, Commands& c) {
   c.st->add_option("--cases", c.sa.cases, "the shipped case files (default: this build's source cases/)");
   c.st->add_option("--seed", c.sa.seed, "the fuzz stream (default 1)")->type_name("N");
   c.st->add_option("--budget", c.sa.budget, "fuzz configurations per fault (default 400)")->type_name("N");
-  c.st->add_option("--jobs", c.sa.jobs, "configurations run at once (default 1)")->type_name("N");
+  c.st->add_option("--jobs", c.sa.jobs, "fuzz configurations run at once (default: the core count)")->type_name("N");
   c.st->add_option("--json", c.sa.json, "also write the table as JSON");
   c.st->add_flag("--quick", c.sa.quick,
                  "shipped cases and probes first, the fuzz only for a fault no case catches (not shrunk)");
