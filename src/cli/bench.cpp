@@ -521,88 +521,130 @@ std::string bench_json(const std::vector<CaseBench>& all, const BenchOptions& op
   return doc.dump(2) + "\n";
 }
 
+namespace {
+
+/// Lines of at most `width` characters, broken at spaces.
+std::vector<std::string> wrap_words(const std::string& text, size_t width) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  std::string word, line;
+  while (in >> word) {
+    if (!line.empty() && line.size() + 1 + word.size() > width) {
+      lines.push_back(line);
+      line.clear();
+    }
+    line += (line.empty() ? "" : " ") + word;
+  }
+  if (!line.empty()) lines.push_back(line);
+  return lines;
+}
+
+/// One case's bars: each timed stage's share of the memcpy roof on a log
+/// scale (shares span several decades: a GEMM stage at 300%, a small copy at
+/// 0.1%), decade ticks and the 100% line marked.
+void svg_case_bars(const CaseBench& b, int& y, std::ostream& body) {
+  const int bar_h = 16, label_w = 330, chart_w = 440;
+  for (const std::string& line : wrap_words(b.c.name + ": " + b.c.summary(), 130)) {
+    y += 16;
+    body << "<text x=\"10\" y=\"" << y << "\" font-size=\"12\" font-weight=\"bold\">" << xml_escape(line)
+         << "</text>\n";
+  }
+  y += 8;
+  double lo = 1.0, hi = 1.0;
+  for (const auto& s : b.stages)
+    if (s.ran && s.ratio_to_roof > 0) lo = std::min(lo, s.ratio_to_roof), hi = std::max(hi, s.ratio_to_roof);
+  const double l0 = std::floor(std::log10(std::max(lo, 1e-6))), l1 = std::max(0.0, std::ceil(std::log10(hi) - 1e-9));
+  auto xs = [&](double r) {
+    const double l = std::log10(std::max(r, 1e-6));
+    return label_w + chart_w * std::clamp((l - l0) / std::max(l1 - l0, 1.0), 0.0, 1.0);
+  };
+  const int y0 = y;
+  for (const auto& s : b.stages) {
+    if (!s.ran) continue;
+    const double w = xs(s.ratio_to_roof) - label_w;
+    body << "<text x=\"" << label_w - 6 << "\" y=\"" << y + bar_h - 4 << "\" font-size=\"11\" text-anchor=\"end\">"
+         << xml_escape(s.slot + "/" + s.variant) << "</text>\n";
+    body << "<rect x=\"" << label_w << "\" y=\"" << y + 2 << "\" width=\"" << fmt(std::max(w, 1.0), 1) << "\" height=\""
+         << bar_h - 4 << "\" fill=\"" << (s.ratio_to_roof >= 0.7 ? "#2a9d8f" : "#e76f51") << "\"/>\n";
+    body << "<text x=\"" << label_w + int(w) + 4 << "\" y=\"" << y + bar_h - 4 << "\" font-size=\"10\">"
+         << fmt(100 * s.ratio_to_roof, 1) << "% (" << fmt(s.gbps, 2) << " GB/s)</text>\n";
+    y += bar_h;
+  }
+  for (double l = l0; l <= l1; l += 1) {  // decade ticks: 0.1%, 1%, 10%, 100%, ...
+    const double x = xs(std::pow(10.0, l));
+    const bool roof = l == 0;
+    body << "<line x1=\"" << fmt(x, 1) << "\" y1=\"" << y0 << "\" x2=\"" << fmt(x, 1) << "\" y2=\"" << y << "\" stroke=\""
+         << (roof ? "#264653" : "#ccc") << "\"" << (roof ? " stroke-dasharray=\"4 3\"" : "") << "/>\n";
+    body << "<text x=\"" << fmt(x, 1) << "\" y=\"" << y + 12 << "\" font-size=\"10\" text-anchor=\"middle\">"
+         << fmt(100 * std::pow(10.0, l), l >= -2 ? 0 : int(-2 - l)) << "%" << (roof ? " of memcpy" : "") << "</text>\n";
+  }
+  y += 20;
+  if (b.roof_ratio > 0) {
+    body << "<text x=\"10\" y=\"" << y << "\" font-size=\"11\">roof-ratio of dispatch + combine: " << fmt(b.roof_ratio, 3)
+         << " (bars on a log scale)</text>\n";
+    y += 16;
+  }
+}
+
+/// With a sweep, one panel per axis (T, D, R): verify time and peak memory
+/// against the scale, each normalised to its largest value.
+void svg_sweep_panels(const CaseBench& b, int& y, std::ostream& body) {
+  y += 10;
+  body << "<text x=\"10\" y=\"" << y << "\" font-size=\"12\">growth with T, D, R (blue: verify time, orange: peak "
+          "memory; each scaled to its largest value)</text>\n";
+  y += 10;
+  const int pw = 260, ph = 120;
+  int px = 40;
+  for (const char* axis : {"T", "D", "R"}) {
+    std::vector<const SweepPoint*> pts;
+    double tmax = 0, mmax = 0;
+    for (const auto& p : b.sweep)
+      if (p.axis == axis && p.ran) {
+        pts.push_back(&p);
+        tmax = std::max(tmax, p.verify_seconds);
+        mmax = std::max(mmax, double(p.peak_rss_bytes));
+      }
+    body << "<rect x=\"" << px << "\" y=\"" << y << "\" width=\"" << pw << "\" height=\"" << ph
+         << "\" fill=\"none\" stroke=\"#999\"/>\n";
+    body << "<text x=\"" << px + pw / 2 << "\" y=\"" << y + ph + 28 << "\" font-size=\"11\" text-anchor=\"middle\">"
+         << axis << " (scale of the case's value)</text>\n";
+    auto sx = [&](double scale) { return px + 10 + (pw - 20) * scale; };
+    for (const char* series : {"t", "m"}) {
+      std::ostringstream poly;
+      for (const auto* p : pts) {
+        const double v = series[0] == 't' ? (tmax > 0 ? p->verify_seconds / tmax : 0)
+                                          : (mmax > 0 ? double(p->peak_rss_bytes) / mmax : 0);
+        const double yy = y + ph - 10 - (ph - 20) * v;
+        poly << fmt(sx(p->scale), 1) << "," << fmt(yy, 1) << " ";
+        body << "<circle cx=\"" << fmt(sx(p->scale), 1) << "\" cy=\"" << fmt(yy, 1) << "\" r=\"3\" fill=\""
+             << (series[0] == 't' ? "#1d3557" : "#f4a261") << "\"/>\n";
+      }
+      if (!pts.empty())
+        body << "<polyline points=\"" << poly.str() << "\" fill=\"none\" stroke=\""
+             << (series[0] == 't' ? "#1d3557" : "#f4a261") << "\" stroke-width=\"2\"/>\n";
+    }
+    for (const auto* p : pts)
+      body << "<text x=\"" << fmt(sx(p->scale), 1) << "\" y=\"" << y + ph + 14 << "\" font-size=\"9\" "
+           << "text-anchor=\"middle\">" << fmt(p->verify_seconds, 2) << "s " << fmt(double(p->peak_rss_bytes) / (1 << 20), 0)
+           << "M</text>\n";
+    px += pw + 30;
+  }
+  y += ph + 40;
+}
+
+}  // namespace
+
 std::string bench_svg(const std::vector<CaseBench>& all) {
-  // Layout: per case, a bar chart of ratio_to_roof per timed stage (100% line
-  // marked), then, with a sweep, one panel per axis (T, D, R) plotting verify
-  // time and peak memory against the scale, each normalised to its largest value.
-  const int width = 900, bar_h = 16, label_w = 330, chart_w = 440;
+  // Layout: per case, its bars (svg_case_bars), then, with a sweep, the
+  // growth panels (svg_sweep_panels); the page is as tall as its content.
+  const int width = 960;
   std::ostringstream body;
   int y = 30;
   body << "<text x=\"10\" y=\"20\" font-size=\"16\" font-weight=\"bold\">moeverify bench: share of the memcpy roof"
           "</text>\n";
   for (const auto& b : all) {
-    y += 16;
-    body << "<text x=\"10\" y=\"" << y << "\" font-size=\"13\" font-weight=\"bold\">" << xml_escape(b.c.name + ": " + b.c.summary())
-         << "</text>\n";
-    y += 8;
-    double top = 1.0;
-    for (const auto& s : b.stages)
-      if (s.ran) top = std::max(top, s.ratio_to_roof);
-    const int y0 = y;
-    for (const auto& s : b.stages) {
-      if (!s.ran) continue;
-      const double w = chart_w * s.ratio_to_roof / top;
-      body << "<text x=\"" << label_w - 6 << "\" y=\"" << y + bar_h - 4 << "\" font-size=\"11\" text-anchor=\"end\">"
-           << xml_escape(s.slot + "/" + s.variant) << "</text>\n";
-      body << "<rect x=\"" << label_w << "\" y=\"" << y + 2 << "\" width=\"" << fmt(w, 1) << "\" height=\"" << bar_h - 4
-           << "\" fill=\"" << (s.ratio_to_roof >= 0.7 ? "#2a9d8f" : "#e76f51") << "\"/>\n";
-      body << "<text x=\"" << label_w + int(w) + 4 << "\" y=\"" << y + bar_h - 4 << "\" font-size=\"10\">"
-           << fmt(100 * s.ratio_to_roof, 1) << "% (" << fmt(s.gbps, 2) << " GB/s)</text>\n";
-      y += bar_h;
-    }
-    const double x100 = label_w + chart_w / top;
-    body << "<line x1=\"" << fmt(x100, 1) << "\" y1=\"" << y0 << "\" x2=\"" << fmt(x100, 1) << "\" y2=\"" << y
-         << "\" stroke=\"#264653\" stroke-dasharray=\"4 3\"/>\n";
-    body << "<text x=\"" << fmt(x100, 1) << "\" y=\"" << y + 12 << "\" font-size=\"10\" text-anchor=\"middle\">100% of memcpy"
-         << "</text>\n";
-    y += 20;
-    if (b.roof_ratio > 0) {
-      body << "<text x=\"10\" y=\"" << y << "\" font-size=\"11\">roof-ratio of dispatch + combine: "
-           << fmt(b.roof_ratio, 3) << "</text>\n";
-      y += 16;
-    }
-    if (b.sweep.empty()) continue;
-    y += 10;
-    body << "<text x=\"10\" y=\"" << y << "\" font-size=\"12\">growth with T, D, R (blue: verify time, orange: peak "
-            "memory; each scaled to its largest value)</text>\n";
-    y += 10;
-    const int pw = 260, ph = 120;
-    int px = 40;
-    for (const char* axis : {"T", "D", "R"}) {
-      std::vector<const SweepPoint*> pts;
-      double tmax = 0, mmax = 0;
-      for (const auto& p : b.sweep)
-        if (p.axis == axis && p.ran) {
-          pts.push_back(&p);
-          tmax = std::max(tmax, p.verify_seconds);
-          mmax = std::max(mmax, double(p.peak_rss_bytes));
-        }
-      body << "<rect x=\"" << px << "\" y=\"" << y << "\" width=\"" << pw << "\" height=\"" << ph
-           << "\" fill=\"none\" stroke=\"#999\"/>\n";
-      body << "<text x=\"" << px + pw / 2 << "\" y=\"" << y + ph + 28 << "\" font-size=\"11\" text-anchor=\"middle\">"
-           << axis << " (scale of the case's value)</text>\n";
-      auto sx = [&](double scale) { return px + 10 + (pw - 20) * scale; };
-      for (const char* series : {"t", "m"}) {
-        std::ostringstream poly;
-        for (const auto* p : pts) {
-          const double v = series[0] == 't' ? (tmax > 0 ? p->verify_seconds / tmax : 0)
-                                            : (mmax > 0 ? double(p->peak_rss_bytes) / mmax : 0);
-          const double yy = y + ph - 10 - (ph - 20) * v;
-          poly << fmt(sx(p->scale), 1) << "," << fmt(yy, 1) << " ";
-          body << "<circle cx=\"" << fmt(sx(p->scale), 1) << "\" cy=\"" << fmt(yy, 1) << "\" r=\"3\" fill=\""
-               << (series[0] == 't' ? "#1d3557" : "#f4a261") << "\"/>\n";
-        }
-        if (!pts.empty())
-          body << "<polyline points=\"" << poly.str() << "\" fill=\"none\" stroke=\""
-               << (series[0] == 't' ? "#1d3557" : "#f4a261") << "\" stroke-width=\"2\"/>\n";
-      }
-      for (const auto* p : pts)
-        body << "<text x=\"" << fmt(sx(p->scale), 1) << "\" y=\"" << y + ph + 14 << "\" font-size=\"9\" "
-             << "text-anchor=\"middle\">" << fmt(p->verify_seconds, 2) << "s " << fmt(double(p->peak_rss_bytes) / (1 << 20), 0)
-             << "M</text>\n";
-      px += pw + 30;
-    }
-    y += ph + 40;
+    svg_case_bars(b, y, body);
+    if (!b.sweep.empty()) svg_sweep_panels(b, y, body);
   }
   std::ostringstream svg;
   svg << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
