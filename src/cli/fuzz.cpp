@@ -439,7 +439,7 @@ std::vector<SelftestRow> selftest(const SelftestOptions& opt, std::ostream& prog
     SelftestRow row;
     row.fault = fi.name;
     row.what = fi.what;
-    const FaultSet faults{uint32_t(fi.fault)};
+    const FaultSet faults{uint64_t(fi.fault)};
     // 1. A fuzz budget with the fault on, stopped at the first failure.
     FuzzOptions fo;
     fo.seed = opt.seed;
