@@ -99,8 +99,8 @@ void dispatch_backward(const ExecCtx& ctx, DType dt, k::ScoreApply apply, k::Sco
   // The scatter's order comes from this path's own fault, not the forward
   // combine's (unordered_combine), so each fault names one stage.
   ExecCtx sc = ctx;
-  sc.faults.bits &= ~uint32_t(Fault::unordered_combine);
-  if (ctx.faults.has(Fault::bwd_unordered_scatter)) sc.faults.bits |= uint32_t(Fault::unordered_combine);
+  sc.faults.bits &= ~uint64_t(Fault::unordered_combine);
+  if (ctx.faults.has(Fault::bwd_unordered_scatter)) sc.faults.bits |= uint64_t(Fault::unordered_combine);
   combine_from_zeros(sc, a, grad_x);
   if (apply == k::ScoreApply::before_experts)
     dispatch_dtype(dt, [&](auto tag) {

@@ -43,6 +43,12 @@ enum class SiluRounding : uint8_t { fused, rounded_to_act };
 /// the fp32 score, `act` by the score rounded to the activation dtype first
 /// (docs/frameworks.md §2.2 step 1, the FK variant: ezpz PR #11 `routed_output * score.to(bf16)`).
 enum class ScoreMultiply : uint8_t { fp32, act };
+/// FP8 block scales (docs/contract.md §16): s = amax / 448 in fp32, or that
+/// rounded up to a power of two (UE8M0, DeepGEMM's recipe on newer GPUs).
+enum class Fp8Scale : uint8_t { fp32, ue8m0 };
+/// The quotient that is rounded to e4m3: x * (1 / s) (DeepGEMM's helpers) or
+/// x * (448 / amax) (DeepEP's older tests; fp32 scales only).
+enum class Fp8Quotient : uint8_t { reciprocal, amax_ratio };
 
 /// e^v from additions, multiplications and exponent bits only, so that the
 /// host and CUDA executors give the same bits (a library expf differs: CUDA's
@@ -357,6 +363,72 @@ struct CombineBody {
     }
     T* o = out + t * D + c0;
     for (int i = 0; i < n; ++i) o[i] = from_float<T>(v[i]);
+  }
+};
+
+/// The planted faults of the FP8 quantiser (docs/contract.md §16), as flags of
+/// the body (src/core/faults.h names them).
+struct Fp8QuantFaults {
+  bool round_down = false;     // UE8M0 scale rounded down to a power of two
+  bool straddle = false;       // amax window at token stride D + block/2: blocks straddle two tokens
+  bool store_inverse = false;  // the quotient multiplier stored as the scale
+};
+
+/// FP8 quantisation (docs/contract.md §16) of item i = (token t, block b),
+/// i = t * (D / block) + b. Layout: x (T, D) act, q (T, D) e4m3 bytes, scale
+/// (T, D / block) fp32. amax = max |x| over the block, clamped below at
+/// `clamp`; s = amax / 448 in fp32, rounded up to a power of two under
+/// ue8m0; q = e4m3(x * (1 / s)) or e4m3(x * (448 / amax)), each product one
+/// fp32 rounding. Every lane computes the block's amax (a max: the same bits
+/// in any order), then encodes its strided elements; lane 0 writes the scale.
+template <class T>
+struct Fp8QuantBody {
+  const T* x;
+  e4m3* q;
+  float* scale;
+  int64_t tokens, D, block;
+  float clamp;
+  Fp8Scale mode;
+  Fp8Quotient quotient;
+  Fp8QuantFaults faults;
+
+  MOEV_HD void operator()(int64_t i, int lane, int lanes) const {
+    const int64_t nb = D / block, t = i / nb, b = i % nb;
+    const int64_t start = t * D + b * block;
+    int64_t w0 = faults.straddle ? t * (D + block / 2) + b * block : start;
+    int64_t w1 = w0 + block;
+    if (w1 > tokens * D) w1 = tokens * D;
+    if (w0 > w1) w0 = w1;
+    float amax = 0.f;
+    for (int64_t j = w0; j < w1; ++j) {
+      const float a = fabsf(to_float(x[j]));
+      amax = a > amax ? a : amax;
+    }
+    amax = amax > clamp ? amax : clamp;
+    float s = amax / 448.f;
+    if (mode == Fp8Scale::ue8m0) {  // s is normal (clamp >= 1e-12): clear the mantissa, step the exponent up
+      const uint32_t u = f32_bits(s);
+      if (u & 0x7fffffu) s = f32_from_bits(faults.round_down ? (u & 0x7f800000u) : (u & 0x7f800000u) + 0x800000u);
+    }
+    const float mul = quotient == Fp8Quotient::amax_ratio ? 448.f / amax : 1.f / s;
+    for (int64_t c = lane; c < block; c += lanes) q[start + c] = from_float<e4m3>(to_float(x[start + c]) * mul);
+    if (lane == 0) scale[i] = faults.store_inverse ? mul : s;
+  }
+};
+
+/// FP8 dequantisation (docs/contract.md §16) of row r: out = round_act(float(q) * s)
+/// with s the scale of the element's block, the product one fp32 rounding.
+template <class T>
+struct Fp8DequantBody {
+  const e4m3* q;       // (rows, D)
+  const float* scale;  // (rows, D / block)
+  T* out;              // (rows, D)
+  int64_t D, block;
+
+  MOEV_HD void operator()(int64_t r, int lane, int lanes) const {
+    const int64_t nb = D / block;
+    for (int64_t c = lane; c < D; c += lanes)
+      out[r * D + c] = from_float<T>(to_float(q[r * D + c]) * scale[r * nb + c / block]);
   }
 };
 

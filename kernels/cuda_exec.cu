@@ -258,6 +258,15 @@ class CudaDevice final : public Device {
   MOEV_CUDA_BODIES(bf16)
   MOEV_CUDA_BODIES(fp16)
 #undef MOEV_CUDA_BODIES
+  void run(const k::RowMapBody<e4m3>& b, int64_t n) override { timed([&] { launch(b, n); }); }
+  void run(const k::FnRowMapBody<e4m3, EqualCountMap>& b, int64_t n) override { timed([&] { launch(b, n); }); }
+#define MOEV_CUDA_FP8(T)                                                                              \
+  void run(const k::Fp8QuantBody<T>& b, int64_t n) override { timed([&] { launch(b, n); }); }   \
+  void run(const k::Fp8DequantBody<T>& b, int64_t n) override { timed([&] { launch(b, n); }); }
+  MOEV_CUDA_FP8(float)
+  MOEV_CUDA_FP8(bf16)
+  MOEV_CUDA_FP8(fp16)
+#undef MOEV_CUDA_FP8
 #define MOEV_CUDA_CONVERT(T)                                                                   \
   void run(const ConvertBody<T, bf16>& b, int64_t n) override { timed([&] { launch(b, n); }); }               \
   void run(const ConvertBody<bf16, T>& b, int64_t n) override { timed([&] { launch(b, n); }); }

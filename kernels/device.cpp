@@ -225,6 +225,15 @@ class EmulatedDevice final : public Device {
   MOEV_EMULATED_BODIES(bf16)
   MOEV_EMULATED_BODIES(fp16)
 #undef MOEV_EMULATED_BODIES
+  void run(const k::RowMapBody<e4m3>& b, int64_t n) override { body(b, n); }
+  void run(const k::FnRowMapBody<e4m3, EqualCountMap>& b, int64_t n) override { body(b, n); }
+#define MOEV_EMULATED_FP8(T)                                                        \
+  void run(const k::Fp8QuantBody<T>& b, int64_t n) override { body(b, n); } \
+  void run(const k::Fp8DequantBody<T>& b, int64_t n) override { body(b, n); }
+  MOEV_EMULATED_FP8(float)
+  MOEV_EMULATED_FP8(bf16)
+  MOEV_EMULATED_FP8(fp16)
+#undef MOEV_EMULATED_FP8
 #define MOEV_EMULATED_CONVERT(T)                                                                    \
   void run(const ConvertBody<T, bf16>& b, int64_t n) override { body(b, n); }            \
   void run(const ConvertBody<bf16, T>& b, int64_t n) override { body(b, n); }
@@ -233,7 +242,7 @@ class EmulatedDevice final : public Device {
 #undef MOEV_EMULATED_CONVERT
   void sort(const int32_t* ids, int64_t N, int E, int32_t* perm, bool descending_within) override {
     FaultSet f;
-    if (descending_within) f.bits |= uint32_t(Fault::unstable_sort);
+    if (descending_within) f.bits |= uint64_t(Fault::unstable_sort);
     timed([&] { expert_sort(ExecCtx{ctx_.threads, f}, ids, N, E, perm); });
   }
   void gemm_logits(DType dt, const void* x, const void* wg, int64_t T, int64_t D, int E, float* logits) override {

@@ -117,6 +117,16 @@ class Device {
   MOEV_DEVICE_BODIES(bf16)
   MOEV_DEVICE_BODIES(fp16)
 #undef MOEV_DEVICE_BODIES
+  // FP8 dispatch (docs/contract.md §16): e4m3 rows move with the row-map bodies.
+  virtual void run(const k::RowMapBody<e4m3>& b, int64_t n) = 0;
+  virtual void run(const k::FnRowMapBody<e4m3, EqualCountMap>& b, int64_t n) = 0;
+#define MOEV_DEVICE_FP8(T)                                       \
+  virtual void run(const k::Fp8QuantBody<T>& b, int64_t n) = 0; \
+  virtual void run(const k::Fp8DequantBody<T>& b, int64_t n) = 0;
+  MOEV_DEVICE_FP8(float)
+  MOEV_DEVICE_FP8(bf16)
+  MOEV_DEVICE_FP8(fp16)
+#undef MOEV_DEVICE_FP8
 #define MOEV_DEVICE_CONVERT(T)                                                \
   virtual void run(const ConvertBody<T, bf16>& b, int64_t n) = 0;             \
   virtual void run(const ConvertBody<bf16, T>& b, int64_t n) = 0;

@@ -116,25 +116,53 @@ std::vector<int64_t> invert_map(const std::vector<int64_t>& map) {
   return inv;
 }
 
+namespace {
+
+/// dst[i] = src[map[i]] for rows of D elements of type T, on the mirror's
+/// device when there is one (docs/architecture.md idea 2).
+template <class T>
+void row_map(const ExecCtx& ctx, const void* src, const int64_t* map, int64_t n, int64_t D, void* dst) {
+  if (ctx.mirror) {
+    Mirror& m = *ctx.mirror;
+    Mirror::Scope scope{m};
+    if (n == 0) return;
+    int64_t src_rows = 0;  // the rows the map reads: what must be on the device
+    for (int64_t i = 0; i < n; ++i) src_rows = std::max(src_rows, map[i] + 1);
+    const size_t out_bytes = size_t(n * D) * sizeof(T);
+    m.device().run(k::RowMapBody<T>{static_cast<const T*>(m.in(src, size_t(src_rows * D) * sizeof(T))),
+                                    static_cast<const int64_t*>(m.in(map, size_t(n) * 8)),
+                                    static_cast<T*>(m.out(dst, out_bytes)), D},
+                   n);
+    m.wrote(dst, out_bytes);
+    return;
+  }
+  host_run(ctx, n, k::RowMapBody<T>{static_cast<const T*>(src), map, static_cast<T*>(dst), D});
+}
+
+template <class T>
+void equal_count(const ExecCtx& ctx, const void* src, EqualCountMap m, int64_t n, int64_t D, void* dst) {
+  if (ctx.mirror) {  // the map is a permutation of the n rows
+    Mirror& mr = *ctx.mirror;
+    Mirror::Scope scope{mr};
+    if (n == 0) return;
+    const size_t bytes = size_t(n * D) * sizeof(T);
+    mr.device().run(k::FnRowMapBody<T, EqualCountMap>{static_cast<const T*>(mr.in(src, bytes)), m,
+                                                      static_cast<T*>(mr.out(dst, bytes)), D},
+                    n);
+    mr.wrote(dst, bytes);
+    return;
+  }
+  host_run(ctx, n, k::FnRowMapBody<T, EqualCountMap>{static_cast<const T*>(src), m, static_cast<T*>(dst), D});
+}
+
+}  // namespace
+
 void apply_row_map(const ExecCtx& ctx, DType dt, const void* src, const int64_t* map, int64_t n, int64_t D, void* dst) {
-  dispatch_dtype(dt, [&](auto tag) {
-    using T = decltype(tag);
-    if (ctx.mirror) {
-      Mirror& m = *ctx.mirror;
-      Mirror::Scope scope{m};
-      if (n == 0) return;
-      int64_t src_rows = 0;  // the rows the map reads: what must be on the device
-      for (int64_t i = 0; i < n; ++i) src_rows = std::max(src_rows, map[i] + 1);
-      const size_t out_bytes = size_t(n * D) * sizeof(T);
-      m.device().run(k::RowMapBody<T>{static_cast<const T*>(m.in(src, size_t(src_rows * D) * sizeof(T))),
-                                      static_cast<const int64_t*>(m.in(map, size_t(n) * 8)),
-                                      static_cast<T*>(m.out(dst, out_bytes)), D},
-                     n);
-      m.wrote(dst, out_bytes);
-      return;
-    }
-    host_run(ctx, n, k::RowMapBody<T>{static_cast<const T*>(src), map, static_cast<T*>(dst), D});
-  });
+  dispatch_dtype(dt, [&](auto tag) { row_map<decltype(tag)>(ctx, src, map, n, D, dst); });
+}
+
+void apply_row_map_e4m3(const ExecCtx& ctx, const void* src, const int64_t* map, int64_t n, int64_t D, void* dst) {
+  row_map<e4m3>(ctx, src, map, n, D, dst);
 }
 
 }  // namespace moev
@@ -142,21 +170,11 @@ void apply_row_map(const ExecCtx& ctx, DType dt, const void* src, const int64_t*
 namespace moev {
 
 void apply_equal_count(const ExecCtx& ctx, DType dt, const void* src, EqualCountMap m, int64_t n, int64_t D, void* dst) {
-  dispatch_dtype(dt, [&](auto tag) {
-    using T = decltype(tag);
-    if (ctx.mirror) {  // the map is a permutation of the n rows
-      Mirror& mr = *ctx.mirror;
-      Mirror::Scope scope{mr};
-      if (n == 0) return;
-      const size_t bytes = size_t(n * D) * sizeof(T);
-      mr.device().run(k::FnRowMapBody<T, EqualCountMap>{static_cast<const T*>(mr.in(src, bytes)), m,
-                                                        static_cast<T*>(mr.out(dst, bytes)), D},
-                      n);
-      mr.wrote(dst, bytes);
-      return;
-    }
-    host_run(ctx, n, k::FnRowMapBody<T, EqualCountMap>{static_cast<const T*>(src), m, static_cast<T*>(dst), D});
-  });
+  dispatch_dtype(dt, [&](auto tag) { equal_count<decltype(tag)>(ctx, src, m, n, D, dst); });
+}
+
+void apply_equal_count_e4m3(const ExecCtx& ctx, const void* src, EqualCountMap m, int64_t n, int64_t D, void* dst) {
+  equal_count<e4m3>(ctx, src, m, n, D, dst);
 }
 
 }  // namespace moev

@@ -80,4 +80,10 @@ void apply_equal_count(const ExecCtx& ctx, DType dt, const void* src, EqualCount
 /// dst[i] = src[map[i]] (zero row where map[i] < 0) for i in [0, n).
 void apply_row_map(const ExecCtx& ctx, DType dt, const void* src, const int64_t* map, int64_t n, int64_t D, void* dst);
 
+/// The same two moves for rows of D e4m3 bytes (FP8 dispatch, docs/contract.md
+/// §16); a zero row is +0 bytes. The rows' fp32 block scales move with the
+/// DType::fp32 forms above, D / block columns wide.
+void apply_row_map_e4m3(const ExecCtx& ctx, const void* src, const int64_t* map, int64_t n, int64_t D, void* dst);
+void apply_equal_count_e4m3(const ExecCtx& ctx, const void* src, EqualCountMap m, int64_t n, int64_t D, void* dst);
+
 }  // namespace moev

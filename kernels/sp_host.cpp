@@ -18,7 +18,7 @@ SpLayout sp_layout(int64_t T, int64_t B, int64_t S, SpPadding padding, const Fau
   const int64_t pad = (S - T % S) % S;
   l.nlt = (T + pad) / S;
   l.L_loc = B > 0 ? l.nlt / B : 0;
-  l.fault_bits = faults.bits;
+  l.fault_bits = uint32_t(faults.bits);  // the SP faults are in the low 32 bits
   return l;
 }
 

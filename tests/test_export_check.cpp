@@ -21,9 +21,17 @@ TEST_CASE("export case json names every case key", "[cpu]") {
   const nlohmann::ordered_json j = case_to_json(case_named("basic.yaml", "exact_fp32"));
   for (const auto& [key, help] : case_keys()) {
     if (key.rfind("tolerance.", 0) == 0 || key == "shape.tokens_per_rank") continue;  // written when set
+    if (key.rfind("dispatch.", 0) == 0) continue;  // written for FP8 dispatch only, below
     INFO(key);
     CHECK(j.contains(key));
   }
+  const nlohmann::ordered_json f = case_to_json(case_named("fp8.yaml", "fp8_local_amax_ratio[experts.kind=identity]"));
+  for (const auto& [key, help] : case_keys())
+    if (key.rfind("dispatch.", 0) == 0) {
+      INFO(key);
+      CHECK(f.contains(key));
+    }
+  CHECK_FALSE(j.contains("dispatch.dtype"));  // an act case's manifest is as before FP8 existed
 }
 
 TEST_CASE("export case json round-trips random configurations", "[cpu]") {

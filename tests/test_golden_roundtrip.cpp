@@ -38,10 +38,17 @@ Tensor mutated(const Tensor& t, const std::string& name, const Case& c) {
   switch (m.type) {
     case ElemType::i32: m.as<int32_t>()[i] = name == "ids" ? int32_t(c.num_experts) : m.as<int32_t>()[i] + 1; break;
     case ElemType::i64: m.as<int64_t>()[i] += 1; break;
+    case ElemType::e4m3: {  // the next e4m3 code (never a NaN pattern)
+      uint8_t& b = m.as<uint8_t>()[i];
+      b = (b & 0x7f) >= 0x7e ? uint8_t(b - 1) : uint8_t(b + 1);
+      break;
+    }
     default: {
+      // Outside the GEMM bounds of wide SwiGLU experts too (D = 256 FP8
+      // cases pass a change of 1), and finite in fp16.
       std::vector<float> v = to_floats(m);
-      v[size_t(i)] = v[size_t(i)] + std::fabs(v[size_t(i)]) + 1.f;
-      if (!std::isfinite(v[size_t(i)])) v[size_t(i)] = 1.f;
+      v[size_t(i)] = v[size_t(i)] + 100.f * (std::fabs(v[size_t(i)]) + 1.f);
+      if (!std::isfinite(v[size_t(i)]) || std::fabs(v[size_t(i)]) > 6e4f) v[size_t(i)] = 1.f;
       m = from_floats(v, m.type, m.shape);
     }
   }
@@ -62,7 +69,8 @@ std::string layout_mismatch(const std::string& layout, const std::vector<int64_t
   const int64_t El = c.num_experts / c.ep;
   const std::map<std::string, int64_t> known = {{"D", c.hidden}, {"F", c.ffn}, {"2F", 2 * c.ffn},
                                                 {"E", c.num_experts}, {"K", c.top_k}, {"R", c.ep},
-                                                {"E_l", El}, {"R*E_l", c.ep * El}, {"S", c.sp}};
+                                                {"E_l", El}, {"R*E_l", c.ep * El}, {"S", c.sp},
+                                                {"D/B", c.hidden / c.dispatch.block}};
   for (size_t i = 0; i < dims.size(); ++i) {
     int64_t want = -1;
     if (auto it = known.find(dims[i]); it != known.end()) want = it->second;

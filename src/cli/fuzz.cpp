@@ -439,7 +439,7 @@ std::vector<SelftestRow> selftest(const SelftestOptions& opt, std::ostream& prog
     SelftestRow row;
     row.fault = fi.name;
     row.what = fi.what;
-    const FaultSet faults{uint32_t(fi.fault)};
+    const FaultSet faults{uint64_t(fi.fault)};
     // 0. A probe, where the fault has one: the faults no case-sized data can
     // reach; fuzz budget and shipped cases would run in full for nothing.
     for (const Probe& p : probes())

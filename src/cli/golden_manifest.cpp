@@ -25,6 +25,7 @@ const char* real_dtype(ElemType t) {
     case ElemType::f16: return "float16";
     case ElemType::i32: return "int32";
     case ElemType::i64: return "int64";
+    case ElemType::e4m3: return "float8_e4m3fn";  // stored as its bytes, uint8 (docs/contract.md §16)
   }
   return "?";
 }
@@ -36,6 +37,7 @@ const char* npy_descr(ElemType t) {
     case ElemType::f16: return "<u2";
     case ElemType::i32: return "<i4";
     case ElemType::i64: return "<i8";
+    case ElemType::e4m3: return "|u1";
   }
   return "?";
 }
@@ -92,6 +94,17 @@ std::string layout_of(const std::string& name) {
       {"sp_tokens", "(1) tokens of the rank before SP sharding"},
       {"sp_out", "(T, D) the rank's combined rows after the SP gather, padding dropped"},
       {"sp_out_global", "(T, D) every SP rank's rows gathered in token order"},
+      // FP8 dispatch (docs/contract.md §16): e4m3fn bytes stored as uint8, fp32 block scales, B = dispatch.block
+      {"x_q", "(T, D) e4m3fn bytes of x, quantised per token in blocks of B channels (docs/contract.md §16)"},
+      {"x_scale", "(T, D/B) fp32 scale s of each token's block; x ~ float(q) * s"},
+      {"routed_input_q", "(N, D) e4m3fn bytes of routed_input's rows, same order (docs/contract.md §2, §16)"},
+      {"routed_input_scale", "(N, D/B) fp32 block scales of routed_input_q's rows"},
+      {"recv_q", "(M, D) e4m3fn rows received: source rank, local expert, source order (docs/contract.md §3, §16)"},
+      {"recv_scale", "(M, D/B) fp32 block scales of recv_q's rows"},
+      {"permuted_q", "(M, D) e4m3fn rows expert-major: local expert, then source rank (docs/contract.md §3, §16)"},
+      {"permuted_scale", "(M, D/B) fp32 block scales of permuted_q's rows"},
+      {"expert_input_q", "(P, D) e4m3fn rows in padded expert groups, zero bytes on padding rows (docs/contract.md §4, §16)"},
+      {"expert_input_scale", "(P, D/B) fp32 block scales of expert_input_q's rows, 0 on padding rows"},
       {"grad_routed_output", "(N, D) gradient of routed_output"},
       {"grad_topk_scores", "(T, K) gradient of topk_scores"},
       {"grad_x_shared", "(T, D) gradient of x through the shared expert"},

@@ -257,7 +257,7 @@ int cmd_run(const CLI::App* cmd, const RunArgs& a) {
   if (want_dump && a.dump.empty()) bad_input("--dump: the path is empty; valid: a folder path such as dump/");
   for (const auto& f : a.faults) {
     try {
-      opt.faults.bits |= uint32_t(parse_fault(f));
+      opt.faults.bits |= uint64_t(parse_fault(f));
     } catch (const std::invalid_argument& e) {
       bad_input(std::string("--fault: ") + e.what());
     }
@@ -389,7 +389,7 @@ FaultSet parse_faults(const std::vector<std::string>& names, std::string* flags 
   FaultSet fs;
   for (const auto& f : names) {
     try {
-      fs.bits |= uint32_t(parse_fault(f));
+      fs.bits |= uint64_t(parse_fault(f));
     } catch (const std::invalid_argument& e) {
       bad_input(std::string("--fault: ") + e.what());
     }

@@ -25,7 +25,8 @@ namespace {
 /// integers the other width (frameworks hold ids and counts in int64), for
 /// fp16 NumPy's own float16.
 bool descr_accepted(ElemType want, const std::string& got) {
-  const std::string own = npy_descr(want);
+  std::string own = npy_descr(want);
+  if (own[0] == '|') own[0] = '<';  // as `got` is read: a one-byte type has no byte order
   if (got == own) return true;
   if (want == ElemType::i32 || want == ElemType::i64) return got == "<i4" || got == "<i8";
   return want == ElemType::f16 && got == "<f2";

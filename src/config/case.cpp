@@ -147,6 +147,20 @@ int64_t Case::tokens_on(int rank) const {
   return tokens;
 }
 
+const EnumTable<DispatchDtype>& dispatch_dtype_table() {
+  static const EnumTable<DispatchDtype> t = {{"act", DispatchDtype::act}, {"fp8_e4m3", DispatchDtype::fp8_e4m3}};
+  return t;
+}
+const EnumTable<k::Fp8Scale>& fp8_scale_table() {
+  static const EnumTable<k::Fp8Scale> t = {{"fp32", k::Fp8Scale::fp32}, {"ue8m0", k::Fp8Scale::ue8m0}};
+  return t;
+}
+const EnumTable<k::Fp8Quotient>& fp8_quotient_table() {
+  static const EnumTable<k::Fp8Quotient> t = {{"reciprocal", k::Fp8Quotient::reciprocal},
+                                              {"amax_ratio", k::Fp8Quotient::amax_ratio}};
+  return t;
+}
+
 std::string Case::summary() const {
   std::ostringstream o;
   if (tokens_uniform_lo >= 0) {
@@ -187,6 +201,9 @@ std::string Case::summary() const {
   if (capacity.factor > 0)
     o << " capacity=" << capacity.factor << "/" << enum_name(capacity_policy_table(), capacity.policy)
       << (capacity.pad_to_capacity == Switch::on ? "/pad" : "");
+  if (fp8())
+    o << " dispatch=fp8_e4m3/" << enum_name(fp8_scale_table(), dispatch.scale) << "/block" << dispatch.block << "/"
+      << enum_name(fp8_quotient_table(), dispatch.quotient) << "/clamp" << dispatch.amax_clamp;
   return o.str();
 }
 

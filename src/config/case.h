@@ -31,6 +31,7 @@ enum class Switch { off, on };
 enum class EmptyGroups { zero, pad };           // docs/contract.md §4: TE (0 rows) or torchao (A rows)
 enum class PermuteMode { auto_, generic, equal_count };
 enum class EqualSplitPolicy { off, force, adaptive };  // docs/frameworks.md §5.2
+enum class DispatchDtype { act, fp8_e4m3 };            // docs/contract.md §16: rows sent as they are, or FP8 with block scales
 
 template <class E>
 using EnumTable = std::vector<std::pair<const char*, E>>;
@@ -57,6 +58,10 @@ const EnumTable<k::SiluRounding>& experts_rounding_table();
 const EnumTable<ComputeDtype>& compute_dtype_table();
 const EnumTable<SpPadding>& sp_padding_table();  // docs/contract.md §10
 const EnumTable<CapacityPolicy>& capacity_policy_table();  // docs/contract.md §11
+// FP8 dispatch (docs/contract.md §16)
+const EnumTable<DispatchDtype>& dispatch_dtype_table();
+const EnumTable<k::Fp8Scale>& fp8_scale_table();
+const EnumTable<k::Fp8Quotient>& fp8_quotient_table();
 
 template <class E>
 const char* enum_name(const EnumTable<E>& t, E v) {
@@ -146,6 +151,17 @@ struct Case {
     CapacityPolicy policy = CapacityPolicy::probs;
     Switch pad_to_capacity = Switch::off;
   } capacity;
+  // FP8 dispatch (docs/contract.md §16): the token rows quantised per token in
+  // blocks of `block` channels before the all-to-all, each row's scales moved
+  // with it; the experts take the dequantised rows. act: no quantisation.
+  struct Dispatch {
+    DispatchDtype dtype = DispatchDtype::act;
+    k::Fp8Scale scale = k::Fp8Scale::fp32;
+    int64_t block = 128;
+    k::Fp8Quotient quotient = k::Fp8Quotient::reciprocal;
+    double amax_clamp = 1e-4;
+  } dispatch;
+  bool fp8() const { return dispatch.dtype == DispatchDtype::fp8_e4m3; }
 
   int local_experts() const { return num_experts / ep; }
   int64_t tokens_on(int rank) const;

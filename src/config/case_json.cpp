@@ -61,6 +61,13 @@ nlohmann::ordered_json case_to_json(const Case& c) {
   j["capacity.factor"] = c.capacity.factor;
   j["capacity.policy"] = enum_name(capacity_policy_table(), c.capacity.policy);
   j["capacity.pad_to_capacity"] = enum_name(switch_table(), c.capacity.pad_to_capacity);
+  if (c.fp8()) {  // docs/contract.md §16 (an act case's manifest is as before)
+    j["dispatch.dtype"] = enum_name(dispatch_dtype_table(), c.dispatch.dtype);
+    j["dispatch.scale"] = enum_name(fp8_scale_table(), c.dispatch.scale);
+    j["dispatch.block"] = c.dispatch.block;
+    j["dispatch.quotient"] = enum_name(fp8_quotient_table(), c.dispatch.quotient);
+    j["dispatch.amax_clamp"] = c.dispatch.amax_clamp;
+  }
   for (const auto& [cls, o] : c.tolerance_override) {
     const std::string base = std::string("tolerance.") + enum_name(compare_class_table(), cls);
     if (o.rtol) j[base + ".rtol"] = *o.rtol;

@@ -200,6 +200,19 @@ void add_sp_backward_capacity_keys(std::vector<Field>& v) {
                                  [](Case& c) -> Switch& { return c.capacity.pad_to_capacity; }));
 }
 
+/// FP8 dispatch with block scales (docs/contract.md §16).
+void add_dispatch_keys(std::vector<Field>& v) {
+  v.push_back(enum_field<DispatchDtype>("dispatch.dtype", dispatch_dtype_table(),
+                                        [](Case& c) -> DispatchDtype& { return c.dispatch.dtype; }));
+  v.push_back(enum_field<k::Fp8Scale>("dispatch.scale", fp8_scale_table(), [](Case& c) -> k::Fp8Scale& { return c.dispatch.scale; }));
+  v.push_back(int_field("dispatch.block", 1, 1 << 16, [](Case& c, int64_t x) { c.dispatch.block = x; }));
+  v.push_back(enum_field<k::Fp8Quotient>("dispatch.quotient", fp8_quotient_table(),
+                                         [](Case& c) -> k::Fp8Quotient& { return c.dispatch.quotient; }));
+  // At least 1e-12, so that s = amax / 448 is a normal fp32 number and 1 / s finite.
+  v.push_back({"dispatch.amax_clamp", "number in [1e-12, 1]",
+               [](Case& c, const Src& s, const std::string& k) { c.dispatch.amax_clamp = as_real(s, k, 1e-12, 1); }});
+}
+
 /// Tolerance overrides per comparison class (tolerance.CLASS.rtol / .atol).
 void add_tolerance_keys(std::vector<Field>& v) {
   for (const auto& [cname, cls] : compare_class_table()) {
@@ -227,6 +240,7 @@ const std::vector<Field>& schema() {
     add_experts_combine_keys(v);
     add_ep_keys(v);
     add_sp_backward_capacity_keys(v);
+    add_dispatch_keys(v);
     add_tolerance_keys(v);
     return v;
   }();

@@ -18,6 +18,37 @@ std::string loc(const Flat& flat, const std::string& path, const Case& c) {
   return it == flat.end() ? c.source + " (default " + path + ")" : where(it->second);
 }
 
+/// FP8 dispatch (docs/contract.md §16): the block divides the hidden size,
+/// the quotient 448/amax belongs to an fp32 scale, and what the FP8 path does
+/// not model is refused.
+template <class Fail>
+void validate_fp8(const Case& c, const Fail& fail) {
+  if (!c.fp8()) return;
+  const int64_t D = c.hidden, b = c.dispatch.block;
+  if (D % b != 0) {
+    std::string divisors;
+    int listed = 0;
+    for (int64_t d = 1; d <= D && listed < 16; ++d)
+      if (D % d == 0) divisors += (listed++ ? ", " : "") + std::to_string(d);
+    fail("dispatch.block", "block " + std::to_string(b) + " does not divide shape.hidden " + std::to_string(D) +
+                               " (a scale block must not straddle two tokens)",
+         "valid: a divisor of shape.hidden: " + divisors + (listed == 16 ? ", ..." : ""));
+  }
+  if (c.dispatch.quotient == k::Fp8Quotient::amax_ratio && c.dispatch.scale == k::Fp8Scale::ue8m0)
+    fail("dispatch.quotient", "amax_ratio divides by amax / 448, which is not the stored UE8M0 scale",
+         "valid: quotient reciprocal with scale ue8m0, or scale fp32 with amax_ratio");
+  if (c.score_before_experts == Switch::on)
+    fail("score_before_experts", "FP8 dispatch quantises x per token before the dispatch, so no score is applied there",
+         "valid: score_before_experts off with dispatch.dtype fp8_e4m3");
+  if (c.backward == Switch::on)
+    fail("backward", "the backward of FP8 dispatch is not implemented", "valid: backward off with dispatch.dtype fp8_e4m3");
+  if (c.sp > 1)
+    fail("sp", "FP8 dispatch on the sequence-parallel layout is not implemented", "valid: sp 1 with dispatch.dtype fp8_e4m3");
+  if (c.capacity.factor > 0)
+    fail("capacity.factor", "capacity dropping of FP8 rows is not implemented",
+         "valid: capacity.factor 0 (dropless) with dispatch.dtype fp8_e4m3");
+}
+
 /// The rules between keys (divisibility, ranges that depend on another key,
 /// combinations a path does not model), each refused with where the key was
 /// set and what would be valid.
@@ -99,6 +130,7 @@ void validate(const Case& c, const Flat& flat) {
   if (c.backward == Switch::on && c.combine.buffer != OutBuffer::fresh)
     fail("backward", "an output buffer aliasing x adds x itself to the output, a gradient path the backward does not model",
          "valid: combine.buffer: fresh with backward: on");
+  validate_fp8(c, fail);
 }
 
 }  // namespace

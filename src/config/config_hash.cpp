@@ -37,7 +37,7 @@ struct Fnv {
 // A field added to Case must be added below too: this guard fails the build
 // on the one platform CI builds (x86-64, libstdc++) when Case grows.
 #if defined(__x86_64__) && defined(__GLIBCXX__) && !defined(_GLIBCXX_DEBUG)
-static_assert(sizeof(Case) == 392, "Case changed: hash the new field in config_hash(), then update this size");
+static_assert(sizeof(Case) == 424, "Case changed: hash the new field in config_hash(), then update this size");
 #endif
 
 uint64_t config_hash(const Case& c) {
@@ -104,6 +104,13 @@ uint64_t config_hash(const Case& c) {
   f.f64(c.capacity.factor);  // docs/contract.md §11
   f.e(c.capacity.policy);
   f.e(c.capacity.pad_to_capacity);
+  if (c.fp8()) {  // docs/contract.md §16; an act case hashes as before the keys existed
+    f.e(c.dispatch.dtype);
+    f.e(c.dispatch.scale);
+    f.i64(c.dispatch.block);
+    f.e(c.dispatch.quotient);
+    f.f64(c.dispatch.amax_clamp);
+  }
   f.str(c.summary());  // whatever summary() shows is covered even if a field is missed above
   return f.h;
 }

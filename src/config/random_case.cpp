@@ -47,13 +47,15 @@ bool draw_router(Draw& d, std::ostream& y, int E, int K, int sp) {
 
 /// Experts, shared experts and the combine; the combine.buffer drawn (an
 /// aliasing buffer only where every rank has tokens).
-std::string draw_experts_combine(Draw& d, std::ostream& y, const std::vector<int64_t>& per_rank, int64_t D, int sp) {
+std::string draw_experts_combine(Draw& d, std::ostream& y, const std::vector<int64_t>& per_rank, int64_t D, int sp,
+                                 bool& score_before) {
   y << ", experts: {kind: " << d.pick<const char*>({"identity", "swiglu"})
     << ", impl: " << d.pick<const char*>({"loop", "grouped", "batched"}) << "}";
   const char* shared = d.pick<const char*>({"none", "none", "identity", "swiglu"});
   const bool init_with_shared = std::string(shared) != "none" && d.chance(0.5);
   y << ", shared_experts: {kind: " << shared << ", order: " << (init_with_shared ? "init_with_shared" : "add_after") << "}";
-  y << ", score_before_experts: " << (d.chance(0.3) ? "on" : "off");
+  score_before = d.chance(0.3);
+  y << ", score_before_experts: " << (score_before ? "on" : "off");
   int64_t min_T = *std::min_element(per_rank.begin(), per_rank.end());
   std::string buffer = "fresh";
   if (std::string(shared) == "identity" && init_with_shared && min_T > 0 && d.chance(0.6) && sp == 1)
@@ -88,7 +90,8 @@ bool draw_ep_tolerance_conventions(Draw& d, std::ostream& y) {
 
 /// Backward, layer entries and capacity from a stream of their own (seeded
 /// by seed and index), so the other keys draw as before they existed.
-void draw_backward_layers_capacity(uint64_t seed, uint64_t index, std::ostream& y, int sp, const std::string& buffer,
+/// Returns whether backward or capacity was drawn.
+bool draw_backward_layers_capacity(uint64_t seed, uint64_t index, std::ostream& y, int sp, const std::string& buffer,
                                    bool force_lb, bool backward_contract) {
   // backward (docs/contract.md §13) from a stream of its own, so the other keys draw
   // as before: on in about 30% of the cases it supports (a fresh buffer,
@@ -100,10 +103,28 @@ void draw_backward_layers_capacity(uint64_t seed, uint64_t index, std::ostream& 
   // in about 10% of the cases.
   if (db.chance(0.1)) y << ", layers: " << db.in(2, 3);
   // capacity (docs/contract.md §11) in about 20% of the cases it supports.
-  if (db.chance(0.2) && sp == 1 && !force_lb)
+  const bool capacity = db.chance(0.2) && sp == 1 && !force_lb;
+  if (capacity)
     y << ", capacity: {factor: " << db.pick<const char*>({"0.25", "0.5", "1", "1.25", "4"})
       << ", policy: " << db.pick<const char*>({"probs", "position"})
       << ", pad_to_capacity: " << db.pick<const char*>({"off", "on"}) << "}";
+  return backward || capacity;
+}
+
+/// FP8 dispatch (docs/contract.md §16) from a stream of its own, so the other
+/// keys draw as before it existed: in about 25% of the cases it supports
+/// (sp = 1, no score before the experts, no backward, no capacity), with a
+/// block that divides D, either scale and either quotient (amax_ratio with
+/// fp32 scales only).
+void draw_fp8(uint64_t seed, uint64_t index, std::ostream& y, int64_t D, bool supported) {
+  Draw df{std::mt19937_64((seed ^ 0x465038ull) * 0x9E3779B97F4A7C15ull + index)};
+  if (!df.chance(0.25) || !supported) return;
+  std::vector<int> blocks;
+  for (int b : divisors(int(D)))
+    if (b <= 128) blocks.push_back(b);
+  const bool ue8m0 = df.chance(0.5);
+  y << ", dispatch: {dtype: fp8_e4m3, scale: " << (ue8m0 ? "ue8m0" : "fp32") << ", block: " << df.pick(blocks)
+    << ", quotient: " << (!ue8m0 && df.chance(0.5) ? "amax_ratio" : "reciprocal") << "}";
 }
 
 }  // namespace
@@ -160,9 +181,11 @@ std::string random_case_yaml(uint64_t seed, uint64_t index) {
   y << "}";
   if (sp > 1) y << ", sp: " << sp << ", sp_padding: " << (sp_tail ? "tail" : "virtual");
   const bool force_lb = draw_router(d, y, E, K, sp);
-  const std::string buffer = draw_experts_combine(d, y, per_rank, D, sp);
+  bool score_before = false;
+  const std::string buffer = draw_experts_combine(d, y, per_rank, D, sp, score_before);
   const bool backward_contract = draw_ep_tolerance_conventions(d, y);
-  draw_backward_layers_capacity(seed, index, y, sp, buffer, force_lb, backward_contract);
+  const bool bwd_or_capacity = draw_backward_layers_capacity(seed, index, y, sp, buffer, force_lb, backward_contract);
+  draw_fp8(seed, index, y, D, sp == 1 && !score_before && !bwd_or_capacity);
   y << "}";
   return y.str();
 }

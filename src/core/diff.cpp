@@ -83,6 +83,7 @@ inline double value(bf16 v) { return to_float(v); }
 inline double value(fp16 v) { return to_float(v); }
 inline double value(int32_t v) { return v; }
 inline double value(int64_t v) { return double(v); }
+inline double value(uint8_t v) { return v; }  // e4m3 bytes: the byte (value_text decodes it)
 inline uint32_t raw(float v) { return f32_bits(v); }
 inline uint16_t raw(bf16 v) { return v.bits; }
 inline uint16_t raw(fp16 v) { return v.bits; }
@@ -370,6 +371,11 @@ std::string value_text(double v, ElemType t) {
     o << int64_t(v);
     return o.str();
   }
+  if (t == ElemType::e4m3) {  // v is the byte (value_at)
+    const uint8_t b = uint8_t(v);
+    o << to_float(e4m3{b}) << " (0x" << std::hex << std::setw(2) << std::setfill('0') << unsigned(b) << ")";
+    return o.str();
+  }
   o << std::setprecision(t == ElemType::f32 ? 9 : 5) << v << " (0x" << std::hex << std::setw(t == ElemType::f32 ? 8 : 4)
     << std::setfill('0') << bits_of(v, t) << ")";
   return o.str();
@@ -377,6 +383,11 @@ std::string value_text(double v, ElemType t) {
 
 int64_t ulp_distance(double a, double b, ElemType t) {
   if (t == ElemType::i32 || t == ElemType::i64) return 0;
+  if (t == ElemType::e4m3) {  // bytes: steps between sign-magnitude codes
+    const uint8_t x = uint8_t(a), y = uint8_t(b);
+    if ((x & 0x7f) == 0x7f || (y & 0x7f) == 0x7f) return -1;
+    return std::llabs(ordered(x, 8) - ordered(y, 8));
+  }
   if (!std::isfinite(a) || !std::isfinite(b)) return -1;
   const int w = t == ElemType::f32 ? 32 : 16;
   return std::llabs(ordered(bits_of(a, t), w) - ordered(bits_of(b, t), w));
@@ -403,6 +414,7 @@ DiffResult diff_tensors(const Tensor& fast, const Tensor& ref, CompareClass cls,
     case ElemType::f16: p = compare_typed<fp16>(fast, ref, cls, tol, mask, scale); break;
     case ElemType::i32: p = compare_typed<int32_t>(fast, ref, cls, tol, mask, scale); break;
     case ElemType::i64: p = compare_typed<int64_t>(fast, ref, cls, tol, mask, scale); break;
+    case ElemType::e4m3: p = compare_typed<uint8_t>(fast, ref, cls, tol, mask, scale); break;  // bytes, bitwise
   }
   r.total = p.total;
   r.mismatches = p.mismatches;

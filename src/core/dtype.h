@@ -82,6 +82,40 @@ template <> MOEV_HD inline fp16 from_float<fp16>(float f) {
   return fp16{uint16_t(sign | h)};
 }
 
+/// FP8 e4m3fn (docs/contract.md §16): 1 sign, 4 exponent (bias 7), 3 mantissa
+/// bits; no infinity, 0x7F and 0xFF are NaN, the largest finite value is
+/// 448 (0x7E). This is the fast path's conversion; the reference has its own
+/// (reference/numeric.h), written from the value formula.
+struct e4m3 { uint8_t bits; };
+
+MOEV_HD inline float to_float(e4m3 v) {
+  const uint32_t sign = uint32_t(v.bits & 0x80u) << 24;
+  const uint32_t exp = (v.bits >> 3) & 0xfu, man = v.bits & 0x7u;
+  if (exp == 15 && man == 7) return f32_from_bits(0x7fc00000u);
+  if (exp == 0) return f32_from_bits(sign | f32_bits(float(man) * 0.001953125f));  // man * 2^-9, exact
+  return f32_from_bits(sign | ((exp + 120u) << 23) | (man << 20));
+}
+
+/// float -> e4m3fn: one round-to-nearest-even; every finite value of
+/// magnitude above 448 and +-inf saturate to +-448 (satfinite); NaN gives
+/// 0x7F; the sign of a value that rounds to zero is kept (0x80 for -0).
+template <> MOEV_HD inline e4m3 from_float<e4m3>(float f) {
+  const uint32_t x = f32_bits(f);
+  const uint8_t sign = uint8_t((x >> 24) & 0x80u);
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return e4m3{0x7f};
+  if (ax >= 0x43e00000u) return e4m3{uint8_t(sign | 0x7eu)};  // >= 448
+  if (ax < 0x3c800000u) {  // below 2^-6: a multiple of 2^-9, found as an integer in [0, 8]
+    // |f| * 2^9 is exact; adding and removing 2^23 rounds it to an integer, ties to even.
+    const float m = (f32_from_bits(ax) * 512.f + 8388608.f) - 8388608.f;
+    return e4m3{uint8_t(sign | uint8_t(m))};  // 8 is 2^-6 itself: exponent 1, mantissa 0
+  }
+  uint32_t b = (((ax >> 23) - 120u) << 3) | ((ax >> 20) & 0x7u);
+  const uint32_t rem = ax & 0xfffffu;
+  if (rem > 0x80000u || (rem == 0x80000u && (b & 1u))) ++b;  // a carry enters the exponent; below 448 never 0x7F
+  return e4m3{uint8_t(sign | b)};
+}
+
 /// round_act(v): one RNE rounding of an fp32 value to the activation type T.
 template <class T> MOEV_HD inline float round_to(float v) { return to_float(from_float<T>(v)); }
 template <> MOEV_HD inline float round_to<float>(float v) { return v; }

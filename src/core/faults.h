@@ -9,7 +9,7 @@
 
 namespace moev {
 
-enum class Fault : uint32_t {
+enum class Fault : uint64_t {
   none = 0,
   unstable_sort = 1u << 0,        // §2.1: expert sort that does not keep token order
   highest_id_tiebreak = 1u << 1,  // §1.7: top-k ties resolved to the higher expert id
@@ -45,11 +45,16 @@ enum class Fault : uint32_t {
   bwd_dropped_grad = 1u << 28,       // §11, §13: a capacity-dropped assignment gets a score gradient (row_of -1 clamped to 0)
   swiglu_bwd_silu_grad = 1u << 29,   // §13, §8: SwiGLU backward takes silu'(h1) as sigmoid(h1)
   sp_bwd_token_order = 1u << 30,     // §10, §13: the SP backward takes SP-layout row t as token t (right for B = 1 only)
+  // FP8 dispatch (docs/contract.md §16; bits 32..35)
+  fp8_ue8m0_round_down = 1ull << 32,  // UE8M0 scale rounded down to a power of two, not up (values pass 448)
+  fp8_block_straddle = 1ull << 33,    // the amax window takes a wrong token stride, so a block straddles two tokens
+  fp8_scales_unmoved = 1ull << 34,    // the EP permute moves the e4m3 rows but leaves their scales in place
+  fp8_scale_inverse = 1ull << 35,     // the stored scale is the quotient multiplier 448/amax, not amax/448 (TE's scale vs scale_inv)
 };
 
 struct FaultSet {
-  uint32_t bits = 0;
-  bool has(Fault f) const { return (bits & uint32_t(f)) != 0; }
+  uint64_t bits = 0;
+  bool has(Fault f) const { return (bits & uint64_t(f)) != 0; }
 };
 
 struct FaultInfo {

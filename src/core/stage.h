@@ -166,6 +166,11 @@ struct CheckCtx {
 struct Stage {
   std::string slot, variant, summary;
   std::function<Decision(const Case&)> applies;
+  /// Optional: whether the variant appears in a case's report at all. A
+  /// variant of a mode a case does not use (the FP8 twins under act dispatch,
+  /// docs/contract.md §16) is left out, so that the reports of the cases
+  /// before the mode existed stay as they were. Empty: always listed.
+  std::function<bool(const Case&)> listed;
   std::function<bool(const Case&)> primary;  // feeds the next slot
   /// Board tensors read; they must be unchanged after the fast function.
   std::function<std::vector<std::string>(const Case&)> inputs;

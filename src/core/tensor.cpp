@@ -16,6 +16,7 @@ const char* elem_name(ElemType t) {
     case ElemType::f16: return "fp16";
     case ElemType::i32: return "int32";
     case ElemType::i64: return "int64";
+    case ElemType::e4m3: return "e4m3";
   }
   return "?";
 }
@@ -27,6 +28,7 @@ size_t elem_bytes(ElemType t) {
     case ElemType::f32:
     case ElemType::i32: return 4;
     case ElemType::i64: return 8;
+    case ElemType::e4m3: return 1;
   }
   return 0;
 }
@@ -131,6 +133,7 @@ double value_at(const Tensor& t, int64_t i) {
     case ElemType::f16: return to_float(t.as<fp16>()[i]);
     case ElemType::i32: return t.as<int32_t>()[i];
     case ElemType::i64: return double(t.as<int64_t>()[i]);
+    case ElemType::e4m3: return t.as<uint8_t>()[i];
   }
   return 0;
 }
@@ -142,7 +145,10 @@ bool any_nonzero(const Tensor& t) {
   const int64_t n = t.numel();
   const size_t eb = elem_bytes(t.type);
   // The magnitude bits of a float (all bits of an integer) are non-zero.
-  const uint64_t mask = t.type == ElemType::f32 ? 0x7FFFFFFFu : t.type == ElemType::bf16 || t.type == ElemType::f16 ? 0x7FFFu : ~0ull;
+  const uint64_t mask = t.type == ElemType::f32                               ? 0x7FFFFFFFu
+                        : t.type == ElemType::bf16 || t.type == ElemType::f16 ? 0x7FFFu
+                        : t.type == ElemType::e4m3                            ? 0x7Fu
+                                                                              : ~0ull;
   for (int64_t i = 0; i < n; ++i) {
     uint64_t u = 0;
     std::memcpy(&u, p + size_t(i) * eb, eb);

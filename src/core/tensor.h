@@ -11,7 +11,9 @@
 
 namespace moev {
 
-enum class ElemType : uint8_t { f32, bf16, f16, i32, i64 };
+/// e4m3: FP8 e4m3fn bytes (docs/contract.md §16), stored and compared as
+/// uint8; value_at gives the byte, value_text the decoded value.
+enum class ElemType : uint8_t { f32, bf16, f16, i32, i64, e4m3 };
 
 const char* elem_name(ElemType t);
 size_t elem_bytes(ElemType t);

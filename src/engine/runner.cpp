@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <iomanip>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <set>
@@ -60,13 +61,14 @@ std::string all_zero_reason(const Case& c, const std::string& output, const Rank
 
 Check make_check(const Case& c, const std::string& slot, const std::string& variant, const OutputSpec& o,
                  const Tensor* f, const Tensor* r, const RankBoard& fb, int rank, int ranks, const std::string& against,
-                 const Tensor* scale = nullptr, const Tensor* precomputed = nullptr) {
+                 const Tensor* scale = nullptr, const Tensor* precomputed = nullptr, const Tolerance* tol = nullptr,
+                 const std::vector<uint8_t>* mask = nullptr) {
   Check ch;
   ch.slot = slot;
   ch.variant = variant;
   ch.tensor = ranks > 1 ? o.name + "@" + std::to_string(rank) : o.name;
   ch.cls = o.cls;
-  ch.tol = tolerance_for(c, o.cls);
+  ch.tol = tol ? *tol : tolerance_for(c, o.cls);
   ch.against = against;
   if (!f || !r) {
     ch.outcome = Outcome::ERROR;
@@ -79,7 +81,7 @@ Check make_check(const Case& c, const std::string& slot, const std::string& vari
     if (!precomputed) own_scale = o.magnitude(c, fb, rank, ranks);
     scale = precomputed ? precomputed : &own_scale;
   }
-  ch.diff = diff_tensors(*f, *r, o.cls, ch.tol, coords_for(o.coords, *f, fb, rank, ranks), nullptr, scale);
+  ch.diff = diff_tensors(*f, *r, o.cls, ch.tol, coords_for(o.coords, *f, fb, rank, ranks), mask, scale);
   if (!ch.diff.structural.empty()) {
     ch.outcome = Outcome::INCORRECT;
     ch.note = ch.diff.structural;
@@ -330,6 +332,7 @@ class Pipeline {
     size_t slot_index = size_t(-1);
     for (const std::string& slot : slot_order()) {
       ++slot_index;
+      if (c_.fp8() && !opt_.fast_only && slot == fp8_first_slot()) act_start_ = chain_;
       const std::vector<const Stage*> runs = plan_variants(slot);
       if (runs.empty()) continue;
       SlotRun sr;
@@ -384,7 +387,7 @@ class Pipeline {
   std::vector<const Stage*> plan_variants(const std::string& slot) {
     std::vector<const Stage*> runs;
     for (const Stage& s : registry()) {
-      if (s.slot != slot) continue;
+      if (s.slot != slot || (s.listed && !s.listed(c_))) continue;
       Decision d = s.applies(c_);
       // On a device a variant without a device form is not taken: never run
       // on the host in its place (backend_unsupported kept the primary ones).
@@ -792,6 +795,80 @@ class Pipeline {
                                          chain_.has(n, r) ? &chain_.at(n, r) : nullptr, fast_.ranks[size_t(r)], r, R_,
                                          "reference chain", hs ? &chain_.at(e.scale, r) : nullptr));
       }
+    if (!act_start_.ranks.empty()) fp8_against_act();
+  }
+
+  /// FP8 dispatch end to end (docs/contract.md §16 "End to end"): the fast
+  /// pipeline's output against the reference chain of the same case under
+  /// act dispatch (no quantisation), from the reference chain's board before
+  /// the quantisation on: each slot's primary reference under act dispatch.
+  /// The bound is the end_to_end one plus the FP8 term B of fp8_error_bound:
+  /// |fast - ref| <= atol + rtol * max(|ref|, m) + B, written for the diff as
+  /// atol + rtol' * max(|ref|, S) with S = max(|ref|, (rtol * max(|ref|, m) + B) / rtol').
+  void fp8_against_act() {
+    stage_ = "end_to_end (act chain)";
+    Case ca = c_;
+    ca.dispatch.dtype = DispatchDtype::act;
+    Board act = std::move(act_start_);
+    act_start_ = Board{};
+    std::vector<Tensor> bound(static_cast<size_t>(R_));
+    bool on = false;
+    for (const std::string& slot : slot_order()) {
+      on = on || slot == fp8_first_slot();
+      const Stage* pick = nullptr;
+      for (const Stage& s : registry())
+        if (on && s.slot == slot && s.applies(ca).applies && (!pick || (!pick->primary(ca) && s.primary(ca)))) pick = &s;
+      if (!pick) continue;
+      Board next;
+      next.ranks.resize(size_t(R_));
+      RefCtx rc{ca, act, next, -1, opt_.threads};
+      pick->ref(rc);
+      for (int r = 0; r < R_; ++r)
+        for (auto& [n, t] : next.ranks[size_t(r)]) act.ranks[size_t(r)][n] = t;
+      if (slot == magnitude_slot(ca))
+        for (int r = 0; r < R_; ++r) {
+          act.ranks[size_t(r)]["out_magnitude"] = combined_magnitude(ca, act.ranks[size_t(r)], opt_.threads);
+          bound[size_t(r)] = fp8_error_bound(c_, act.ranks[size_t(r)]);
+        }
+    }
+    const OutputSpec oe{"out", CompareClass::end_to_end, Coords::token_col, promise_combined, nullptr};
+    const Tolerance base = tolerance_for(c_, CompareClass::end_to_end);
+    Tolerance tol = base;
+    if (!(tol.rtol > 0)) tol.rtol = 0.0625;  // an rtol override of 0 cannot carry B: e4m3's unit roundoff does
+    // An element whose act value, or the bound around it, reaches past act's
+    // largest finite value is not compared: either side may overflow there.
+    const double max_finite = c_.dtype == DType::fp16 ? 65504.0 : double(std::numeric_limits<float>::max());
+    for (int r = 0; r < R_; ++r) {
+      const bool hf = fast_.has("out", r), ha = act.has("out", r) && bound[size_t(r)].storage;
+      Tensor S;
+      std::vector<uint8_t> mask;
+      int64_t skipped = 0;
+      if (ha) {
+        const std::vector<float> ref = to_floats(act.at("out", r)), m = to_floats(act.at("out_magnitude", r)),
+                                 b = to_floats(bound[size_t(r)]);
+        std::vector<float> s(ref.size());
+        mask.assign(ref.size(), 1);
+        for (size_t i = 0; i < s.size(); ++i) {
+          const double top = std::max(std::fabs(double(ref[i])), double(m[i]));
+          const double si = std::max(std::fabs(double(ref[i])), (base.rtol * top + double(b[i])) / tol.rtol) * (1 + 1e-6);
+          s[i] = float(si);
+          if (!std::isfinite(ref[i]) || !(std::fabs(double(ref[i])) + tol.atol + tol.rtol * si < max_finite) ||
+              !(double(m[i]) + double(b[i]) < max_finite)) {
+            mask[i] = 0;
+            ++skipped;
+          }
+        }
+        S = from_floats(s, ElemType::f32, act.at("out", r).shape);
+      }
+      Check ch = make_check(c_, "end_to_end", "fp8_vs_act", oe, hf ? &fast_.at("out", r) : nullptr,
+                            ha ? &act.at("out", r) : nullptr, fast_.ranks[size_t(r)], r, R_, "act reference chain",
+                            ha ? &S : nullptr, nullptr, &tol, ha ? &mask : nullptr);
+      ch.note += std::string(ch.note.empty() ? "" : "; ") + "plus the FP8 term of docs/contract.md §16";
+      if (skipped)
+        ch.note += "; " + std::to_string(skipped) + " element(s) not compared: the act value or its bound reaches past " +
+                   dtype_name(c_.dtype) + "'s largest finite value";
+      rep_.checks.push_back(ch);
+    }
   }
 
   const Case& c_;
@@ -803,6 +880,7 @@ class Pipeline {
   Streaming streaming_;
   int R_ = 1;
   Board chain_;         // the reference chain
+  Board act_start_;     // FP8 dispatch: the chain before fp8_first_slot(), where the act chain starts
   Dumper dump_;
 };
 

@@ -25,7 +25,8 @@ Tensor& FastCtx::output(const std::string& name, ElemType t, std::vector<int64_t
 
 void FastCtx::exchange_rows(const Tensor& in, const std::vector<int64_t>& send_rows, Tensor& out,
                             const std::vector<int64_t>& recv_rows, const char* what) {
-  const size_t row_bytes = size_t(c.hidden) * elem_bytes(in.type);
+  // The tensor's own row width: activation rows, e4m3 rows or block-scale rows (docs/contract.md §16).
+  const size_t row_bytes = size_t(in.shape.size() > 1 ? in.shape[1] : c.hidden) * elem_bytes(in.type);
   if (!exec.mirror || !comm->device_buffers()) {
     comm->alltoallv(in.data(), in.shape[0], send_rows, out.data(), out.shape[0], recv_rows, row_bytes, what);
     return;
@@ -87,7 +88,8 @@ Stage make_stage(const std::string& slot, const std::string& variant, const std:
 
 const std::vector<std::string>& slot_order() {
   static const std::vector<std::string> s = {
-      "sp_shard", "router_logits", "routing", "sp_pad_route", "dispatch", "capacity", "ep_dispatch", "ep_permute", "align_pad", "experts",
+      "sp_shard", "router_logits", "routing", "sp_pad_route", "fp8_quant", "dispatch", "capacity", "ep_dispatch", "ep_permute",
+      "align_pad", "fp8_dequant", "experts",
       "align_unpad", "ep_unpermute", "ep_combine", "shared_experts", "combine", "sp_gather",
       // backward (docs/contract.md §13, src/paths/stages_backward.cpp): the adjoints in reverse order
       "sp_gather_bwd", "combine_bwd", "shared_experts_bwd", "ep_combine_bwd", "ep_unpermute_bwd", "align_unpad_bwd",
@@ -99,6 +101,11 @@ const std::string& magnitude_slot(const Case& c) {
   // routed_input, counts, token_sorted, score_sorted: after capacity drops rows
   static const std::string dispatch = "dispatch", capacity = "capacity";
   return c.capacity.factor > 0 ? capacity : dispatch;
+}
+
+const std::string& fp8_first_slot() {
+  static const std::string s = "fp8_quant";
+  return s;
 }
 
 const std::set<std::string>& pipeline_results() {
@@ -115,6 +122,7 @@ const std::vector<Stage>& registry() {
     register_sp_stages(r);
     register_capacity_stages(r);
     register_backward_stages(r);
+    register_fp8_stages(r);
     return r;
   }();
   return reg;

@@ -34,6 +34,19 @@ Tensor combined_magnitude(const Case& c, const RankBoard& chain, int threads);
 /// The slot after which every input of combined_magnitude is on the chain
 /// board: the runner computes the end-to-end error scale there.
 const std::string& magnitude_slot(const Case& c);
+/// FP8 dispatch (docs/contract.md §16). The first slot where an FP8 case
+/// departs from the same case under act dispatch: the runner's act chain
+/// (the end-to-end check against unquantised rows) starts there.
+const std::string& fp8_first_slot();
+/// The rows `rows`_q / `rows`_scale of a board dequantised as the experts take
+/// them (round_act(float(q) * s)), by the reference.
+Tensor fp8_rows_dequantised(const Case& c, const RankBoard& b, const std::string& rows);
+/// The FP8 term of the end-to-end bound of one rank's combined output (T, D):
+/// the largest change of out that quantising the rows can cause, computed by
+/// the reference from the act chain's board after its dispatch (x, routed
+/// rows, counts, scores, weights), docs/contract.md §16 "End to end".
+Tensor fp8_error_bound(const Case& c, const RankBoard& act_chain);
+
 /// Tensors the pipeline hands to the checks after it (end to end, EP and SP
 /// invariance): the streaming runner never drops them.
 const std::set<std::string>& pipeline_results();

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "../kernels/ep_host.h"
 #include "../reference/reference.h"
 #include "registry.h"
 
@@ -34,6 +35,13 @@ std::vector<float> combine_init(const Case& c, const RankBoard& in);
 /// precondition of docs/contract.md §7 and of the batched experts, §8).
 int64_t uniform_count(const std::vector<int64_t>& v);
 
+/// dst[i] = src[map[i]] (zero row where map[i] < 0) for the rows of a board
+/// tensor of any row type: activation rows, e4m3 rows, fp32 block-scale rows
+/// (docs/contract.md §16), each of its own width (shape[1]).
+void move_rows(const ExecCtx& ex, const Tensor& src, const int64_t* map, int64_t n, Tensor& dst);
+/// The equal-count transpose (docs/contract.md §7) of all of src's rows.
+void move_rows_equal_count(const ExecCtx& ex, const Tensor& src, EqualCountMap m, Tensor& dst);
+
 /// Routing comparison with near-tie handling (docs/contract.md §1, last paragraph).
 void check_routing(CheckCtx& ctx);
 
@@ -57,5 +65,6 @@ void register_capacity_stages(std::vector<Stage>& reg);  // docs/contract.md §1
 /// dispatch row) overrides which rows are kept (see ref::capacity_dispatch).
 void capacity_reference(const Case& c, const RankBoard& in, RankBoard& out, const std::vector<uint8_t>* keep = nullptr);
 void register_backward_stages(std::vector<Stage>& reg);  // docs/contract.md §13
+void register_fp8_stages(std::vector<Stage>& reg);       // docs/contract.md §16
 
 }  // namespace moev

@@ -7,14 +7,89 @@
 #include <sstream>
 
 #include "../kernels/ep_host.h"
+#include "../kernels/fp8_host.h"
 #include "comm.h"
 #include "error.h"
 #include "stages.h"
 
 namespace moev {
+
+namespace {
+/// The executor's element type of a board tensor's rows.
+DType row_dtype(ElemType t) {
+  if (t == ElemType::bf16) return DType::bf16;
+  if (t == ElemType::f16) return DType::fp16;
+  return DType::fp32;
+}
+}  // namespace
+
+void move_rows(const ExecCtx& ex, const Tensor& src, const int64_t* map, int64_t n, Tensor& dst) {
+  const int64_t cols = src.shape[1];
+  if (src.type == ElemType::e4m3) apply_row_map_e4m3(ex, src.data(), map, n, cols, dst.data());
+  else apply_row_map(ex, row_dtype(src.type), src.data(), map, n, cols, dst.data());
+}
+
+void move_rows_equal_count(const ExecCtx& ex, const Tensor& src, EqualCountMap m, Tensor& dst) {
+  const int64_t cols = src.shape[1];
+  if (src.type == ElemType::e4m3) apply_equal_count_e4m3(ex, src.data(), m, src.shape[0], cols, dst.data());
+  else apply_equal_count(ex, row_dtype(src.type), src.data(), m, src.shape[0], cols, dst.data());
+}
+
 namespace {
 
 Decision always(const Case&) { return {}; }
+
+/// An activation-row variant of a slot that has an FP8 twin: under FP8
+/// dispatch it does not apply; otherwise `d` decides, as before the twin.
+std::function<Decision(const Case&)> act_only(std::function<Decision(const Case&)> d, const std::string& twin) {
+  return [d, twin](const Case& c) {
+    if (c.fp8()) return Decision{false, "dispatch.dtype: fp8_e4m3 (" + twin + " moves the e4m3 rows and scales)"};
+    return d(c);
+  };
+}
+
+/// The FP8 twin of a variant (docs/contract.md §16): the same movement of the
+/// e4m3 rows and their block scales, listed only for FP8 cases.
+Stage fp8_twin(const Stage& act, std::function<void(FastCtx&)> fast, std::function<void(RefCtx&)> ref,
+               const std::vector<std::pair<std::string, std::string>>& renames) {
+  Stage s = act;
+  s.variant = act.variant + "_fp8";
+  s.summary = act.summary + "; FP8: e4m3 rows and their block scales (docs/contract.md §16)";
+  const auto base = act.applies;
+  s.applies = [base](const Case& c) { return c.fp8() ? base(c) : Decision{false, "dispatch.dtype: act"}; };
+  s.listed = [](const Case& c) { return c.fp8(); };
+  std::vector<std::string> in = act.inputs(Case{});
+  std::vector<std::string> ins;
+  for (const auto& n : in) {
+    bool renamed = false;
+    for (const auto& [from, to] : renames)
+      if (n == from) {
+        ins.push_back(to + "_q");
+        ins.push_back(to + "_scale");
+        renamed = true;
+      }
+    if (!renamed) ins.push_back(n);
+  }
+  s.inputs = fixed_inputs(ins);
+  std::vector<OutputSpec> outs;
+  for (const OutputSpec& o : act.outputs) {
+    bool renamed = false;
+    for (const auto& [from, to] : renames)
+      if (o.name == from) {
+        OutputSpec q = o, sc = o;
+        q.name = to + "_q";
+        sc.name = to + "_scale";
+        outs.push_back(q);
+        outs.push_back(sc);
+        renamed = true;
+      }
+    if (!renamed) outs.push_back(o);
+  }
+  s.outputs = outs;
+  s.fast = std::move(fast);
+  s.ref = std::move(ref);
+  return s;
+}
 
 std::string list_str(const std::vector<int64_t>& v) {
   std::string s = "[";
@@ -29,6 +104,16 @@ Tensor& out_ints(FastCtx& ctx, const std::string& name, const std::vector<int64_
   if (!v.empty()) std::memcpy(t.data(), v.data(), v.size() * 8);
   return t;
 }
+
+/// The row tensors a forward movement stage carries, each (input, output)
+/// moved by the same map: the activation rows, or under FP8 dispatch
+/// (docs/contract.md §16) the e4m3 rows and their block scales.
+using RowSet = std::vector<std::pair<std::string, std::string>>;
+RowSet act_rows(const std::string& in, const std::string& out) { return {{in, out}}; }
+RowSet fp8_rows(const std::string& in, const std::string& out) {
+  return {{in + "_q", out + "_q"}, {in + "_scale", out + "_scale"}};
+}
+bool is_scale(const std::string& name) { return name.size() > 6 && name.compare(name.size() - 6, 6, "_scale") == 0; }
 
 EmptyGroupRows empty_rows(const Case& c) {
   return c.empty_groups == EmptyGroups::pad ? EmptyGroupRows::align : EmptyGroupRows::zero;
@@ -85,13 +170,17 @@ void overload_and_notes(FastCtx& ctx, const Splits& s, int64_t N) {
   ctx.notes.push_back(o.str());
 }
 
-void fast_a2a_dispatch(FastCtx& ctx) {
-  const Tensor& routed = ctx.input("routed_input");
+void a2a_dispatch_rows(FastCtx& ctx, const RowSet& rows) {
   const Splits s = exchange_counts(ctx);
-  Tensor& recv = ctx.output("recv", routed.type, {s.M, ctx.c.hidden});
-  ctx.exchange_rows(routed, s.in, recv, s.out, "token all-to-all (dispatch)");
-  overload_and_notes(ctx, s, routed.shape[0]);
+  for (const auto& [in, out] : rows) {
+    const Tensor& src = ctx.input(in);
+    Tensor& dst = ctx.output(out, src.type, {s.M, src.shape[1]});
+    ctx.exchange_rows(src, s.in, dst, s.out, is_scale(in) ? "block-scale all-to-all (dispatch)" : "token all-to-all (dispatch)");
+  }
+  overload_and_notes(ctx, s, ctx.input(rows[0].first).shape[0]);
 }
+void fast_a2a_dispatch(FastCtx& ctx) { a2a_dispatch_rows(ctx, act_rows("routed_input", "recv")); }
+void fast_a2a_dispatch_fp8(FastCtx& ctx) { a2a_dispatch_rows(ctx, fp8_rows("routed_input", "recv")); }
 
 /// The equal-split decision (docs/contract.md §5, docs/frameworks.md §5.2): M* = all-reduce
 /// max of the splits; the padding overhead [sum(M*-in) + sum(M*-out)] /
@@ -134,19 +223,18 @@ int64_t equal_split_decision(FastCtx& ctx, const std::vector<int64_t>& in, const
 /// all-to-all -> compact(recv splits) into dst.
 void equal_split_exchange(FastCtx& ctx, const Tensor& src, const std::vector<int64_t>& pad,
                           const std::vector<int64_t>& recv, int64_t mstar, Tensor& dst, const char* what) {
-  const Case& c = ctx.c;
   const int R = ctx.ranks;
-  Tensor padded = Tensor::alloc(src.type, {R * mstar, c.hidden});
-  apply_row_map(ctx.exec, c.dtype, src.data(), pad.data(), R * mstar, c.hidden, padded.data());
-  Tensor got = Tensor::alloc(src.type, {R * mstar, c.hidden});
+  const int64_t cols = src.shape[1];
+  Tensor padded = Tensor::alloc(src.type, {R * mstar, cols});
+  move_rows(ctx.exec, src, pad.data(), R * mstar, padded);
+  Tensor got = Tensor::alloc(src.type, {R * mstar, cols});
   const std::vector<int64_t> equal(static_cast<size_t>(R), mstar);
   ctx.exchange_rows(padded, equal, got, equal, what);
   const std::vector<int64_t> compact = equal_split_compact_map(recv, mstar);
-  apply_row_map(ctx.exec, c.dtype, got.data(), compact.data(), int64_t(compact.size()), c.hidden, dst.data());
+  move_rows(ctx.exec, got, compact.data(), int64_t(compact.size()), dst);
 }
 
-void fast_equal_split_dispatch(FastCtx& ctx) {
-  const Tensor& routed = ctx.input("routed_input");
+void equal_split_dispatch_rows(FastCtx& ctx, const RowSet& rows) {
   const Splits s = exchange_counts(ctx);
   std::string why;
   const int64_t mstar = equal_split_decision(ctx, s.in, s.out, why);
@@ -154,12 +242,17 @@ void fast_equal_split_dispatch(FastCtx& ctx) {
     ctx.skip(why);
     return;
   }
-  Tensor& recv = ctx.output("recv", routed.type, {s.M, ctx.c.hidden});
-  equal_split_exchange(ctx, routed, equal_split_pad_map(s.in, mstar, ctx.exec.faults), s.out, mstar, recv,
-                       "equal-split all-to-all (dispatch)");
-  overload_and_notes(ctx, s, routed.shape[0]);
+  for (const auto& [in, out] : rows) {
+    const Tensor& src = ctx.input(in);
+    Tensor& dst = ctx.output(out, src.type, {s.M, src.shape[1]});
+    equal_split_exchange(ctx, src, equal_split_pad_map(s.in, mstar, ctx.exec.faults), s.out, mstar, dst,
+                         is_scale(in) ? "equal-split block-scale all-to-all (dispatch)" : "equal-split all-to-all (dispatch)");
+  }
+  overload_and_notes(ctx, s, ctx.input(rows[0].first).shape[0]);
   if (ctx.rank == 0) ctx.notes.push_back("equal_split: taken, " + why);
 }
+void fast_equal_split_dispatch(FastCtx& ctx) { equal_split_dispatch_rows(ctx, act_rows("routed_input", "recv")); }
+void fast_equal_split_dispatch_fp8(FastCtx& ctx) { equal_split_dispatch_rows(ctx, fp8_rows("routed_input", "recv")); }
 
 /// Force-load-balance dispatch (docs/contract.md §6): analytic counts and splits on
 /// every rank, no count exchange; the direct equal-split route from x when
@@ -226,16 +319,22 @@ void fast_equal_split_return(FastCtx& ctx) {
   if (ctx.rank == 0) ctx.notes.push_back("equal_split: taken, " + why);
 }
 
-void fast_permute_generic(FastCtx& ctx) {
+void permute_generic_rows(FastCtx& ctx, const RowSet& rows) {
   const Case& c = ctx.c;
   const int R = ctx.ranks, E_l = c.num_experts / R;
-  const Tensor& recv = ctx.input("recv");
   const std::vector<int64_t> rc = vec_of(ctx.input("recv_counts"));
   const std::vector<int64_t> map = permute_map_generic(rc.data(), R, E_l);
-  Tensor& out = ctx.output("permuted", recv.type, recv.shape);
-  apply_row_map(ctx.exec, c.dtype, recv.data(), map.data(), int64_t(map.size()), c.hidden, out.data());
+  for (const auto& [in, out] : rows) {
+    const Tensor& src = ctx.input(in);
+    Tensor& dst = ctx.output(out, src.type, src.shape);
+    // docs/contract.md §16: a row's block scales move with it (scale_row_map: the same map)
+    const std::vector<int64_t> m = is_scale(in) ? scale_row_map(map, ctx.exec.faults) : map;
+    move_rows(ctx.exec, src, m.data(), int64_t(m.size()), dst);
+  }
   out_ints(ctx, "expert_counts_real", real_counts_from(rc, R, E_l));
 }
+void fast_permute_generic(FastCtx& ctx) { permute_generic_rows(ctx, act_rows("recv", "permuted")); }
+void fast_permute_generic_fp8(FastCtx& ctx) { permute_generic_rows(ctx, fp8_rows("recv", "permuted")); }
 
 /// Equal-count permute (docs/contract.md §7); its precondition is checked on the
 /// received counts of every rank, and all ranks agree before any skips.
@@ -250,18 +349,22 @@ bool equal_count_ready(FastCtx& ctx, int64_t& cnt) {
   return true;
 }
 
-void fast_permute_equal(FastCtx& ctx) {
+void permute_equal_rows(FastCtx& ctx, const RowSet& rows) {
   const Case& c = ctx.c;
   const int R = ctx.ranks, E_l = c.num_experts / R;
   int64_t cnt = 0;
   if (!equal_count_ready(ctx, cnt)) return;
-  const Tensor& recv = ctx.input("recv");
-  Tensor& out = ctx.output("permuted", recv.type, recv.shape);
-  apply_equal_count(ctx.exec, c.dtype, recv.data(), EqualCountMap{R, E_l, cnt, 0}, recv.shape[0], c.hidden, out.data());
+  for (const auto& [in, out] : rows) {
+    const Tensor& src = ctx.input(in);
+    Tensor& dst = ctx.output(out, src.type, src.shape);
+    move_rows_equal_count(ctx.exec, src, EqualCountMap{R, E_l, cnt, 0}, dst);
+  }
   out_ints(ctx, "expert_counts_real", std::vector<int64_t>(size_t(E_l), R * cnt));
   ctx.notes.push_back("rank " + std::to_string(ctx.rank) + ": transpose of (R, E_l, c) = (" + std::to_string(R) + ", " +
                       std::to_string(E_l) + ", " + std::to_string(cnt) + ")");
 }
+void fast_permute_equal(FastCtx& ctx) { permute_equal_rows(ctx, act_rows("recv", "permuted")); }
+void fast_permute_equal_fp8(FastCtx& ctx) { permute_equal_rows(ctx, fp8_rows("recv", "permuted")); }
 
 void fast_unpermute_generic(FastCtx& ctx) {
   const Case& c = ctx.c;
@@ -283,19 +386,23 @@ void fast_unpermute_equal(FastCtx& ctx) {
   apply_equal_count(ctx.exec, c.dtype, in.data(), EqualCountMap{R, E_l, cnt, 1}, in.shape[0], c.hidden, out.data());
 }
 
-void fast_pad(FastCtx& ctx) {
+void pad_rows(FastCtx& ctx, const RowSet& rows) {
   const Case& c = ctx.c;
-  const Tensor& in = ctx.input("permuted");
   const std::vector<int64_t> n = vec_of(ctx.input("expert_counts_real"));
   const PadLayout l = pad_layout(n.data(), int(n.size()), c.align, empty_rows(c), ctx.exec.faults);
   const std::vector<int64_t> map = pad_map(n.data(), l, ctx.exec.faults);
-  Tensor& out = ctx.output("expert_input", in.type, {l.buffer_rows, c.hidden});
-  apply_row_map(ctx.exec, c.dtype, in.data(), map.data(), l.buffer_rows, c.hidden, out.data());
+  for (const auto& [in, out] : rows) {
+    const Tensor& src = ctx.input(in);
+    Tensor& dst = ctx.output(out, src.type, {l.buffer_rows, src.shape[1]});
+    move_rows(ctx.exec, src, map.data(), l.buffer_rows, dst);
+  }
   out_ints(ctx, "expert_counts", l.rows);
   if (c.align > 1 || c.empty_groups == EmptyGroups::pad)
     ctx.notes.push_back("rank " + std::to_string(ctx.rank) + ": groups padded to " + list_str(l.rows) + ", " +
-                        std::to_string(l.buffer_rows - in.shape[0]) + " padding rows");
+                        std::to_string(l.buffer_rows - ctx.input(rows[0].first).shape[0]) + " padding rows");
 }
+void fast_pad(FastCtx& ctx) { pad_rows(ctx, act_rows("permuted", "expert_input")); }
+void fast_pad_fp8(FastCtx& ctx) { pad_rows(ctx, fp8_rows("permuted", "expert_input")); }
 
 void fast_unpad(FastCtx& ctx) {
   const Case& c = ctx.c;
@@ -326,14 +433,22 @@ std::vector<ref::RowsRef> rows_of_ranks(const Board& b, const std::string& n) {
   return v;
 }
 
-void ref_a2a_dispatch(RefCtx& r) {
+void ref_a2a_dispatch_rows(RefCtx& r, const RowSet& rows) {
   const Case& c = r.c;
   const int R = int(r.in.ranks.size()), E_l = c.num_experts / R;
   // From the dispatch's expert-major rows (capacity-limited where capacity
   // applies, docs/contract.md §11), not from x and ids again: the stage's own input.
   std::vector<ref::Counts> counts;
   for (int q = 0; q < R; ++q) counts.push_back(ref_counts(r.in.at("counts", q)));
-  ref::EpDispatch d = ref::ep_dispatch(rows_of_ranks(r.in, "routed_input"), counts, R, E_l, r.rank);
+  ref::EpDispatch d = ref::ep_dispatch(rows_of_ranks(r.in, rows[0].first), counts, R, E_l, r.rank);
+  for (size_t k = 1; k < rows.size(); ++k) {  // the block scales: the same all-to-all of their own rows
+    ref::EpDispatch ds = ref::ep_dispatch(rows_of_ranks(r.in, rows[k].first), counts, R, E_l, r.rank);
+    for (int q = 0; q < R; ++q)
+      if (r.wants(q)) {
+        const Tensor& src = r.in.at(rows[k].first, q);
+        r.out.ranks[size_t(q)][rows[k].second] = rows_tensor(std::move(ds.recv[size_t(q)]), src.type, src.shape[1]);
+      }
+  }
   int64_t mx = 0, total = 0;
   for (int q = 0; q < R; ++q) {
     RankBoard& out = r.out.ranks[size_t(q)];
@@ -350,26 +465,33 @@ void ref_a2a_dispatch(RefCtx& r) {
     out["input_splits"] = from_ints(in_splits, ElemType::i64, {R});
     out["output_splits"] = from_ints(out_splits, ElemType::i64, {R});
     out["recv_counts"] = from_ints(d.recv_counts[size_t(q)], ElemType::i64, {int64_t(R) * E_l});
-    if (r.wants(q)) out["recv"] = rows_tensor(std::move(d.recv[size_t(q)]), act_elem(c.dtype), c.hidden);
+    const Tensor& src = r.in.at(rows[0].first, q);
+    if (r.wants(q)) out[rows[0].second] = rows_tensor(std::move(d.recv[size_t(q)]), src.type, src.shape[1]);
   }
   for (int q = 0; q < R; ++q) r.out.ranks[size_t(q)]["overload"] = from_ints({mx, total}, ElemType::i64, {2});
 }
+void ref_a2a_dispatch(RefCtx& r) { ref_a2a_dispatch_rows(r, act_rows("routed_input", "recv")); }
+void ref_a2a_dispatch_fp8(RefCtx& r) { ref_a2a_dispatch_rows(r, fp8_rows("routed_input", "recv")); }
 
-void ref_permute(RefCtx& r) {
+void ref_permute_rows(RefCtx& r, const RowSet& rows) {
   const Case& c = r.c;
   const int R = int(r.in.ranks.size()), E_l = c.num_experts / R;
   for (int q = 0; q < R; ++q) {
     if (!r.wants(q)) continue;
     const ref::Counts rc = ref_counts(r.in.at("recv_counts", q));
-    const Tensor& recv = r.in.at("recv", q);
-    r.out.ranks[size_t(q)]["permuted"] =
-        rows_tensor(ref::permute_to_expert_major(rows_of(recv), rc, R, E_l), recv.type, c.hidden);
+    for (const auto& [in, out] : rows) {
+      const Tensor& src = r.in.at(in, q);
+      r.out.ranks[size_t(q)][out] =
+          rows_tensor(ref::permute_to_expert_major(rows_of(src), rc, R, E_l), src.type, src.shape[1]);
+    }
     std::vector<int64_t> n(size_t(E_l), 0);
     for (int p = 0; p < R; ++p)
       for (int j = 0; j < E_l; ++j) n[size_t(j)] += rc[size_t(p * E_l + j)];
     r.out.ranks[size_t(q)]["expert_counts_real"] = from_ints(n, ElemType::i64, {E_l});
   }
 }
+void ref_permute(RefCtx& r) { ref_permute_rows(r, act_rows("recv", "permuted")); }
+void ref_permute_fp8(RefCtx& r) { ref_permute_rows(r, fp8_rows("recv", "permuted")); }
 
 void ref_unpermute(RefCtx& r) {
   const Case& c = r.c;
@@ -383,19 +505,23 @@ void ref_unpermute(RefCtx& r) {
   }
 }
 
-void ref_pad(RefCtx& r) {
+void ref_pad_rows(RefCtx& r, const RowSet& rows) {
   const Case& c = r.c;
   for (size_t q = 0; q < r.in.ranks.size(); ++q) {
     if (!r.wants(int(q))) continue;
-    const Tensor& in = r.in.at("permuted", int(q));
     ref::Counts sizes;
-    r.out.ranks[q]["expert_input"] =
-        rows_tensor(ref::pad_groups(rows_of(in), ref_counts(r.in.at("expert_counts_real", int(q))), c.align,
-                                    c.empty_groups == EmptyGroups::pad, sizes),
-                    in.type, c.hidden);
+    for (const auto& [in, out] : rows) {
+      const Tensor& src = r.in.at(in, int(q));
+      r.out.ranks[q][out] =
+          rows_tensor(ref::pad_groups(rows_of(src), ref_counts(r.in.at("expert_counts_real", int(q))), c.align,
+                                      c.empty_groups == EmptyGroups::pad, sizes),
+                      src.type, src.shape[1]);
+    }
     r.out.ranks[q]["expert_counts"] = from_ints(sizes, ElemType::i64, {int64_t(sizes.size())});
   }
 }
+void ref_pad(RefCtx& r) { ref_pad_rows(r, act_rows("permuted", "expert_input")); }
+void ref_pad_fp8(RefCtx& r) { ref_pad_rows(r, fp8_rows("permuted", "expert_input")); }
 
 void ref_unpad(RefCtx& r) {
   const Case& c = r.c;
@@ -454,26 +580,33 @@ void register_ep_stages(std::vector<Stage>& reg) {
                       {"overload", CompareClass::exact, Coords::flat, nullptr}},
                      fast_a2a_dispatch, ref_a2a_dispatch));
   reg.back().primary = [](const Case& c) { return c.equal_split.policy == EqualSplitPolicy::off; };
+  const std::vector<OutputSpec> dispatch_outputs = reg.back().outputs;  // the act variants'
+  const std::vector<std::pair<std::string, std::string>> dispatch_rows = {{"routed_input", "routed_input"}, {"recv", "recv"}};
+  reg.push_back(fp8_twin(reg.back(), fast_a2a_dispatch_fp8, ref_a2a_dispatch_fp8, dispatch_rows));
+  reg[reg.size() - 2].applies = act_only(reg[reg.size() - 2].applies, "a2a_variable_fp8");
   {
     Stage s = make("ep_dispatch", "a2a_equal_split",
                    "pad every chunk to M* = max split (data first, zeros after), equal all-to-all, compact (docs/contract.md §5)",
-                   {"routed_input", "counts", "x", "ids", "topk_scores"}, reg.back().outputs, fast_equal_split_dispatch,
+                   {"routed_input", "counts", "x", "ids", "topk_scores"}, dispatch_outputs, fast_equal_split_dispatch,
                    ref_a2a_dispatch);
     s.applies = [](const Case& c) {
       return Decision{c.equal_split.policy != EqualSplitPolicy::off, "equal_split.policy: off"};
     };
     s.primary = [](const Case& c) { return c.equal_split.policy != EqualSplitPolicy::off; };
-    reg.push_back(s);
+    reg.push_back(fp8_twin(s, fast_equal_split_dispatch_fp8, ref_a2a_dispatch_fp8, dispatch_rows));
+    s.applies = act_only(s.applies, "a2a_equal_split_fp8");
+    reg.insert(reg.end() - 1, s);
   }
   {
     Stage s = make("ep_dispatch", "a2a_force_lb",
                    "force-LB routing: analytic splits, no count exchange; direct route from x iff K == E_l (docs/contract.md §6)",
-                   {"routed_input", "counts", "x", "ids", "topk_scores"}, reg.back().outputs, fast_force_lb_dispatch,
+                   {"routed_input", "counts", "x", "ids", "topk_scores"}, dispatch_outputs, fast_force_lb_dispatch,
                    ref_a2a_dispatch);
     s.applies = [](const Case& c) {
       bool same_T = true;
       for (int r = 0; r < c.ep; ++r) same_T = same_T && c.tokens_on(r) == c.tokens_on(0);
       if (c.router.force_load_balance != Switch::on) return Decision{false, "router.force_load_balance: off"};
+      if (c.fp8()) return Decision{false, "dispatch.dtype: fp8_e4m3 (the force-LB route sends activation rows)"};
       return Decision{same_T, "ranks have different token counts (analytic splits need equal T)"};
     };
     s.primary = [](const Case&) { return false; };
@@ -491,6 +624,9 @@ void register_ep_stages(std::vector<Stage>& reg) {
     s.primary = [m](const Case& c) { return c.permute == m || (c.permute == PermuteMode::auto_ && m == PermuteMode::equal_count); };
     if (eq) s.applies = [](const Case& c) { return Decision{c.permute != PermuteMode::generic, "permute: generic"}; };
     reg.push_back(s);
+    reg.push_back(fp8_twin(s, eq ? fast_permute_equal_fp8 : fast_permute_generic_fp8, ref_permute_fp8,
+                           {{"recv", "recv"}, {"permuted", "permuted"}}));
+    reg[reg.size() - 2].applies = act_only(s.applies, s.variant + "_fp8");
   }
   reg.push_back(make("align_pad", "pad_groups",
                      "each expert group: real rows, then zero rows to a multiple of align; 64-bit offsets (docs/contract.md §4)",
@@ -498,6 +634,8 @@ void register_ep_stages(std::vector<Stage>& reg) {
                      {{"expert_input", CompareClass::exact, Coords::padded_row, nullptr},  // a rank may hold only padding
                       {"expert_counts", CompareClass::exact, Coords::flat, nullptr}},
                      fast_pad, ref_pad));
+  reg.push_back(fp8_twin(reg.back(), fast_pad_fp8, ref_pad_fp8, {{"permuted", "permuted"}, {"expert_input", "expert_input"}}));
+  reg[reg.size() - 2].applies = act_only(reg[reg.size() - 2].applies, "pad_groups_fp8");
   reg.push_back(make("align_unpad", "unpad_groups", "keeps each group's real rows; padding never reaches the output",
                      {"expert_output", "expert_counts", "expert_counts_real"},
                      {{"unpadded", CompareClass::exact, Coords::expert_row, nullptr}}, fast_unpad, ref_unpad));

@@ -310,7 +310,8 @@ Tensor combined_magnitude(const Case& c, const RankBoard& b, int threads) {
   const int64_t T = x.shape[0];
   // Rows of the rank's own dispatch (all E experts), as the experts see them:
   // their scale is |row| itself where the experts are exact.
-  const Tensor& routed = b.at("routed_input");
+  // Under FP8 dispatch the experts see the dequantised rows (docs/contract.md §16).
+  const Tensor routed = c.fp8() ? fp8_rows_dequantised(c, b, "routed_input") : b.at("routed_input");
   const Tensor rows = c.experts.kind == ExpertKind::swiglu
                           ? swiglu_scale(c, b, routed, ref_counts(b.at("counts")), "", 0, threads)
                           : routed;
@@ -492,7 +493,9 @@ Stage local_sort_gather() {
   s.slot = "dispatch";
   s.variant = "local_sort_gather";
   s.summary = "stable counting sort by (expert, assignment), gather rows (docs/contract.md §2)";
-  s.applies = always;
+  s.applies = [](const Case& c) {
+    return Decision{!c.fp8(), "dispatch.dtype: fp8_e4m3 (local_sort_gather_fp8 gathers the e4m3 rows and scales)"};
+  };
   s.primary = [](const Case&) { return true; };
   s.inputs = fixed_inputs({"x", "ids", "topk_scores", "counts"});
   s.outputs = {{"routed_input", CompareClass::exact, Coords::dispatch_row, promise_always},
@@ -551,6 +554,8 @@ Stage force_lb_cached_sort() {
   s.variant = "force_lb_cached_sort";
   s.summary = "force-LB only: the sort order of round-robin ids cached by (T*K, E, K), then the same gather";
   s.applies = [](const Case& c) {
+    if (c.router.force_load_balance == Switch::on && c.fp8())
+      return Decision{false, "dispatch.dtype: fp8_e4m3 (the cached-order gather moves activation rows)"};
     return Decision{c.router.force_load_balance == Switch::on, "router.force_load_balance: off"};
   };
   s.primary = [](const Case&) { return false; };
@@ -558,7 +563,7 @@ Stage force_lb_cached_sort() {
   s.outputs = local_sort_gather().outputs;
   s.fast = [](FastCtx& ctx) {
     static std::mutex m;
-    static std::map<std::tuple<int, int64_t, int, int, uint32_t>, std::vector<int32_t>> cache;
+    static std::map<std::tuple<int, int64_t, int, int, uint64_t>, std::vector<int32_t>> cache;
     const Case& c = ctx.c;
     const Tensor& x = ctx.input("x");
     const int64_t T = x.shape[0], N = T * c.top_k;

@@ -410,6 +410,7 @@ void write_npy(const std::string& path, const Tensor& t) {
     case ElemType::f16: descr = "<u2"; break;
     case ElemType::i32: descr = "<i4"; break;
     case ElemType::i64: descr = "<i8"; break;
+    case ElemType::e4m3: descr = "|u1"; break;  // e4m3fn bytes (docs/contract.md §16)
   }
   std::string shape = "(";
   for (size_t i = 0; i < t.shape.size(); ++i) shape += std::to_string(t.shape[i]) + (t.shape.size() == 1 ? "," : i + 1 < t.shape.size() ? ", " : "");
