@@ -8,9 +8,9 @@ export`, run your implementation on its inputs, and write its outputs where
             x = g.input("x", rank=r)                     # float32 (bf16 decoded)
             g.write("dispatch.routed_input", my_dispatch(x), rank=r)
 """
-from .codec import bf16_to_f32, f32_to_bf16, decode, encode
+from .codec import bf16_to_f32, decode, e4m3_to_f32, encode, f32_to_bf16
 from .golden import FORMAT, Entry, Golden, GoldenError, open, open_all
 
 __all__ = ["FORMAT", "Entry", "Golden", "GoldenError", "open", "open_all",
-           "bf16_to_f32", "f32_to_bf16", "decode", "encode"]
+           "bf16_to_f32", "f32_to_bf16", "e4m3_to_f32", "decode", "encode"]
 __version__ = "0.1.0"

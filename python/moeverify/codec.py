@@ -31,9 +31,25 @@ def f32_to_bf16(values):
     return bits
 
 
+def e4m3_to_f32(bits):
+    """uint8 e4m3fn bit patterns (FP8 dispatch, docs/contract.md §16) to float32:
+    bias 7, subnormals below 2^-6, 0x7f/0xff NaN, no infinity; exact."""
+    bits = np.asarray(bits)
+    if bits.dtype != np.uint8:
+        raise TypeError("e4m3_to_f32: uint8 bit patterns expected, got %s" % bits.dtype)
+    b = np.arange(256)
+    e, m = (b >> 3) & 0xF, (b & 7).astype(np.float64)
+    mag = np.where(e == 0, m / 8 * 2.0 ** -6, (1 + m / 8) * 2.0 ** (e - 7.0))
+    table = np.where(b & 0x80, -mag, mag)
+    table[(b & 0x7F) == 0x7F] = np.nan
+    return table.astype(np.float32)[bits]
+
+
 def decode(stored, dtype):
-    """A stored array of manifest dtype `dtype` as NumPy values: bf16 and fp16
-    as float32, everything else as stored."""
+    """A stored array of manifest dtype `dtype` as NumPy values: bf16, fp16
+    and e4m3 as float32, everything else as stored."""
+    if dtype == "float8_e4m3fn":
+        return e4m3_to_f32(stored)
     if dtype == "bfloat16":
         return bf16_to_f32(stored)
     if dtype == "float16":
@@ -49,6 +65,11 @@ def encode(values, dtype, what):
     float16. Integer tensors: any integer array whose values fit; it is
     written in the manifest's width. `what` names the tensor in errors."""
     a = np.asarray(values)
+    if dtype == "float8_e4m3fn":  # the quantisation is the stage under test: bits only
+        if a.dtype != np.uint8:
+            raise TypeError("%s is float8_e4m3fn: pass the uint8 bit patterns your quantiser wrote, not %s"
+                            % (what, dtype_text(a)))
+        return a
     if dtype in HALF:
         if a.dtype == np.uint16:
             return a

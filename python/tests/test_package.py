@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 import moeverify  # noqa: E402
 
-FILES = ["basic.yaml", "ep4.yaml", "capacity.yaml", "inplace.yaml", "layers.yaml", "backward_swiglu.yaml"]
+FILES = ["basic.yaml", "ep4.yaml", "capacity.yaml", "inplace.yaml", "layers.yaml", "backward_swiglu.yaml", "fp8.yaml"]
 failures = []
 
 
@@ -61,7 +61,9 @@ def copy_all(g, use_torch):
     for e in g.entries:
         if e.role != "expected":
             continue
-        if use_torch:
+        if e.dtype == "float8_e4m3fn":  # written as the quantiser's bits
+            v = g.expected(e.qualified, rank=e.rank, layer=e.layer, raw=True)
+        elif use_torch:
             v = g.expected(e.qualified, rank=e.rank, layer=e.layer, as_torch=True)
         else:
             v = g.expected(e.qualified, rank=e.rank, layer=e.layer)
@@ -170,6 +172,9 @@ def run(tool, src, tmp, use_torch):
     v[-1] = np.float32(3.4e38)
     expect(list(moeverify.f32_to_bf16(v)) == [0x3F80, 0x3F82, 0x8000, 0x7F80, 0x7FC0, 0x7F80],
            "bf16 rounding: ties to even, signed zero, infinity, a quiet NaN, overflow to infinity")
+    e4 = moeverify.e4m3_to_f32(np.array([0x38, 0x7E, 0xFE, 0x01, 0x08, 0x00, 0x80, 0x7F], np.uint8))
+    expect(list(e4[:7]) == [1.0, 448.0, -448.0, 2.0 ** -9, 2.0 ** -6, 0.0, -0.0] and np.isnan(e4[7]),
+           "e4m3 decode: 1, 448, -448, the smallest subnormal and normal, signed zeros, NaN")
     old = os.path.join(tmp, "old")
     shutil.copytree(g.path, old)
     with open(os.path.join(old, "manifest.json")) as f:
