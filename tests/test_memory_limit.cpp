@@ -53,7 +53,15 @@ TEST_CASE("memory_sources reads RLIMIT_AS and the ranks on this node", "[cpu][me
   REQUIRE(getrlimit(RLIMIT_AS, &old) == 0);
   rlimit lower = old;
   lower.rlim_cur = 1024 * GiB;  // far above this process's use; restored below
-  if (old.rlim_max == RLIM_INFINITY || old.rlim_max >= lower.rlim_cur) {
+#if defined(__SANITIZE_ADDRESS__)
+  // AddressSanitizer reserves tens of TiB of address space for its shadow
+  // memory: under a 1 TiB limit its own next mapping fails and it aborts.
+  WARN("RLIMIT_AS part skipped: AddressSanitizer build (the normal build runs it)");
+  const bool can_lower = false;
+#else
+  const bool can_lower = old.rlim_max == RLIM_INFINITY || old.rlim_max >= lower.rlim_cur;
+#endif
+  if (can_lower) {
     REQUIRE(setrlimit(RLIMIT_AS, &lower) == 0);
     const MemorySources s = memory_sources();
     setrlimit(RLIMIT_AS, &old);
