@@ -44,6 +44,21 @@ int64_t tokens_of(const RankBoard& b) {
   return it != b.end() ? to_ints(it->second).at(0) : b.at("x").shape[0];
 }
 
+/// Rows of `name` (T, D) -> the SP layout by the shard map (a tail pad row is
+/// zero): sp_shard's x and, backwards, sp_gather_bwd's grad_out.
+void fast_to_sp_layout(FastCtx& ctx, const std::string& name, int64_t T) {
+  const Case& c = ctx.c;
+  const Tensor& t = ctx.input(name);
+  const SpLayout l = sp_layout(T, c.batch, c.sp, c.sp_padding, ctx.exec.faults);
+  const std::vector<int64_t> map = sp_shard_map(l);
+  Tensor& out = ctx.output(name, t.type, {int64_t(map.size()), c.hidden});
+  apply_row_map(ctx.exec, c.dtype, t.data(), map.data(), int64_t(map.size()), c.hidden, out.data());
+}
+Tensor ref_to_sp_layout(const Case& c, const Tensor& t, int64_t T) {
+  const ref::SpShard sh = ref::sp_shard(T, c.batch, c.sp, ref_padding(c));
+  return from_floats(ref::sp_shard_rows(sh, to_floats(t), T, c.hidden), t.type, {int64_t(sh.position.size()), c.hidden});
+}
+
 }  // namespace
 
 namespace {
@@ -65,12 +80,9 @@ Stage sp_shard_stage() {
                {"sp_tokens", CompareClass::exact, Coords::flat, nullptr}};
   s.fast = [](FastCtx& ctx) {
     const Case& c = ctx.c;
-    const Tensor& x = ctx.input("x");
-    const int64_t T = x.shape[0];
+    const int64_t T = ctx.input("x").shape[0];
     const SpLayout l = sp_layout(T, c.batch, c.sp, c.sp_padding, ctx.exec.faults);
-    const std::vector<int64_t> map = sp_shard_map(l);
-    Tensor& xs = ctx.output("x", x.type, {int64_t(map.size()), c.hidden});
-    apply_row_map(ctx.exec, c.dtype, x.data(), map.data(), int64_t(map.size()), c.hidden, xs.data());
+    fast_to_sp_layout(ctx, "x", T);
     Tensor& rows = ctx.output("sp_rows", ElemType::i64, {int64_t(c.sp)});
     for (int64_t q = 0; q < c.sp; ++q) rows.as<int64_t>()[q] = l.rows(q);
     ctx.output("sp_tokens", ElemType::i64, {1}).as<int64_t>()[0] = T;
@@ -82,8 +94,7 @@ Stage sp_shard_stage() {
       const int64_t T = x.shape[0];
       const ref::SpShard sh = ref::sp_shard(T, c.batch, c.sp, ref_padding(c));
       RankBoard& out = r.out.ranks[q];
-      out["x"] = from_floats(ref::sp_shard_rows(sh, to_floats(x), T, c.hidden), x.type,
-                             {int64_t(sh.position.size()), c.hidden});
+      out["x"] = ref_to_sp_layout(c, x, T);
       out["sp_rows"] = from_ints(sh.rows_per_rank, ElemType::i64, {int64_t(c.sp)});
       out["sp_tokens"] = from_ints({T}, ElemType::i64, {1});
     }
@@ -203,23 +214,11 @@ Stage sp_gather_bwd_stage() {
   s.primary = [](const Case&) { return true; };
   s.inputs = fixed_inputs({"grad_out", "sp_tokens"});
   s.outputs = {{"grad_out", CompareClass::exact, Coords::token_col, promise_always}};
-  s.fast = [](FastCtx& ctx) {
-    const Case& c = ctx.c;
-    const Tensor& g = ctx.input("grad_out");
-    const SpLayout l = sp_layout(tokens_of(ctx.in), c.batch, c.sp, c.sp_padding, ctx.exec.faults);
-    const std::vector<int64_t> map = sp_shard_map(l);
-    Tensor& gs = ctx.output("grad_out", g.type, {int64_t(map.size()), c.hidden});
-    apply_row_map(ctx.exec, c.dtype, g.data(), map.data(), int64_t(map.size()), c.hidden, gs.data());
-  };
+  s.fast = [](FastCtx& ctx) { fast_to_sp_layout(ctx, "grad_out", tokens_of(ctx.in)); };
   s.ref = [](RefCtx& r) {
-    const Case& c = r.c;
     for (size_t q = 0; q < r.in.ranks.size(); ++q) {
       const RankBoard& in = r.in.ranks[q];
-      const Tensor& g = in.at("grad_out");
-      const int64_t T = tokens_of(in);
-      const ref::SpShard sh = ref::sp_shard(T, c.batch, c.sp, ref_padding(c));
-      r.out.ranks[q]["grad_out"] = from_floats(ref::sp_shard_rows(sh, to_floats(g), T, c.hidden), g.type,
-                                               {int64_t(sh.position.size()), c.hidden});
+      r.out.ranks[q]["grad_out"] = ref_to_sp_layout(r.c, in.at("grad_out"), tokens_of(in));
     }
   };
   s.backends = kHostAndDevice;
