@@ -14,8 +14,8 @@
 #   NAME.md#anchor (Markdown)    a heading of NAME.md with that GitHub anchor
 #   a bare §N inside docs/contract.md or docs/frameworks.md: its own heading
 # (the "docs/" prefix may be left out inside docs/). Outside docs/, any
-# citation of the spec that is not in the repository fails: CONTRACT,
-# FRAMEWORKS, DESIGN.md, STYLE.md / "STYLE n", TOOLCHAIN.md, ../shared.
+# citation of a spec document that is not in the repository fails (the
+# patterns are the OLD expression below): the project cites its own docs/.
 # Each problem is printed as FILE:LINE: what is wrong; exit 1 if any.
 #
 # Usage: doc_refs.sh SOURCE_DIR

@@ -204,16 +204,27 @@ Decision sp_backward_on(const Case& c) {
   return {};
 }
 
-/// sp_gather_bwd: grad_out (T, D) -> the SP layout.
-Stage sp_gather_bwd_stage() {
+/// An SP backward slot: one tensor moved between the token order and the SP
+/// layout (its fast and reference functions set by the caller).
+Stage sp_backward_stage(const char* slot, const char* variant, const char* summary, const char* tensor,
+                        Promise promised) {
   Stage s;
-  s.slot = "sp_gather_bwd";
-  s.variant = "shard_rows";
-  s.summary = "grad_out (T, D) -> the SP layout by the shard map, tail pad rows zero (the gather's adjoint)";
+  s.slot = slot;
+  s.variant = variant;
+  s.summary = summary;
   s.applies = sp_backward_on;
   s.primary = [](const Case&) { return true; };
-  s.inputs = fixed_inputs({"grad_out", "sp_tokens"});
-  s.outputs = {{"grad_out", CompareClass::exact, Coords::token_col, promise_always}};
+  s.inputs = fixed_inputs({tensor, "sp_tokens"});
+  s.outputs = {{tensor, CompareClass::exact, Coords::token_col, std::move(promised)}};
+  s.backends = kHostAndDevice;
+  return s;
+}
+
+/// sp_gather_bwd: grad_out (T, D) -> the SP layout.
+Stage sp_gather_bwd_stage() {
+  Stage s = sp_backward_stage("sp_gather_bwd", "shard_rows",
+                              "grad_out (T, D) -> the SP layout by the shard map, tail pad rows zero (the gather's adjoint)",
+                              "grad_out", promise_always);
   s.fast = [](FastCtx& ctx) { fast_to_sp_layout(ctx, "grad_out", tokens_of(ctx.in)); };
   s.ref = [](RefCtx& r) {
     for (size_t q = 0; q < r.in.ranks.size(); ++q) {
@@ -221,20 +232,15 @@ Stage sp_gather_bwd_stage() {
       r.out.ranks[q]["grad_out"] = ref_to_sp_layout(r.c, in.at("grad_out"), tokens_of(in));
     }
   };
-  s.backends = kHostAndDevice;
   return s;
 }
 
 /// sp_shard_bwd: grad_x in the SP layout -> (T, D).
 Stage sp_shard_bwd_stage() {
-  Stage s;
-  s.slot = "sp_shard_bwd";
-  s.variant = "gather_rows";
-  s.summary = "grad_x from the SP layout -> (T, D) by the gather map, pad rows' gradients dropped (the shard's adjoint)";
-  s.applies = sp_backward_on;
-  s.primary = [](const Case&) { return true; };
-  s.inputs = fixed_inputs({"grad_x", "sp_tokens"});
-  s.outputs = {{"grad_x", CompareClass::exact, Coords::token_col, nullptr}};
+  Stage s = sp_backward_stage("sp_shard_bwd", "gather_rows",
+                              "grad_x from the SP layout -> (T, D) by the gather map, pad rows' gradients dropped (the "
+                              "shard's adjoint)",
+                              "grad_x", nullptr);
   s.fast = [](FastCtx& ctx) {
     const Case& c = ctx.c;
     const Tensor& g = ctx.input("grad_x");
@@ -264,7 +270,6 @@ Stage sp_shard_bwd_stage() {
       }
     }
   };
-  s.backends = kHostAndDevice;
   return s;
 }
 
