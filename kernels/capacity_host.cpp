@@ -44,10 +44,10 @@ void capacity_select(const ExecCtx& ctx, CapacityPolicy policy, const int64_t* c
   errors.rethrow();
 }
 
-void capacity_apply(const ExecCtx& ctx, const int64_t* counts, int E, int64_t cap, bool pad, const uint8_t* keep,
-                    const int64_t* kept, DType dt, const void* rows, int64_t D, const int32_t* token_sorted,
-                    const float* score_sorted, const int32_t* row_of, int64_t assignments, int K, void* rows_out,
-                    int32_t* token_out, float* score_out, int32_t* row_of_out, int64_t* out_counts) {
+std::vector<int64_t> capacity_plan(const ExecCtx& ctx, const int64_t* counts, int E, int64_t cap, bool pad,
+                                   const uint8_t* keep, const int64_t* kept, const int32_t* token_sorted,
+                                   const float* score_sorted, const int32_t* row_of, int64_t assignments, int K,
+                                   int32_t* token_out, float* score_out, int32_t* row_of_out, int64_t* out_counts) {
   std::vector<int64_t> in_start(size_t(E) + 1, 0), out_start(size_t(E) + 1, 0);
   for (int e = 0; e < E; ++e) {
     in_start[size_t(e) + 1] = in_start[size_t(e)] + counts[e];
@@ -99,8 +99,31 @@ void capacity_apply(const ExecCtx& ctx, const int64_t* counts, int E, int64_t ca
   } else {
     for (int e = 0; e < E; ++e) group(e);
   }
-  apply_row_map(ctx, dt, rows, src.data(), M, D, rows_out);
   for (int64_t a = 0; a < assignments; ++a) row_of_out[a] = row_of[a] >= 0 ? new_row[size_t(row_of[a])] : -1;
+  return src;
+}
+
+std::vector<int64_t> capacity_scale_map(const std::vector<int64_t>& src, int64_t dispatch_rows, const FaultSet& faults) {
+  std::vector<int64_t> map = src;
+  if (faults.has(Fault::fp8_capacity_scales_unmoved)) {
+    // Planted: the scale rows stay in dispatch order (output row o takes
+    // dispatch row o's scales) while the e4m3 rows are compacted.
+    for (size_t o = 0; o < map.size(); ++o) map[o] = int64_t(o) < dispatch_rows ? int64_t(o) : -1;
+  } else if (faults.has(Fault::fp8_capacity_filler_scale)) {
+    // Planted: a filler row's scales are not zeroed: it repeats the scale
+    // row written above it (a stale scale from the row before).
+    for (size_t o = 1; o < map.size(); ++o)
+      if (map[o] < 0) map[o] = map[o - 1];
+  }
+  return map;
+}
+
+void capacity_apply_fp8(const ExecCtx& ctx, const std::vector<int64_t>& src, int64_t dispatch_rows, const void* q,
+                        const float* scale, int64_t D, int64_t nb, void* q_out, float* scale_out) {
+  const int64_t M = int64_t(src.size());
+  apply_row_map_e4m3(ctx, q, src.data(), M, D, q_out);
+  const std::vector<int64_t> smap = capacity_scale_map(src, dispatch_rows, ctx.faults);
+  apply_row_map(ctx, DType::fp32, scale, smap.data(), M, nb, scale_out);
 }
 
 }  // namespace moev

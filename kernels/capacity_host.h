@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "dtype.h"
 #include "faults.h"
@@ -28,15 +29,31 @@ int64_t capacity_of(int64_t T, int K, int E, double factor);
 void capacity_select(const ExecCtx& ctx, CapacityPolicy policy, const int64_t* counts, int E, int64_t cap,
                      const int32_t* token_sorted, const float* score_sorted, uint8_t* keep, int64_t* kept);
 
-/// Writes the capacity-limited dispatch: per expert its kept rows in their
-/// order, then (pad) zero filler rows up to cap. out_counts[e] = kept[e], or
-/// cap with pad. row_of_out maps each assignment (T*K of them, K per token)
-/// to its new row or -1. Rows are D elements of dt; they move with
-/// apply_row_map, so on the mirror's device (ExecCtx::mirror) while the
-/// selection and the metadata are computed on the host.
-void capacity_apply(const ExecCtx& ctx, const int64_t* counts, int E, int64_t cap, bool pad, const uint8_t* keep,
-                    const int64_t* kept, DType dt, const void* rows, int64_t D, const int32_t* token_sorted,
-                    const float* score_sorted, const int32_t* row_of, int64_t assignments, int K, void* rows_out,
-                    int32_t* token_out, float* score_out, int32_t* row_of_out, int64_t* out_counts);
+/// Lays out the capacity-limited dispatch: per expert its kept rows in their
+/// order, then (pad) filler rows up to cap. Writes the metadata:
+/// out_counts[e] = kept[e], or cap with pad; token_out / score_out per output
+/// row (a filler: token -1, score 0); row_of_out maps each assignment (T*K of
+/// them, K per token) to its new row or -1. Returns the row map: output row o
+/// is dispatch row src[o], or a zero filler row where src[o] = -1. The map
+/// and the metadata are computed on the host; the rows then move with
+/// apply_row_map (so on the mirror's device, ExecCtx::mirror).
+std::vector<int64_t> capacity_plan(const ExecCtx& ctx, const int64_t* counts, int E, int64_t cap, bool pad,
+                                   const uint8_t* keep, const int64_t* kept, const int32_t* token_sorted,
+                                   const float* score_sorted, const int32_t* row_of, int64_t assignments, int K,
+                                   int32_t* token_out, float* score_out, int32_t* row_of_out, int64_t* out_counts);
+
+/// The map of the block-scale rows under FP8 dispatch (docs/contract.md §11,
+/// §16): the rows' own map `src`, so a kept row's scales move with it, a
+/// dropped row's leave with it and a filler row's are zero (scale 0). The
+/// planted faults fp8_capacity_scales_unmoved (the scales stay in dispatch
+/// order, dispatch_rows of them) and fp8_capacity_filler_scale (a filler row
+/// repeats the scales above it) act here.
+std::vector<int64_t> capacity_scale_map(const std::vector<int64_t>& src, int64_t dispatch_rows, const FaultSet& faults);
+
+/// The FP8 row move of the capacity stage: the e4m3 rows q (D bytes
+/// each) by `src` (capacity_plan; a filler is an e4m3 zero row) and their
+/// fp32 scale rows (nb each) by capacity_scale_map.
+void capacity_apply_fp8(const ExecCtx& ctx, const std::vector<int64_t>& src, int64_t dispatch_rows, const void* q,
+                        const float* scale, int64_t D, int64_t nb, void* q_out, float* scale_out);
 
 }  // namespace moev

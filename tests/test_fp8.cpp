@@ -4,16 +4,21 @@
 // even mantissa), over ties, subnormals, the 448 saturation and NaN, and
 // random fp32 patterns; the block quantisation and dequantisation of the fast
 // path against the reference in every convention; the planted faults of the
-// quantiser seen failing in the stage they live in.
+// quantiser seen failing in the stage they live in; capacity dropping of the
+// e4m3 rows and their scales (docs/contract.md §16 "With capacity") against
+// the reference, and its planted faults.
 #include <catch2/catch.hpp>
 #include <rapidcheck/catch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <random>
+#include <tuple>
 #include <vector>
 
+#include "../kernels/capacity_host.h"
 #include "../kernels/fp8_host.h"
 #include "../reference/fp8.h"
 #include "case.h"
@@ -265,4 +270,158 @@ TEST_CASE("FP8 cases: each quantiser fault fails at fp8_quant, the unmoved scale
   CHECK(has(failed(ue, Fault::fp8_scale_inverse), "fp8_quant/block_scales/x_scale"));
   const Case ep = case_named("fp8.yaml", "fp8_ep2[dispatch.scale=fp32,experts.kind=identity]");
   CHECK(has(failed(ep, Fault::fp8_scales_unmoved), "ep_permute/generic_fp8/permuted_scale@0"));
+}
+
+namespace {
+
+/// A rank's FP8 dispatch for the capacity stage: T tokens with K distinct
+/// experts of E each, expert-major rows (ascending token inside an expert),
+/// every e4m3 row and every scale row distinct.
+struct Fp8Dispatch {
+  int64_t T = 12, D = 8, nb = 2;
+  int K = 2, E = 4;
+  std::vector<int32_t> token_sorted, row_of;
+  std::vector<float> score_sorted, scale;
+  std::vector<int64_t> counts;
+  std::vector<uint8_t> q;
+};
+
+Fp8Dispatch fp8_dispatch(uint32_t seed) {
+  Fp8Dispatch d;
+  std::mt19937 g(seed);
+  std::vector<std::vector<int32_t>> ids(static_cast<size_t>(d.T));
+  for (auto& t : ids) {
+    std::vector<int32_t> e = {0, 1, 2, 3};
+    std::shuffle(e.begin(), e.end(), g);
+    t.assign(e.begin(), e.begin() + d.K);
+  }
+  d.row_of.assign(size_t(d.T * d.K), -1);
+  for (int32_t e = 0; e < d.E; ++e) {
+    int64_t n = 0;
+    for (int32_t t = 0; t < d.T; ++t)
+      for (int k = 0; k < d.K; ++k)
+        if (ids[size_t(t)][size_t(k)] == e) {
+          d.row_of[size_t(t * d.K + k)] = int32_t(d.token_sorted.size());
+          d.token_sorted.push_back(t);
+          d.score_sorted.push_back(float(g() % 7) / 8.f);  // ties among the scores
+          ++n;
+        }
+    d.counts.push_back(n);
+  }
+  const size_t N = d.token_sorted.size();
+  for (size_t i = 0; i < N * size_t(d.D); ++i) d.q.push_back(uint8_t(1 + (i * 37) % 120));
+  for (size_t i = 0; i < N * size_t(d.nb); ++i) d.scale.push_back(std::ldexp(1.f + float(i % 5) / 8, int(i % 13) - 6));
+  return d;
+}
+
+struct CapacityOut {
+  std::vector<uint8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> token;
+};
+
+CapacityOut fast_capacity(const Fp8Dispatch& d, int64_t cap, bool probs, bool pad, FaultSet f = {}) {
+  const ExecCtx ex{1, f};
+  const int64_t N = int64_t(d.token_sorted.size());
+  std::vector<uint8_t> keep(static_cast<size_t>(N));
+  std::vector<int64_t> kept(static_cast<size_t>(d.E)), out_counts(static_cast<size_t>(d.E));
+  capacity_select(ex, probs ? CapacityPolicy::probs : CapacityPolicy::position, d.counts.data(), d.E, cap,
+                  d.token_sorted.data(), d.score_sorted.data(), keep.data(), kept.data());
+  int64_t M = 0;
+  for (int64_t k : kept) M += pad ? cap : k;
+  CapacityOut o;
+  o.token.resize(size_t(M));
+  std::vector<float> score(static_cast<size_t>(M));
+  std::vector<int32_t> row_of(d.row_of.size());
+  const std::vector<int64_t> src =
+      capacity_plan(ex, d.counts.data(), d.E, cap, pad, keep.data(), kept.data(), d.token_sorted.data(),
+                    d.score_sorted.data(), d.row_of.data(), int64_t(d.row_of.size()), d.K, o.token.data(), score.data(),
+                    row_of.data(), out_counts.data());
+  o.q.assign(size_t(M * d.D), 0xFF);  // poisoned
+  o.scale.assign(size_t(M * d.nb), std::numeric_limits<float>::quiet_NaN());
+  capacity_apply_fp8(ex, src, N, d.q.data(), d.scale.data(), d.D, d.nb, o.q.data(), o.scale.data());
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("FP8 capacity: the e4m3 rows and their scales kept, dropped and padded together, as the reference",
+          "[cpu][fp8][capacity]") {
+  for (uint32_t seed : {1u, 2u, 3u})
+    for (bool probs : {true, false})
+      for (bool pad : {false, true})
+        for (int64_t cap : {0, 1, 3, 5, 12}) {
+          const Fp8Dispatch d = fp8_dispatch(seed);
+          const int64_t N = int64_t(d.token_sorted.size());
+          INFO("seed " << seed << ", probs " << probs << ", pad " << pad << ", cap " << cap);
+          const CapacityOut f = fast_capacity(d, cap, probs, pad);
+          const ref::CapacityDispatch rq = ref::capacity_dispatch(
+              {d.q.data(), N, size_t(d.D)}, d.token_sorted, d.score_sorted, d.row_of, d.counts, cap, probs, pad, nullptr);
+          const ref::CapacityDispatch rs =
+              ref::capacity_dispatch({reinterpret_cast<const uint8_t*>(d.scale.data()), N, size_t(d.nb) * 4},
+                                     d.token_sorted, d.score_sorted, d.row_of, d.counts, cap, probs, pad, nullptr);
+          REQUIRE(f.q.size() == rq.rows.size());
+          CHECK(f.q == rq.rows);
+          REQUIRE(f.scale.size() * 4 == rs.rows.size());
+          CHECK(std::memcmp(f.scale.data(), rs.rows.data(), rs.rows.size()) == 0);
+          CHECK(std::vector<int32_t>(rq.token_sorted.begin(), rq.token_sorted.end()) == f.token);
+          // every filler row: e4m3 zero bytes and scale +0, so it dequantises to zeros
+          for (size_t o = 0; o < f.token.size(); ++o) {
+            if (f.token[o] >= 0) continue;
+            for (int64_t j = 0; j < d.D; ++j) CHECK(int(f.q[o * size_t(d.D) + size_t(j)]) == 0);
+            for (int64_t b = 0; b < d.nb; ++b) {
+              const float sv = f.scale[o * size_t(d.nb) + size_t(b)];
+              CHECK((sv == 0.f && !std::signbit(sv)));
+            }
+          }
+        }
+}
+
+TEST_CASE("FP8 capacity faults: the e4m3 rows stay right, the scales differ from the reference", "[cpu][fp8][fault]") {
+  const Fp8Dispatch d = fp8_dispatch(4);
+  const int64_t N = int64_t(d.token_sorted.size());
+  // cap 3 drops rows of every expert that has more (unmoved scales shift);
+  // cap 9 with pad gives every expert filler rows after its kept rows.
+  for (const auto& [cap, pad, fault] : {std::tuple<int64_t, bool, Fault>{3, false, Fault::fp8_capacity_scales_unmoved},
+                                        {9, true, Fault::fp8_capacity_scales_unmoved},
+                                        {9, true, Fault::fp8_capacity_filler_scale}}) {
+    INFO("cap " << cap << ", pad " << pad << ", fault bit " << uint64_t(fault));
+    const CapacityOut clean = fast_capacity(d, cap, true, pad), bad = fast_capacity(d, cap, true, pad, FaultSet{uint64_t(fault)});
+    const ref::CapacityDispatch rs =
+        ref::capacity_dispatch({reinterpret_cast<const uint8_t*>(d.scale.data()), N, size_t(d.nb) * 4}, d.token_sorted,
+                               d.score_sorted, d.row_of, d.counts, cap, true, pad, nullptr);
+    CHECK(bad.q == clean.q);
+    CHECK(std::memcmp(clean.scale.data(), rs.rows.data(), rs.rows.size()) == 0);
+    CHECK(std::memcmp(bad.scale.data(), rs.rows.data(), rs.rows.size()) != 0);
+  }
+}
+
+TEST_CASE("FP8 capacity cases: the unmoved and the stale filler scales fail at capacity", "[cpu][fp8][fault][capacity]") {
+  auto failed = [](const Case& c, Fault f) {
+    RunOptions o;
+    o.threads = 2;
+    REQUIRE(run_case(c, o).outcome == Outcome::PASSED);
+    o.faults.bits = uint64_t(f);
+    const CaseReport r = run_case(c, o);
+    CHECK(r.outcome == Outcome::INCORRECT);
+    std::vector<std::string> v;
+    for (const auto& ch : r.checks)
+      if (ch.outcome != Outcome::PASSED) v.push_back(ch.slot + "/" + ch.variant + "/" + ch.tensor);
+    return v;
+  };
+  auto has = [](const std::vector<std::string>& v, const std::string& s) {
+    return std::find(v.begin(), v.end(), s) != v.end();
+  };
+  const Case drop =
+      case_named("fp8.yaml", "fp8_capacity[capacity.policy=probs,capacity.pad_to_capacity=off,dispatch.scale=fp32]");
+  const std::vector<std::string> v = failed(drop, Fault::fp8_capacity_scales_unmoved);
+  CHECK(has(v, "capacity/drop_per_expert_fp8/routed_input_scale"));
+  CHECK(!has(v, "capacity/drop_per_expert_fp8/routed_input_q"));
+  const Case ep4 = case_named("fp8.yaml",
+                              "fp8_capacity_ep4[capacity.policy=position,capacity.pad_to_capacity=on,dispatch.scale=ue8m0]");
+  CHECK(any_starts(failed(ep4, Fault::fp8_capacity_scales_unmoved), "capacity/drop_per_expert_fp8/routed_input_scale"));
+  const Case pad = case_named("fp8.yaml", "fp8_capacity_no_drop[ep=1,dispatch.scale=fp32]");
+  const std::vector<std::string> w = failed(pad, Fault::fp8_capacity_filler_scale);
+  CHECK(has(w, "capacity/drop_per_expert_fp8/routed_input_scale"));
+  CHECK(!has(w, "capacity/drop_per_expert_fp8/routed_input_q"));
 }

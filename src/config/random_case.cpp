@@ -90,7 +90,7 @@ bool draw_ep_tolerance_conventions(Draw& d, std::ostream& y) {
 
 /// Backward, layer entries and capacity from a stream of their own (seeded
 /// by seed and index), so the other keys draw as before they existed.
-/// Returns whether backward or capacity was drawn.
+/// Returns whether backward was drawn.
 bool draw_backward_layers_capacity(uint64_t seed, uint64_t index, std::ostream& y, int sp, const std::string& buffer,
                                    bool force_lb, bool backward_contract) {
   // backward (docs/contract.md §13) from a stream of its own, so the other keys draw
@@ -108,12 +108,13 @@ bool draw_backward_layers_capacity(uint64_t seed, uint64_t index, std::ostream& 
     y << ", capacity: {factor: " << db.pick<const char*>({"0.25", "0.5", "1", "1.25", "4"})
       << ", policy: " << db.pick<const char*>({"probs", "position"})
       << ", pad_to_capacity: " << db.pick<const char*>({"off", "on"}) << "}";
-  return backward || capacity;
+  return backward;
 }
 
 /// FP8 dispatch (docs/contract.md §16) from a stream of its own, so the other
 /// keys draw as before it existed: in about 25% of the cases it supports
-/// (sp = 1, no score before the experts, no backward, no capacity), with a
+/// (sp = 1, no score before the experts, no backward; with or without
+/// capacity, docs/contract.md §16 "With capacity"), with a
 /// block that divides D, either scale and either quotient (amax_ratio with
 /// fp32 scales only).
 void draw_fp8(uint64_t seed, uint64_t index, std::ostream& y, int64_t D, bool supported) {
@@ -184,8 +185,8 @@ std::string random_case_yaml(uint64_t seed, uint64_t index) {
   bool score_before = false;
   const std::string buffer = draw_experts_combine(d, y, per_rank, D, sp, score_before);
   const bool backward_contract = draw_ep_tolerance_conventions(d, y);
-  const bool bwd_or_capacity = draw_backward_layers_capacity(seed, index, y, sp, buffer, force_lb, backward_contract);
-  draw_fp8(seed, index, y, D, sp == 1 && !score_before && !bwd_or_capacity);
+  const bool backward = draw_backward_layers_capacity(seed, index, y, sp, buffer, force_lb, backward_contract);
+  draw_fp8(seed, index, y, D, sp == 1 && !score_before && !backward);
   y << "}";
   return y.str();
 }

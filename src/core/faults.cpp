@@ -65,6 +65,10 @@ const std::vector<FaultInfo>& fault_table() {
        "EP permute moves the e4m3 rows to expert-major order but leaves their block scales rank-major (docs/contract.md §16)"},
       {Fault::fp8_scale_inverse, "fp8_scale_inverse",
        "FP8 quantiser stores the quotient multiplier 448/amax as the scale, not s = amax/448 (TE's scale for its scale_inv)"},
+      {Fault::fp8_capacity_scales_unmoved, "fp8_capacity_scales_unmoved",
+       "capacity dropping keeps the right e4m3 rows but leaves their block scales in dispatch order (docs/contract.md §11, §16)"},
+      {Fault::fp8_capacity_filler_scale, "fp8_capacity_filler_scale",
+       "a pad_to_capacity filler row gets the stale block scales of the row above it instead of scale 0 (docs/contract.md §16)"},
       {Fault::swiglu_bwd_silu_grad, "swiglu_bwd_silu_grad",
        "the SwiGLU backward takes silu'(h1) as sigmoid(h1), dropping the h1 sigmoid(h1) (1 - sigmoid(h1)) term (docs/frameworks.md §13)"},
   };

@@ -761,6 +761,11 @@ class Pipeline {
         if (why.empty()) continue;
         next.ranks[size_t(r)] = primary_out.ranks[size_t(r)];
         rep_.notes.push_back(slot + (R_ > 1 ? " (rank " + std::to_string(r) + ")" : "") + ": " + why);
+        if (slot == "capacity" && c_.fp8()) {  // the act chain of fp8_against_act keeps the same rows
+          capacity_kept_.ranks.resize(size_t(R_));
+          for (const char* n : {"token_sorted", "counts"})
+            capacity_kept_.ranks[size_t(r)][n] = primary_out.ranks[size_t(r)].at(n);
+        }
       }
     for (int r = 0; r < R_; ++r)
       for (auto& [n, t] : next.ranks[size_t(r)]) chain_.ranks[size_t(r)][n] = Streaming::share_equal(fast_.ranks[size_t(r)], n, t);
@@ -823,6 +828,13 @@ class Pipeline {
       next.ranks.resize(size_t(R_));
       RefCtx rc{ca, act, next, -1, opt_.threads};
       pick->ref(rc);
+      // Where the FP8 chain took the fast path's kept rows (a near-tie at an
+      // expert's capacity), the act chain keeps the same assignments.
+      for (size_t r = 0; slot == "capacity" && r < capacity_kept_.ranks.size(); ++r)
+        if (!capacity_kept_.ranks[r].empty()) {
+          next.ranks[r].clear();
+          capacity_with_kept(ca, act.ranks[r], capacity_kept_.ranks[r], next.ranks[r]);
+        }
       for (int r = 0; r < R_; ++r)
         for (auto& [n, t] : next.ranks[size_t(r)]) act.ranks[size_t(r)][n] = t;
       if (slot == magnitude_slot(ca))
@@ -881,6 +893,7 @@ class Pipeline {
   int R_ = 1;
   Board chain_;         // the reference chain
   Board act_start_;     // FP8 dispatch: the chain before fp8_first_slot(), where the act chain starts
+  Board capacity_kept_;  // FP8 dispatch: per rank, the fast kept rows (token_sorted, counts) where the chain adopted them
   Dumper dump_;
 };
 

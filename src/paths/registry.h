@@ -46,6 +46,12 @@ Tensor fp8_rows_dequantised(const Case& c, const RankBoard& b, const std::string
 /// the reference from the act chain's board after its dispatch (x, routed
 /// rows, counts, scores, weights), docs/contract.md §16 "End to end".
 Tensor fp8_error_bound(const Case& c, const RankBoard& act_chain);
+/// Capacity (docs/contract.md §11) on one rank's dispatch `in`, keeping the
+/// assignments that `kept` (a capacity stage's token_sorted and counts) kept
+/// rather than deciding anew: the act chain of an FP8 case follows the FP8
+/// chain where that chain took the fast path's kept rows at a near-tie
+/// (docs/contract.md §16 "With capacity"). Writes the stage's outputs to `out`.
+void capacity_with_kept(const Case& c, const RankBoard& in, const RankBoard& kept, RankBoard& out);
 
 /// Tensors the pipeline hands to the checks after it (end to end, EP and SP
 /// invariance): the streaming runner never drops them.

@@ -171,8 +171,11 @@ Tensor fp8_error_bound(const Case& c, const RankBoard& b) {
   const ref::Vec ex = ref::fp8_input_error(ref_fp8_spec(c), to_floats(x), T, D);
   const ref::Ids tok = ref_ids(b.at("token_sorted"));
   ref::Vec er(tok.size() * size_t(D));
+  // A capacity filler row (token -1, docs/contract.md §11) is a zero row in
+  // both chains: no error (er starts at zero).
   for (size_t i = 0; i < tok.size(); ++i)
-    std::memcpy(er.data() + i * size_t(D), ex.data() + size_t(tok[i]) * size_t(D), size_t(D) * sizeof(float));
+    if (tok[i] >= 0)
+      std::memcpy(er.data() + i * size_t(D), ex.data() + size_t(tok[i]) * size_t(D), size_t(D) * sizeof(float));
   const bool swiglu = c.experts.kind == ExpertKind::swiglu;
   const ref::Vec dy = ref::fp8_expert_error(swiglu, to_floats(b.at("routed_input")), er, ref_counts(b.at("counts")), D,
                                             c.ffn, swiglu ? to_floats(b.at("w1")) : ref::Vec{},
