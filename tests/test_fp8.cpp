@@ -23,7 +23,9 @@
 #include "../reference/fp8.h"
 #include "case.h"
 #include "dtype.h"
+#include "random_case.h"
 #include "runner.h"
+#include "stages.h"
 #include "test_util.h"
 
 using namespace moev;
@@ -424,4 +426,57 @@ TEST_CASE("FP8 capacity cases: the unmoved and the stale filler scales fail at c
   const std::vector<std::string> w = failed(pad, Fault::fp8_capacity_filler_scale);
   CHECK(has(w, "capacity/drop_per_expert_fp8/routed_input_scale"));
   CHECK(!has(w, "capacity/drop_per_expert_fp8/routed_input_q"));
+}
+
+TEST_CASE("FP8 capacity: the act chain keeps the assignments the FP8 chain adopted (capacity_with_kept)",
+          "[cpu][fp8][capacity]") {
+  // Where the FP8 chain took the fast kept rows at a near-tie, the act
+  // chain of end_to_end/fp8_vs_act lays out the same assignments. Here the
+  // "adopted" rows are another policy's choice (position), so the two
+  // decisions really differ; capacity_with_kept must reproduce it under probs.
+  const Fp8Dispatch d = fp8_dispatch(5);
+  const int64_t N = int64_t(d.token_sorted.size());
+  std::vector<float> rows(static_cast<size_t>(N * d.D));
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = float(d.q[i]);
+  RankBoard in;
+  in["routed_input"] = from_floats(rows, ElemType::f32, {N, d.D});
+  in["score_sorted"] = from_floats(d.score_sorted, ElemType::f32, {N});
+  in["token_sorted"] = from_ints(std::vector<int64_t>(d.token_sorted.begin(), d.token_sorted.end()), ElemType::i32, {N});
+  in["row_of"] = from_ints(std::vector<int64_t>(d.row_of.begin(), d.row_of.end()), ElemType::i32, {d.T, d.K});
+  in["counts"] = from_ints(d.counts, ElemType::i64, {d.E});
+  for (Switch pad : {Switch::off, Switch::on}) {
+    Case probs;
+    probs.num_experts = d.E;
+    probs.top_k = d.K;
+    probs.hidden = d.D;
+    probs.dtype = DType::fp32;
+    probs.capacity.factor = 0.5;  // cap = ceil(12 * 2 / 4 * 0.5) = 3
+    probs.capacity.policy = CapacityPolicy::probs;
+    probs.capacity.pad_to_capacity = pad;
+    Case position = probs;
+    position.capacity.policy = CapacityPolicy::position;
+    RankBoard kept, own, adopted;
+    capacity_reference(position, in, kept);
+    capacity_reference(probs, in, own);
+    REQUIRE(to_ints(own.at("token_sorted")) != to_ints(kept.at("token_sorted")));
+    capacity_with_kept(probs, in, kept, adopted);
+    for (const char* n : {"routed_input", "token_sorted", "score_sorted", "row_of", "counts"}) {
+      INFO(n);
+      CHECK(adopted.at(n).bytes() == kept.at(n).bytes());
+      CHECK(std::memcmp(adopted.at(n).data(), kept.at(n).data(), kept.at(n).bytes()) == 0);
+    }
+  }
+}
+
+TEST_CASE("the fuzzer draws FP8 dispatch with capacity, EP > 1 among them", "[cpu][fp8][capacity]") {
+  int both = 0, both_ep = 0;
+  for (uint64_t i = 0; i < 600; ++i) {
+    const std::string y = random_case_yaml(1, i);
+    if (y.find("fp8_e4m3") == std::string::npos || y.find("capacity:") == std::string::npos) continue;
+    ++both;
+    both_ep += y.find(", ep: 1,") == std::string::npos;
+  }
+  INFO(both << " draws with FP8 and capacity, " << both_ep << " of them with ep > 1");
+  CHECK(both >= 10);
+  CHECK(both_ep >= 3);
 }

@@ -97,8 +97,8 @@ std::string layout_of(const std::string& name) {
       // FP8 dispatch (docs/contract.md §16): e4m3fn bytes stored as uint8, fp32 block scales, B = dispatch.block
       {"x_q", "(T, D) e4m3fn bytes of x, quantised per token in blocks of B channels (docs/contract.md §16)"},
       {"x_scale", "(T, D/B) fp32 scale s of each token's block; x ~ float(q) * s"},
-      {"routed_input_q", "(N, D) e4m3fn bytes of routed_input's rows, same order (docs/contract.md §2, §16)"},
-      {"routed_input_scale", "(N, D/B) fp32 block scales of routed_input_q's rows"},
+      {"routed_input_q", "(N, D) e4m3fn bytes of routed_input's rows, same order (docs/contract.md §2, §16); after capacity the kept rows, filler rows zero bytes (§11)"},
+      {"routed_input_scale", "(N, D/B) fp32 block scales of routed_input_q's rows; 0 on capacity filler rows"},
       {"recv_q", "(M, D) e4m3fn rows received: source rank, local expert, source order (docs/contract.md §3, §16)"},
       {"recv_scale", "(M, D/B) fp32 block scales of recv_q's rows"},
       {"permuted_q", "(M, D) e4m3fn rows expert-major: local expert, then source rank (docs/contract.md §3, §16)"},

@@ -90,9 +90,9 @@ bool draw_ep_tolerance_conventions(Draw& d, std::ostream& y) {
 
 /// Backward, layer entries and capacity from a stream of their own (seeded
 /// by seed and index), so the other keys draw as before they existed.
-/// Returns whether backward was drawn.
+/// Returns whether backward was drawn; `capacity` says whether capacity was.
 bool draw_backward_layers_capacity(uint64_t seed, uint64_t index, std::ostream& y, int sp, const std::string& buffer,
-                                   bool force_lb, bool backward_contract) {
+                                   bool force_lb, bool backward_contract, bool& capacity) {
   // backward (docs/contract.md §13) from a stream of its own, so the other keys draw
   // as before: on in about 30% of the cases it supports (a fresh buffer,
   // conventions with a backward contract).
@@ -103,7 +103,7 @@ bool draw_backward_layers_capacity(uint64_t seed, uint64_t index, std::ostream& 
   // in about 10% of the cases.
   if (db.chance(0.1)) y << ", layers: " << db.in(2, 3);
   // capacity (docs/contract.md §11) in about 20% of the cases it supports.
-  const bool capacity = db.chance(0.2) && sp == 1 && !force_lb;
+  capacity = db.chance(0.2) && sp == 1 && !force_lb;
   if (capacity)
     y << ", capacity: {factor: " << db.pick<const char*>({"0.25", "0.5", "1", "1.25", "4"})
       << ", policy: " << db.pick<const char*>({"probs", "position"})
@@ -113,13 +113,13 @@ bool draw_backward_layers_capacity(uint64_t seed, uint64_t index, std::ostream& 
 
 /// FP8 dispatch (docs/contract.md §16) from a stream of its own, so the other
 /// keys draw as before it existed: in about 25% of the cases it supports
-/// (sp = 1, no score before the experts, no backward; with or without
-/// capacity, docs/contract.md §16 "With capacity"), with a
+/// (sp = 1, no score before the experts, no backward), and in half of those
+/// with capacity (docs/contract.md §16 "With capacity"), with a
 /// block that divides D, either scale and either quotient (amax_ratio with
 /// fp32 scales only).
-void draw_fp8(uint64_t seed, uint64_t index, std::ostream& y, int64_t D, bool supported) {
+void draw_fp8(uint64_t seed, uint64_t index, std::ostream& y, int64_t D, bool supported, bool capacity) {
   Draw df{std::mt19937_64((seed ^ 0x465038ull) * 0x9E3779B97F4A7C15ull + index)};
-  if (!df.chance(0.25) || !supported) return;
+  if (!df.chance(capacity ? 0.5 : 0.25) || !supported) return;
   std::vector<int> blocks;
   for (int b : divisors(int(D)))
     if (b <= 128) blocks.push_back(b);
@@ -185,8 +185,9 @@ std::string random_case_yaml(uint64_t seed, uint64_t index) {
   bool score_before = false;
   const std::string buffer = draw_experts_combine(d, y, per_rank, D, sp, score_before);
   const bool backward_contract = draw_ep_tolerance_conventions(d, y);
-  const bool backward = draw_backward_layers_capacity(seed, index, y, sp, buffer, force_lb, backward_contract);
-  draw_fp8(seed, index, y, D, sp == 1 && !score_before && !backward);
+  bool capacity = false;
+  const bool backward = draw_backward_layers_capacity(seed, index, y, sp, buffer, force_lb, backward_contract, capacity);
+  draw_fp8(seed, index, y, D, sp == 1 && !score_before && !backward, capacity);
   y << "}";
   return y.str();
 }
