@@ -468,15 +468,48 @@ TEST_CASE("FP8 capacity: the act chain keeps the assignments the FP8 chain adopt
   }
 }
 
-TEST_CASE("the fuzzer draws FP8 dispatch with capacity, EP > 1 among them", "[cpu][fp8][capacity]") {
-  int both = 0, both_ep = 0;
+TEST_CASE("the fuzzer draws FP8 dispatch with capacity (EP > 1 among them) and with SP", "[cpu][fp8][capacity]") {
+  int both = 0, both_ep = 0, with_sp = 0;
   for (uint64_t i = 0; i < 600; ++i) {
     const std::string y = random_case_yaml(1, i);
-    if (y.find("fp8_e4m3") == std::string::npos || y.find("capacity:") == std::string::npos) continue;
+    if (y.find("fp8_e4m3") == std::string::npos) continue;
+    with_sp += y.find(", sp: ") != std::string::npos;
+    if (y.find("capacity:") == std::string::npos) continue;
     ++both;
     both_ep += y.find(", ep: 1,") == std::string::npos;
   }
-  INFO(both << " draws with FP8 and capacity, " << both_ep << " of them with ep > 1");
+  INFO(both << " draws with FP8 and capacity, " << both_ep << " of them with ep > 1; " << with_sp << " with FP8 and SP");
   CHECK(both >= 10);
   CHECK(both_ep >= 3);
+  CHECK(with_sp >= 10);
+}
+
+TEST_CASE("FP8 with SP: the gathered output equals the sp = 1 FP8 run, and the SP faults fail in the FP8 SP cases",
+          "[cpu][fp8][sp][fault]") {
+  RunOptions o;
+  o.threads = 2;
+  auto outcome = [&](const Case& c, Fault f) {
+    RunOptions of = o;
+    of.faults.bits = uint64_t(f);
+    return run_case(c, of).outcome;
+  };
+  const Case tail = case_named("fp8.yaml", "fp8_sp[sp=3,sp_padding=tail,dispatch.scale=ue8m0]");
+  const Case virt = case_named("fp8.yaml", "fp8_sp[sp=8,sp_padding=virtual,dispatch.scale=fp32]");
+  const Case batch = case_named("fp8.yaml", "fp8_sp_batch[sp_padding=virtual]");
+  for (const Case* c : {&tail, &virt, &batch}) {
+    INFO(c->name);
+    const CaseReport r = run_case(*c, o);
+    REQUIRE(r.outcome == Outcome::PASSED);
+    int sp_inv = 0, quant = 0;
+    for (const auto& ch : r.checks) {
+      sp_inv += ch.slot == "sp_invariance" && ch.outcome == Outcome::PASSED;
+      quant += ch.slot == "fp8_quant" && ch.outcome == Outcome::PASSED;
+    }
+    CHECK(sp_inv > 0);  // the sp = 1 comparison ran (an FP8 run on both sides)
+    CHECK(quant > 0);   // and the quantisation on the SP layout was checked
+  }
+  CHECK(outcome(tail, Fault::sp_tail_pad_score) == Outcome::INCORRECT);
+  CHECK(outcome(virt, Fault::sp_even_combine) == Outcome::INCORRECT);
+  CHECK(outcome(batch, Fault::sp_b1_index) == Outcome::INCORRECT);
+  CHECK(outcome(batch, Fault::fp8_scales_unmoved) == Outcome::INCORRECT);
 }

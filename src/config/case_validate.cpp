@@ -42,8 +42,6 @@ void validate_fp8(const Case& c, const Fail& fail) {
          "valid: score_before_experts off with dispatch.dtype fp8_e4m3");
   if (c.backward == Switch::on)
     fail("backward", "the backward of FP8 dispatch is not implemented", "valid: backward off with dispatch.dtype fp8_e4m3");
-  if (c.sp > 1)
-    fail("sp", "FP8 dispatch on the sequence-parallel layout is not implemented", "valid: sp 1 with dispatch.dtype fp8_e4m3");
 }
 
 /// The rules between keys (divisibility, ranges that depend on another key,

@@ -113,8 +113,9 @@ bool draw_backward_layers_capacity(uint64_t seed, uint64_t index, std::ostream& 
 
 /// FP8 dispatch (docs/contract.md §16) from a stream of its own, so the other
 /// keys draw as before it existed: in about 25% of the cases it supports
-/// (sp = 1, no score before the experts, no backward), and in half of those
-/// with capacity (docs/contract.md §16 "With capacity"), with a
+/// (no score before the experts, no backward; sp > 1 included, docs/contract.md
+/// §16 "With sequence parallelism"), and in half of those with capacity
+/// (§16 "With capacity"), with a
 /// block that divides D, either scale and either quotient (amax_ratio with
 /// fp32 scales only).
 void draw_fp8(uint64_t seed, uint64_t index, std::ostream& y, int64_t D, bool supported, bool capacity) {
@@ -187,7 +188,7 @@ std::string random_case_yaml(uint64_t seed, uint64_t index) {
   const bool backward_contract = draw_ep_tolerance_conventions(d, y);
   bool capacity = false;
   const bool backward = draw_backward_layers_capacity(seed, index, y, sp, buffer, force_lb, backward_contract, capacity);
-  draw_fp8(seed, index, y, D, sp == 1 && !score_before && !backward, capacity);
+  draw_fp8(seed, index, y, D, !score_before && !backward, capacity);
   y << "}";
   return y.str();
 }
