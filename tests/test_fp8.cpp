@@ -415,14 +415,14 @@ TEST_CASE("FP8 capacity cases: the unmoved and the stale filler scales fail at c
     return std::find(v.begin(), v.end(), s) != v.end();
   };
   const Case drop =
-      case_named("fp8.yaml", "fp8_capacity[capacity.policy=probs,capacity.pad_to_capacity=off,dispatch.scale=fp32]");
+      case_named("fp8.yaml", "fp8_capacity[capacity.policy=probs,capacity.pad_to_capacity=off]");
   const std::vector<std::string> v = failed(drop, Fault::fp8_capacity_scales_unmoved);
   CHECK(has(v, "capacity/drop_per_expert_fp8/routed_input_scale"));
   CHECK(!has(v, "capacity/drop_per_expert_fp8/routed_input_q"));
   const Case ep4 = case_named("fp8.yaml",
-                              "fp8_capacity_ep4[capacity.policy=position,capacity.pad_to_capacity=on,dispatch.scale=ue8m0]");
+                              "fp8_capacity_ep4[capacity.policy=position,capacity.pad_to_capacity=on]");
   CHECK(any_starts(failed(ep4, Fault::fp8_capacity_scales_unmoved), "capacity/drop_per_expert_fp8/routed_input_scale"));
-  const Case pad = case_named("fp8.yaml", "fp8_capacity_no_drop[ep=1,dispatch.scale=fp32]");
+  const Case pad = case_named("fp8.yaml", "fp8_capacity_no_drop[ep=1]");
   const std::vector<std::string> w = failed(pad, Fault::fp8_capacity_filler_scale);
   CHECK(has(w, "capacity/drop_per_expert_fp8/routed_input_scale"));
   CHECK(!has(w, "capacity/drop_per_expert_fp8/routed_input_q"));
@@ -493,10 +493,11 @@ TEST_CASE("FP8 with SP: the gathered output equals the sp = 1 FP8 run, and the S
     of.faults.bits = uint64_t(f);
     return run_case(c, of).outcome;
   };
-  const Case tail = case_named("fp8.yaml", "fp8_sp[sp=3,sp_padding=tail,dispatch.scale=ue8m0]");
-  const Case virt = case_named("fp8.yaml", "fp8_sp[sp=8,sp_padding=virtual,dispatch.scale=fp32]");
+  const Case tail = case_named("fp8.yaml", "fp8_sp[sp_padding=tail]");
+  const Case virt = case_named("fp8.yaml", "fp8_sp[sp_padding=virtual]");
+  const Case few = case_named("fp8.yaml", "fp8_sp8_fewer_tokens[sp_padding=tail]");  // SP ranks with no tokens
   const Case batch = case_named("fp8.yaml", "fp8_sp_batch[sp_padding=virtual]");
-  for (const Case* c : {&tail, &virt, &batch}) {
+  for (const Case* c : {&tail, &virt, &few, &batch}) {
     INFO(c->name);
     const CaseReport r = run_case(*c, o);
     REQUIRE(r.outcome == Outcome::PASSED);
