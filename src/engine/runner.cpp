@@ -816,6 +816,8 @@ class Pipeline {
     ca.dispatch.dtype = DispatchDtype::act;
     Board act = std::move(act_start_);
     act_start_ = Board{};
+    const Board kept = std::move(capacity_kept_);
+    capacity_kept_ = Board{};
     std::vector<Tensor> bound(static_cast<size_t>(R_));
     bool on = false;
     for (const std::string& slot : slot_order()) {
@@ -830,10 +832,10 @@ class Pipeline {
       pick->ref(rc);
       // Where the FP8 chain took the fast path's kept rows (a near-tie at an
       // expert's capacity), the act chain keeps the same assignments.
-      for (size_t r = 0; slot == "capacity" && r < capacity_kept_.ranks.size(); ++r)
-        if (!capacity_kept_.ranks[r].empty()) {
+      for (size_t r = 0; slot == "capacity" && r < kept.ranks.size(); ++r)
+        if (!kept.ranks[r].empty()) {
           next.ranks[r].clear();
-          capacity_with_kept(ca, act.ranks[r], capacity_kept_.ranks[r], next.ranks[r]);
+          capacity_with_kept(ca, act.ranks[r], kept.ranks[r], next.ranks[r]);
         }
       for (int r = 0; r < R_; ++r)
         for (auto& [n, t] : next.ranks[size_t(r)]) act.ranks[size_t(r)][n] = t;
