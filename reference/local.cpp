@@ -55,34 +55,33 @@ struct SwigluWant {
   bool trace = false, halfwidth = false, magnitude = false;
 };
 
+/// n weights of `w` from element `at` as fp32 values rounded to `ca`: the
+/// rounding is skipped where it is the identity (the stored type's values are
+/// all `ca` values: the same type, or any type into fp32), which is every
+/// case but compute_dtype bf16 over fp32/fp16 weights.
+void decode_rounded(WeightView w, size_t at, int64_t n, Act ca, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = w[at + size_t(i)];
+  if (ca != w.type && ca != Act::fp32)
+    for (int64_t i = 0; i < n; ++i) out[i] = round_act(ca, out[i]);
+}
+
 ExpertWeights expert_weights(Act ca, WeightView W1, WeightView W3, WeightView W2, int64_t j, int64_t D, int64_t F,
                              const SwigluWant& want) {
   ExpertWeights w;
-  const bool abs = want.halfwidth || want.magnitude, w2 = want.trace || want.magnitude;
+  const bool abs = want.halfwidth || want.magnitude;
   const size_t at = size_t(j * F * D);
-  w.w1.resize(F, D);
-  w.w3.resize(F, D);
-  if (abs) {
-    w.a1.resize(F, D);
-    w.a3.resize(F, D);
-  }
-  for (int64_t i = 0; i < F * D; ++i) {
-    const float v1 = round_act(ca, W1[at + size_t(i)]), v3 = round_act(ca, W3[at + size_t(i)]);
-    w.w1.data()[i] = v1;
-    w.w3.data()[i] = v3;
-    if (abs) {
-      w.a1.data()[i] = std::fabs(v1);
-      w.a3.data()[i] = std::fabs(v3);
-    }
-  }
-  if (w2) {
-    if (want.trace) w.w2.resize(D, F);
-    if (want.magnitude) w.a2.resize(D, F);
-    for (int64_t i = 0; i < D * F; ++i) {
-      const float v = round_act(ca, W2[at + size_t(i)]);
-      if (want.trace) w.w2.data()[i] = v;
-      if (want.magnitude) w.a2.data()[i] = std::fabs(v);
-    }
+  MatF v(F, D);
+  decode_rounded(W1, at, F * D, ca, v.data());
+  w.w1 = v.cast<double>();
+  if (abs) w.a1 = v.cwiseAbs();
+  decode_rounded(W3, at, F * D, ca, v.data());
+  w.w3 = v.cast<double>();
+  if (abs) w.a3 = v.cwiseAbs();
+  if (want.trace || want.magnitude) {
+    MatF v2(D, F);
+    decode_rounded(W2, at, D * F, ca, v2.data());
+    if (want.trace) w.w2 = v2.cast<double>();
+    if (want.magnitude) w.a2 = v2.cwiseAbs();
   }
   return w;
 }

@@ -74,8 +74,9 @@ constexpr double kBaseBytes = 11.75 * (1 << 20);
 constexpr double kThreadBytes = 64.0 * 1024;
 
 /// The estimate of one pipeline over ranks holding `tokens` in all, at most
-/// `tokens_max` on one rank, with `ranks` ranks.
-double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ranks, int threads) {
+/// `tokens_max` on one rank, with `ranks` ranks; `checked`: with its
+/// references (the invariance reruns are the fast pipeline alone).
+double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ranks, int threads, bool checked) {
   const double s = double(elem_bytes(act_elem(c.dtype)));
   const double D = double(c.hidden), F = double(c.ffn), E = double(c.num_experts), K = double(c.top_k);
   const double A = double(c.align);
@@ -118,6 +119,11 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
   if (c.backward == Switch::on) {
     b += tokens * D * (4 * s + 2 * 4) + routed * 4 * 4;
     b += padded * D * s;
+    // SwiGLU weight gradients, fp32 (E, F, D) x 3 over the ranks: the fast
+    // path's and, when checked, the reference's and their error scales.
+    const double wgrad_copies = checked ? 3 : 1;
+    if (swiglu) b += wgrad_copies * (E * 3 * F * D * 4);
+    if (shared_swiglu) b += wgrad_copies * ranks * (3 * F * D * 4);
   }
   b += routed * kTokenKBytes;
   // Weights (elements of one copy): gate, routed experts, shared expert.
@@ -163,7 +169,7 @@ double estimate_case_bytes(const Case& c, int threads) {
     most = std::max(most, double(c.tokens_on(r)) + sp_pad);
   }
   const double sp_rows = c.sp > 1 ? 3 * total * double(c.hidden) * 4 : 0;
-  const double main_run = kBaseBytes + global_bytes(c) + pipeline_bytes(c, total, most, double(c.ep), threads) + sp_rows;
+  const double main_run = kBaseBytes + global_bytes(c) + pipeline_bytes(c, total, most, double(c.ep), threads, true) + sp_rows;
   // After the pipeline only its results stay (out in act, its fp32 error
   // scale, sp_out) while the invariance reruns run: EP = 1 reruns of each
   // rank's tokens (as many side by side as there are threads), then an
@@ -175,9 +181,9 @@ double estimate_case_bytes(const Case& c, int threads) {
   double b = main_run;
   if (c.ep > 1) {
     const int side = std::min(std::max(1, threads), c.ep);
-    b = std::max(b, results + side * pipeline_bytes(c, most, most, 1, std::max(1, threads / side)));
+    b = std::max(b, results + side * pipeline_bytes(c, most, most, 1, std::max(1, threads / side), false));
   }
-  if (c.sp > 1) b = std::max(b, results + pipeline_bytes(c, total, most, double(c.ep), threads));
+  if (c.sp > 1) b = std::max(b, results + pipeline_bytes(c, total, most, double(c.ep), threads, false));
   return b;
 }
 
