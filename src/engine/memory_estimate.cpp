@@ -106,8 +106,13 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
   const double side = std::min(std::max(1.0, double(threads)), ranks);  // ranks' references at a time
   const double routed_copies =
       kRoutedAct + side / ranks + (extra_permute ? 1 : 0) + (extra_a2a ? 1 : 0) + (swiglu ? 1 : 0);
-  // One slot at a time holds these rows: the padded count bounds the routed one.
-  b += padded * D * (routed_copies * s + (swiglu ? kPaddedFloat * 4 : 0)) + tokens_max * K * D * kRoutedFloatPerRank * 4;
+  // One slot at a time holds these rows: the padded count bounds the routed
+  // one. The end-to-end error scale's fp32 views are made once, right after
+  // the chain's dispatch slot has been let go (Pipeline::advance_chain), when
+  // one copy of the routed rows is left: the larger of the two moments.
+  const double slot_rows = padded * D * (routed_copies * s + (swiglu ? kPaddedFloat * 4 : 0));
+  const double magnitude_rows = routed * D * s + tokens_max * K * D * kRoutedFloatPerRank * 4;
+  b += std::max(slot_rows, magnitude_rows);
   if (swiglu) b += padded * F * (kSwigluAct * s + kSwigluFloat * 4);
   if (shared_swiglu) b += tokens * F * (kSwigluAct * s + kSwigluFloat * 4);
   b += equal_rows * D * (3 * s + 4);
