@@ -279,3 +279,30 @@ TEST_CASE("capacity combinations that are not modelled are refused", "[cpu][capa
     CHECK_THROWS_WITH(load_cases_text(text, "t.yaml", {}), Catch::Contains("capacity"));
   }
 }
+
+TEST_CASE("SP invariance under capacity compares the tokens that keep the same experts", "[cpu][capacity][sp]") {
+  // Each SP rank drops with its own cap (docs/contract.md §11), so some tokens
+  // keep other experts than in the sp = 1 run: those are left out and counted
+  // in the note, the others are compared bit for bit (exact data).
+  const Case c = case_named("capacity.yaml", "sp_exact_hot_expert[sp_padding=virtual,capacity.policy=probs]");
+  const CaseReport r = run_case(c, RunOptions{});
+  REQUIRE(r.outcome == Outcome::PASSED);
+  int seen = 0;
+  for (const auto& ch : r.checks) {
+    if (ch.slot != "sp_invariance") continue;
+    ++seen;
+    INFO(ch.note);
+    const size_t at = ch.note.find(" of " + std::to_string(c.tokens) + " token(s) keep other experts");
+    REQUIRE(at != std::string::npos);
+    const int64_t apart = std::stoll(ch.note.substr(ch.note.rfind(' ', at - 1) + 1));
+    CHECK(apart > 0);
+    CHECK(apart < c.tokens);
+    CHECK(ch.cls == CompareClass::exact);
+  }
+  CHECK(seen == 1);
+  // The comparison of the other tokens still sees a wrong gather.
+  RunOptions o;
+  o.faults.bits = uint64_t(Fault::sp_even_combine);
+  const Case u = case_named("capacity.yaml", "sp_uneven[sp_padding=virtual,capacity.policy=probs,capacity.pad_to_capacity=off]");
+  CHECK(any_starts(failing(run_case(u, o)), "sp_invariance/"));
+}
