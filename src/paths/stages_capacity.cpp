@@ -55,8 +55,9 @@ void register_capacity_stages(std::vector<Stage>& reg) {
   Stage s;
   s.slot = "capacity";
   s.variant = "drop_per_expert";
-  s.summary = "each expert keeps at most cap = ceil(T*K/E * factor) rows, per SP rank with sp > 1 (probs: highest scores, ties to the lower "
-              "token; position: the first), no renormalisation; pad_to_capacity fills to cap (docs/contract.md §11)";
+  s.summary = "each expert keeps at most cap = ceil(T*K/E * factor) rows, per SP rank with sp > 1 (probs: highest "
+              "scores, ties to the lower token; position: the first), no renormalisation; pad_to_capacity fills to "
+              "cap (docs/contract.md §11)";
   s.applies = [](const Case& c) { return Decision{c.capacity.factor > 0, "capacity.factor: none (dropless)"}; };
   s.primary = [](const Case&) { return true; };
   s.inputs = [](const Case& c) {
