@@ -86,9 +86,10 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
   // empty_groups: pad an empty group holding A rows: E * A rows over all ranks.
   const double pad_rows = A > 1 ? E * A : 0;
   // pad_to_capacity (docs/contract.md §11) gives every expert cap rows: up to
-  // factor * T * K (+ E rounding) rows per rank.
+  // factor * T * K (+ E rounding, per SP rank with sp > 1) rows per rank.
   const bool cap_pad = c.capacity.factor > 0 && c.capacity.pad_to_capacity == Switch::on;
-  const double routed = tokens * K * (cap_pad ? std::max(1.0, c.capacity.factor) : 1.0) + (cap_pad ? E * ranks : 0);
+  const double routed = tokens * K * (cap_pad ? std::max(1.0, c.capacity.factor) : 1.0) +
+                        (cap_pad ? E * ranks * double(std::max(1, c.sp)) : 0);
   const double padded = routed + pad_rows;
   // Equal-split all-to-all: every (source, destination) chunk padded to the
   // largest split, at most T_max * min(K, E_l) rows (a token sends one row

@@ -7,7 +7,9 @@
 // token; pad_to_capacity gives every expert exactly cap rows, its fillers
 // zero rows with score 0 and token -1 (skipped by the combine). cap is
 // computed per rank over its own T_r tokens (Megatron-LM's router-level
-// dropping runs on each rank before the dispatch).
+// dropping runs on each rank before the dispatch); with sp > 1 per SP rank
+// over the real tokens of its shard, tail pad rows taking no slot
+// (docs/contract.md §11, "Capacity with sequence parallelism").
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -18,13 +20,28 @@
 
 namespace moev {
 
+namespace {
+
+/// The EP rank's own token count, recorded by sp_shard (sp > 1 only).
+int64_t ep_tokens(const RankBoard& in) { return to_ints(in.at("sp_tokens")).at(0); }
+
+}  // namespace
+
+ref::CapacityGroups capacity_groups_of(const Case& c, const RankBoard& in) {
+  // docs/contract.md §11: one group per SP rank with sp > 1, from the reference shard
+  if (c.sp > 1)
+    return ref::capacity_groups_sp(ref::sp_shard(ep_tokens(in), c.batch, c.sp, ref_padding(c)), ep_tokens(in),
+                                   c.top_k, c.num_experts, c.capacity.factor);
+  return ref::capacity_groups_one(in.at("row_of").shape[0], c.top_k, c.num_experts, c.capacity.factor);
+}
+
 void capacity_reference(const Case& c, const RankBoard& in, RankBoard& out, const std::vector<uint8_t>* keep) {
   const Tensor& row_of = in.at("row_of");
   const Tensor& rows = in.at("routed_input");
-  const int64_t cap = int64_t(std::ceil(double(row_of.shape[0]) * c.top_k / c.num_experts * c.capacity.factor));
+  const ref::CapacityGroups groups = capacity_groups_of(c, in);
   ref::CapacityDispatch d = ref::capacity_dispatch(
       rows_of(rows), ref_ids(in.at("token_sorted")), to_floats(in.at("score_sorted")), ref_ids(row_of),
-      ref_counts(in.at("counts")), cap, c.capacity.policy == CapacityPolicy::probs,
+      ref_counts(in.at("counts")), groups, c.capacity.policy == CapacityPolicy::probs,
       c.capacity.pad_to_capacity == Switch::on, keep);
   const int64_t M = int64_t(d.token_sorted.size());
   out["counts"] = from_ints(d.counts, ElemType::i64, {c.num_experts});
@@ -38,11 +55,16 @@ void register_capacity_stages(std::vector<Stage>& reg) {
   Stage s;
   s.slot = "capacity";
   s.variant = "drop_per_expert";
-  s.summary = "each expert keeps at most cap = ceil(T*K/E * factor) rows (probs: highest scores, ties to the lower "
-              "token; position: the first), no renormalisation; pad_to_capacity fills to cap (docs/contract.md §11)";
+  s.summary = "each expert keeps at most cap = ceil(T*K/E * factor) rows, per SP rank with sp > 1 (probs: highest "
+              "scores, ties to the lower token; position: the first), no renormalisation; pad_to_capacity fills to "
+              "cap (docs/contract.md §11)";
   s.applies = [](const Case& c) { return Decision{c.capacity.factor > 0, "capacity.factor: none (dropless)"}; };
   s.primary = [](const Case&) { return true; };
-  s.inputs = fixed_inputs({"routed_input", "token_sorted", "score_sorted", "row_of", "counts"});
+  s.inputs = [](const Case& c) {
+    std::vector<std::string> in = {"routed_input", "token_sorted", "score_sorted", "row_of", "counts"};
+    if (c.sp > 1) in.push_back("sp_tokens");  // the SP ranks' groups (docs/contract.md §11)
+    return in;
+  };
   s.outputs = {{"counts", CompareClass::exact, Coords::expert, nullptr},
                {"routed_input", CompareClass::exact, Coords::dispatch_row, nullptr},
                {"token_sorted", CompareClass::exact, Coords::flat, nullptr},
@@ -53,7 +75,12 @@ void register_capacity_stages(std::vector<Stage>& reg) {
     const int E = c.num_experts;
     const Tensor& row_of = ctx.input("row_of");
     const int64_t T = row_of.shape[0];
-    const int64_t cap = capacity_of(T, c.top_k, E, c.capacity.factor);
+    CapacityGroups groups;
+    if (c.sp > 1)  // per SP rank, tail pad rows in no group (docs/contract.md §11)
+      groups = sp_capacity_groups(sp_layout(ep_tokens(ctx.in), c.batch, c.sp, c.sp_padding, ctx.exec.faults), c.top_k,
+                                  E, c.capacity.factor, ctx.exec.faults);
+    else
+      groups.caps = {capacity_of(T, c.top_k, E, c.capacity.factor)};
     const bool pad = c.capacity.pad_to_capacity == Switch::on;
     const Tensor& counts = ctx.input("counts");
     const Tensor& tok = ctx.input("token_sorted");
@@ -62,24 +89,27 @@ void register_capacity_stages(std::vector<Stage>& reg) {
     const int64_t N = tok.numel();
     std::vector<uint8_t> keep(static_cast<size_t>(N));
     std::vector<int64_t> kept(static_cast<size_t>(E));
-    capacity_select(ctx.exec, c.capacity.policy, counts.as<int64_t>(), E, cap, tok.as<int32_t>(), sc.as<float>(),
+    capacity_select(ctx.exec, c.capacity.policy, counts.as<int64_t>(), E, groups, tok.as<int32_t>(), sc.as<float>(),
                     keep.data(), kept.data());
+    const int64_t pad_rows = groups.total_cap();
     int64_t M = 0;
-    for (int e = 0; e < E; ++e) M += pad ? cap : kept[size_t(e)];
+    for (int e = 0; e < E; ++e) M += pad ? pad_rows : kept[size_t(e)];
     Tensor& out_counts = ctx.output("counts", ElemType::i64, {E});
     Tensor& out_rows = ctx.output("routed_input", rows.type, {M, c.hidden});
     Tensor& out_tok = ctx.output("token_sorted", ElemType::i32, {M});
     Tensor& out_sc = ctx.output("score_sorted", ElemType::f32, {M});
     Tensor& out_row_of = ctx.output("row_of", ElemType::i32, row_of.shape);
-    capacity_apply(ctx.exec, counts.as<int64_t>(), E, cap, pad, keep.data(), kept.data(),
+    capacity_apply(ctx.exec, counts.as<int64_t>(), E, pad_rows, pad, keep.data(), kept.data(),
                    c.dtype, rows.data(), c.hidden, tok.as<int32_t>(), sc.as<float>(),
                    row_of.as<int32_t>(), row_of.numel(), c.top_k, out_rows.data(), out_tok.as<int32_t>(),
                    out_sc.as<float>(), out_row_of.as<int32_t>(), out_counts.as<int64_t>());
     int64_t dropped = 0;
     for (int e = 0; e < E; ++e) dropped += counts.as<int64_t>()[e] - kept[size_t(e)];
-    ctx.notes.push_back("rank " + std::to_string(ctx.rank) + ": cap " + std::to_string(cap) + ", " +
-                        std::to_string(dropped) + " of " + std::to_string(N) + " assignments dropped" +
-                        (pad ? ", every expert padded to cap" : ""));
+    std::string caps;
+    for (int64_t v : groups.caps) caps += (caps.empty() ? "" : ", ") + std::to_string(v);
+    ctx.notes.push_back("rank " + std::to_string(ctx.rank) + ": cap " + (c.sp > 1 ? "per SP rank [" + caps + "]" : caps) +
+                        ", " + std::to_string(dropped) + " of " + std::to_string(N) + " assignments dropped" +
+                        (pad ? ", every expert padded to " + std::to_string(pad_rows) + " rows" : ""));
   };
   // On a device the kept rows move there (apply_row_map); which rows are
   // kept, and the metadata, are decided on the host.
