@@ -14,44 +14,74 @@ int64_t capacity_of(int64_t T, int K, int E, double factor) {
   return int64_t(std::ceil(double(T) * double(K) / double(E) * factor));
 }
 
-void capacity_select(const ExecCtx& ctx, CapacityPolicy policy, const int64_t* counts, int E, int64_t cap,
-                     const int32_t* token_sorted, const float* score_sorted, uint8_t* keep, int64_t* kept) {
+CapacityGroups sp_capacity_groups(const SpLayout& l, int K, int E, double factor, const FaultSet& faults) {
+  // The pad mask comes from the shard map that placed the tokens: row i is a
+  // pad exactly when the map gives it no token (docs/contract.md §11).
+  const std::vector<int64_t> map = sp_shard_map(l);
+  // Planted (Megatron-LM before "Exclude padding tokens from MoE routing"):
+  // pad rows join their SP rank's group, count in its tokens and take slots.
+  const bool pads_count = faults.has(Fault::sp_capacity_pad_rows);
+  // Planted: every SP rank's cap from the EP rank's whole T, not its shard.
+  const bool global_cap = faults.has(Fault::sp_capacity_global_tokens);
+  CapacityGroups g;
+  g.group_of_token.assign(map.size(), -1);
+  for (int64_t s = 0; s < l.S; ++s) {
+    int64_t real = 0;
+    for (int64_t i = l.offset(s); i < l.offset(s) + l.rows(s); ++i) {
+      if (map[size_t(i)] < 0 && !pads_count) continue;
+      g.group_of_token[size_t(i)] = int32_t(s);
+      ++real;
+    }
+    g.caps.push_back(capacity_of(global_cap ? l.T : real, K, E, factor));
+  }
+  return g;
+}
+
+void capacity_select(const ExecCtx& ctx, CapacityPolicy policy, const int64_t* counts, int E,
+                     const CapacityGroups& groups, const int32_t* token_sorted, const float* score_sorted,
+                     uint8_t* keep, int64_t* kept) {
   std::vector<int64_t> start(size_t(E) + 1, 0);
   for (int e = 0; e < E; ++e) start[size_t(e) + 1] = start[size_t(e)] + counts[e];
   // Planted (TransformerEngine #3346 class): one row past capacity kept.
-  const int64_t limit = ctx.faults.has(Fault::capacity_overflow) ? cap + 1 : cap;
+  const int extra = ctx.faults.has(Fault::capacity_overflow) ? 1 : 0;
   const bool higher = ctx.faults.has(Fault::capacity_tie_higher);
-  ParallelErrors errors;  // the probs policy allocates an index per expert
+  const size_t G = groups.caps.size();
+  const bool one_group = groups.group_of_token.empty();
+  ParallelErrors errors;  // the index lists are allocated per expert
 #pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(1, ctx.threads)) if (ctx.threads > 1)
   for (int e = 0; e < E; ++e) errors.run(e, [&] {
     const int64_t s = start[size_t(e)], n = counts[e];
-    const int64_t take = std::min(n, limit);
     std::fill(keep + s, keep + s + n, uint8_t(0));
-    kept[e] = take;
-    if (policy == CapacityPolicy::position || take == n) {
-      std::fill(keep + s, keep + s + take, uint8_t(1));  // rows are in ascending token order
-      return;
+    // the expert's rows per group, each list in ascending token order
+    std::vector<std::vector<int64_t>> rows(G);
+    for (int64_t i = s; i < s + n; ++i) {
+      const int32_t g = one_group ? 0 : groups.group_of_token[size_t(token_sorted[i])];
+      if (g >= 0) rows[size_t(g)].push_back(i);  // a row in no group is never kept
     }
-    // probs: the `take` highest scores, ties to the lower token index
-    std::vector<int64_t> idx(static_cast<size_t>(n));
-    std::iota(idx.begin(), idx.end(), s);
-    std::partial_sort(idx.begin(), idx.begin() + take, idx.end(), [&](int64_t a, int64_t b) {
-      if (score_sorted[a] != score_sorted[b]) return score_sorted[a] > score_sorted[b];
-      return higher ? token_sorted[a] > token_sorted[b] : token_sorted[a] < token_sorted[b];
-    });
-    for (int64_t i = 0; i < take; ++i) keep[idx[size_t(i)]] = 1;
+    kept[e] = 0;
+    for (size_t g = 0; g < G; ++g) {
+      std::vector<int64_t>& idx = rows[g];
+      const int64_t take = std::min(int64_t(idx.size()), groups.caps[g] + extra);
+      kept[e] += take;
+      if (policy == CapacityPolicy::probs && take < int64_t(idx.size()))  // the `take` highest scores first
+        std::partial_sort(idx.begin(), idx.begin() + take, idx.end(), [&](int64_t a, int64_t b) {
+          if (score_sorted[a] != score_sorted[b]) return score_sorted[a] > score_sorted[b];
+          return higher ? token_sorted[a] > token_sorted[b] : token_sorted[a] < token_sorted[b];
+        });
+      for (int64_t i = 0; i < take; ++i) keep[idx[size_t(i)]] = 1;  // position: the first rows
+    }
   });
   errors.rethrow();
 }
 
-std::vector<int64_t> capacity_plan(const ExecCtx& ctx, const int64_t* counts, int E, int64_t cap, bool pad,
+std::vector<int64_t> capacity_plan(const ExecCtx& ctx, const int64_t* counts, int E, int64_t pad_rows, bool pad,
                                    const uint8_t* keep, const int64_t* kept, const int32_t* token_sorted,
                                    const float* score_sorted, const int32_t* row_of, int64_t assignments, int K,
                                    int32_t* token_out, float* score_out, int32_t* row_of_out, int64_t* out_counts) {
   std::vector<int64_t> in_start(size_t(E) + 1, 0), out_start(size_t(E) + 1, 0);
   for (int e = 0; e < E; ++e) {
     in_start[size_t(e) + 1] = in_start[size_t(e)] + counts[e];
-    out_counts[e] = pad ? cap : kept[e];
+    out_counts[e] = pad ? pad_rows : kept[e];
     out_start[size_t(e) + 1] = out_start[size_t(e)] + out_counts[e];
   }
   const int64_t N = in_start[size_t(E)], M = out_start[size_t(E)];

@@ -14,6 +14,7 @@
 #include "dtype.h"
 #include "faults.h"
 #include "host_exec.h"
+#include "sp_host.h"
 
 namespace moev {
 
@@ -22,22 +23,44 @@ enum class CapacityPolicy : uint8_t { probs, position };
 /// cap = ceil(T * K / E * factor) (docs/contract.md §11).
 int64_t capacity_of(int64_t T, int K, int E, double factor);
 
-/// Which rows of the dispatch survive, per expert: keep[i] = 1 for a kept
-/// row i. Policy probs: the cap rows of highest score, ties to the lower
-/// token index; position: the first cap rows (the lowest token indices).
-/// kept[e] = rows expert e keeps (at most cap).
-void capacity_select(const ExecCtx& ctx, CapacityPolicy policy, const int64_t* counts, int E, int64_t cap,
-                     const int32_t* token_sorted, const float* score_sorted, uint8_t* keep, int64_t* kept);
+/// Capacity groups (docs/contract.md §11): rows compete for an expert's slots
+/// only within their group. group_of_token[t] is token t's group, -1 for a
+/// row that never takes a slot; empty: one group holding every token.
+/// caps[g] is group g's capacity; with pad_to_capacity every expert holds
+/// sum(caps) rows.
+struct CapacityGroups {
+  std::vector<int32_t> group_of_token;
+  std::vector<int64_t> caps;
+  int64_t total_cap() const {
+    int64_t n = 0;
+    for (int64_t c : caps) n += c;
+    return n;
+  }
+};
+
+/// The groups of the SP layout (docs/contract.md §11, "Capacity with sequence
+/// parallelism"): SP rank s is group s with cap from the real tokens it
+/// holds; a tail pad row (one the shard map sp_shard_map gives no token) is
+/// in no group.
+CapacityGroups sp_capacity_groups(const SpLayout& l, int K, int E, double factor, const FaultSet& faults);
+
+/// Which rows of the dispatch survive, per expert and group: keep[i] = 1 for
+/// a kept row i. Policy probs: the caps[g] rows of highest score, ties to the
+/// lower token index; position: the first caps[g] rows (the lowest token
+/// indices). kept[e] = rows expert e keeps over all groups.
+void capacity_select(const ExecCtx& ctx, CapacityPolicy policy, const int64_t* counts, int E,
+                     const CapacityGroups& groups, const int32_t* token_sorted, const float* score_sorted,
+                     uint8_t* keep, int64_t* kept);
 
 /// Lays out the capacity-limited dispatch: per expert its kept rows in their
-/// order, then (pad) filler rows up to cap. Writes the metadata:
-/// out_counts[e] = kept[e], or cap with pad; token_out / score_out per output
+/// order, then (pad) filler rows up to pad_rows. Writes the metadata:
+/// out_counts[e] = kept[e], or pad_rows with pad; token_out / score_out per output
 /// row (a filler: token -1, score 0); row_of_out maps each assignment (T*K of
 /// them, K per token) to its new row or -1. Returns the row map: output row o
 /// is dispatch row src[o], or a zero filler row where src[o] = -1. The map
 /// and the metadata are computed on the host; the rows then move with
 /// apply_row_map (so on the mirror's device, ExecCtx::mirror).
-std::vector<int64_t> capacity_plan(const ExecCtx& ctx, const int64_t* counts, int E, int64_t cap, bool pad,
+std::vector<int64_t> capacity_plan(const ExecCtx& ctx, const int64_t* counts, int E, int64_t pad_rows, bool pad,
                                    const uint8_t* keep, const int64_t* kept, const int32_t* token_sorted,
                                    const float* score_sorted, const int32_t* row_of, int64_t assignments, int K,
                                    int32_t* token_out, float* score_out, int32_t* row_of_out, int64_t* out_counts);

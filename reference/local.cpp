@@ -44,9 +44,10 @@ namespace {
 
 /// Expert j's weights rounded to `ca` in fp64 (the values' GEMMs) and, for
 /// the bounds, their absolute values in fp32 (exact: act values).
+/// w13 = [W1; W3] (2F, D): h1 and h3 come from one GEMM, X packed once.
 struct ExpertWeights {
-  MatD w1, w3, w2;
-  MatF a1, a3, a2;
+  MatD w13, w2;
+  MatF a13, a2;
 };
 
 /// What swiglu_core computes: the trace (h13, H, Y), the h13 half-widths,
@@ -55,34 +56,31 @@ struct SwigluWant {
   bool trace = false, halfwidth = false, magnitude = false;
 };
 
+/// n weights of `w` from element `at` as fp32 values rounded to `ca`: the
+/// rounding is skipped where it is the identity (the stored type's values are
+/// all `ca` values: the same type, or any type into fp32), which is every
+/// case but compute_dtype bf16 over fp32/fp16 weights.
+void decode_rounded(WeightView w, size_t at, int64_t n, Act ca, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = w[at + size_t(i)];
+  if (ca != w.type && ca != Act::fp32)
+    for (int64_t i = 0; i < n; ++i) out[i] = round_act(ca, out[i]);
+}
+
 ExpertWeights expert_weights(Act ca, WeightView W1, WeightView W3, WeightView W2, int64_t j, int64_t D, int64_t F,
                              const SwigluWant& want) {
   ExpertWeights w;
-  const bool abs = want.halfwidth || want.magnitude, w2 = want.trace || want.magnitude;
+  const bool abs = want.halfwidth || want.magnitude;
   const size_t at = size_t(j * F * D);
-  w.w1.resize(F, D);
-  w.w3.resize(F, D);
-  if (abs) {
-    w.a1.resize(F, D);
-    w.a3.resize(F, D);
-  }
-  for (int64_t i = 0; i < F * D; ++i) {
-    const float v1 = round_act(ca, W1[at + size_t(i)]), v3 = round_act(ca, W3[at + size_t(i)]);
-    w.w1.data()[i] = v1;
-    w.w3.data()[i] = v3;
-    if (abs) {
-      w.a1.data()[i] = std::fabs(v1);
-      w.a3.data()[i] = std::fabs(v3);
-    }
-  }
-  if (w2) {
-    if (want.trace) w.w2.resize(D, F);
-    if (want.magnitude) w.a2.resize(D, F);
-    for (int64_t i = 0; i < D * F; ++i) {
-      const float v = round_act(ca, W2[at + size_t(i)]);
-      if (want.trace) w.w2.data()[i] = v;
-      if (want.magnitude) w.a2.data()[i] = std::fabs(v);
-    }
+  MatF v(2 * F, D);
+  decode_rounded(W1, at, F * D, ca, v.data());
+  decode_rounded(W3, at, F * D, ca, v.data() + F * D);
+  w.w13 = v.cast<double>();
+  if (abs) w.a13 = v.cwiseAbs();
+  if (want.trace || want.magnitude) {
+    MatF v2(D, F);
+    decode_rounded(W2, at, D * F, ca, v2.data());
+    if (want.trace) w.w2 = v2.cast<double>();
+    if (want.magnitude) w.a2 = v2.cwiseAbs();
   }
   return w;
 }
@@ -112,13 +110,10 @@ SwigluTrace swiglu_core(Act act, Act ca, const Vec& X, const Counts& counts, int
         const int64_t n = r1 - r0, g0 = first[size_t(j)] + r0;  // g0: the block's first row overall
         MatD x(n, D);
         for (int64_t i = 0; i < n * D; ++i) x.data()[i] = round_act(ca, X[size_t(g0 * D + i)]);
-        const MatD h1 = x * w.w1.transpose(), h3 = x * w.w3.transpose();
-        MatD m1, m3;
-        if (want.halfwidth || want.magnitude) {
-          const MatF ax = x.cwiseAbs().cast<float>();  // exact: act values
-          m1 = abs_product_nt(ax, w.a1);
-          m3 = abs_product_nt(ax, w.a3);
-        }
+        const MatD h13 = x * w.w13.transpose();  // [h1 | h3]
+        const auto h1 = h13.leftCols(F), h3 = h13.rightCols(F);
+        MatD m13;  // sum of |terms| of [h1 | h3], for the bounds
+        if (want.halfwidth || want.magnitude) m13 = abs_product_nt(x.cwiseAbs().cast<float>(), w.a13);  // exact: act values
         if (want.trace) {
           MatD H(n, F);
           for (int64_t r = 0; r < n; ++r)
@@ -137,24 +132,22 @@ SwigluTrace swiglu_core(Act act, Act ca, const Vec& X, const Counts& counts, int
         }
         if (want.halfwidth)
           for (int64_t r = 0; r < n; ++r)
-            for (int part = 0; part < 2; ++part)
-              for (int64_t f = 0; f < F; ++f) {
-                const double v = part == 0 ? h1(r, f) : h3(r, f), m = part == 0 ? m1(r, f) : m3(r, f);
-                const double room = gamma * m + std::ldexp(1.0, -126);
-                const float mid = round_act(ca, f32(v));
-                const float lo = round_act(ca, f32(v - room)), hi = round_act(ca, f32(v + room));
-                o.h13_halfwidth[size_t((g0 + r) * 2 * F + part * F + f)] =
-                    std::isfinite(mid) ? std::max(hi - mid, mid - lo) : 0.f;
-              }
+            for (int64_t f = 0; f < 2 * F; ++f) {
+              const double v = h13(r, f), room = gamma * m13(r, f) + std::ldexp(1.0, -126);
+              const float mid = round_act(ca, f32(v));
+              const float lo = round_act(ca, f32(v - room)), hi = round_act(ca, f32(v + room));
+              o.h13_halfwidth[size_t((g0 + r) * 2 * F + f)] = std::isfinite(mid) ? std::max(hi - mid, mid - lo) : 0.f;
+            }
         if (want.magnitude) {
           MatD Heff(n, F);
-          for (int64_t i = 0; i < n * F; ++i) {
-            const double a = h1.data()[i], b = h3.data()[i];
-            const double sig = 1.0 / (1.0 + std::exp(-a));
-            const double silu = a * sig, dsilu = sig * (1.0 + a * (1.0 - sig));
-            // first-order propagation of an error of m1 in h1 and of m3 in h3
-            Heff.data()[i] = std::fabs(silu * b) + std::fabs(dsilu * b) * m1.data()[i] + std::fabs(silu) * m3.data()[i];
-          }
+          for (int64_t r = 0; r < n; ++r)
+            for (int64_t f = 0; f < F; ++f) {
+              const double a = h1(r, f), b = h3(r, f);
+              const double sig = 1.0 / (1.0 + std::exp(-a));
+              const double silu = a * sig, dsilu = sig * (1.0 + a * (1.0 - sig));
+              // first-order propagation of an error of m13(r, f) in h1 and of m13(r, F + f) in h3
+              Heff(r, f) = std::fabs(silu * b) + std::fabs(dsilu * b) * m13(r, f) + std::fabs(silu) * m13(r, F + f);
+            }
           const MatD y = abs_product_nt(abs_f32_up(Heff), w.a2);
           for (int64_t i = 0; i < n * D; ++i) o.magnitude[size_t(g0 * D + i)] = f32(y.data()[i]);
         }

@@ -400,6 +400,16 @@ OverloadRef overload_factors(const std::vector<std::vector<int64_t>>& actual,
 /// each assignment to its new row, -1 where dropped. With `keep` (one flag
 /// per input row) the kept rows are those flagged instead: how an outside
 /// implementation's choice among rows tied at the boundary is laid out.
+///
+/// Capacity groups: rows compete for slots only within a group. group[t]
+/// is the group of token t (a row of the rank's x, or of the SP layout), -1
+/// for a row that takes no slot and is never kept (a tail SP pad row); cap[g]
+/// is group g's capacity. Without SP there is one group holding every token.
+/// With pad, every expert holds exactly sum(cap) rows.
+struct CapacityGroups {
+  Ids group;
+  Counts cap;
+};
 struct CapacityDispatch {
   Bytes rows;
   Ids token_sorted;
@@ -408,7 +418,15 @@ struct CapacityDispatch {
   Counts counts;
 };
 CapacityDispatch capacity_dispatch(RowsRef rows, const Ids& token_sorted, const Vec& score_sorted, const Ids& row_of,
-                                   const Counts& counts, int64_t cap, bool by_probs, bool pad,
+                                   const Counts& counts, const CapacityGroups& groups, bool by_probs, bool pad,
                                    const std::vector<uint8_t>* keep = nullptr);
+/// cap = ceil(n*K/E * factor) for a group of n real tokens (docs/contract.md §11).
+int64_t capacity_for(int64_t n, int K, int E, double factor);
+/// One group of T tokens: the rank's whole dispatch at sp = 1.
+CapacityGroups capacity_groups_one(int64_t T, int K, int E, double factor);
+/// The groups of the SP layout (docs/contract.md §11, "Capacity with sequence
+/// parallelism"): SP rank s is group s, its cap from the real tokens the
+/// shard gives it; a pad row (position >= T) is in no group.
+CapacityGroups capacity_groups_sp(const SpShard& sh, int64_t T, int K, int E, double factor);
 
 }  // namespace ref

@@ -164,7 +164,6 @@ v backend_unknown "backend_unknown.yaml:3:14: backend: unknown value 'gpu'; vali
 v capacity_negative "capacity_negative.yaml:3:24: capacity.factor: value -1 is out of range; valid: a number in [0, 1000]"
 v capacity_policy "capacity.policy: unknown value 'random'; valid: probs | position"
 v capacity_unknown_key "capacity.min_capacity: unknown key; valid keys here: factor, pad_to_capacity, policy"
-v capacity_sp "capacity_sp.yaml:4:24: capacity.factor: capacity dropping on the sequence-parallel layout is not implemented"
 v layers_zero "layers_zero.yaml:3:13: layers: value 0 is out of range"
 v batch_seq_len_past_range "shape.seq_len: batch 65536 x seq_len 65536 = 4294967296 tokens, past the token range"
 python3 -c "

@@ -134,16 +134,25 @@ TEST_CASE("check passes the reference outputs and names the first wrong stage", 
 // kept either way; another tied row is accepted (judged on that choice),
 // a row of strictly lower score kept instead of a higher one is not, and
 // --strict-ties holds the implementation to the lower token.
-TEST_CASE("check accepts another member of an exact tie at the capacity boundary", "[cpu]") {
-  const Case c = case_named("capacity.yaml", "exact_ties");
+namespace {
+
+/// An exact tie at the capacity boundary of case `name` of capacity.yaml:
+/// another member of the tie is accepted, a dropped row of lower score kept
+/// instead is not, and with sp > 1 neither is a tied row of another SP rank
+/// (docs/contract.md §11: rows of different SP ranks never compete).
+void check_capacity_ties(const std::string& name) {
+  const Case c = case_named("capacity.yaml", name);
+  INFO(name);
   std::vector<GoldenTensor> golden;
   REQUIRE(run_external(c, nullptr, &golden).outcome == Outcome::PASSED);
   std::map<std::string, Tensor> files;
   RankBoard dispatched;  // the capacity stage's inputs: the dispatch outputs
   for (const auto& g : golden) {
     if (g.role != "expected") continue;
-    if (g.stage == "dispatch" || g.stage == "routing") dispatched[g.name] = g.t;
-    if (g.stage == "router_logits" || g.stage == "routing" || g.stage == "dispatch")
+    if (g.stage == "dispatch" || g.stage == "routing" || g.stage == "sp_shard" || g.stage == "sp_pad_route")
+      dispatched[g.name] = g.t;
+    if (g.stage == "router_logits" || g.stage == "routing" || g.stage == "dispatch" || g.stage == "sp_shard" ||
+        g.stage == "sp_pad_route")
       files[golden_file(g.stage, g.name, g.rank)] = g.t;
   }
   const std::vector<int64_t> counts = to_ints(dispatched.at("counts")), tok = to_ints(dispatched.at("token_sorted"));
@@ -162,13 +171,21 @@ TEST_CASE("check accepts another member of an exact tie at the capacity boundary
     for (int64_t i = s; i < s + counts[e]; ++i) keep[size_t(i)] = kept.count(tok[size_t(i)]) > 0;
     s += counts[e];
   }
-  std::vector<uint8_t> tie_swap, bad_swap;
+  // The SP rank of each token row (the SP layout stacks them, sp_rows each).
+  std::vector<int64_t> sp_rank_of;
+  if (c.sp > 1)
+    for (int64_t q = 0; q < c.sp; ++q)
+      for (int64_t i = 0; i < to_ints(dispatched.at("sp_rows"))[size_t(q)]; ++i) sp_rank_of.push_back(q);
+  auto rank_of = [&](int64_t i) { return sp_rank_of.empty() ? 0 : sp_rank_of[size_t(tok[size_t(i)])]; };
+  std::vector<uint8_t> tie_swap, bad_swap, cross_swap;
   s = 0;
   for (size_t e = 0; e < counts.size(); ++e) {
     for (int64_t i = s; i < s + counts[e]; ++i)
       for (int64_t j = s; j < s + counts[e]; ++j) {
         if (!keep[size_t(i)] || keep[size_t(j)]) continue;
-        std::vector<uint8_t>& swap = score[size_t(i)] == score[size_t(j)] ? tie_swap : bad_swap;
+        std::vector<uint8_t>& swap = rank_of(i) != rank_of(j)             ? cross_swap
+                                     : score[size_t(i)] == score[size_t(j)] ? tie_swap
+                                                                            : bad_swap;
         if (!swap.empty() || score[size_t(j)] > score[size_t(i)]) continue;
         swap = keep, swap[size_t(i)] = 0, swap[size_t(j)] = 1;
       }
@@ -176,6 +193,7 @@ TEST_CASE("check accepts another member of an exact tie at the capacity boundary
   }
   REQUIRE(!tie_swap.empty());
   REQUIRE(!bad_swap.empty());
+  if (c.sp > 1) REQUIRE(!cross_swap.empty());
   auto check_with = [&](const std::vector<uint8_t>& mask, const ExternalOptions& opt) {
     RankBoard out;
     capacity_reference(c, dispatched, out, &mask);
@@ -197,4 +215,16 @@ TEST_CASE("check accepts another member of an exact tie at the capacity boundary
   const CaseReport bad = check_with(bad_swap, {});
   CHECK(bad.outcome == Outcome::INCORRECT);
   CHECK(any_starts(failing(bad), "capacity/"));
+  if (c.sp > 1) {
+    const CaseReport cross = check_with(cross_swap, {});
+    CHECK(cross.outcome == Outcome::INCORRECT);
+    CHECK(any_starts(failing(cross), "capacity/"));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("check accepts another member of an exact tie at the capacity boundary", "[cpu]") {
+  check_capacity_ties("exact_ties");
+  check_capacity_ties("sp_exact_ties");  // per SP rank (docs/contract.md §11)
 }

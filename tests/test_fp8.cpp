@@ -316,6 +316,14 @@ Fp8Dispatch fp8_dispatch(uint32_t seed) {
   return d;
 }
 
+/// One capacity group holding every token, with capacity cap (sp = 1).
+ref::CapacityGroups one_group(const Fp8Dispatch& d, int64_t cap) {
+  ref::CapacityGroups g;
+  g.group.assign(size_t(d.T), 0);
+  g.cap = {cap};
+  return g;
+}
+
 struct CapacityOut {
   std::vector<uint8_t> q;
   std::vector<float> scale;
@@ -327,7 +335,9 @@ CapacityOut fast_capacity(const Fp8Dispatch& d, int64_t cap, bool probs, bool pa
   const int64_t N = int64_t(d.token_sorted.size());
   std::vector<uint8_t> keep(static_cast<size_t>(N));
   std::vector<int64_t> kept(static_cast<size_t>(d.E)), out_counts(static_cast<size_t>(d.E));
-  capacity_select(ex, probs ? CapacityPolicy::probs : CapacityPolicy::position, d.counts.data(), d.E, cap,
+  CapacityGroups groups;
+  groups.caps = {cap};
+  capacity_select(ex, probs ? CapacityPolicy::probs : CapacityPolicy::position, d.counts.data(), d.E, groups,
                   d.token_sorted.data(), d.score_sorted.data(), keep.data(), kept.data());
   int64_t M = 0;
   for (int64_t k : kept) M += pad ? cap : k;
@@ -358,10 +368,12 @@ TEST_CASE("FP8 capacity: the e4m3 rows and their scales kept, dropped and padded
           INFO("seed " << seed << ", probs " << probs << ", pad " << pad << ", cap " << cap);
           const CapacityOut f = fast_capacity(d, cap, probs, pad);
           const ref::CapacityDispatch rq = ref::capacity_dispatch(
-              {d.q.data(), N, size_t(d.D)}, d.token_sorted, d.score_sorted, d.row_of, d.counts, cap, probs, pad, nullptr);
+              {d.q.data(), N, size_t(d.D)}, d.token_sorted, d.score_sorted, d.row_of, d.counts, one_group(d, cap), probs,
+              pad, nullptr);
           const ref::CapacityDispatch rs =
               ref::capacity_dispatch({reinterpret_cast<const uint8_t*>(d.scale.data()), N, size_t(d.nb) * 4},
-                                     d.token_sorted, d.score_sorted, d.row_of, d.counts, cap, probs, pad, nullptr);
+                                     d.token_sorted, d.score_sorted, d.row_of, d.counts, one_group(d, cap), probs, pad,
+                                     nullptr);
           REQUIRE(f.q.size() == rq.rows.size());
           CHECK(f.q == rq.rows);
           REQUIRE(f.scale.size() * 4 == rs.rows.size());
@@ -391,7 +403,7 @@ TEST_CASE("FP8 capacity faults: the e4m3 rows stay right, the scales differ from
     const CapacityOut clean = fast_capacity(d, cap, true, pad), bad = fast_capacity(d, cap, true, pad, FaultSet{uint64_t(fault)});
     const ref::CapacityDispatch rs =
         ref::capacity_dispatch({reinterpret_cast<const uint8_t*>(d.scale.data()), N, size_t(d.nb) * 4}, d.token_sorted,
-                               d.score_sorted, d.row_of, d.counts, cap, true, pad, nullptr);
+                               d.score_sorted, d.row_of, d.counts, one_group(d, cap), true, pad, nullptr);
     CHECK(bad.q == clean.q);
     CHECK(std::memcmp(clean.scale.data(), rs.rows.data(), rs.rows.size()) == 0);
     CHECK(std::memcmp(bad.scale.data(), rs.rows.data(), rs.rows.size()) != 0);

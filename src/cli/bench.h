@@ -43,9 +43,10 @@ struct StageBench {
   double algbw_gbps = 0, busbw_gbps = 0;
   /// The verification's own cost in the run that built the board.
   double ref_seconds = 0, compare_seconds = 0;
-  /// (ref_seconds + compare_seconds) / seconds_min: what checking this
-  /// variant costs per fast call. A slot's reference is computed once, with
-  /// the first variant that runs; the others pay their comparisons only.
+  /// (slot reference seconds + compare_seconds) / seconds_min: what checking
+  /// this variant alone costs per fast call. A slot's reference is computed
+  /// once, with the first variant that runs (ref_seconds is 0 for the
+  /// others), but each variant's ratio counts it, as if it ran alone.
   double check_ratio = 0;
   /// GEMM stages (gemm_shapes in bench.cpp): the FLOPs of the GEMMs the
   /// contract names (2 M K N each, summed over ranks), GFLOP/s at

@@ -200,7 +200,9 @@ bool adopt_capacity_ties(const Case& c, const RankBoard& in, const std::map<std:
   const std::vector<float> score = to_floats(in.at("score_sorted"));
   const std::vector<int64_t> gcounts = to_ints(given.at("counts")), gtok = to_ints(given.at("token_sorted"));
   if (gcounts.size() != counts.size() || to_ints(expected.at("token_sorted")) == gtok) return false;
-  const int64_t cap = int64_t(std::ceil(double(in.at("row_of").shape[0]) * c.top_k / c.num_experts * c.capacity.factor));
+  // per capacity group (docs/contract.md §11: one per SP rank with sp > 1)
+  const ref::CapacityGroups groups = capacity_groups_of(c, in);
+  const size_t G = groups.cap.size();
   std::vector<uint8_t> keep(tok.size(), 0);
   int64_t s = 0, gs = 0;
   for (size_t e = 0; e < counts.size(); ++e) {
@@ -209,15 +211,25 @@ bool adopt_capacity_ties(const Case& c, const RankBoard& in, const std::map<std:
     for (int64_t i = gs; i < gs + gcounts[e]; ++i)
       if (gtok[size_t(i)] >= 0) mine.insert(gtok[size_t(i)]);
     gs += gcounts[e];
-    int64_t kept = 0;
-    float lowest_kept = INFINITY, highest_dropped = -INFINITY;
+    int64_t kept_all = 0;
+    std::vector<int64_t> kept(G, 0), rows(G, 0);
+    std::vector<float> lowest_kept(G, INFINITY), highest_dropped(G, -INFINITY);
     for (int64_t i = s; i < s + counts[e]; ++i) {
       keep[size_t(i)] = mine.count(tok[size_t(i)]) > 0;
-      kept += keep[size_t(i)];
-      if (keep[size_t(i)]) lowest_kept = std::min(lowest_kept, score[size_t(i)]);
-      else highest_dropped = std::max(highest_dropped, score[size_t(i)]);
+      kept_all += keep[size_t(i)];
+      const int32_t g = groups.group[size_t(tok[size_t(i)])];
+      if (g < 0) {
+        if (keep[size_t(i)]) return false;  // a row in no group is never kept
+        continue;
+      }
+      ++rows[size_t(g)];
+      kept[size_t(g)] += keep[size_t(i)];
+      if (keep[size_t(i)]) lowest_kept[size_t(g)] = std::min(lowest_kept[size_t(g)], score[size_t(i)]);
+      else highest_dropped[size_t(g)] = std::max(highest_dropped[size_t(g)], score[size_t(i)]);
     }
-    if (kept != int64_t(mine.size()) || kept != std::min(cap, counts[e]) || highest_dropped > lowest_kept) return false;
+    if (kept_all != int64_t(mine.size())) return false;
+    for (size_t g = 0; g < G; ++g)
+      if (kept[g] != std::min(groups.cap[g], rows[g]) || highest_dropped[g] > lowest_kept[g]) return false;
     s += counts[e];
   }
   RankBoard out;

@@ -54,7 +54,9 @@ std::string case_key_meaning(const std::string& key) {
       {"sp_padding", "how T is padded to a multiple of S: virtual (index formula) or tail rows routed to expert 0"},
       {"backward", "on: the adjoint of the token path, gradients checked (docs/contract.md §13)"},
       {"layers", "MoE layer entries, each with its own router; the overload factor over them (docs/contract.md §12)"},
-      {"capacity.factor", "per-expert capacity cap = ceil(T*K/E * factor); 0: dropless (docs/contract.md §11)"},
+      {"capacity.factor",
+       "per-expert capacity cap = ceil(T*K/E * factor), with sp > 1 per SP rank over its real tokens; 0: dropless "
+       "(docs/contract.md §11)"},
       {"capacity.policy", "which rows an expert keeps: highest scores (probs) or first tokens (position)"},
       {"capacity.pad_to_capacity", "on: every expert gets exactly cap rows, zero filler rows with score 0"},
       {"dispatch.dtype", "act: token rows dispatched as they are; fp8_e4m3: quantised per token and block before the all-to-all, "

@@ -117,8 +117,7 @@ void validate(const Case& c, const Flat& flat) {
          "valid: buffer: fresh with sp > 1");
   // backward (docs/contract.md §13): what src/paths/stages_backward.cpp does not model is refused here.
   // capacity (docs/contract.md §11): what src/paths/stages_capacity.cpp does not model.
-  if (c.capacity.factor > 0 && c.sp > 1)
-    fail("capacity.factor", "capacity dropping on the sequence-parallel layout is not implemented", "valid: sp: 1 with capacity");
+  // (with sp > 1 capacity is per SP rank, tail pad rows taking no slot: §11, "Capacity with sequence parallelism")
   if (c.capacity.factor > 0 && c.router.force_load_balance == Switch::on)
     fail("capacity.factor", "the force-load-balance fast path derives its splits from T, K and E, not from the kept counts",
          "valid: router.force_load_balance: off with capacity");

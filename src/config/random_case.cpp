@@ -102,8 +102,9 @@ bool draw_backward_layers_capacity(uint64_t seed, uint64_t index, std::ostream& 
   // MoE layer entries (docs/contract.md §12): each multiplies the run time, so 2 or 3
   // in about 10% of the cases.
   if (db.chance(0.1)) y << ", layers: " << db.in(2, 3);
-  // capacity (docs/contract.md §11) in about 20% of the cases it supports.
-  capacity = db.chance(0.2) && sp == 1 && !force_lb;
+  // capacity (docs/contract.md §11) in about 20% of the cases it supports,
+  // 35% with sp > 1 (per-SP-rank caps, tail pad rows taking no slot).
+  capacity = db.chance(sp > 1 ? 0.35 : 0.2) && !force_lb;
   if (capacity)
     y << ", capacity: {factor: " << db.pick<const char*>({"0.25", "0.5", "1", "1.25", "4"})
       << ", policy: " << db.pick<const char*>({"probs", "position"})

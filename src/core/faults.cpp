@@ -65,6 +65,12 @@ const std::vector<FaultInfo>& fault_table() {
        "EP permute moves the e4m3 rows to expert-major order but leaves their block scales rank-major (docs/contract.md §16)"},
       {Fault::fp8_scale_inverse, "fp8_scale_inverse",
        "FP8 quantiser stores the quotient multiplier 448/amax as the scale, not s = amax/448 (TE's scale for its scale_inv)"},
+      {Fault::sp_capacity_pad_rows, "sp_capacity_pad_rows",
+       "under SP, tail pad rows count in their SP rank's tokens and take capacity slots (Megatron-LM before padding "
+       "tokens were cleared from the routing map; docs/contract.md §11)"},
+      {Fault::sp_capacity_global_tokens, "sp_capacity_global_tokens",
+       "under SP, every SP rank's capacity is computed from the EP rank's whole T instead of the tokens of its own "
+       "shard (docs/contract.md §11)"},
       {Fault::fp8_capacity_scales_unmoved, "fp8_capacity_scales_unmoved",
        "capacity dropping keeps the right e4m3 rows but leaves their block scales in dispatch order (docs/contract.md §11, §16)"},
       {Fault::fp8_capacity_filler_scale, "fp8_capacity_filler_scale",

@@ -50,6 +50,9 @@ enum class Fault : uint64_t {
   fp8_block_straddle = 1ull << 33,    // the amax window takes a wrong token stride, so a block straddles two tokens
   fp8_scales_unmoved = 1ull << 34,    // the EP permute moves the e4m3 rows but leaves their scales in place
   fp8_scale_inverse = 1ull << 35,     // the stored scale is the quotient multiplier 448/amax, not amax/448 (TE's scale vs scale_inv)
+  // capacity with sequence parallelism (docs/contract.md §11; bits 36..37)
+  sp_capacity_pad_rows = 1ull << 36,       // tail SP pad rows count in their SP rank's tokens and take capacity slots
+  sp_capacity_global_tokens = 1ull << 37,  // every SP rank's cap from the EP rank's whole T, not its own shard
   // FP8 dispatch with capacity (docs/contract.md §11, §16; bits 40..41)
   fp8_capacity_scales_unmoved = 1ull << 40,  // capacity compacts the e4m3 rows but leaves their scales in dispatch order
   fp8_capacity_filler_scale = 1ull << 41,    // a pad_to_capacity filler row repeats the scales above it, not scale 0

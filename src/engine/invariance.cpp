@@ -2,6 +2,7 @@
 // (docs/contract.md §3 EP invariance, §10 SP invariance) rather than a fast run with
 // the reference.
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -12,6 +13,46 @@
 namespace moev {
 
 namespace {
+
+/// Per token of one EP rank: whether the SP run and the sp = 1 run keep the
+/// same experts for it under capacity (docs/contract.md §11, "Capacity with
+/// sequence parallelism": each SP rank drops with a cap of its own, so the
+/// runs legitimately keep other experts for some tokens). All true without
+/// capacity, or where either board lacks the metadata.
+std::vector<uint8_t> same_kept_experts(const Case& c, const Board& fast, const Board& one, int r, int64_t T) {
+  std::vector<uint8_t> same(size_t(T), 1);
+  if (c.capacity.factor <= 0) return same;
+  for (const char* n : {"ids", "row_of"})
+    if (!fast.has(n, r) || !one.has(n, r)) return same;
+  const ref::SpShard sh = ref::sp_shard(T, c.batch, c.sp, ref_padding(c));
+  const std::vector<int64_t> ids = to_ints(fast.at("ids", r)), row_of = to_ints(fast.at("row_of", r));
+  const std::vector<int64_t> ids1 = to_ints(one.at("ids", r)), row_of1 = to_ints(one.at("row_of", r));
+  const size_t K = size_t(c.top_k);
+  auto kept = [K](const std::vector<int64_t>& e, const std::vector<int64_t>& row, size_t i) {
+    std::vector<int64_t> k;
+    for (size_t j = i * K; j < (i + 1) * K && j < e.size() && j < row.size(); ++j)
+      if (row[j] >= 0) k.push_back(e[j]);
+    std::sort(k.begin(), k.end());
+    return k;
+  };
+  for (size_t i = 0; i < sh.position.size(); ++i) {
+    const int64_t t = sh.position[i];
+    if (t < T) same[size_t(t)] = kept(ids, row_of, i) == kept(ids1, row_of1, size_t(t));
+  }
+  return same;
+}
+
+/// `t` (T, D) with the rows of the tokens not compared taken from `from`, so
+/// that only the compared tokens can differ.
+Tensor compared_rows(const Tensor& t, const Tensor& from, const std::vector<uint8_t>& same) {
+  if (t.shape != from.shape || t.type != from.type || t.shape.size() != 2) return t;
+  Tensor o = t.clone();
+  const size_t row = size_t(t.shape[1]) * elem_bytes(t.type);
+  for (size_t i = 0; i < same.size() && int64_t(i) < t.shape[0]; ++i)
+    if (!same[i])
+      std::memcpy(static_cast<uint8_t*>(o.data()) + i * row, static_cast<const uint8_t*>(from.data()) + i * row, row);
+  return o;
+}
 
 /// The SP invariance checks of each EP rank against the sp = 1 run r1
 /// (described at check_sp_invariance).
@@ -53,19 +94,40 @@ void sp_invariance_checks(const Case& c, const CaseReport& r1, const Board& fast
       out.push_back(ch);
       continue;
     }
-    const bool have = r1.fast.has("out", r);
-    Check ch = check_output(c, "sp_invariance", variant, os, fast.has("sp_out", r) ? &fast.at("sp_out", r) : nullptr,
-                            have ? &r1.fast.at("out", r) : nullptr, fast.ranks[size_t(r)], r, R, "sp = 1 run",
+    // Under capacity only the tokens that keep the same experts in both runs
+    // are compared (docs/contract.md §11); the others take the sp = 1 rows.
+    const int64_t T = fast.has("sp_tokens", r) ? to_ints(fast.at("sp_tokens", r)).at(0) : 0;
+    const std::vector<uint8_t> same = same_kept_experts(c, fast, r1.fast, r, T);
+    const int64_t apart = int64_t(std::count(same.begin(), same.end(), uint8_t(0)));
+    auto pair = [&](const char* sp_name, const char* one_name, Tensor& a, Tensor& b) -> std::pair<Tensor*, Tensor*> {
+      if (!fast.has(sp_name, r) || !r1.fast.has(one_name, r)) return {nullptr, nullptr};
+      b = r1.fast.at(one_name, r);
+      a = apart ? compared_rows(fast.at(sp_name, r), b, same) : fast.at(sp_name, r);
+      return {&a, &b};
+    };
+    Tensor out_a, out_b, gx_a, gx_b;
+    const auto outs = pair("sp_out", "out", out_a, out_b);
+    const Tensor* sp_out = outs.first ? outs.first : fast.has("sp_out", r) ? &fast.at("sp_out", r) : nullptr;
+    Check ch = check_output(c, "sp_invariance", variant, os, sp_out, outs.second, fast.ranks[size_t(r)], r, R,
+                            "sp = 1 run",
                             !exact && r1.fast.has("out_magnitude", r) ? &r1.fast.at("out_magnitude", r) : nullptr);
     std::vector<Check> row{ch};
     // The token gradients too (backward: on): bitwise where the outputs are,
     // since a token's gradient is made of its own rows only (docs/contract.md §13).
     if (exact && c.backward == Switch::on) {
       const OutputSpec og{"grad_x", CompareClass::exact, Coords::token_col, nullptr};
-      row.push_back(check_output(c, "sp_invariance", variant, og, fast.has("grad_x", r) ? &fast.at("grad_x", r) : nullptr,
-                                 r1.fast.has("grad_x", r) ? &r1.fast.at("grad_x", r) : nullptr, fast.ranks[size_t(r)], r,
-                                 R, "sp = 1 run"));
+      const auto gxs = pair("grad_x", "grad_x", gx_a, gx_b);
+      row.push_back(check_output(c, "sp_invariance", variant, og,
+                                 gxs.first ? gxs.first : fast.has("grad_x", r) ? &fast.at("grad_x", r) : nullptr,
+                                 gxs.second, fast.ranks[size_t(r)], r, R, "sp = 1 run"));
     }
+    if (apart > 0)
+      for (Check& k : row) {
+        const std::string n = std::to_string(apart) + " of " + std::to_string(T) +
+                              " token(s) keep other experts than under the sp = 1 run's capacity (each SP rank drops "
+                              "with its own cap, docs/contract.md §11): not compared";
+        k.note = k.note.empty() ? n : k.note + "; " + n;
+      }
     for (Check& k : row) {
       if (first_bad) {
         k.outcome = worst(k.outcome, r1.outcome);

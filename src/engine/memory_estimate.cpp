@@ -74,8 +74,9 @@ constexpr double kBaseBytes = 11.75 * (1 << 20);
 constexpr double kThreadBytes = 64.0 * 1024;
 
 /// The estimate of one pipeline over ranks holding `tokens` in all, at most
-/// `tokens_max` on one rank, with `ranks` ranks.
-double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ranks, int threads) {
+/// `tokens_max` on one rank, with `ranks` ranks; `checked`: with its
+/// references (the invariance reruns are the fast pipeline alone).
+double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ranks, int threads, bool checked) {
   const double s = double(elem_bytes(act_elem(c.dtype)));
   const double D = double(c.hidden), F = double(c.ffn), E = double(c.num_experts), K = double(c.top_k);
   const double A = double(c.align);
@@ -85,9 +86,10 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
   // empty_groups: pad an empty group holding A rows: E * A rows over all ranks.
   const double pad_rows = A > 1 ? E * A : 0;
   // pad_to_capacity (docs/contract.md §11) gives every expert cap rows: up to
-  // factor * T * K (+ E rounding) rows per rank.
+  // factor * T * K (+ E rounding, per SP rank with sp > 1) rows per rank.
   const bool cap_pad = c.capacity.factor > 0 && c.capacity.pad_to_capacity == Switch::on;
-  const double routed = tokens * K * (cap_pad ? std::max(1.0, c.capacity.factor) : 1.0) + (cap_pad ? E * ranks : 0);
+  const double routed = tokens * K * (cap_pad ? std::max(1.0, c.capacity.factor) : 1.0) +
+                        (cap_pad ? E * ranks * double(std::max(1, c.sp)) : 0);
   const double padded = routed + pad_rows;
   // Equal-split all-to-all: every (source, destination) chunk padded to the
   // largest split, at most T_max * min(K, E_l) rows (a token sends one row
@@ -105,8 +107,13 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
   const double side = std::min(std::max(1.0, double(threads)), ranks);  // ranks' references at a time
   const double routed_copies =
       kRoutedAct + side / ranks + (extra_permute ? 1 : 0) + (extra_a2a ? 1 : 0) + (swiglu ? 1 : 0);
-  // One slot at a time holds these rows: the padded count bounds the routed one.
-  b += padded * D * (routed_copies * s + (swiglu ? kPaddedFloat * 4 : 0)) + tokens_max * K * D * kRoutedFloatPerRank * 4;
+  // One slot at a time holds these rows: the padded count bounds the routed
+  // one. The end-to-end error scale's fp32 views are made once, right after
+  // the chain's dispatch slot has been let go (Pipeline::advance_chain), when
+  // one copy of the routed rows is left: the larger of the two moments.
+  const double slot_rows = padded * D * (routed_copies * s + (swiglu ? kPaddedFloat * 4 : 0));
+  const double magnitude_rows = routed * D * s + tokens_max * K * D * kRoutedFloatPerRank * 4;
+  b += std::max(slot_rows, magnitude_rows);
   if (swiglu) b += padded * F * (kSwigluAct * s + kSwigluFloat * 4);
   if (shared_swiglu) b += tokens * F * (kSwigluAct * s + kSwigluFloat * 4);
   b += equal_rows * D * (3 * s + 4);
@@ -118,6 +125,11 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
   if (c.backward == Switch::on) {
     b += tokens * D * (4 * s + 2 * 4) + routed * 4 * 4;
     b += padded * D * s;
+    // SwiGLU weight gradients, fp32 (E, F, D) x 3 over the ranks: the fast
+    // path's and, when checked, the reference's and their error scales.
+    const double wgrad_copies = checked ? 3 : 1;
+    if (swiglu) b += wgrad_copies * (E * 3 * F * D * 4);
+    if (shared_swiglu) b += wgrad_copies * ranks * (3 * F * D * 4);
   }
   b += routed * kTokenKBytes;
   // Weights (elements of one copy): gate, routed experts, shared expert.
@@ -163,7 +175,7 @@ double estimate_case_bytes(const Case& c, int threads) {
     most = std::max(most, double(c.tokens_on(r)) + sp_pad);
   }
   const double sp_rows = c.sp > 1 ? 3 * total * double(c.hidden) * 4 : 0;
-  const double main_run = kBaseBytes + global_bytes(c) + pipeline_bytes(c, total, most, double(c.ep), threads) + sp_rows;
+  const double main_run = kBaseBytes + global_bytes(c) + pipeline_bytes(c, total, most, double(c.ep), threads, true) + sp_rows;
   // After the pipeline only its results stay (out in act, its fp32 error
   // scale, sp_out) while the invariance reruns run: EP = 1 reruns of each
   // rank's tokens (as many side by side as there are threads), then an
@@ -175,9 +187,9 @@ double estimate_case_bytes(const Case& c, int threads) {
   double b = main_run;
   if (c.ep > 1) {
     const int side = std::min(std::max(1, threads), c.ep);
-    b = std::max(b, results + side * pipeline_bytes(c, most, most, 1, std::max(1, threads / side)));
+    b = std::max(b, results + side * pipeline_bytes(c, most, most, 1, std::max(1, threads / side), false));
   }
-  if (c.sp > 1) b = std::max(b, results + pipeline_bytes(c, total, most, double(c.ep), threads));
+  if (c.sp > 1) b = std::max(b, results + pipeline_bytes(c, total, most, double(c.ep), threads, false));
   return b;
 }
 

@@ -318,6 +318,9 @@ struct SlotRun {
   std::map<const Stage*, Board> refs;  // each variant's reference outputs, for the chain
   const Stage* last_ref = nullptr;     // the last reference run in this slot, its outputs and error scales
   Board last_refout, last_scales;
+  // Each variant's error scales (shared storage): a function of the slot's
+  // inputs alone, so the cross-variant checks reuse them, never recompute.
+  std::map<const Stage*, Board> scales_of;
 };
 
 /// The pipeline on R ranks (run_pipeline_stages): the phases of one case's
@@ -586,6 +589,7 @@ class Pipeline {
       }
     }
     vd.compare_seconds += since(tc);
+    sr.scales_of[&s] = sr.last_scales;
     if (s.primary(c_) || sr.ran.empty()) sr.refs[&s] = std::move(refout);
   }
 
@@ -680,14 +684,20 @@ class Pipeline {
     for (const auto& [s, out] : sr.ran) {
       if (s == &primary) continue;
       const auto tx = Clock::now();
+      const auto own = sr.scales_of.find(s);
       for (const OutputSpec& o : s->outputs)
         for (int r = 0; r < R_; ++r) {
           if (o.from_fast) continue;
           auto fi = out.ranks[size_t(r)].find(o.name);
           auto pi = primary_out.ranks[size_t(r)].find(o.name);
           if (fi == out.ranks[size_t(r)].end() || pi == primary_out.ranks[size_t(r)].end()) continue;
+          const Tensor* pre = nullptr;
+          if (own != sr.scales_of.end() && size_t(r) < own->second.ranks.size()) {
+            const auto si = own->second.ranks[size_t(r)].find(o.name);
+            if (si != own->second.ranks[size_t(r)].end()) pre = &si->second;
+          }
           rep_.checks.push_back(make_check(c_, s->slot, s->variant, o, &fi->second, &pi->second, fast_.ranks[size_t(r)],
-                                           r, R_, primary.variant));
+                                           r, R_, primary.variant, nullptr, pre));
         }
       decision_of(*s).compare_seconds += since(tx);  // counted as this variant's comparison time
     }

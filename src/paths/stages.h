@@ -64,6 +64,9 @@ void register_capacity_stages(std::vector<Stage>& reg);  // docs/contract.md §1
 /// their capacity-limited versions under the same names. `keep` (one flag per
 /// dispatch row) overrides which rows are kept (see ref::capacity_dispatch).
 void capacity_reference(const Case& c, const RankBoard& in, RankBoard& out, const std::vector<uint8_t>* keep = nullptr);
+/// The capacity groups of one rank's dispatch (docs/contract.md §11): one
+/// group at sp = 1; with sp > 1 one per SP rank, tail pad rows in none.
+ref::CapacityGroups capacity_groups_of(const Case& c, const RankBoard& in);
 void register_backward_stages(std::vector<Stage>& reg);  // docs/contract.md §13
 void register_fp8_stages(std::vector<Stage>& reg);       // docs/contract.md §16
 

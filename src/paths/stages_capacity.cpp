@@ -7,10 +7,13 @@
 // token; pad_to_capacity gives every expert exactly cap rows, its fillers
 // zero rows with score 0 and token -1 (skipped by the combine). cap is
 // computed per rank over its own T_r tokens (Megatron-LM's router-level
-// dropping runs on each rank before the dispatch). Under FP8 dispatch the
-// twin drop_per_expert_fp8 moves routed_input_q and routed_input_scale by
-// the same decision instead of routed_input (docs/contract.md §16 "With
-// capacity"): fillers are e4m3 zero rows with scale 0.
+// dropping runs on each rank before the dispatch); with sp > 1 per SP rank
+// over the real tokens of its shard, tail pad rows taking no slot
+// (docs/contract.md §11, "Capacity with sequence parallelism"). Under FP8
+// dispatch the twin drop_per_expert_fp8 moves routed_input_q and
+// routed_input_scale by the same decision instead of routed_input
+// (docs/contract.md §16 "With capacity"): fillers are e4m3 zero rows with
+// scale 0.
 #include <algorithm>
 #include <cmath>
 #include <set>
@@ -32,11 +35,22 @@ std::vector<std::string> capacity_rows(const Case& c) {
   return {"routed_input"};
 }
 
+/// The EP rank's own token count, recorded by sp_shard (sp > 1 only).
+int64_t ep_tokens(const RankBoard& in) { return to_ints(in.at("sp_tokens")).at(0); }
+
 }  // namespace
+
+ref::CapacityGroups capacity_groups_of(const Case& c, const RankBoard& in) {
+  // docs/contract.md §11: one group per SP rank with sp > 1, from the reference shard
+  if (c.sp > 1)
+    return ref::capacity_groups_sp(ref::sp_shard(ep_tokens(in), c.batch, c.sp, ref_padding(c)), ep_tokens(in),
+                                   c.top_k, c.num_experts, c.capacity.factor);
+  return ref::capacity_groups_one(in.at("row_of").shape[0], c.top_k, c.num_experts, c.capacity.factor);
+}
 
 void capacity_reference(const Case& c, const RankBoard& in, RankBoard& out, const std::vector<uint8_t>* keep) {
   const Tensor& row_of = in.at("row_of");
-  const int64_t cap = int64_t(std::ceil(double(row_of.shape[0]) * c.top_k / c.num_experts * c.capacity.factor));
+  const ref::CapacityGroups groups = capacity_groups_of(c, in);
   bool first = true;
   for (const std::string& name : capacity_rows(c)) {
     const Tensor& rows = in.at(name);
@@ -44,7 +58,7 @@ void capacity_reference(const Case& c, const RankBoard& in, RankBoard& out, cons
     // bytes: an e4m3 zero row, scale 0); the metadata come from the first.
     ref::CapacityDispatch d = ref::capacity_dispatch(
         rows_of(rows), ref_ids(in.at("token_sorted")), to_floats(in.at("score_sorted")), ref_ids(row_of),
-        ref_counts(in.at("counts")), cap, c.capacity.policy == CapacityPolicy::probs,
+        ref_counts(in.at("counts")), groups, c.capacity.policy == CapacityPolicy::probs,
         c.capacity.pad_to_capacity == Switch::on, keep);
     out[name] = rows_tensor(std::move(d.rows), rows.type, rows.shape[1]);
     if (!first) continue;
@@ -85,7 +99,12 @@ void capacity_fast(FastCtx& ctx) {
   const int E = c.num_experts;
   const Tensor& row_of = ctx.input("row_of");
   const int64_t T = row_of.shape[0];
-  const int64_t cap = capacity_of(T, c.top_k, E, c.capacity.factor);
+  CapacityGroups groups;
+  if (c.sp > 1)  // per SP rank, tail pad rows in no group (docs/contract.md §11)
+    groups = sp_capacity_groups(sp_layout(ep_tokens(ctx.in), c.batch, c.sp, c.sp_padding, ctx.exec.faults), c.top_k,
+                                E, c.capacity.factor, ctx.exec.faults);
+  else
+    groups.caps = {capacity_of(T, c.top_k, E, c.capacity.factor)};
   const bool pad = c.capacity.pad_to_capacity == Switch::on;
   const Tensor& counts = ctx.input("counts");
   const Tensor& tok = ctx.input("token_sorted");
@@ -93,16 +112,17 @@ void capacity_fast(FastCtx& ctx) {
   const int64_t N = tok.numel();
   std::vector<uint8_t> keep(static_cast<size_t>(N));
   std::vector<int64_t> kept(static_cast<size_t>(E));
-  capacity_select(ctx.exec, c.capacity.policy, counts.as<int64_t>(), E, cap, tok.as<int32_t>(), sc.as<float>(),
+  capacity_select(ctx.exec, c.capacity.policy, counts.as<int64_t>(), E, groups, tok.as<int32_t>(), sc.as<float>(),
                   keep.data(), kept.data());
+  const int64_t pad_rows = groups.total_cap();
   int64_t M = 0;
-  for (int e = 0; e < E; ++e) M += pad ? cap : kept[size_t(e)];
+  for (int e = 0; e < E; ++e) M += pad ? pad_rows : kept[size_t(e)];
   Tensor& out_counts = ctx.output("counts", ElemType::i64, {E});
   Tensor& out_tok = ctx.output("token_sorted", ElemType::i32, {M});
   Tensor& out_sc = ctx.output("score_sorted", ElemType::f32, {M});
   Tensor& out_row_of = ctx.output("row_of", ElemType::i32, row_of.shape);
   const std::vector<int64_t> src =
-      capacity_plan(ctx.exec, counts.as<int64_t>(), E, cap, pad, keep.data(), kept.data(), tok.as<int32_t>(),
+      capacity_plan(ctx.exec, counts.as<int64_t>(), E, pad_rows, pad, keep.data(), kept.data(), tok.as<int32_t>(),
                     sc.as<float>(), row_of.as<int32_t>(), row_of.numel(), c.top_k, out_tok.as<int32_t>(),
                     out_sc.as<float>(), out_row_of.as<int32_t>(), out_counts.as<int64_t>());
   if (c.fp8()) {
@@ -118,9 +138,11 @@ void capacity_fast(FastCtx& ctx) {
   }
   int64_t dropped = 0;
   for (int e = 0; e < E; ++e) dropped += counts.as<int64_t>()[e] - kept[size_t(e)];
-  ctx.notes.push_back("rank " + std::to_string(ctx.rank) + ": cap " + std::to_string(cap) + ", " +
-                      std::to_string(dropped) + " of " + std::to_string(N) + " assignments dropped" +
-                      (pad ? ", every expert padded to cap" : ""));
+  std::string caps;
+  for (int64_t v : groups.caps) caps += (caps.empty() ? "" : ", ") + std::to_string(v);
+  ctx.notes.push_back("rank " + std::to_string(ctx.rank) + ": cap " + (c.sp > 1 ? "per SP rank [" + caps + "]" : caps) +
+                      ", " + std::to_string(dropped) + " of " + std::to_string(N) + " assignments dropped" +
+                      (pad ? ", every expert padded to " + std::to_string(pad_rows) + " rows" : ""));
 }
 
 /// The stage for the activation rows (fp8 false) or for the e4m3 rows and
@@ -129,8 +151,9 @@ Stage capacity_stage(bool fp8) {
   Stage s;
   s.slot = "capacity";
   s.variant = fp8 ? "drop_per_expert_fp8" : "drop_per_expert";
-  s.summary = "each expert keeps at most cap = ceil(T*K/E * factor) rows (probs: highest scores, ties to the lower "
-              "token; position: the first), no renormalisation; pad_to_capacity fills to cap (docs/contract.md §11)";
+  s.summary = "each expert keeps at most cap = ceil(T*K/E * factor) rows, per SP rank with sp > 1 (probs: highest "
+              "scores, ties to the lower token; position: the first), no renormalisation; pad_to_capacity fills to "
+              "cap (docs/contract.md §11)";
   if (fp8) s.summary += "; FP8: the e4m3 rows and their block scales together, fillers e4m3 zero with scale 0 (§16)";
   s.applies = [fp8](const Case& c) {
     if (!(c.capacity.factor > 0)) return Decision{false, "capacity.factor: none (dropless)"};
@@ -145,7 +168,11 @@ Stage capacity_stage(bool fp8) {
       fp8 ? std::vector<std::string>{"routed_input_q", "routed_input_scale"} : std::vector<std::string>{"routed_input"};
   std::vector<std::string> ins = rows;
   for (const char* n : {"token_sorted", "score_sorted", "row_of", "counts"}) ins.push_back(n);
-  s.inputs = fixed_inputs(ins);
+  s.inputs = [ins](const Case& c) {
+    std::vector<std::string> in = ins;
+    if (c.sp > 1) in.push_back("sp_tokens");  // the SP ranks' groups (docs/contract.md §11)
+    return in;
+  };
   s.outputs = {{"counts", CompareClass::exact, Coords::expert, nullptr}};
   for (const std::string& n : rows) s.outputs.push_back({n, CompareClass::exact, Coords::dispatch_row, nullptr});
   s.outputs.push_back({"token_sorted", CompareClass::exact, Coords::flat, nullptr});

@@ -220,7 +220,6 @@ Tensor swiglu_scale(const Case& c, const RankBoard& b, const Tensor& X, const re
   for (int64_t n : counts) rows += n;
   ref::Vec xv = to_floats(X);
   xv.resize(size_t(rows * c.hidden));
-  const int64_t E_l = int64_t(counts.size());
   return from_floats(ref::swiglu_magnitude(xv, counts, c.hidden, c.ffn, weight_view(b.at(w_prefix + "w1"), first),
                                            weight_view(b.at(w_prefix + "w3"), first),
                                            weight_view(b.at(w_prefix + "w2"), first), threads),
@@ -268,7 +267,7 @@ std::vector<OutputSpec> swiglu_mid_outputs(const SwigluSite& site, Coords co) {
                    for (int64_t n : counts) rows += n;
                    ref::Vec xv = to_floats(b.at(st->input));
                    xv.resize(size_t(rows * c.hidden));
-                   const int64_t first = st->first_expert(c, rank, ranks), E_l = int64_t(counts.size());
+                   const int64_t first = st->first_expert(c, rank, ranks);
                    return from_floats(ref::swiglu_h13_halfwidth(mid_act(c, swiglu_conventions(c, st->mid)), xv, counts,
                                                                 c.hidden, c.ffn,
                                                                 weight_view(b.at(st->w_prefix + "w1"), first),
@@ -335,7 +334,6 @@ void ref_swiglu(RefCtx& r, const std::string& in, const std::function<ref::Count
     if (!r.wants(int(q))) continue;
     const RankBoard& b = r.in.ranks[q];
     const ref::Counts counts = counts_of(b);
-    const int64_t E_l = int64_t(counts.size());
     const int64_t first = int64_t(q) * expert0_per_rank;
     const Tensor& X = b.at(in);
     int64_t rows = 0;
