@@ -50,6 +50,8 @@ enum class Fault : uint64_t {
   fp8_block_straddle = 1ull << 33,    // the amax window takes a wrong token stride, so a block straddles two tokens
   fp8_scales_unmoved = 1ull << 34,    // the EP permute moves the e4m3 rows but leaves their scales in place
   fp8_scale_inverse = 1ull << 35,     // the stored scale is the quotient multiplier 448/amax, not amax/448 (TE's scale vs scale_inv)
+  swiglu_bwd_fused_rounding = 1ull << 38,  // §13: the unfused (torchtitan) SwiGLU backward takes the fused formulas for dh1, dh3
+  swiglu_bwd_wgrad_fp32 = 1ull << 39,      // §13: weight gradients left in fp32, not rounded to the compute dtype as autograd does
 };
 
 struct FaultSet {
