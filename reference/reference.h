@@ -288,7 +288,8 @@ SwigluGrads swiglu_experts_backward(Act act, const Vec& X, const Vec& dY, const 
 ///   dW1 = round_act(round(dh1^T X_j)), dW3 likewise, dW2 = round_act(round(dY_j^T H_j)).
 /// In fp64 from the rounded operands. With bounds, the m* fields hold the
 /// half-widths of class `rounding` (reference/swiglu_bwd_autograd.cpp): how far
-/// an fp32 implementation of these rules may land, mostly 0 in bf16.
+/// an fp32 implementation of these rules may land (in bf16 0 or about one
+/// unit in the last place for most elements).
 SwigluGrads swiglu_backward_autograd(Act act, const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
                                      WeightView W1, WeightView W3, WeightView W2, SiluRounding rounding,
                                      Compute compute, int threads = 1, bool bounds = false);

@@ -12,8 +12,9 @@
 // elementwise result takes every rounding those allow (min and max over the
 // candidates); a GEMM of gradients is any rounding of a value within its own
 // accumulation bound plus the sum of |operand| times the half-widths of the
-// rounded intermediates it reads. Mostly 0 in bf16, so one rounding more or
-// less (a fused formula, an unrounded weight gradient) fails.
+// rounded intermediates it reads. In bf16 0 or about one unit in the last
+// place for most elements, so one rounding more or less (a fused formula,
+// an unrounded weight gradient), which moves most elements, fails.
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
