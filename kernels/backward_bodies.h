@@ -113,7 +113,7 @@ enum class SiluGrad : uint8_t { exact, sigmoid_only /* planted fault */ };
 /// (SwigluBody). Under SiluRounding::fused (the fused activation):
 ///   H = round(silu(a) b), dh3 = round(g silu(a)), dh1 = round(g b silu'(a)).
 /// Under SiluRounding::rounded_to_act (autograd of silu, then the product,
-/// each an op of its own on T tensors; docs/contract.md §13 second list):
+/// each an op of its own on T tensors; docs/contract.md §13, autograd's points):
 ///   s = round(silu(a)), H = round(s b), ga = round(g b), dh3 = round(g s),
 ///   dh1 = round(ga silu'(a)).
 /// `fused_grad` (the planted fault swiglu_bwd_fused_rounding) takes the fused
@@ -175,7 +175,7 @@ struct GradSumBody {
   const T* b;
   T* out;
   int64_t n;
-  static constexpr int64_t kChunk = 4096;
+  static constexpr int64_t kChunk = 4096;  // device.h's kChunk: callers run chunks(n) items
   MOEV_HD void operator()(int64_t c, int lane, int lanes) const {
     const int64_t end = (c + 1) * kChunk < n ? (c + 1) * kChunk : n;
     for (int64_t i = c * kChunk + lane; i < end; i += lanes) out[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));

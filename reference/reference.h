@@ -268,7 +268,8 @@ struct SwigluGrads {
 /// Experts run on `threads` threads (each expert on one: the result does not
 /// depend on their number). With bounds, the m* fields hold the error scales
 /// of the act-rounded inputs from the same GEMMs (swiglu_backward_magnitude's
-/// when the inputs are act values, as a stage's tensors are).
+/// when the inputs are act values, as a stage's tensors are); under autograd's
+/// rules the half-widths of class rounding instead.
 SwigluGrads swiglu_experts_backward(Act act, const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
                                     WeightView W1, WeightView W3, WeightView W2,
                                     SiluRounding rounding = SiluRounding::fused, Compute compute = Compute::act,

@@ -519,7 +519,8 @@ void ref_experts_swiglu_bwd(RefCtx& r) {
     if (!r.wants(int(q))) continue;
     const SwigluBwdArgs a = routed_args(c, r.in.ranks[q], int(q));
     // The stage's tensors hold act values, so the error scales of the
-    // act-rounded inputs are routed_grad_scale's, from the same GEMMs.
+    // act-rounded inputs are routed_grad_scale's, from the same GEMMs (under
+    // autograd's rules the half-widths, autograd_halfwidth's).
     const ref::SwigluGrads g =
         ref::swiglu_experts_backward(ref_act(c.dtype), a.X, a.dY, a.counts, c.hidden, c.ffn, a.W1, a.W3, a.W2,
                                      ref_rounding(c), ref_compute(c), r.threads, r.wants_scales());
