@@ -2,6 +2,8 @@
 # Runs an example implementation on exported golden folders and checks it.
 #   run_examples.sh numpy MOEVERIFY SOURCE_DIR   every case of basic.yaml and ep4.yaml, and its planted bugs
 #   run_examples.sh torch MOEVERIFY SOURCE_DIR   torch_check.py and torch_ep.py (torchrun, gloo); exits 77 (skipped) without torch
+#   run_examples.sh torch_swiglu_bwd MOEVERIFY SOURCE_DIR   torch_swiglu_bwd.py (autograd of torchtitan's
+#                                                experts, docs/contract.md §13) and its bug; exits 77 without torch
 set -u
 mode=$1
 bin=$2
@@ -77,5 +79,34 @@ case "$mode" in
     echo "torch_ep.py --bug no_permute: check exit $rc, first INCORRECT stage: ${first:-none}"
     [ "$rc" -eq 1 ] && [ "$first" = ep_permute ] || { echo "expected exit 1 and INCORRECT first at ep_permute"; exit 1; }
     ;;
-  *) echo "usage: run_examples.sh numpy|torch MOEVERIFY SOURCE_DIR"; exit 2 ;;
+  torch_swiglu_bwd)
+    py=""
+    for p in ${MOEVERIFY_TORCH_PYTHON:-} python3 /usr/bin/python3; do
+      if command -v "$p" >/dev/null && "$p" -c "import torch, numpy" 2>/dev/null; then py=$p; break; fi
+    done
+    [ -n "$py" ] || { echo "torch is not importable (set MOEVERIFY_TORCH_PYTHON to a python with torch): skipped"; exit 77; }
+    echo "torch: $("$py" -c 'import torch; print(torch.__version__)') ($py)"
+    # the three conventions of torchtitan's experts, one rank each, with a shared expert where the case has one
+    "$bin" export "$src/cases/backward_swiglu.yaml" "$tmp/golden" --case bwd_swiglu_torchtitan_bf16 \
+      --case bwd_swiglu_torchtitan_compute_bf16_fp32 --case bwd_swiglu_torchtitan_compute_bf16_fp16 >/dev/null || exit 1
+    cp -r "$tmp/golden" "$tmp/bug"
+    export OMP_NUM_THREADS=1
+    for d in "$tmp"/golden/*/; do "$py" "$src/examples/torch_swiglu_bwd.py" "$d" || exit 1; done
+    "$bin" check "$tmp/golden" >"$tmp/report.txt"
+    rc=$?
+    tail -1 "$tmp/report.txt"
+    [ "$rc" -eq 0 ] || { grep -E "INCORRECT|ERROR" "$tmp/report.txt" | head; exit 1; }
+    n=$(grep -c -E '^   experts_bwd +actual\* +PASSED' "$tmp/report.txt")
+    [ "$n" -eq 3 ] || { echo "experts_bwd was not checked in every case ($n)"; exit 1; }
+    n=$(grep -c -E '^   shared_experts_bwd +actual\* +PASSED' "$tmp/report.txt")
+    [ "$n" -eq 2 ] || { echo "shared_experts_bwd was not checked in both shared cases ($n)"; exit 1; }
+    # an fp32 activation (one rounding for silu(h1) h3) must fail experts_bwd in every case
+    for d in "$tmp"/bug/*/; do "$py" "$src/examples/torch_swiglu_bwd.py" "$d" --bug fp32_activation >/dev/null || exit 1; done
+    "$bin" check "$tmp/bug" >"$tmp/bug.txt"
+    rc=$?
+    n=$(grep -c -E '^   experts_bwd +actual\* +INCORRECT' "$tmp/bug.txt")
+    echo "torch_swiglu_bwd.py --bug fp32_activation: check exit $rc, experts_bwd INCORRECT in $n of 3 cases"
+    [ "$rc" -eq 1 ] && [ "$n" -eq 3 ] || { echo "expected exit 1 and experts_bwd INCORRECT in all 3"; exit 1; }
+    ;;
+  *) echo "usage: run_examples.sh numpy|torch|torch_swiglu_bwd MOEVERIFY SOURCE_DIR"; exit 2 ;;
 esac

@@ -108,20 +108,33 @@ enum class SiluGrad : uint8_t { exact, sigmoid_only /* planted fault */ };
 
 /// The elementwise SwiGLU backward of one (row, f) (docs/contract.md §8, §13) on the
 /// values the contract rounds to T: a = h1, b = h3, g = dH. Gives the forward
-/// activation H = round(silu(a) b) (the dW2 operand), dh3 = round(g silu(a))
-/// and dh1 = round(g b silu'(a)), each rounded to T once and widened back.
-/// silu(a) = a / (1 + exp(-a)) is the forward's formulation (SwigluBody).
+/// activation H (the dW2 operand), dh3 and dh1, each rounded to T once and
+/// widened back. silu(a) = a / (1 + exp(-a)) is the forward's formulation
+/// (SwigluBody). Under SiluRounding::fused (the fused activation):
+///   H = round(silu(a) b), dh3 = round(g silu(a)), dh1 = round(g b silu'(a)).
+/// Under SiluRounding::rounded_to_act (autograd of silu, then the product,
+/// each an op of its own on T tensors; docs/contract.md §13, autograd's points):
+///   s = round(silu(a)), H = round(s b), ga = round(g b), dh3 = round(g s),
+///   dh1 = round(ga silu'(a)).
+/// `fused_grad` (the planted fault swiglu_bwd_fused_rounding) takes the fused
+/// formulas for dh1 and dh3 whatever the forward rounded.
 /// The host backward and SwigluBwdBody both call it.
 struct SwigluGradElem {
   float H, dh3, dh1;
 };
 template <class T>
-MOEV_HD inline SwigluGradElem swiglu_grad_elem(float a, float b, float g, SiluGrad sg) {
+MOEV_HD inline SwigluGradElem swiglu_grad_elem(float a, float b, float g, SiluGrad sg,
+                                               SiluRounding rounding = SiluRounding::fused, bool fused_grad = false) {
   const float e = k_exp(-a);
   const float sig = 1.f / (1.f + e);
   const float silu = a / (1.f + e);
   const float dsilu = sg == SiluGrad::sigmoid_only ? sig : sig * (1.f + a * (1.f - sig));
-  return {round_to<T>(silu * b), round_to<T>(g * silu), round_to<T>(g * b * dsilu)};
+  if (rounding == SiluRounding::fused) return {round_to<T>(silu * b), round_to<T>(g * silu), round_to<T>(g * b * dsilu)};
+  const float s = round_to<T>(silu);
+  const float H = round_to<T>(s * b);
+  if (fused_grad) return {H, round_to<T>(g * silu), round_to<T>(g * b * dsilu)};
+  const float ga = round_to<T>(g * b);
+  return {H, round_to<T>(g * s), round_to<T>(ga * dsilu)};
 }
 
 /// The SwiGLU backward's elementwise step (item = row, lanes over f): from
@@ -136,16 +149,36 @@ struct SwigluBwdBody {
   T* dh13;       // (rows, 2F)
   int64_t F;
   SiluGrad silu_grad = SiluGrad::exact;
+  SiluRounding rounding = SiluRounding::fused;
+  bool fused_grad = false;  // the planted fault swiglu_bwd_fused_rounding
 
   MOEV_HD void operator()(int64_t r, int lane, int lanes) const {
     const T* h1 = h13 + r * 2 * F;
     T* d1 = dh13 + r * 2 * F;
     for (int64_t f = lane; f < F; f += lanes) {
-      const SwigluGradElem v = swiglu_grad_elem<T>(to_float(h1[f]), to_float(h1[F + f]), to_float(dH[r * F + f]), silu_grad);
+      const SwigluGradElem v = swiglu_grad_elem<T>(to_float(h1[f]), to_float(h1[F + f]), to_float(dH[r * F + f]),
+                                                   silu_grad, rounding, fused_grad);
       H[r * F + f] = from_float<T>(v.H);
       d1[f] = from_float<T>(v.dh1);
       d1[F + f] = from_float<T>(v.dh3);
     }
+  }
+};
+
+/// The input gradient of the unfused SwiGLU backward (docs/contract.md §13): x
+/// feeds two GEMMs, whose gradients a and b (each already rounded, in T) are
+/// added in fp32 and rounded to T once: out[i] = round(float(a[i]) +
+/// float(b[i])), elements in chunks of kChunk (as RoundBody).
+template <class T>
+struct GradSumBody {
+  const T* a;
+  const T* b;
+  T* out;
+  int64_t n;
+  static constexpr int64_t kChunk = 4096;  // device.h's kChunk: callers run chunks(n) items
+  MOEV_HD void operator()(int64_t c, int lane, int lanes) const {
+    const int64_t end = (c + 1) * kChunk < n ? (c + 1) * kChunk : n;
+    for (int64_t i = c * kChunk + lane; i < end; i += lanes) out[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
   }
 };
 

@@ -253,7 +253,8 @@ class CudaDevice final : public Device {
   void run(const k::SwigluBody<T>& b, int64_t n) override { timed([&] { launch(b, n); }); }                  \
   void run(const k::CombineGradRowsBody<T>& b, int64_t n) override { timed([&] { launch(b, n); }); }        \
   void run(const k::ScoreGradBody<T>& b, int64_t n) override { timed([&] { launch(b, n); }); }             \
-  void run(const k::SwigluBwdBody<T>& b, int64_t n) override { timed([&] { launch(b, n); }); }
+  void run(const k::SwigluBwdBody<T>& b, int64_t n) override { timed([&] { launch(b, n); }); }             \
+  void run(const k::GradSumBody<T>& b, int64_t n) override { timed([&] { launch(b, n); }); }
   MOEV_CUDA_BODIES(float)
   MOEV_CUDA_BODIES(bf16)
   MOEV_CUDA_BODIES(fp16)

@@ -220,7 +220,8 @@ class EmulatedDevice final : public Device {
   void run(const k::SwigluBody<T>& b, int64_t n) override { body(b, n); }             \
   void run(const k::CombineGradRowsBody<T>& b, int64_t n) override { body(b, n); }   \
   void run(const k::ScoreGradBody<T>& b, int64_t n) override { body(b, n); }        \
-  void run(const k::SwigluBwdBody<T>& b, int64_t n) override { body(b, n); }
+  void run(const k::SwigluBwdBody<T>& b, int64_t n) override { body(b, n); }       \
+  void run(const k::GradSumBody<T>& b, int64_t n) override { body(b, n); }
   MOEV_EMULATED_BODIES(float)
   MOEV_EMULATED_BODIES(bf16)
   MOEV_EMULATED_BODIES(fp16)

@@ -112,7 +112,8 @@ class Device {
   virtual void run(const k::SwigluBody<T>& b, int64_t n) = 0;                  \
   virtual void run(const k::CombineGradRowsBody<T>& b, int64_t n) = 0;         \
   virtual void run(const k::ScoreGradBody<T>& b, int64_t n) = 0;              \
-  virtual void run(const k::SwigluBwdBody<T>& b, int64_t n) = 0;
+  virtual void run(const k::SwigluBwdBody<T>& b, int64_t n) = 0;              \
+  virtual void run(const k::GradSumBody<T>& b, int64_t n) = 0;
   MOEV_DEVICE_BODIES(float)
   MOEV_DEVICE_BODIES(bf16)
   MOEV_DEVICE_BODIES(fp16)

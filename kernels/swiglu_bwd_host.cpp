@@ -15,6 +15,7 @@
 
 #include "backward_bodies.h"
 #include "device.h"
+#include "moe_host_detail.h"
 
 namespace moev {
 namespace {
@@ -30,16 +31,116 @@ void widen(const T* src, int64_t n, float* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
+/// src (in O) widened to fp32 after a rounding to the compute type T: the
+/// operands of the GEMMs under experts.compute_dtype bf16 (exact when T = O).
+template <class T, class O>
+void widen_to(const O* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = round_to<T>(to_float(src[i]));
+}
+
 k::SiluGrad silu_grad(const ExecCtx& ctx) {
   return ctx.faults.has(Fault::swiglu_bwd_silu_grad) ? k::SiluGrad::sigmoid_only : k::SiluGrad::exact;
 }
 
-template <class T>
-void backward_typed(const ExecCtx& ctx, const T* X, const T* dY, const int64_t* counts, int E_l, int64_t D,
-                    int64_t F, const T* W1, const T* W3, const T* W2, T* dX, float* dW1, float* dW3, float* dW2) {
-  const k::SiluGrad sg = silu_grad(ctx);
-  int64_t row = 0;
+/// The rounding rules of one backward (docs/contract.md §13): the fused
+/// activation with fp32 weight gradients (the default), or autograd's on
+/// compute-dtype tensors (experts.rounding torchtitan or experts.compute_dtype
+/// bf16): dX from two GEMMs each rounded (torchtitan), weight gradients
+/// rounded to the compute dtype and then to act.
+struct BwdRules {
+  k::SiluGrad sg = k::SiluGrad::exact;
+  k::SiluRounding rounding = k::SiluRounding::fused;
+  bool fused_grad = false;   // the planted fault swiglu_bwd_fused_rounding
+  bool split_dx = false;     // dX = round(round(dh1 W1) + round(dh3 W3))
+  bool round_wgrad = false;  // dW = round_act(round_compute(sum))
+};
+
+BwdRules rules_of(const ExecCtx& ctx, const SwigluConventions& conv) {
+  BwdRules r;
+  r.sg = silu_grad(ctx);
+  r.rounding = conv.rounding;
+  const bool unfused = conv.rounding == k::SiluRounding::rounded_to_act;
+  r.fused_grad = unfused && ctx.faults.has(Fault::swiglu_bwd_fused_rounding);
+  r.split_dx = unfused;
+  r.round_wgrad = (unfused || conv.compute == ComputeDtype::bf16) && !ctx.faults.has(Fault::swiglu_bwd_wgrad_fp32);
+  return r;
+}
+
+/// The expert's operands, widened to fp32 once (rounded to T first), and its
+/// intermediates (values of T in fp32).
+struct ExpertBufs {
   std::vector<float> x, dy, w1, w3, w2, dh1, dh3, H;
+};
+
+/// Row pass of one expert's n rows (tile t owns rows [t*kTile, ...)):
+/// h1, h3, dH in fp32 rounded to T, the elementwise step, and dX in O.
+template <class T, class O>
+void row_pass(const ExecCtx& ctx, const BwdRules& ru, ExpertBufs& b, int64_t n, int64_t D, int64_t F, O* dX) {
+  const CMapF mw1(b.w1.data(), F, D), mw3(b.w3.data(), F, D), mw2(b.w2.data(), D, F);
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  host_run(ctx, tiles, [&](int64_t t, int, int) {
+    const int64_t r0 = t * kTile, m = std::min(kTile, n - r0);
+    const CMapF xt(b.x.data() + r0 * D, m, D), dyt(b.dy.data() + r0 * D, m, D);
+    const MatF h1 = xt * mw1.transpose(), h3 = xt * mw3.transpose(), dHf = dyt * mw2;
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t f = 0; f < F; ++f) {
+        const k::SwigluGradElem v = k::swiglu_grad_elem<T>(round_to<T>(h1(r, f)), round_to<T>(h3(r, f)),
+                                                           round_to<T>(dHf(r, f)), ru.sg, ru.rounding, ru.fused_grad);
+        const size_t at = size_t((r0 + r) * F + f);
+        b.H[at] = v.H;
+        b.dh3[at] = v.dh3;
+        b.dh1[at] = v.dh1;
+      }
+    const CMapF g1(b.dh1.data() + r0 * F, m, F), g3(b.dh3.data() + r0 * F, m, F);
+    O* out = dX + r0 * D;
+    if (ru.split_dx) {
+      // x feeds two GEMMs: each gradient rounded to T (then to O), summed in fp32, rounded to O
+      const MatF A = g1 * mw1, B = g3 * mw3;
+      for (int64_t i = 0; i < m * D; ++i)
+        out[i] = from_float<O>(round_to<O>(round_to<T>(A.data()[i])) + round_to<O>(round_to<T>(B.data()[i])));
+    } else {
+      const MatF dx = g1 * mw1 + g3 * mw3;  // (m, D): one fp32 sum over 2F terms
+      for (int64_t i = 0; i < m * D; ++i) out[i] = from_float<O>(round_to<T>(dx.data()[i]));
+    }
+  });
+}
+
+/// Reduction pass over one expert's n rows: item i < fa writes rows of dW1
+/// and dW3 (tile of F), the rest rows of dW2 (tile of D); each value rounded
+/// to T, then O, under round_wgrad.
+template <class T, class O>
+void wgrad_pass(const ExecCtx& ctx, const BwdRules& ru, const ExpertBufs& b, int64_t n, int64_t D, int64_t F,
+                float* gw1, float* gw3, float* gw2) {
+  const CMapF mx(b.x.data(), n, D), mdy(b.dy.data(), n, D), mg1(b.dh1.data(), n, F), mg3(b.dh3.data(), n, F),
+      mH(b.H.data(), n, F);
+  const int64_t fa = (F + kTile - 1) / kTile, da = (D + kTile - 1) / kTile;
+  auto round_block = [&](float* p, int64_t count) {
+    if (ru.round_wgrad)
+      for (int64_t i = 0; i < count; ++i) p[i] = round_to<O>(round_to<T>(p[i]));
+  };
+  host_run(ctx, fa + da, [&](int64_t it, int, int) {
+    if (it < fa) {
+      const int64_t f0 = it * kTile, m = std::min(kTile, F - f0);
+      MapF(gw1 + f0 * D, m, D).noalias() = mg1.middleCols(f0, m).transpose() * mx;
+      MapF(gw3 + f0 * D, m, D).noalias() = mg3.middleCols(f0, m).transpose() * mx;
+      round_block(gw1 + f0 * D, m * D);
+      round_block(gw3 + f0 * D, m * D);
+    } else {
+      const int64_t d0 = (it - fa) * kTile, m = std::min(kTile, D - d0);
+      MapF(gw2 + d0 * F, m, F).noalias() = mdy.middleCols(d0, m).transpose() * mH;
+      round_block(gw2 + d0 * F, m * F);
+    }
+  });
+}
+
+/// The host backward: operands in O (the activation type), GEMMs on their
+/// values rounded to T (the compute type; T = O unless compute_dtype bf16).
+template <class T, class O>
+void backward_typed(const ExecCtx& ctx, const BwdRules& ru, const O* X, const O* dY, const int64_t* counts, int E_l,
+                    int64_t D, int64_t F, const O* W1, const O* W3, const O* W2, O* dX, float* dW1, float* dW3,
+                    float* dW2) {
+  int64_t row = 0;
+  ExpertBufs b;
   for (int j = 0; j < E_l; ++j) {
     const int64_t n = counts[j];
     float* gw1 = dW1 + int64_t(j) * F * D;
@@ -51,71 +152,42 @@ void backward_typed(const ExecCtx& ctx, const T* X, const T* dY, const int64_t* 
       std::fill(gw2, gw2 + D * F, 0.f);
       continue;
     }
-    // The expert's operands widened to fp32 once (exact).
-    x.resize(size_t(n * D));
-    dy.resize(size_t(n * D));
-    w1.resize(size_t(F * D));
-    w3.resize(size_t(F * D));
-    w2.resize(size_t(D * F));
-    dh1.resize(size_t(n * F));
-    dh3.resize(size_t(n * F));
-    H.resize(size_t(n * F));
-    widen(X + row * D, n * D, x.data());
-    widen(dY + row * D, n * D, dy.data());
-    widen(W1 + int64_t(j) * F * D, F * D, w1.data());
-    widen(W3 + int64_t(j) * F * D, F * D, w3.data());
-    widen(W2 + int64_t(j) * D * F, D * F, w2.data());
-    const CMapF mw1(w1.data(), F, D), mw3(w3.data(), F, D), mw2(w2.data(), D, F);
-    // Row pass: tile t owns rows [t*kTile, ...) of the expert.
-    const int64_t tiles = (n + kTile - 1) / kTile;
-    host_run(ctx, tiles, [&](int64_t t, int, int) {
-      const int64_t r0 = t * kTile, m = std::min(kTile, n - r0);
-      const CMapF xt(x.data() + r0 * D, m, D), dyt(dy.data() + r0 * D, m, D);
-      const MatF h1 = xt * mw1.transpose(), h3 = xt * mw3.transpose(), dHf = dyt * mw2;
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t f = 0; f < F; ++f) {
-          const k::SwigluGradElem v =
-              k::swiglu_grad_elem<T>(round_to<T>(h1(r, f)), round_to<T>(h3(r, f)), round_to<T>(dHf(r, f)), sg);
-          const size_t at = size_t((r0 + r) * F + f);
-          H[at] = v.H;
-          dh3[at] = v.dh3;
-          dh1[at] = v.dh1;
-        }
-      const CMapF g1(dh1.data() + r0 * F, m, F), g3(dh3.data() + r0 * F, m, F);
-      const MatF dx = g1 * mw1 + g3 * mw3;  // (m, D): one fp32 sum over 2F terms
-      T* out = dX + (row + r0) * D;
-      for (int64_t i = 0; i < m * D; ++i) out[i] = from_float<T>(dx.data()[i]);
-    });
-    // Reduction pass over the expert's n rows: item i < fa writes rows of
-    // dW1 and dW3 (tile of F), the rest rows of dW2 (tile of D).
-    const CMapF mx(x.data(), n, D), mdy(dy.data(), n, D), mg1(dh1.data(), n, F), mg3(dh3.data(), n, F),
-        mH(H.data(), n, F);
-    const int64_t fa = (F + kTile - 1) / kTile, da = (D + kTile - 1) / kTile;
-    host_run(ctx, fa + da, [&](int64_t it, int, int) {
-      if (it < fa) {
-        const int64_t f0 = it * kTile, m = std::min(kTile, F - f0);
-        MapF(gw1 + f0 * D, m, D).noalias() = mg1.middleCols(f0, m).transpose() * mx;
-        MapF(gw3 + f0 * D, m, D).noalias() = mg3.middleCols(f0, m).transpose() * mx;
-      } else {
-        const int64_t d0 = (it - fa) * kTile, m = std::min(kTile, D - d0);
-        MapF(gw2 + d0 * F, m, F).noalias() = mdy.middleCols(d0, m).transpose() * mH;
-      }
-    });
+    for (auto* v : {&b.x, &b.dy}) v->resize(size_t(n * D));
+    for (auto* v : {&b.w1, &b.w3, &b.w2}) v->resize(size_t(F * D));
+    for (auto* v : {&b.dh1, &b.dh3, &b.H}) v->resize(size_t(n * F));
+    widen_to<T>(X + row * D, n * D, b.x.data());
+    widen_to<T>(dY + row * D, n * D, b.dy.data());
+    widen_to<T>(W1 + int64_t(j) * F * D, F * D, b.w1.data());
+    widen_to<T>(W3 + int64_t(j) * F * D, F * D, b.w3.data());
+    widen_to<T>(W2 + int64_t(j) * D * F, D * F, b.w2.data());
+    row_pass<T>(ctx, ru, b, n, D, F, dX + row * D);
+    wgrad_pass<T, O>(ctx, ru, b, n, D, F, gw1, gw3, gw2);
     row += n;
   }
 }
 
-/// The backward on the mirror's device: per expert, the forward's GEMMs into
-/// [h1 | h3] and dH = round(dY W2_j), the elementwise body into H and
-/// [dh1 | dh3], dX = round([dh1 | dh3] [W1_j; W3_j]) as one GEMM (one fp32
-/// accumulation over 2F, as the contract has it), and the three weight
-/// gradients A^T B in fp32; each step an entry point (cuBLAS and a grid on a
-/// GPU). The sums run in cuBLAS's order, within the GEMM tolerance of the
-/// host's.
-void backward_device(const ExecCtx& ctx, DType dt, const uint8_t* X, const uint8_t* dY, const int64_t* counts,
-                     int E_l, int64_t D, int64_t F, const uint8_t* W1, const uint8_t* W3, const uint8_t* W2,
-                     uint8_t* dX, float* dW1, float* dW3, float* dW2) {
-  const size_t eb = dtype_bytes(dt), fd = size_t(F * D) * eb;
+/// n fp32 values on the mirror's device rounded to T, then to O, in place
+/// (the weight gradients under BwdRules::round_wgrad).
+void round_device(const ExecCtx& ctx, DType ct, DType dt, float* v, int64_t n) {
+  if (n == 0) return;
+  Mirror& m = *ctx.mirror;
+  Mirror::Scope scope{m};
+  float* d = static_cast<float*>(m.out(v, size_t(n) * 4));
+  for (DType t : {ct, dt})
+    dispatch_dtype(t, [&](auto tag) { m.device().run(RoundBody<decltype(tag)>{d, n}, chunks(n)); });
+  m.wrote(v, size_t(n) * 4);
+}
+
+/// Per expert on the mirror's device, all in the compute type ct: the
+/// forward's GEMMs into [h1 | h3] and dH = round(dY W2_j), the elementwise
+/// body into H and [dh1 | dh3], and the three weight gradients A^T B in
+/// fp32 (rounded under round_wgrad). dX in ct: one GEMM [dh1 | dh3] [W1_j;
+/// W3_j] into dx (one fp32 accumulation over 2F), or under split_dx the two
+/// GEMMs into dx (the W1 part) and dx3 (the W3 part), summed by the caller.
+void device_experts(const ExecCtx& ctx, DType ct, DType dt, const BwdRules& ru, const uint8_t* X, const uint8_t* dY,
+                    const int64_t* counts, int E_l, int64_t D, int64_t F, const uint8_t* W1, const uint8_t* W3,
+                    const uint8_t* W2, uint8_t* dx, uint8_t* dx3, float* dW1, float* dW3, float* dW2) {
+  const size_t eb = dtype_bytes(ct), fd = size_t(F * D) * eb;
   int64_t rows = 0;
   for (int j = 0; j < E_l; ++j) rows += counts[j];
   std::vector<uint8_t> h13(size_t(rows * 2 * F) * eb), dH(size_t(rows * F) * eb), H(size_t(rows * F) * eb),
@@ -130,29 +202,98 @@ void backward_device(const ExecCtx& ctx, DType dt, const uint8_t* X, const uint8
     uint8_t* act = H.data() + size_t(r0 * F) * eb;
     if (n > 0) {
       uint8_t* gh = dH.data() + size_t(r0 * F) * eb;
-      gemm_nt(ctx, dt, x, n, D, D, W1 + j * fd, F, h, 2 * F);
-      gemm_nt(ctx, dt, x, n, D, D, W3 + j * fd, F, h + size_t(F) * eb, 2 * F);
-      gemm_nn(ctx, dt, dy, n, D, D, W2 + j * fd, F, gh, F);
-      dispatch_dtype(dt, [&](auto tag) {
+      gemm_nt(ctx, ct, x, n, D, D, W1 + j * fd, F, h, 2 * F);
+      gemm_nt(ctx, ct, x, n, D, D, W3 + j * fd, F, h + size_t(F) * eb, 2 * F);
+      gemm_nn(ctx, ct, dy, n, D, D, W2 + j * fd, F, gh, F);
+      dispatch_dtype(ct, [&](auto tag) {
         using T = decltype(tag);
         Mirror& m = *ctx.mirror;
         Mirror::Scope scope{m};
         const size_t nf = size_t(n * F) * sizeof(T);
         m.device().run(k::SwigluBwdBody<T>{static_cast<const T*>(m.in(h, 2 * nf)), static_cast<const T*>(m.in(gh, nf)),
-                                           static_cast<T*>(m.out(act, nf)), static_cast<T*>(m.out(g, 2 * nf)), F,
-                                           silu_grad(ctx)},
+                                           static_cast<T*>(m.out(act, nf)), static_cast<T*>(m.out(g, 2 * nf)), F, ru.sg,
+                                           ru.rounding, ru.fused_grad},
                        n);
         m.wrote(act, nf);
         m.wrote(g, 2 * nf);
       });
-      std::memcpy(w13.data(), W1 + j * fd, fd);
-      std::memcpy(w13.data() + fd, W3 + j * fd, fd);
-      gemm_nn(ctx, dt, g, n, 2 * F, 2 * F, w13.data(), D, dX + size_t(r0 * D) * eb, D);
+      uint8_t* out = dx + size_t(r0 * D) * eb;
+      if (ru.split_dx) {
+        gemm_nn(ctx, ct, g, n, F, 2 * F, W1 + j * fd, D, out, D);
+        gemm_nn(ctx, ct, g + size_t(F) * eb, n, F, 2 * F, W3 + j * fd, D, dx3 + size_t(r0 * D) * eb, D);
+      } else {
+        std::memcpy(w13.data(), W1 + j * fd, fd);
+        std::memcpy(w13.data() + fd, W3 + j * fd, fd);
+        gemm_nn(ctx, ct, g, n, 2 * F, 2 * F, w13.data(), D, out, D);
+      }
     }
-    gemm_tn_f32(ctx, dt, g, n, F, 2 * F, x, D, D, dW1 + j * F * D);
-    gemm_tn_f32(ctx, dt, g + size_t(F) * eb, n, F, 2 * F, x, D, D, dW3 + j * F * D);
-    gemm_tn_f32(ctx, dt, dy, n, D, D, act, F, F, dW2 + j * D * F);
+    gemm_tn_f32(ctx, ct, g, n, F, 2 * F, x, D, D, dW1 + j * F * D);
+    gemm_tn_f32(ctx, ct, g + size_t(F) * eb, n, F, 2 * F, x, D, D, dW3 + j * F * D);
+    gemm_tn_f32(ctx, ct, dy, n, D, D, act, F, F, dW2 + j * D * F);
   }
+  if (ru.round_wgrad)
+    for (float* w : {dW1, dW3}) round_device(ctx, ct, dt, w, int64_t(E_l) * F * D);
+  if (ru.round_wgrad) round_device(ctx, ct, dt, dW2, int64_t(E_l) * D * F);
+}
+
+/// The backward on the mirror's device (each step an entry point: cuBLAS and
+/// a grid on a GPU; the sums run in cuBLAS's order, within the contract's
+/// bounds of the host's). Under compute_dtype bf16 with another act, the
+/// operands are converted to bf16 first and dX back (ConvertBody); under
+/// split_dx the two GEMM gradients, each in act, are added by GradSumBody.
+void backward_device(const ExecCtx& ctx, DType dt, const SwigluConventions& conv, const BwdRules& ru, const void* X,
+                     const void* dY, const int64_t* counts, int E_l, int64_t D, int64_t F, const void* W1,
+                     const void* W3, const void* W2, void* dX, float* dW1, float* dW3, float* dW2) {
+  using host_detail::from_bf16;
+  using host_detail::to_bf16;
+  int64_t rows = 0;
+  for (int j = 0; j < E_l; ++j) rows += counts[j];
+  const bool convert = conv.compute == ComputeDtype::bf16 && dt != DType::bf16;
+  const DType ct = convert ? DType::bf16 : dt;
+  const size_t n = size_t(rows * D), wn = size_t(int64_t(E_l) * F * D);
+  std::vector<bf16> xb, dyb, w1b, w3b, w2b;
+  if (convert) {
+    xb = to_bf16(ctx, dt, X, int64_t(n));
+    dyb = to_bf16(ctx, dt, dY, int64_t(n));
+    w1b = to_bf16(ctx, dt, W1, int64_t(wn));
+    w3b = to_bf16(ctx, dt, W3, int64_t(wn));
+    w2b = to_bf16(ctx, dt, W2, int64_t(wn));
+  }
+  auto pick = [&](const std::vector<bf16>& v, const void* p) {
+    return convert ? reinterpret_cast<const uint8_t*>(v.data()) : static_cast<const uint8_t*>(p);
+  };
+  std::vector<bf16> dxb(convert ? n : 0), dx3b(convert && ru.split_dx ? n : 0);
+  std::vector<uint8_t> dx3(!convert && ru.split_dx ? n * dtype_bytes(dt) : 0), sum_a, sum_b;
+  uint8_t* dx = convert ? reinterpret_cast<uint8_t*>(dxb.data()) : static_cast<uint8_t*>(dX);
+  uint8_t* dx3p = convert ? reinterpret_cast<uint8_t*>(dx3b.data()) : dx3.data();
+  device_experts(ctx, ct, dt, ru, pick(xb, X), pick(dyb, dY), counts, E_l, D, F, pick(w1b, W1), pick(w3b, W3),
+                 pick(w2b, W2), dx, dx3p, dW1, dW3, dW2);
+  if (!ru.split_dx) {
+    if (convert) from_bf16(ctx, dt, dxb, dX);
+    return;
+  }
+  // the two GEMM gradients in act, then their sum
+  const uint8_t* a = dx;
+  const uint8_t* b = dx3p;
+  if (convert) {
+    sum_a.resize(n * dtype_bytes(dt));
+    sum_b.resize(n * dtype_bytes(dt));
+    from_bf16(ctx, dt, dxb, sum_a.data());
+    from_bf16(ctx, dt, dx3b, sum_b.data());
+    a = sum_a.data();
+    b = sum_b.data();
+  }
+  if (n == 0) return;
+  dispatch_dtype(dt, [&](auto tag) {
+    using T = decltype(tag);
+    Mirror& m = *ctx.mirror;
+    Mirror::Scope scope{m};
+    const size_t bytes = n * sizeof(T);
+    m.device().run(k::GradSumBody<T>{static_cast<const T*>(m.in(a, bytes)), static_cast<const T*>(m.in(b, bytes)),
+                                     static_cast<T*>(m.out(dX, bytes)), int64_t(n)},
+                   chunks(int64_t(n)));
+    m.wrote(dX, bytes);
+  });
 }
 
 }  // namespace
@@ -198,21 +339,21 @@ void gemm_tn_f32(const ExecCtx& ctx, DType dt, const void* A, int64_t rows, int6
 void experts_swiglu_backward(const ExecCtx& ctx, DType dt, const void* X, const void* dY, const int64_t* counts,
                              int E_l, int64_t D, int64_t F, const void* W1, const void* W3, const void* W2, void* dX,
                              float* dW1, float* dW3, float* dW2, SwigluConventions conv) {
-  if (conv.rounding != k::SiluRounding::fused)
-    throw std::invalid_argument("experts_swiglu_backward: experts.rounding torchtitan has no backward contract");
-  if (conv.compute != ComputeDtype::act)
-    throw std::invalid_argument("experts_swiglu_backward: experts.compute_dtype bf16 has no backward contract");
+  const BwdRules ru = rules_of(ctx, conv);
   if (ctx.mirror) {
-    backward_device(ctx, dt, static_cast<const uint8_t*>(X), static_cast<const uint8_t*>(dY), counts, E_l, D, F,
-                    static_cast<const uint8_t*>(W1), static_cast<const uint8_t*>(W3), static_cast<const uint8_t*>(W2),
-                    static_cast<uint8_t*>(dX), dW1, dW3, dW2);
+    backward_device(ctx, dt, conv, ru, X, dY, counts, E_l, D, F, W1, W3, W2, dX, dW1, dW3, dW2);
     return;
   }
   dispatch_dtype(dt, [&](auto tag) {
-    using T = decltype(tag);
-    backward_typed<T>(ctx, static_cast<const T*>(X), static_cast<const T*>(dY), counts, E_l, D, F,
-                      static_cast<const T*>(W1), static_cast<const T*>(W3), static_cast<const T*>(W2),
-                      static_cast<T*>(dX), dW1, dW3, dW2);
+    using O = decltype(tag);
+    auto run = [&](auto ctag) {
+      using T = decltype(ctag);
+      backward_typed<T, O>(ctx, ru, static_cast<const O*>(X), static_cast<const O*>(dY), counts, E_l, D, F,
+                           static_cast<const O*>(W1), static_cast<const O*>(W3), static_cast<const O*>(W2),
+                           static_cast<O*>(dX), dW1, dW3, dW2);
+    };
+    if (conv.compute == ComputeDtype::bf16) run(bf16{});
+    else run(O{});
   });
 }
 

@@ -263,16 +263,37 @@ struct SwigluGrads {
 ///   dh1    = round_act(dH h3 silu'(h1)),  silu'(a) = sig(a) (1 + a (1 - sig(a)))
 ///   dX     = round_act(dh1 W1_j + dh3 W3_j)             (one accumulation over 2F, one rounding)
 ///   dW1_j  = dh1^T X_j,  dW3_j = dh3^T X_j,  dW2_j = dY_j^T H_j   (fp32 results, no act rounding)
-/// Computed in fp64 from the act-rounded inputs. Only SiluRounding::fused
-/// and Compute::act are defined; the others throw std::invalid_argument.
+/// Computed in fp64 from the act-rounded inputs. Under SiluRounding::torchtitan
+/// or Compute::bf16 the rules are autograd's (swiglu_backward_autograd).
 /// Experts run on `threads` threads (each expert on one: the result does not
 /// depend on their number). With bounds, the m* fields hold the error scales
 /// of the act-rounded inputs from the same GEMMs (swiglu_backward_magnitude's
-/// when the inputs are act values, as a stage's tensors are).
+/// when the inputs are act values, as a stage's tensors are); under autograd's
+/// rules the half-widths of class rounding instead.
 SwigluGrads swiglu_experts_backward(Act act, const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
                                     WeightView W1, WeightView W3, WeightView W2,
                                     SiluRounding rounding = SiluRounding::fused, Compute compute = Compute::act,
                                     int threads = 1, bool bounds = false);
+/// Backward of swiglu_experts under experts.rounding torchtitan and/or
+/// experts.compute_dtype bf16 (docs/contract.md §13, autograd's rounding points), per
+/// expert j, with ca the compute dtype (bf16 under Compute::bf16, else act)
+/// and round = round_ca:
+///   X, dY, W rounded to ca;  h1, h3, H as the forward (§8, §14);
+///   dH  = round(dY W2_j)
+///   torchtitan: s = round(silu(h1)), ga = round(dH h3), dh3 = round(dH s),
+///               dh1 = round(ga silu'(h1));
+///   fused:      dh3 = round(dH silu(h1)), dh1 = round(dH h3 silu'(h1));
+///   dX  = round_act(round_act(round(dh1 W1_j)) + round_act(round(dh3 W3_j)))
+///         (torchtitan: x feeds two GEMMs; the sum in fp32), or
+///         round_act(round(dh1 W1_j + dh3 W3_j)) (fused);
+///   dW1 = round_act(round(dh1^T X_j)), dW3 likewise, dW2 = round_act(round(dY_j^T H_j)).
+/// In fp64 from the rounded operands. With bounds, the m* fields hold the
+/// half-widths of class `rounding` (reference/swiglu_bwd_autograd.cpp): how far
+/// an fp32 implementation of these rules may land (in bf16 0 or about one
+/// unit in the last place for most elements).
+SwigluGrads swiglu_backward_autograd(Act act, const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
+                                     WeightView W1, WeightView W3, WeightView W2, SiluRounding rounding,
+                                     Compute compute, int threads = 1, bool bounds = false);
 /// Error scales of swiglu_experts_backward (docs/contract.md §15), same layouts: the
 /// sums of |terms| with a first-order propagation of the errors of every
 /// rounded intermediate (h1, h3 from |X||W|^T, dH from |dY||W2|, dh1, dh3

@@ -118,10 +118,8 @@ SwigluGrads swiglu_bwd_core(Act act, const Vec& X, const Vec& dY, const Counts& 
 SwigluGrads swiglu_experts_backward(Act act, const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
                                     WeightView W1, WeightView W3, WeightView W2, SiluRounding rounding,
                                     Compute compute, int threads, bool bounds) {
-  if (rounding != SiluRounding::fused)
-    throw std::invalid_argument("swiglu_experts_backward: experts.rounding torchtitan has no backward contract");
-  if (compute != Compute::act)
-    throw std::invalid_argument("swiglu_experts_backward: experts.compute_dtype bf16 has no backward contract");
+  if (rounding != SiluRounding::fused || compute != Compute::act)
+    return swiglu_backward_autograd(act, X, dY, counts, D, F, W1, W3, W2, rounding, compute, threads, bounds);
   BwdWant want;
   want.grads = true;
   want.magnitude = bounds;

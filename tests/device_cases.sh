@@ -47,7 +47,8 @@ for fc in "highest_id_tiebreak edge" "softmax_no_max router" "group_tie_higher r
           "silu_rounded basic" "sp_tail_pad_score sp" "sp_b1_index sp" "sp_even_combine sp" \
           "bwd_unswapped_splits backward 3" "bwd_unordered_scatter backward" "bwd_score_grad_rounded backward" \
           "bwd_pad_grad_kept backward" "capacity_overflow capacity" "capacity_tie_higher capacity" \
-          "swiglu_bwd_silu_grad backward_swiglu" "pad_front equal_split" "capacity_renormalize capacity" \
+          "swiglu_bwd_silu_grad backward_swiglu" "swiglu_bwd_fused_rounding backward_swiglu" \
+          "swiglu_bwd_wgrad_fp32 backward_swiglu" "pad_front equal_split" "capacity_renormalize capacity" \
           "direct_route_score_before force_lb" "overload_cum_final backward" "overload_global_balanced ep4" \
           "unswapped_combine_splits ep 3" "local_equal_split_decision equal_split 3"; do
   set -- $fc

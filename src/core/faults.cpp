@@ -77,6 +77,12 @@ const std::vector<FaultInfo>& fault_table() {
        "a pad_to_capacity filler row gets the stale block scales of the row above it instead of scale 0 (docs/contract.md §16)"},
       {Fault::swiglu_bwd_silu_grad, "swiglu_bwd_silu_grad",
        "the SwiGLU backward takes silu'(h1) as sigmoid(h1), dropping the h1 sigmoid(h1) (1 - sigmoid(h1)) term (docs/frameworks.md §13)"},
+      {Fault::swiglu_bwd_fused_rounding, "swiglu_bwd_fused_rounding",
+       "the SwiGLU backward under experts.rounding torchtitan uses the fused activation's gradient (dh3 from the unrounded "
+       "silu(h1), dh1 from dH h3 unrounded), a fused backward kernel paired with an unfused forward (docs/contract.md §13)"},
+      {Fault::swiglu_bwd_wgrad_fp32, "swiglu_bwd_wgrad_fp32",
+       "the SwiGLU weight gradients under experts.rounding torchtitan or experts.compute_dtype bf16 are left as fp32 sums, "
+       "not rounded to the compute dtype as autograd's bf16 GEMM returns them (docs/contract.md §13)"},
   };
   return t;
 }

@@ -53,6 +53,8 @@ enum class Fault : uint64_t {
   // capacity with sequence parallelism (docs/contract.md §11; bits 36..37)
   sp_capacity_pad_rows = 1ull << 36,       // tail SP pad rows count in their SP rank's tokens and take capacity slots
   sp_capacity_global_tokens = 1ull << 37,  // every SP rank's cap from the EP rank's whole T, not its own shard
+  swiglu_bwd_fused_rounding = 1ull << 38,  // §13: the unfused (torchtitan) SwiGLU backward takes the fused formulas for dh1, dh3
+  swiglu_bwd_wgrad_fp32 = 1ull << 39,      // §13: weight gradients left in fp32, not rounded to the compute dtype as autograd does
   // FP8 dispatch with capacity (docs/contract.md §11, §16; bits 40..41)
   fp8_capacity_scales_unmoved = 1ull << 40,  // capacity compacts the e4m3 rows but leaves their scales in dispatch order
   fp8_capacity_filler_scale = 1ull << 41,    // a pad_to_capacity filler row repeats the scales above it, not scale 0

@@ -42,10 +42,13 @@
 // against an fp64 reference (class rounding), which flags act-rounded
 // products (TransformerEngine #1336).
 //
-// SwiGLU experts: their gradients (dX, dW1, dW3, dW2) have a contract for the
-// fused activation in act only; a case asking for gradients under another
-// convention is NOT_SUPPORTED as a whole (backward_unsupported), never a pass
-// on the forward alone.
+// SwiGLU experts: their gradients (dX, dW1, dW3, dW2) under the default
+// conventions (fused activation, GEMMs in act, fp32 weight gradients) are
+// compared within the GEMM bound (variants swiglu, shared_swiglu); under
+// experts.rounding torchtitan or experts.compute_dtype bf16 they follow
+// autograd's rounding points and are compared with the half-widths of class
+// rounding (variants swiglu_autograd, shared_swiglu_autograd, listed only in
+// such cases), so that one rounding more or less fails.
 #include <cmath>
 #include <cstring>
 
@@ -58,15 +61,10 @@
 
 namespace moev {
 
-std::string backward_unsupported(const Case& c) {
-  if (c.backward != Switch::on) return "";
-  const bool swiglu = c.experts.kind == ExpertKind::swiglu || c.shared.kind == SharedKind::swiglu;
-  // The SwiGLU backward's rounding points are defined for the fused
-  // activation in act only (ref::swiglu_experts_backward).
-  if (swiglu && c.experts.rounding != k::SiluRounding::fused)
-    return "SwiGLU backward: experts.rounding torchtitan has no backward contract (fused only)";
-  if (c.experts.kind == ExpertKind::swiglu && c.experts.compute_dtype != ComputeDtype::act)
-    return "SwiGLU backward: experts.compute_dtype bf16 has no backward contract (act only)";
+std::string backward_unsupported(const Case&) {
+  // Every expert convention has a backward contract (docs/contract.md §13): the
+  // SwiGLU experts under experts.rounding and experts.compute_dtype, routed
+  // and shared alike. A convention added without one must be refused here.
   return "";
 }
 
@@ -91,6 +89,19 @@ ref::ScoreMultiply ref_smul(const Case& c) {
 bool has_shared(const Case& c) { return c.shared.kind != SharedKind::none; }
 bool routed_swiglu(const Case& c) { return c.experts.kind == ExpertKind::swiglu; }
 bool shared_swiglu(const Case& c) { return c.shared.kind == SharedKind::swiglu; }
+/// Whether a SwiGLU site runs under autograd's rounding rules (docs/contract.md §13):
+/// experts.rounding torchtitan (routed and shared), experts.compute_dtype
+/// bf16 (routed only, as the forward, docs/contract.md §14).
+bool routed_autograd(const Case& c) {
+  return c.experts.rounding != k::SiluRounding::fused || c.experts.compute_dtype != ComputeDtype::act;
+}
+bool shared_autograd(const Case& c) { return c.experts.rounding != k::SiluRounding::fused; }
+ref::SiluRounding ref_rounding(const Case& c) {
+  return c.experts.rounding == k::SiluRounding::fused ? ref::SiluRounding::fused : ref::SiluRounding::torchtitan;
+}
+ref::Compute ref_compute(const Case& c) {
+  return c.experts.compute_dtype == ComputeDtype::bf16 ? ref::Compute::bf16 : ref::Compute::act;
+}
 
 int64_t sum_of(const Tensor& t) {
   int64_t n = 0;
@@ -458,6 +469,27 @@ Magnitude shared_weight_grad_scale(int which) {
   };
 }
 
+/// Half-widths (class rounding) of the gradients under autograd's rules, of
+/// the routed (shared = false) or the shared expert (which: 0 dX, 1 dW1,
+/// 2 dW3, 3 dW2).
+Magnitude autograd_halfwidth(bool shared, int which) {
+  return [shared, which](const Case& c, const RankBoard& b, int rank, int) {
+    const SwigluBwdArgs a = shared ? shared_args(c, b) : routed_args(c, b, rank);
+    const ref::SwigluGrads g =
+        ref::swiglu_experts_backward(ref_act(c.dtype), a.X, a.dY, a.counts, c.hidden, c.ffn, a.W1, a.W3, a.W2,
+                                     ref_rounding(c), shared ? ref::Compute::act : ref_compute(c), 1, true);
+    const int64_t E_l = int64_t(a.counts.size()), D = c.hidden, F = c.ffn;
+    const std::vector<int64_t> w13 = shared ? std::vector<int64_t>{F, D} : std::vector<int64_t>{E_l, F, D};
+    const std::vector<int64_t> w2 = shared ? std::vector<int64_t>{D, F} : std::vector<int64_t>{E_l, D, F};
+    switch (which) {
+      case 0: return from_floats(g.mdX, ElemType::f32, {a.rows, D});
+      case 1: return from_floats(g.mdW1, ElemType::f32, w13);
+      case 2: return from_floats(g.mdW3, ElemType::f32, w13);
+      default: return from_floats(g.mdW2, ElemType::f32, w2);
+    }
+  };
+}
+
 /// Realistic data with a gradient that is not all zero gives a nonzero input gradient.
 Promise swiglu_grad_promise(const std::string& g) {
   return [g](const Case& c, const RankBoard& b) {
@@ -487,10 +519,11 @@ void ref_experts_swiglu_bwd(RefCtx& r) {
     if (!r.wants(int(q))) continue;
     const SwigluBwdArgs a = routed_args(c, r.in.ranks[q], int(q));
     // The stage's tensors hold act values, so the error scales of the
-    // act-rounded inputs are routed_grad_scale's, from the same GEMMs.
+    // act-rounded inputs are routed_grad_scale's, from the same GEMMs (under
+    // autograd's rules the half-widths, autograd_halfwidth's).
     const ref::SwigluGrads g =
         ref::swiglu_experts_backward(ref_act(c.dtype), a.X, a.dY, a.counts, c.hidden, c.ffn, a.W1, a.W3, a.W2,
-                                     ref::SiluRounding::fused, ref::Compute::act, r.threads, r.wants_scales());
+                                     ref_rounding(c), ref_compute(c), r.threads, r.wants_scales());
     const int64_t E_l = int64_t(a.counts.size());
     RankBoard& out = r.out.ranks[q];
     out["grad_expert_input"] = from_floats(g.dX, act_elem(c.dtype), {a.rows, c.hidden});
@@ -530,7 +563,7 @@ void ref_shared_swiglu_bwd(RefCtx& r) {
     const SwigluBwdArgs a = shared_args(c, r.in.ranks[q]);
     const ref::SwigluGrads g =
         ref::swiglu_experts_backward(ref_act(c.dtype), a.X, a.dY, a.counts, c.hidden, c.ffn, a.W1, a.W3, a.W2,
-                                     ref::SiluRounding::fused, ref::Compute::act, r.threads, r.wants_scales());
+                                     ref_rounding(c), ref::Compute::act, r.threads, r.wants_scales());
     const int64_t D = c.hidden, F = c.ffn;
     RankBoard& out = r.out.ranks[q];
     out["grad_x_shared"] = from_floats(g.dX, act_elem(c.dtype), {a.rows, D});
@@ -753,23 +786,34 @@ Stage shared_identity_bwd_stage() {
   return s;
 }
 
-/// shared_experts_bwd of a SwiGLU shared expert.
-Stage shared_swiglu_bwd_stage() {
-  Stage s = make("shared_experts_bwd", "shared_swiglu",
-                 "grad_x_shared = dX of the shared SwiGLU expert over every token (ref::swiglu_experts_backward)",
+/// shared_experts_bwd of a SwiGLU shared expert: the fused activation's
+/// backward (gemm bounds), or under experts.rounding torchtitan autograd's
+/// (`autograd`: half-widths of class rounding, listed only there).
+Stage shared_swiglu_bwd_stage(bool autograd) {
+  const CompareClass cls = autograd ? CompareClass::rounding : CompareClass::gemm;
+  auto scale = [autograd](int which) {
+    if (autograd) return autograd_halfwidth(true, which);
+    return which == 0 ? Magnitude(shared_grad_scale) : shared_weight_grad_scale(which);
+  };
+  Stage s = make("shared_experts_bwd", autograd ? "shared_swiglu_autograd" : "shared_swiglu",
+                 autograd ? "grad_x_shared = dX of the shared SwiGLU expert at autograd's rounding points (docs/contract.md §13)"
+                          : "grad_x_shared = dX of the shared SwiGLU expert over every token (ref::swiglu_experts_backward)",
                  {"x", "shared_w1", "shared_w3", "shared_w2", "grad_out"},
-                 {{"grad_x_shared", CompareClass::gemm, Coords::token_col, swiglu_grad_promise("grad_out"),
-                   shared_grad_scale},
-                  {"grad_shared_w1", CompareClass::gemm, Coords::flat, nullptr, shared_weight_grad_scale(1)},
-                  {"grad_shared_w3", CompareClass::gemm, Coords::flat, nullptr, shared_weight_grad_scale(2)},
-                  {"grad_shared_w2", CompareClass::gemm, Coords::flat, nullptr, shared_weight_grad_scale(3)}},
+                 {{"grad_x_shared", cls, Coords::token_col, swiglu_grad_promise("grad_out"), scale(0)},
+                  {"grad_shared_w1", cls, Coords::flat, nullptr, scale(1)},
+                  {"grad_shared_w3", cls, Coords::flat, nullptr, scale(2)},
+                  {"grad_shared_w2", cls, Coords::flat, nullptr, scale(3)}},
                  fast_shared_swiglu_bwd, ref_shared_swiglu_bwd);
   s.ref_per_rank = true;  // ref_shared_swiglu_bwd honours RefCtx::rank
-  s.applies = [](const Case& c) {
+  s.applies = [autograd](const Case& c) {
     const Decision d = backward_on(c);
     if (!d.applies) return d;
-    return Decision{shared_swiglu(c), "shared_experts.kind is not swiglu"};
+    if (!shared_swiglu(c)) return Decision{false, "shared_experts.kind is not swiglu"};
+    if (shared_autograd(c) != autograd)
+      return Decision{false, autograd ? "experts.rounding: fused" : "experts.rounding: torchtitan (shared_swiglu_autograd)"};
+    return Decision{};
   };
+  if (autograd) s.listed = [](const Case& c) { return shared_swiglu(c) && shared_autograd(c); };
   return s;
 }
 
@@ -787,23 +831,33 @@ Stage experts_identity_bwd_stage() {
   return s;
 }
 
-/// experts_bwd of SwiGLU experts: dX and the weight gradients.
-Stage experts_swiglu_bwd_stage() {
-  Stage s = make("experts_bwd", "swiglu",
-                 "dX = round(dh1 W1 + dh3 W3), dW1 = dh1^T X, dW3 = dh3^T X, dW2 = dY^T H in fp32 (reference/reference.h)",
+/// experts_bwd of SwiGLU experts: dX and the weight gradients, under the
+/// default conventions (gemm bounds) or, `autograd`, under experts.rounding
+/// torchtitan or experts.compute_dtype bf16 (half-widths of class rounding,
+/// listed only there).
+Stage experts_swiglu_bwd_stage(bool autograd) {
+  const CompareClass cls = autograd ? CompareClass::rounding : CompareClass::gemm;
+  auto scale = [autograd](int which) { return autograd ? autograd_halfwidth(false, which) : routed_grad_scale(which); };
+  Stage s = make("experts_bwd", autograd ? "swiglu_autograd" : "swiglu",
+                 autograd ? "autograd's rounding points: dH, dh1, dh3, dX, dW rounded to the compute dtype (docs/contract.md §13)"
+                          : "dX = round(dh1 W1 + dh3 W3), dW1 = dh1^T X, dW3 = dh3^T X, dW2 = dY^T H in fp32 (reference/reference.h)",
                  {"expert_input", "expert_counts", "w1", "w3", "w2", "grad_expert_output"},
-                 {{"grad_expert_input", CompareClass::gemm, Coords::padded_row,
-                   swiglu_grad_promise("grad_expert_output"), routed_grad_scale(0)},
-                  {"grad_w1", CompareClass::gemm, Coords::flat, nullptr, routed_grad_scale(1)},
-                  {"grad_w3", CompareClass::gemm, Coords::flat, nullptr, routed_grad_scale(2)},
-                  {"grad_w2", CompareClass::gemm, Coords::flat, nullptr, routed_grad_scale(3)}},
+                 {{"grad_expert_input", cls, Coords::padded_row, swiglu_grad_promise("grad_expert_output"), scale(0)},
+                  {"grad_w1", cls, Coords::flat, nullptr, scale(1)},
+                  {"grad_w3", cls, Coords::flat, nullptr, scale(2)},
+                  {"grad_w2", cls, Coords::flat, nullptr, scale(3)}},
                  fast_experts_swiglu_bwd, ref_experts_swiglu_bwd);
   s.ref_per_rank = true;  // ref_experts_swiglu_bwd honours RefCtx::rank
-  s.applies = [](const Case& c) {
+  s.applies = [autograd](const Case& c) {
     const Decision d = backward_on(c);
     if (!d.applies) return d;
-    return Decision{routed_swiglu(c), "experts.kind is not swiglu"};
+    if (!routed_swiglu(c)) return Decision{false, "experts.kind is not swiglu"};
+    if (routed_autograd(c) != autograd)
+      return Decision{false, autograd ? "experts.rounding fused, experts.compute_dtype act"
+                                      : "experts.rounding or experts.compute_dtype not the default (swiglu_autograd)"};
+    return Decision{};
   };
+  if (autograd) s.listed = [](const Case& c) { return routed_swiglu(c) && routed_autograd(c); };
   return s;
 }
 
@@ -902,12 +956,14 @@ void register_backward_stages(std::vector<Stage>& reg) {
   reg.push_back(combine_bwd_scores_after_stage());
   reg.push_back(combine_bwd_scores_before_stage());
   reg.push_back(shared_identity_bwd_stage());
-  reg.push_back(shared_swiglu_bwd_stage());
+  reg.push_back(shared_swiglu_bwd_stage(false));
+  reg.push_back(shared_swiglu_bwd_stage(true));
   reg.push_back(ep_combine_bwd_stage());
   for (PermuteMode m : {PermuteMode::generic, PermuteMode::equal_count}) add_permute_bwd(reg, m);
   reg.push_back(align_unpad_bwd_stage());
   reg.push_back(experts_identity_bwd_stage());
-  reg.push_back(experts_swiglu_bwd_stage());
+  reg.push_back(experts_swiglu_bwd_stage(false));
+  reg.push_back(experts_swiglu_bwd_stage(true));
   reg.push_back(align_pad_bwd_stage());
   reg.push_back(ep_dispatch_bwd_stage());
   add_dispatch_bwd(reg);

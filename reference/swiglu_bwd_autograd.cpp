@@ -1,0 +1,249 @@
+// Reference backward of the SwiGLU experts under experts.rounding torchtitan
+// and/or experts.compute_dtype bf16 (docs/contract.md §13, the autograd rounding
+// points; §14): the gradients in fp64 from the operands rounded to the compute
+// dtype, rounded at the points PyTorch's autograd rounds (measured on CPU,
+// docs/contract.md §13), and per element the half-width of the class `rounding`:
+// how far a correct fp32 implementation may land. Written from the contract,
+// independently of kernels/swiglu_bwd_host.cpp.
+//
+// The half-width follows every uncertain step: h1, h3 and dH are roundings of
+// GEMMs known to the fp32 accumulation bound (k + 2) 2^-24 sum |terms|; silu
+// and silu' evaluated in fp32 are known to a small relative error; each
+// elementwise result takes every rounding those allow (min and max over the
+// candidates); a GEMM of gradients is any rounding of a value within its own
+// accumulation bound plus the sum of |operand| times the half-widths of the
+// rounded intermediates it reads. In bf16 0 or about one unit in the last
+// place for most elements, so one rounding more or less (a fused formula,
+// an unrounded weight gradient), which moves most elements, fails.
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "blocked.h"
+#include "reference.h"
+
+namespace ref {
+namespace {
+
+/// Known relative accuracy of silu and of silu' as fp32 evaluates them (a few
+/// fp32 roundings and exp's error; silu' against the size of its terms,
+/// since 1 + a (1 - sig) cancels near a = -1.28).
+constexpr double kSiluEps = 1.0 / (1 << 20);
+constexpr double kDsiluEps = 1.0 / (1 << 19);
+const double kTiny = std::ldexp(1.0, -118);
+
+/// The rounding to the compute dtype ca of a value (through fp32).
+struct Rounder {
+  Act ca, act;
+  float c(double v) const { return round_act(ca, f32(v)); }
+  /// A result of the compute dtype handed back as an act tensor.
+  float out(double v) const { return round_act(act, c(v)); }
+};
+
+/// Up to three distinct candidates: the roundings of v - room, v, v + room.
+struct Cands {
+  float v[3];
+  int n = 0;
+  void add(float x) {
+    for (int i = 0; i < n; ++i)
+      if (v[i] == x) return;
+    v[n++] = x;
+  }
+};
+Cands cands(const Rounder& R, double v, double room) {
+  Cands c;
+  c.add(R.c(v));  // first: the middle value
+  c.add(R.c(v - room));
+  c.add(R.c(v + room));
+  return c;
+}
+
+/// Running middle value and extent of one rounded result.
+struct Span {
+  float mid = 0.f;
+  double lo = std::numeric_limits<double>::infinity(), hi = -lo;
+  void see(float x) {
+    lo = std::min(lo, double(x));
+    hi = std::max(hi, double(x));
+  }
+  float halfwidth() const {
+    return std::isfinite(mid) && std::isfinite(lo) && std::isfinite(hi)
+               ? float(std::max(hi - double(mid), double(mid) - lo))
+               : 0.f;
+  }
+};
+
+/// silu(a) and silu'(a) as an fp32 evaluation gives them (exp overflowing
+/// for a < -88.7 as fp32's does), with their rooms.
+struct SiluVals {
+  double s, sroom, ds, droom;
+};
+SiluVals silu_vals(double a) {
+  double e = std::exp(-a);
+  if (e > double(std::numeric_limits<float>::max())) e = std::numeric_limits<double>::infinity();
+  const double sig = 1.0 / (1.0 + e);
+  const double s = double(f32(a / (1.0 + e)));
+  const double ds = double(f32(sig * (1.0 + a * (1.0 - sig))));
+  return {s, kSiluEps * std::fabs(s) + kTiny, ds, kDsiluEps * sig * (1.0 + std::fabs(a) * (1.0 - sig)) + kTiny};
+}
+
+/// H, dh3, dh1 of one element for given h1 = a, h3 = b, dH = g (values of
+/// ca), every outcome the silu rooms allow, into the spans.
+void elem_outcomes(const Rounder& R, SiluRounding rounding, float a, float b, float g, Span& H, Span& d3, Span& d1) {
+  const SiluVals v = silu_vals(a);
+  if (rounding == SiluRounding::fused) {
+    for (double s : {v.s - v.sroom, v.s + v.sroom}) {
+      H.see(R.c(s * b));
+      d3.see(R.c(double(g) * s));
+    }
+    for (double ds : {v.ds - v.droom, v.ds + v.droom}) d1.see(R.c(double(f32(double(g) * b)) * ds));
+    return;
+  }
+  // autograd: s = round(silu(h1)), H = round(s h3); ga = round(dH h3),
+  // dh3 = round(dH s), dh1 = round(ga silu'(h1)) in fp32
+  const Cands sc = cands(R, v.s, v.sroom);
+  const float ga = R.c(double(g) * b);
+  for (int i = 0; i < sc.n; ++i) {
+    H.see(R.c(double(sc.v[i]) * b));
+    d3.see(R.c(double(g) * sc.v[i]));
+  }
+  for (double ds : {v.ds - v.droom, v.ds + v.droom}) d1.see(R.c(double(ga) * ds));
+}
+
+/// The contract's middle values of one element (h1, h3, dH as rounded, the
+/// fp32 silu and silu' taken as exact).
+void elem_mid(const Rounder& R, SiluRounding rounding, float a, float b, float g, Span& H, Span& d3, Span& d1) {
+  const SiluVals v = silu_vals(a);
+  if (rounding == SiluRounding::fused) {
+    H.mid = R.c(v.s * b);
+    d3.mid = R.c(double(g) * v.s);
+    d1.mid = R.c(double(f32(double(g) * b)) * v.ds);
+  } else {
+    const float s = R.c(v.s);
+    H.mid = R.c(double(s) * b);
+    d3.mid = R.c(double(g) * s);
+    d1.mid = R.c(double(R.c(double(g) * b)) * v.ds);
+  }
+  for (Span* sp : {&H, &d3, &d1}) sp->see(sp->mid);
+}
+
+/// A GEMM result V with room: the middle value and half-width of
+/// round_act(round_ca(v)) over v in [V - room, V + room], into mid/half.
+void gemm_out(const Rounder& R, const MatD& V, const MatD& room, Vec& mid, Vec& half, size_t at, bool want_half) {
+  for (int64_t i = 0; i < V.size(); ++i) {
+    const double v = V.data()[i], r = room.data()[i] + kTiny;
+    const float m = R.out(v);
+    mid[at + size_t(i)] = m;
+    if (want_half)
+      half[at + size_t(i)] =
+          std::isfinite(m) ? std::max(std::fabs(R.out(v + r) - m), std::fabs(m - R.out(v - r))) : 0.f;
+  }
+}
+
+double gamma_of(int64_t k) { return double(k + 2) * std::ldexp(1.0, -24); }
+
+MatD rounded_block(const Rounder& R, const Vec& v, int64_t at, int64_t rows, int64_t cols) {
+  MatD m(rows, cols);
+  for (int64_t i = 0; i < rows * cols; ++i) m.data()[i] = R.c(v[size_t(at + i)]);
+  return m;
+}
+
+MatD rounded_weight(const Rounder& R, WeightView w, size_t j, int64_t a, int64_t b) {
+  MatD m(a, b);
+  for (int64_t i = 0; i < a * b; ++i) m.data()[i] = R.c(w[j * size_t(a * b) + size_t(i)]);
+  return m;
+}
+
+/// The elementwise step of one expert: H, dh1, dh3 (middle values) and
+/// their half-widths, from the GEMMs h1, h3, dH and their sums of |terms|.
+struct ElemOut {
+  MatD H, d1, d3, hH, h1, h3;
+};
+ElemOut elementwise(const Rounder& R, SiluRounding rounding, const MatD& h1, const MatD& h3, const MatD& dH,
+                    const MatD& m1, const MatD& m3, const MatD& mdH, int64_t D) {
+  const int64_t n = h1.rows(), F = h1.cols();
+  ElemOut o{MatD(n, F), MatD(n, F), MatD(n, F), MatD(n, F), MatD(n, F), MatD(n, F)};
+  const double g = gamma_of(D);
+  for (int64_t i = 0; i < n * F; ++i) {
+    const Cands a = cands(R, h1.data()[i], g * m1.data()[i] + kTiny), b = cands(R, h3.data()[i], g * m3.data()[i] + kTiny),
+                gd = cands(R, dH.data()[i], g * mdH.data()[i] + kTiny);
+    Span H, d3, d1;
+    elem_mid(R, rounding, a.v[0], b.v[0], gd.v[0], H, d3, d1);
+    for (int ia = 0; ia < a.n; ++ia)
+      for (int ib = 0; ib < b.n; ++ib)
+        for (int ig = 0; ig < gd.n; ++ig) elem_outcomes(R, rounding, a.v[ia], b.v[ib], gd.v[ig], H, d3, d1);
+    o.H.data()[i] = H.mid;
+    o.d3.data()[i] = d3.mid;
+    o.d1.data()[i] = d1.mid;
+    o.hH.data()[i] = H.halfwidth();
+    o.h3.data()[i] = d3.halfwidth();
+    o.h1.data()[i] = d1.halfwidth();
+  }
+  return o;
+}
+
+/// dX of one expert: under torchtitan the two GEMM gradients each rounded
+/// (to ca, then act), added in fp32 and rounded to act; otherwise one GEMM
+/// over 2F rounded once.
+void input_grad(const Rounder& R, bool split, const ElemOut& e, const MatD& w1, const MatD& w3, SwigluGrads& g,
+                size_t at, bool want_half) {
+  const MatD a1 = w1.cwiseAbs(), a3 = w3.cwiseAbs();
+  const MatD A = e.d1 * w1, B = e.d3 * w3;
+  const double gF = gamma_of(w1.rows());
+  const MatD rA = gF * (e.d1.cwiseAbs() * a1) + e.h1 * a1, rB = gF * (e.d3.cwiseAbs() * a3) + e.h3 * a3;
+  if (!split) {
+    const double g2F = gamma_of(2 * w1.rows());
+    gemm_out(R, A + B, g2F * (e.d1.cwiseAbs() * a1 + e.d3.cwiseAbs() * a3) + e.h1 * a1 + e.h3 * a3, g.dX, g.mdX, at,
+             want_half);
+    return;
+  }
+  auto sum = [&](double x, double y) { return round_act(R.act, f32(double(R.out(x)) + double(R.out(y)))); };
+  for (int64_t i = 0; i < A.size(); ++i) {
+    const double x = A.data()[i], y = B.data()[i], rx = rA.data()[i] + kTiny, ry = rB.data()[i] + kTiny;
+    const float m = sum(x, y);
+    g.dX[at + size_t(i)] = m;
+    if (want_half)
+      g.mdX[at + size_t(i)] =
+          std::isfinite(m) ? std::max(std::fabs(sum(x + rx, y + ry) - m), std::fabs(m - sum(x - rx, y - ry))) : 0.f;
+  }
+}
+
+}  // namespace
+
+SwigluGrads swiglu_backward_autograd(Act act, const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
+                                     WeightView W1, WeightView W3, WeightView W2, SiluRounding rounding,
+                                     Compute compute, int threads, bool bounds) {
+  const Rounder R{compute == Compute::bf16 ? Act::bf16 : act, act};
+  std::vector<int64_t> first(counts.size(), 0);
+  int64_t rows = 0;
+  for (size_t j = 0; j < counts.size(); ++j) first[j] = rows, rows += counts[j];
+  SwigluGrads g;
+  const size_t wsize = counts.size() * size_t(F * D);
+  g.dX.assign(dY.size(), 0.f);
+  g.mdX.assign(bounds ? dY.size() : 0, 0.f);
+  for (Vec* v : {&g.dW1, &g.dW3, &g.dW2}) v->assign(wsize, 0.f);
+  for (Vec* v : {&g.mdW1, &g.mdW3, &g.mdW2}) v->assign(bounds ? wsize : 0, 0.f);
+  parallel_items(int64_t(counts.size()), threads, [&](int64_t j) {
+    const int64_t n = counts[size_t(j)], row = first[size_t(j)];
+    if (n == 0) return;  // its weight gradients stay exactly 0
+    const MatD x = rounded_block(R, X, row * D, n, D), dy = rounded_block(R, dY, row * D, n, D);
+    const MatD w1 = rounded_weight(R, W1, size_t(j), F, D), w3 = rounded_weight(R, W3, size_t(j), F, D),
+               w2 = rounded_weight(R, W2, size_t(j), D, F);
+    const MatD ax = x.cwiseAbs(), ady = dy.cwiseAbs();
+    const ElemOut e = elementwise(R, rounding, x * w1.transpose(), x * w3.transpose(), dy * w2,
+                                  ax * w1.cwiseAbs().transpose(), ax * w3.cwiseAbs().transpose(), ady * w2.cwiseAbs(), D);
+    input_grad(R, rounding == SiluRounding::torchtitan, e, w1, w3, g, size_t(row * D), bounds);
+    const double gn = gamma_of(n);
+    const size_t at = size_t(j) * size_t(F * D);
+    gemm_out(R, e.d1.transpose() * x, gn * (e.d1.cwiseAbs().transpose() * ax) + e.h1.transpose() * ax, g.dW1, g.mdW1,
+             at, bounds);
+    gemm_out(R, e.d3.transpose() * x, gn * (e.d3.cwiseAbs().transpose() * ax) + e.h3.transpose() * ax, g.dW3, g.mdW3,
+             at, bounds);
+    gemm_out(R, dy.transpose() * e.H, gn * (ady.transpose() * e.H.cwiseAbs()) + ady.transpose() * e.hH, g.dW2, g.mdW2,
+             at, bounds);
+  });
+  return g;
+}
+
+}  // namespace ref
