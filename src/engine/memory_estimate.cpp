@@ -54,7 +54,7 @@ constexpr double kPaddedFloat = 1;
 constexpr double kSwigluAct = 3, kSwigluFloat = 3;
 //  - (T, E) router tensors: logits, scores, the selection copy on both boards
 //    and in the reference; measured about 7 fp32 copies.
-constexpr double kTokenExpert = 7;
+constexpr double kTokenExpert = 5;
 //  - (T, K) index tensors (ids, topk_scores, row_of, token_sorted,
 //    score_sorted) on both boards, and the reference's int64 copies.
 constexpr double kTokenKBytes = 120;
@@ -66,9 +66,11 @@ constexpr double kTokenKBytes = 120;
 //    batched variant caches one rank's experts in fp32 per rank at work.
 constexpr double kExpertBytesPerElem = 8 + 4;
 // The process itself: binary, libraries, allocator slack (7.6 MiB measured
-// for `moeverify validate`, 8.7 MiB for the smallest run; the smallest SP
-// cases peak at 11.7 MiB with the FP8 paths built in).
-constexpr double kBaseBytes = 11.75 * (1 << 20);
+// for `moeverify validate`, 8.7 MiB for the smallest run). The resident
+// binary grows as a file's cases touch more of its code: the smallest
+// capacity-with-SP cases, run after the rest of capacity.yaml, peak at
+// 12.7 MiB.
+constexpr double kBaseBytes = 13.0 * (1 << 20);
 // Per thread (rank threads and executor threads): stack pages touched and
 // thread-local GEMM buffers (see the per-thread term below).
 constexpr double kThreadBytes = 64.0 * 1024;
@@ -113,11 +115,14 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
   // one copy of the routed rows is left: the larger of the two moments.
   const double slot_rows = padded * D * (routed_copies * s + (swiglu ? kPaddedFloat * 4 : 0));
   const double magnitude_rows = routed * D * s + tokens_max * K * D * kRoutedFloatPerRank * 4;
-  b += std::max(slot_rows, magnitude_rows);
-  if (swiglu) b += padded * F * (kSwigluAct * s + kSwigluFloat * 4);
+  double rows = std::max(slot_rows, magnitude_rows);
+  if (swiglu) rows += padded * F * (kSwigluAct * s + kSwigluFloat * 4);
+  // The SwiGLU checks' error scales (RefCtx::scales), held for the slot:
+  // Y's and h13's, fp32, per padded row.
+  if (swiglu) rows += padded * (D + 2 * F) * 4;
+  b += std::max(rows, tokens * E * 4 * kTokenExpert);
   if (shared_swiglu) b += tokens * F * (kSwigluAct * s + kSwigluFloat * 4);
   b += equal_rows * D * (3 * s + 4);
-  b += tokens * E * 4 * kTokenExpert;
   // Backward (docs/contract.md §13, src/paths/stages_backward.cpp): grad_out, grad_x_shared
   // and grad_x in act on both boards and grad_x's fp32 error scale, per token;
   // the score gradient and its half-width (fp32, per assignment); and one more
@@ -137,9 +142,6 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
   const double expert = swiglu || shared_swiglu ? 3 * F * D : 0;
   b += std::max(1.0, double(threads)) * expert * kExpertBytesPerElem;
   if (swiglu) b += side * (E / ranks) * expert * 4;
-  // The SwiGLU checks' error scales (RefCtx::scales), held for the slot:
-  // Y's and h13's, fp32, per padded row.
-  if (swiglu) b += padded * (D + 2 * F) * 4;
   // Per thread: the GEMM's thread-local fp32 copies of one weight matrix (at
   // most 2F x D or E x D), a 64-row tile of X and of the product.
   // Stacks: rank threads and executor threads. GEMM buffers: the threads
