@@ -250,22 +250,28 @@ TEST_CASE("planted quantiser faults differ from the reference", "[cpu][fp8][faul
   CHECK(clean.q == r.q);
 }
 
+namespace {
+
+/// The case PASSES clean and is INCORRECT with fault f: the checks that
+/// failed, as "slot/variant/tensor".
+std::vector<std::string> failed(const Case& c, Fault f) {
+  RunOptions o;
+  o.threads = 2;
+  REQUIRE(run_case(c, o).outcome == Outcome::PASSED);
+  o.faults.bits = uint64_t(f);
+  const CaseReport r = run_case(c, o);
+  CHECK(r.outcome == Outcome::INCORRECT);
+  std::vector<std::string> v;
+  for (const auto& ch : r.checks)
+    if (ch.outcome != Outcome::PASSED) v.push_back(ch.slot + "/" + ch.variant + "/" + ch.tensor);
+  return v;
+}
+
+bool has(const std::vector<std::string>& v, const std::string& s) { return std::find(v.begin(), v.end(), s) != v.end(); }
+
+}  // namespace
+
 TEST_CASE("FP8 cases: each quantiser fault fails at fp8_quant, the unmoved scales at ep_permute", "[cpu][fp8][fault]") {
-  auto failed = [](const Case& c, Fault f) {
-    RunOptions o;
-    o.threads = 2;
-    REQUIRE(run_case(c, o).outcome == Outcome::PASSED);
-    o.faults.bits = uint64_t(f);
-    const CaseReport r = run_case(c, o);
-    CHECK(r.outcome == Outcome::INCORRECT);
-    std::vector<std::string> v;
-    for (const auto& ch : r.checks)
-      if (ch.outcome != Outcome::PASSED) v.push_back(ch.slot + "/" + ch.variant + "/" + ch.tensor);
-    return v;
-  };
-  auto has = [](const std::vector<std::string>& v, const std::string& s) {
-    return std::find(v.begin(), v.end(), s) != v.end();
-  };
   const Case ue = case_named("fp8.yaml", "fp8_local[dispatch.scale=ue8m0,experts.kind=identity]");
   CHECK(has(failed(ue, Fault::fp8_ue8m0_round_down), "fp8_quant/block_scales/x_scale"));
   CHECK(has(failed(ue, Fault::fp8_block_straddle), "fp8_quant/block_scales/x_q"));
@@ -411,21 +417,6 @@ TEST_CASE("FP8 capacity faults: the e4m3 rows stay right, the scales differ from
 }
 
 TEST_CASE("FP8 capacity cases: the unmoved and the stale filler scales fail at capacity", "[cpu][fp8][fault][capacity]") {
-  auto failed = [](const Case& c, Fault f) {
-    RunOptions o;
-    o.threads = 2;
-    REQUIRE(run_case(c, o).outcome == Outcome::PASSED);
-    o.faults.bits = uint64_t(f);
-    const CaseReport r = run_case(c, o);
-    CHECK(r.outcome == Outcome::INCORRECT);
-    std::vector<std::string> v;
-    for (const auto& ch : r.checks)
-      if (ch.outcome != Outcome::PASSED) v.push_back(ch.slot + "/" + ch.variant + "/" + ch.tensor);
-    return v;
-  };
-  auto has = [](const std::vector<std::string>& v, const std::string& s) {
-    return std::find(v.begin(), v.end(), s) != v.end();
-  };
   const Case drop =
       case_named("fp8.yaml", "fp8_capacity[capacity.policy=probs,capacity.pad_to_capacity=off]");
   const std::vector<std::string> v = failed(drop, Fault::fp8_capacity_scales_unmoved);
