@@ -383,7 +383,7 @@ TEST_CASE("FP8 capacity: the e4m3 rows and their scales kept, dropped and padded
           REQUIRE(f.q.size() == rq.rows.size());
           CHECK(f.q == rq.rows);
           REQUIRE(f.scale.size() * 4 == rs.rows.size());
-          CHECK(std::memcmp(f.scale.data(), rs.rows.data(), rs.rows.size()) == 0);
+          CHECK((rs.rows.empty() || std::memcmp(f.scale.data(), rs.rows.data(), rs.rows.size()) == 0));  // cap 0: no rows
           CHECK(std::vector<int32_t>(rq.token_sorted.begin(), rq.token_sorted.end()) == f.token);
           // every filler row: e4m3 zero bytes and scale +0, so it dequantises to zeros
           for (size_t o = 0; o < f.token.size(); ++o) {
