@@ -64,45 +64,40 @@ inline double abs_sum_upper(float s, int64_t k) {
   return (double(s) + double(k) * std::ldexp(1.0, -149)) * (1.0 + 2.0 * double(k + 1) * std::ldexp(1.0, -24));
 }
 
-/// sum_d |a_id| |b_jd| for rows i of `a` (m, k) and j of `b` (n, k), both
-/// already absolute values in fp32, as fp64 upper bounds of the exact sums
-/// (abs_sum_upper). An element whose fp32 sum overflows is summed again in
-/// fp64, so that the bound is infinite only where the exact sum is.
-inline MatD abs_product_nt(const MatF& a, const MatF& b) {
-  const int64_t k = a.cols();
-  const MatF s = a * b.transpose();
+/// The fp32 sums s of k non-negative products each as fp64 upper bounds of
+/// the exact sums (abs_sum_upper). An element whose fp32 sum overflows is
+/// summed again in fp64 by exact(i, j), so that the bound is infinite only
+/// where the exact sum is.
+template <class Exact>
+MatD abs_upper(const MatF& s, int64_t k, Exact exact) {
   MatD out(s.rows(), s.cols());
   for (int64_t i = 0; i < s.rows(); ++i)
     for (int64_t j = 0; j < s.cols(); ++j) {
       const float v = s(i, j);
-      if (std::isinf(v)) {
-        double e = 0;
-        for (int64_t d = 0; d < k; ++d) e += double(a(i, d)) * double(b(j, d));
-        out(i, j) = e;
-      } else {
-        out(i, j) = abs_sum_upper(v, k);
-      }
+      out(i, j) = std::isinf(v) ? exact(i, j) : abs_sum_upper(v, k);
     }
   return out;
+}
+
+/// sum_d |a_id| |b_jd| for rows i of `a` (m, k) and j of `b` (n, k), both
+/// already absolute values in fp32, as fp64 upper bounds of the exact sums.
+inline MatD abs_product_nt(const MatF& a, const MatF& b) {
+  const int64_t k = a.cols();
+  return abs_upper(a * b.transpose(), k, [&](int64_t i, int64_t j) {
+    double e = 0;
+    for (int64_t d = 0; d < k; ++d) e += double(a(i, d)) * double(b(j, d));
+    return e;
+  });
 }
 
 /// The same for a (m, k) times b (k, n): sum_d |a_id| |b_dj|.
 inline MatD abs_product_nn(const MatF& a, const MatF& b) {
   const int64_t k = a.cols();
-  const MatF s = a * b;
-  MatD out(s.rows(), s.cols());
-  for (int64_t i = 0; i < s.rows(); ++i)
-    for (int64_t j = 0; j < s.cols(); ++j) {
-      const float v = s(i, j);
-      if (std::isinf(v)) {
-        double e = 0;
-        for (int64_t d = 0; d < k; ++d) e += double(a(i, d)) * double(b(d, j));
-        out(i, j) = e;
-      } else {
-        out(i, j) = abs_sum_upper(v, k);
-      }
-    }
-  return out;
+  return abs_upper(a * b, k, [&](int64_t i, int64_t j) {
+    double e = 0;
+    for (int64_t d = 0; d < k; ++d) e += double(a(i, d)) * double(b(d, j));
+    return e;
+  });
 }
 
 /// |m| as fp32 (exact for values of an fp32, bf16 or fp16 tensor; an fp64
