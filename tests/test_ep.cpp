@@ -298,6 +298,7 @@ TEST_CASE("config_hash changes with every field that affects results, not with t
       {"router.hot_expert", [](Case& c) { c.router.hot_expert = 0; }},
       {"experts.kind", [](Case& c) { c.experts.kind = ExpertKind::swiglu; }},
       {"experts.impl", [](Case& c) { c.experts.impl = ExpertsImpl::grouped; }},
+      {"experts.weights", [](Case& c) { c.experts.weights = WeightStorage::streamed; }},
       {"shared.kind", [](Case& c) { c.shared.kind = SharedKind::identity; }},
       {"shared.order", [](Case& c) { c.shared.order = SharedOrder::init_with_shared; }},
       {"score_before_experts", [](Case& c) { c.score_before_experts = Switch::on; }},

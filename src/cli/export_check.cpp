@@ -455,6 +455,13 @@ void ExternalEntry::run(Board& board) {
 
 CaseReport run_external(const Case& c, const ActualFn* actual, std::vector<GoldenTensor>* golden,
                         const ExternalOptions& opt) {
+  // A golden folder holds every input as .npy, the routed weights included:
+  // streamed weights would be written, and read back, whole after all.
+  if (c.streams_weights())
+    bad_input(c.source + ": case " + printable(c.name) + ": the routed weights are streamed (experts.weights; " +
+              std::to_string(int64_t(c.routed_weight_bytes()) >> 20) +
+              " MiB in all), and export and check exchange every input as .npy; valid: a case with experts.weights "
+              "held");
   const auto t0 = std::chrono::steady_clock::now();
   CaseReport rep;
   rep.c = c;

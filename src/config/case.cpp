@@ -102,6 +102,24 @@ const EnumTable<ComputeDtype>& compute_dtype_table() {
   return t;
 }
 
+const EnumTable<WeightStorage>& weight_storage_table() {
+  static const EnumTable<WeightStorage> t = {
+      {"auto", WeightStorage::auto_}, {"held", WeightStorage::held}, {"streamed", WeightStorage::streamed}};
+  return t;
+}
+
+double Case::routed_weight_bytes() const {
+  return experts.kind == ExpertKind::swiglu
+             ? 3.0 * double(num_experts) * double(hidden) * double(ffn) * double(elem_bytes(act_elem(dtype)))
+             : 0.0;
+}
+
+bool Case::streams_weights() const {
+  if (experts.kind != ExpertKind::swiglu) return false;
+  if (experts.weights != WeightStorage::auto_) return experts.weights == WeightStorage::streamed;
+  return routed_weight_bytes() > kStreamWeightBytes;
+}
+
 const EnumTable<SpPadding>& sp_padding_table() {
   static const EnumTable<SpPadding> t = {{"virtual", SpPadding::virtual_}, {"tail", SpPadding::tail}};
   return t;
@@ -196,6 +214,7 @@ std::string Case::summary() const {
     o << " experts.rounding=" << enum_name(experts_rounding_table(), experts.rounding);
   if (experts.compute_dtype != ComputeDtype::act)
     o << " experts.compute_dtype=" << enum_name(compute_dtype_table(), experts.compute_dtype);
+  if (streams_weights()) o << " experts.weights=streamed";
   if (backward == Switch::on) o << " backward=on";
   if (layers > 1) o << " layers=" << layers;
   if (capacity.factor > 0)

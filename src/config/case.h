@@ -32,6 +32,11 @@ enum class EmptyGroups { zero, pad };           // docs/contract.md §4: TE (0 r
 enum class PermuteMode { auto_, generic, equal_count };
 enum class EqualSplitPolicy { off, force, adaptive };  // docs/frameworks.md §5.2
 enum class DispatchDtype { act, fp8_e4m3 };            // docs/contract.md §16: rows sent as they are, or FP8 with block scales
+/// Where the routed experts' weights live (docs/architecture.md "Scale and backends"):
+/// `held` as whole (E, F, D) tensors on the board, `streamed` generated a
+/// few experts at a time by each stage that reads them, `auto` streamed past
+/// kStreamWeightBytes.
+enum class WeightStorage { auto_, held, streamed };
 
 template <class E>
 using EnumTable = std::vector<std::pair<const char*, E>>;
@@ -56,6 +61,7 @@ const EnumTable<GateDtype>& gate_dtype_table();
 const EnumTable<k::ScoreMultiply>& score_multiply_table();
 const EnumTable<k::SiluRounding>& experts_rounding_table();
 const EnumTable<ComputeDtype>& compute_dtype_table();
+const EnumTable<WeightStorage>& weight_storage_table();
 const EnumTable<SpPadding>& sp_padding_table();  // docs/contract.md §10
 const EnumTable<CapacityPolicy>& capacity_policy_table();  // docs/contract.md §11
 // FP8 dispatch (docs/contract.md §16)
@@ -100,6 +106,7 @@ struct Case {
     // (routed and shared experts); `bf16` runs the routed experts' GEMMs in bf16.
     k::SiluRounding rounding = k::SiluRounding::fused;
     ComputeDtype compute_dtype = ComputeDtype::act;
+    WeightStorage weights = WeightStorage::auto_;
   } experts;
   struct Shared {
     SharedKind kind = SharedKind::none;
@@ -164,6 +171,10 @@ struct Case {
   bool fp8() const { return dispatch.dtype == DispatchDtype::fp8_e4m3; }
 
   int local_experts() const { return num_experts / ep; }
+  /// Bytes of the routed experts' w1, w3 and w2 in the activation dtype.
+  double routed_weight_bytes() const;
+  /// Whether the routed experts' weights are streamed (experts.weights).
+  bool streams_weights() const;
   int64_t tokens_on(int rank) const;
   std::string summary() const;
 };
@@ -176,6 +187,8 @@ Tolerance tolerance_for(const Case& c, CompareClass cls);
 /// At most this many cases per file after sweep expansion: a sweep's size is
 /// checked before it is expanded, so a 10^8-case sweep is refused, not grown.
 constexpr size_t kMaxCasesPerFile = 10000;
+/// experts.weights auto streams the routed SwiGLU weights past this many bytes.
+constexpr double kStreamWeightBytes = double(int64_t(4) << 30);
 /// Case files larger than this are refused before they are parsed.
 constexpr size_t kMaxCaseFileBytes = size_t(16) << 20;
 /// A case name (before the sweep suffix) has at most this many characters.

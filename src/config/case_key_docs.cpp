@@ -32,6 +32,8 @@ std::string case_key_meaning(const std::string& key) {
       {"score_multiply", "fp32: y = round(v * s); act: the score rounded to act first (docs/contract.md §14)"},
       {"experts.rounding", "fused: H = round(silu(h1) * h3); torchtitan: silu(h1) rounded first (docs/contract.md §14)"},
       {"experts.compute_dtype", "act, or bf16: X and the weights rounded to bf16 for the GEMMs (docs/contract.md §14)"},
+      {"experts.weights", "held: w1/w3/w2 as whole tensors; streamed: generated a few experts at a time by each stage that "
+                          "reads them; auto: streamed past 4 GiB (docs/architecture.md \"Scale and backends\")"},
       {"experts.kind", "identity experts (Y = X) or SwiGLU experts"},
       {"experts.impl", "the primary SwiGLU implementation: a loop per expert, grouped GEMM, or batched (equal counts)"},
       {"shared_experts.kind", "a shared expert beside the routed ones"},

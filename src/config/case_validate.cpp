@@ -2,6 +2,7 @@
 // (docs/architecture.md "Configuration"): what one key's range cannot say,
 // refused with the key's FILE:LINE:COLUMN and what would be valid.
 #include <algorithm>
+#include <cstdio>
 #include <string>
 
 #include "case_schema.h"
@@ -45,6 +46,25 @@ void validate_fp8(const Case& c, const Fail& fail) {
          "FP8 dispatch has a forward contract only (docs/contract.md section 16 defines no gradient of the quantiser), so its "
          "gradients could not be checked",
          "valid: backward off with dispatch.dtype fp8_e4m3");
+}
+
+/// Streamed routed weights (experts.weights; docs/architecture.md "Scale and
+/// backends"): the paths that would need every expert's weights at once are
+/// refused, with the size that made `auto` stream them.
+template <class Fail>
+void validate_streamed(const Case& c, const Fail& fail) {
+  if (!c.streams_weights()) return;
+  char gib[32];
+  std::snprintf(gib, sizeof gib, "%.1f", c.routed_weight_bytes() / double(int64_t(1) << 30));
+  const std::string why = c.experts.weights == WeightStorage::streamed
+                              ? std::string("experts.weights: streamed")
+                              : "the routed weights (" + std::string(gib) + " GiB) are streamed (experts.weights auto streams past 4 GiB)";
+  if (c.backward == Switch::on)
+    fail("backward", why + ", and the backward's weight gradients are whole (E, F, D) tensors",
+         "valid: backward off, or experts.weights: held with weights that fit in memory");
+  if (c.fp8())
+    fail("dispatch.dtype", why + ", and the FP8 error bound reads every expert's weights at once",
+         "valid: dispatch.dtype act, or experts.weights: held with weights that fit in memory");
 }
 
 /// The rules between keys (divisibility, ranges that depend on another key,
@@ -128,6 +148,7 @@ void validate(const Case& c, const Flat& flat) {
     fail("backward", "an output buffer aliasing x adds x itself to the output, a gradient path the backward does not model",
          "valid: combine.buffer: fresh with backward: on");
   validate_fp8(c, fail);
+  validate_streamed(c, fail);
 }
 
 }  // namespace

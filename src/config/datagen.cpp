@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 namespace moev {
@@ -34,26 +36,93 @@ float exact_value(uint64_t seed, uint64_t stream, uint64_t rank, uint64_t row, u
   return float(int(u * 3) - 1) * (kind == 1 ? 1.0f : 0.125f);  // 1: router gate, 2: expert weights
 }
 
+// Realistic expert weights: about normal with variance 1 (Irwin-Hall: the
+// sum of four 16-bit uniforms, centred and scaled), times `scale`. Element
+// (row, col) draws its four from two 32-bit hashes of col keyed by a 64-bit
+// hash of (seed, tensor, row): 32-bit integer steps that vectorise, so a
+// stage that generates the few experts it works on (experts.weights
+// streamed) pays a fraction of a nanosecond per element where Box-Muller's
+// log and cos cost twenty; and an element has the same value in a slice as
+// in the whole tensor.
+inline uint32_t hash32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  return x ^ (x >> 16);
+}
+inline float weight_normal(uint32_t ka, uint32_t kb, uint32_t col) {
+  const uint32_t a = hash32(ka ^ (col * 0x9e3779b9u)), b = hash32(kb + col * 0x85ebca6bu);
+  const uint32_t quarters = (a & 0xffffu) + (a >> 16) + (b & 0xffffu) + (b >> 16);
+  return (float(int32_t(quarters)) - 131070.0f) * (1.7320508f / 65536.0f);  // mean 4 * 32767.5; var 4 * 65536^2 / 12
+}
+
+/// Elements [first, first + numel(shape)) of the flat tensor a stream draws
+/// (a slice of it when `first` > 0: the values are those of the same flat
+/// indices of the whole tensor). `weights`: realistic values by
+/// weight_normal, not Box-Muller.
+/// `reuse`: a tensor of the same type and size that nothing else shares is
+/// written over instead of a new allocation (a streamed stage's next chunk:
+/// no fresh pages to fault in).
 Tensor fill(const Case& c, ElemType et, std::vector<int64_t> shape, uint64_t stream, int rank, double scale,
-            int exact_kind, size_t extra_elems = 0, int threads = 1) {
+            int exact_kind, size_t extra_elems = 0, int threads = 1, int64_t first = 0, bool weights = false,
+            Tensor* reuse = nullptr) {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   const int64_t cols = std::max<int64_t>(shape.back(), 1), total = n + int64_t(extra_elems);
+  const uint64_t key = mix(c.seed ^ mix(stream ^ mix(uint64_t(rank))));
   // One allocation, each value converted to et where it is drawn; every
   // value is a pure function of its index, so threads change nothing.
-  Tensor whole = Tensor::alloc(et, {total}, 0);
+  const bool reusable = reuse && reuse->storage && reuse->storage.use_count() == 1 && reuse->offset_bytes == 0 &&
+                        reuse->type == et && reuse->storage->size() == size_t(total) * elem_bytes(et);
+  Tensor whole = reusable ? reuse->view(et, {total}, 0) : Tensor::alloc(et, {total}, 0);
+  if (reusable) *reuse = Tensor{};  // `whole` holds the storage alone again
+  auto store = [&](auto* out) {
+    using T = std::remove_pointer_t<decltype(out)>;
+    auto put = [](float v) {
+      if constexpr (std::is_same_v<T, float>) return v;
+      else return from_float<T>(v);
+    };
+    if (weights && c.data == DataMode::realistic) {  // the hot loop of streamed weights, row by row
+      const float fs = float(scale);
+      const int64_t r0 = first / cols, r1 = (first + total + cols - 1) / cols;
 #pragma omp parallel for schedule(static) num_threads(std::max(1, threads)) if (threads > 1 && total > (1 << 16))
-  for (int64_t i = 0; i < total; ++i) {
-    const uint64_t r = uint64_t(i / cols), col = uint64_t(i % cols);
-    const uint64_t s = i < n ? stream : kTail;
-    const float v = c.data == DataMode::exact ? exact_value(c.seed, s, uint64_t(rank), r, col, exact_kind)
-                                              : float(normal(c.seed, s, uint64_t(rank), r, col) * scale);
-    switch (et) {
-      case ElemType::f32: whole.as<float>()[i] = v; break;
-      case ElemType::bf16: whole.as<bf16>()[i] = from_float<bf16>(v); break;
-      case ElemType::f16: whole.as<fp16>()[i] = from_float<fp16>(v); break;
-      default: throw std::logic_error("fill: an integer tensor");
+      for (int64_t r = r0; r < r1; ++r) {
+        const uint64_t rk = mix(key + uint64_t(r));
+        const uint32_t ka = uint32_t(rk), kb = uint32_t(rk >> 32);
+        const int64_t c0 = std::max<int64_t>(0, first - r * cols), c1 = std::min<int64_t>(cols, first + total - r * cols);
+        T* o = out + (r * cols - first);
+        if constexpr (std::is_same_v<T, bf16>) {
+          // Round to nearest even on the bits (every value is finite): a
+          // loop the compiler runs 8 or 16 lanes wide.
+          uint16_t* ob = reinterpret_cast<uint16_t*>(o);
+#pragma omp simd
+          for (int64_t col = c0; col < c1; ++col) {
+            uint32_t u;
+            const float v = weight_normal(ka, kb, uint32_t(col)) * fs;
+            std::memcpy(&u, &v, 4);
+            ob[col] = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+          }
+        } else {
+          for (int64_t col = c0; col < c1; ++col) o[col] = put(weight_normal(ka, kb, uint32_t(col)) * fs);
+        }
+      }
+      return;
     }
+#pragma omp parallel for schedule(static) num_threads(std::max(1, threads)) if (threads > 1 && total > (1 << 16))
+    for (int64_t i = 0; i < total; ++i) {
+      const int64_t g = first + i;
+      const uint64_t r = uint64_t(g / cols), col = uint64_t(g % cols);
+      const uint64_t s = i < n ? stream : kTail;
+      out[i] = put(c.data == DataMode::exact ? exact_value(c.seed, s, uint64_t(rank), r, col, exact_kind)
+                                             : float(normal(c.seed, s, uint64_t(rank), r, col) * scale));
+    }
+  };
+  switch (et) {
+    case ElemType::f32: store(whole.as<float>()); break;
+    case ElemType::bf16: store(whole.as<bf16>()); break;
+    case ElemType::f16: store(whole.as<fp16>()); break;
+    default: throw std::logic_error("fill: an integer tensor");
   }
   return whole.view(et, std::move(shape), 0);
 }
@@ -63,6 +132,25 @@ Tensor fill(const Case& c, ElemType et, std::vector<int64_t> shape, uint64_t str
 double hash_uniform(uint64_t seed, uint64_t stream, uint64_t rank, uint64_t row, uint64_t col) {
   uint64_t h = mix(seed ^ mix(stream ^ mix(rank ^ mix(row ^ mix(col)))));
   return double(h >> 11) * (1.0 / 9007199254740992.0);
+}
+
+ExpertWeightSlice make_expert_weights(const Case& c, int64_t e0, int64_t n, int threads, ExpertWeightSlice* reuse) {
+  const ElemType act = act_elem(c.dtype);
+  const int64_t D = c.hidden, F = c.ffn;
+  const double s1 = 1.0 / std::sqrt(double(D)), s2 = 1.0 / std::sqrt(double(F));
+  ExpertWeightSlice w;
+  w.w1 = fill(c, act, {n, F, D}, kW1, 0, s1, 2, 0, threads, e0 * F * D, true, reuse ? &reuse->w1 : nullptr);
+  w.w3 = fill(c, act, {n, F, D}, kW3, 0, s1, 2, 0, threads, e0 * F * D, true, reuse ? &reuse->w3 : nullptr);
+  w.w2 = fill(c, act, {n, D, F}, kW2, 0, s2, 2, 0, threads, e0 * D * F, true, reuse ? &reuse->w2 : nullptr);
+  return w;
+}
+
+int64_t streamed_chunk_experts(const Case& c, int64_t n) {
+  const double per_expert = c.routed_weight_bytes() / double(std::max(1, c.num_experts));
+  int64_t by_bytes = per_expert > 0 ? int64_t(double(512 << 20) / per_expert) : n;
+  // An even count: the reference gives each of two threads whole experts.
+  if (by_bytes > 2) by_bytes -= by_bytes % 2;
+  return std::max<int64_t>(1, std::min<int64_t>(by_bytes, (n + 2) / 3));
 }
 
 std::map<std::string, Tensor> make_global_inputs(const Case& c, int threads) {
@@ -81,15 +169,16 @@ std::map<std::string, Tensor> make_global_inputs(const Case& c, int threads) {
                                                   : float(normal(c.seed, kBias, uint64_t(lr), 0, uint64_t(e)) * 0.01);
   if (c.router.hot_expert >= 0) bias[size_t(c.router.hot_expert)] += 1.f;
   m["bias"] = from_floats(bias, ElemType::f32, {E});
-  if (c.experts.kind == ExpertKind::swiglu) {
-    m["w1"] = fill(c, act, {E, F, D}, kW1, 0, 1.0 / std::sqrt(double(D)), 2, 0, threads);
-    m["w3"] = fill(c, act, {E, F, D}, kW3, 0, 1.0 / std::sqrt(double(D)), 2, 0, threads);
-    m["w2"] = fill(c, act, {E, D, F}, kW2, 0, 1.0 / std::sqrt(double(F)), 2, 0, threads);
+  if (c.experts.kind == ExpertKind::swiglu && !c.streams_weights()) {
+    ExpertWeightSlice w = make_expert_weights(c, 0, E, threads);
+    m["w1"] = std::move(w.w1);
+    m["w3"] = std::move(w.w3);
+    m["w2"] = std::move(w.w2);
   }
   if (c.shared.kind == SharedKind::swiglu) {
-    m["shared_w1"] = fill(c, act, {1, F, D}, kSW1, 0, 1.0 / std::sqrt(double(D)), 2, 0, threads);
-    m["shared_w3"] = fill(c, act, {1, F, D}, kSW3, 0, 1.0 / std::sqrt(double(D)), 2, 0, threads);
-    m["shared_w2"] = fill(c, act, {1, D, F}, kSW2, 0, 1.0 / std::sqrt(double(F)), 2, 0, threads);
+    m["shared_w1"] = fill(c, act, {1, F, D}, kSW1, 0, 1.0 / std::sqrt(double(D)), 2, 0, threads, 0, true);
+    m["shared_w3"] = fill(c, act, {1, F, D}, kSW3, 0, 1.0 / std::sqrt(double(D)), 2, 0, threads, 0, true);
+    m["shared_w2"] = fill(c, act, {1, D, F}, kSW2, 0, 1.0 / std::sqrt(double(F)), 2, 0, threads, 0, true);
   }
   return m;
 }

@@ -115,15 +115,16 @@ bool draw_backward_layers_capacity(uint64_t seed, uint64_t index, std::ostream& 
 /// (§16 "With capacity"), with a
 /// block that divides D, either scale and either quotient (amax_ratio with
 /// fp32 scales only).
-void draw_fp8(uint64_t seed, uint64_t index, std::ostream& y, int64_t D, bool supported, bool capacity) {
+bool draw_fp8(uint64_t seed, uint64_t index, std::ostream& y, int64_t D, bool supported, bool capacity) {
   Draw df{std::mt19937_64((seed ^ 0x465038ull) * 0x9E3779B97F4A7C15ull + index)};
-  if (!df.chance(capacity ? 0.5 : 0.25) || !supported) return;
+  if (!df.chance(capacity ? 0.5 : 0.25) || !supported) return false;
   std::vector<int> blocks;
   for (int b : divisors(int(D)))
     if (b <= 128) blocks.push_back(b);
   const bool ue8m0 = df.chance(0.5);
   y << ", dispatch: {dtype: fp8_e4m3, scale: " << (ue8m0 ? "ue8m0" : "fp32") << ", block: " << df.pick(blocks)
     << ", quotient: " << (!ue8m0 && df.chance(0.5) ? "amax_ratio" : "reciprocal") << "}";
+  return true;
 }
 
 }  // namespace
@@ -185,7 +186,12 @@ std::string random_case_yaml(uint64_t seed, uint64_t index) {
   draw_ep_tolerance_conventions(d, y);
   bool capacity = false;
   const bool backward = draw_backward_layers_capacity(seed, index, y, sp, buffer, force_lb, capacity);
-  draw_fp8(seed, index, y, D, !score_before && !backward, capacity);
+  const bool fp8 = draw_fp8(seed, index, y, D, !score_before && !backward, capacity);
+  // Streamed routed weights (docs/architecture.md "Scale and backends") in
+  // about 15% of the cases that allow them (no backward, no FP8), from a
+  // stream of their own: the experts' chunks then split every shape drawn.
+  Draw dw{std::mt19937_64((seed ^ 0x5354524dull) * 0x9E3779B97F4A7C15ull + index)};
+  if (dw.chance(0.15) && !backward && !fp8) y << ", experts.weights: streamed";
   y << "}";
   return y.str();
 }

@@ -19,6 +19,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "datagen.h"
 #include "error.h"
 #include "tensor.h"
 
@@ -59,7 +60,8 @@ constexpr double kTokenExpert = 5;
 //    score_sorted) on both boards, and the reference's int64 copies.
 constexpr double kTokenKBytes = 120;
 //  - weights: generated once and shared by every rank's board, the chain's
-//    and the EP = 1 reruns' (make_global_inputs): one act copy. The
+//    and the EP = 1 reruns' (make_global_inputs): one act copy (none of the
+//    routed experts' when streamed: chunks, below). The
 //    reference decodes one expert at a time (ref::WeightView) into fp64
 //    values and fp32 absolute values, one expert per thread at work
 //    (kExpertBytesPerElem per element of an expert's three matrices); the
@@ -114,7 +116,12 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
   // the chain's dispatch slot has been let go (Pipeline::advance_chain), when
   // one copy of the routed rows is left: the larger of the two moments.
   const double slot_rows = padded * D * (routed_copies * s + (swiglu ? kPaddedFloat * 4 : 0));
-  const double magnitude_rows = routed * D * s + tokens_max * K * D * kRoutedFloatPerRank * 4;
+  // With SwiGLU experts every rank's row scales (fp32) are made at once,
+  // expert by expert across the ranks, from chunks of at most 256 MiB of
+  // gathered fp32 rows and their scales (combined_magnitudes).
+  const double gathered = std::min(2.0 * 256 * (1 << 20), 2 * routed * D * 4);
+  const double magnitude_rows = routed * D * s + (swiglu ? routed * D * 4 + gathered : 0) +
+                                tokens_max * K * D * kRoutedFloatPerRank * 4;
   double rows = std::max(slot_rows, magnitude_rows);
   if (swiglu) rows += padded * F * (kSwigluAct * s + kSwigluFloat * 4);
   // The SwiGLU checks' error scales (RefCtx::scales), held for the slot:
@@ -141,7 +148,11 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
   b += E * D * 4;  // the gate's fp32 view in the router reference (its act copy: global_bytes)
   const double expert = swiglu || shared_swiglu ? 3 * F * D : 0;
   b += std::max(1.0, double(threads)) * expert * kExpertBytesPerElem;
-  if (swiglu) b += side * (E / ranks) * expert * 4;
+  if (swiglu && !c.streams_weights()) b += side * (E / ranks) * expert * 4;
+  // Streamed routed weights (experts.weights): each rank at work holds one
+  // generated chunk in act, and the batched variant its fp32 cache of it;
+  // the chunk is largest where a stage streams all E experts.
+  if (swiglu && c.streams_weights()) b += (side + 1) * double(streamed_chunk_experts(c, c.num_experts)) * expert * (s + 4);
   // Per thread: the GEMM's thread-local fp32 copies of one weight matrix (at
   // most 2F x D or E x D), a 64-row tile of X and of the product.
   // Stacks: rank threads and executor threads. GEMM buffers: the threads
@@ -161,7 +172,7 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
 /// gate, routed experts, shared expert in act.
 double global_bytes(const Case& c) {
   const double D = double(c.hidden), F = double(c.ffn), E = double(c.num_experts);
-  const double w = E * D + (c.experts.kind == ExpertKind::swiglu ? 3 * E * F * D : 0) +
+  const double w = E * D + (c.experts.kind == ExpertKind::swiglu && !c.streams_weights() ? 3 * E * F * D : 0) +
                    (c.shared.kind == SharedKind::swiglu ? 3 * F * D : 0);
   return w * double(elem_bytes(act_elem(c.dtype)));
 }

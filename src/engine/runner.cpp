@@ -713,10 +713,14 @@ class Pipeline {
           if (d.slot == s->slot && d.variant == s->variant) opt_.after_slot(*s, d, fast_);
   }
 
+  /// out_magnitude (combined_magnitudes) on every rank of `b`.
+  void put_magnitudes(const Case& c, Board& b) const {
+    std::vector<Tensor> m = combined_magnitudes(c, b.ranks, opt_.threads);
+    for (int r = 0; r < R_; ++r) b.ranks[size_t(r)]["out_magnitude"] = std::move(m[size_t(r)]);
+  }
+
   void fast_only_magnitude(const std::string& slot) {
-    if (slot == magnitude_slot(c_) && opt_.fast_only_magnitude)
-      for (int r = 0; r < R_; ++r)
-        fast_.ranks[size_t(r)]["out_magnitude"] = combined_magnitude(c_, fast_.ranks[size_t(r)], opt_.threads);
+    if (slot == magnitude_slot(c_) && opt_.fast_only_magnitude) put_magnitudes(c_, fast_);
   }
 
   /// Whether the chain holds the fast board's own tensors (same storage) for
@@ -783,9 +787,7 @@ class Pipeline {
     primary_out = Board{};
     // The end-to-end error scale reads the chain's routed rows: computed as
     // soon as the chain has them, so they need not live to the end.
-    if (slot == magnitude_slot(c_))
-      for (int r = 0; r < R_; ++r)
-        chain_.ranks[size_t(r)]["out_magnitude"] = combined_magnitude(c_, chain_.ranks[size_t(r)], opt_.threads);
+    if (slot == magnitude_slot(c_)) put_magnitudes(c_, chain_);
   }
 
   /// End to end: the fast pipeline's output against the reference chain's,
@@ -849,11 +851,10 @@ class Pipeline {
         }
       for (int r = 0; r < R_; ++r)
         for (auto& [n, t] : next.ranks[size_t(r)]) act.ranks[size_t(r)][n] = t;
-      if (slot == magnitude_slot(ca))
-        for (int r = 0; r < R_; ++r) {
-          act.ranks[size_t(r)]["out_magnitude"] = combined_magnitude(ca, act.ranks[size_t(r)], opt_.threads);
-          bound[size_t(r)] = fp8_error_bound(c_, act.ranks[size_t(r)]);
-        }
+      if (slot == magnitude_slot(ca)) {
+        put_magnitudes(ca, act);
+        for (int r = 0; r < R_; ++r) bound[size_t(r)] = fp8_error_bound(c_, act.ranks[size_t(r)]);
+      }
     }
     const OutputSpec oe{"out", CompareClass::end_to_end, Coords::token_col, promise_combined, nullptr};
     const Tolerance base = tolerance_for(c_, CompareClass::end_to_end);
@@ -968,10 +969,17 @@ void check_ep_invariance(const Case& c, const RunOptions& opt, const std::vector
     Case cp = c1;
     cp.tokens = c.tokens_on(p);
     RunOptions op = o1;
+    // Streamed weights: the EP = 1 run is scaled by this rank's error scale
+    // on the reference chain (the same tokens, experts and rows), not by one
+    // of its own, which would generate every expert's weights once more per
+    // rank.
+    const Tensor* chain_scale = !exact && c.streams_weights() && chain.has("out_magnitude", p)
+                                    ? &chain.at("out_magnitude", p)
+                                    : nullptr;
     auto rerun = [&](bool fast_only, CaseReport& r1, Board& f1) {
       r1.c = cp;
       op.fast_only = fast_only;
-      op.fast_only_magnitude = !exact;
+      op.fast_only_magnitude = !exact && !chain_scale;
       std::vector<RankBoard> in1 = {RankBoard{}};
       // Per-rank tensors are cloned (an in-place stage may write into x);
       // the global ones are shared, read-only like every stage input.
@@ -980,7 +988,9 @@ void check_ep_invariance(const Case& c, const RunOptions& opt, const std::vector
       return make_check(c, "ep_invariance", "ep1_vs_ep" + std::to_string(R), oi,
                         fast.has("out", p) ? &fast.at("out", p) : nullptr, f1.has("out", 0) ? &f1.at("out", 0) : nullptr,
                         fast.ranks[size_t(p)], p, R, "EP = 1 run",
-                        !exact && f1.has("out_magnitude", 0) ? &f1.at("out_magnitude", 0) : nullptr);
+                        chain_scale ? chain_scale
+                        : !exact && f1.has("out_magnitude", 0) ? &f1.at("out_magnitude", 0)
+                                                                : nullptr);
     };
     CaseReport r1;
     Board f1;
@@ -1046,7 +1056,6 @@ bool run_entry(const Case& c, const RunOptions& opt, bool use_mpi, CaseReport& r
     rethrow_out_of_memory(c.name, "input generation");
   }
   const bool completed = run_pipeline(c, opt, inputs, use_mpi, rep, fast, &chain);
-
   if (R > 1 && completed && !opt.fast_only) check_ep_invariance(c, opt, inputs, globals, fast, chain, rep);
   if (c.sp > 1 && completed && !opt.fast_only) check_sp_invariance(c, opt, fast, rep);
   return completed;

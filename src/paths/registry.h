@@ -26,11 +26,13 @@ bool promise_combined(const Case& c, const RankBoard& b);
 /// are not all zero.
 bool promise_expert_rows(const Case& c, const RankBoard& b);
 
-/// The error scale of the combined output `out` of one rank, from the
-/// reference chain's board of that rank (its dispatch, scores, weights and
+/// The error scale of the combined output `out` of each rank, from the
+/// reference chain's board of the ranks (their dispatch, scores, weights and
 /// combine init): what the end-to-end and EP-invariance checks scale by.
-/// `threads` threads take blocks of tokens (the result does not depend on it).
-Tensor combined_magnitude(const Case& c, const RankBoard& chain, int threads);
+/// The SwiGLU rows of every rank are scaled expert by expert across the
+/// ranks (each expert's weights read once); `threads` threads take blocks
+/// of rows and tokens (the result does not depend on it).
+std::vector<Tensor> combined_magnitudes(const Case& c, const std::vector<RankBoard>& chain, int threads);
 /// The slot after which every input of combined_magnitude is on the chain
 /// board: the runner computes the end-to-end error scale there.
 const std::string& magnitude_slot(const Case& c);

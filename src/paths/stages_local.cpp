@@ -4,10 +4,13 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
 
+#include "datagen.h"
 #include "parallel_errors.h"
 #include "../reference/reference.h"
 #include "error.h"
@@ -186,10 +189,52 @@ std::vector<std::string> combine_inputs(const Case& c) {
   return v;
 }
 
-/// Pointer to expert `expert0`'s slice of the (E, ...) weight tensor `name`.
-const void* expert_weights(const FastCtx& ctx, const std::string& name, int expert0) {
-  const Tensor& w = ctx.input(name);
-  return static_cast<const uint8_t*>(w.data()) + size_t(expert0) * size_t(w.numel() / w.shape[0]) * elem_bytes(w.type);
+/// The weights of experts [first, first + n) of the `w_prefix` tensors, in
+/// chunks: fn(j0, m, w) for the experts [first + j0, first + j0 + m), w their
+/// w1, w3 (m, F, D) and w2 (m, D, F). Held weights (every shared expert; the
+/// routed ones unless experts.weights streams them) come as one chunk of views
+/// into the board's tensors; streamed ones are generated a chunk at a time
+/// (make_expert_weights) on `threads` threads and freed after fn.
+/// The weights of experts [first, first + n) of the `w_prefix` tensors, in
+/// chunks: fn(j0, m, w) for the experts [first + j0, first + j0 + m), w their
+/// w1, w3 (m, F, D) and w2 (m, D, F). Held weights (every shared expert; the
+/// routed ones unless experts.weights streams them) come as views into the
+/// board's tensors, all in one chunk unless `max_step` says fewer; streamed
+/// ones are generated a chunk at a time (make_expert_weights) on `threads`
+/// threads and freed after fn.
+template <class Fn>
+void for_weight_chunks(const Case& c, const RankBoard& b, const std::string& w_prefix, int64_t first, int64_t n,
+                       int threads, Fn fn, int64_t max_step = std::numeric_limits<int64_t>::max()) {
+  if (n <= 0) return;
+  const bool held = !w_prefix.empty() || !c.streams_weights();
+  const int64_t step = std::max<int64_t>(1, std::min(max_step, held ? n : streamed_chunk_experts(c, n)));
+  auto slice = [&](const std::string& name, int64_t e0, int64_t m) {
+    const Tensor& w = b.at(w_prefix + name);
+    const int64_t per = w.numel() / w.shape[0];
+    return w.view(w.type, {m, w.shape[1], w.shape[2]}, w.offset_bytes + size_t(e0 * per) * elem_bytes(w.type));
+  };
+  ExpertWeightSlice w;  // streamed: one chunk's storage, written over by the next
+  for (int64_t j0 = 0; j0 < n; j0 += step) {
+    const int64_t m = std::min(step, n - j0), e0 = first + j0;
+    w = held ? ExpertWeightSlice{slice("w1", e0, m), slice("w3", e0, m), slice("w2", e0, m)}
+             : make_expert_weights(c, e0, m, threads, &w);
+    fn(j0, m, static_cast<const ExpertWeightSlice&>(w));
+  }
+}
+
+/// The first row of group j0 and the rows of groups [j0, j0 + m).
+std::pair<int64_t, int64_t> chunk_rows(const int64_t* counts, int64_t j0, int64_t m) {
+  int64_t r0 = 0, n = 0;
+  for (int64_t j = 0; j < j0; ++j) r0 += counts[j];
+  for (int64_t j = j0; j < j0 + m; ++j) n += counts[j];
+  return {r0, n};
+}
+
+/// Row r0 of a (rows, ...) tensor.
+template <class T>
+T* row_ptr(T* base, const Tensor& t, int64_t r0) {
+  return reinterpret_cast<T*>(reinterpret_cast<std::conditional_t<std::is_const_v<T>, const uint8_t*, uint8_t*>>(base) +
+                              size_t(r0) * size_t(t.numel() / std::max<int64_t>(t.shape[0], 1)) * elem_bytes(t.type));
 }
 
 /// Runs SwiGLU experts on `X` rows grouped by `counts` (E_l groups) with the
@@ -204,26 +249,63 @@ void fast_swiglu(FastCtx& ctx, ExpertsImpl impl, const Tensor& X, const int64_t*
   Tensor& Y = ctx.output(out, X.type, {rows, c.hidden});
   Tensor& h13 = ctx.output(mid + "h13", mid_type(c, conv), {rows, 2 * c.ffn});
   Tensor& H = ctx.output(mid + "hidden", mid_type(c, conv), {rows, c.ffn});
-  experts_swiglu(ctx.exec, c.dtype, impl, X.data(), counts, E_l, c.hidden, c.ffn,
-                 expert_weights(ctx, w_prefix + "w1", expert0), expert_weights(ctx, w_prefix + "w3", expert0),
-                 expert_weights(ctx, w_prefix + "w2", expert0), Y.data(), SwigluIntermediates{h13.data(), H.data()},
-                 conv);
+  for_weight_chunks(c, ctx.in, w_prefix, expert0, E_l, ctx.exec.threads,
+                    [&](int64_t j0, int64_t m, const ExpertWeightSlice& w) {
+                      const int64_t r0 = chunk_rows(counts, j0, m).first;
+                      experts_swiglu(ctx.exec, c.dtype, impl, row_ptr(X.data(), X, r0), counts + j0, int(m), c.hidden,
+                                     c.ffn, w.w1.data(), w.w3.data(), w.w2.data(), row_ptr(Y.data(), Y, r0),
+                                     SwigluIntermediates{row_ptr(h13.data(), h13, r0), row_ptr(H.data(), H, r0)},
+                                     conv);
+                    });
 }
 
+/// The first sum(counts) rows of X as floats: rows past the last group (a
+/// padding tail) are no expert's.
+ref::Vec group_floats(const Case& c, const Tensor& X, const ref::Counts& counts) {
+  int64_t rows = 0;
+  for (int64_t n : counts) rows += n;
+  ref::Vec xv = to_floats(X);
+  xv.resize(size_t(rows * c.hidden));
+  return xv;
+}
 
+/// f(x, counts, w) -> a (rows, width) Vec per chunk of experts, assembled
+/// into one for all of [first, first + counts.size()): the reference's
+/// per-expert functions over held or streamed weights alike.
+template <class F>
+ref::Vec over_chunks(const Case& c, const RankBoard& b, const ref::Vec& xv, const ref::Counts& counts,
+                     const std::string& w_prefix, int64_t first, int64_t width, int threads, F f) {
+  int64_t rows = 0;
+  for (int64_t n : counts) rows += n;
+  ref::Vec out;
+  for_weight_chunks(c, b, w_prefix, first, int64_t(counts.size()), threads,
+                    [&](int64_t j0, int64_t m, const ExpertWeightSlice& w) {
+                      const auto [r0, n] = chunk_rows(counts.data(), j0, m);
+                      if (j0 == 0 && m == int64_t(counts.size())) {
+                        out = f(xv, counts, w);
+                        return;
+                      }
+                      out.resize(size_t(rows * width));
+                      const ref::Vec part =
+                          f(ref::Vec(xv.begin() + r0 * c.hidden, xv.begin() + (r0 + n) * c.hidden),
+                            ref::Counts(counts.begin() + j0, counts.begin() + j0 + m), w);
+                      std::copy(part.begin(), part.end(), out.begin() + r0 * width);
+                    });
+  if (out.empty()) out.assign(size_t(rows * width), 0.f);
+  return out;
+}
 
 /// Error scale of SwiGLU over the first sum(counts) rows of X with the
 /// weights of experts [first, first + counts.size()) of the `w_prefix` tensors.
 Tensor swiglu_scale(const Case& c, const RankBoard& b, const Tensor& X, const ref::Counts& counts,
                     const std::string& w_prefix, int64_t first, int threads = 1) {
-  int64_t rows = 0;
-  for (int64_t n : counts) rows += n;
-  ref::Vec xv = to_floats(X);
-  xv.resize(size_t(rows * c.hidden));
-  return from_floats(ref::swiglu_magnitude(xv, counts, c.hidden, c.ffn, weight_view(b.at(w_prefix + "w1"), first),
-                                           weight_view(b.at(w_prefix + "w3"), first),
-                                           weight_view(b.at(w_prefix + "w2"), first), threads),
-                     ElemType::f32, {rows, c.hidden});
+  const ref::Vec xv = group_floats(c, X, counts);
+  const ref::Vec m = over_chunks(c, b, xv, counts, w_prefix, first, c.hidden, threads,
+                                 [&](const ref::Vec& x, const ref::Counts& n, const ExpertWeightSlice& w) {
+                                   return ref::swiglu_magnitude(x, n, c.hidden, c.ffn, weight_view(w.w1, 0),
+                                                                weight_view(w.w3, 0), weight_view(w.w2, 0), threads);
+                                 });
+  return from_floats(m, ElemType::f32, {int64_t(xv.size()) / std::max<int64_t>(c.hidden, 1), c.hidden});
 }
 
 Tensor routed_swiglu_scale(const Case& c, const RankBoard& b, int rank, int ranks) {
@@ -263,16 +345,15 @@ std::vector<OutputSpec> swiglu_mid_outputs(const SwigluSite& site, Coords co) {
   OutputSpec h13(site.mid + "h13", CompareClass::rounding, co, nullptr,
                  [st](const Case& c, const RankBoard& b, int rank, int ranks) {
                    const ref::Counts counts = st->counts_of(b);
-                   int64_t rows = 0;
-                   for (int64_t n : counts) rows += n;
-                   ref::Vec xv = to_floats(b.at(st->input));
-                   xv.resize(size_t(rows * c.hidden));
-                   const int64_t first = st->first_expert(c, rank, ranks);
-                   return from_floats(ref::swiglu_h13_halfwidth(mid_act(c, swiglu_conventions(c, st->mid)), xv, counts,
-                                                                c.hidden, c.ffn,
-                                                                weight_view(b.at(st->w_prefix + "w1"), first),
-                                                                weight_view(b.at(st->w_prefix + "w3"), first)),
-                                      ElemType::f32, {rows, 2 * c.ffn});
+                   const ref::Vec xv = group_floats(c, b.at(st->input), counts);
+                   const ref::Act a = mid_act(c, swiglu_conventions(c, st->mid));
+                   const ref::Vec hw = over_chunks(
+                       c, b, xv, counts, st->w_prefix, st->first_expert(c, rank, ranks), 2 * c.ffn, 1,
+                       [&](const ref::Vec& x, const ref::Counts& n, const ExpertWeightSlice& w) {
+                         return ref::swiglu_h13_halfwidth(a, x, n, c.hidden, c.ffn, weight_view(w.w1, 0),
+                                                          weight_view(w.w3, 0));
+                       });
+                   return from_floats(hw, ElemType::f32, {int64_t(hw.size()) / (2 * c.ffn), 2 * c.ffn});
                  });
   OutputSpec hidden(site.mid + "hidden", CompareClass::rounding, co, nullptr);
   hidden.from_fast = [st](const Case& c, const RankBoard& b, Tensor& scale) {
@@ -304,53 +385,136 @@ ref::Vec shared_scale(const Case& c, const RankBoard& b) {
 
 }  // namespace
 
-Tensor combined_magnitude(const Case& c, const RankBoard& b, int threads) {
-  const Tensor& x = b.at("x");
-  const int64_t T = x.shape[0];
-  // Rows of the rank's own dispatch (all E experts), as the experts see them:
+namespace {
+
+/// The SwiGLU error scales of every rank's rows rows[q] (grouped by
+/// counts[q] over all E experts), expert by expert across the ranks: each
+/// expert's weights are decoded (or, streamed, generated) once for all
+/// ranks' rows, not once per rank. The experts go in chunks of about 256 MiB
+/// of gathered fp32 rows (and of streamed weights).
+std::vector<ref::Vec> swiglu_scales_all_ranks(const Case& c, const RankBoard& weights, const std::vector<Tensor>& rows,
+                                              const std::vector<ref::Counts>& counts, int threads) {
+  const size_t R = rows.size();
+  const int64_t D = c.hidden, E = c.num_experts;
+  std::vector<std::vector<int64_t>> at(R, std::vector<int64_t>(size_t(E) + 1, 0));  // first row of (q, e)
+  int64_t total = 0;
+  for (size_t q = 0; q < R; ++q) {
+    for (int64_t e = 0; e < E; ++e) at[q][size_t(e) + 1] = at[q][size_t(e)] + counts[q][size_t(e)];
+    total += at[q][size_t(E)];
+  }
+  std::vector<ref::Vec> out(R);
+  for (size_t q = 0; q < R; ++q) out[q].assign(size_t(at[q][size_t(E)] * D), 0.f);
+  const double per_expert_bytes = double(total) / double(E) * double(D) * sizeof(float);
+  const int64_t max_step = std::max<int64_t>(1, int64_t(double(256 << 20) / std::max(per_expert_bytes, 1.0)));
+  auto block = [&](size_t q, int64_t e) {  // rank q's rows of expert e
+    const Tensor& t = rows[q];
+    const int64_t n = at[q][size_t(e) + 1] - at[q][size_t(e)];
+    return t.view(t.type, {n, D}, t.offset_bytes + size_t(at[q][size_t(e)] * D) * elem_bytes(t.type));
+  };
+  for_weight_chunks(
+      c, weights, "", 0, E, threads,
+      [&](int64_t j0, int64_t m, const ExpertWeightSlice& w) {
+        ref::Vec x;
+        ref::Counts n(size_t(m), 0);
+        for (int64_t e = j0; e < j0 + m; ++e)
+          for (size_t q = 0; q < R; ++q) {
+            const ref::Vec v = to_floats(block(q, e));
+            x.insert(x.end(), v.begin(), v.end());
+            n[size_t(e - j0)] += counts[q][size_t(e)];
+          }
+        const ref::Vec mag = ref::swiglu_magnitude(x, n, D, c.ffn, weight_view(w.w1, 0), weight_view(w.w3, 0),
+                                                   weight_view(w.w2, 0), threads);
+        size_t pos = 0;
+        for (int64_t e = j0; e < j0 + m; ++e)
+          for (size_t q = 0; q < R; ++q) {
+            const size_t len = size_t((at[q][size_t(e) + 1] - at[q][size_t(e)]) * D);
+            std::copy(mag.begin() + pos, mag.begin() + pos + len, out[q].begin() + at[q][size_t(e)] * D);
+            pos += len;
+          }
+      },
+      max_step);
+  return out;
+}
+
+}  // namespace
+
+std::vector<Tensor> combined_magnitudes(const Case& c, const std::vector<RankBoard>& ranks, int threads) {
+  // Rows of each rank's own dispatch (all E experts), as the experts see them:
   // their scale is |row| itself where the experts are exact.
   // Under FP8 dispatch the experts see the dequantised rows (docs/contract.md §16).
-  const Tensor routed = c.fp8() ? fp8_rows_dequantised(c, b, "routed_input") : b.at("routed_input");
-  const Tensor rows = c.experts.kind == ExpertKind::swiglu
-                          ? swiglu_scale(c, b, routed, ref_counts(b.at("counts")), "", 0, threads)
-                          : routed;
-  const bool shared = c.shared.kind != SharedKind::none;
-  const ref::Vec sh = shared ? shared_scale(c, b) : ref::Vec{};
-  ref::Vec init = c.combine.buffer == OutBuffer::fresh && shared && c.shared.order == SharedOrder::init_with_shared
-                      ? sh
-                      : combine_init(c, b);
-  for (float& v : init) v = std::fabs(v);
-  return from_floats(ref::combine_magnitude(combine_spec(c), rows_of(rows),
-                                            rows.type == ElemType::f32 ? ref::Act::fp32 : ref_act(c.dtype),
-                                            ref_ids(b.at("token_sorted")), to_floats(b.at("score_sorted")), init, sh,
-                                            T, c.hidden, threads),
-                     ElemType::f32, x.shape);
+  const size_t R = ranks.size();
+  std::vector<Tensor> rows(R);
+  for (size_t q = 0; q < R; ++q)
+    rows[q] = c.fp8() ? fp8_rows_dequantised(c, ranks[q], "routed_input") : ranks[q].at("routed_input");
+  if (c.experts.kind == ExpertKind::swiglu && R > 0) {
+    std::vector<ref::Counts> counts(R);
+    for (size_t q = 0; q < R; ++q) counts[q] = ref_counts(ranks[q].at("counts"));
+    std::vector<ref::Vec> scales = swiglu_scales_all_ranks(c, ranks[0], rows, counts, threads);
+    for (size_t q = 0; q < R; ++q) {
+      const int64_t n = int64_t(scales[q].size()) / std::max<int64_t>(c.hidden, 1);
+      rows[q] = from_floats(scales[q], ElemType::f32, {n, c.hidden});
+      scales[q] = ref::Vec{};
+    }
+  }
+  std::vector<Tensor> out(R);
+  for (size_t q = 0; q < R; ++q) {
+    const RankBoard& b = ranks[q];
+    const Tensor& x = b.at("x");
+    const bool shared = c.shared.kind != SharedKind::none;
+    const ref::Vec sh = shared ? shared_scale(c, b) : ref::Vec{};
+    ref::Vec init = c.combine.buffer == OutBuffer::fresh && shared && c.shared.order == SharedOrder::init_with_shared
+                        ? sh
+                        : combine_init(c, b);
+    for (float& v : init) v = std::fabs(v);
+    out[q] = from_floats(ref::combine_magnitude(combine_spec(c), rows_of(rows[q]),
+                                                rows[q].type == ElemType::f32 ? ref::Act::fp32 : ref_act(c.dtype),
+                                                ref_ids(b.at("token_sorted")), to_floats(b.at("score_sorted")), init,
+                                                sh, x.shape[0], c.hidden, threads),
+                         ElemType::f32, x.shape);
+    rows[q] = Tensor{};
+  }
+  return out;
 }
 
 void ref_swiglu(RefCtx& r, const std::string& in, const std::function<ref::Counts(const RankBoard&)>& counts_of,
                 const std::string& w_prefix, int64_t expert0_per_rank, const std::string& out, const std::string& mid) {
   const Case& c = r.c;
+  const int64_t D = c.hidden, F = c.ffn;
   for (size_t q = 0; q < r.in.ranks.size(); ++q) {
     if (!r.wants(int(q))) continue;
     const RankBoard& b = r.in.ranks[q];
     const ref::Counts counts = counts_of(b);
-    const int64_t first = int64_t(q) * expert0_per_rank;
     const Tensor& X = b.at(in);
-    int64_t rows = 0;
-    for (int64_t n : counts) rows += n;
-    ref::Vec xv = to_floats(X);
-    xv.resize(size_t(rows * c.hidden));  // rows past the last group (a padding tail) are no expert's
+    const ref::Vec xv = group_floats(c, X, counts);
+    const int64_t rows = int64_t(xv.size()) / std::max<int64_t>(D, 1);
     const SwigluConventions conv = swiglu_conventions(c, mid);
-    const ref::SwigluTrace tr = ref::swiglu_experts_traced(
-        ref_act(c.dtype), xv, counts, c.hidden, c.ffn, weight_view(b.at(w_prefix + "w1"), first),
-        weight_view(b.at(w_prefix + "w3"), first), weight_view(b.at(w_prefix + "w2"), first),
-        ref_rounding(conv), conv.compute == ComputeDtype::bf16 ? ref::Compute::bf16 : ref::Compute::act, r.threads,
-        r.wants_scales());
-    r.out.ranks[q][out] = from_floats(tr.Y, X.type, {rows, c.hidden});
-    r.out.ranks[q][mid + "h13"] = from_floats(tr.h13, mid_type(c, conv), {rows, 2 * c.ffn});
+    ref::SwigluTrace all;  // Y, h13 and (with scales) their error scales, chunk by chunk
+    all.Y.assign(size_t(rows * D), 0.f);
+    all.h13.assign(size_t(rows * 2 * F), 0.f);
+    if (r.wants_scales()) {
+      all.magnitude.assign(size_t(rows * D), 0.f);
+      all.h13_halfwidth.assign(size_t(rows * 2 * F), 0.f);
+    }
+    for_weight_chunks(c, b, w_prefix, int64_t(q) * expert0_per_rank, int64_t(counts.size()), r.threads,
+                      [&](int64_t j0, int64_t m, const ExpertWeightSlice& w) {
+                        const auto [r0, n] = chunk_rows(counts.data(), j0, m);
+                        const ref::SwigluTrace tr = ref::swiglu_experts_traced(
+                            ref_act(c.dtype), ref::Vec(xv.begin() + r0 * D, xv.begin() + (r0 + n) * D),
+                            ref::Counts(counts.begin() + j0, counts.begin() + j0 + m), D, F, weight_view(w.w1, 0),
+                            weight_view(w.w3, 0), weight_view(w.w2, 0), ref_rounding(conv),
+                            conv.compute == ComputeDtype::bf16 ? ref::Compute::bf16 : ref::Compute::act, r.threads,
+                            r.wants_scales());
+                        std::copy(tr.Y.begin(), tr.Y.end(), all.Y.begin() + r0 * D);
+                        std::copy(tr.h13.begin(), tr.h13.end(), all.h13.begin() + r0 * 2 * F);
+                        std::copy(tr.magnitude.begin(), tr.magnitude.end(), all.magnitude.begin() + r0 * D);
+                        std::copy(tr.h13_halfwidth.begin(), tr.h13_halfwidth.end(),
+                                  all.h13_halfwidth.begin() + r0 * 2 * F);
+                      });
+    r.out.ranks[q][out] = from_floats(all.Y, X.type, {rows, D});
+    r.out.ranks[q][mid + "h13"] = from_floats(all.h13, mid_type(c, conv), {rows, 2 * F});
     if (r.wants_scales()) {  // the error scales of Y and h13, from the same GEMMs (swiglu_mid_outputs)
-      r.scales->ranks[q][out] = from_floats(tr.magnitude, ElemType::f32, {rows, c.hidden});
-      r.scales->ranks[q][mid + "h13"] = from_floats(tr.h13_halfwidth, ElemType::f32, {rows, 2 * c.ffn});
+      r.scales->ranks[q][out] = from_floats(all.magnitude, ElemType::f32, {rows, D});
+      r.scales->ranks[q][mid + "h13"] = from_floats(all.h13_halfwidth, ElemType::f32, {rows, 2 * F});
     }
   }
 }
@@ -632,6 +796,13 @@ Stage identity_experts() {
   return s;
 }
 
+/// What a routed SwiGLU stage reads from the board: the weights only where
+/// they are held (streamed ones are generated by the stage itself).
+std::vector<std::string> routed_swiglu_inputs(const Case& c) {
+  if (c.streams_weights()) return {"expert_input", "expert_counts"};
+  return {"expert_input", "expert_counts", "w1", "w3", "w2"};
+}
+
 Stage swiglu_experts(ExpertsImpl impl) {
   Stage s;
   s.slot = "experts";
@@ -640,7 +811,7 @@ Stage swiglu_experts(ExpertsImpl impl) {
                                         : "SwiGLU, one work list of (expert, tile) items over the group offsets";
   s.applies = [](const Case& c) { return Decision{c.experts.kind == ExpertKind::swiglu, "experts.kind is not swiglu"}; };
   s.primary = [impl](const Case& c) { return c.experts.impl == impl; };
-  s.inputs = fixed_inputs({"expert_input", "expert_counts", "w1", "w3", "w2"});
+  s.inputs = routed_swiglu_inputs;
   s.outputs = {{"expert_output", CompareClass::gemm, Coords::padded_row, promise_expert_rows, routed_swiglu_scale}};
   for (auto& o : swiglu_mid_outputs(routed_site(), Coords::padded_row)) s.outputs.push_back(o);
   s.fast = [impl](FastCtx& ctx) {
@@ -662,7 +833,7 @@ Stage swiglu_batched() {
   s.summary = "every local expert has c > 0 rows: fused W13 = [W1; W3] GEMM and cached W2^T (docs/contract.md §8)";
   s.applies = [](const Case& c) { return Decision{c.experts.kind == ExpertKind::swiglu, "experts.kind is not swiglu"}; };
   s.primary = [](const Case& c) { return c.experts.impl == ExpertsImpl::batched; };
-  s.inputs = fixed_inputs({"expert_input", "expert_counts", "w1", "w3", "w2"});
+  s.inputs = routed_swiglu_inputs;
   s.outputs = {{"expert_output", CompareClass::gemm, Coords::padded_row, promise_expert_rows, routed_swiglu_scale}};
   for (auto& o : swiglu_mid_outputs(routed_site(), Coords::padded_row)) s.outputs.push_back(o);
   s.fast = [](FastCtx& ctx) {
@@ -680,10 +851,15 @@ Stage swiglu_batched() {
     const SwigluConventions conv = swiglu_conventions(c, "expert_");
     Tensor& h13 = ctx.output("expert_h13", mid_type(c, conv), {cnt * E_l, 2 * c.ffn});
     Tensor& H = ctx.output("expert_hidden", mid_type(c, conv), {cnt * E_l, c.ffn});
-    BatchedWeightCache cache;  // cold per run; reuse across versions is tested in test_ep.cpp
-    experts_swiglu_batched(ctx.exec, c.dtype, X.data(), cnt, E_l, c.hidden, c.ffn, expert_weights(ctx, "w1", e0),
-                           expert_weights(ctx, "w3", e0), expert_weights(ctx, "w2", e0), 1, cache, Y.data(),
-                           SwigluIntermediates{h13.data(), H.data()}, conv);
+    // The cache is cold per run (and per chunk of streamed weights); its
+    // reuse across versions is tested in test_ep.cpp.
+    for_weight_chunks(c, ctx.in, "", e0, E_l, ctx.exec.threads, [&](int64_t j0, int64_t m, const ExpertWeightSlice& w) {
+      BatchedWeightCache cache;
+      const int64_t r0 = j0 * cnt;
+      experts_swiglu_batched(ctx.exec, c.dtype, row_ptr(X.data(), X, r0), cnt, int(m), c.hidden, c.ffn, w.w1.data(),
+                             w.w3.data(), w.w2.data(), 1, cache, row_ptr(Y.data(), Y, r0),
+                             SwigluIntermediates{row_ptr(h13.data(), h13, r0), row_ptr(H.data(), H, r0)}, conv);
+    });
     ctx.notes.push_back("rank " + std::to_string(ctx.rank) + ": batched over (E_l, c) = (" + std::to_string(E_l) +
                         ", " + std::to_string(cnt) + ")");
   };
