@@ -122,11 +122,14 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
   const double gathered = std::min(2.0 * 256 * (1 << 20), 2 * routed * D * 4);
   const double magnitude_rows = routed * D * s + (swiglu ? routed * D * 4 + gathered : 0) +
                                 tokens_max * K * D * kRoutedFloatPerRank * 4;
-  double rows = std::max(slot_rows, magnitude_rows);
+  double rows = slot_rows;
   if (swiglu) rows += padded * F * (kSwigluAct * s + kSwigluFloat * 4);
   // The SwiGLU checks' error scales (RefCtx::scales), held for the slot:
   // Y's and h13's, fp32, per padded row.
   if (swiglu) rows += padded * (D + 2 * F) * 4;
+  // The end-to-end scale is made at the dispatch slot, before the experts
+  // run: their intermediates and scales are not alive then.
+  rows = std::max(rows, magnitude_rows);
   b += std::max(rows, tokens * E * 4 * kTokenExpert);
   if (shared_swiglu) b += tokens * F * (kSwigluAct * s + kSwigluFloat * 4);
   b += equal_rows * D * (3 * s + 4);
@@ -148,7 +151,10 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
   b += E * D * 4;  // the gate's fp32 view in the router reference (its act copy: global_bytes)
   const double expert = swiglu || shared_swiglu ? 3 * F * D : 0;
   b += std::max(1.0, double(threads)) * expert * kExpertBytesPerElem;
-  if (swiglu && !c.streams_weights()) b += side * (E / ranks) * expert * 4;
+  // (The invariance reruns run the primary variant alone: the cache only
+  // when batched is the primary.)
+  if (swiglu && !c.streams_weights() && (checked || c.experts.impl == ExpertsImpl::batched))
+    b += side * (E / ranks) * expert * 4;
   // Streamed routed weights (experts.weights): each rank at work holds one
   // generated chunk in act, and the batched variant its fp32 cache of it;
   // the chunk is largest where a stage streams all E experts.
