@@ -35,30 +35,48 @@ done
 want_device="emulated"
 [ "$backend" = cuda ] && want_device="CUDA device"
 grep -q "fast path on $want_device" "$tmp/basic.log" || { echo "FAIL the report does not name the device"; fails=$((fails + 1)); }
-# The planted faults that a shipped case catches on the host: each must be
-# INCORRECT (exit 1) on the device too; a fault whose wrong splits the
+# The planted faults that a shipped case catches on the host, each with the
+# first case of its file that catches it there: each must be INCORRECT (exit
+# 1) on the device too (that case alone: the whole file under each fault took
+# most of this test's time); a fault whose wrong splits the
 # all-to-all itself refuses is ERROR (exit 3), as on the host. The others live
 # in host code that both backends share and that only the selftest's probes
 # reach (offsets_32bit: pad_layout; stale_weight_cache: the weight-cache key),
 # or in the host's multi-chunk sort, which the device's radix sort replaces
 # (sort_chunk_offset).
-for fc in "highest_id_tiebreak edge" "softmax_no_max router" "group_tie_higher router" "unstable_sort edge" \
-          "unordered_combine edge" "pointer_alias_guard inplace" "pad_rows_first ep" "direct_route_unguarded force_lb" \
-          "silu_rounded basic" "sp_tail_pad_score sp" "sp_b1_index sp" "sp_even_combine sp" \
-          "bwd_unswapped_splits backward 3" "bwd_unordered_scatter backward" "bwd_score_grad_rounded backward" \
-          "bwd_pad_grad_kept backward" "capacity_overflow capacity" "capacity_tie_higher capacity" \
-          "swiglu_bwd_silu_grad backward_swiglu" "swiglu_bwd_fused_rounding backward_swiglu" \
-          "swiglu_bwd_wgrad_fp32 backward_swiglu" "pad_front equal_split" "capacity_renormalize capacity" \
-          "direct_route_score_before force_lb" "overload_cum_final backward" "overload_global_balanced ep4" \
-          "unswapped_combine_splits ep 3" "local_equal_split_decision equal_split 3"; do
+set -f  # the case names hold [...]: words, not file patterns
+for fc in "highest_id_tiebreak edge router_ties[router.score=softmax]" \
+          "softmax_no_max router softmax_large_logits" \
+          "group_tie_higher router group_score_ties[router.score=softmax]" \
+          "unstable_sort edge router_ties[router.score=softmax]" \
+          "unordered_combine edge router_ties[router.score=softmax]" \
+          "pointer_alias_guard inplace in_place_alias_x_offset[dtype=fp32]" \
+          "pad_rows_first ep ep8_align16[empty_groups=zero]" \
+          "direct_route_unguarded force_lb unguarded_shortcut_T6_E8_K2_R2" "silu_rounded basic realistic_bf16" \
+          "sp_tail_pad_score sp b1_uneven[sp_padding=tail,dtype=fp32]" \
+          "sp_b1_index sp batch_aware[sp_padding=virtual]" \
+          "sp_even_combine sp b1_uneven[sp_padding=virtual,dtype=fp32]" \
+          "bwd_unswapped_splits backward bwd_ep2_align8 3" "bwd_unordered_scatter backward bwd_local_fp32" \
+          "bwd_score_grad_rounded backward bwd_bf16_realistic" "bwd_pad_grad_kept backward bwd_ep2_align8" \
+          "capacity_overflow capacity drops[capacity.factor=0.5,capacity.policy=probs,capacity.pad_to_capacity=off]" \
+          "capacity_tie_higher capacity exact_ties" "swiglu_bwd_silu_grad backward_swiglu bwd_swiglu_ep2_bf16" \
+          "swiglu_bwd_fused_rounding backward_swiglu bwd_swiglu_torchtitan_bf16" \
+          "swiglu_bwd_wgrad_fp32 backward_swiglu bwd_swiglu_torchtitan_bf16" \
+          "pad_front equal_split equal_split_force" \
+          "capacity_renormalize capacity drops[capacity.factor=0.5,capacity.policy=probs,capacity.pad_to_capacity=off]" \
+          "direct_route_score_before force_lb direct_route_K_eq_El_score_before" \
+          "overload_cum_final backward bwd_local_fp32" "overload_global_balanced ep4 ep4_hot_expert" \
+          "unswapped_combine_splits ep ep2_basic[experts.kind=identity] 3" \
+          "local_equal_split_decision equal_split equal_split_adaptive[equal_split.threshold=0.5] 3"; do
   set -- $fc
-  want=${3:-1} word=INCORRECT
+  want=${4:-1} word=INCORRECT
   [ "$want" = 3 ] && word=ERROR
-  "$bin" run "$src/cases/$2.yaml" --backend "$backend" --fault "$1" > "$tmp/fault.log" 2>&1
+  "$bin" run "$src/cases/$2.yaml" --case "$3" --backend "$backend" --fault "$1" > "$tmp/fault.log" 2>&1
   rc=$?
   if [ "$rc" = "$want" ] && grep -q "$word" "$tmp/fault.log"; then echo "ok   fault $1 caught on $backend ($2.yaml)"
   else echo "FAIL fault $1 on $backend ($2.yaml): exit $rc, expected $want ($word)"; fails=$((fails + 1)); fi
 done
+set +f
 # Random configurations of every key on the backend (the fuzz's generator).
 "$bin" fuzz --backend "$backend" --iterations "$iterations" --seed 7 --out "$tmp/fuzz" > "$tmp/fuzz.log" 2>&1
 rc=$?
