@@ -383,10 +383,6 @@ ref::Vec shared_scale(const Case& c, const RankBoard& b) {
   return abs_of(x);
 }
 
-}  // namespace
-
-namespace {
-
 /// The SwiGLU error scales of every rank's rows rows[q] (grouped by
 /// counts[q] over all E experts), expert by expert across the ranks: each
 /// expert's weights are decoded (or, streamed, generated) once for all
