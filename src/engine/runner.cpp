@@ -438,10 +438,7 @@ class Pipeline {
   bool fast_call(const Stage& s, VariantDecision& vd, Board& out) {
     auto tc = Clock::now();
     const std::vector<std::string> inputs_used = s.inputs(c_);
-    std::vector<std::vector<uint64_t>> sums(static_cast<size_t>(R_));
-    each_rank(R_, opt_.threads, [&](int r) {
-      for (const auto& n : inputs_used) sums[size_t(r)].push_back(checksum(fast_.at(n, r)));
-    });
+    const std::vector<std::vector<uint64_t>> sums = input_sums(inputs_used);
     std::vector<std::vector<uint64_t>> dsums = device_before_call(inputs_used);
     out.ranks.resize(size_t(R_));
     std::vector<std::vector<std::string>> notes(static_cast<size_t>(R_));
@@ -471,10 +468,7 @@ class Pipeline {
       vd.reason = skipped;
       return false;
     }
-    std::vector<std::vector<uint64_t>> after(static_cast<size_t>(R_));
-    each_rank(R_, opt_.threads, [&](int r) {
-      for (const auto& n : inputs_used) after[size_t(r)].push_back(checksum(fast_.at(n, r)));
-    });
+    const std::vector<std::vector<uint64_t>> after = input_sums(inputs_used);
     for (int r = 0; r < R_; ++r)
       for (size_t i = 0; i < inputs_used.size(); ++i)
         if (after[size_t(r)][i] != sums[size_t(r)][i])
@@ -482,6 +476,33 @@ class Pipeline {
                          "input '" + inputs_used[i] + "' was modified by the fast stage");
     vd.compare_seconds += since(tc);
     return true;
+  }
+
+  /// The checksum of each rank's inputs `names`. A tensor every rank's board
+  /// shares (the global gate and weights: one storage) is hashed once, not
+  /// once per rank: at EP 8 the SwiGLU weights were most of a variant's
+  /// check time.
+  std::vector<std::vector<uint64_t>> input_sums(const std::vector<std::string>& names) {
+    std::map<std::pair<const void*, size_t>, uint64_t> shared;
+    auto key = [](const Tensor& t) { return std::make_pair(static_cast<const void*>(t.data()), t.bytes()); };
+    for (const auto& n : names) {
+      const Tensor& t0 = fast_.at(n, 0);
+      bool everywhere = R_ > 1 && t0.storage;
+      for (int r = 1; r < R_ && everywhere; ++r) {
+        const Tensor& t = fast_.at(n, r);
+        everywhere = t.storage == t0.storage && t.offset_bytes == t0.offset_bytes && t.bytes() == t0.bytes();
+      }
+      if (everywhere) shared[key(t0)] = checksum(t0);
+    }
+    std::vector<std::vector<uint64_t>> sums(static_cast<size_t>(R_));
+    each_rank(R_, opt_.threads, [&](int r) {
+      for (const auto& n : names) {
+        const Tensor& t = fast_.at(n, r);
+        const auto it = t.storage ? shared.find(key(t)) : shared.end();
+        sums[size_t(r)].push_back(it != shared.end() ? it->second : checksum(t));
+      }
+    });
+    return sums;
   }
 
   /// On a device: the stage's inputs are resident there (uploaded the first
