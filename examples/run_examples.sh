@@ -10,6 +10,13 @@ bin=$2
 src=$3
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+# The first interpreter that imports torch and numpy: MOEVERIFY_TORCH_PYTHON
+# (a virtual environment, say), then python3 and /usr/bin/python3; empty if none.
+torch_python() {
+  for p in ${MOEVERIFY_TORCH_PYTHON:-} python3 /usr/bin/python3; do
+    if command -v "$p" >/dev/null && "$p" -c "import torch, numpy" 2>/dev/null; then echo "$p"; return; fi
+  done
+}
 case "$mode" in
   numpy)
     py=/usr/bin/python3
@@ -41,12 +48,7 @@ case "$mode" in
     done
     ;;
   torch)
-    # MOEVERIFY_TORCH_PYTHON names an interpreter with torch (a virtual
-    # environment, say); otherwise python3 and /usr/bin/python3 are tried.
-    py=""
-    for p in ${MOEVERIFY_TORCH_PYTHON:-} python3 /usr/bin/python3; do
-      if command -v "$p" >/dev/null && "$p" -c "import torch, numpy" 2>/dev/null; then py=$p; break; fi
-    done
+    py=$(torch_python)
     [ -n "$py" ] || { echo "torch is not importable (set MOEVERIFY_TORCH_PYTHON to a python with torch): examples.torch skipped"; exit 77; }
     "$py" -c "import torch.distributed as d; assert d.is_available() and d.is_gloo_available()" 2>/dev/null ||
       { echo "torch.distributed with gloo is not available: examples.torch skipped"; exit 77; }
@@ -80,10 +82,7 @@ case "$mode" in
     [ "$rc" -eq 1 ] && [ "$first" = ep_permute ] || { echo "expected exit 1 and INCORRECT first at ep_permute"; exit 1; }
     ;;
   torch_swiglu_bwd)
-    py=""
-    for p in ${MOEVERIFY_TORCH_PYTHON:-} python3 /usr/bin/python3; do
-      if command -v "$p" >/dev/null && "$p" -c "import torch, numpy" 2>/dev/null; then py=$p; break; fi
-    done
+    py=$(torch_python)
     [ -n "$py" ] || { echo "torch is not importable (set MOEVERIFY_TORCH_PYTHON to a python with torch): skipped"; exit 77; }
     echo "torch: $("$py" -c 'import torch; print(torch.__version__)') ($py)"
     # the three conventions of torchtitan's experts, one rank each, with a shared expert where the case has one

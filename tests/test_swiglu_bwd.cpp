@@ -189,6 +189,16 @@ double loss(const Problem& p) {
   return s;
 }
 
+/// Inside a property: 1 to max_experts experts, a quarter of them empty, the
+/// others with 1 to 79 rows.
+std::vector<int64_t> random_counts(int max_experts) {
+  const int E_l = *rc::gen::inRange(1, max_experts + 1);
+  std::vector<int64_t> counts;
+  for (int j = 0; j < E_l; ++j)
+    counts.push_back(*rc::gen::weightedOneOf<int64_t>({{1, rc::gen::just<int64_t>(0)}, {3, rc::gen::inRange<int64_t>(1, 80)}}));
+  return counts;
+}
+
 }  // namespace
 
 TEST_CASE("swiglu backward reference matches central finite differences of the forward", "[cpu][swiglu_bwd]") {
@@ -256,10 +266,7 @@ TEST_CASE("swiglu autograd backward: the fast path is within the rounding half-w
   rc::prop("random shapes, counts with empty experts, fp32 bf16 fp16, every convention, host and emulated", [&] {
     const DType dt = *rc::gen::element(DType::fp32, DType::bf16, DType::fp16);
     const SwigluConventions conv = *rc::gen::element(kTorchtitan, kComputeBf16, kBoth);
-    const int E_l = *rc::gen::inRange(1, 4);
-    std::vector<int64_t> counts;
-    for (int j = 0; j < E_l; ++j)
-      counts.push_back(*rc::gen::weightedOneOf<int64_t>({{1, rc::gen::just<int64_t>(0)}, {3, rc::gen::inRange<int64_t>(1, 80)}}));
+    const std::vector<int64_t> counts = random_counts(3);
     const int64_t D = *rc::gen::inRange<int64_t>(1, 40), F = *rc::gen::inRange<int64_t>(1, 72);
     const Problem p = make_problem(dt, counts, D, F, *rc::gen::arbitrary<uint32_t>());
     const bool on_device = *rc::gen::arbitrary<bool>();
@@ -315,10 +322,8 @@ TEST_CASE("swiglu backward fast path is within the gemm bound of the reference",
   const std::unique_ptr<Device> emulated = make_emulated_device(2);
   rc::prop("random shapes and counts with empty experts in fp32 and bf16, host and emulated device", [&] {
     const DType dt = *rc::gen::element(DType::fp32, DType::bf16);
-    const int E_l = *rc::gen::inRange(1, 5);
-    std::vector<int64_t> counts;
-    for (int j = 0; j < E_l; ++j)
-      counts.push_back(*rc::gen::weightedOneOf<int64_t>({{1, rc::gen::just<int64_t>(0)}, {3, rc::gen::inRange<int64_t>(1, 80)}}));
+    const std::vector<int64_t> counts = random_counts(4);
+    const int E_l = int(counts.size());
     const int64_t D = *rc::gen::inRange<int64_t>(1, 40), F = *rc::gen::inRange<int64_t>(1, 72);
     const Problem p = make_problem(dt, counts, D, F, *rc::gen::arbitrary<uint32_t>());
     const bool on_device = *rc::gen::arbitrary<bool>();

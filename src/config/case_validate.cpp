@@ -54,11 +54,16 @@ void validate_fp8(const Case& c, const Fail& fail) {
 template <class Fail>
 void validate_streamed(const Case& c, const Fail& fail) {
   if (!c.streams_weights()) return;
-  char gib[32];
-  std::snprintf(gib, sizeof gib, "%.1f", c.routed_weight_bytes() / double(int64_t(1) << 30));
+  auto gib = [](double bytes, const char* format) {
+    char b[32];
+    std::snprintf(b, sizeof b, format, bytes / double(int64_t(1) << 30));
+    return std::string(b);
+  };
   const std::string why = c.experts.weights == WeightStorage::streamed
                               ? std::string("experts.weights: streamed")
-                              : "the routed weights (" + std::string(gib) + " GiB) are streamed (experts.weights auto streams past 4 GiB)";
+                              : "the routed weights (" + gib(c.routed_weight_bytes(), "%.1f") +
+                                    " GiB) are streamed (experts.weights auto streams past " +
+                                    gib(kStreamWeightBytes, "%g") + " GiB)";
   if (c.backward == Switch::on)
     fail("backward", why + ", and the backward's weight gradients are whole (E, F, D) tensors",
          "valid: backward off, or experts.weights: held with weights that fit in memory");

@@ -484,27 +484,31 @@ void ref_swiglu(RefCtx& r, const std::string& in, const std::function<ref::Count
     const ref::Vec xv = group_floats(c, X, counts);
     const int64_t rows = int64_t(xv.size()) / std::max<int64_t>(D, 1);
     const SwigluConventions conv = swiglu_conventions(c, mid);
-    ref::SwigluTrace all;  // Y, h13 and (with scales) their error scales, chunk by chunk
-    all.Y.assign(size_t(rows * D), 0.f);
-    all.h13.assign(size_t(rows * 2 * F), 0.f);
-    if (r.wants_scales()) {
-      all.magnitude.assign(size_t(rows * D), 0.f);
-      all.h13_halfwidth.assign(size_t(rows * 2 * F), 0.f);
-    }
+    // Y, h13 and (with scales) their error scales: the one chunk's trace as
+    // it is (held weights), else each chunk's rows put in place.
+    ref::SwigluTrace all;
+    auto place = [&](std::vector<float>& dst, const std::vector<float>& src, int64_t width, int64_t r0) {
+      if (src.empty()) return;  // an error scale not asked for
+      if (dst.empty()) dst.assign(size_t(rows * width), 0.f);
+      std::copy(src.begin(), src.end(), dst.begin() + r0 * width);
+    };
     for_weight_chunks(c, b, w_prefix, int64_t(q) * expert0_per_rank, int64_t(counts.size()), r.threads,
                       [&](int64_t j0, int64_t m, const ExpertWeightSlice& w) {
                         const auto [r0, n] = chunk_rows(counts.data(), j0, m);
-                        const ref::SwigluTrace tr = ref::swiglu_experts_traced(
+                        ref::SwigluTrace tr = ref::swiglu_experts_traced(
                             ref_act(c.dtype), ref::Vec(xv.begin() + r0 * D, xv.begin() + (r0 + n) * D),
                             ref::Counts(counts.begin() + j0, counts.begin() + j0 + m), D, F, weight_view(w.w1, 0),
                             weight_view(w.w3, 0), weight_view(w.w2, 0), ref_rounding(conv),
                             conv.compute == ComputeDtype::bf16 ? ref::Compute::bf16 : ref::Compute::act, r.threads,
                             r.wants_scales());
-                        std::copy(tr.Y.begin(), tr.Y.end(), all.Y.begin() + r0 * D);
-                        std::copy(tr.h13.begin(), tr.h13.end(), all.h13.begin() + r0 * 2 * F);
-                        std::copy(tr.magnitude.begin(), tr.magnitude.end(), all.magnitude.begin() + r0 * D);
-                        std::copy(tr.h13_halfwidth.begin(), tr.h13_halfwidth.end(),
-                                  all.h13_halfwidth.begin() + r0 * 2 * F);
+                        if (m == int64_t(counts.size())) {
+                          all = std::move(tr);
+                          return;
+                        }
+                        place(all.Y, tr.Y, D, r0);
+                        place(all.h13, tr.h13, 2 * F, r0);
+                        place(all.magnitude, tr.magnitude, D, r0);
+                        place(all.h13_halfwidth, tr.h13_halfwidth, 2 * F, r0);
                       });
     r.out.ranks[q][out] = from_floats(all.Y, X.type, {rows, D});
     r.out.ranks[q][mid + "h13"] = from_floats(all.h13, mid_type(c, conv), {rows, 2 * F});
