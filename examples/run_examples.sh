@@ -4,6 +4,7 @@
 #   run_examples.sh torch MOEVERIFY SOURCE_DIR   torch_check.py and torch_ep.py (torchrun, gloo); exits 77 (skipped) without torch
 #   run_examples.sh torch_swiglu_bwd MOEVERIFY SOURCE_DIR   torch_swiglu_bwd.py (autograd of torchtitan's
 #                                                experts, docs/contract.md §13) and its bug; exits 77 without torch
+# MOEVERIFY_TORCH_DEVICE=cuda runs torch_check.py and torch_swiglu_bwd.py on that torch device.
 set -u
 mode=$1
 bin=$2
@@ -63,7 +64,7 @@ case "$mode" in
       case "$d" in
         */ep4_*) "$py" -m torch.distributed.run --nproc-per-node 4 "$src/examples/torch_ep.py" "$d" 2>&1 |
                    grep -v '^W[0-9]\|^\*\*\*' ; [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1 ;;
-        *) "$py" "$src/examples/torch_check.py" "$d" || exit 1 ;;
+        *) "$py" "$src/examples/torch_check.py" "$d" ${MOEVERIFY_TORCH_DEVICE:+--device "$MOEVERIFY_TORCH_DEVICE"} || exit 1 ;;
       esac
     done
     "$bin" check "$tmp/golden" >"$tmp/report.txt"
@@ -90,7 +91,9 @@ case "$mode" in
       --case bwd_swiglu_torchtitan_compute_bf16_fp32 --case bwd_swiglu_torchtitan_compute_bf16_fp16 >/dev/null || exit 1
     cp -r "$tmp/golden" "$tmp/bug"
     export OMP_NUM_THREADS=1
-    for d in "$tmp"/golden/*/; do "$py" "$src/examples/torch_swiglu_bwd.py" "$d" || exit 1; done
+    for d in "$tmp"/golden/*/; do
+      "$py" "$src/examples/torch_swiglu_bwd.py" "$d" ${MOEVERIFY_TORCH_DEVICE:+--device "$MOEVERIFY_TORCH_DEVICE"} || exit 1
+    done
     "$bin" check "$tmp/golden" >"$tmp/report.txt"
     rc=$?
     tail -1 "$tmp/report.txt"
@@ -100,7 +103,9 @@ case "$mode" in
     n=$(grep -c -E '^   shared_experts_bwd +actual\* +PASSED' "$tmp/report.txt")
     [ "$n" -eq 2 ] || { echo "shared_experts_bwd was not checked in both shared cases ($n)"; exit 1; }
     # an fp32 activation (one rounding for silu(h1) h3) must fail experts_bwd in every case
-    for d in "$tmp"/bug/*/; do "$py" "$src/examples/torch_swiglu_bwd.py" "$d" --bug fp32_activation >/dev/null || exit 1; done
+    for d in "$tmp"/bug/*/; do
+      "$py" "$src/examples/torch_swiglu_bwd.py" "$d" --bug fp32_activation ${MOEVERIFY_TORCH_DEVICE:+--device "$MOEVERIFY_TORCH_DEVICE"} >/dev/null || exit 1
+    done
     "$bin" check "$tmp/bug" >"$tmp/bug.txt"
     rc=$?
     n=$(grep -c -E '^   experts_bwd +actual\* +INCORRECT' "$tmp/bug.txt")

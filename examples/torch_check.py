@@ -3,7 +3,10 @@
 argsort of the flat expert ids, index_select of the token rows, and a
 scatter_add combine; its outputs go to GOLDEN_DIR/actual/ for `moeverify check`.
 
-    python3 examples/torch_check.py GOLDEN_DIR
+    python3 examples/torch_check.py GOLDEN_DIR [--device cuda]
+
+--device runs the dispatcher's tensors on that torch device (default cpu), so
+a GPU's argsort, index_select and scatter_add go through `moeverify check`.
 
 Exits 77 (reported skipped by ctest, never passed) when torch cannot be
 imported. The combine follows torchtitan: y = (float(routed_output) * score)
@@ -28,17 +31,21 @@ except ImportError:  # not installed: the package beside this source tree
 
 
 def main():
-    if len(sys.argv) != 2:
+    args = sys.argv[1:]
+    device = "cpu"
+    if len(args) == 3 and args[1] == "--device":
+        device = args[2]
+    elif len(args) != 1:
         sys.exit(__doc__)
-    g = moeverify.open(sys.argv[1])
+    g = moeverify.open(args[0])
     case = g.case
     if g.ranks != 1 or case["shared_experts.kind"] != "none" or case["score_before_experts"] != "off":
         sys.exit("torch_check.py: local path without shared experts, scores after the experts only "
                  "(examples/torch_ep.py runs EP cases)")
     torch.set_num_threads(1)
-    x = g.input("x", as_torch=True)
-    ids = g.expected("routing.ids", as_torch=True).long()
-    top_scores = g.expected("routing.topk_scores", as_torch=True)
+    x = g.input("x", as_torch=True).to(device)
+    ids = g.expected("routing.ids", as_torch=True).long().to(device)
+    top_scores = g.expected("routing.topk_scores", as_torch=True).to(device)
     T, K = ids.shape
     D = x.shape[1]
 
@@ -49,7 +56,7 @@ def main():
     routed_input = torch.index_select(x, 0, token_indices_experts_sorted)
 
     # combine (torchtitan: score after the experts, then scatter_add)
-    routed_output = g.expected("ep_combine.routed_output", as_torch=True)
+    routed_output = g.expected("ep_combine.routed_output", as_torch=True).to(device)
     y = (routed_output.to(torch.float32) * top_scores_experts_sorted.reshape(-1, 1)).to(x.dtype)
     out = torch.zeros_like(x)
     index = token_indices_experts_sorted.reshape(-1, 1).expand(-1, D)
@@ -59,7 +66,7 @@ def main():
     g.write("dispatch.token_sorted", token_indices_experts_sorted)
     g.write("dispatch.score_sorted", top_scores_experts_sorted)
     g.write("combine.out", out)
-    print("torch_check.py: torch", torch.__version__, "wrote", g.actual_dir)
+    print("torch_check.py: torch", torch.__version__, "on", device, "wrote", g.actual_dir)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ gradients of the experts_bwd (and shared_experts_bwd) stages go to
 GOLDEN_DIR/actual/ for `moeverify check` (docs/contract.md §13: the rounding points of
 experts.rounding torchtitan and experts.compute_dtype bf16 are autograd's).
 
-    python3 examples/torch_swiglu_bwd.py GOLDEN_DIR [--bug fp32_activation]
+    python3 examples/torch_swiglu_bwd.py GOLDEN_DIR [--bug fp32_activation] [--device cuda]
 
 Per expert, as torchtitan's GroupedExperts: h = silu(x @ w1.T) * (x @ w3.T),
 out = h @ w2.T, under compute_dtype bf16 with x.bfloat16() taken once per
@@ -12,7 +12,8 @@ GEMM and the weights' .bfloat16(), the output .type_as(x); out.backward(dY)
 gives the input and weight gradients in the operands' dtypes. The shared
 expert is the same module on every token, in the activation dtype.
 --bug fp32_activation computes silu(h1) * h3 in fp32 and rounds once (a
-fused activation): `check` must then fail at experts_bwd.
+fused activation): `check` must then fail at experts_bwd. --device runs the
+autograd on that torch device (default cpu).
 
 Exits 77 (reported skipped by ctest, never passed) when torch cannot be
 imported. One rank only (the stage's inputs are rank 0's).
@@ -56,9 +57,16 @@ def experts_grads(x, dy, w1, w3, w2, counts, bf16_compute, bug):
 def main():
     args = sys.argv[1:]
     bug = None
-    if len(args) == 3 and args[1] == "--bug" and args[2] == "fp32_activation":
-        bug = args[2]
-    elif len(args) != 1:
+    device = "cpu"
+    while len(args) >= 3 and args[-2] in ("--bug", "--device"):
+        if args[-2] == "--bug":
+            if args[-1] != "fp32_activation":
+                sys.exit(__doc__)
+            bug = args[-1]
+        else:
+            device = args[-1]
+        args = args[:-2]
+    if len(args) != 1:
         sys.exit(__doc__)
     g = moeverify.open(args[0])
     case = g.case
@@ -67,21 +75,22 @@ def main():
     torch.set_num_threads(1)
     bf16_compute = case["experts.compute_dtype"] == "bf16"
     counts = [int(c) for c in g.expected("align_pad.expert_counts")]
-    x = g.expected("align_pad.expert_input", as_torch=True)
-    dy = g.expected("align_unpad_bwd.grad_expert_output", as_torch=True)
-    w = [g.input(n, as_torch=True) for n in ("w1", "w3", "w2")]
+    x = g.expected("align_pad.expert_input", as_torch=True).to(device)
+    dy = g.expected("align_unpad_bwd.grad_expert_output", as_torch=True).to(device)
+    w = [g.input(n, as_torch=True).to(device) for n in ("w1", "w3", "w2")]
     dx, dw1, dw3, dw2 = experts_grads(x, dy, *w, counts, bf16_compute, bug)
     g.write("experts_bwd.grad_expert_input", dx[:sum(counts)])
     for name, t in (("grad_w1", dw1), ("grad_w3", dw3), ("grad_w2", dw2)):
         g.write("experts_bwd." + name, t.float())
     if case["shared_experts.kind"] == "swiglu":
-        xs = g.input("x", as_torch=True)
-        ws = [g.input(n, as_torch=True).reshape(1, *g.input(n).shape[-2:]) for n in ("shared_w1", "shared_w3", "shared_w2")]
-        dx, dw1, dw3, dw2 = experts_grads(xs, g.input("grad_out", as_torch=True), *ws, [xs.shape[0]], False, bug)
+        xs = g.input("x", as_torch=True).to(device)
+        ws = [g.input(n, as_torch=True).reshape(1, *g.input(n).shape[-2:]).to(device)
+              for n in ("shared_w1", "shared_w3", "shared_w2")]
+        dx, dw1, dw3, dw2 = experts_grads(xs, g.input("grad_out", as_torch=True).to(device), *ws, [xs.shape[0]], False, bug)
         g.write("shared_experts_bwd.grad_x_shared", dx)
         for name, t in (("grad_shared_w1", dw1), ("grad_shared_w3", dw3), ("grad_shared_w2", dw2)):
             g.write("shared_experts_bwd." + name, t[0].float())
-    print("torch_swiglu_bwd.py: torch", torch.__version__, "wrote", g.actual_dir)
+    print("torch_swiglu_bwd.py: torch", torch.__version__, "on", device, "wrote", g.actual_dir)
 
 
 if __name__ == "__main__":

@@ -164,6 +164,7 @@ struct Blas {
   decltype(&cublasCreate_v2) create = nullptr;
   decltype(&cublasDestroy_v2) destroy = nullptr;
   decltype(&cublasSetStream_v2) set_stream = nullptr;
+  decltype(&cublasSetMathMode) set_math_mode = nullptr;
   cublasStatus_t (*gemm)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int, const void*, const void*,
                          cudaDataType, int, const void*, cudaDataType, int, const void*, void*, cudaDataType, int,
                          cublasComputeType_t, cublasGemmAlgo_t) = nullptr;
@@ -177,9 +178,11 @@ const Blas& blas() {
     r.create = reinterpret_cast<decltype(r.create)>(dlsym(h, "cublasCreate_v2"));
     r.destroy = reinterpret_cast<decltype(r.destroy)>(dlsym(h, "cublasDestroy_v2"));
     r.set_stream = reinterpret_cast<decltype(r.set_stream)>(dlsym(h, "cublasSetStream_v2"));
+    r.set_math_mode = reinterpret_cast<decltype(r.set_math_mode)>(dlsym(h, "cublasSetMathMode"));
     r.gemm = reinterpret_cast<decltype(r.gemm)>(dlsym(h, "cublasGemmEx"));
-    if (!r.create || !r.destroy || !r.set_stream || !r.gemm)
-      throw std::runtime_error("libcublas.so.13 lacks cublasCreate_v2, cublasSetStream_v2 or cublasGemmEx");
+    if (!r.create || !r.destroy || !r.set_stream || !r.set_math_mode || !r.gemm)
+      throw std::runtime_error(
+          "libcublas.so.13 lacks cublasCreate_v2, cublasSetStream_v2, cublasSetMathMode or cublasGemmEx");
     return r;
   }();
   return b;
@@ -342,7 +345,15 @@ class CudaDevice final : public Device {
                                  " exceeds its int range");
     std::lock_guard<std::mutex> lk(blas_m_);  // a cuBLAS handle serves one thread at a time
     bind();
-    if (!blas_) MOEV_CUBLAS_CHECK(blas().create(&blas_));
+    if (!blas_) {
+      MOEV_CUBLAS_CHECK(blas().create(&blas_));
+      // The contract's GEMMs accumulate in fp32 (docs/contract.md section 15).
+      // By default cuBLAS may reduce split-K partial sums in the output type
+      // (bf16, fp16), an extra rounding per partial: seen on an H200 as a
+      // one-ulp error in the SwiGLU backward's dX (compute_dtype bf16).
+      MOEV_CUBLAS_CHECK(
+          blas().set_math_mode(blas_, cublasMath_t(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
+    }
     const cudaDataType t = data_type(dt);
     const cublasComputeType_t ct = dt == DType::fp32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
     const float alpha = 1.f, beta = 0.f;

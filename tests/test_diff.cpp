@@ -56,10 +56,10 @@ DiffResult reference_diff(const Tensor& fast, const Tensor& ref, CompareClass cl
     const bool f_nan = std::isnan(f), g_nan = std::isnan(g);
     if (f != 0 || g != 0) any_nonzero = true;
     bool ok;
-    if (cls == CompareClass::exact || !fl) {
+    if (fl && (f_nan || g_nan)) {
+      ok = f_nan && g_nan;  // any NaN matches any NaN, exact class too (sign and payload are the machine's)
+    } else if (cls == CompareClass::exact || !fl) {
       ok = same_bits(fast, ref, i);
-    } else if (f_nan || g_nan) {
-      ok = f_nan && g_nan;
     } else if (std::isinf(f) || std::isinf(g)) {
       ok = f == g;
     } else {

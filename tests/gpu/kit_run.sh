@@ -50,6 +50,26 @@ fi
 # script that runs them on the emulated device in CI); its log has a line per file
 check cases bash "$root/tests/device_cases.sh" "$bin/moeverify" "$root" cuda 200
 [ -n "${KIT_SLOW:-}" ] && check case.deepseek_v3 "$bin/moeverify" run "$root/cases/slow/deepseek_v3.yaml" --backend cuda
+# Framework numerics on the GPU through export/check: the torchtitan-style
+# dispatcher and torchtitan's SwiGLU experts' autograd with their tensors on
+# the GPU (the python3 there holds PyTorch with CUDA).
+if python3 -c "import torch, numpy; assert torch.cuda.is_available()" 2>/dev/null; then
+  check torch_gpu env MOEVERIFY_TORCH_DEVICE=cuda MOEVERIFY_TORCH_PYTHON=python3 bash "$root/examples/run_examples.sh" torch "$bin/moeverify" "$root"
+  check torch_swiglu_bwd_gpu env MOEVERIFY_TORCH_DEVICE=cuda MOEVERIFY_TORCH_PYTHON=python3 bash "$root/examples/run_examples.sh" torch_swiglu_bwd "$bin/moeverify" "$root"
+fi
+# compute-sanitizer's memcheck and racecheck on the GPU bodies and two case
+# files (KIT_SANITIZE=1: minutes under the sanitizer; each check stops at
+# KIT_SANITIZE_S seconds, default 90, and then reads FAILED(124)).
+if [ -n "${KIT_SANITIZE:-}" ] && command -v compute-sanitizer >/dev/null; then
+  cs="timeout ${KIT_SANITIZE_S:-90} compute-sanitizer --error-exitcode 9 --print-limit 20"
+  # NCCL's own start-up probes kernels with cudaFuncGetAttributes and gets
+  # error 209 (no kernel image) for some of them (seen on an H200 with the
+  # nvidia-nccl-cu13 wheel): API errors, not ours, so not reported here
+  check memcheck.bodies $cs --tool memcheck --report-api-errors no "$bin/gpu_check"
+  check racecheck.bodies $cs --tool racecheck "$bin/gpu_check"
+  check memcheck.edge $cs --tool memcheck "$bin/moeverify" run "$root/cases/edge.yaml" --backend cuda --threads 4
+  check memcheck.ep4 $cs --tool memcheck "$bin/moeverify" run "$root/cases/ep4.yaml" --backend cuda --threads 4
+fi
 
 echo
 echo "== GPU checks on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), logs in $out"
