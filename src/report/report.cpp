@@ -305,8 +305,9 @@ void print_report(const CaseReport& r, std::ostream& os, ReportDetail detail) {
 void print_tolerance_table(const std::vector<CaseReport>& reports, std::ostream& os) {
   std::set<DType> dts;
   for (const auto& r : reports) dts.insert(r.c.dtype);
-  os << "\ntolerance table (pass: |fast - ref| <= atol + rtol * |ref|; gemm and end_to_end: atol + rtol * max(|ref|, "
-        "sum of |terms|) with rtol = c * u_act (docs/contract.md §15); rounding: one act rounding; exact classes are bitwise):\n";
+  os << "\ntolerance table (pass: |fast - ref| <= atol + rtol * |ref|; logits: atol + rtol * max(|ref|, sum of |terms|); "
+        "gemm and end_to_end: the same with rtol = c * u_act (docs/contract.md §15); rounding: one act rounding; exact "
+        "classes are bitwise):\n";
   for (const auto& [name, cls] : compare_class_table()) {
     if (cls == CompareClass::exact) continue;
     os << "   " << std::left << std::setw(12) << name;
