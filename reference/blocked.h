@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <limits>
 #include <thread>
@@ -55,27 +56,28 @@ void parallel_items(int64_t n, int threads, Body body) {
     if (e) std::rethrow_exception(e);
 }
 
-/// Upper bound of an exact sum of k non-negative products from its fp32
-/// evaluation s (any order, with or without FMA): each product and each
-/// addition loses at most a factor (1 - 2^-24), and a product in fp32's
-/// subnormal range at most 2^-150 absolutely, so the exact sum is at most
-/// (s + k 2^-149) (1 + 2 (k + 1) 2^-24) while (k + 1) 2^-24 <= 1/2.
-inline double abs_sum_upper(float s, int64_t k) {
-  return (double(s) + double(k) * std::ldexp(1.0, -149)) * (1.0 + 2.0 * double(k + 1) * std::ldexp(1.0, -24));
-}
-
-/// The fp32 sums s of k non-negative products each as fp64 upper bounds of
-/// the exact sums (abs_sum_upper). An element whose fp32 sum overflows is
-/// summed again in fp64 by exact(i, j), so that the bound is infinite only
-/// where the exact sum is.
+/// The fp32 sums s of k non-negative products each as an fp64 upper bound
+/// of the exact sum. From s (any order, with or without FMA): each product
+/// and each addition loses at most a factor (1 - 2^-24), and a product in
+/// fp32's subnormal range at most 2^-150 absolutely, so the exact sum is at
+/// most (s + k 2^-149) (1 + 2 (k + 1) 2^-24) while (k + 1) 2^-24 <= 1/2. An
+/// element whose fp32 sum overflows is summed again in fp64 by exact(i, j),
+/// so that the bound is infinite only where the exact sum is.
 template <class Exact>
 MatD abs_upper(const MatF& s, int64_t k, Exact exact) {
   MatD out(s.rows(), s.cols());
-  for (int64_t i = 0; i < s.rows(); ++i)
-    for (int64_t j = 0; j < s.cols(); ++j) {
-      const float v = s(i, j);
-      out(i, j) = std::isinf(v) ? exact(i, j) : abs_sum_upper(v, k);
-    }
+  // a loop that vectorises; the rare overflowed sums are redone afterwards
+  const double add = double(k) * std::ldexp(1.0, -149), mul = 1.0 + 2.0 * double(k + 1) * std::ldexp(1.0, -24);
+  bool any_inf = false;
+  for (int64_t i = 0; i < s.size(); ++i) {
+    const float v = s.data()[i];
+    out.data()[i] = (double(v) + add) * mul;
+    any_inf |= std::fabs(v) > std::numeric_limits<float>::max();
+  }
+  if (any_inf)
+    for (int64_t i = 0; i < s.rows(); ++i)
+      for (int64_t j = 0; j < s.cols(); ++j)
+        if (std::isinf(s(i, j))) out(i, j) = exact(i, j);
   return out;
 }
 
@@ -106,9 +108,13 @@ inline MatF abs_f32_up(const MatD& m) {
   MatF o(m.rows(), m.cols());
   for (int64_t i = 0; i < m.size(); ++i) {
     const double v = std::fabs(m.data()[i]);
-    float f = float(v);
-    if (double(f) < v) f = std::nextafter(f, std::numeric_limits<float>::infinity());
-    o.data()[i] = f;
+    const float f = float(v);
+    // one step up where f fell below v: for f >= 0 finite, the next float
+    // up has the next bit pattern (0 -> the least subnormal, max -> inf)
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    u += double(f) < v ? 1u : 0u;
+    std::memcpy(&o.data()[i], &u, 4);
   }
   return o;
 }

@@ -61,9 +61,13 @@ struct SwigluWant {
 /// all `ca` values: the same type, or any type into fp32), which is every
 /// case but compute_dtype bf16 over fp32/fp16 weights.
 void decode_rounded(WeightView w, size_t at, int64_t n, Act ca, float* out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = w[at + size_t(i)];
+  with_act(w.type, [&](auto t) {  // the type switch outside the loop, which vectorises
+    for (int64_t i = 0; i < n; ++i) out[i] = decode_act(t.value, w.data + (at + size_t(i)) * act_bytes(t.value));
+  });
   if (ca != w.type && ca != Act::fp32)
-    for (int64_t i = 0; i < n; ++i) out[i] = round_act(ca, out[i]);
+    with_act(ca, [&](auto c) {
+      for (int64_t i = 0; i < n; ++i) out[i] = round_act_to<c.value>(out[i]);
+    });
 }
 
 ExpertWeights expert_weights(Act ca, WeightView W1, WeightView W3, WeightView W2, int64_t j, int64_t D, int64_t F,
@@ -88,7 +92,7 @@ ExpertWeights expert_weights(Act ca, WeightView W1, WeightView W3, WeightView W2
 /// SwiGLU over expert-major rows with X and the weights rounded to `ca`, in
 /// row blocks on `threads` threads (reference/blocked.h). Every GEMM of values
 /// is an fp64 Eigen product; the sums of |terms| are fp32 products of
-/// absolute values made upper bounds (abs_sum_upper). The same h1 and h3
+/// absolute values made upper bounds (abs_upper). The same h1 and h3
 /// serve the trace, the half-widths and the error scale.
 SwigluTrace swiglu_core(Act act, Act ca, const Vec& X, const Counts& counts, int64_t D, int64_t F, WeightView W1,
                         WeightView W3, WeightView W2, SiluRounding rounding, const SwigluWant& want, int threads) {
@@ -109,45 +113,71 @@ SwigluTrace swiglu_core(Act act, Act ca, const Vec& X, const Counts& counts, int
       [&](const ExpertWeights& w, int64_t j, int64_t r0, int64_t r1) {
         const int64_t n = r1 - r0, g0 = first[size_t(j)] + r0;  // g0: the block's first row overall
         MatD x(n, D);
-        for (int64_t i = 0; i < n * D; ++i) x.data()[i] = round_act(ca, X[size_t(g0 * D + i)]);
-        const MatD h13 = x * w.w13.transpose();  // [h1 | h3]
+        with_act(ca, [&](auto c) {
+          for (int64_t i = 0; i < n * D; ++i) x.data()[i] = round_act_to<c.value>(X[size_t(g0 * D + i)]);
+        });
+        const MatD h13 = x * w.w13.transpose();  // [h1 | h3], (n, 2F) row-major
         const auto h1 = h13.leftCols(F), h3 = h13.rightCols(F);
         MatD m13;  // sum of |terms| of [h1 | h3], for the bounds
         if (want.halfwidth || want.magnitude) m13 = abs_product_nt(x.cwiseAbs().cast<float>(), w.a13);  // exact: act values
+        // The elementwise steps run with act known at compile time and exp in
+        // a loop of its own, so that the rest vectorises.
+        std::vector<double> ex(static_cast<size_t>(F));
         if (want.trace) {
           MatD H(n, F);
-          for (int64_t r = 0; r < n; ++r)
-            for (int64_t f = 0; f < F; ++f) {
-              const float a = round_act(ca, f32(h1(r, f)));
-              const float b = round_act(ca, f32(h3(r, f)));
-              o.h13[size_t((g0 + r) * 2 * F + f)] = a;
-              o.h13[size_t((g0 + r) * 2 * F + F + f)] = b;
-              float silu = f32(double(a) / (1.0 + std::exp(-double(a))));
-              if (rounding == SiluRounding::torchtitan) silu = round_act(ca, silu);
-              H(r, f) = round_act(ca, f32(double(silu) * b));
-              o.H[size_t((g0 + r) * F + f)] = float(H(r, f));
+          const bool tt = rounding == SiluRounding::torchtitan;
+          with_act(ca, [&](auto c) {
+            for (int64_t r = 0; r < n; ++r) {
+              float* a = &o.h13[size_t((g0 + r) * 2 * F)];
+              float* b = a + F;
+              float* hr = &o.H[size_t((g0 + r) * F)];
+              for (int64_t f = 0; f < F; ++f) {
+                a[f] = round_act_to<c.value>(f32(h1(r, f)));
+                b[f] = round_act_to<c.value>(f32(h3(r, f)));
+              }
+              for (int64_t f = 0; f < F; ++f) ex[size_t(f)] = std::exp(-double(a[f]));
+              for (int64_t f = 0; f < F; ++f) {
+                const float s = f32(double(a[f]) / (1.0 + ex[size_t(f)]));
+                const float silu = tt ? round_act_to<c.value>(s) : s;
+                hr[f] = round_act_to<c.value>(f32(double(silu) * b[f]));
+                H(r, f) = hr[f];
+              }
             }
+          });
           const MatD y = H * w.w2.transpose();
-          for (int64_t i = 0; i < n * D; ++i) o.Y[size_t(g0 * D + i)] = round_act(act, round_act(ca, f32(y.data()[i])));
+          with_act(act, [&](auto a) {
+            with_act(ca, [&](auto c) {
+              for (int64_t i = 0; i < n * D; ++i)
+                o.Y[size_t(g0 * D + i)] = round_act_to<a.value>(round_act_to<c.value>(f32(y.data()[i])));
+            });
+          });
         }
         if (want.halfwidth)
-          for (int64_t r = 0; r < n; ++r)
-            for (int64_t f = 0; f < 2 * F; ++f) {
-              const double v = h13(r, f), room = gamma * m13(r, f) + std::ldexp(1.0, -126);
-              const float mid = round_act(ca, f32(v));
-              const float lo = round_act(ca, f32(v - room)), hi = round_act(ca, f32(v + room));
-              o.h13_halfwidth[size_t((g0 + r) * 2 * F + f)] = std::isfinite(mid) ? std::max(hi - mid, mid - lo) : 0.f;
+          with_act(ca, [&](auto c) {
+            const double* v = h13.data();
+            const double* m = m13.data();
+            float* hw = &o.h13_halfwidth[size_t(g0 * 2 * F)];
+            const double tiny = std::ldexp(1.0, -126);
+            for (int64_t i = 0; i < n * 2 * F; ++i) {
+              const double room = gamma * m[i] + tiny;
+              const float mid = round_act_to<c.value>(f32(v[i]));
+              const float lo = round_act_to<c.value>(f32(v[i] - room)), hi = round_act_to<c.value>(f32(v[i] + room));
+              const float width = std::max(hi - mid, mid - lo);
+              hw[i] = std::fabs(mid) <= std::numeric_limits<float>::max() ? width : 0.f;  // 0 where mid is inf or NaN
             }
+          });
         if (want.magnitude) {
           MatD Heff(n, F);
-          for (int64_t r = 0; r < n; ++r)
+          for (int64_t r = 0; r < n; ++r) {
+            for (int64_t f = 0; f < F; ++f) ex[size_t(f)] = std::exp(-h1(r, f));
             for (int64_t f = 0; f < F; ++f) {
               const double a = h1(r, f), b = h3(r, f);
-              const double sig = 1.0 / (1.0 + std::exp(-a));
+              const double sig = 1.0 / (1.0 + ex[size_t(f)]);
               const double silu = a * sig, dsilu = sig * (1.0 + a * (1.0 - sig));
               // first-order propagation of an error of m13(r, f) in h1 and of m13(r, F + f) in h3
               Heff(r, f) = std::fabs(silu * b) + std::fabs(dsilu * b) * m13(r, f) + std::fabs(silu) * m13(r, F + f);
             }
+          }
           const MatD y = abs_product_nt(abs_f32_up(Heff), w.a2);
           for (int64_t i = 0; i < n * D; ++i) o.magnitude[size_t(g0 * D + i)] = f32(y.data()[i]);
         }
@@ -190,40 +220,56 @@ Vec swiglu_hidden(Act act, const Vec& h13, int64_t rows, int64_t F, Vec& halfwid
   const double tiny = std::ldexp(1.0, -118);
   Vec H(size_t(rows * F));
   halfwidth.assign(size_t(rows * F), 0.f);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t f = 0; f < F; ++f) {
-      const double a = h13[size_t(r * 2 * F + f)], b = h13[size_t(r * 2 * F + F + f)];
-      // silu in fp32 as the contract computes it: exp(-a) overflows fp32
-      // past a < -88.72 (then silu is -0, and -0 * inf is NaN, where the
-      // fp64 value would still be tiny and give inf), and silu is rounded
-      // to fp32 before the product.
-      double e = std::exp(-a);
-      if (e > double(std::numeric_limits<float>::max())) e = std::numeric_limits<double>::infinity();
-      const double silu = double(f32(a / (1.0 + e)));
+  const double fmax = std::numeric_limits<float>::max();
+  std::vector<double> silu(static_cast<size_t>(F));
+  // act known at compile time and exp in a loop of its own: the rest vectorises
+  with_act(act, [&](auto c) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* h1 = &h13[size_t(r * 2 * F)];
+      const float* h3 = h1 + F;
+      float* hr = &H[size_t(r * F)];
+      float* wr = &halfwidth[size_t(r * F)];
+      for (int64_t f = 0; f < F; ++f) silu[size_t(f)] = std::exp(-double(h1[f]));
+      for (int64_t f = 0; f < F; ++f) {
+        // silu in fp32 as the contract computes it: exp(-a) overflows fp32
+        // past a < -88.72 (then silu is -0, and -0 * inf is NaN, where the
+        // fp64 value would still be tiny and give inf), and silu is rounded
+        // to fp32 before the product.
+        const double e = silu[size_t(f)] > fmax ? std::numeric_limits<double>::infinity() : silu[size_t(f)];
+        silu[size_t(f)] = double(f32(double(h1[f]) / (1.0 + e)));
+      }
       if (rounding == SiluRounding::torchtitan) {
         // silu(h1) itself is rounded to act: an fp32 silu within eps of the
         // exact one may round to either neighbour of a midpoint, and each
         // choice gives its own product, rounded once more.
-        const double sroom = eps * std::fabs(silu) + tiny;
-        const double cands[3] = {round_act(act, f32(silu - sroom)), round_act(act, f32(silu)),
-                                 round_act(act, f32(silu + sroom))};
-        const float mid = round_act(act, f32(cands[1] * b));
-        float width = 0.f;
-        for (double sc : cands) {
-          const double p = sc * b, room = eps * std::fabs(p) + tiny * std::fabs(b);
-          for (double pv : {p - room, p + room}) width = std::max(width, std::fabs(round_act(act, f32(pv)) - mid));
+        for (int64_t f = 0; f < F; ++f) {
+          const double sv = silu[size_t(f)], b = h3[f];
+          const double sroom = eps * std::fabs(sv) + tiny;
+          const double cands[3] = {round_act_to<c.value>(f32(sv - sroom)), round_act_to<c.value>(f32(sv)),
+                                   round_act_to<c.value>(f32(sv + sroom))};
+          const float mid = round_act_to<c.value>(f32(cands[1] * b));
+          float width = 0.f;
+          for (double sc : cands) {
+            const double p = sc * b, room = eps * std::fabs(p) + tiny * std::fabs(b);
+            width = std::max(width, std::fabs(round_act_to<c.value>(f32(p - room)) - mid));
+            width = std::max(width, std::fabs(round_act_to<c.value>(f32(p + room)) - mid));
+          }
+          hr[f] = mid;
+          wr[f] = std::fabs(mid) <= std::numeric_limits<float>::max() ? width : 0.f;  // 0 where mid is inf or NaN
         }
-        H[size_t(r * F + f)] = mid;
-        halfwidth[size_t(r * F + f)] = std::isfinite(mid) ? width : 0.f;
         continue;
       }
-      const double v = silu * b;
-      const float mid = round_act(act, f32(v));
-      const double room = eps * std::fabs(v) + tiny * std::fabs(b);
-      const float lo = round_act(act, f32(v - room)), hi = round_act(act, f32(v + room));
-      H[size_t(r * F + f)] = mid;
-      halfwidth[size_t(r * F + f)] = std::isfinite(mid) ? std::max(hi - mid, mid - lo) : 0.f;
+      for (int64_t f = 0; f < F; ++f) {
+        const double b = h3[f], v = silu[size_t(f)] * b;
+        const float mid = round_act_to<c.value>(f32(v));
+        const double room = eps * std::fabs(v) + tiny * std::fabs(b);
+        const float lo = round_act_to<c.value>(f32(v - room)), hi = round_act_to<c.value>(f32(v + room));
+        const float width = std::max(hi - mid, mid - lo);
+        hr[f] = mid;
+        wr[f] = std::fabs(mid) <= std::numeric_limits<float>::max() ? width : 0.f;  // 0 where mid is inf or NaN
+      }
     }
+  });
   return H;
 }
 

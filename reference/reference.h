@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace ref {
@@ -39,23 +40,48 @@ inline double pow2(int k) {
 /// act's largest finite value the result is infinity. Zero, infinities and
 /// NaNs come through (a signalling NaN comes back quiet, as from any
 /// arithmetic). No branch on the value, so loops over rows vectorise: the
-/// reference combine calls it twice per element. Checked against the
+/// reference combine calls it twice per element (round_act_to<act> is the
+/// same with act known at compile time). Checked against the
 /// kernels' conversion around every 16-bit value in tests/test_numeric.cpp.
+template <Act A>
+inline float round_act_to(float v) {
+  if constexpr (A == Act::fp32) {
+    return v;
+  } else {
+    // significand bits p; the exponent range (frexp convention) of act's normal numbers
+    constexpr int p = A == Act::bf16 ? 8 : 11;
+    constexpr int emin = A == Act::bf16 ? -125 : -13, emax = A == Act::bf16 ? 128 : 16;
+    const double max_finite = A == Act::bf16 ? 255.0 * detail::pow2(120) : 65504.0;
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    const int e = std::min(std::max(int((bits >> 23) & 0xff) - 126, emin), emax);
+    const uint64_t cbits = (uint64_t(int64_t(1023 + 52 - p) + e) << 52) | (uint64_t(1) << 51);
+    double C;
+    std::memcpy(&C, &cbits, 8);
+    const double x = static_cast<double>(v);
+    const double r = std::copysign((x + C) - C, x);
+    return static_cast<float>(std::fabs(r) > max_finite ? std::copysign(std::numeric_limits<double>::infinity(), x) : r);
+  }
+}
+
+/// f(std::integral_constant<Act, act>{}): a loop inside f that rounds with
+/// round_act_to<decltype(tag)::value> has no branch on act, so it vectorises
+/// (a runtime act in the loop body kept the compiler from vectorising it).
+template <class F>
+decltype(auto) with_act(Act act, F&& f) {
+  switch (act) {
+    case Act::bf16: return f(std::integral_constant<Act, Act::bf16>{});
+    case Act::fp16: return f(std::integral_constant<Act, Act::fp16>{});
+    default: return f(std::integral_constant<Act, Act::fp32>{});
+  }
+}
+
 inline float round_act(Act act, float v) {
-  if (act == Act::fp32) return v;
-  // significand bits p; the exponent range (frexp convention) of act's normal numbers
-  const int p = act == Act::bf16 ? 8 : 11;
-  const int emin = act == Act::bf16 ? -125 : -13, emax = act == Act::bf16 ? 128 : 16;
-  const double max_finite = act == Act::bf16 ? 255.0 * detail::pow2(120) : 65504.0;
-  uint32_t bits;
-  std::memcpy(&bits, &v, 4);
-  const int e = std::min(std::max(int((bits >> 23) & 0xff) - 126, emin), emax);
-  const uint64_t cbits = (uint64_t(int64_t(1023 + 52 - p) + e) << 52) | (uint64_t(1) << 51);
-  double C;
-  std::memcpy(&C, &cbits, 8);
-  const double x = static_cast<double>(v);
-  const double r = std::copysign((x + C) - C, x);
-  return static_cast<float>(std::fabs(r) > max_finite ? std::copysign(std::numeric_limits<double>::infinity(), x) : r);
+  switch (act) {
+    case Act::bf16: return round_act_to<Act::bf16>(v);
+    case Act::fp16: return round_act_to<Act::fp16>(v);
+    default: return v;
+  }
 }
 
 /// An fp32 operation emulated in fp64 then rounded once to fp32: exact for

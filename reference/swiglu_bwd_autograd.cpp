@@ -88,10 +88,10 @@ SiluVals silu_vals(double a) {
   return {s, kSiluEps * std::fabs(s) + kTiny, ds, kDsiluEps * sig * (1.0 + std::fabs(a) * (1.0 - sig)) + kTiny};
 }
 
-/// H, dh3, dh1 of one element for given h1 = a, h3 = b, dH = g (values of
-/// ca), every outcome the silu rooms allow, into the spans.
-void elem_outcomes(const Rounder& R, SiluRounding rounding, float a, float b, float g, Span& H, Span& d3, Span& d1) {
-  const SiluVals v = silu_vals(a);
+/// H, dh3, dh1 of one element for given h1 = a (v = silu_vals(a)), h3 = b,
+/// dH = g (values of ca), every outcome the silu rooms allow, into the spans.
+void elem_outcomes(const Rounder& R, SiluRounding rounding, const SiluVals& v, float b, float g, Span& H, Span& d3,
+                   Span& d1) {
   if (rounding == SiluRounding::fused) {
     for (double s : {v.s - v.sroom, v.s + v.sroom}) {
       H.see(R.c(s * b));
@@ -111,10 +111,10 @@ void elem_outcomes(const Rounder& R, SiluRounding rounding, float a, float b, fl
   for (double ds : {v.ds - v.droom, v.ds + v.droom}) d1.see(R.c(double(ga) * ds));
 }
 
-/// The contract's middle values of one element (h1, h3, dH as rounded, the
-/// fp32 silu and silu' taken as exact).
-void elem_mid(const Rounder& R, SiluRounding rounding, float a, float b, float g, Span& H, Span& d3, Span& d1) {
-  const SiluVals v = silu_vals(a);
+/// The contract's middle values of one element (h1 = a as rounded, v =
+/// silu_vals(a), h3, dH as rounded; the fp32 silu and silu' taken as exact).
+void elem_mid(const Rounder& R, SiluRounding rounding, const SiluVals& v, float b, float g, Span& H, Span& d3,
+              Span& d1) {
   if (rounding == SiluRounding::fused) {
     H.mid = R.c(v.s * b);
     d3.mid = R.c(double(g) * v.s);
@@ -169,10 +169,12 @@ ElemOut elementwise(const Rounder& R, SiluRounding rounding, const MatD& h1, con
     const Cands a = cands(R, h1.data()[i], g * m1.data()[i] + kTiny), b = cands(R, h3.data()[i], g * m3.data()[i] + kTiny),
                 gd = cands(R, dH.data()[i], g * mdH.data()[i] + kTiny);
     Span H, d3, d1;
-    elem_mid(R, rounding, a.v[0], b.v[0], gd.v[0], H, d3, d1);
+    SiluVals sv[3];  // silu_vals of each candidate h1, computed once
+    for (int ia = 0; ia < a.n; ++ia) sv[ia] = silu_vals(a.v[ia]);
+    elem_mid(R, rounding, sv[0], b.v[0], gd.v[0], H, d3, d1);
     for (int ia = 0; ia < a.n; ++ia)
       for (int ib = 0; ib < b.n; ++ib)
-        for (int ig = 0; ig < gd.n; ++ig) elem_outcomes(R, rounding, a.v[ia], b.v[ib], gd.v[ig], H, d3, d1);
+        for (int ig = 0; ig < gd.n; ++ig) elem_outcomes(R, rounding, sv[ia], b.v[ib], gd.v[ig], H, d3, d1);
     o.H.data()[i] = H.mid;
     o.d3.data()[i] = d3.mid;
     o.d1.data()[i] = d1.mid;

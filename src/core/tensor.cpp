@@ -4,6 +4,7 @@
 
 #include <xxhash.h>
 #include <stdexcept>
+#include <type_traits>
 
 #include "error.h"
 
@@ -82,15 +83,17 @@ Tensor Tensor::clone() const {
   return r;
 }
 
+// The type switch sits outside the element loops, which then vectorise.
 std::vector<float> to_floats(const Tensor& t) {
   std::vector<float> v(size_t(t.numel()));
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    switch (t.type) {
-      case ElemType::f32: v[size_t(i)] = t.as<float>()[i]; break;
-      case ElemType::bf16: v[size_t(i)] = to_float(t.as<bf16>()[i]); break;
-      case ElemType::f16: v[size_t(i)] = to_float(t.as<fp16>()[i]); break;
-      default: throw std::logic_error("to_floats on an integer tensor");
-    }
+  auto widen = [&](const auto* p) {
+    for (size_t i = 0; i < v.size(); ++i) v[i] = to_float(p[i]);
+  };
+  switch (t.type) {
+    case ElemType::f32: widen(t.as<float>()); break;
+    case ElemType::bf16: widen(t.as<bf16>()); break;
+    case ElemType::f16: widen(t.as<fp16>()); break;
+    default: throw std::logic_error("to_floats on an integer tensor");
   }
   return v;
 }
@@ -98,13 +101,15 @@ std::vector<float> to_floats(const Tensor& t) {
 Tensor from_floats(const std::vector<float>& v, ElemType type, std::vector<int64_t> shape) {
   Tensor t = Tensor::alloc(type, std::move(shape), 0);
   if (size_t(t.numel()) != v.size()) throw std::logic_error("from_floats: size does not match shape");
-  for (size_t i = 0; i < v.size(); ++i) {
-    switch (type) {
-      case ElemType::f32: t.as<float>()[i] = v[i]; break;
-      case ElemType::bf16: t.as<bf16>()[i] = from_float<bf16>(v[i]); break;
-      case ElemType::f16: t.as<fp16>()[i] = from_float<fp16>(v[i]); break;
-      default: throw std::logic_error("from_floats to an integer tensor");
-    }
+  auto narrow = [&](auto* p) {
+    using T = std::remove_pointer_t<decltype(p)>;
+    for (size_t i = 0; i < v.size(); ++i) p[i] = from_float<T>(v[i]);
+  };
+  switch (type) {
+    case ElemType::f32: narrow(t.as<float>()); break;
+    case ElemType::bf16: narrow(t.as<bf16>()); break;
+    case ElemType::f16: narrow(t.as<fp16>()); break;
+    default: throw std::logic_error("from_floats to an integer tensor");
   }
   return t;
 }
