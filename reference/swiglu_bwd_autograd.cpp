@@ -132,12 +132,14 @@ void elem_mid(const Rounder& R, SiluRounding rounding, const SiluVals& v, float 
 /// round_act(round_ca(v)) over v in [V - room, V + room], into mid/half.
 void gemm_out(const Rounder& R, const MatD& V, const MatD& room, Vec& mid, Vec& half, size_t at, bool want_half) {
   for (int64_t i = 0; i < V.size(); ++i) {
-    const double v = V.data()[i], r = room.data()[i] + kTiny;
+    const double v = V.data()[i];
     const float m = R.out(v);
     mid[at + size_t(i)] = m;
-    if (want_half)
+    if (want_half) {
+      const double r = room.data()[i] + kTiny;
       half[at + size_t(i)] =
           std::isfinite(m) ? std::max(std::fabs(R.out(v + r) - m), std::fabs(m - R.out(v - r))) : 0.f;
+    }
   }
 }
 
@@ -185,29 +187,49 @@ ElemOut elementwise(const Rounder& R, SiluRounding rounding, const MatD& h1, con
   return o;
 }
 
+/// c |d| + h as fp32 rounded up: the per-element weight of a room GEMM
+/// (c times the sum of |terms|, plus the operand's half-width h).
+MatF room_weight(double c, const MatD& d, const MatD& h) { return abs_f32_up(c * d.cwiseAbs() + h); }
+
+/// |m| as fp32 (exact: m holds values of the compute dtype).
+MatF absf(const MatD& m) { return m.cwiseAbs().cast<float>(); }
+
 /// dX of one expert: under torchtitan the two GEMM gradients each rounded
 /// (to ca, then act), added in fp32 and rounded to act; otherwise one GEMM
-/// over 2F rounded once.
+/// over 2F rounded once. The room of a gradient GEMM: its accumulation bound
+/// plus the spread of its rounded operands, gamma sum |d| |w| + sum h |w| =
+/// (gamma |d| + h) |w|, one fp32 product of absolute values (an upper bound).
 void input_grad(const Rounder& R, bool split, const ElemOut& e, const MatD& w1, const MatD& w3, SwigluGrads& g,
                 size_t at, bool want_half) {
-  const MatD a1 = w1.cwiseAbs(), a3 = w3.cwiseAbs();
   const MatD A = e.d1 * w1, B = e.d3 * w3;
-  const double gF = gamma_of(w1.rows());
-  const MatD rA = gF * (e.d1.cwiseAbs() * a1) + e.h1 * a1, rB = gF * (e.d3.cwiseAbs() * a3) + e.h3 * a3;
+  const int64_t F = w1.rows();
+  MatF a1, a3;
+  if (want_half) a1 = absf(w1), a3 = absf(w3);
   if (!split) {
-    const double g2F = gamma_of(2 * w1.rows());
-    gemm_out(R, A + B, g2F * (e.d1.cwiseAbs() * a1 + e.d3.cwiseAbs() * a3) + e.h1 * a1 + e.h3 * a3, g.dX, g.mdX, at,
-             want_half);
+    MatD room;
+    if (want_half) {
+      const double g2F = gamma_of(2 * F);
+      room = abs_product_nn(room_weight(g2F, e.d1, e.h1), a1) + abs_product_nn(room_weight(g2F, e.d3, e.h3), a3);
+    }
+    gemm_out(R, A + B, room, g.dX, g.mdX, at, want_half);
     return;
   }
   auto sum = [&](double x, double y) { return round_act(R.act, f32(double(R.out(x)) + double(R.out(y)))); };
+  MatD rA, rB;
+  if (want_half) {
+    const double gF = gamma_of(F);
+    rA = abs_product_nn(room_weight(gF, e.d1, e.h1), a1);
+    rB = abs_product_nn(room_weight(gF, e.d3, e.h3), a3);
+  }
   for (int64_t i = 0; i < A.size(); ++i) {
-    const double x = A.data()[i], y = B.data()[i], rx = rA.data()[i] + kTiny, ry = rB.data()[i] + kTiny;
+    const double x = A.data()[i], y = B.data()[i];
     const float m = sum(x, y);
     g.dX[at + size_t(i)] = m;
-    if (want_half)
+    if (want_half) {
+      const double rx = rA.data()[i] + kTiny, ry = rB.data()[i] + kTiny;
       g.mdX[at + size_t(i)] =
           std::isfinite(m) ? std::max(std::fabs(sum(x + rx, y + ry) - m), std::fabs(m - sum(x - rx, y - ry))) : 0.f;
+    }
   }
 }
 
@@ -232,18 +254,24 @@ SwigluGrads swiglu_backward_autograd(Act act, const Vec& X, const Vec& dY, const
     const MatD x = rounded_block(R, X, row * D, n, D), dy = rounded_block(R, dY, row * D, n, D);
     const MatD w1 = rounded_weight(R, W1, size_t(j), F, D), w3 = rounded_weight(R, W3, size_t(j), F, D),
                w2 = rounded_weight(R, W2, size_t(j), D, F);
-    const MatD ax = x.cwiseAbs(), ady = dy.cwiseAbs();
+    // the sums of |terms| as fp32 products of absolute values made upper
+    // bounds (reference/blocked.h), one per room
+    const MatF ax = absf(x), ady = absf(dy);
     const ElemOut e = elementwise(R, rounding, x * w1.transpose(), x * w3.transpose(), dy * w2,
-                                  ax * w1.cwiseAbs().transpose(), ax * w3.cwiseAbs().transpose(), ady * w2.cwiseAbs(), D);
+                                  abs_product_nt(ax, absf(w1)), abs_product_nt(ax, absf(w3)),
+                                  abs_product_nn(ady, absf(w2)), D);
     input_grad(R, rounding == SiluRounding::torchtitan, e, w1, w3, g, size_t(row * D), bounds);
     const double gn = gamma_of(n);
     const size_t at = size_t(j) * size_t(F * D);
-    gemm_out(R, e.d1.transpose() * x, gn * (e.d1.cwiseAbs().transpose() * ax) + e.h1.transpose() * ax, g.dW1, g.mdW1,
-             at, bounds);
-    gemm_out(R, e.d3.transpose() * x, gn * (e.d3.cwiseAbs().transpose() * ax) + e.h3.transpose() * ax, g.dW3, g.mdW3,
-             at, bounds);
-    gemm_out(R, dy.transpose() * e.H, gn * (ady.transpose() * e.H.cwiseAbs()) + ady.transpose() * e.hH, g.dW2, g.mdW2,
-             at, bounds);
+    MatD r1, r3, r2;
+    if (bounds) {
+      r1 = abs_product_nn(MatF(room_weight(gn, e.d1, e.h1).transpose()), ax);
+      r3 = abs_product_nn(MatF(room_weight(gn, e.d3, e.h3).transpose()), ax);
+      r2 = abs_product_nn(MatF(ady.transpose()), room_weight(gn, e.H, e.hH));
+    }
+    gemm_out(R, e.d1.transpose() * x, r1, g.dW1, g.mdW1, at, bounds);
+    gemm_out(R, e.d3.transpose() * x, r3, g.dW3, g.mdW3, at, bounds);
+    gemm_out(R, dy.transpose() * e.H, r2, g.dW2, g.mdW2, at, bounds);
   });
   return g;
 }
