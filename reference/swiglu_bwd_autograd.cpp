@@ -34,11 +34,14 @@ constexpr double kDsiluEps = 1.0 / (1 << 19);
 const double kTiny = std::ldexp(1.0, -118);
 
 /// The rounding to the compute dtype ca of a value (through fp32).
+/// CA and ACT are template arguments: the rounding has no branch on the
+/// dtype (most of this file's time is roundings).
+template <Act CA, Act ACT>
 struct Rounder {
-  Act ca, act;
-  float c(double v) const { return round_act(ca, f32(v)); }
+  static constexpr Act ca = CA, act = ACT;
+  float c(double v) const { return round_act_to<CA>(f32(v)); }
   /// A result of the compute dtype handed back as an act tensor.
-  float out(double v) const { return round_act(act, c(v)); }
+  float out(double v) const { return round_act_to<ACT>(c(v)); }
 };
 
 /// Up to three distinct candidates: the roundings of v - room, v, v + room.
@@ -51,7 +54,8 @@ struct Cands {
     v[n++] = x;
   }
 };
-Cands cands(const Rounder& R, double v, double room) {
+template <class Rd>
+Cands cands(const Rd& R, double v, double room) {
   Cands c;
   c.add(R.c(v));  // first: the middle value
   c.add(R.c(v - room));
@@ -90,7 +94,8 @@ SiluVals silu_vals(double a) {
 
 /// H, dh3, dh1 of one element for given h1 = a (v = silu_vals(a)), h3 = b,
 /// dH = g (values of ca), every outcome the silu rooms allow, into the spans.
-void elem_outcomes(const Rounder& R, SiluRounding rounding, const SiluVals& v, float b, float g, Span& H, Span& d3,
+template <class Rd>
+void elem_outcomes(const Rd& R, SiluRounding rounding, const SiluVals& v, float b, float g, Span& H, Span& d3,
                    Span& d1) {
   if (rounding == SiluRounding::fused) {
     for (double s : {v.s - v.sroom, v.s + v.sroom}) {
@@ -113,7 +118,8 @@ void elem_outcomes(const Rounder& R, SiluRounding rounding, const SiluVals& v, f
 
 /// The contract's middle values of one element (h1 = a as rounded, v =
 /// silu_vals(a), h3, dH as rounded; the fp32 silu and silu' taken as exact).
-void elem_mid(const Rounder& R, SiluRounding rounding, const SiluVals& v, float b, float g, Span& H, Span& d3,
+template <class Rd>
+void elem_mid(const Rd& R, SiluRounding rounding, const SiluVals& v, float b, float g, Span& H, Span& d3,
               Span& d1) {
   if (rounding == SiluRounding::fused) {
     H.mid = R.c(v.s * b);
@@ -130,30 +136,36 @@ void elem_mid(const Rounder& R, SiluRounding rounding, const SiluVals& v, float 
 
 /// A GEMM result V with room: the middle value and half-width of
 /// round_act(round_ca(v)) over v in [V - room, V + room], into mid/half.
-void gemm_out(const Rounder& R, const MatD& V, const MatD& room, Vec& mid, Vec& half, size_t at, bool want_half) {
-  for (int64_t i = 0; i < V.size(); ++i) {
-    const double v = V.data()[i];
-    const float m = R.out(v);
-    mid[at + size_t(i)] = m;
-    if (want_half) {
-      const double r = room.data()[i] + kTiny;
-      half[at + size_t(i)] =
-          std::isfinite(m) ? std::max(std::fabs(R.out(v + r) - m), std::fabs(m - R.out(v - r))) : 0.f;
-    }
+template <class Rd>
+void gemm_out(const Rd& R, const MatD& V, const MatD& room, Vec& mid, Vec& half, size_t at, bool want_half) {
+  const double* v = V.data();
+  float* m = &mid[at];
+  for (int64_t i = 0; i < V.size(); ++i) m[i] = R.out(v[i]);
+  if (!want_half) return;
+  float* h = &half[at];
+  for (int64_t i = 0; i < V.size(); ++i) {  // branch-free: it vectorises
+    const double r = room.data()[i] + kTiny;
+    const float w = std::max(std::fabs(R.out(v[i] + r) - m[i]), std::fabs(m[i] - R.out(v[i] - r)));
+    h[i] = std::fabs(m[i]) <= std::numeric_limits<float>::max() ? w : 0.f;  // 0 where m is inf or NaN
   }
 }
 
 double gamma_of(int64_t k) { return double(k + 2) * std::ldexp(1.0, -24); }
 
-MatD rounded_block(const Rounder& R, const Vec& v, int64_t at, int64_t rows, int64_t cols) {
+template <class Rd>
+MatD rounded_block(const Rd& R, const Vec& v, int64_t at, int64_t rows, int64_t cols) {
   MatD m(rows, cols);
   for (int64_t i = 0; i < rows * cols; ++i) m.data()[i] = R.c(v[size_t(at + i)]);
   return m;
 }
 
-MatD rounded_weight(const Rounder& R, WeightView w, size_t j, int64_t a, int64_t b) {
+template <class Rd>
+MatD rounded_weight(const Rd& R, WeightView w, size_t j, int64_t a, int64_t b) {
   MatD m(a, b);
-  for (int64_t i = 0; i < a * b; ++i) m.data()[i] = R.c(w[j * size_t(a * b) + size_t(i)]);
+  const uint8_t* p = w.data + j * size_t(a * b) * act_bytes(w.type);
+  with_act(w.type, [&](auto t) {  // the type switch outside the loop
+    for (int64_t i = 0; i < a * b; ++i) m.data()[i] = R.c(decode_act(t.value, p + size_t(i) * act_bytes(t.value)));
+  });
   return m;
 }
 
@@ -162,7 +174,8 @@ MatD rounded_weight(const Rounder& R, WeightView w, size_t j, int64_t a, int64_t
 struct ElemOut {
   MatD H, d1, d3, hH, h1, h3;
 };
-ElemOut elementwise(const Rounder& R, SiluRounding rounding, const MatD& h1, const MatD& h3, const MatD& dH,
+template <class Rd>
+ElemOut elementwise(const Rd& R, SiluRounding rounding, const MatD& h1, const MatD& h3, const MatD& dH,
                     const MatD& m1, const MatD& m3, const MatD& mdH, int64_t D) {
   const int64_t n = h1.rows(), F = h1.cols();
   ElemOut o{MatD(n, F), MatD(n, F), MatD(n, F), MatD(n, F), MatD(n, F), MatD(n, F)};
@@ -199,7 +212,8 @@ MatF absf(const MatD& m) { return m.cwiseAbs().cast<float>(); }
 /// over 2F rounded once. The room of a gradient GEMM: its accumulation bound
 /// plus the spread of its rounded operands, gamma sum |d| |w| + sum h |w| =
 /// (gamma |d| + h) |w|, one fp32 product of absolute values (an upper bound).
-void input_grad(const Rounder& R, bool split, const ElemOut& e, const MatD& w1, const MatD& w3, SwigluGrads& g,
+template <class Rd>
+void input_grad(const Rd& R, bool split, const ElemOut& e, const MatD& w1, const MatD& w3, SwigluGrads& g,
                 size_t at, bool want_half) {
   const MatD A = e.d1 * w1, B = e.d3 * w3;
   const int64_t F = w1.rows();
@@ -214,22 +228,20 @@ void input_grad(const Rounder& R, bool split, const ElemOut& e, const MatD& w1, 
     gemm_out(R, A + B, room, g.dX, g.mdX, at, want_half);
     return;
   }
-  auto sum = [&](double x, double y) { return round_act(R.act, f32(double(R.out(x)) + double(R.out(y)))); };
+  auto sum = [&](double x, double y) { return round_act_to<Rd::act>(f32(double(R.out(x)) + double(R.out(y)))); };
   MatD rA, rB;
   if (want_half) {
     const double gF = gamma_of(F);
     rA = abs_product_nn(room_weight(gF, e.d1, e.h1), a1);
     rB = abs_product_nn(room_weight(gF, e.d3, e.h3), a3);
   }
-  for (int64_t i = 0; i < A.size(); ++i) {
-    const double x = A.data()[i], y = B.data()[i];
-    const float m = sum(x, y);
-    g.dX[at + size_t(i)] = m;
-    if (want_half) {
-      const double rx = rA.data()[i] + kTiny, ry = rB.data()[i] + kTiny;
-      g.mdX[at + size_t(i)] =
-          std::isfinite(m) ? std::max(std::fabs(sum(x + rx, y + ry) - m), std::fabs(m - sum(x - rx, y - ry))) : 0.f;
-    }
+  for (int64_t i = 0; i < A.size(); ++i) g.dX[at + size_t(i)] = sum(A.data()[i], B.data()[i]);
+  if (!want_half) return;
+  for (int64_t i = 0; i < A.size(); ++i) {  // branch-free: it vectorises
+    const double x = A.data()[i], y = B.data()[i], rx = rA.data()[i] + kTiny, ry = rB.data()[i] + kTiny;
+    const float m = g.dX[at + size_t(i)];
+    const float w = std::max(std::fabs(sum(x + rx, y + ry) - m), std::fabs(m - sum(x - rx, y - ry)));
+    g.mdX[at + size_t(i)] = std::fabs(m) <= std::numeric_limits<float>::max() ? w : 0.f;  // 0 where m is inf or NaN
   }
 }
 
@@ -238,7 +250,6 @@ void input_grad(const Rounder& R, bool split, const ElemOut& e, const MatD& w1, 
 SwigluGrads swiglu_backward_autograd(Act act, const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
                                      WeightView W1, WeightView W3, WeightView W2, SiluRounding rounding,
                                      Compute compute, int threads, bool bounds) {
-  const Rounder R{compute == Compute::bf16 ? Act::bf16 : act, act};
   std::vector<int64_t> first(counts.size(), 0);
   int64_t rows = 0;
   for (size_t j = 0; j < counts.size(); ++j) first[j] = rows, rows += counts[j];
@@ -248,6 +259,8 @@ SwigluGrads swiglu_backward_autograd(Act act, const Vec& X, const Vec& dY, const
   g.mdX.assign(bounds ? dY.size() : 0, 0.f);
   for (Vec* v : {&g.dW1, &g.dW3, &g.dW2}) v->assign(wsize, 0.f);
   for (Vec* v : {&g.mdW1, &g.mdW3, &g.mdW2}) v->assign(bounds ? wsize : 0, 0.f);
+  // the experts with the dtypes known at compile time (Rounder)
+  auto run = [&](const auto& R) {
   parallel_items(int64_t(counts.size()), threads, [&](int64_t j) {
     const int64_t n = counts[size_t(j)], row = first[size_t(j)];
     if (n == 0) return;  // its weight gradients stay exactly 0
@@ -272,6 +285,11 @@ SwigluGrads swiglu_backward_autograd(Act act, const Vec& X, const Vec& dY, const
     gemm_out(R, e.d1.transpose() * x, r1, g.dW1, g.mdW1, at, bounds);
     gemm_out(R, e.d3.transpose() * x, r3, g.dW3, g.mdW3, at, bounds);
     gemm_out(R, dy.transpose() * e.H, r2, g.dW2, g.mdW2, at, bounds);
+  });
+  };
+  with_act(act, [&](auto a) {
+    if (compute == Compute::bf16) run(Rounder<Act::bf16, a.value>{});
+    else run(Rounder<a.value, a.value>{});
   });
   return g;
 }
