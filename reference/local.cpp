@@ -125,22 +125,26 @@ SwigluTrace swiglu_core(Act act, Act ca, const Vec& X, const Counts& counts, int
         std::vector<double> ex(static_cast<size_t>(F));
         if (want.trace) {
           MatD H(n, F);
-          const bool tt = rounding == SiluRounding::torchtitan;
           with_act(ca, [&](auto c) {
+            // locals, not captures: the loops below vectorise
+            const bool tt = rounding == SiluRounding::torchtitan;
+            double* e = ex.data();
             for (int64_t r = 0; r < n; ++r) {
               float* a = &o.h13[size_t((g0 + r) * 2 * F)];
               float* b = a + F;
               float* hr = &o.H[size_t((g0 + r) * F)];
+              const double* v = &h13(r, 0);  // row r of [h1 | h3] (row-major)
+              double* Hd = &H(r, 0);
               for (int64_t f = 0; f < F; ++f) {
-                a[f] = round_act_to<c.value>(f32(h1(r, f)));
-                b[f] = round_act_to<c.value>(f32(h3(r, f)));
+                a[f] = round_act_to<c.value>(f32(v[f]));
+                b[f] = round_act_to<c.value>(f32(v[F + f]));
               }
-              for (int64_t f = 0; f < F; ++f) ex[size_t(f)] = std::exp(-double(a[f]));
+              for (int64_t f = 0; f < F; ++f) e[f] = std::exp(-double(a[f]));
               for (int64_t f = 0; f < F; ++f) {
-                const float s = f32(double(a[f]) / (1.0 + ex[size_t(f)]));
+                const float s = f32(double(a[f]) / (1.0 + e[f]));
                 const float silu = tt ? round_act_to<c.value>(s) : s;
                 hr[f] = round_act_to<c.value>(f32(double(silu) * b[f]));
-                H(r, f) = hr[f];
+                Hd[f] = hr[f];
               }
             }
           });
@@ -248,12 +252,17 @@ Vec swiglu_hidden(Act act, const Vec& h13, int64_t rows, int64_t F, Vec& halfwid
           const double cands[3] = {round_act_to<c.value>(f32(sv - sroom)), round_act_to<c.value>(f32(sv)),
                                    round_act_to<c.value>(f32(sv + sroom))};
           const float mid = round_act_to<c.value>(f32(cands[1] * b));
+          // written out (no inner loop): the loop over f then vectorises; a
+          // NaN term leaves width as it was, in the same order as a loop
           float width = 0.f;
-          for (double sc : cands) {
+          auto see = [&](double sc) {
             const double p = sc * b, room = eps * std::fabs(p) + tiny * std::fabs(b);
             width = std::max(width, std::fabs(round_act_to<c.value>(f32(p - room)) - mid));
             width = std::max(width, std::fabs(round_act_to<c.value>(f32(p + room)) - mid));
-          }
+          };
+          see(cands[0]);
+          see(cands[1]);
+          see(cands[2]);
           hr[f] = mid;
           wr[f] = std::fabs(mid) <= std::numeric_limits<float>::max() ? width : 0.f;  // 0 where mid is inf or NaN
         }
