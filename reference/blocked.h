@@ -8,6 +8,13 @@
 #pragma once
 
 #include <Eigen/Core>
+
+// Every target defines it (CMakeLists.txt): Eigen's GEMM driver is one inline
+// symbol across objects, so one object built without it lets Eigen start
+// OpenMP teams inside the reference's own threads.
+#ifndef EIGEN_DONT_PARALLELIZE
+#error "EIGEN_DONT_PARALLELIZE must be defined for every target (CMakeLists.txt)"
+#endif
 #include <algorithm>
 #include <atomic>
 #include <cmath>

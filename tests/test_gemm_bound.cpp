@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <random>
 
 #include "../reference/reference.h"
 #include "diff.h"
@@ -90,4 +91,48 @@ TEST_CASE("gemm bound constant c is rtol over the unit roundoff", "[cpu]") {
   CHECK(gemm_bound_constant(DType::bf16) == Approx(default_tolerance(CompareClass::gemm, DType::bf16).rtol / std::ldexp(1.0, -8)));
   CHECK(gemm_bound_constant(DType::fp16) == Approx(default_tolerance(CompareClass::gemm, DType::fp16).rtol / std::ldexp(1.0, -11)));
   CHECK(gemm_bound_constant(DType::fp32) == Approx(default_tolerance(CompareClass::gemm, DType::fp32).rtol / std::ldexp(1.0, -24)));
+}
+
+TEST_CASE("logits bound passes an fp32 gate summed in another order and fails a bf16 gate", "[cpu]") {
+  // DeepSeek-V3's gate (D = 7168): cuBLAS's fp32 logits on an H200 erred 4.9e-5,
+  // twice atol + rtol |r|; the bound against max(|r|, sum of |terms|) holds any
+  // fp32 summation order, here the positive products first and then the
+  // negative ones (large partial sums that cancel: a legal order, and a bad
+  // one), which the bound against |r| alone fails, while a gate rounded to
+  // bf16 (a missing widening) still fails.
+  const int64_t T = 32, D = 7168;
+  const int E = 16;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  ref::Vec x(size_t(T * D)), w(size_t(E * D));
+  for (float& v : x) v = normal(rng);
+  for (float& v : w) v = normal(rng) / std::sqrt(float(D));
+  const ref::Vec exact = ref::router_logits(x, w, T, D, E);
+  const Tensor ref = from_floats(exact, ElemType::f32, {T, E});
+  const Tensor scale = from_floats(ref::gemm_magnitude(x, w, T, D, E), ElemType::f32, {T, E});
+  ref::Vec seq(size_t(T * E)), gate_bf16(size_t(T * E));
+  for (int64_t t = 0; t < T; ++t)
+    for (int e = 0; e < E; ++e) {
+      float s = 0.f;
+      for (int sign : {1, -1})
+        for (int64_t d = 0; d < D; ++d) {
+          const float p = x[size_t(t * D + d)] * w[size_t(e * D + d)];
+          if ((p >= 0) == (sign > 0)) s += p;
+        }
+      seq[size_t(t * E + e)] = s;
+      gate_bf16[size_t(t * E + e)] = ref::round_act(ref::Act::bf16, exact[size_t(t * E + e)]);
+    }
+  const Tolerance tol = default_tolerance(CompareClass::logits, DType::bf16);
+  const DiffResult in_order = diff_tensors(from_floats(seq, ElemType::f32, {T, E}), ref, CompareClass::logits, tol,
+                                           flat(), nullptr, &scale);
+  const DiffResult bf16 = diff_tensors(from_floats(gate_bf16, ElemType::f32, {T, E}), ref, CompareClass::logits, tol,
+                                       flat(), nullptr, &scale);
+  const DiffResult against_r = diff_tensors(from_floats(seq, ElemType::f32, {T, E}), ref, CompareClass::logits, tol,
+                                            flat());
+  INFO("signs apart: largest error/bound " << in_order.max_bound_ratio << ", max |err| " << in_order.max_abs
+                                           << ", against |r| alone " << against_r.mismatches << " of " << against_r.total
+                                           << "; bf16 gate: " << bf16.mismatches << " of " << bf16.total);
+  CHECK(in_order.mismatches == 0);
+  CHECK(against_r.mismatches > 0);  // the false alarm the sum of |terms| removes
+  CHECK(bf16.mismatches > bf16.total / 4);
 }

@@ -70,8 +70,9 @@ struct DiffResult {
 /// Tolerance classes pass element i when |fast - ref| <= atol + rtol * s_i,
 /// with s_i = max(|ref_i|, scale_i) when `scale` (an f32 tensor of the same
 /// element count: the sum of |terms| behind element i, docs/contract.md §15) is given,
-/// else |ref_i|; NaN at the same place in both agrees, as do equal infinities.
-/// Exact classes (and integer tensors) compare bits.
+/// else |ref_i|; NaN at the same place in both agrees (any sign and payload,
+/// in every class), as do equal infinities. Exact classes (and integer
+/// tensors) otherwise compare bits.
 DiffResult diff_tensors(const Tensor& fast, const Tensor& ref, CompareClass cls, Tolerance tol,
                         const CoordFn& coords, const std::vector<uint8_t>* mask = nullptr,
                         const Tensor* scale = nullptr);
