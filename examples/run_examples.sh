@@ -6,6 +6,8 @@
 #                                                experts, docs/contract.md §13) and its bug; exits 77 without torch
 # MOEVERIFY_TORCH_DEVICE=cuda runs torch_check.py and torch_swiglu_bwd.py on that torch device.
 set -u
+# --device for the torch examples where MOEVERIFY_TORCH_DEVICE is set, else nothing
+device_args=(${MOEVERIFY_TORCH_DEVICE:+--device "$MOEVERIFY_TORCH_DEVICE"})
 mode=$1
 bin=$2
 src=$3
@@ -64,7 +66,7 @@ case "$mode" in
       case "$d" in
         */ep4_*) "$py" -m torch.distributed.run --nproc-per-node 4 "$src/examples/torch_ep.py" "$d" 2>&1 |
                    grep -v '^W[0-9]\|^\*\*\*' ; [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1 ;;
-        *) "$py" "$src/examples/torch_check.py" "$d" ${MOEVERIFY_TORCH_DEVICE:+--device "$MOEVERIFY_TORCH_DEVICE"} || exit 1 ;;
+        *) "$py" "$src/examples/torch_check.py" "$d" "${device_args[@]}" || exit 1 ;;
       esac
     done
     "$bin" check "$tmp/golden" >"$tmp/report.txt"
@@ -92,7 +94,7 @@ case "$mode" in
     cp -r "$tmp/golden" "$tmp/bug"
     export OMP_NUM_THREADS=1
     for d in "$tmp"/golden/*/; do
-      "$py" "$src/examples/torch_swiglu_bwd.py" "$d" ${MOEVERIFY_TORCH_DEVICE:+--device "$MOEVERIFY_TORCH_DEVICE"} || exit 1
+      "$py" "$src/examples/torch_swiglu_bwd.py" "$d" "${device_args[@]}" || exit 1
     done
     "$bin" check "$tmp/golden" >"$tmp/report.txt"
     rc=$?
@@ -104,7 +106,7 @@ case "$mode" in
     [ "$n" -eq 2 ] || { echo "shared_experts_bwd was not checked in both shared cases ($n)"; exit 1; }
     # an fp32 activation (one rounding for silu(h1) h3) must fail experts_bwd in every case
     for d in "$tmp"/bug/*/; do
-      "$py" "$src/examples/torch_swiglu_bwd.py" "$d" --bug fp32_activation ${MOEVERIFY_TORCH_DEVICE:+--device "$MOEVERIFY_TORCH_DEVICE"} >/dev/null || exit 1
+      "$py" "$src/examples/torch_swiglu_bwd.py" "$d" --bug fp32_activation "${device_args[@]}" >/dev/null || exit 1
     done
     "$bin" check "$tmp/bug" >"$tmp/bug.txt"
     rc=$?

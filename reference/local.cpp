@@ -61,9 +61,7 @@ struct SwigluWant {
 /// all `ca` values: the same type, or any type into fp32), which is every
 /// case but compute_dtype bf16 over fp32/fp16 weights.
 void decode_rounded(WeightView w, size_t at, int64_t n, Act ca, float* out) {
-  with_act(w.type, [&](auto t) {  // the type switch outside the loop, which vectorises
-    for (int64_t i = 0; i < n; ++i) out[i] = decode_act(t.value, w.data + (at + size_t(i)) * act_bytes(t.value));
-  });
+  w.decode(at, n, out);
   if (ca != w.type && ca != Act::fp32)
     with_act(ca, [&](auto c) {
       for (int64_t i = 0; i < n; ++i) out[i] = round_act_to<c.value>(out[i]);

@@ -144,6 +144,12 @@ struct WeightView {
   WeightView(const Vec& v) : data(reinterpret_cast<const uint8_t*>(v.data())) {}  // NOLINT: implicit on purpose
   WeightView(const void* p, Act t) : data(static_cast<const uint8_t*>(p)), type(t) {}
   float operator[](size_t i) const { return decode_act(type, data + i * act_bytes(type)); }
+  /// Elements [at, at + n) into out, the type switch outside the loop (which vectorises).
+  void decode(size_t at, int64_t n, float* out) const {
+    with_act(type, [&](auto t) {
+      for (int64_t i = 0; i < n; ++i) out[i] = decode_act(t.value, data + (at + size_t(i)) * act_bytes(t.value));
+    });
+  }
 };
 
 enum class Score { softmax, sigmoid };

@@ -21,8 +21,10 @@ MatD block(Act act, const Vec& v, int64_t row, int64_t n, int64_t cols) {
 
 /// Expert j's (a, b) weight matrix, rounded to act.
 MatD weight(Act act, WeightView w, size_t j, int64_t a, int64_t b) {
+  std::vector<float> v(static_cast<size_t>(a * b));
+  w.decode(j * size_t(a * b), a * b, v.data());
   MatD m(a, b);
-  for (int64_t i = 0; i < a * b; ++i) m.data()[i] = round_act(act, w[j * size_t(a * b) + size_t(i)]);
+  for (int64_t i = 0; i < a * b; ++i) m.data()[i] = round_act(act, v[size_t(i)]);
   return m;
 }
 

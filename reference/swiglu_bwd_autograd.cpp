@@ -161,11 +161,10 @@ MatD rounded_block(const Rd& R, const Vec& v, int64_t at, int64_t rows, int64_t 
 
 template <class Rd>
 MatD rounded_weight(const Rd& R, WeightView w, size_t j, int64_t a, int64_t b) {
+  std::vector<float> v(static_cast<size_t>(a * b));
+  w.decode(j * size_t(a * b), a * b, v.data());
   MatD m(a, b);
-  const uint8_t* p = w.data + j * size_t(a * b) * act_bytes(w.type);
-  with_act(w.type, [&](auto t) {  // the type switch outside the loop
-    for (int64_t i = 0; i < a * b; ++i) m.data()[i] = R.c(decode_act(t.value, p + size_t(i) * act_bytes(t.value)));
-  });
+  for (int64_t i = 0; i < a * b; ++i) m.data()[i] = R.c(v[size_t(i)]);
   return m;
 }
 
@@ -261,31 +260,31 @@ SwigluGrads swiglu_backward_autograd(Act act, const Vec& X, const Vec& dY, const
   for (Vec* v : {&g.mdW1, &g.mdW3, &g.mdW2}) v->assign(bounds ? wsize : 0, 0.f);
   // the experts with the dtypes known at compile time (Rounder)
   auto run = [&](const auto& R) {
-  parallel_items(int64_t(counts.size()), threads, [&](int64_t j) {
-    const int64_t n = counts[size_t(j)], row = first[size_t(j)];
-    if (n == 0) return;  // its weight gradients stay exactly 0
-    const MatD x = rounded_block(R, X, row * D, n, D), dy = rounded_block(R, dY, row * D, n, D);
-    const MatD w1 = rounded_weight(R, W1, size_t(j), F, D), w3 = rounded_weight(R, W3, size_t(j), F, D),
-               w2 = rounded_weight(R, W2, size_t(j), D, F);
-    // the sums of |terms| as fp32 products of absolute values made upper
-    // bounds (reference/blocked.h), one per room
-    const MatF ax = absf(x), ady = absf(dy);
-    const ElemOut e = elementwise(R, rounding, x * w1.transpose(), x * w3.transpose(), dy * w2,
-                                  abs_product_nt(ax, absf(w1)), abs_product_nt(ax, absf(w3)),
-                                  abs_product_nn(ady, absf(w2)), D);
-    input_grad(R, rounding == SiluRounding::torchtitan, e, w1, w3, g, size_t(row * D), bounds);
-    const double gn = gamma_of(n);
-    const size_t at = size_t(j) * size_t(F * D);
-    MatD r1, r3, r2;
-    if (bounds) {
-      r1 = abs_product_nn(MatF(room_weight(gn, e.d1, e.h1).transpose()), ax);
-      r3 = abs_product_nn(MatF(room_weight(gn, e.d3, e.h3).transpose()), ax);
-      r2 = abs_product_nn(MatF(ady.transpose()), room_weight(gn, e.H, e.hH));
-    }
-    gemm_out(R, e.d1.transpose() * x, r1, g.dW1, g.mdW1, at, bounds);
-    gemm_out(R, e.d3.transpose() * x, r3, g.dW3, g.mdW3, at, bounds);
-    gemm_out(R, dy.transpose() * e.H, r2, g.dW2, g.mdW2, at, bounds);
-  });
+    parallel_items(int64_t(counts.size()), threads, [&](int64_t j) {
+      const int64_t n = counts[size_t(j)], row = first[size_t(j)];
+      if (n == 0) return;  // its weight gradients stay exactly 0
+      const MatD x = rounded_block(R, X, row * D, n, D), dy = rounded_block(R, dY, row * D, n, D);
+      const MatD w1 = rounded_weight(R, W1, size_t(j), F, D), w3 = rounded_weight(R, W3, size_t(j), F, D),
+                 w2 = rounded_weight(R, W2, size_t(j), D, F);
+      // the sums of |terms| as fp32 products of absolute values made upper
+      // bounds (reference/blocked.h), one per room
+      const MatF ax = absf(x), ady = absf(dy);
+      const ElemOut e = elementwise(R, rounding, x * w1.transpose(), x * w3.transpose(), dy * w2,
+                                    abs_product_nt(ax, absf(w1)), abs_product_nt(ax, absf(w3)),
+                                    abs_product_nn(ady, absf(w2)), D);
+      input_grad(R, rounding == SiluRounding::torchtitan, e, w1, w3, g, size_t(row * D), bounds);
+      const double gn = gamma_of(n);
+      const size_t at = size_t(j) * size_t(F * D);
+      MatD r1, r3, r2;
+      if (bounds) {
+        r1 = abs_product_nn(MatF(room_weight(gn, e.d1, e.h1).transpose()), ax);
+        r3 = abs_product_nn(MatF(room_weight(gn, e.d3, e.h3).transpose()), ax);
+        r2 = abs_product_nn(MatF(ady.transpose()), room_weight(gn, e.H, e.hH));
+      }
+      gemm_out(R, e.d1.transpose() * x, r1, g.dW1, g.mdW1, at, bounds);
+      gemm_out(R, e.d3.transpose() * x, r3, g.dW3, g.mdW3, at, bounds);
+      gemm_out(R, dy.transpose() * e.H, r2, g.dW2, g.mdW2, at, bounds);
+    });
   };
   with_act(act, [&](auto a) {
     if (compute == Compute::bf16) run(Rounder<Act::bf16, a.value>{});
