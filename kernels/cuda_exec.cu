@@ -9,6 +9,7 @@
 #include <cub/device/device_radix_sort.cuh>
 #include <mutex>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 #include "bodies.h"
@@ -244,6 +245,9 @@ class CudaDevice final : public Device {
     return v;
   }
   double busy_seconds() const override { return double(busy_ns_.load()) * 1e-9; }
+  double timed_copy(void* d, const void* s, size_t n) override {
+    return elapsed([&] { MOEV_CUDA_CHECK(cudaMemcpyAsync(d, s, n, cudaMemcpyDeviceToDevice, thread_stream())); });
+  }
   void run(const k::RouterBody& b, int64_t n) override { timed([&] { launch(b, n); }); }
   void run(const HistogramBody& b, int64_t n) override { timed([&] { launch(b, n); }); }
   void run(const PadRouteBody& b, int64_t n) override { timed([&] { launch(b, n); }); }
@@ -370,6 +374,13 @@ class CudaDevice final : public Device {
   /// running side by side each add their own).
   template <class F>
   void timed(F&& f) {
+    busy_ns_ += int64_t(elapsed(std::forward<F>(f)) * 1e9);
+  }
+
+  /// Seconds between two events recorded around f on the calling thread's
+  /// stream, once the second has completed.
+  template <class F>
+  double elapsed(F&& f) {
     bind();
     struct Event {
       cudaEvent_t e = nullptr;
@@ -382,7 +393,7 @@ class CudaDevice final : public Device {
     MOEV_CUDA_CHECK(cudaEventSynchronize(stop.e));
     float ms = 0;
     MOEV_CUDA_CHECK(cudaEventElapsedTime(&ms, start.e, stop.e));
-    busy_ns_ += int64_t(double(ms) * 1e6);
+    return double(ms) * 1e-3;
   }
 
   /// The CUDA device is per host thread: in-process ranks call in from

@@ -208,6 +208,11 @@ class EmulatedDevice final : public Device {
     return h;
   }
   double busy_seconds() const override { return double(busy_ns_.load()) * 1e-9; }
+  double timed_copy(void* d, const void* s, size_t n) override {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::memmove(d, s, n);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
   void run(const k::RouterBody& b, int64_t n) override { body(b, n); }
   void run(const HistogramBody& b, int64_t n) override { body(b, n); }
   void run(const PadRouteBody& b, int64_t n) override { body(b, n); }

@@ -98,6 +98,12 @@ class Device {
   /// time is the difference across its fast call; calls of in-process ranks
   /// that overlap count once each.
   virtual double busy_seconds() const = 0;
+  /// dst = src on the device, timed by the device's own clock (CUDA events
+  /// around the copy on a GPU, the host clock on the emulated device); not
+  /// counted in busy_seconds(). `moeverify bench --backend` uses it as the
+  /// roof (a device-to-device copy of a stage's traffic) and to time the
+  /// in-process all-to-all's copies.
+  virtual double timed_copy(void* dst, const void* src, size_t bytes) = 0;
 
   // The bodies of bodies.h over items [0, n) (item = block, lane = thread on a GPU).
   virtual void run(const k::RouterBody& b, int64_t n) = 0;

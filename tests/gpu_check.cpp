@@ -4,6 +4,7 @@
 // gather, combine, row maps through a Mirror); the NCCL communicator runs
 // with one rank. Without a usable device it
 // prints SKIPPED and exits 77, which ctest reports as skipped (never passed).
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -120,6 +121,24 @@ int device_entry_points() {
     }
   }
   std::printf("device entry points (%s): %d failure(s) in 20 random problems\n", dev->name().c_str(), failures);
+  // Device::timed_copy, bench's roof: the bytes arrive, the time is finite
+  // and positive, and the busy clock does not count it.
+  const size_t n = size_t(1) << 24;
+  std::vector<uint8_t> h(n), back(n);
+  for (size_t i = 0; i < n; ++i) h[i] = uint8_t(i * 131 + 7);
+  void* a = dev->alloc(n);
+  void* b = dev->alloc(n);
+  dev->upload(a, h.data(), n);
+  dev->fill(b, 0, n);
+  const double busy0 = dev->busy_seconds();
+  const double t = dev->timed_copy(b, a, n);
+  dev->download(back.data(), b, n);
+  const bool copy_ok = back == h && std::isfinite(t) && t > 0 && dev->busy_seconds() == busy0;
+  std::printf("timed_copy: 16 MiB in %.4f ms (%.1f GB/s read + write): %s\n", t * 1e3, 2.0 * double(n) / t / 1e9,
+              copy_ok ? "ok" : "WRONG");
+  failures += !copy_ok;
+  dev->release(a);
+  dev->release(b);
   return failures;
 }
 

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -18,6 +19,7 @@
 #include <thread>
 
 #include "comm.h"
+#include "device.h"
 #include "error.h"
 #include "memory_estimate.h"
 #include "registry.h"
@@ -69,6 +71,24 @@ double memcpy_seconds(double bytes, int threads, int repeat) {
   return best;
 }
 
+/// The device's roof: the fastest of `repeat` device-to-device copies of
+/// `bytes` bytes (after one untimed copy), by the device's clock
+/// (Device::timed_copy). The buffers live for this call only.
+double device_copy_seconds(Device& dev, double bytes, int repeat) {
+  const size_t n = size_t(bytes);
+  if (n == 0) return 0;
+  struct Buffer {
+    Device& d;
+    void* p;
+    Buffer(Device& dev, size_t n) : d(dev), p(dev.alloc(n)) { d.fill(p, 1, n); }
+    ~Buffer() { d.release(p); }
+  } src(dev, n), dst(dev, n);
+  dev.timed_copy(dst.p, src.p, n);
+  double best = 1e300;
+  for (int r = 0; r < std::max(1, repeat); ++r) best = std::min(best, dev.timed_copy(dst.p, src.p, n));
+  return best;
+}
+
 /// Bytes of a (rows, D) activation tensor: the rows a data-movement stage moves.
 double row_bytes(const Tensor& t, int64_t D) {
   return t.shape.size() == 2 && t.shape[1] == D ? double(t.bytes()) : 0.0;
@@ -102,18 +122,34 @@ std::pair<double, std::string> bytes_formula(const Stage& s, const Case& c, cons
   return {read + written, "inputs read + outputs written"};
 }
 
+/// Seconds of one fast call: `wall` on the host clock; on a device backend
+/// `device` too, the device's busy time across the call (its kernels and
+/// GEMMs, Device::busy_seconds) plus the in-process all-to-all's
+/// device-to-device copies, summed over ranks.
+struct FastSeconds {
+  double wall = 0, device = 0;
+};
+
 /// Runs a stage's fast function on every rank of `in` (in-process ranks as
 /// threads with local comms, threads split among them as the runner does)
-/// and returns its wall seconds. Outputs go to `out`, reused between calls
-/// under OutputBuffers::reuse.
-double time_fast_once(const Stage& s, const Case& c, const Board& in, std::vector<RankBoard>& out, int threads,
-                      OutputBuffers buffers, std::string& skipped, std::string& error) {
+/// and times it. Outputs go to `out`, reused between calls under
+/// OutputBuffers::reuse. With a mirror the call runs on its device under the
+/// runner's protocol (engine/runner.cpp fast_call): inputs held there, the
+/// call's marks begun, host-written outputs brought to the device, ended.
+FastSeconds time_fast_once(const Stage& s, const Case& c, const Board& in, std::vector<RankBoard>& out, int threads,
+                           Mirror* mirror, OutputBuffers buffers, std::string& skipped, std::string& error) {
   const int R = int(in.ranks.size());
-  auto comms = make_local_comms(R, std::chrono::milliseconds(60000));
+  std::atomic<int64_t> copy_ns{0};
+  DeviceCopy copy;
+  if (mirror)
+    copy = [&copy_ns, dev = &mirror->device()](void* d, const void* src, size_t n) {
+      copy_ns += int64_t(dev->timed_copy(d, src, n) * 1e9);
+    };
+  auto comms = make_local_comms(R, std::chrono::milliseconds(60000), std::move(copy));
   std::vector<std::string> skip(static_cast<size_t>(R)), err(static_cast<size_t>(R));
   std::vector<std::vector<std::string>> notes(static_cast<size_t>(R));
   auto one = [&](int r) {
-    ExecCtx ex{std::max(1, threads / R), FaultSet{}};
+    ExecCtx ex{std::max(1, threads / R), FaultSet{}, mirror};
     FastCtx ctx{c, r, R, ex, comms[size_t(r)].get(), in.ranks[size_t(r)], out[size_t(r)], notes[size_t(r)],
                 &skip[size_t(r)], buffers};
     try {
@@ -123,6 +159,13 @@ double time_fast_once(const Stage& s, const Case& c, const Board& in, std::vecto
       comms[size_t(r)]->abort(e.what());
     }
   };
+  if (mirror) {
+    for (int r = 0; r < R; ++r)
+      for (const auto& n : s.inputs(c))
+        if (const Tensor& t = in.at(n, r); t.storage) mirror->hold(t.storage->data(), t.storage->size(), t.storage);
+    mirror->begin_call();
+  }
+  const double busy0 = mirror ? mirror->device().busy_seconds() : 0;
   const auto t0 = clock_type::now();
   if (R == 1) {
     one(0);
@@ -131,7 +174,15 @@ double time_fast_once(const Stage& s, const Case& c, const Board& in, std::vecto
     for (int r = 0; r < R; ++r) th.emplace_back(one, r);
     for (auto& t : th) t.join();
   }
-  const double sec = seconds_since(t0);
+  FastSeconds sec;
+  sec.wall = seconds_since(t0);
+  if (mirror) {
+    sec.device = mirror->device().busy_seconds() - busy0 + double(copy_ns.load()) * 1e-9;
+    for (auto& rb : out)
+      for (auto& [n, t] : rb)
+        if (t.bytes() && !mirror->device_wrote(t.data(), t.bytes())) mirror->host_wrote(t.data(), t.bytes());
+    mirror->end_call();
+  }
   for (int r = 0; r < R; ++r) {
     if (skipped.empty() && !skip[size_t(r)].empty()) skipped = skip[size_t(r)];
     if (error.empty() && !err[size_t(r)].empty()) error = "rank " + std::to_string(r) + ": " + err[size_t(r)];
@@ -214,8 +265,9 @@ double eigen_gemm_seconds(const std::vector<std::array<int64_t, 3>>& shapes, int
 }
 
 StageBench bench_stage(const Stage& s, const VariantDecision& vd, double slot_ref_seconds, const Case& c,
-                       const Board& board, const BenchOptions& opt) {
+                       const Board& board, Mirror* mirror, const BenchOptions& opt) {
   StageBench b;
+  b.backend = enum_name(backend_table(), c.backend);
   b.slot = s.slot;
   b.variant = s.variant;
   b.ref_seconds = vd.ref_seconds;
@@ -228,17 +280,17 @@ StageBench bench_stage(const Stage& s, const VariantDecision& vd, double slot_re
         return b;
       }
   std::vector<RankBoard> out(static_cast<size_t>(R));
-  std::vector<double> times;
+  std::vector<double> times, device_times;
   for (int i = 0; i < opt.warmup + opt.repeat; ++i) {
     std::string skipped, error;
     // The first call allocates (and poisons) the outputs; later calls reuse them.
-    const double sec = time_fast_once(s, c, board, out, opt.threads, i == 0 ? OutputBuffers::fresh : OutputBuffers::reuse,
-                                      skipped, error);
+    const FastSeconds sec = time_fast_once(s, c, board, out, opt.threads, mirror,
+                                           i == 0 ? OutputBuffers::fresh : OutputBuffers::reuse, skipped, error);
     if (!error.empty() || !skipped.empty()) {
       b.note = !error.empty() ? "fast stage failed: " + error : "skipped: " + skipped;
       return b;
     }
-    if (i >= opt.warmup) times.push_back(sec);
+    if (i >= opt.warmup) times.push_back(sec.wall), device_times.push_back(sec.device);
   }
   b.ran = true;
   b.seconds_min = *std::min_element(times.begin(), times.end());
@@ -248,6 +300,16 @@ StageBench bench_stage(const Stage& s, const VariantDecision& vd, double slot_re
   b.roof_seconds = memcpy_seconds(b.bytes / 2, opt.threads, opt.repeat);
   b.roof_gbps = b.roof_seconds > 0 ? b.bytes / b.roof_seconds / 1e9 : 0;
   b.ratio_to_roof = b.seconds_min > 0 ? b.roof_seconds / b.seconds_min : 0;
+  if (mirror) {
+    b.device_seconds_min = *std::min_element(device_times.begin(), device_times.end());
+    b.device_seconds_median = median(device_times);
+    b.device_gbps = b.device_seconds_min > 0 ? b.bytes / b.device_seconds_min / 1e9 : 0;
+    b.device_copy_seconds = device_copy_seconds(mirror->device(), b.bytes / 2, opt.repeat);
+    b.device_copy_gbps = b.device_copy_seconds > 0 ? b.bytes / b.device_copy_seconds / 1e9 : 0;
+    b.ratio_to_device_copy = b.device_seconds_min > 0 ? b.device_copy_seconds / b.device_seconds_min : 0;
+  }
+  // The time the GEMM figures use: the device's own on a device backend.
+  const double gemm_seconds = mirror ? b.device_seconds_min : b.seconds_min;
   if (is_all_to_all(s.slot) && b.seconds_min > 0) {
     b.algbw_gbps = b.bytes / 2 / R / b.seconds_min / 1e9;
     b.busbw_gbps = b.algbw_gbps * double(R - 1) / double(R);
@@ -255,10 +317,10 @@ StageBench bench_stage(const Stage& s, const VariantDecision& vd, double slot_re
   if (b.seconds_min > 0) b.check_ratio = (std::max(b.ref_seconds, slot_ref_seconds) + b.compare_seconds) / b.seconds_min;
   const std::vector<std::array<int64_t, 3>> shapes = gemm_shapes(s, c, board);
   for (const auto& [M, K, N] : shapes) b.flops += 2.0 * double(M) * double(K) * double(N);
-  if (b.flops > 0 && b.seconds_min > 0) {
-    b.gflops = b.flops / b.seconds_min / 1e9;
+  if (b.flops > 0 && gemm_seconds > 0) {
+    b.gflops = b.flops / gemm_seconds / 1e9;
     b.eigen_seconds = eigen_gemm_seconds(shapes, opt.threads, opt.repeat);
-    b.eigen_ratio = b.eigen_seconds / b.seconds_min;
+    b.eigen_ratio = b.eigen_seconds / gemm_seconds;
   }
   return b;
 }
@@ -363,7 +425,7 @@ CaseBench bench_case(const Case& c, const BenchOptions& opt, std::ostream& log) 
   // bench. Reference and comparison seconds are those of the run above.
   const VariantDecision* dispatch = nullptr;
   const VariantDecision* combine = nullptr;
-  ro.after_slot = [&](const Stage& s, const VariantDecision& timed, const Board& board) {
+  ro.after_slot = [&](const Stage& s, const VariantDecision& timed, const Board& board, Mirror* mirror) {
     const VariantDecision* vd = &timed;
     double slot_ref = 0;  // the slot's reference, computed once with its first variant
     for (const auto& d : rep.decisions) {
@@ -371,18 +433,22 @@ CaseBench bench_case(const Case& c, const BenchOptions& opt, std::ostream& log) 
       if (d.slot == s.slot) slot_ref = std::max(slot_ref, d.ref_seconds);
     }
     log << "  timing " << s.slot << "/" << s.variant << "\n";
-    cb.stages.push_back(bench_stage(s, *vd, slot_ref, c, board, opt));
-    if (!cb.stages.back().ran || !vd->primary) return;
+    cb.stages.push_back(bench_stage(s, *vd, slot_ref, c, board, mirror, opt));
+    const StageBench& sb = cb.stages.back();
+    if (!sb.ran || !vd->primary) return;
+    // On a device the roof-ratio is of device times against a device copy.
+    const double t = mirror ? sb.device_seconds_min : sb.seconds_min;
     if (s.slot == "dispatch") {
-      dispatch = vd, cb.dispatch_seconds = cb.stages.back().seconds_min;
+      dispatch = vd, cb.dispatch_seconds = t;
       for (int r = 0; r < int(board.ranks.size()); ++r)
         if (board.has("routed_input", r)) cb.routed_bytes += row_bytes(board.at("routed_input", r), c.hidden);
+      if (mirror) cb.routed_memcpy_seconds = device_copy_seconds(mirror->device(), cb.routed_bytes, opt.repeat);
     }
-    if (s.slot == "combine") combine = vd, cb.combine_seconds = cb.stages.back().seconds_min;
+    if (s.slot == "combine") combine = vd, cb.combine_seconds = t;
   };
   run_case(c, ro);
   if (dispatch && combine) {
-    cb.routed_memcpy_seconds = memcpy_seconds(cb.routed_bytes, opt.threads, opt.repeat);
+    if (c.backend == Backend::host) cb.routed_memcpy_seconds = memcpy_seconds(cb.routed_bytes, opt.threads, opt.repeat);
     const double t = cb.dispatch_seconds + cb.combine_seconds;
     cb.roof_ratio = t > 0 ? 2 * cb.routed_memcpy_seconds / t : 0;
   }
@@ -410,10 +476,31 @@ void print_bench(const CaseBench& b, std::ostream& os) {
        << fmt(s.ref_seconds * 1e3, 1) << std::setw(10) << fmt(s.compare_seconds * 1e3, 1) << std::setw(11)
        << fmt(s.check_ratio, 2) << "\n";
   }
+  const bool on_device = c.backend != Backend::host;
+  if (on_device) {
+    os << "  on the device (" << enum_name(backend_table(), c.backend)
+       << "): its own clock over kernels, GEMMs and all-to-all copies, summed over ranks; roof: a device-to-device "
+          "copy of half the bytes, timed in the same run (min ms and GB/s above: wall, with the write-back to the "
+          "host)\n";
+    os << "  " << std::left << std::setw(16) << "slot" << std::setw(24) << "variant" << std::right << std::setw(10)
+       << "dev ms" << std::setw(10) << "med ms" << std::setw(10) << "GB/s" << std::setw(11) << "copy GB/s"
+       << std::setw(8) << "%copy" << "\n";
+    for (const auto& s : b.stages) {
+      if (!s.ran) continue;
+      os << "  " << std::left << std::setw(16) << s.slot << std::setw(24) << s.variant << std::right;
+      if (s.device_seconds_median == 0) {
+        os << "  no device work timed (no kernel, GEMM or all-to-all copy)\n";
+        continue;
+      }
+      os << std::setw(10) << fmt(s.device_seconds_min * 1e3, 4) << std::setw(10) << fmt(s.device_seconds_median * 1e3, 4)
+         << std::setw(10) << fmt(s.device_gbps, 1) << std::setw(11) << fmt(s.device_copy_gbps, 1) << std::setw(8)
+         << fmt(100 * s.ratio_to_device_copy, 1) << "\n";
+    }
+  }
   for (const auto& s : b.stages)
     if (s.ran && s.flops > 0)
       os << "  GEMM " << s.slot << "/" << s.variant << ": " << fmt(s.flops / 1e9, 3) << " GFLOP, " << fmt(s.gflops, 2)
-         << " GFLOP/s; Eigen fp32 GEMMs of the same shapes " << fmt(s.eigen_seconds * 1e3, 3) << " ms ("
+         << (on_device ? " GFLOP/s on the device" : " GFLOP/s") << "; Eigen fp32 GEMMs of the same shapes " << fmt(s.eigen_seconds * 1e3, 3) << " ms ("
          << fmt(s.eigen_seconds > 0 ? s.flops / s.eigen_seconds / 1e9 : 0, 2) << " GFLOP/s): ratio to Eigen "
          << fmt(s.eigen_ratio, 3) << "; check/fast " << fmt(s.check_ratio, 2) << "\n";
   for (const auto& s : b.stages)
@@ -434,7 +521,8 @@ void print_bench(const CaseBench& b, std::ostream& os) {
   }
   os << "\n";
   if (b.roof_ratio > 0)
-    os << "  roof-ratio (dispatch + combine): 2 x memcpy of " << fmt(b.routed_bytes / 1e6, 1) << " MB routed rows "
+    os << "  roof-ratio (dispatch + combine" << (on_device ? ", device times" : "") << "): 2 x "
+       << (on_device ? "device-to-device copy" : "memcpy") << " of " << fmt(b.routed_bytes / 1e6, 1) << " MB routed rows "
        << fmt(b.routed_memcpy_seconds * 1e3, 3) << " ms / (dispatch " << fmt(b.dispatch_seconds * 1e3, 3)
        << " ms + combine " << fmt(b.combine_seconds * 1e3, 3) << " ms) = " << fmt(b.roof_ratio, 3) << "\n";
   if (!b.sweep.empty()) {
@@ -477,6 +565,7 @@ std::string bench_json(const std::vector<CaseBench>& all, const BenchOptions& op
     jc["source"] = c.source;
     jc["config"] = {{"summary", c.summary()}, {"tokens", c.tokens}, {"hidden", c.hidden}, {"ffn", c.ffn},
                     {"experts", c.num_experts}, {"top_k", c.top_k}, {"ep", c.ep}, {"dtype", dtype_name(c.dtype)}};
+    jc["backend"] = enum_name(backend_table(), c.backend);
     jc["outcome"] = outcome_name(b.outcome);
     jc["verify_seconds"] = b.verify_seconds;
     jc["peak_rss_bytes"] = b.peak_rss_bytes;
@@ -504,6 +593,13 @@ std::string bench_json(const std::vector<CaseBench>& all, const BenchOptions& op
                      {"eigen_seconds", s.eigen_seconds},
                      {"eigen_ratio", s.eigen_ratio}});
         if (is_all_to_all(s.slot)) js.update({{"algbw_gbps", s.algbw_gbps}, {"busbw_gbps", s.busbw_gbps}});
+        if (c.backend != Backend::host)
+          js.update({{"device_seconds_min", s.device_seconds_min},
+                     {"device_seconds_median", s.device_seconds_median},
+                     {"device_gbps", s.device_gbps},
+                     {"device_copy_seconds", s.device_copy_seconds},
+                     {"device_copy_gbps", s.device_copy_gbps},
+                     {"ratio_to_device_copy", s.ratio_to_device_copy}});
       }
       stages.push_back(js);
     }
@@ -513,6 +609,7 @@ std::string bench_json(const std::vector<CaseBench>& all, const BenchOptions& op
                                 {"memcpy_seconds", b.routed_memcpy_seconds},
                                 {"dispatch_seconds", b.dispatch_seconds},
                                 {"combine_seconds", b.combine_seconds},
+                                {"roof", c.backend == Backend::host ? "memcpy" : "device copy"},
                                 {"roof_ratio", b.roof_ratio}};
     json sw = json::array();
     for (const auto& p : b.sweep) {
@@ -550,7 +647,13 @@ std::vector<std::string> wrap_words(const std::string& text, size_t width) {
   return lines;
 }
 
-/// One case's bars: each timed stage's share of the memcpy roof on a log
+/// A stage's share of its roof: the memcpy on the host, the device copy by
+/// device times on a device backend.
+double roof_share(const CaseBench& b, const StageBench& s) {
+  return b.c.backend == Backend::host ? s.ratio_to_roof : s.ratio_to_device_copy;
+}
+
+/// One case's bars: each timed stage's share of its roof (roof_share) on a log
 /// scale (shares span several decades: a GEMM stage at 300%, a small copy at
 /// 0.1%), decade ticks and the 100% line marked.
 void svg_case_bars(const CaseBench& b, int& y, std::ostream& body) {
@@ -563,7 +666,7 @@ void svg_case_bars(const CaseBench& b, int& y, std::ostream& body) {
   y += 8;
   double lo = 1.0, hi = 1.0;
   for (const auto& s : b.stages)
-    if (s.ran && s.ratio_to_roof > 0) lo = std::min(lo, s.ratio_to_roof), hi = std::max(hi, s.ratio_to_roof);
+    if (s.ran && roof_share(b, s) > 0) lo = std::min(lo, roof_share(b, s)), hi = std::max(hi, roof_share(b, s));
   const double l0 = std::floor(std::log10(std::max(lo, 1e-6))), l1 = std::max(0.0, std::ceil(std::log10(hi) - 1e-9));
   auto xs = [&](double r) {
     const double l = std::log10(std::max(r, 1e-6));
@@ -572,13 +675,14 @@ void svg_case_bars(const CaseBench& b, int& y, std::ostream& body) {
   const int y0 = y;
   for (const auto& s : b.stages) {
     if (!s.ran) continue;
-    const double w = xs(s.ratio_to_roof) - label_w;
+    const double share = roof_share(b, s), gbps = b.c.backend == Backend::host ? s.gbps : s.device_gbps;
+    const double w = xs(share) - label_w;
     body << "<text x=\"" << label_w - 6 << "\" y=\"" << y + bar_h - 4 << "\" font-size=\"11\" text-anchor=\"end\">"
          << xml_escape(s.slot + "/" + s.variant) << "</text>\n";
     body << "<rect x=\"" << label_w << "\" y=\"" << y + 2 << "\" width=\"" << fmt(std::max(w, 1.0), 1) << "\" height=\""
-         << bar_h - 4 << "\" fill=\"" << (s.ratio_to_roof >= 0.7 ? "#2a9d8f" : "#e76f51") << "\"/>\n";
+         << bar_h - 4 << "\" fill=\"" << (share >= 0.7 ? "#2a9d8f" : "#e76f51") << "\"/>\n";
     body << "<text x=\"" << label_w + int(w) + 4 << "\" y=\"" << y + bar_h - 4 << "\" font-size=\"10\">"
-         << fmt(100 * s.ratio_to_roof, 1) << "% (" << fmt(s.gbps, 2) << " GB/s)</text>\n";
+         << fmt(100 * share, 1) << "% (" << fmt(gbps, 2) << " GB/s)</text>\n";
     y += bar_h;
   }
   for (double l = l0; l <= l1; l += 1) {  // decade ticks: 0.1%, 1%, 10%, 100%, ...
@@ -587,7 +691,7 @@ void svg_case_bars(const CaseBench& b, int& y, std::ostream& body) {
     body << "<line x1=\"" << fmt(x, 1) << "\" y1=\"" << y0 << "\" x2=\"" << fmt(x, 1) << "\" y2=\"" << y << "\" stroke=\""
          << (roof ? "#264653" : "#ccc") << "\"" << (roof ? " stroke-dasharray=\"4 3\"" : "") << "/>\n";
     body << "<text x=\"" << fmt(x, 1) << "\" y=\"" << y + 12 << "\" font-size=\"10\" text-anchor=\"middle\">"
-         << fmt(100 * std::pow(10.0, l), l >= -2 ? 0 : int(-2 - l)) << "%" << (roof ? " of memcpy" : "") << "</text>\n";
+         << fmt(100 * std::pow(10.0, l), l >= -2 ? 0 : int(-2 - l)) << "%" << (roof ? (b.c.backend == Backend::host ? " of memcpy" : " of device copy") : "") << "</text>\n";
   }
   y += 20;
   if (b.roof_ratio > 0) {
@@ -651,7 +755,8 @@ std::string bench_svg(const std::vector<CaseBench>& all) {
   const int width = 960;
   std::ostringstream body;
   int y = 30;
-  body << "<text x=\"10\" y=\"20\" font-size=\"16\" font-weight=\"bold\">moeverify bench: share of the memcpy roof"
+  body << "<text x=\"10\" y=\"20\" font-size=\"16\" font-weight=\"bold\">moeverify bench: share of the roof "
+          "(host: a memcpy; device: a device-to-device copy)"
           "</text>\n";
   for (const auto& b : all) {
     svg_case_bars(b, y, body);

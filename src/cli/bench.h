@@ -1,5 +1,6 @@
-// `moeverify bench`: times every stage variant of a case on the host
-// executor against a memcpy of the same bytes measured in the same run,
+// `moeverify bench`: times every stage variant of a case on its backend
+// against a memcpy of the same bytes measured in the same run (on a device
+// also by the device's clock against a device-to-device copy of them),
 // beside the cost of verifying it (reference, comparison). The bytes formula
 // of each stage and the JSON schema are documented in README.md,
 // "Benchmarks"; bytes_formula() below is the one place they are computed.
@@ -27,7 +28,9 @@ struct BenchOptions {
 };
 
 /// One stage variant's timings. Seconds are wall time of the fast function on
-/// all ranks together (ranks as threads, as the runner runs them).
+/// all ranks together (ranks as threads, as the runner runs them); on a
+/// device backend that includes writing its outputs back to the host (the
+/// mirror's write-through), and the device_* figures are the device's own.
 struct StageBench {
   std::string slot, variant, backend = "host";
   bool ran = false;
@@ -41,6 +44,13 @@ struct StageBench {
   /// All-to-all stages: nccl-tests algbw = average bytes sent per rank /
   /// seconds, busbw = algbw * (R - 1) / R; 0 elsewhere.
   double algbw_gbps = 0, busbw_gbps = 0;
+  /// Device backends (0 on the host): seconds by the device's clock (its
+  /// kernels, GEMMs and the all-to-all's device copies, summed over ranks;
+  /// CUDA events on a GPU), min and median over the timed calls; the roof,
+  /// a device-to-device copy of bytes / 2 timed the same way in the same run;
+  /// ratio_to_device_copy = device_copy_seconds / device_seconds_min.
+  double device_seconds_min = 0, device_seconds_median = 0, device_gbps = 0;
+  double device_copy_seconds = 0, device_copy_gbps = 0, ratio_to_device_copy = 0;
   /// The verification's own cost in the run that built the board.
   double ref_seconds = 0, compare_seconds = 0;
   /// (slot reference seconds + compare_seconds) / seconds_min: what checking
@@ -50,9 +60,10 @@ struct StageBench {
   double check_ratio = 0;
   /// GEMM stages (gemm_shapes in bench.cpp): the FLOPs of the GEMMs the
   /// contract names (2 M K N each, summed over ranks), GFLOP/s at
-  /// seconds_min, and an Eigen fp32 GEMM of the same shapes on the same
-  /// threads timed in the same run: eigen_ratio = eigen_seconds /
-  /// seconds_min (above 1: faster than Eigen). 0 for other stages.
+  /// seconds_min (device_seconds_min on a device), and an Eigen fp32 GEMM of
+  /// the same shapes on the host's threads timed in the same run:
+  /// eigen_ratio = eigen_seconds / that time (above 1: faster than Eigen).
+  /// 0 for other stages.
   double flops = 0, gflops = 0, eigen_seconds = 0, eigen_ratio = 0;
 };
 
@@ -77,8 +88,9 @@ struct CaseBench {
   double estimated_bytes = 0;
   std::vector<StageBench> stages;
   /// The issue-7 roof-ratio of local dispatch + combine (primary variants):
-  /// 2 x time(memcpy of the routed rows) / time(dispatch + combine). 0 when
-  /// the case has no such pair.
+  /// 2 x time(memcpy of the routed rows) / time(dispatch + combine). On a
+  /// device: device seconds, and a device-to-device copy for the memcpy.
+  /// 0 when the case has no such pair.
   double routed_bytes = 0, routed_memcpy_seconds = 0, dispatch_seconds = 0, combine_seconds = 0, roof_ratio = 0;
   std::vector<SweepPoint> sweep;
 };

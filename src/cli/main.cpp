@@ -120,15 +120,6 @@ Backend backend_flag(const std::string& name) {
   bad_input("--backend: unknown backend '" + printable(name) + "'; valid: " + valid);
 }
 
-/// The backend flag of bench, which times the host executor only (`run
-/// --backend cuda|emulated` runs cases on a device).
-void check_bench_backend(const std::string& backend) {
-  if (backend_flag(backend) == Backend::host) return;
-  throw Error(ErrorKind::not_supported, "NOT_SUPPORTED: bench --backend " + backend +
-                                            ": bench times the host executor only; `moeverify run --backend " +
-                                            backend + "` runs cases on a device");
-}
-
 /// A shell word: single-quoted unless it is plain.
 std::string shell_word(const std::string& w) {
   if (!w.empty() && w.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-./=:") == std::string::npos)
@@ -406,7 +397,10 @@ struct BenchArgs {
 };
 
 int cmd_bench(const CLI::App* cmd, const BenchArgs& a) {
-  check_bench_backend(a.backend);
+  // Every case is timed on the backend (the case key `backend` of each); one
+  // that cannot run here at all is NOT_SUPPORTED before anything runs.
+  if (const std::string why = backend_unavailable(backend_flag(a.backend)); !why.empty())
+    throw Error(ErrorKind::not_supported, "NOT_SUPPORTED: bench " + why);
   if (launched_under_mpi()) bad_input("bench: runs its EP ranks in one process; valid: start it without mpirun");
   BenchOptions o;
   o.threads = cmd->count("--threads") ? parse_int_option("--threads", a.threads, 1, 256)
@@ -415,6 +409,7 @@ int cmd_bench(const CLI::App* cmd, const BenchArgs& a) {
   o.warmup = parse_int_option("--warmup", a.warmup, 0, 100000);
   o.sweep = a.sweep;
   o.sets = a.sets;
+  if (cmd->count("--backend")) o.sets.push_back("backend=" + a.backend);
   const MemoryLimit limit = memory_limit(cmd, a.max_memory);
   a.cases.check_not_empty();
   const bool want_json = cmd->count("--json") > 0, want_plot = cmd->count("--plot") > 0;
@@ -423,7 +418,7 @@ int cmd_bench(const CLI::App* cmd, const BenchArgs& a) {
   std::vector<std::pair<std::string, Case>> selected;
   std::vector<std::string> names;
   for (const auto& f : a.files)
-    for (const auto& c : load_cases(f, a.sets)) {
+    for (const auto& c : load_cases(f, o.sets)) {
       names.push_back(c.name);
       if (a.cases.selects(c.name)) selected.push_back({f, c});
     }
@@ -432,7 +427,7 @@ int cmd_bench(const CLI::App* cmd, const BenchArgs& a) {
   if (want_json) check_output_file("--json", a.json);
   if (want_plot) check_output_file("--plot", a.plot);
   std::cout << "moeverify " << MOEVERIFY_VERSION << " bench  threads=" << o.threads << "  repeat=" << o.repeat
-            << "  warmup=" << o.warmup << "  backend=host\n";
+            << "  warmup=" << o.warmup << "  backend=" << a.backend << "\n";
   std::vector<CaseBench> all;
   Outcome worst_all = Outcome::PASSED;
   for (size_t i = 0; i < selected.size(); ++i) {
@@ -648,7 +643,8 @@ void add_fuzz_selftest_bench(CLI::App& app, Commands& c) {
   c.bn->add_option("--json", c.ba.json, "also write the results as JSON (schema moeverify-bench/1)");
   c.bn->add_option("--plot", c.ba.plot, "also draw the roof shares (and the --sweep growth) as an SVG file");
   c.bn->add_flag("--sweep", c.ba.sweep, "also verify each case at 1/4, 1/2 and 1 of its T, D and R: time and peak memory");
-  c.bn->add_option("--backend", c.ba.backend, "host (default); cuda and emulated are NOT_SUPPORTED (run --backend)");
+  c.bn->add_option("--backend", c.ba.backend, "host (default), cuda or emulated: the case key `backend` of every case; on a device each stage is also "
+                   "timed by the device's clock against a device-to-device copy");
   c.bn->add_option("--max-memory", c.ba.max_memory, kMemHelp)->type_name("SIZE");
 }
 

@@ -731,7 +731,7 @@ class Pipeline {
     if (opt_.after_slot)
       for (const auto& [s, out] : sr.ran)
         for (const auto& d : rep_.decisions)
-          if (d.slot == s->slot && d.variant == s->variant) opt_.after_slot(*s, d, fast_);
+          if (d.slot == s->slot && d.variant == s->variant) opt_.after_slot(*s, d, fast_, opt_.mirror);
   }
 
   /// out_magnitude (combined_magnitudes) on every rank of `b`.

@@ -25,8 +25,10 @@ struct RunOptions {
   /// variant that ran, with the fast board then: the slot's inputs (and the
   /// primary's outputs), still held by the streaming runner. `moeverify
   /// bench` times each variant here instead of keeping the whole board.
+  /// `mirror` is the case's device mirror on a device backend (the board's
+  /// tensors resident there), null on the host.
   /// Layer entry 1 of a case only; never in the invariance reruns.
-  std::function<void(const Stage& s, const VariantDecision& vd, const Board& fast)> after_slot;
+  std::function<void(const Stage& s, const VariantDecision& vd, const Board& fast, Mirror* mirror)> after_slot;
   /// Runs the primary variant of each slot only, with no reference, no
   /// comparison and no invariance reruns: the fast pipeline's outputs (and
   /// `out_magnitude`, the end-to-end error scale computed from the fast
