@@ -308,19 +308,20 @@ StageBench bench_stage(const Stage& s, const VariantDecision& vd, double slot_re
     b.device_copy_gbps = b.device_copy_seconds > 0 ? b.bytes / b.device_copy_seconds / 1e9 : 0;
     b.ratio_to_device_copy = b.device_seconds_min > 0 ? b.device_copy_seconds / b.device_seconds_min : 0;
   }
-  // The time the GEMM figures use: the device's own on a device backend.
-  const double gemm_seconds = mirror ? b.device_seconds_min : b.seconds_min;
-  if (is_all_to_all(s.slot) && b.seconds_min > 0) {
-    b.algbw_gbps = b.bytes / 2 / R / b.seconds_min / 1e9;
+  // The time the GEMM and all-to-all figures use: the device's own on a
+  // device backend.
+  const double own_seconds = mirror ? b.device_seconds_min : b.seconds_min;
+  if (is_all_to_all(s.slot) && own_seconds > 0) {
+    b.algbw_gbps = b.bytes / 2 / R / own_seconds / 1e9;
     b.busbw_gbps = b.algbw_gbps * double(R - 1) / double(R);
   }
   if (b.seconds_min > 0) b.check_ratio = (std::max(b.ref_seconds, slot_ref_seconds) + b.compare_seconds) / b.seconds_min;
   const std::vector<std::array<int64_t, 3>> shapes = gemm_shapes(s, c, board);
   for (const auto& [M, K, N] : shapes) b.flops += 2.0 * double(M) * double(K) * double(N);
-  if (b.flops > 0 && gemm_seconds > 0) {
-    b.gflops = b.flops / gemm_seconds / 1e9;
+  if (b.flops > 0 && own_seconds > 0) {
+    b.gflops = b.flops / own_seconds / 1e9;
     b.eigen_seconds = eigen_gemm_seconds(shapes, opt.threads, opt.repeat);
-    b.eigen_ratio = b.eigen_seconds / gemm_seconds;
+    b.eigen_ratio = b.eigen_seconds / own_seconds;
   }
   return b;
 }
@@ -506,7 +507,8 @@ void print_bench(const CaseBench& b, std::ostream& os) {
   for (const auto& s : b.stages)
     if (s.ran && is_all_to_all(s.slot))
       os << "  all-to-all " << s.slot << "/" << s.variant << ": algbw " << fmt(s.algbw_gbps, 2) << " GB/s, busbw "
-         << fmt(s.busbw_gbps, 2) << " GB/s (nccl-tests: busbw = algbw x (R-1)/R)\n";
+         << fmt(s.busbw_gbps, 2) << " GB/s (nccl-tests: busbw = algbw x (R-1)/R"
+         << (on_device ? "; device times" : "") << ")\n";
   os << "  bytes: ";
   std::map<std::string, std::vector<std::string>> by_formula;
   for (const auto& s : b.stages)

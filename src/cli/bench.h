@@ -42,7 +42,8 @@ struct StageBench {
   double roof_seconds = 0;    // a memcpy moving the same traffic (bytes / 2 copied), min over repeats
   double roof_gbps = 0, ratio_to_roof = 0;  // ratio = roof_seconds / seconds_min
   /// All-to-all stages: nccl-tests algbw = average bytes sent per rank /
-  /// seconds, busbw = algbw * (R - 1) / R; 0 elsewhere.
+  /// seconds (device_seconds_min on a device), busbw = algbw * (R - 1) / R;
+  /// 0 elsewhere.
   double algbw_gbps = 0, busbw_gbps = 0;
   /// Device backends (0 on the host): seconds by the device's clock (its
   /// kernels, GEMMs and the all-to-all's device copies, summed over ranks;
