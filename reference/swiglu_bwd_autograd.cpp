@@ -40,26 +40,33 @@ template <Act CA, Act ACT>
 struct Rounder {
   static constexpr Act ca = CA, act = ACT;
   float c(double v) const { return round_act_to<CA>(f32(v)); }
-  /// A result of the compute dtype handed back as an act tensor.
-  float out(double v) const { return round_act_to<ACT>(c(v)); }
+  /// A result of the compute dtype handed back as an act tensor (a value of
+  /// ca is one of act already when they are the same type: one rounding).
+  float out(double v) const {
+    if constexpr (CA == ACT) return c(v);
+    else return round_act_to<ACT>(c(v));
+  }
 };
 
-/// Up to three distinct candidates: the roundings of v - room, v, v + room.
+/// Up to three distinct candidates: the roundings of v - room, v, v + room,
+/// the middle value first.
 struct Cands {
   float v[3];
   int n = 0;
-  void add(float x) {
-    for (int i = 0; i < n; ++i)
-      if (v[i] == x) return;
-    v[n++] = x;
-  }
 };
 template <class Rd>
 Cands cands(const Rd& R, double v, double room) {
+  // Rounding is monotone, so lo <= mid <= hi and the three are distinct
+  // exactly where lo and hi each differ from mid (NaN differs from all):
+  // no branch on the data.
   Cands c;
-  c.add(R.c(v));  // first: the middle value
-  c.add(R.c(v - room));
-  c.add(R.c(v + room));
+  const float mid = R.c(v), lo = R.c(v - room), hi = R.c(v + room);
+  c.v[0] = mid;
+  c.n = 1;
+  c.v[c.n] = lo;
+  c.n += lo != mid;
+  c.v[c.n] = hi;
+  c.n += hi != mid;
   return c;
 }
 
@@ -92,46 +99,66 @@ SiluVals silu_vals(double a) {
   return {s, kSiluEps * std::fabs(s) + kTiny, ds, kDsiluEps * sig * (1.0 + std::fabs(a) * (1.0 - sig)) + kTiny};
 }
 
-/// H, dh3, dh1 of one element for given h1 = a (v = silu_vals(a)), h3 = b,
-/// dH = g (values of ca), every outcome the silu rooms allow, into the spans.
+/// H, dh3, dh1 of one element: the contract's middle values (from the
+/// middle candidates a.v[0], b.v[0], g.v[0], i.e. h1, h3, dH as rounded,
+/// with the fp32 silu and silu' taken as exact; v[i] = silu_vals(a.v[i]))
+/// and every outcome the candidates of h1 (a), h3 (b), dH (g) and the silu
+/// rooms allow, into the spans. Each result depends on two of the three
+/// operands only (H on h1 and h3, dh3 on h1 and dH, dh1 on all three but
+/// through dH h3 and silu'(h1)), so each is enumerated over its own
+/// operands: the same set of outcomes as every (h1, h3, dH) triple gives, at
+/// a fraction of the roundings.
 template <class Rd>
-void elem_outcomes(const Rd& R, SiluRounding rounding, const SiluVals& v, float b, float g, Span& H, Span& d3,
-                   Span& d1) {
-  if (rounding == SiluRounding::fused) {
-    for (double s : {v.s - v.sroom, v.s + v.sroom}) {
-      H.see(R.c(s * b));
-      d3.see(R.c(double(g) * s));
+void elem_outcomes(const Rd& R, SiluRounding rounding, const Cands& a, const SiluVals* v, const Cands& b,
+                   const Cands& g, Span& H, Span& d3, Span& d1) {
+  const bool fused = rounding == SiluRounding::fused;
+  // ga[ib][ig]: the factor of silu' in dh1 (fused: dH h3 in fp32; autograd:
+  // round(dH h3))
+  float ga[3][3];
+  for (int ib = 0; ib < b.n; ++ib)
+    for (int ig = 0; ig < g.n; ++ig) {
+      const double p = double(g.v[ig]) * b.v[ib];
+      ga[ib][ig] = fused ? f32(p) : R.c(p);
     }
-    for (double ds : {v.ds - v.droom, v.ds + v.droom}) d1.see(R.c(double(f32(double(g) * b)) * ds));
-    return;
+  d1.mid = R.c(double(ga[0][0]) * v[0].ds);
+  d1.see(d1.mid);
+  // Fused, H and dh3 take silu at its middle, which no outcome below does;
+  // under autograd's rules they are the first outcomes enumerated (every
+  // candidate list starts with its middle value), taken there.
+  if (fused) {
+    H.mid = R.c(v[0].s * b.v[0]);
+    d3.mid = R.c(double(g.v[0]) * v[0].s);
+    H.see(H.mid);
+    d3.see(d3.mid);
   }
-  // autograd: s = round(silu(h1)), H = round(s h3); ga = round(dH h3),
-  // dh3 = round(dH s), dh1 = round(ga silu'(h1)) in fp32
-  const Cands sc = cands(R, v.s, v.sroom);
-  const float ga = R.c(double(g) * b);
-  for (int i = 0; i < sc.n; ++i) {
-    H.see(R.c(double(sc.v[i]) * b));
-    d3.see(R.c(double(g) * sc.v[i]));
+  for (int ia = 0; ia < a.n; ++ia) {
+    // silu(h1) as the products see it: fused, either end of its room;
+    // autograd, each rounding s = round(silu(h1)) the room allows
+    double s[3];
+    int ns = 0;
+    if (fused) {
+      s[ns++] = v[ia].s - v[ia].sroom;
+      s[ns++] = v[ia].s + v[ia].sroom;
+    } else {
+      const Cands sc = cands(R, v[ia].s, v[ia].sroom);
+      for (int i = 0; i < sc.n; ++i) s[ns++] = double(sc.v[i]);
+    }
+    for (int is = 0; is < ns; ++is) {
+      for (int ib = 0; ib < b.n; ++ib) {
+        const float h = R.c(s[is] * b.v[ib]);
+        H.see(h);
+        if (!fused && ia + is + ib == 0) H.mid = h;
+      }
+      for (int ig = 0; ig < g.n; ++ig) {
+        const float d = R.c(double(g.v[ig]) * s[is]);
+        d3.see(d);
+        if (!fused && ia + is + ig == 0) d3.mid = d;
+      }
+    }
+    for (double ds : {v[ia].ds - v[ia].droom, v[ia].ds + v[ia].droom})
+      for (int ib = 0; ib < b.n; ++ib)
+        for (int ig = 0; ig < g.n; ++ig) d1.see(R.c(double(ga[ib][ig]) * ds));
   }
-  for (double ds : {v.ds - v.droom, v.ds + v.droom}) d1.see(R.c(double(ga) * ds));
-}
-
-/// The contract's middle values of one element (h1 = a as rounded, v =
-/// silu_vals(a), h3, dH as rounded; the fp32 silu and silu' taken as exact).
-template <class Rd>
-void elem_mid(const Rd& R, SiluRounding rounding, const SiluVals& v, float b, float g, Span& H, Span& d3,
-              Span& d1) {
-  if (rounding == SiluRounding::fused) {
-    H.mid = R.c(v.s * b);
-    d3.mid = R.c(double(g) * v.s);
-    d1.mid = R.c(double(f32(double(g) * b)) * v.ds);
-  } else {
-    const float s = R.c(v.s);
-    H.mid = R.c(double(s) * b);
-    d3.mid = R.c(double(g) * s);
-    d1.mid = R.c(double(R.c(double(g) * b)) * v.ds);
-  }
-  for (Span* sp : {&H, &d3, &d1}) sp->see(sp->mid);
 }
 
 /// A GEMM result V with room: the middle value and half-width of
@@ -185,10 +212,7 @@ ElemOut elementwise(const Rd& R, SiluRounding rounding, const MatD& h1, const Ma
     Span H, d3, d1;
     SiluVals sv[3];  // silu_vals of each candidate h1, computed once
     for (int ia = 0; ia < a.n; ++ia) sv[ia] = silu_vals(a.v[ia]);
-    elem_mid(R, rounding, sv[0], b.v[0], gd.v[0], H, d3, d1);
-    for (int ia = 0; ia < a.n; ++ia)
-      for (int ib = 0; ib < b.n; ++ib)
-        for (int ig = 0; ig < gd.n; ++ig) elem_outcomes(R, rounding, sv[ia], b.v[ib], gd.v[ig], H, d3, d1);
+    elem_outcomes(R, rounding, a, sv, b, gd, H, d3, d1);
     o.H.data()[i] = H.mid;
     o.d3.data()[i] = d3.mid;
     o.d1.data()[i] = d1.mid;

@@ -226,8 +226,9 @@ std::vector<std::array<int64_t, 3>> gemm_shapes(const Stage& s, const Case& c, c
   if (s.slot == "router_logits") g.push_back({rows_of("", "x"), D, c.num_experts});
   if (s.slot == "experts" && s.variant.rfind("swiglu", 0) == 0) swiglu(rows_of("expert_counts", ""), false);
   if (s.slot == "shared_experts" && s.variant == "shared_swiglu") swiglu(rows_of("", "x"), false);
-  if (s.slot == "experts_bwd" && s.variant == "swiglu") swiglu(rows_of("expert_counts", ""), true);
-  if (s.slot == "shared_experts_bwd" && s.variant == "shared_swiglu") swiglu(rows_of("", "x"), true);
+  // backward: swiglu, or swiglu_autograd (autograd's rounding points, the same GEMMs)
+  if (s.slot == "experts_bwd" && s.variant.rfind("swiglu", 0) == 0) swiglu(rows_of("expert_counts", ""), true);
+  if (s.slot == "shared_experts_bwd" && s.variant.rfind("shared_swiglu", 0) == 0) swiglu(rows_of("", "x"), true);
   return g;
 }
 
