@@ -103,11 +103,10 @@ SiluVals silu_vals(double a) {
 /// middle candidates a.v[0], b.v[0], g.v[0], i.e. h1, h3, dH as rounded,
 /// with the fp32 silu and silu' taken as exact; v[i] = silu_vals(a.v[i]))
 /// and every outcome the candidates of h1 (a), h3 (b), dH (g) and the silu
-/// rooms allow, into the spans. Each result depends on two of the three
-/// operands only (H on h1 and h3, dh3 on h1 and dH, dh1 on all three but
-/// through dH h3 and silu'(h1)), so each is enumerated over its own
-/// operands: the same set of outcomes as every (h1, h3, dH) triple gives, at
-/// a fraction of the roundings.
+/// rooms allow, into the spans. H depends on h1 and h3 only, dh3 on h1 and
+/// dH only, dh1 on h1 and the product dH h3, so each is enumerated over its
+/// own operands: the same set of outcomes as every (h1, h3, dH) triple
+/// gives, at a fraction of the roundings.
 template <class Rd>
 void elem_outcomes(const Rd& R, SiluRounding rounding, const Cands& a, const SiluVals* v, const Cands& b,
                    const Cands& g, Span& H, Span& d3, Span& d1) {
