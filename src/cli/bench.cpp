@@ -133,9 +133,8 @@ struct FastSeconds {
 /// Runs a stage's fast function on every rank of `in` (in-process ranks as
 /// threads with local comms, threads split among them as the runner does)
 /// and times it. Outputs go to `out`, reused between calls under
-/// OutputBuffers::reuse. With a mirror the call runs on its device under the
-/// runner's protocol (engine/runner.cpp fast_call): inputs held there, the
-/// call's marks begun, host-written outputs brought to the device, ended.
+/// OutputBuffers::reuse. With a mirror the call runs on its device as the
+/// runner's do (begin_device_call, sync_device_outputs).
 FastSeconds time_fast_once(const Stage& s, const Case& c, const Board& in, std::vector<RankBoard>& out, int threads,
                            Mirror* mirror, OutputBuffers buffers, std::string& skipped, std::string& error) {
   const int R = int(in.ranks.size());
@@ -159,12 +158,7 @@ FastSeconds time_fast_once(const Stage& s, const Case& c, const Board& in, std::
       comms[size_t(r)]->abort(e.what());
     }
   };
-  if (mirror) {
-    for (int r = 0; r < R; ++r)
-      for (const auto& n : s.inputs(c))
-        if (const Tensor& t = in.at(n, r); t.storage) mirror->hold(t.storage->data(), t.storage->size(), t.storage);
-    mirror->begin_call();
-  }
+  if (mirror) begin_device_call(*mirror, in, s.inputs(c));
   const double busy0 = mirror ? mirror->device().busy_seconds() : 0;
   const auto t0 = clock_type::now();
   if (R == 1) {
@@ -178,9 +172,7 @@ FastSeconds time_fast_once(const Stage& s, const Case& c, const Board& in, std::
   sec.wall = seconds_since(t0);
   if (mirror) {
     sec.device = mirror->device().busy_seconds() - busy0 + double(copy_ns.load()) * 1e-9;
-    for (auto& rb : out)
-      for (auto& [n, t] : rb)
-        if (t.bytes() && !mirror->device_wrote(t.data(), t.bytes())) mirror->host_wrote(t.data(), t.bytes());
+    sync_device_outputs(*mirror, out);
     mirror->end_call();
   }
   for (int r = 0; r < R; ++r) {
@@ -444,13 +436,13 @@ CaseBench bench_case(const Case& c, const BenchOptions& opt, std::ostream& log) 
       dispatch = vd, cb.dispatch_seconds = t;
       for (int r = 0; r < int(board.ranks.size()); ++r)
         if (board.has("routed_input", r)) cb.routed_bytes += row_bytes(board.at("routed_input", r), c.hidden);
-      if (mirror) cb.routed_memcpy_seconds = device_copy_seconds(mirror->device(), cb.routed_bytes, opt.repeat);
+      cb.routed_memcpy_seconds = mirror ? device_copy_seconds(mirror->device(), cb.routed_bytes, opt.repeat)
+                                        : memcpy_seconds(cb.routed_bytes, opt.threads, opt.repeat);
     }
     if (s.slot == "combine") combine = vd, cb.combine_seconds = t;
   };
   run_case(c, ro);
   if (dispatch && combine) {
-    if (c.backend == Backend::host) cb.routed_memcpy_seconds = memcpy_seconds(cb.routed_bytes, opt.threads, opt.repeat);
     const double t = cb.dispatch_seconds + cb.combine_seconds;
     cb.roof_ratio = t > 0 ? 2 * cb.routed_memcpy_seconds / t : 0;
   }

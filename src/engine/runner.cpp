@@ -510,26 +510,21 @@ class Pipeline {
   std::vector<std::vector<uint64_t>> device_before_call(const std::vector<std::string>& inputs_used) {
     std::vector<std::vector<uint64_t>> dsums(static_cast<size_t>(R_));
     if (!opt_.mirror) return dsums;
+    begin_device_call(*opt_.mirror, fast_, inputs_used);
     for (int r = 0; r < R_; ++r)
       for (const auto& n : inputs_used) {
         const Tensor& t = fast_.at(n, r);
-        if (t.storage) opt_.mirror->hold(t.storage->data(), t.storage->size(), t.storage);
         dsums[size_t(r)].push_back(t.bytes() ? opt_.mirror->device_hash(t.data(), t.bytes()) : 0);
       }
-    opt_.mirror->begin_call();
     return dsums;
   }
 
-  /// Outputs the host wrote (splits, an MPI exchange of host rows) go to the
-  /// device for the next stage; device-written ones are there already (and
-  /// on the host: write-through). Then the inputs' device copies must hash as
-  /// before the call: a kernel writing past its output into another buffer
-  /// shows here, not only where it lands.
+  /// Host-written outputs go to the device (sync_device_outputs). Then the
+  /// inputs' device copies must hash as before the call: a kernel writing
+  /// past its output into another buffer shows here, not only where it lands.
   void device_after_call(const Stage& s, const std::vector<std::string>& inputs_used,
                          const std::vector<std::vector<uint64_t>>& dsums, Board& out, const std::string& err) {
-    for (int r = 0; r < R_; ++r)
-      for (auto& [n, t] : out.ranks[size_t(r)])
-        if (t.bytes() && !opt_.mirror->device_wrote(t.data(), t.bytes())) opt_.mirror->host_wrote(t.data(), t.bytes());
+    sync_device_outputs(*opt_.mirror, out.ranks);
     for (int r = 0; r < R_ && err.empty(); ++r)
       for (size_t i = 0; i < inputs_used.size(); ++i) {
         const Tensor& t = fast_.at(inputs_used[i], r);
@@ -1132,6 +1127,19 @@ namespace {
 /// The body of run_case once the backend is settled (opt.mirror set on a device).
 void run_case_on(const Case& c, const RunOptions& opt, CaseReport& rep, std::chrono::steady_clock::time_point t0);
 }  // namespace
+
+void begin_device_call(Mirror& m, const Board& in, const std::vector<std::string>& inputs) {
+  for (const RankBoard& b : in.ranks)
+    for (const auto& n : inputs)
+      if (const Tensor& t = b.at(n); t.storage) m.hold(t.storage->data(), t.storage->size(), t.storage);
+  m.begin_call();
+}
+
+void sync_device_outputs(Mirror& m, std::vector<RankBoard>& out) {
+  for (RankBoard& b : out)
+    for (auto& [n, t] : b)
+      if (t.bytes() && !m.device_wrote(t.data(), t.bytes())) m.host_wrote(t.data(), t.bytes());
+}
 
 std::string backend_unavailable(Backend b) {
   if (b != Backend::cuda) return "";

@@ -53,6 +53,17 @@ std::string backend_unsupported(const Case& c);
 /// it can), e.g. "--backend cuda: no usable CUDA device (...)".
 std::string backend_unavailable(Backend b);
 
+/// The device side of a fast call on RunOptions::mirror, shared by the
+/// runner and `moeverify bench`: begin_device_call makes the named inputs of
+/// every rank of `in` resident on the device and starts the call's marks
+/// (Mirror::begin_call); sync_device_outputs, after the call, brings to the
+/// device each output that host code wrote (splits, an MPI exchange of host
+/// rows: the next stage reads its device copy), the device-written ones
+/// being on both sides already (write-through). The caller ends the call
+/// (Mirror::end_call).
+void begin_device_call(Mirror& m, const Board& in, const std::vector<std::string>& inputs);
+void sync_device_outputs(Mirror& m, std::vector<RankBoard>& out);
+
 /// SP invariance (docs/contract.md §10, src/paths/stages_sp.cpp): with sp > 1, every EP
 /// rank's gathered output `sp_out` on the fast board equals the sp = 1 run
 /// of the same inputs; appends one check per EP rank to `rep`.
