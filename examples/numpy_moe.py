@@ -6,6 +6,12 @@ all-to-all is done in one process, by handing each rank's rows to the rank
 that owns their experts.
 
     python3 examples/numpy_moe.py GOLDEN_CASE_DIR [--bug NAME]
+    python3 examples/numpy_moe.py --serve [--bug NAME]     (a worker for fuzz --impl --worker)
+    moeverify fuzz --impl "python3 examples/numpy_moe.py {case}" --profile examples/numpy_moe.profile.yaml
+
+A configuration it does not implement (capacity, equal split, SP, an
+in-place or aliased combine, FP8 dispatch) exits 77, so `fuzz --impl` counts it skipped;
+examples/numpy_moe.profile.yaml says the same to the generator.
 
 Reads, for every rank, the exported inputs and routing (x, ids, topk_scores)
 and the expert outputs in dispatch order (ep_combine.routed_output, as the
@@ -140,21 +146,13 @@ def refuse_unsupported(case):
              "combine.placement": "out_of_place"}
     for key, want in plain.items():
         if case[key] != want:
-            sys.exit("numpy_moe.py: %s must be %s (this example implements the plain path)" % (key, want))
+            raise moeverify.Unsupported("%s must be %s (this example implements the plain path)" % (key, want))
+    if case.get("dispatch.dtype", "act") != "act":  # the key is in the manifest only under FP8 dispatch
+        raise moeverify.Unsupported("dispatch.dtype must be act (no FP8 dispatch here)")
 
 
-def main():
-    args = sys.argv[1:]
-    bug = None
-    if "--bug" in args:
-        i = args.index("--bug")
-        bug = args[i + 1] if i + 1 < len(args) else ""
-        del args[i:i + 2]
-        if bug not in BUGS:
-            sys.exit("numpy_moe.py: --bug %r; valid: %s" % (bug, ", ".join(BUGS)))
-    if len(args) != 1:
-        sys.exit(__doc__)
-    g = moeverify.open(args[0])
+def implement(g, bug=None):
+    """Writes this implementation's outputs for one case folder."""
     case = g.case
     refuse_unsupported(case)
     act = ROUND[case["dtype"]]
@@ -181,5 +179,20 @@ def main():
     print("numpy_moe.py: %s, %d rank(s): outputs written to %s" % (g.name, R, g.actual_dir))
 
 
+def main():
+    args = sys.argv[1:]
+    if args in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
+    bug = None
+    if "--bug" in args:
+        i = args.index("--bug")
+        bug = args[i + 1] if i + 1 < len(args) else ""
+        del args[i:i + 2]
+        if bug not in BUGS:
+            sys.exit("numpy_moe.py: --bug %r; valid: %s" % (bug, ", ".join(BUGS)))
+    return moeverify.main(lambda g: implement(g, bug), args)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

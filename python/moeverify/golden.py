@@ -170,6 +170,16 @@ class Golden:
         return dest
 
 
+    # ---- judging ----------------------------------------------------------
+
+    def check(self, strict_ties=False, raise_on_failure=True):
+        """`moeverify check` on this folder and its actual outputs: the Verdict;
+        AssertionError with the failing rows unless it PASSED."""
+        from .impl import check
+        return check(self.path, actual=self.actual_dir, strict_ties=strict_ties,
+                     raise_on_failure=raise_on_failure)
+
+
 def open(path, actual=None):  # noqa: A001 (the package's verb, as in moeverify.open)
     """One case folder written by `moeverify export`."""
     return Golden(path, actual)

@@ -520,12 +520,8 @@ CaseReport run_external(const Case& c, const ActualFn* actual, std::vector<Golde
   return rep;
 }
 
-namespace {
-
-/// One golden folder checked against the implementation's files in
-/// `actual_dir`; a missing folder is a case with nothing checked
-/// (NOT_VERIFIED). cmd_check refuses a missing --actual folder up front.
-CaseReport check_folder(const std::string& folder, const std::string& actual_dir, const CheckArgs& a) {
+/// cmd_check refuses a missing --actual folder up front.
+CaseReport check_case_folder(const std::string& folder, const std::string& actual_dir, const CheckArgs& a) {
   const golden::Manifest manifest = golden::read_manifest(folder);
   const Case& c = manifest.c;
   if (!golden::is_dir(actual_dir)) {
@@ -563,8 +559,6 @@ CaseReport check_folder(const std::string& folder, const std::string& actual_dir
   return rep;
 }
 
-}  // namespace
-
 int cmd_check(const CheckArgs& a) {
   const std::string& dir = a.dir;
   if (dir.empty()) bad_input("check: the folder is empty; valid: a folder written by `moeverify export`");
@@ -594,7 +588,7 @@ int cmd_check(const CheckArgs& a) {
   std::cout << "moeverify check: the reference fed the implementation's own previous-stage outputs "
                "(docs/contract.md §15)\n";
   for (const auto& [golden, act] : folders) {
-    reports.push_back(check_folder(golden, act, a));
+    reports.push_back(check_case_folder(golden, act, a));
     std::cout << "actual outputs: " << act << "\n";
     // Someone else's outputs are judged tensor by tensor: every row is shown.
     print_report(reports.back(), std::cout, ReportDetail::every_check);

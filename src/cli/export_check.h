@@ -33,6 +33,8 @@
 
 namespace moev {
 
+struct Profile;  // profile.h
+
 /// The golden format written by export and read by check.
 inline constexpr const char* kGoldenFormat = "moeverify-golden/2";
 
@@ -90,8 +92,15 @@ CaseReport run_external(const Case& c, const ActualFn* actual, std::vector<Golde
                         const ExternalOptions& opt = {});
 
 /// `moeverify export FILE DIR [--case NAME]`: one golden folder per case.
+/// With a profile (profile.h) its fixed keys are set on every case, and a
+/// case outside it is left out, named with the key that puts it outside.
 int cmd_export(const std::string& file, const std::string& dir, const CaseFilter& cases,
-               const std::vector<std::string>& sets);
+               const std::vector<std::string>& sets, const Profile* profile = nullptr);
+
+/// One case exported into `folder` (made when missing; an existing one must
+/// be a case folder this run may fill): its manifest and every golden
+/// tensor. Returns the number of tensors.
+size_t export_case_folder(const Case& c, const std::string& folder);
 
 struct CheckArgs {
   std::string dir, actual_dir, json;
@@ -102,5 +111,10 @@ struct CheckArgs {
 /// `moeverify check DIR [--actual DIR2] [--json F]`: DIR is one golden folder
 /// or a folder of them; exit status as for `run`.
 int cmd_check(const CheckArgs& a);
+
+/// One golden folder judged on the implementation's files in `actual_dir`
+/// (what `check` does per folder); a missing `actual_dir` is a case with
+/// nothing checked (NOT_VERIFIED).
+CaseReport check_case_folder(const std::string& folder, const std::string& actual_dir, const CheckArgs& a);
 
 }  // namespace moev

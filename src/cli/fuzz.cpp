@@ -22,6 +22,7 @@
 #include "error.h"
 #include "memory_estimate.h"
 #include "random_case.h"
+#include "fuzz_shrink.h"
 #include "runner.h"
 
 namespace moev {
@@ -31,45 +32,14 @@ using Clock = std::chrono::steady_clock;
 
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-/// What one configuration gave: the first check that did not pass.
-struct Verdict {
-  Outcome outcome = Outcome::PASSED;
-  std::string check;  // slot/variant/tensor, tensor without its @rank
-  std::string key;    // slot/tensor: what shrinking must keep failing
-  std::string note;
-};
-
 std::string without_rank(const std::string& t) { return t.substr(0, t.find('@')); }
-
-Verdict verdict_of(const CaseReport& r) {
-  Verdict v;
-  v.outcome = r.outcome;
-  if (r.outcome == Outcome::PASSED) return v;
-  for (const Check& ch : r.checks) {
-    if (ch.outcome != r.outcome) continue;  // the check that decided the outcome
-    v.check = ch.slot + "/" + ch.variant + "/" + without_rank(ch.tensor);
-    v.key = ch.slot + "/" + without_rank(ch.tensor);
-    std::ostringstream o;
-    if (!ch.diff.first.empty())
-      o << ch.diff.mismatches << " mismatch(es), first " << ch.diff.first[0].coords << ": fast " << ch.diff.first[0].fast
-        << " vs " << ch.diff.first[0].ref << " (" << ch.against << ")" << (ch.note.empty() ? "" : "; ");
-    o << ch.note;
-    v.note = o.str();
-    break;
-  }
-  return v;
-}
 
 /// Threads per configuration: part of the draw (the multi-chunk sort and the
 /// thread-count independence need more than one), fixed by the index.
 int threads_of(uint64_t index) { return 1 + int(index % 2); }
 
-Case load_one(const std::string& yaml, const std::string& origin) {
-  return load_cases_text("cases:\n  - " + yaml + "\n", origin, {}).at(0);
-}
-
 Verdict run_yaml(const std::string& yaml, const FuzzOptions& o, int threads) {
-  const Case c = load_one(yaml, "fuzz");
+  const Case c = load_one_case(yaml, "fuzz");
   RunOptions ro;
   ro.threads = threads;
   ro.faults = o.faults;
@@ -79,12 +49,6 @@ Verdict run_yaml(const std::string& yaml, const FuzzOptions& o, int threads) {
   } catch (const std::exception& e) {
     return Verdict{Outcome::ERROR, "run/-/-", "run/-", e.what()};
   }
-}
-
-std::string flow(const YAML::Node& n) {
-  YAML::Emitter e;
-  e << YAML::Flow << n;
-  return e.c_str();
 }
 
 int64_t int_at(const YAML::Node& n, const char* a, const char* b, int64_t dflt) {
@@ -160,33 +124,6 @@ std::vector<YAML::Node> shrink_candidates(const YAML::Node& n) {
   return out;
 }
 
-/// Shrinks a failing configuration while it fails the same check (slot and
-/// tensor) with the same outcome; at most `budget` configurations are run.
-std::string shrink(const std::string& yaml, const Verdict& v, const FuzzOptions& o, int threads, int budget, int& runs) {
-  YAML::Node cur = YAML::Load(yaml);
-  bool improved = true;
-  while (improved && runs < budget) {
-    improved = false;
-    for (const YAML::Node& cand : shrink_candidates(cur)) {
-      if (runs >= budget) break;
-      const std::string text = flow(cand);
-      try {
-        load_one(text, "shrink");
-      } catch (const Error&) {
-        continue;  // not a valid configuration
-      }
-      ++runs;
-      const Verdict w = run_yaml(text, o, threads);
-      if (w.outcome == v.outcome && w.key == v.key) {
-        cur = cand;
-        improved = true;
-        break;
-      }
-    }
-  }
-  return flow(cur);
-}
-
 /// A drawn configuration with the case key `backend` set (unchanged on the
 /// host, so that a host fuzz draws exactly what it always drew).
 std::string on_backend(const std::string& yaml, const std::string& backend) {
@@ -196,11 +133,73 @@ std::string on_backend(const std::string& yaml, const std::string& backend) {
   return flow(n);
 }
 
+}  // namespace
+
+Verdict verdict_of(const CaseReport& r, const char* mine) {
+  Verdict v;
+  v.outcome = r.outcome;
+  if (r.outcome == Outcome::PASSED) return v;
+  for (const Check& ch : r.checks) {
+    if (ch.outcome != r.outcome) continue;  // the check that decided the outcome
+    v.check = ch.slot + "/" + ch.variant + "/" + without_rank(ch.tensor);
+    v.key = ch.slot + "/" + without_rank(ch.tensor);
+    std::ostringstream o;
+    if (!ch.diff.first.empty())
+      o << ch.diff.mismatches << " mismatch(es), first " << ch.diff.first[0].coords << ": " << mine << " "
+        << ch.diff.first[0].fast << " vs " << ch.diff.first[0].ref << " (" << ch.against << ")"
+        << (ch.note.empty() ? "" : "; ");
+    o << ch.note;
+    v.note = o.str();
+    break;
+  }
+  return v;
+}
+
+std::string flow(const YAML::Node& n) {
+  YAML::Emitter e;
+  e << YAML::Flow << n;
+  return e.c_str();
+}
+
 int64_t tokens_of(const std::string& yaml) {
-  const Case c = load_one(yaml, "fuzz");
+  const Case c = load_one_case(yaml, "fuzz");
   int64_t t = 0;
   for (int r = 0; r < c.ep; ++r) t = std::max(t, c.tokens_on(r));
   return t;
+}
+
+std::string shrink(const std::string& yaml, const Verdict& v, const JudgeFn& judge, const FitFn& fit, int budget,
+                   int& runs) {
+  YAML::Node cur = YAML::Load(yaml);
+  bool improved = true;
+  while (improved && runs < budget) {
+    improved = false;
+    for (const YAML::Node& cand : shrink_candidates(cur)) {
+      if (runs >= budget) break;
+      const std::optional<std::string> text = fit(flow(cand));
+      if (!text) continue;
+      ++runs;
+      const Verdict w = judge(*text);
+      if (w.outcome == v.outcome && w.key == v.key) {
+        cur = YAML::Load(*text);
+        improved = true;
+        break;
+      }
+    }
+  }
+  return flow(cur);
+}
+
+namespace {
+
+/// Whether a shrink candidate loads: a configuration to run as it is.
+std::optional<std::string> loads(const std::string& yaml) {
+  try {
+    load_one_case(yaml, "shrink");
+  } catch (const Error&) {
+    return std::nullopt;
+  }
+  return yaml;
 }
 
 /// Writes the shrunk case with its repro line under --out (checked and
@@ -267,9 +266,10 @@ FuzzResult fuzz(const FuzzOptions& o, std::ostream& progress) {
         f.check = v.check;
         f.note = v.note;
         f.yaml = yaml;
-        const bool loads = v.key != "generator/-";
-        f.shrunk = o.shrink && loads ? shrink(yaml, v, o, threads_of(i), o.shrink_budget, f.shrink_runs) : yaml;
-        f.shrunk_tokens = loads ? tokens_of(f.shrunk) : -1;
+        const bool valid = v.key != "generator/-";
+        const JudgeFn judge = [&](const std::string& y) { return run_yaml(y, o, threads_of(i)); };
+        f.shrunk = o.shrink && valid ? shrink(yaml, v, judge, loads, o.shrink_budget, f.shrink_runs) : yaml;
+        f.shrunk_tokens = valid ? tokens_of(f.shrunk) : -1;
         std::lock_guard<std::mutex> lk(m);
         if (!o.out_dir.empty()) f.file = write_failure(o, f);
         res.failures.push_back(f);

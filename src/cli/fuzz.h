@@ -19,6 +19,8 @@
 
 namespace moev {
 
+struct Profile;  // profile.h
+
 struct FuzzOptions {
   uint64_t seed = 1;
   double seconds = 0;       // 0: no time limit
@@ -34,6 +36,16 @@ struct FuzzOptions {
   std::string backend = "host";  // the case key `backend` of every drawn configuration
 };
 
+/// `fuzz --impl CMD`: the implementation under test, run per configuration
+/// on an exported case folder and judged as `check` judges it.
+struct ImplOptions {
+  std::string cmd;          // with {case} for the folder; a worker command with `worker`
+  bool worker = false;      // CMD started once per job, fed one folder per line (docs/guide.md)
+  double timeout_s = 60;    // per configuration; past it the implementation counts as crashed
+  bool keep = false;        // keep the temporary case folders (printed)
+  const Profile* profile = nullptr;  // what the generator may draw; fixed keys applied
+};
+
 /// A failure: the first check that did not pass, named without its rank.
 struct FuzzFailure {
   uint64_t index = 0;
@@ -45,6 +57,14 @@ struct FuzzFailure {
   int shrink_runs = 0;   // configurations run while shrinking
   int64_t shrunk_tokens = 0;
   std::string file;      // the written case file ("" when none)
+  std::string repro;     // the command line that reproduces it ("" when no file)
+  std::string stderr_tail;  // --impl: what the implementation wrote to stderr on the drawn configuration
+};
+
+/// `fuzz --impl`: per stage, the configurations that judged it and those
+/// where it was INCORRECT.
+struct StageCount {
+  uint64_t judged = 0, failed = 0;
 };
 
 struct FuzzResult {
@@ -53,6 +73,12 @@ struct FuzzResult {
   double seconds = 0;
   std::vector<FuzzFailure> failures;
   std::map<std::string, int> uninformative_checks;  // check -> count
+  // --impl only
+  bool impl = false;
+  std::string impl_cmd, profile, work_dir;
+  uint64_t drawn = 0, judged = 0, skipped = 0, crashed = 0, failed = 0;
+  std::map<std::string, StageCount> stages;
+  std::map<std::string, int> skip_reasons;  // first line of the implementation's reason -> count
 };
 
 /// Runs the fuzz loop; prints the seed first and a progress line every few
@@ -61,6 +87,15 @@ FuzzResult fuzz(const FuzzOptions& opt, std::ostream& progress);
 
 void print_fuzz_result(const FuzzResult& r, std::ostream& os);
 std::string fuzz_json(const FuzzResult& r);
+
+/// `fuzz --impl`: the same loop over a user's implementation (fuzz_impl.cpp).
+/// o.backend, o.faults do not apply; o.out_dir receives the shrunk cases.
+FuzzResult fuzz_impl(const FuzzOptions& o, const ImplOptions& impl, std::ostream& progress);
+/// Exit status of an --impl run: 1 on any failure or crash, NOT_VERIFIED's
+/// when nothing was judged PASSED, else 0.
+int fuzz_impl_status(const FuzzResult& r);
+void print_impl_result(const FuzzResult& r, std::ostream& os);
+std::string impl_json(const FuzzResult& r);  // schema moeverify-fuzz-impl/1
 
 struct SelftestOptions {
   std::string cases_dir;     // shipped case files (*.yaml, regressions/ too)

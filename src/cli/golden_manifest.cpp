@@ -13,6 +13,7 @@
 #include "error.h"
 #include "golden.h"
 #include "memory_estimate.h"
+#include "profile.h"
 #include "version.h"
 
 namespace moev {
@@ -213,33 +214,52 @@ std::string golden_file(const std::string& stage, const std::string& name, int r
 }
 
 int cmd_export(const std::string& file, const std::string& dir, const CaseFilter& filter,
-               const std::vector<std::string>& sets) {
+               const std::vector<std::string>& sets, const Profile* profile) {
   filter.check_not_empty();
-  const std::vector<Case> cases = load_cases(file, sets);
+  std::vector<std::string> all_sets = sets;
+  if (profile)
+    for (const auto& s : profile->sets()) all_sets.push_back(s);
+  const std::vector<Case> cases = load_cases(file, all_sets);
   std::vector<Case> chosen;
   std::vector<std::string> names;
+  size_t left_out = 0;
   for (const Case& c : cases) {
     names.push_back(c.name);
-    if (filter.selects(c.name)) chosen.push_back(c);
+    if (!filter.selects(c.name)) continue;
+    const std::string outside = profile ? profile->violation(c) : "";
+    if (outside.empty()) {
+      chosen.push_back(c);
+    } else {
+      ++left_out;
+      std::cout << "left out " << c.name << ": outside profile " << profile->name << " (" << outside << ")\n";
+    }
   }
   filter.check_each_used(names, printable(file, 200));
+  if (chosen.empty() && left_out > 0)
+    bad_input("export --profile " + profile->name + ": every chosen case of " + printable(file, 200) +
+              " lies outside the profile; valid: cases whose keys the profile allows (moeverify validate --profile " +
+              profile->file + " " + printable(file, 200) + " lists them)");
   // The estimate of `run` bounds the reference chain's memory from above.
   for (const Case& c : chosen)
     check_case_memory(c, 1, default_memory_limit(), default_memory_limit_origin());
   prepare_dump_root(dir, "export DIR");
   for (const Case& c : chosen) {
-    std::vector<GoldenTensor> golden;
-    const CaseReport rep = run_external(c, nullptr, &golden);
-    if (rep.outcome != Outcome::PASSED)
-      runtime_error("export: the reference failed on case " + c.name + ": " +
-                    (rep.checks.empty() ? std::string("?") : rep.checks.back().note));
     const std::string folder = dir + "/" + dump_folder_name(c.name);
-    prepare_case_folder(folder, "export DIR");
-    write_manifest(folder, c, golden);
-    std::cout << "exported " << c.name << ": " << golden.size() << " tensors, " << c.ep << " rank(s) -> " << folder
-              << "\n";
+    const size_t n = export_case_folder(c, folder);
+    std::cout << "exported " << c.name << ": " << n << " tensors, " << c.ep << " rank(s) -> " << folder << "\n";
   }
   return 0;
+}
+
+size_t export_case_folder(const Case& c, const std::string& folder) {
+  std::vector<GoldenTensor> golden;
+  const CaseReport rep = run_external(c, nullptr, &golden);
+  if (rep.outcome != Outcome::PASSED)
+    runtime_error("export: the reference failed on case " + c.name + ": " +
+                  (rep.checks.empty() ? std::string("?") : rep.checks.back().note));
+  prepare_case_folder(folder, "export DIR");
+  write_manifest(folder, c, golden);
+  return golden.size();
 }
 
 }  // namespace moev

@@ -25,6 +25,8 @@
 #include "dump.h"
 #include "error.h"
 #include "fuzz.h"
+#include "fuzz_shrink.h"
+#include "profile.h"
 #include "case_filter.h"
 #include "case_key_docs.h"
 #include "export_check.h"
@@ -328,6 +330,38 @@ int cmd_validate(const CLI::App* cmd, const std::vector<std::string>& files, con
   return 0;
 }
 
+/// validate --profile P [FILE...]: the profile explained or refused (file,
+/// line, what would be valid); each case of the files inside or outside it.
+int cmd_validate_profile(const std::string& name, const std::vector<std::string>& files,
+                         const std::vector<std::string>& sets) {
+  const Profile p = load_profile(name);
+  std::cout << p.file << ": profile " << p.name << " valid" << (p.about.empty() ? "" : ": " + p.about) << "\n";
+  for (const auto& f : p.fix) std::cout << "  fix    " << f.key << " = " << f.value << "\n";
+  for (const auto& a : p.allow) {
+    std::cout << "  allow  " << a.key << " in ";
+    if (a.values.empty()) {
+      std::cout << "[" << a.min << ", " << a.max << "]\n";
+    } else {
+      std::string v;
+      for (const auto& x : a.values) v += (v.empty() ? "" : ", ") + x;
+      std::cout << "{" << v << "}\n";
+    }
+  }
+  std::vector<std::string> all = sets;
+  for (const auto& s : p.sets()) all.push_back(s);
+  for (const auto& file : files) {
+    size_t inside = 0;
+    const auto cases = load_cases(file, all);
+    for (const auto& c : cases) {
+      const std::string why = p.violation(c);
+      inside += why.empty();
+      if (!why.empty()) std::cout << "  " << file << ": " << c.name << " outside: " << why << "\n";
+    }
+    std::cout << file << ": " << inside << " of " << cases.size() << " case(s) inside the profile\n";
+  }
+  return 0;
+}
+
 int cmd_list(bool json) {
   const CudaStatus cs = cuda_status();
   auto backends = [](const Stage& s) {
@@ -455,12 +489,41 @@ struct FuzzArgs {
   std::string seconds, iterations, seed, jobs = "1", backend = "host", out = "fuzz-failures", json;
   std::vector<std::string> faults;
   bool no_shrink = false;
+  std::string impl, impl_timeout = "60", profile;
+  bool worker = false, keep = false;
 };
 
+/// fuzz --impl's options, checked: CMD's {case} (or --worker), the profile.
+ImplOptions impl_options(const CLI::App* cmd, const FuzzArgs& a, std::unique_ptr<Profile>& profile) {
+  ImplOptions impl;
+  impl.cmd = a.impl;
+  impl.worker = a.worker;
+  impl.keep = a.keep;
+  impl.timeout_s = parse_real_option("--impl-timeout", a.impl_timeout, 0.1, 86400);
+  if (a.impl.empty()) bad_input("--impl: the command is empty; valid: e.g. --impl \"python3 my_moe.py {case}\"");
+  const bool has_case = a.impl.find("{case}") != std::string::npos;
+  if (!a.worker && !has_case)
+    bad_input("--impl " + printable(a.impl, 200) + ": no {case} in the command; valid: a command with {case} where the "
+              "case folder goes, or --worker for a command that reads case folders on stdin");
+  if (a.worker && has_case)
+    bad_input("--impl with --worker: the worker reads case folders on stdin, one per line; valid: a command without "
+              "{case} (e.g. \"python3 my_moe.py --serve\")");
+  if (!a.faults.empty() || cmd->count("--backend"))
+    bad_input("fuzz --impl: --fault and --backend apply to moeverify's own fast paths; valid: --impl without them");
+  if (cmd->count("--profile")) {
+    profile = std::make_unique<Profile>(load_profile(a.profile));
+    impl.profile = profile.get();
+  }
+  return impl;
+}
+
 int cmd_fuzz(const CLI::App* cmd, const FuzzArgs& a) {
+  const bool impl = cmd->count("--impl") > 0;
+  if (!impl && (cmd->count("--profile") || a.worker || a.keep || cmd->count("--impl-timeout")))
+    bad_input("fuzz: --profile, --worker, --keep and --impl-timeout go with --impl CMD; valid: add --impl, or drop them");
   // Every drawn configuration runs on the backend; one that cannot run here
   // at all is NOT_SUPPORTED before anything is drawn.
-  if (const std::string why = backend_unavailable(backend_flag(a.backend)); !why.empty())
+  if (const std::string why = backend_unavailable(backend_flag(a.backend)); !impl && !why.empty())
     throw Error(ErrorKind::not_supported, "NOT_SUPPORTED: fuzz " + why);
   FuzzOptions o;
   o.backend = a.backend;
@@ -478,6 +541,17 @@ int cmd_fuzz(const CLI::App* cmd, const FuzzArgs& a) {
     check_output_file("--json", a.json);
   }
   if (a.out.empty()) bad_input("--out: the path is empty; valid: a folder for the shrunk failures");
+  if (impl) {
+    std::unique_ptr<Profile> profile;
+    const ImplOptions io = impl_options(cmd, a, profile);
+    const FuzzResult r = fuzz_impl(o, io, std::cerr);
+    print_impl_result(r, std::cout);
+    if (cmd->count("--json")) {
+      const std::string err = write_file(a.json, {impl_json(r)});
+      if (!err.empty()) bad_input("--json: " + err);
+    }
+    return fuzz_impl_status(r);
+  }
   const FuzzResult r = fuzz(o, std::cerr);
   print_fuzz_result(r, std::cout);
   if (cmd->count("--json")) {
@@ -537,7 +611,7 @@ struct Commands {
   RunArgs ra;
   bool keys = false, keys_markdown = false, list_json = false;
   std::vector<std::string> vfiles, vsets, ex_sets;
-  std::string vmax_memory, ex_file, ex_dir;
+  std::string vmax_memory, ex_file, ex_dir, ex_profile, vprofile;
   CaseFilter ex_cases;
   CheckArgs ck;
   FuzzArgs fa;
@@ -582,6 +656,8 @@ void add_run_validate_list(CLI::App& app, Commands& c) {
   c.val->add_flag("--keys", c.keys, "list every case key with its valid values");
   c.val->add_flag("--markdown", c.keys_markdown, "with --keys: as the Markdown table of docs/case-keys.md");
   c.val->add_option("--max-memory", c.vmax_memory, kMemHelp)->type_name("SIZE");
+  c.val->add_option("--profile", c.vprofile, "check a profile file (or shipped name); with case files, also say which "
+                    "cases lie outside it")->type_name("NAME|FILE");
 
   c.ls = app.add_subcommand("list", "list registered paths, their stages and backends, and the planted faults");
   c.ls->add_flag("--json", c.list_json, "print the list as JSON (each variant with its `backends`)");
@@ -596,6 +672,8 @@ void add_export_check(CLI::App& app, Commands& c) {
       ->expected(1)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   c.exp->add_option("--set", c.ex_sets, "override a case key, as for run");
+  c.exp->add_option("--profile", c.ex_profile, "set the profile's fixed keys on every case and leave out the cases "
+                    "outside it (a shipped name such as torchtitan, or a profile file)")->type_name("NAME|FILE");
   c.chk = app.add_subcommand("check", "check an implementation's outputs against the reference, stage by stage");
   c.chk->add_option("dir", c.ck.dir, "a folder written by export (or a folder of them)")->required();
   c.chk->add_option("--actual", c.ck.actual_dir, "the implementation's .npy files (default DIR/actual)");
@@ -621,6 +699,19 @@ void add_fuzz_selftest_bench(CLI::App& app, Commands& c) {
   c.fz->add_option("--out", c.fa.out, "folder for the shrunk failing cases (default fuzz-failures, made on the first)");
   c.fz->add_option("--json", c.fa.json, "also write the result as JSON");
   c.fz->add_flag("--no-shrink", c.fa.no_shrink, "write failures as drawn");
+  c.fz->add_option("--impl", c.fa.impl,
+                   "fuzz YOUR implementation: a shell command with {case} for an exported case folder; it writes "
+                   "{case}/actual/ and exits 0 (judged as check does), 77 (configuration not supported: skipped) or "
+                   "anything else (crashed)")
+      ->type_name("CMD");
+  c.fz->add_flag("--worker", c.fa.worker,
+                 "with --impl: CMD is started once per job and reads case folders on stdin, answering one line each "
+                 "(done | skip REASON | error REASON; Python: moeverify.serve)");
+  c.fz->add_option("--impl-timeout", c.fa.impl_timeout, "with --impl: seconds per configuration before it counts as "
+                   "crashed (default 60)")->type_name("SECONDS");
+  c.fz->add_option("--profile", c.fa.profile, "with --impl: draw only what the implementation supports, with its "
+                   "conventions: a shipped name (torchtitan, megatron) or a profile file")->type_name("NAME|FILE");
+  c.fz->add_flag("--keep", c.fa.keep, "with --impl: keep the temporary case folders (their folder is printed)");
 
   c.st = app.add_subcommand("selftest", "show that every planted fault is caught by a case, the fuzz or a probe");
   c.st->add_option("--cases", c.sa.cases, "the shipped case files (default: this build's source cases/)");
@@ -656,11 +747,16 @@ int dispatch(Commands& c) {
     mpi_finalize_if_started();
     return rc;
   }
+  if (c.val->parsed() && c.val->count("--profile")) return cmd_validate_profile(c.vprofile, c.vfiles, c.vsets);
   if (c.val->parsed()) return cmd_validate(c.val, c.vfiles, c.vsets, c.keys, c.keys_markdown, c.vmax_memory);
   if (c.fz->parsed()) return cmd_fuzz(c.fz, c.fa);
   if (c.st->parsed()) return cmd_selftest(c.st, c.sa);
   if (c.bn->parsed()) return cmd_bench(c.bn, c.ba);
-  if (c.exp->parsed()) return cmd_export(c.ex_file, c.ex_dir, c.ex_cases, c.ex_sets);
+  if (c.exp->parsed()) {
+    std::unique_ptr<Profile> p;
+    if (c.exp->count("--profile")) p = std::make_unique<Profile>(load_profile(c.ex_profile));
+    return cmd_export(c.ex_file, c.ex_dir, c.ex_cases, c.ex_sets, p.get());
+  }
   if (c.chk->parsed()) {
     c.ck.has_actual = c.chk->count("--actual") > 0;
     c.ck.want_json = c.chk->count("--json") > 0;

@@ -129,6 +129,10 @@ bool draw_fp8(uint64_t seed, uint64_t index, std::ostream& y, int64_t D, bool su
 
 }  // namespace
 
+Case load_one_case(const std::string& yaml, const std::string& origin) {
+  return load_cases_text("cases:\n  - " + yaml + "\n", origin, {}).at(0);
+}
+
 std::string random_case_yaml(uint64_t seed, uint64_t index) {
   Draw d{std::mt19937_64(seed * 0x9E3779B97F4A7C15ull + index)};
   // Sequence parallel (docs/contract.md §10) from a stream of its own, so the other

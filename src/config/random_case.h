@@ -27,7 +27,13 @@
 #include <cstdint>
 #include <string>
 
+#include "case.h"
+
 namespace moev {
+
+/// The one case a flow mapping such as random_case_yaml's describes, loaded
+/// and validated as a case file entry; `origin` names it in messages.
+Case load_one_case(const std::string& yaml, const std::string& origin);
 
 /// The YAML text of case `index` of the stream `seed` (one flow mapping with
 /// a name, no trailing newline). Pure function of (seed, index).

@@ -1,0 +1,412 @@
+// `moeverify fuzz --impl CMD` (docs/guide.md "Fuzz your own implementation"):
+// the fuzz's configurations, drawn inside a profile, exported with export's
+// code, handed to the user's implementation, judged with check's code, and
+// every failure shrunk with the fuzz's own reductions by running the
+// implementation again.
+#include <signal.h>
+#include <stdlib.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <iomanip>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <ostream>
+#include <sstream>
+#include <thread>
+
+#include "dump.h"
+#include "error.h"
+#include "export_check.h"
+#include "fuzz.h"
+#include "fuzz_shrink.h"
+#include "profile.h"
+#include "random_case.h"
+#include "subprocess.h"
+
+namespace moev {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+/// The last `n` non-empty lines of `text`.
+std::string last_lines(const std::string& text, int n) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string l; std::getline(in, l);)
+    if (l.find_first_not_of(" \t\r") != std::string::npos) lines.push_back(l);
+  std::string out;
+  for (size_t i = lines.size() > size_t(n) ? lines.size() - size_t(n) : 0; i < lines.size(); ++i)
+    out += (out.empty() ? "" : "\n") + lines[i];
+  return out;
+}
+
+/// What one run of the implementation on one configuration gave.
+struct ImplRun {
+  enum class Kind { judged, skipped, crashed } kind = Kind::judged;
+  Verdict v;             // judged: check's verdict; crashed: ERROR at impl/crash or impl/timeout
+  std::string reason;    // skipped: the implementation's reason
+  std::string err_tail;  // what it wrote to stderr
+  std::map<std::string, std::pair<bool, bool>> stages;  // judged: slot -> (judged, INCORRECT)
+};
+
+/// One job: runs the implementation (its own worker process in worker mode)
+/// on exported case folders under `root`.
+class ImplJob {
+ public:
+  ImplJob(const ImplOptions& impl, std::string root) : impl_(impl), root_(std::move(root)), worker_(impl.cmd) {}
+
+  /// Exports `yaml` into root/tag, runs the implementation, judges it.
+  ImplRun run(const std::string& yaml, const std::string& tag) {
+    const std::string folder = root_ + "/" + tag;
+    ImplRun r = run_in(yaml, folder);
+    if (!impl_.keep) {
+      std::error_code ec;
+      std::filesystem::remove_all(folder, ec);  // links inside are removed, never followed
+    }
+    return r;
+  }
+
+ private:
+  ImplRun run_in(const std::string& yaml, const std::string& folder) {
+    ImplRun r;
+    export_case_folder(load_one_case(yaml, "fuzz"), folder);
+    std::string answer;
+    ProcEnd end;
+    bool ok = false;
+    if (impl_.worker) {
+      ok = worker_.request(folder, impl_.timeout_s, answer, end);
+      r.err_tail = end.err_tail;
+      if (ok && answer.rfind("skip", 0) == 0) return skipped(r, answer.size() > 5 ? answer.substr(5) : "");
+      if (ok && answer.rfind("error", 0) == 0)
+        return crashed(r, "impl/error", "the implementation raised: " + (answer.size() > 6 ? answer.substr(6) : ""));
+      if (ok && answer != "done")
+        return crashed(r, "impl/protocol", "the worker answered '" + printable(answer, 200) +
+                                               "'; valid answers: done, skip REASON, error REASON (docs/guide.md)");
+    } else {
+      std::string cmd = impl_.cmd;
+      for (size_t p; (p = cmd.find("{case}")) != std::string::npos;) cmd.replace(p, 6, shell_quote(folder));
+      end = run_command(cmd, impl_.timeout_s);
+      r.err_tail = end.err_tail;
+      ok = end.how == ProcEnd::How::exited && end.code == 0;
+      if (end.how == ProcEnd::How::exited && end.code == 77)
+        return skipped(r, last_lines(end.err_tail.empty() ? end.out_tail : end.err_tail, 1));
+    }
+    if (!ok)
+      return crashed(r, end.how == ProcEnd::How::timed_out ? "impl/timeout" : "impl/crash",
+                     "the implementation crashed: " + end.describe(impl_.timeout_s) +
+                         (end.err_tail.empty() ? "" : "; its last stderr line: " + last_lines(end.err_tail, 1)));
+    judge(folder, r);
+    return r;
+  }
+
+  static ImplRun& skipped(ImplRun& r, const std::string& why) {
+    r.kind = ImplRun::Kind::skipped;
+    r.reason = why.empty() ? "(no reason given)" : printable(why, 160);
+    return r;
+  }
+
+  static ImplRun& crashed(ImplRun& r, const std::string& key, const std::string& note) {
+    r.kind = ImplRun::Kind::crashed;
+    r.v = Verdict{Outcome::ERROR, key, key, note};
+    return r;
+  }
+
+  static void judge(const std::string& folder, ImplRun& r) {
+    CheckArgs a;
+    try {
+      const CaseReport rep = check_case_folder(folder, folder + "/actual", a);
+      r.v = verdict_of(rep, "yours");
+      if (!rep.bad_input.empty()) r.v = Verdict{Outcome::ERROR, "check/files", "check/files", rep.bad_input};
+      for (const Check& ch : rep.checks) {
+        if (ch.variant != "actual" || ch.tensor == "-") continue;
+        auto& s = r.stages[ch.slot];
+        s.first = true;
+        s.second = s.second || ch.outcome == Outcome::INCORRECT;
+      }
+    } catch (const Error& e) {  // a file check refuses (unknown name, wrong dtype or columns)
+      r.v = Verdict{Outcome::ERROR, "check/files", "check/files", e.what()};
+    }
+  }
+
+  const ImplOptions& impl_;
+  std::string root_;
+  Worker worker_;
+};
+
+/// Configuration `i` of the stream, inside the profile: the plain draw when
+/// it fits, else the profile's repair of it, else the draws of other seeds.
+std::optional<std::string> draw(const Profile& p, uint64_t seed, uint64_t i, std::string& why) {
+  for (uint64_t attempt = 0; attempt < 200; ++attempt) {
+    const uint64_t s = attempt == 0 ? seed : seed ^ (0xD1B54A32D192ED03ull * attempt);
+    if (auto y = p.conform(random_case_yaml(s, i), s + i, why)) return y;
+  }
+  return std::nullopt;
+}
+
+/// The folder of the temporary case folders: a new one under $TMPDIR (or /tmp).
+std::string make_work_dir() {
+  const char* t = getenv("TMPDIR");
+  std::string tmpl = std::string(t && *t ? t : "/tmp") + "/moeverify-fuzz-XXXXXX";
+  if (!mkdtemp(tmpl.data())) bad_input("fuzz --impl: cannot make a temporary folder " + tmpl + "; valid: TMPDIR names a writable folder");
+  return tmpl;
+}
+
+/// The command line that reproduces a failure from its case file.
+std::string repro_line(const ImplOptions& impl, const std::string& file, const std::string& name) {
+  const std::string dir = file.substr(0, file.size() - 5) + ".golden", folder = dir + "/" + dump_folder_name(name);
+  std::string run;
+  if (impl.worker) {
+    run = "echo " + shell_quote(folder) + " | " + impl.cmd;
+  } else {
+    run = impl.cmd;
+    for (size_t p; (p = run.find("{case}")) != std::string::npos;) run.replace(p, 6, shell_quote(folder));
+  }
+  return "moeverify export " + shell_quote(file) + " " + shell_quote(dir) + " && " + run + " && moeverify check " +
+         shell_quote(folder);
+}
+
+void write_impl_failure(const FuzzOptions& o, const ImplOptions& impl, FuzzFailure& f) {
+  YAML::Node n = YAML::Load(f.shrunk);
+  const std::string name = "fuzz_" + std::to_string(o.seed) + "_" + std::to_string(f.index);
+  n["name"] = name;
+  const std::string path = o.out_dir + "/" + name + ".yaml";
+  f.repro = repro_line(impl, path, name);
+  std::ostringstream body;
+  body << "# moeverify fuzz --impl: seed " << o.seed << ", configuration " << f.index << ", " << outcome_name(f.outcome)
+       << " at " << f.check << "\n"
+       << "# implementation: " << impl.cmd << (impl.worker ? " (worker)" : "") << "\n"
+       << "# drawn: " << f.yaml << "\n"
+       << "# repro: " << f.repro << "\n"
+       << "cases:\n  - " << flow(n) << "\n";
+  const std::string err = write_file(path, {body.str()}, /*no_follow=*/true);
+  if (!err.empty()) {
+    f.note += "; the shrunk case could not be written to " + path + ": " + err;
+    f.repro.clear();
+    return;
+  }
+  f.file = path;
+}
+
+/// The profile of an --impl run: the user's, plus held routed weights (a
+/// golden folder holds every input as .npy; export refuses streamed ones).
+Profile impl_profile(const ImplOptions& impl) {
+  Profile p = impl.profile ? *impl.profile : Profile{};
+  bool has = false;
+  for (const auto& f : p.fix) has = has || f.key == "experts.weights";
+  if (!has) p.fix.push_back({"experts.weights", "held", 0});
+  return p;
+}
+
+/// Counts one configuration's outcome into the result (under its mutex).
+void tally(FuzzResult& res, const ImplRun& r) {
+  if (r.kind == ImplRun::Kind::skipped) {
+    ++res.skipped;
+    ++res.skip_reasons[r.reason];
+    return;
+  }
+  if (r.kind == ImplRun::Kind::crashed) {
+    ++res.crashed;
+    return;
+  }
+  ++res.judged;
+  for (const auto& [slot, s] : r.stages) {
+    res.stages[slot].judged += s.first;
+    res.stages[slot].failed += s.second;
+  }
+  if (r.v.outcome == Outcome::PASSED) ++res.passed;
+  else if (r.v.outcome == Outcome::NOT_VERIFIED) ++res.uninformative, ++res.uninformative_checks[r.v.check];
+  else ++res.failed;
+}
+
+/// Set by SIGINT or SIGTERM: the jobs finish the configuration they run,
+/// shrinking stops, and the summary is printed (temporary folders removed).
+std::atomic<bool> g_interrupted{false};
+extern "C" void on_interrupt(int) { g_interrupted = true; }
+
+}  // namespace
+
+FuzzResult fuzz_impl(const FuzzOptions& o, const ImplOptions& impl, std::ostream& progress) {
+  if (o.seconds <= 0 && o.iterations == 0) bad_input("fuzz: give --seconds or --iterations");
+  const Profile profile = impl_profile(impl);
+  std::string why;
+  if (!draw(profile, o.seed, 0, why))
+    bad_input("--profile " + profile.file + ": no configuration in 200 draws lies inside it; the last refused: " + why +
+              "; valid: a profile whose allowed values make valid cases together");
+  if (!o.out_dir.empty()) prepare_dump_root(o.out_dir, "fuzz --out");
+  signal(SIGPIPE, SIG_IGN);  // a worker that died is seen at its pipe's EPIPE, not by a signal
+  g_interrupted = false;
+  struct sigaction sa {}, old_int {}, old_term {};
+  sa.sa_handler = on_interrupt;
+  sigaction(SIGINT, &sa, &old_int);
+  sigaction(SIGTERM, &sa, &old_term);
+  FuzzResult res;
+  res.impl = true;
+  res.seed = o.seed;
+  res.impl_cmd = impl.cmd;
+  res.profile = impl.profile ? impl.profile->name : "";
+  res.work_dir = make_work_dir();
+  progress << "fuzz --impl: seed " << o.seed << " (replay: moeverify fuzz --seed " << o.seed << " --impl "
+           << shell_quote(impl.cmd) << (impl.worker ? " --worker" : "")
+           << (impl.profile ? " --profile " + shell_quote(impl.profile->file) : "") << ")" << std::endl;
+  const auto t0 = Clock::now();
+  std::atomic<uint64_t> next{0}, done{0}, shrinking{0};
+  std::atomic<int> running{std::max(1, o.jobs)};
+  std::atomic<bool> stop{false};
+  std::mutex m;
+  auto job = [&] {
+    ImplJob j(impl, res.work_dir);
+    while (!stop && !g_interrupted) {
+      const uint64_t i = next++;
+      if ((o.iterations && i >= o.iterations) || (o.seconds > 0 && since(t0) >= o.seconds)) break;
+      std::string why_not;
+      const std::optional<std::string> yaml = draw(profile, o.seed, i, why_not);
+      if (!yaml) {  // no draw fits (checked for index 0 above): not counted
+        ++done;
+        continue;
+      }
+      const ImplRun r = j.run(*yaml, "c" + std::to_string(i));
+      if (r.kind == ImplRun::Kind::skipped || r.v.outcome == Outcome::PASSED || r.v.outcome == Outcome::NOT_VERIFIED) {
+        std::lock_guard<std::mutex> lk(m);
+        ++res.drawn;
+        tally(res, r);
+        ++done;
+        continue;
+      }
+      FuzzFailure f;
+      f.index = i;
+      f.outcome = r.v.outcome;
+      f.check = r.v.check;
+      f.note = r.v.note;
+      f.yaml = *yaml;
+      f.stderr_tail = last_lines(r.err_tail, 20);
+      int n = 0;
+      const JudgeFn judge = [&](const std::string& y) {
+        const ImplRun s = j.run(y, "c" + std::to_string(i) + ".s" + std::to_string(++n));
+        return s.kind == ImplRun::Kind::skipped ? Verdict{Outcome::NOT_SUPPORTED, "", "", ""} : s.v;
+      };
+      const FitFn fit = [&](const std::string& y) -> std::optional<std::string> {
+        std::string w;
+        if (g_interrupted) return std::nullopt;
+        ++shrinking;
+        return profile.refit(y, w);
+      };
+      f.shrunk = o.shrink ? shrink(*yaml, r.v, judge, fit, o.shrink_budget, f.shrink_runs) : *yaml;
+      f.shrunk_tokens = tokens_of(f.shrunk);
+      std::lock_guard<std::mutex> lk(m);
+      ++res.drawn;
+      tally(res, r);
+      if (!o.out_dir.empty()) write_impl_failure(o, impl, f);
+      res.failures.push_back(f);
+      if (o.stop_at_first) stop = true;
+      ++done;
+    }
+    --running;
+  };
+  std::vector<std::thread> pool;
+  for (int k = 0; k < std::max(1, o.jobs); ++k) pool.emplace_back(job);
+  // Progress from this thread until every job has ended (a job may still be
+  // shrinking a failure after the time is up).
+  auto last = Clock::now();
+  bool told = false;
+  while (running > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (g_interrupted && !told) {
+      progress << "fuzz --impl: interrupted; finishing the configurations under way" << std::endl;
+      told = true;
+    }
+    if (since(last) < 2.0) continue;
+    last = Clock::now();
+    std::lock_guard<std::mutex> lk(m);
+    progress << "fuzz --impl: " << res.drawn << " drawn, " << res.judged << " judged (" << res.passed << " PASSED), "
+             << res.skipped << " skipped, " << res.crashed << " crashed, " << res.failed << " failed; "
+             << std::fixed << std::setprecision(0) << 60.0 * double(res.judged) / std::max(1e-9, since(t0))
+             << " judged/min" << (shrinking ? "; " + std::to_string(shrinking) + " shrink candidates tried" : "")
+             << std::endl;
+    progress.unsetf(std::ios::fixed);
+  }
+  for (auto& t : pool) t.join();
+  sigaction(SIGINT, &old_int, nullptr);
+  sigaction(SIGTERM, &old_term, nullptr);
+  std::sort(res.failures.begin(), res.failures.end(),
+            [](const FuzzFailure& a, const FuzzFailure& b) { return a.index < b.index; });
+  res.configurations = res.drawn;
+  res.seconds = since(t0);
+  if (!impl.keep) {
+    std::error_code ec;
+    std::filesystem::remove_all(res.work_dir, ec);
+  }
+  return res;
+}
+
+void print_impl_result(const FuzzResult& r, std::ostream& os) {
+  os << "\nfuzz --impl: seed " << r.seed << ", " << r.drawn << " configurations in " << std::fixed << std::setprecision(1)
+     << r.seconds << " s (" << std::setprecision(0) << 60.0 * double(r.judged) / std::max(1e-9, r.seconds)
+     << " judged/min)\n   implementation: " << r.impl_cmd << "\n";
+  os.unsetf(std::ios::fixed);
+  if (!r.profile.empty()) os << "   profile: " << r.profile << "\n";
+  os << "   " << std::left << std::setw(14) << "judged" << r.judged << "  (" << r.passed << " PASSED, " << r.failed
+     << " failed, " << r.uninformative << " NOT_VERIFIED: nothing checked)\n"
+     << "   " << std::setw(14) << "skipped" << r.skipped << "  (not supported by the implementation: exit 77 or skip)\n"
+     << "   " << std::setw(14) << "crashed" << r.crashed << "  (another exit status, a signal, an exception or a timeout)\n";
+  for (const auto& [why, n] : r.skip_reasons) os << "      skipped " << n << ": " << why << "\n";
+  if (!r.stages.empty()) os << "   per stage (configurations judged / INCORRECT):\n";
+  for (const auto& [slot, s] : r.stages) os << "      " << std::setw(16) << slot << s.judged << " / " << s.failed << "\n";
+  for (const auto& f : r.failures) {
+    os << "\n   FAIL configuration " << f.index << ": " << outcome_name(f.outcome) << " at " << f.check << "\n";
+    if (!f.note.empty()) os << "      " << f.note.substr(0, 400) << "\n";
+    if (!f.stderr_tail.empty()) os << "      stderr (last lines):\n         " << [&] {
+      std::string t = f.stderr_tail;
+      for (size_t p = 0; (p = t.find('\n', p)) != std::string::npos; p += 10) t.replace(p, 1, "\n         ");
+      return t;
+    }() << "\n";
+    os << "      drawn:  " << f.yaml << "\n      shrunk: " << f.shrunk << "  (" << f.shrunk_tokens << " tokens per rank, "
+       << f.shrink_runs << " configurations run to shrink it)\n";
+    if (!f.file.empty()) os << "      case:   " << f.file << "\n      repro:  " << f.repro << "\n";
+  }
+  if (r.failures.empty() && r.passed == 0)
+    os << "\nNOT_VERIFIED: no configuration was judged PASSED (every one skipped, crashed or with nothing checked)\n";
+  os << std::right;
+}
+
+std::string impl_json(const FuzzResult& r) {
+  nlohmann::json j;
+  j["schema"] = "moeverify-fuzz-impl/1";
+  j["seed"] = r.seed;
+  j["implementation"] = r.impl_cmd;
+  j["profile"] = r.profile;
+  j["seconds"] = r.seconds;
+  for (const auto& [k, v] : {std::pair<const char*, uint64_t>{"drawn", r.drawn}, {"judged", r.judged},
+                             {"passed", r.passed}, {"not_verified", r.uninformative}, {"skipped", r.skipped},
+                             {"crashed", r.crashed}, {"failed", r.failed}})
+    j[k] = v;
+  j["stages"] = nlohmann::json::object();
+  for (const auto& [slot, s] : r.stages) j["stages"][slot] = {{"judged", s.judged}, {"failed", s.failed}};
+  j["skip_reasons"] = r.skip_reasons;
+  j["failures"] = nlohmann::json::array();
+  for (const auto& f : r.failures)
+    j["failures"].push_back({{"index", f.index},
+                             {"outcome", outcome_name(f.outcome)},
+                             {"check", f.check},
+                             {"kind", f.check.rfind("impl/", 0) == 0 ? f.check.substr(5) : "incorrect"},
+                             {"note", f.note.substr(0, 2000)},
+                             {"stderr_tail", f.stderr_tail},
+                             {"drawn", f.yaml},
+                             {"shrunk", f.shrunk},
+                             {"shrunk_tokens", f.shrunk_tokens},
+                             {"file", f.file},
+                             {"repro", f.repro}});
+  return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+}
+
+int fuzz_impl_status(const FuzzResult& r) {
+  if (!r.failures.empty()) return exit_status(Outcome::INCORRECT);
+  if (r.passed == 0) return exit_status(Outcome::NOT_VERIFIED);
+  return 0;
+}
+
+}  // namespace moev

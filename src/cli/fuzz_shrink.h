@@ -1,0 +1,48 @@
+// What `fuzz` (moeverify's own fast paths) and `fuzz --impl` (a user's
+// implementation) share: the verdict of one configuration and the shrinking
+// of a failing one, whoever judges it.
+#pragma once
+
+#include <yaml-cpp/yaml.h>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+
+#include "report.h"
+
+namespace moev {
+
+/// What one configuration gave: the first check that did not pass.
+struct Verdict {
+  Outcome outcome = Outcome::PASSED;
+  std::string check;  // slot/variant/tensor, tensor without its @rank
+  std::string key;    // slot/tensor: what shrinking must keep failing
+  std::string note;
+};
+
+/// The verdict of a report: its outcome and the first check with it.
+/// `against` names the compared values in the note ("fast", "yours").
+Verdict verdict_of(const CaseReport& r, const char* mine = "fast");
+
+/// A YAML node as one flow line.
+std::string flow(const YAML::Node& n);
+
+/// The largest token count of any rank of a configuration.
+int64_t tokens_of(const std::string& yaml);
+
+/// Judges one configuration (its YAML flow text).
+using JudgeFn = std::function<Verdict(const std::string& yaml)>;
+/// A shrink candidate as it must run (nullopt: not a configuration to try:
+/// invalid, or outside the profile).
+using FitFn = std::function<std::optional<std::string>(const std::string& yaml)>;
+
+/// Shrinks a failing configuration while it fails the same check (slot and
+/// tensor) with the same outcome, trying smaller configurations in a fixed
+/// order (fewer tokens and ranks, smaller D, F, E, K, then options back to
+/// their defaults); at most `budget` configurations are judged (`runs`).
+std::string shrink(const std::string& yaml, const Verdict& v, const JudgeFn& judge, const FitFn& fit, int budget,
+                   int& runs);
+
+}  // namespace moev

@@ -1,0 +1,309 @@
+#include "profile.h"
+
+#include <unistd.h>
+
+#include <climits>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "case_json.h"
+#include "case_schema.h"
+#include "error.h"
+#include "random_case.h"
+
+namespace moev {
+namespace {
+
+const char* const kValid = "valid: keys profile, about, fix (key: value) and allow (key: [values] or {min: a, max: b})";
+
+std::string emit_flow(const YAML::Node& n) {
+  YAML::Emitter e;
+  e << YAML::Flow << n;
+  return e.c_str();
+}
+
+std::string at(const std::string& file, const YAML::Node& n) { return case_detail::at_line_col(file, n.Mark()); }
+
+/// A small case every single key can be set on (E = 840 is a multiple of
+/// every EP size up to 8; D = 256 of every FP8 block): values are checked
+/// on it as --set overrides, so that they are judged by the case loader itself.
+const char* const kProbeCase = "{name: profile, shape: {tokens: 8, hidden: 256, ffn: 8, experts: 840, top_k: 2}}";
+
+/// The loader's verdict on `sets` over the probe case ("" when valid).
+std::string probe(const std::vector<std::string>& sets) {
+  try {
+    load_cases_text(std::string("cases:\n  - ") + kProbeCase + "\n", "profile", sets);
+    return "";
+  } catch (const Error& e) {
+    return e.what();
+  }
+}
+
+/// Every case key `validate --keys` lists, except those a profile cannot
+/// restrict (a case's name and seed are the generator's).
+bool profile_key(const std::string& k) {
+  if (k == "name" || k == "seed" || k == "sweep") return false;
+  for (const auto& [key, help] : case_keys())
+    if (key == k) return true;
+  return false;
+}
+
+bool same_value(const nlohmann::ordered_json& j, const std::string& text) {
+  const YAML::Node v = YAML::Load(text);
+  if (!v.IsScalar()) return emit_flow(v) == emit_flow(YAML::Load(j.dump()));
+  if (j.is_number()) {
+    try {
+      const double a = j.get<double>(), b = v.as<double>();
+      return a == b || std::fabs(a - b) <= 1e-6 * std::max(std::fabs(a), std::fabs(b));
+    } catch (const YAML::Exception&) {
+      return false;
+    }
+  }
+  return j.is_string() && j.get<std::string>() == v.Scalar();
+}
+
+/// The values of key `k` in case `c`: one, or one per rank for shape.tokens
+/// (every rank's token count). Empty when the key does not apply (an FP8 key
+/// without FP8 dispatch): no rule can be broken there.
+std::vector<nlohmann::ordered_json> values_of(const Case& c, const nlohmann::ordered_json& j, const std::string& k) {
+  if (k == "shape.tokens") {
+    std::vector<nlohmann::ordered_json> v;
+    for (int r = 0; r < c.ep; ++r) v.push_back(c.tokens_on(r));
+    return v;
+  }
+  if (k == "dispatch.dtype" && !j.contains(k)) return {"act"};
+  if (!j.contains(k)) return {};
+  return {j[k]};
+}
+
+std::string describe(const Profile::Allow& a) {
+  if (a.values.empty()) {
+    std::ostringstream o;
+    o << "[" << a.min << ", " << a.max << "]";
+    return o.str();
+  }
+  std::string s;
+  for (const auto& v : a.values) s += (s.empty() ? "" : ", ") + v;
+  return "{" + s + "}";
+}
+
+bool allowed(const Profile::Allow& a, const nlohmann::ordered_json& j) {
+  if (a.values.empty()) return j.is_number() && j.get<double>() >= a.min && j.get<double>() <= a.max;
+  for (const auto& v : a.values)
+    if (same_value(j, v)) return true;
+  return false;
+}
+
+/// Sets case key `key` on a drawn configuration where the configuration
+/// holds it (its nested section when it has one), so that the loader never
+/// sees the key twice. shape.tokens replaces every other token-count key.
+void set_key(YAML::Node& n, const std::string& key, const std::string& text) {
+  const YAML::Node v = YAML::Load(text);
+  const YAML::Node& cn = n;
+  if (cn[key]) n.remove(key);
+  const size_t dot = key.find('.');
+  if (dot == std::string::npos) {
+    n[key] = v;
+    return;
+  }
+  const std::string sec = key.substr(0, dot), leaf = key.substr(dot + 1);
+  if (cn[sec] && cn[sec].IsMap()) {
+    YAML::Node s = n[sec];
+    if (key == "shape.tokens")
+      for (const char* other : {"tokens_per_rank", "batch", "seq_len"}) s.remove(other);
+    s[leaf] = v;
+    return;
+  }
+  n[key] = v;
+}
+
+std::string pick(const Profile::Allow& a, std::mt19937_64& g) {
+  if (!a.values.empty())
+    return a.values[size_t(std::uniform_int_distribution<size_t>(0, a.values.size() - 1)(g))];
+  std::ostringstream o;
+  o.precision(17);
+  if (a.integer) o << std::uniform_int_distribution<int64_t>(int64_t(a.min), int64_t(a.max))(g);
+  else o << std::uniform_real_distribution<double>(a.min, a.max)(g);
+  return o.str();
+}
+
+void read_fix(Profile& p, const YAML::Node& fix) {
+  if (!fix.IsMap()) bad_input(at(p.file, fix) + ": fix: expected a mapping of case keys to values; " + kValid);
+  for (const auto& kv : fix) {
+    const std::string k = kv.first.Scalar();
+    if (!profile_key(k))
+      bad_input(at(p.file, kv.first) + ": fix: '" + printable(k) + "' is not a case key a profile can fix; valid: "
+                "the keys of `moeverify validate --keys` but name, seed and sweep");
+    p.fix.push_back({k, emit_flow(kv.second), int(kv.first.Mark().line) + 1});
+  }
+  const std::string err = probe(p.sets());
+  if (err.empty()) return;
+  // The loader names the key it refused ("--set KEY: ..."): point at its line.
+  for (const auto& f : p.fix)
+    if (err.find("--set " + f.key) != std::string::npos)
+      bad_input(p.file + ":" + std::to_string(f.line) + ": fix " + f.key + ": " + err);
+  bad_input(at(p.file, fix) + ": fix: the fixed keys do not make a valid case together: " + err);
+}
+
+Profile::Allow read_allow_rule(const Profile& p, const YAML::Node& key, const YAML::Node& v) {
+  const std::string k = key.Scalar();
+  Profile::Allow a;
+  a.key = k;
+  a.line = int(key.Mark().line) + 1;
+  const std::string where = at(p.file, key) + ": allow " + k + ": ";
+  if (!profile_key(k))
+    bad_input(at(p.file, key) + ": allow: '" + printable(k) + "' is not a case key a profile can restrict; valid: the "
+              "keys of `moeverify validate --keys` but name, seed and sweep");
+  for (const auto& f : p.fix)
+    if (f.key == k) bad_input(where + "also fixed (line " + std::to_string(f.line) + "); valid: fix it or allow values, not both");
+  if (v.IsSequence() && v.size() > 0) {
+    for (const auto& e : v) {
+      std::vector<std::string> sets = p.sets();
+      sets.push_back(k + "=" + emit_flow(e));
+      const std::string err = k == "shape.tokens" ? "" : probe(sets);
+      if (!err.empty()) bad_input(at(p.file, e) + ": allow " + k + ": " + err);
+      a.values.push_back(emit_flow(e));
+    }
+    return a;
+  }
+  if (v.IsMap() && v.size() == 2 && v["min"] && v["max"]) {
+    try {
+      a.min = v["min"].as<double>();
+      a.max = v["max"].as<double>();
+    } catch (const YAML::Exception&) {
+      bad_input(where + "min and max must be numbers; valid: {min: 0, max: 32}");
+    }
+    if (!(a.min <= a.max)) bad_input(where + "min is above max; valid: {min: a, max: b} with a <= b");
+    a.integer = a.min == std::floor(a.min) && a.max == std::floor(a.max) && std::fabs(a.max) < 1e15;
+    return a;
+  }
+  bad_input(where + "expected a non-empty list of values or {min: a, max: b}; valid: e.g. [1, 2, 4] or {min: 0, max: 32}");
+}
+
+}  // namespace
+
+std::vector<std::string> Profile::sets() const {
+  std::vector<std::string> s;
+  for (const auto& f : fix) s.push_back(f.key + "=" + f.value);
+  return s;
+}
+
+std::string Profile::violation(const Case& c) const {
+  const nlohmann::ordered_json j = case_to_json(c);
+  for (const auto& f : fix)
+    for (const auto& v : values_of(c, j, f.key))
+      if (!same_value(v, f.value))
+        return f.key + " is " + v.dump() + " where the profile fixes " + f.value;
+  for (const auto& a : allow)
+    for (const auto& v : values_of(c, j, a.key))
+      if (!allowed(a, v)) return a.key + " is " + v.dump() + ", outside the profile's " + describe(a);
+  return "";
+}
+
+std::optional<std::string> Profile::refit(const std::string& yaml, std::string& why) const {
+  YAML::Node n = YAML::Load(yaml);
+  for (const auto& f : fix) set_key(n, f.key, f.value);
+  const std::string text = emit_flow(n);
+  try {
+    why = violation(load_one_case(text, "profile"));
+  } catch (const Error& e) {
+    why = e.what();
+  }
+  if (why.empty()) return text;
+  return std::nullopt;
+}
+
+std::optional<std::string> Profile::conform(const std::string& yaml, uint64_t pick_seed, std::string& why) const {
+  std::mt19937_64 g(pick_seed * 0x9E3779B97F4A7C15ull + 0x50524full);
+  YAML::Node n = YAML::Load(yaml);
+  for (const auto& f : fix) set_key(n, f.key, f.value);
+  try {
+    const Case c = load_one_case(emit_flow(n), "profile");
+    const nlohmann::ordered_json j = case_to_json(c);
+    for (const auto& a : allow)
+      for (const auto& v : values_of(c, j, a.key))
+        if (!allowed(a, v)) {
+          set_key(n, a.key, pick(a, g));
+          break;
+        }
+  } catch (const Error& e) {
+    why = e.what();
+    return std::nullopt;
+  }
+  return refit(emit_flow(n), why);
+}
+
+std::string profiles_dir() {
+  std::vector<std::string> dirs;
+  char exe[PATH_MAX];
+  const ssize_t len = readlink("/proc/self/exe", exe, sizeof exe - 1);
+  if (len > 0) {
+    const std::filesystem::path bin = std::filesystem::path(std::string(exe, size_t(len))).parent_path();
+    dirs.push_back((bin.parent_path() / "share/moeverify/cases/profiles").string());
+  }
+#ifdef MOEVERIFY_SOURCE_DIR
+  dirs.push_back(MOEVERIFY_SOURCE_DIR "/cases/profiles");
+#endif
+  for (const auto& d : dirs)
+    if (std::filesystem::is_directory(d)) return d;
+  return "";
+}
+
+Profile load_profile(const std::string& name_or_file) {
+  if (name_or_file.empty()) bad_input("--profile: the name is empty; valid: a shipped profile name or a profile file");
+  std::string file = name_or_file;
+  const bool is_path = name_or_file.find('/') != std::string::npos ||
+                       (name_or_file.size() > 5 && name_or_file.substr(name_or_file.size() - 5) == ".yaml");
+  if (!is_path) {
+    const std::string dir = profiles_dir();
+    std::set<std::string> names;
+    if (!dir.empty())
+      for (const auto& e : std::filesystem::directory_iterator(dir))
+        if (e.path().extension() == ".yaml") names.insert(e.path().stem().string());
+    if (!names.count(name_or_file)) {
+      std::string v;
+      for (const auto& n : names) v += (v.empty() ? "" : ", ") + n;
+      bad_input("--profile " + printable(name_or_file) + ": no such shipped profile" +
+                (dir.empty() ? " (no profiles folder found)" : " in " + dir) + "; valid: " +
+                (v.empty() ? std::string("a profile file path") : v + ", or a profile file path"));
+    }
+    file = dir + "/" + name_or_file + ".yaml";
+  }
+  std::ifstream in(file);
+  if (!in || std::filesystem::is_directory(file))
+    bad_input("--profile " + printable(file, 200) + ": cannot open the profile file; valid: a shipped profile name or a "
+              "readable YAML file");
+  std::stringstream text;
+  text << in.rdbuf();
+  YAML::Node root;
+  try {
+    root = YAML::Load(text.str());
+  } catch (const YAML::Exception& e) {
+    bad_input(case_detail::at_line_col(file, e.mark) + ": YAML syntax error: " + printable(e.msg) + "; " + kValid);
+  }
+  Profile p;
+  p.file = file;
+  p.name = std::filesystem::path(file).stem().string();
+  if (!root.IsMap()) bad_input(file + ": expected a mapping at the top; " + kValid);
+  for (const auto& kv : root) {
+    const std::string k = kv.first.Scalar();
+    if (k == "profile" || k == "about") {
+      if (!kv.second.IsScalar()) bad_input(at(file, kv.second) + ": " + k + ": expected one line of text; " + kValid);
+      (k == "profile" ? p.name : p.about) = kv.second.Scalar();
+    } else if (k != "fix" && k != "allow") {
+      bad_input(at(file, kv.first) + ": unknown key '" + printable(k) + "'; " + kValid);
+    }
+  }
+  if (root["fix"]) read_fix(p, root["fix"]);
+  if (const YAML::Node allow = root["allow"]) {
+    if (!allow.IsMap()) bad_input(at(file, allow) + ": allow: expected a mapping of case keys to values; " + kValid);
+    for (const auto& kv : allow) p.allow.push_back(read_allow_rule(p, kv.first, kv.second));
+  }
+  return p;
+}
+
+}  // namespace moev

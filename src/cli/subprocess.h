@@ -1,0 +1,64 @@
+// Running a user's implementation from `fuzz --impl` (docs/guide.md "Fuzz your
+// own implementation"): a shell command once per case folder, or a worker
+// process started once that answers one line per case folder.
+//
+// Both run CMD through /bin/sh -c in a process group of its own, so that a
+// timeout ends the command and everything it started. Their stdout and
+// stderr are read while they run (a full pipe never blocks them); the last
+// kTailBytes of each are kept for the report.
+#pragma once
+
+#include <sys/types.h>
+
+#include <string>
+
+namespace moev {
+
+constexpr size_t kTailBytes = 4096;
+
+/// How one run of a command ended.
+struct ProcEnd {
+  enum class How { exited, signalled, timed_out, not_started } how = How::not_started;
+  int code = 0;    // exited: the exit status; signalled: the signal
+  double seconds = 0;
+  std::string out_tail, err_tail;  // the last kTailBytes of stdout and stderr
+  /// "exit status 3", "killed by signal 11 (Segmentation fault)", "timed out after 60 s", ...
+  std::string describe(double timeout_s) const;
+};
+
+/// Runs `cmd` through /bin/sh -c with stdin from /dev/null; kills its process
+/// group after `timeout_s` seconds.
+ProcEnd run_command(const std::string& cmd, double timeout_s);
+
+/// A worker: `cmd` started once, sent one case folder per line on stdin,
+/// answering one line on stdout per folder ("done", "skip REASON" or
+/// "error REASON"). Not copyable; the destructor ends the process group.
+class Worker {
+ public:
+  explicit Worker(std::string cmd) : cmd_(std::move(cmd)) {}
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+  ~Worker() { stop(); }
+
+  /// Sends `folder` (started first when not running) and waits for the
+  /// answer line: true with `answer` set when one came. Otherwise (a crash,
+  /// a timeout, stdout closed) the worker is stopped, the next request starts
+  /// a new one, and `end` says how it ended, with the stderr it wrote since
+  /// this request.
+  bool request(const std::string& folder, double timeout_s, std::string& answer, ProcEnd& end);
+  /// Closes stdin, waits up to `grace_s` for the worker to exit, then kills
+  /// its process group.
+  void stop(double grace_s = 2.0);
+
+ private:
+  bool start(ProcEnd& end);
+  std::string cmd_;
+  pid_t pid_ = -1;
+  int in_ = -1, out_ = -1, err_ = -1;
+  std::string pending_;  // stdout bytes after the last answer line
+};
+
+/// `s` quoted for /bin/sh: '...' with every ' written as '\''.
+std::string shell_quote(const std::string& s);
+
+}  // namespace moev
