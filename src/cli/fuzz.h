@@ -59,6 +59,7 @@ struct FuzzFailure {
   std::string file;      // the written case file ("" when none)
   std::string repro;     // the command line that reproduces it ("" when no file)
   std::string stderr_tail;  // --impl: what the implementation wrote to stderr on the drawn configuration
+  int64_t same_as = -1;  // --impl: the configuration whose failure of the same check was shrunk (-1: this one)
 };
 
 /// `fuzz --impl`: per stage, the configurations that judged it and those

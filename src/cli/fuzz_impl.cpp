@@ -256,6 +256,7 @@ FuzzResult fuzz_impl(const FuzzOptions& o, const ImplOptions& impl, std::ostream
   const auto t0 = Clock::now();
   std::atomic<uint64_t> next{0}, done{0}, shrinking{0};
   std::atomic<int> running{std::max(1, o.jobs)};
+  std::map<std::string, uint64_t> shrunk_keys;  // check key -> the configuration whose failure is shrunk
   std::atomic<bool> stop{false};
   std::mutex m;
   auto job = [&] {
@@ -295,12 +296,21 @@ FuzzResult fuzz_impl(const FuzzOptions& o, const ImplOptions& impl, std::ostream
         ++shrinking;
         return profile.refit(y, w);
       };
-      f.shrunk = o.shrink ? shrink(*yaml, r.v, judge, fit, o.shrink_budget, f.shrink_runs) : *yaml;
+      // The first failure of each check is shrunk; a later one of the same
+      // check is listed as drawn (shrinking it again would repeat the work).
+      std::string first_of_key;
+      {
+        std::lock_guard<std::mutex> lk(m);
+        const auto [it, fresh] = shrunk_keys.emplace(r.v.key, i);
+        if (!fresh) first_of_key = std::to_string(it->second);
+      }
+      if (!first_of_key.empty()) f.same_as = std::stoll(first_of_key);
+      f.shrunk = o.shrink && first_of_key.empty() ? shrink(*yaml, r.v, judge, fit, o.shrink_budget, f.shrink_runs) : *yaml;
       f.shrunk_tokens = tokens_of(f.shrunk);
       std::lock_guard<std::mutex> lk(m);
       ++res.drawn;
       tally(res, r);
-      if (!o.out_dir.empty()) write_impl_failure(o, impl, f);
+      if (!o.out_dir.empty() && f.same_as < 0) write_impl_failure(o, impl, f);
       res.failures.push_back(f);
       if (o.stop_at_first) stop = true;
       ++done;
@@ -357,6 +367,11 @@ void print_impl_result(const FuzzResult& r, std::ostream& os) {
   if (!r.stages.empty()) os << "   per stage (configurations judged / INCORRECT):\n";
   for (const auto& [slot, s] : r.stages) os << "      " << std::setw(16) << slot << s.judged << " / " << s.failed << "\n";
   for (const auto& f : r.failures) {
+    if (f.same_as >= 0) {
+      os << "\n   FAIL configuration " << f.index << ": " << outcome_name(f.outcome) << " at " << f.check
+         << " (the check configuration " << f.same_as << " failed; shrunk there)\n";
+      continue;
+    }
     os << "\n   FAIL configuration " << f.index << ": " << outcome_name(f.outcome) << " at " << f.check << "\n";
     if (!f.note.empty()) os << "      " << f.note.substr(0, 400) << "\n";
     if (!f.stderr_tail.empty()) os << "      stderr (last lines):\n         " << [&] {
@@ -399,7 +414,8 @@ std::string impl_json(const FuzzResult& r) {
                              {"shrunk", f.shrunk},
                              {"shrunk_tokens", f.shrunk_tokens},
                              {"file", f.file},
-                             {"repro", f.repro}});
+                             {"repro", f.repro},
+                             {"same_as", f.same_as >= 0 ? nlohmann::json(f.same_as) : nlohmann::json()}});
   return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
 }
 

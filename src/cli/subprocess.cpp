@@ -60,6 +60,8 @@ pid_t spawn(const std::string& cmd, bool stdin_pipe, int& in, int& out, int& err
   in = stdin_pipe ? pin[1] : -1;
   out = pout[0];
   err = perr[0];
+  // Reads never block: poll says which pipe has data, drain takes what is there.
+  for (int fd : {out, err}) fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
   return pid;
 }
 

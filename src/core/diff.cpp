@@ -143,7 +143,7 @@ struct Window {
 /// window, which merges in block order: the result does not depend on the
 /// block size or the thread count.
 struct Partial {
-  int64_t total = 0, mismatches = 0;
+  int64_t total = 0, mismatches = 0, signed_zeros = 0;
   double max_abs = 0, max_rel = 0, max_ulp = 0, max_bound_ratio = 0;
   bool any_nonzero = false;
   Window window;
@@ -151,6 +151,7 @@ struct Partial {
   void merge(const Partial& o) {
     total += o.total;
     mismatches += o.mismatches;
+    signed_zeros += o.signed_zeros;
     max_abs = std::max(max_abs, o.max_abs);
     max_rel = std::max(max_rel, o.max_rel);
     max_ulp = std::max(max_ulp, o.max_ulp);
@@ -167,6 +168,7 @@ template <class T> struct Spans {
   const float* scale;
   const uint8_t* mask;
   Tolerance tol;
+  bool zero_sign_free;  // +0 and -0 agree under the bitwise rule (check of outside code)
 };
 
 /// Element i, the contract of diff_tensors (diff.h) for one element. Max
@@ -184,6 +186,10 @@ inline void visit(Partial& p, const Spans<T>& s, int64_t i) {
   } else {
     if constexpr (R == Rule::bitwise) {
       ok = raw(a) == raw(b);
+      if (!ok && s.zero_sign_free && f == 0 && g == 0) {
+        ok = true;
+        ++p.signed_zeros;
+      }
     }
     if (std::isnan(f) || std::isnan(g)) {
       // NaN matches NaN whatever its sign and payload, under every rule: the
@@ -360,9 +366,9 @@ Partial compare(const Spans<T>& s, int64_t n) {
 
 template <class T>
 Partial compare_typed(const Tensor& fast, const Tensor& ref, CompareClass cls, Tolerance tol,
-                      const std::vector<uint8_t>* mask, const Tensor* scale) {
+                      const std::vector<uint8_t>* mask, const Tensor* scale, bool zero_sign_free) {
   const Spans<T> s{fast.as<T>(), ref.as<T>(), scale ? scale->as<float>() : nullptr, mask ? mask->data() : nullptr,
-                   tol};
+                   tol, zero_sign_free};
   const int64_t n = fast.numel();
   if (!kIsFloat<T> || cls == CompareClass::exact) return compare<T, Rule::bitwise, false>(s, n);
   if (cls == CompareClass::rounding)
@@ -426,7 +432,8 @@ int64_t ulp_distance(double a, double b, ElemType t) {
 }
 
 DiffResult diff_tensors(const Tensor& fast, const Tensor& ref, CompareClass cls, Tolerance tol,
-                        const CoordFn& coords, const std::vector<uint8_t>* mask, const Tensor* scale) {
+                        const CoordFn& coords, const std::vector<uint8_t>* mask, const Tensor* scale,
+                        bool zero_sign_free) {
   DiffResult r;
   r.type = ref.type;
   if (scale && (scale->type != ElemType::f32 || scale->numel() != ref.numel()))
@@ -441,15 +448,16 @@ DiffResult diff_tensors(const Tensor& fast, const Tensor& ref, CompareClass cls,
     throw std::logic_error("diff_tensors: the mask is shorter than the tensors");
   Partial p;
   switch (fast.type) {
-    case ElemType::f32: p = compare_typed<float>(fast, ref, cls, tol, mask, scale); break;
-    case ElemType::bf16: p = compare_typed<bf16>(fast, ref, cls, tol, mask, scale); break;
-    case ElemType::f16: p = compare_typed<fp16>(fast, ref, cls, tol, mask, scale); break;
-    case ElemType::i32: p = compare_typed<int32_t>(fast, ref, cls, tol, mask, scale); break;
-    case ElemType::i64: p = compare_typed<int64_t>(fast, ref, cls, tol, mask, scale); break;
-    case ElemType::e4m3: p = compare_typed<uint8_t>(fast, ref, cls, tol, mask, scale); break;  // bytes, bitwise
+    case ElemType::f32: p = compare_typed<float>(fast, ref, cls, tol, mask, scale, zero_sign_free); break;
+    case ElemType::bf16: p = compare_typed<bf16>(fast, ref, cls, tol, mask, scale, zero_sign_free); break;
+    case ElemType::f16: p = compare_typed<fp16>(fast, ref, cls, tol, mask, scale, zero_sign_free); break;
+    case ElemType::i32: p = compare_typed<int32_t>(fast, ref, cls, tol, mask, scale, zero_sign_free); break;
+    case ElemType::i64: p = compare_typed<int64_t>(fast, ref, cls, tol, mask, scale, zero_sign_free); break;
+    case ElemType::e4m3: p = compare_typed<uint8_t>(fast, ref, cls, tol, mask, scale, zero_sign_free); break;  // bytes, bitwise
   }
   r.total = p.total;
   r.mismatches = p.mismatches;
+  r.signed_zeros = p.signed_zeros;
   r.max_abs = p.max_abs;
   r.max_rel = p.max_rel;
   r.max_ulp = p.max_ulp;

@@ -57,6 +57,7 @@ using CoordFn = std::function<std::string(int64_t)>;
 struct DiffResult {
   ElemType type = ElemType::f32;  // of the tensors compared: how a mismatch's values are shown
   int64_t total = 0, mismatches = 0;
+  int64_t signed_zeros = 0;  // zero_sign_free: elements passed as +0 against -0 (or the reverse)
   double max_abs = 0, max_rel = 0, max_ulp = 0;
   std::vector<Mismatch> first, last;
   bool both_all_zero = false;
@@ -72,9 +73,11 @@ struct DiffResult {
 /// element count: the sum of |terms| behind element i, docs/contract.md §15) is given,
 /// else |ref_i|; NaN at the same place in both agrees (any sign and payload,
 /// in every class), as do equal infinities. Exact classes (and integer
-/// tensors) otherwise compare bits.
+/// tensors) otherwise compare bits; with `zero_sign_free` (`check` of outside
+/// code, docs/contract.md §15) +0 and -0 agree there too, counted in
+/// DiffResult::signed_zeros. moeverify's own fast paths are held to the bits.
 DiffResult diff_tensors(const Tensor& fast, const Tensor& ref, CompareClass cls, Tolerance tol,
                         const CoordFn& coords, const std::vector<uint8_t>* mask = nullptr,
-                        const Tensor* scale = nullptr);
+                        const Tensor* scale = nullptr, bool zero_sign_free = false);
 
 }  // namespace moev

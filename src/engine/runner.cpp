@@ -81,7 +81,14 @@ Check make_check(const Case& c, const std::string& slot, const std::string& vari
     if (!precomputed) own_scale = o.magnitude(c, fb, rank, ranks);
     scale = precomputed ? precomputed : &own_scale;
   }
-  ch.diff = diff_tensors(*f, *r, o.cls, ch.tol, coords_for(o.coords, *f, fb, rank, ranks), mask, scale);
+  // An outside implementation's values ("actual", `check`) may differ from the
+  // reference in the sign of a zero (docs/contract.md §15); moeverify's own may not.
+  const bool outside = variant == "actual";
+  ch.diff = diff_tensors(*f, *r, o.cls, ch.tol, coords_for(o.coords, *f, fb, rank, ranks), mask, scale, outside);
+  if (ch.diff.signed_zeros)
+    ch.note = std::to_string(ch.diff.signed_zeros) +
+              " element(s) are a zero of the other sign (+0 against -0): equal under check's signed-zero rule "
+              "(docs/contract.md §15)";
   if (!ch.diff.structural.empty()) {
     ch.outcome = Outcome::INCORRECT;
     ch.note = ch.diff.structural;
