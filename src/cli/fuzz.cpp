@@ -119,7 +119,7 @@ std::vector<YAML::Node> shrink_candidates(const YAML::Node& n) {
       }
   for (const char* key : {"score_before_experts", "align", "empty_groups", "permute", "dtype", "data",
                           "router.gate_dtype", "score_multiply", "experts.rounding", "experts.compute_dtype", "experts.weights", "sp",
-                          "sp_padding", "backward", "layers", "capacity"})
+                          "sp_padding", "backward", "layers", "capacity", "dispatch"})
     if (n[key]) with([&](YAML::Node& c) { c.remove(key); });
   return out;
 }
@@ -174,10 +174,13 @@ std::string shrink(const std::string& yaml, const Verdict& v, const JudgeFn& jud
   bool improved = true;
   while (improved && runs < budget) {
     improved = false;
+    const std::string now = flow(cur);
     for (const YAML::Node& cand : shrink_candidates(cur)) {
       if (runs >= budget) break;
       const std::optional<std::string> text = fit(flow(cand));
-      if (!text) continue;
+      // A candidate the fit turns back into the current configuration (a
+      // profile's fixed key set again) is no step: taking it would loop.
+      if (!text || *text == now) continue;
       ++runs;
       const Verdict w = judge(*text);
       if (w.outcome == v.outcome && w.key == v.key) {

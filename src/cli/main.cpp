@@ -489,7 +489,7 @@ struct FuzzArgs {
   std::string seconds, iterations, seed, jobs = "1", backend = "host", out = "fuzz-failures", json;
   std::vector<std::string> faults;
   bool no_shrink = false;
-  std::string impl, impl_timeout = "60", profile;
+  std::string impl, impl_timeout = "60", profile, shrink_budget = "400";
   bool worker = false, keep = false;
 };
 
@@ -536,6 +536,7 @@ int cmd_fuzz(const CLI::App* cmd, const FuzzArgs& a) {
   o.faults = parse_faults(a.faults, &o.fault_flags);
   o.out_dir = a.out;
   o.shrink = !a.no_shrink;
+  o.shrink_budget = parse_int_option("--shrink-budget", a.shrink_budget, 1, 1000000);
   if (cmd->count("--json")) {
     if (a.json.empty()) bad_input("--json: the path is empty; valid: a file path such as fuzz.json");
     check_output_file("--json", a.json);
@@ -699,6 +700,8 @@ void add_fuzz_selftest_bench(CLI::App& app, Commands& c) {
   c.fz->add_option("--out", c.fa.out, "folder for the shrunk failing cases (default fuzz-failures, made on the first)");
   c.fz->add_option("--json", c.fa.json, "also write the result as JSON");
   c.fz->add_flag("--no-shrink", c.fa.no_shrink, "write failures as drawn");
+  c.fz->add_option("--shrink-budget", c.fa.shrink_budget,
+                   "configurations run at most to shrink one failure (default 400)")->type_name("N");
   c.fz->add_option("--impl", c.fa.impl,
                    "fuzz YOUR implementation: a shell command with {case} for an exported case folder; it writes "
                    "{case}/actual/ and exits 0 (judged as check does), 77 (configuration not supported: skipped) or "

@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# `moeverify fuzz --impl` against examples/numpy_moe.py (NumPy only, no torch):
+#   1. under its profile: every configuration judged, 0 failures, 0 crashes;
+#      through the worker (--serve) too, and nothing left in TMPDIR or the
+#      working folder;
+#   2. planted bugs found, shrunk to at most 4 tokens per rank at the stage
+#      they live in, and the repro line of the case file reproduces them;
+#   3. an implementation that crashes, hangs, answers nonsense or exits 77 is
+#      reported as such and never PASSED (exit 1, or NOT_VERIFIED's 4 when
+#      nothing was judged);
+#   4. bad command lines and profiles are exit 2 with what would be valid.
+#
+#   tests/fuzz_impl.sh MOEVERIFY SOURCE_DIR
+set -u
+bin=$1
+src=$2
+py=/usr/bin/python3
+"$py" -c "import numpy" || { echo "numpy is not importable by $py (bash .ci/setup-deps installs python3-numpy)"; exit 1; }
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+mkdir -p "$work/tmp" "$work/cwd"
+export TMPDIR=$work/tmp
+cd "$work/cwd" || exit 1
+numpy="$py $src/examples/numpy_moe.py"
+profile=$src/examples/numpy_moe.profile.yaml
+fail() { echo "FAIL: $*"; exit 1; }
+# field JSON KEY: a top-level number of a fuzz --json summary
+field() { "$py" -c "import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$1" "$2"; }
+
+echo "== 1. the example under its profile: one-shot, then worker"
+"$bin" fuzz --impl "$numpy {case}" --profile "$profile" --iterations 30 --seed 7 --jobs 2 \
+  --out "$work/out1" --json "$work/s1.json" >"$work/o1.txt" 2>&1
+rc=$?
+tail -n 12 "$work/o1.txt"
+[ "$rc" -eq 0 ] || fail "exit $rc under the profile"
+[ "$(field "$work/s1.json" judged)" -eq 30 ] && [ "$(field "$work/s1.json" passed)" -eq 30 ] || fail "not 30 of 30 PASSED"
+[ "$(field "$work/s1.json" crashed)" -eq 0 ] && [ "$(field "$work/s1.json" failed)" -eq 0 ] || fail "failures or crashes"
+"$bin" fuzz --impl "$numpy --serve" --worker --profile "$profile" --iterations 30 --seed 8 --jobs 2 \
+  --out "$work/out1" --json "$work/s1w.json" >"$work/o1w.txt" 2>&1 || { tail "$work/o1w.txt"; fail "worker run"; }
+[ "$(field "$work/s1w.json" passed)" -eq 30 ] || fail "worker: not 30 PASSED"
+[ -z "$(ls -A "$work/tmp")" ] || fail "temporary folders left in TMPDIR: $(ls "$work/tmp")"
+[ -z "$(ls -A "$work/cwd")" ] || fail "files written in the working folder: $(ls "$work/cwd")"
+[ ! -e "$work/out1" ] || [ -z "$(ls -A "$work/out1")" ] || fail "--out holds files although nothing failed"
+# --keep keeps them, and says where
+"$bin" fuzz --impl "$numpy {case}" --profile "$profile" --iterations 2 --seed 7 --keep --out "$work/out1" \
+  --json "$work/sk.json" >/dev/null 2>&1 || fail "--keep run"
+kept=$(ls "$work/tmp")
+[ -n "$kept" ] && ls "$work/tmp/$kept"/c0/manifest.json >/dev/null || fail "--keep: no case folder kept"
+rm -rf "${work:?}/tmp/"*
+
+echo "== 2. planted bugs: found, shrunk to <= 4 tokens per rank, reproduced"
+for spec in "unstable_order dispatch" "skip_last_source ep_dispatch" "source_major ep_permute"; do
+  set -- $spec
+  rm -rf "$work/out2"
+  "$bin" fuzz --impl "$numpy {case} --bug $1" --profile "$profile" --iterations 6 --seed 1 --jobs 2 \
+    --out "$work/out2" --json "$work/s2.json" >"$work/o2.txt" 2>&1
+  rc=$?
+  read -r check tokens file repro < <("$py" -c "
+import json, sys
+d = json.load(open(sys.argv[1]))
+f = [f for f in d['failures'] if f['same_as'] is None][0]
+print(f['check'], f['shrunk_tokens'], f['file'], f['repro'].replace('moeverify ', sys.argv[2] + ' '))" "$work/s2.json" "$bin")
+  echo "--bug $1: exit $rc, first failure at $check, shrunk to $tokens token(s) per rank"
+  [ "$rc" -eq 1 ] || fail "--bug $1: exit $rc, not 1"
+  [ "${check%%/*}" = "$2" ] || fail "--bug $1: failure at $check, not at stage $2"
+  [ "$tokens" -le 4 ] || fail "--bug $1: shrunk to $tokens tokens per rank (more than 4)"
+  [ -f "$file" ] || fail "--bug $1: no case file $file"
+  (eval "$repro") >"$work/repro.txt" 2>&1
+  rc=$?
+  [ "$rc" -eq 1 ] && grep -qE "^   $2 +actual\*? +INCORRECT" "$work/repro.txt" ||
+    { tail -n 20 "$work/repro.txt"; fail "--bug $1: the repro line gave exit $rc, not INCORRECT at $2"; }
+done
+
+echo "== 3. crash, hang, nonsense, exit 77: reported as such, never PASSED"
+# a crash: exit 3 with a message on stderr
+"$bin" fuzz --impl "echo 'boom: the kernel fell over' >&2; exit 3; : {case}" --iterations 3 --seed 1 \
+  --out "$work/out3" --json "$work/s3.json" >"$work/o3.txt" 2>&1
+rc=$?
+[ "$rc" -eq 1 ] && [ "$(field "$work/s3.json" crashed)" -eq 3 ] && [ "$(field "$work/s3.json" passed)" -eq 0 ] ||
+  { cat "$work/o3.txt"; fail "crash: exit $rc"; }
+grep -q "exit status 3" "$work/o3.txt" && grep -q "boom: the kernel fell over" "$work/o3.txt" ||
+  fail "crash: the exit status or the stderr tail is missing from the report"
+# a signal
+"$bin" fuzz --impl "kill -SEGV \$\$; : {case}" --iterations 1 --seed 1 --no-shrink --out "$work/out3" >"$work/o3s.txt" 2>&1
+[ $? -eq 1 ] && grep -q "killed by signal 11" "$work/o3s.txt" || { cat "$work/o3s.txt"; fail "signal not reported"; }
+# a hang, past --impl-timeout (its child process ended with it)
+"$bin" fuzz --impl "sleep 30; : {case}" --impl-timeout 0.5 --iterations 1 --seed 1 --no-shrink \
+  --out "$work/out3" --json "$work/s3t.json" >"$work/o3t.txt" 2>&1
+rc=$?
+[ "$rc" -eq 1 ] && grep -q "timed out after 0.5 s" "$work/o3t.txt" || { cat "$work/o3t.txt"; fail "timeout: exit $rc"; }
+pgrep -f "^sleep 30$" >/dev/null && fail "the timed-out command's process was left running"
+# exit 77 on everything: counted skipped, nothing PASSED: NOT_VERIFIED (exit 4)
+"$bin" fuzz --impl "echo 'no EP here' >&2; exit 77; : {case}" --iterations 4 --seed 1 --json "$work/s3u.json" \
+  --out "$work/out3" >"$work/o3u.txt" 2>&1
+rc=$?
+[ "$rc" -eq 4 ] && [ "$(field "$work/s3u.json" skipped)" -eq 4 ] && [ "$(field "$work/s3u.json" passed)" -eq 0 ] ||
+  { cat "$work/o3u.txt"; fail "exit 77: exit $rc"; }
+grep -q "skipped 4: no EP here" "$work/o3u.txt" || fail "exit 77: the reason is not shown"
+# exit 0 without writing anything: NOT_VERIFIED, not PASSED
+"$bin" fuzz --impl "true {case}" --iterations 2 --seed 1 --json "$work/s3n.json" --out "$work/out3" >/dev/null 2>&1
+rc=$?
+[ "$rc" -eq 4 ] && [ "$(field "$work/s3n.json" not_verified)" -eq 2 ] || fail "nothing written: exit $rc"
+# a worker that answers nonsense, and one that dies on its second request
+"$bin" fuzz --impl "while read d; do echo maybe; done" --worker --iterations 2 --seed 1 --no-shrink \
+  --out "$work/out3" >"$work/o3p.txt" 2>&1
+[ $? -eq 1 ] && grep -q "answered 'maybe'" "$work/o3p.txt" || { cat "$work/o3p.txt"; fail "protocol error"; }
+cat >"$work/flaky.py" <<EOF
+import os, sys
+sys.path.insert(0, "$src/examples")
+import numpy_moe, moeverify
+n = [0]
+def once(g):
+    n[0] += 1
+    if n[0] == 2:
+        os._exit(9)  # the worker process dies mid-run
+    numpy_moe.implement(g)
+moeverify.serve(once)
+EOF
+"$bin" fuzz --impl "$py $work/flaky.py" --worker --profile "$profile" --iterations 6 --seed 3 --no-shrink \
+  --out "$work/out3" --json "$work/s3f.json" >"$work/o3f.txt" 2>&1
+[ "$(field "$work/s3f.json" crashed)" -ge 1 ] && [ "$(field "$work/s3f.json" passed)" -ge 3 ] ||
+  { cat "$work/o3f.txt"; fail "a dying worker: not reported as crashed, or not restarted"; }
+
+echo "== 4. bad input: exit 2 with what would be valid"
+expect2() {
+  local what=$1 want=$2; shift 2
+  "$@" >"$work/o4.txt" 2>&1
+  local rc=$?
+  [ "$rc" -eq 2 ] && grep -q "$want" "$work/o4.txt" || { cat "$work/o4.txt"; fail "$what: exit $rc"; }
+}
+expect2 "no {case}" "no {case} in the command" "$bin" fuzz --impl "$numpy" --iterations 1
+expect2 "{case} with --worker" "the worker reads case folders on stdin" "$bin" fuzz --impl "x {case}" --worker --iterations 1
+expect2 "--profile without --impl" "go with --impl" "$bin" fuzz --profile torchtitan --iterations 1
+expect2 "unknown profile" "valid: megatron, torchtitan" "$bin" fuzz --impl "x {case}" --profile nosuch --iterations 1
+printf 'fix:\n  experts.rounding: fused\nallow:\n  ep: [1, 2]\n  combine.acumulate: [per_add]\n' >"$work/p.yaml"
+expect2 "a profile with an unknown key" "p.yaml:5:3: allow: 'combine.acumulate' is not a case key" \
+  "$bin" validate --profile "$work/p.yaml"
+printf 'allow:\n  ep: [1, 2]\n  dtype: [fp64]\n' >"$work/p.yaml"
+expect2 "a profile with a bad value" "p.yaml:3:11: allow dtype: .*valid: fp32 | bf16 | fp16" \
+  "$bin" validate --profile "$work/p.yaml"
+printf 'allow:\n  sp: [2]\n  router.force_load_balance: ["on"]\n' >"$work/p.yaml"
+expect2 "a profile nothing fits" "no configuration in 200 draws lies inside it" \
+  "$bin" fuzz --impl "x {case}" --profile "$work/p.yaml" --iterations 1
+echo "fuzz --impl: every check passed"
