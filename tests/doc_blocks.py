@@ -11,7 +11,7 @@
           trailing comment names: "exit N"), except long-running commands
           (fuzz, selftest, bench, mpirun, every case file at once, and the
           README's set-up lines, which tests/readme_commands.sh runs), whose
-          case files are validated instead; other lines (your own code, the
+          case files (and --profile files) are validated instead; other lines (your own code, the
           GPU kit) are only syntax-checked
   text    shown output: nothing to run
 
@@ -88,8 +88,10 @@ for path in files:
                 if prog == "python3" and len(words) > 1 and words[1].startswith("examples/"):
                     run(cmd.replace("python3", "/usr/bin/python3", 1), where, want)
                 elif prog == "mpirun" or wide or (prog == "moeverify" and len(words) > 1 and words[1] in LONG):
-                    for w in words:
-                        if w.endswith(".yaml"):
+                    for i, w in enumerate(words):
+                        if i > 0 and words[i - 1] == "--profile":  # a profile file or name (fuzz --impl)
+                            run(f"moeverify validate --profile {shlex.quote(w)}", where)
+                        elif w.endswith(".yaml"):
                             run(f"moeverify validate {w if '*' in w else shlex.quote(w)}", where)
                 elif prog == "moeverify":
                     run(cmd, where, want)

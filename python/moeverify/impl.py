@@ -2,7 +2,7 @@
 and run it as `moeverify fuzz --impl` expects (`main`, `serve`).
 
 An implementation is a function fn(golden) that reads a case folder's inputs
-and writes its outputs with golden.write(...) (docs/guide.md "Check your own
+and writes its outputs with golden.write(...) (docs/guide.md "Fuzz your own
 implementation"). It raises Unsupported for a configuration it does not
 implement: that configuration is then skipped and counted, never passed.
 

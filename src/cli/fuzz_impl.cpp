@@ -230,127 +230,158 @@ extern "C" void on_interrupt(int) { g_interrupted = true; }
 
 }  // namespace
 
+namespace {
+
+/// One --impl run: the jobs' shared state, each job's loop, the failure
+/// handling (shrink, case file) and the progress lines.
+class ImplFuzz {
+ public:
+  ImplFuzz(const FuzzOptions& o, const ImplOptions& impl, std::ostream& progress)
+      : o_(o), impl_(impl), profile_(impl_profile(impl)), progress_(progress) {}
+
+  FuzzResult run() {
+    std::string why;
+    if (!draw(profile_, o_.seed, 0, why))
+      bad_input("--profile " + profile_.file + ": no configuration in 200 draws lies inside it; the last refused: " +
+                why + "; valid: a profile whose allowed values make valid cases together");
+    if (!o_.out_dir.empty()) prepare_dump_root(o_.out_dir, "fuzz --out");
+    res_.impl = true;
+    res_.seed = o_.seed;
+    res_.impl_cmd = impl_.cmd;
+    res_.profile = impl_.profile ? impl_.profile->name : "";
+    res_.work_dir = make_work_dir();
+    progress_ << "fuzz --impl: seed " << o_.seed << " (replay: moeverify fuzz --seed " << o_.seed << " --impl "
+              << shell_quote(impl_.cmd) << (impl_.worker ? " --worker" : "")
+              << (impl_.profile ? " --profile " + shell_quote(impl_.profile->file) : "") << ")" << std::endl;
+    t0_ = Clock::now();
+    running_ = std::max(1, o_.jobs);
+    std::vector<std::thread> pool;
+    for (int k = 0; k < running_; ++k) pool.emplace_back([this] { job(); });
+    report_progress();
+    for (auto& t : pool) t.join();
+    std::sort(res_.failures.begin(), res_.failures.end(),
+              [](const FuzzFailure& a, const FuzzFailure& b) { return a.index < b.index; });
+    res_.configurations = res_.drawn;
+    res_.seconds = since(t0_);
+    if (!impl_.keep) {
+      std::error_code ec;
+      std::filesystem::remove_all(res_.work_dir, ec);
+    }
+    return res_;
+  }
+
+ private:
+  void job() {
+    ImplJob j(impl_, res_.work_dir);
+    while (!stop_ && !g_interrupted) {
+      const uint64_t i = next_++;
+      if ((o_.iterations && i >= o_.iterations) || (o_.seconds > 0 && since(t0_) >= o_.seconds)) break;
+      std::string why_not;
+      const std::optional<std::string> yaml = draw(profile_, o_.seed, i, why_not);
+      if (!yaml) continue;  // no draw fits (index 0 did, checked in run): not counted
+      const ImplRun r = j.run(*yaml, "c" + std::to_string(i));
+      const bool failed = r.kind == ImplRun::Kind::crashed ||
+                          (r.kind == ImplRun::Kind::judged && r.v.outcome != Outcome::PASSED &&
+                           r.v.outcome != Outcome::NOT_VERIFIED);
+      if (failed) {
+        fail(j, i, *yaml, r);
+      } else {
+        std::lock_guard<std::mutex> lk(m_);
+        ++res_.drawn;
+        tally(res_, r);
+      }
+    }
+    --running_;
+  }
+
+  /// A failing configuration: shrunk (the first of its check), written
+  /// under --out with its repro line, and counted.
+  void fail(ImplJob& j, uint64_t i, const std::string& yaml, const ImplRun& r) {
+    FuzzFailure f;
+    f.index = i;
+    f.outcome = r.v.outcome;
+    f.check = r.v.check;
+    f.note = r.v.note;
+    f.yaml = yaml;
+    f.stderr_tail = last_lines(r.err_tail, 20);
+    {
+      // The first failure of each check is shrunk; a later one of the same
+      // check is listed as drawn (shrinking it again would repeat the work).
+      std::lock_guard<std::mutex> lk(m_);
+      const auto [it, fresh] = shrunk_keys_.emplace(r.v.key, i);
+      if (!fresh) f.same_as = int64_t(it->second);
+    }
+    int n = 0;
+    const JudgeFn judge = [&](const std::string& y) {
+      const ImplRun s = j.run(y, "c" + std::to_string(i) + ".s" + std::to_string(++n));
+      return s.kind == ImplRun::Kind::skipped ? Verdict{Outcome::NOT_SUPPORTED, "", "", ""} : s.v;
+    };
+    const FitFn fit = [&](const std::string& y) -> std::optional<std::string> {
+      std::string w;
+      if (g_interrupted) return std::nullopt;
+      ++shrinking_;
+      return profile_.refit(y, w);
+    };
+    f.shrunk = o_.shrink && f.same_as < 0 ? shrink(yaml, r.v, judge, fit, o_.shrink_budget, f.shrink_runs) : yaml;
+    f.shrunk_tokens = tokens_of(f.shrunk);
+    std::lock_guard<std::mutex> lk(m_);
+    ++res_.drawn;
+    tally(res_, r);
+    if (!o_.out_dir.empty() && f.same_as < 0) write_impl_failure(o_, impl_, f);
+    res_.failures.push_back(f);
+    if (o_.stop_at_first) stop_ = true;
+  }
+
+  /// Progress every 2 s until every job has ended (a job may still be
+  /// shrinking a failure after the time is up).
+  void report_progress() {
+    auto last = Clock::now();
+    bool told = false;
+    while (running_ > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      if (g_interrupted && !told) {
+        progress_ << "fuzz --impl: interrupted; finishing the configurations under way" << std::endl;
+        told = true;
+      }
+      if (since(last) < 2.0) continue;
+      last = Clock::now();
+      std::lock_guard<std::mutex> lk(m_);
+      progress_ << "fuzz --impl: " << res_.drawn << " drawn, " << res_.judged << " judged (" << res_.passed
+                << " PASSED), " << res_.skipped << " skipped, " << res_.crashed << " crashed, " << res_.failed
+                << " failed; " << std::fixed << std::setprecision(0)
+                << 60.0 * double(res_.judged) / std::max(1e-9, since(t0_)) << " judged/min"
+                << (shrinking_ ? "; " + std::to_string(shrinking_) + " shrink candidates tried" : "") << std::endl;
+      progress_.unsetf(std::ios::fixed);
+    }
+  }
+
+  const FuzzOptions& o_;
+  const ImplOptions& impl_;
+  const Profile profile_;
+  std::ostream& progress_;
+  FuzzResult res_;
+  Clock::time_point t0_;
+  std::atomic<uint64_t> next_{0}, shrinking_{0};
+  std::atomic<int> running_{0};
+  std::atomic<bool> stop_{false};
+  std::mutex m_;
+  std::map<std::string, uint64_t> shrunk_keys_;  // check key -> the configuration whose failure is shrunk
+};
+
+}  // namespace
+
 FuzzResult fuzz_impl(const FuzzOptions& o, const ImplOptions& impl, std::ostream& progress) {
   if (o.seconds <= 0 && o.iterations == 0) bad_input("fuzz: give --seconds or --iterations");
-  const Profile profile = impl_profile(impl);
-  std::string why;
-  if (!draw(profile, o.seed, 0, why))
-    bad_input("--profile " + profile.file + ": no configuration in 200 draws lies inside it; the last refused: " + why +
-              "; valid: a profile whose allowed values make valid cases together");
-  if (!o.out_dir.empty()) prepare_dump_root(o.out_dir, "fuzz --out");
   signal(SIGPIPE, SIG_IGN);  // a worker that died is seen at its pipe's EPIPE, not by a signal
   g_interrupted = false;
   struct sigaction sa {}, old_int {}, old_term {};
   sa.sa_handler = on_interrupt;
   sigaction(SIGINT, &sa, &old_int);
   sigaction(SIGTERM, &sa, &old_term);
-  FuzzResult res;
-  res.impl = true;
-  res.seed = o.seed;
-  res.impl_cmd = impl.cmd;
-  res.profile = impl.profile ? impl.profile->name : "";
-  res.work_dir = make_work_dir();
-  progress << "fuzz --impl: seed " << o.seed << " (replay: moeverify fuzz --seed " << o.seed << " --impl "
-           << shell_quote(impl.cmd) << (impl.worker ? " --worker" : "")
-           << (impl.profile ? " --profile " + shell_quote(impl.profile->file) : "") << ")" << std::endl;
-  const auto t0 = Clock::now();
-  std::atomic<uint64_t> next{0}, done{0}, shrinking{0};
-  std::atomic<int> running{std::max(1, o.jobs)};
-  std::map<std::string, uint64_t> shrunk_keys;  // check key -> the configuration whose failure is shrunk
-  std::atomic<bool> stop{false};
-  std::mutex m;
-  auto job = [&] {
-    ImplJob j(impl, res.work_dir);
-    while (!stop && !g_interrupted) {
-      const uint64_t i = next++;
-      if ((o.iterations && i >= o.iterations) || (o.seconds > 0 && since(t0) >= o.seconds)) break;
-      std::string why_not;
-      const std::optional<std::string> yaml = draw(profile, o.seed, i, why_not);
-      if (!yaml) {  // no draw fits (checked for index 0 above): not counted
-        ++done;
-        continue;
-      }
-      const ImplRun r = j.run(*yaml, "c" + std::to_string(i));
-      if (r.kind == ImplRun::Kind::skipped || r.v.outcome == Outcome::PASSED || r.v.outcome == Outcome::NOT_VERIFIED) {
-        std::lock_guard<std::mutex> lk(m);
-        ++res.drawn;
-        tally(res, r);
-        ++done;
-        continue;
-      }
-      FuzzFailure f;
-      f.index = i;
-      f.outcome = r.v.outcome;
-      f.check = r.v.check;
-      f.note = r.v.note;
-      f.yaml = *yaml;
-      f.stderr_tail = last_lines(r.err_tail, 20);
-      int n = 0;
-      const JudgeFn judge = [&](const std::string& y) {
-        const ImplRun s = j.run(y, "c" + std::to_string(i) + ".s" + std::to_string(++n));
-        return s.kind == ImplRun::Kind::skipped ? Verdict{Outcome::NOT_SUPPORTED, "", "", ""} : s.v;
-      };
-      const FitFn fit = [&](const std::string& y) -> std::optional<std::string> {
-        std::string w;
-        if (g_interrupted) return std::nullopt;
-        ++shrinking;
-        return profile.refit(y, w);
-      };
-      // The first failure of each check is shrunk; a later one of the same
-      // check is listed as drawn (shrinking it again would repeat the work).
-      std::string first_of_key;
-      {
-        std::lock_guard<std::mutex> lk(m);
-        const auto [it, fresh] = shrunk_keys.emplace(r.v.key, i);
-        if (!fresh) first_of_key = std::to_string(it->second);
-      }
-      if (!first_of_key.empty()) f.same_as = std::stoll(first_of_key);
-      f.shrunk = o.shrink && first_of_key.empty() ? shrink(*yaml, r.v, judge, fit, o.shrink_budget, f.shrink_runs) : *yaml;
-      f.shrunk_tokens = tokens_of(f.shrunk);
-      std::lock_guard<std::mutex> lk(m);
-      ++res.drawn;
-      tally(res, r);
-      if (!o.out_dir.empty() && f.same_as < 0) write_impl_failure(o, impl, f);
-      res.failures.push_back(f);
-      if (o.stop_at_first) stop = true;
-      ++done;
-    }
-    --running;
-  };
-  std::vector<std::thread> pool;
-  for (int k = 0; k < std::max(1, o.jobs); ++k) pool.emplace_back(job);
-  // Progress from this thread until every job has ended (a job may still be
-  // shrinking a failure after the time is up).
-  auto last = Clock::now();
-  bool told = false;
-  while (running > 0) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    if (g_interrupted && !told) {
-      progress << "fuzz --impl: interrupted; finishing the configurations under way" << std::endl;
-      told = true;
-    }
-    if (since(last) < 2.0) continue;
-    last = Clock::now();
-    std::lock_guard<std::mutex> lk(m);
-    progress << "fuzz --impl: " << res.drawn << " drawn, " << res.judged << " judged (" << res.passed << " PASSED), "
-             << res.skipped << " skipped, " << res.crashed << " crashed, " << res.failed << " failed; "
-             << std::fixed << std::setprecision(0) << 60.0 * double(res.judged) / std::max(1e-9, since(t0))
-             << " judged/min" << (shrinking ? "; " + std::to_string(shrinking) + " shrink candidates tried" : "")
-             << std::endl;
-    progress.unsetf(std::ios::fixed);
-  }
-  for (auto& t : pool) t.join();
+  FuzzResult r = ImplFuzz(o, impl, progress).run();
   sigaction(SIGINT, &old_int, nullptr);
   sigaction(SIGTERM, &old_term, nullptr);
-  std::sort(res.failures.begin(), res.failures.end(),
-            [](const FuzzFailure& a, const FuzzFailure& b) { return a.index < b.index; });
-  res.configurations = res.drawn;
-  res.seconds = since(t0);
-  if (!impl.keep) {
-    std::error_code ec;
-    std::filesystem::remove_all(res.work_dir, ec);
-  }
-  return res;
+  return r;
 }
 
 void print_impl_result(const FuzzResult& r, std::ostream& os) {
