@@ -113,6 +113,12 @@ TEST_CASE("echoed values are escaped and capped", "[cpu][bad_input]") {
   CHECK(printable(std::string("a\0b", 3)) == "a\\x00b");
   CHECK(printable("a\nb\x1b[0m") == "a\\x0ab\\x1b[0m");
   CHECK(printable("\xff") == "\\xff");
+  // Printable UTF-8 is kept as written (docs/contract.md §1 in a message);
+  // a lone lead byte, a C1 control (U+0085) and an overlong form are escaped.
+  CHECK(printable("contract.md \xc2\xa7" "1 \xc3\xa9") == "contract.md \xc2\xa7" "1 \xc3\xa9");
+  CHECK(printable("a\xc2") == "a\\xc2");
+  CHECK(printable("\xc2\x85") == "\\xc2\\x85");
+  CHECK(printable("\xe0\x80\xaf") == "\\xe0\\x80\\xaf");
   CHECK(printable(std::string(1 << 20, 'x')) == std::string(80, 'x') + "...");
   CHECK(printable("short") == "short");
 }

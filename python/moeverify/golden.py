@@ -12,6 +12,7 @@ import difflib
 import json
 import os
 import re
+import tempfile
 
 import numpy as np
 
@@ -25,19 +26,42 @@ class GoldenError(ValueError):
     """A golden folder, a name or an array that moeverify check would refuse."""
 
 
+def _plain_name(name, where):
+    """A manifest's file name, accepted only as `check` accepts it: a plain
+    name inside the case folder (no separator, not . or .., not absolute)."""
+    if not name or "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
+        raise GoldenError("%s: field 'file' is %r; valid: a plain file name inside the case folder (no separator, "
+                          "no '..', not absolute), as `moeverify export` writes it" % (where, name[:200]))
+    return name
+
+
 class Entry:
     """One manifest row: a (stage, name, rank, layer) tensor and its file."""
 
     __slots__ = ("name", "stage", "role", "rank", "layer", "file", "dtype", "shape", "layout")
 
-    def __init__(self, row):
+    def __init__(self, row, where="manifest.json"):
+        if not isinstance(row, dict):
+            raise GoldenError("%s: expected an object with name, stage, role, rank, file, dtype and shape, got %s"
+                              % (where, type(row).__name__))
+        for field, kinds, valid in (("name", str, "a tensor name"), ("stage", str, "a stage name"),
+                                    ("role", str, "input or expected"), ("rank", int, "a rank, 0..R-1"),
+                                    ("file", str, "a plain file name inside the case folder"),
+                                    ("dtype", str, "a dtype such as bfloat16"), ("shape", list, "a list of sizes")):
+            if field not in row or not isinstance(row[field], kinds) or isinstance(row[field], bool):
+                raise GoldenError("%s: field %r is %s; valid: %s" % (
+                    where, field, "missing" if field not in row else repr(row[field])[:80], valid))
+        if row["role"] not in ("input", "expected"):
+            raise GoldenError("%s: field 'role' is %r; valid: input or expected" % (where, row["role"]))
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in row["shape"]):
+            raise GoldenError("%s: field 'shape' is %r; valid: a list of non-negative integers" % (where, row["shape"]))
+        self.file = _plain_name(row["file"], where)
         self.name = row["name"]
         self.stage = row["stage"]
         self.role = row["role"]
-        self.rank = int(row["rank"])
-        self.file = row["file"]
+        self.rank = row["rank"]
         self.dtype = row["dtype"]
-        self.shape = tuple(int(d) for d in row["shape"])
+        self.shape = tuple(row["shape"])
         self.layout = row.get("layout", "")
         m = _LAYER.match(self.stage)  # "layerL/stage" for entries L >= 2
         self.layer = int(m.group(1)) if m else 1
@@ -67,16 +91,25 @@ class Golden:
                               % (self.path, e.strerror)) from None
         except ValueError as e:
             raise GoldenError("%s: not JSON (%s)" % (mpath, e)) from None
+        if not isinstance(man, dict):
+            raise GoldenError("%s: a JSON %s; valid: the object `moeverify export` writes" % (mpath, type(man).__name__))
         fmt = man.get("format")
         if fmt != FORMAT:
             raise GoldenError("%s: format %r; this package reads %s: export the case again with this "
                               "moeverify" % (mpath, fmt, FORMAT))
         self.manifest = man
+        for field, kinds in (("case", dict), ("ranks", int), ("tensors", list)):
+            if not isinstance(man.get(field), kinds) or isinstance(man.get(field), bool):
+                raise GoldenError("%s: field %r is %s; valid: %s, as `moeverify export` writes it" % (
+                    mpath, field, "missing" if field not in man else repr(man[field])[:80],
+                    {"case": "an object of case keys", "ranks": "an integer", "tensors": "a list"}[field]))
+        if not isinstance(man.get("layers", 1), int) or man.get("layers", 1) < 1:
+            raise GoldenError("%s: field 'layers' is %r; valid: an integer >= 1" % (mpath, man.get("layers")))
         self.case = man["case"]
         self.name = self.case.get("name", os.path.basename(self.path))
-        self.ranks = int(man["ranks"])
-        self.layers = int(man.get("layers", 1))
-        self.entries = [Entry(t) for t in man["tensors"]]
+        self.ranks = man["ranks"]
+        self.layers = man.get("layers", 1)
+        self.entries = [Entry(t, "%s: tensors[%d]" % (mpath, i)) for i, t in enumerate(man["tensors"])]
         self.actual_dir = os.path.abspath(actual) if actual else os.path.join(self.path, "actual")
         self._by_key = {(e.role, e.stage, e.name, e.rank, e.layer): e for e in self.entries}
 
@@ -160,13 +193,21 @@ class Golden:
             raise GoldenError("%s: shape %s; valid: %s with any number of rows, layout %s" % (
                 what, list(a.shape), ["rows"] + list(e.shape[1:]), e.layout))
         if os.path.islink(self.actual_dir):
-            raise GoldenError("%s: a symbolic link; moeverify check does not follow it" % self.actual_dir)
+            raise GoldenError("%s: a symbolic link; this package does not write through one (moeverify check "
+                              "reads it); valid: a real folder, or open(path, actual=THE_TARGET)" % self.actual_dir)
         os.makedirs(self.actual_dir, exist_ok=True)
         dest = os.path.join(self.actual_dir, e.file)
-        tmp = dest + ".partial"
-        with builtins.open(tmp, "wb") as f:  # the final name appears only once complete
-            np.save(f, np.ascontiguousarray(a), allow_pickle=False)
-        os.replace(tmp, dest)
+        # A new file of a name no one else has (O_EXCL: nothing planted there is
+        # followed), renamed over the final name once complete.
+        fd, tmp = tempfile.mkstemp(dir=self.actual_dir, prefix="." + e.file + ".", suffix=".partial")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.save(f, np.ascontiguousarray(a), allow_pickle=False)
+            os.replace(tmp, dest)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
         return dest
 
 

@@ -226,19 +226,45 @@ std::string Case::summary() const {
   return o.str();
 }
 
+namespace {
+
+/// The length of the well-formed UTF-8 sequence of a printable character
+/// (U+00A0 and above, no surrogate, no overlong form) starting at s[i]; 0
+/// when there is none.
+size_t utf8_char(const std::string& s, size_t i) {
+  const unsigned char u = static_cast<unsigned char>(s[i]);
+  const size_t n = u >= 0xf0 && u <= 0xf4 ? 4 : u >= 0xe0 ? 3 : u >= 0xc2 && u < 0xe0 ? 2 : 0;
+  if (n == 0 || i + n > s.size() || u >= 0xf8) return 0;
+  uint32_t cp = u & (n == 2 ? 0x1f : n == 3 ? 0x0f : 0x07);
+  for (size_t k = 1; k < n; ++k) {
+    const unsigned char c = static_cast<unsigned char>(s[i + k]);
+    if ((c & 0xc0) != 0x80) return 0;
+    cp = (cp << 6) | (c & 0x3f);
+  }
+  const bool overlong = (n == 3 && cp < 0x800) || (n == 4 && cp < 0x10000);
+  if (overlong || cp < 0xa0 || (cp >= 0xd800 && cp < 0xe000) || cp > 0x10ffff) return 0;
+  return n;
+}
+
+}  // namespace
+
 std::string printable(const std::string& s, size_t max_chars) {
   static const char* hex = "0123456789abcdef";
   std::string o;
   size_t shown = 0;
-  for (const char ch : s) {
+  for (size_t i = 0; i < s.size(); ++i) {
     if (shown == max_chars) return o + "...";
-    const unsigned char u = static_cast<unsigned char>(ch);
-    if (u < 0x20 || u >= 0x7f) {
+    const unsigned char u = static_cast<unsigned char>(s[i]);
+    // A printable character written in UTF-8 (§, é, ×) is kept as written.
+    if (const size_t n = u >= 0x80 ? utf8_char(s, i) : 0) {
+      o.append(s, i, n);
+      i += n - 1;
+    } else if (u < 0x20 || u >= 0x7f) {
       o += "\\x";
       o += hex[u >> 4];
       o += hex[u & 15];
     } else {
-      o += ch;
+      o += char(u);
     }
     ++shown;
   }

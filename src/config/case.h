@@ -207,8 +207,9 @@ std::vector<Case> load_cases(const std::string& path, const std::vector<std::str
 std::vector<Case> load_cases_text(const std::string& text, const std::string& path,
                                   const std::vector<std::string>& overrides);
 
-/// A user-supplied value made safe to echo in a one-line message: bytes
-/// outside printable ASCII are written as \xNN (a NUL cannot cut the line,
+/// A user-supplied value made safe to echo in a one-line message: control
+/// bytes and bytes that are not well-formed UTF-8 of a printable character
+/// are written as \xNN (a NUL cannot cut the line,
 /// a newline cannot split it), and more than `max_chars` characters are cut
 /// with "..." (a 1 MiB value is not echoed whole).
 std::string printable(const std::string& s, size_t max_chars = 80);

@@ -9,13 +9,18 @@
 #include <cctype>
 #include <cerrno>
 #include <cstring>
+#include <algorithm>
 #include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <optional>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
 
 #include "error.h"
 #include "report.h"
+#include "version.h"
 
 namespace moev {
 namespace {
@@ -107,7 +112,7 @@ void Dumper::open(const std::string& root, const std::string& case_name) {
   const std::string base = root + "/" + dump_folder_name(case_name);
   dir = base;
   for (int n = 2; !used.insert(dir).second; ++n) dir = base + "-" + std::to_string(n);
-  prepare_case_folder(dir, "--dump");
+  note_left_in_place(dir, prepare_case_folder(dir, "--dump"), "--dump");
   manifest_.clear();
 }
 
@@ -124,6 +129,8 @@ void Dumper::put(const std::string& name, const Tensor& t) {
 void Dumper::finish(const Case& c) {
   if (dir.empty()) return;
   nlohmann::ordered_json m;
+  m["format"] = kDumpFormat;  // what a later --dump into this folder may replace
+  m["tool"] = std::string("moeverify ") + MOEVERIFY_VERSION;
   m["case"] = c.name;
   m["note"] = "bf16 and fp16 tensors are stored as uint16 bit patterns";
   m["tensors"] = nlohmann::ordered_json::array();
@@ -186,35 +193,82 @@ void check_output_file(const std::string& flag, const std::string& path) {
   ::unlink(path.c_str());
 }
 
-void prepare_case_folder(const std::string& dir, const std::string& flag) {
+namespace {
+
+/// The files a manifest.json lists when moeverify wrote it (a JSON object
+/// whose "format" is one of moeverify's and whose "tool" names moeverify);
+/// nullopt for anyone else's. Only plain names count: a listed path with a
+/// separator or "..", or an absolute one, is never removed.
+std::optional<std::set<std::string>> own_manifest_files(const std::string& path) {
+  nlohmann::json m;
+  try {
+    std::ifstream f(path);
+    m = nlohmann::json::parse(f);
+  } catch (const nlohmann::json::exception&) {
+    return std::nullopt;
+  }
+  static const std::set<std::string> formats = {"moeverify-golden/2", "moeverify-golden/1", kDumpFormat};
+  if (!m.is_object() || !m.contains("format") || !m["format"].is_string() || !formats.count(m["format"]) ||
+      !m.contains("tool") || !m["tool"].is_string() || m["tool"].get<std::string>().rfind("moeverify", 0) != 0)
+    return std::nullopt;
+  std::set<std::string> files;
+  if (m.contains("tensors") && m["tensors"].is_array())
+    for (const auto& t : m["tensors"])
+      if (t.is_object() && t.contains("file") && t["file"].is_string()) {
+        const std::string f = t["file"];
+        if (!f.empty() && f.find('/') == std::string::npos && f != "." && f != "..") files.insert(f);
+      }
+  return files;
+}
+
+}  // namespace
+
+std::vector<std::string> prepare_case_folder(const std::string& dir, const std::string& flag) {
   const std::string shown = printable(dir, 200);
-  const std::string valid = "valid: a new or empty folder, or one that moeverify wrote (it holds manifest.json)";
+  const std::string valid = "valid: a new or empty folder, or one that moeverify wrote (its manifest.json)";
   struct stat st {};
   if (lstat(dir.c_str(), &st) != 0) {
     if (errno != ENOENT) bad_input(flag + ": " + shown + ": " + errno_text(errno) + "; " + valid);
     if (mkdir(dir.c_str(), 0755) != 0)
       bad_input(flag + ": cannot create " + shown + " (" + errno_text(errno) + "); " + valid);
-    return;
+    return {};
   }
   if (S_ISLNK(st.st_mode)) bad_input(flag + ": " + shown + " is a symbolic link (not followed); " + valid);
   if (!S_ISDIR(st.st_mode)) bad_input(flag + ": " + shown + " exists and is " + file_kind(st.st_mode) + "; " + valid);
-  struct stat ms {};
-  const std::string manifest = dir + "/manifest.json";
-  const bool ours = lstat(manifest.c_str(), &ms) == 0 && S_ISREG(ms.st_mode);
   std::vector<std::string> entries;
   for (const auto& e : std::filesystem::directory_iterator(dir)) entries.push_back(e.path().filename().string());
-  if (!ours && !entries.empty())
+  std::sort(entries.begin(), entries.end());
+  if (entries.empty()) return {};
+  struct stat ms {};
+  const std::string manifest = dir + "/manifest.json";
+  if (lstat(manifest.c_str(), &ms) != 0 || !S_ISREG(ms.st_mode))
     bad_input(flag + ": " + shown + " holds files that moeverify did not write (no manifest.json), e.g. " +
               printable(entries[0], 100) + "; " + valid);
+  const std::optional<std::set<std::string>> listed = own_manifest_files(manifest);
+  if (!listed)
+    bad_input(flag + ": " + printable(manifest, 200) + " is not a manifest moeverify wrote (no moeverify \"format\" "
+              "and \"tool\"): nothing in " + shown + " is replaced; " + valid);
+  // Only what that manifest lists (and the manifest) is replaced.
+  std::vector<std::string> left;
   for (const std::string& n : entries) {
-    const bool npy = n.size() > 4 && n.compare(n.size() - 4, 4, ".npy") == 0;
-    if (!npy && n != "manifest.json") continue;
+    if (n != "manifest.json" && !listed->count(n)) {
+      left.push_back(n);
+      continue;
+    }
     const std::string p = dir + "/" + n;
     struct stat es {};
     if (lstat(p.c_str(), &es) == 0 && S_ISDIR(es.st_mode))
       bad_input(flag + ": " + printable(p, 200) + " is a folder where a file goes; " + valid);
     if (::unlink(p.c_str()) != 0) bad_input(flag + ": cannot replace " + printable(p, 200) + " (" + errno_text(errno) + ")");
   }
+  return left;
+}
+
+void note_left_in_place(const std::string& dir, const std::vector<std::string>& left, const std::string& flag) {
+  if (left.empty()) return;
+  std::string l;
+  for (const auto& n : left) l += (l.empty() ? "" : ", ") + printable(n, 100);
+  std::cerr << (flag + ": left in place in " + printable(dir, 200) + " (not listed in its manifest): " + l + "\n");
 }
 
 std::string write_file(const std::string& path, const std::vector<std::string_view>& parts, bool no_follow) {

@@ -62,13 +62,18 @@ void check_output_file(const std::string& flag, const std::string& path);
 /// `no_follow` a symbolic link at `path` is refused, never written through.
 std::string write_file(const std::string& path, const std::vector<std::string_view>& parts, bool no_follow = false);
 
+/// The "format" of a --dump folder's manifest.json.
+inline constexpr const char* kDumpFormat = "moeverify-dump/1";
+
 /// Makes `dir` a case folder that this run may fill: created when missing;
 /// when it exists it must be a real folder (not a link) that is empty or
-/// carries a manifest.json, i.e. was written by export or --dump; then its
-/// .npy files and manifest are removed (links themselves, never their
-/// targets) and sub-folders such as actual/ kept. Anything else is refused
-/// with Error(bad_input) naming `flag`: nothing is overwritten that moeverify
-/// did not write.
-void prepare_case_folder(const std::string& dir, const std::string& flag);
+/// holds a manifest.json moeverify wrote ("format" one of moeverify's and
+/// "tool" naming it). Then that manifest and the files it lists are removed
+/// and every other entry is left in place: their names are returned. A
+/// folder with anyone else's manifest.json, or with files and no manifest,
+/// is bad input (exit 2) and nothing in it is touched.
+std::vector<std::string> prepare_case_folder(const std::string& dir, const std::string& flag);
+/// One line on stderr naming what prepare_case_folder left in place (nothing when none).
+void note_left_in_place(const std::string& dir, const std::vector<std::string>& left, const std::string& flag);
 
 }  // namespace moev
