@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `moeverify fuzz --impl` against examples/numpy_moe.py (NumPy only, no torch):
-#   1. under its profile: every configuration judged, 0 failures, 0 crashes;
+#   1. under its profile: every configuration judged and PASSED;
 #      through the worker (--serve) too, and nothing left in TMPDIR or the
 #      working folder;
 #   2. planted bugs found, shrunk to at most 4 tokens per rank at the stage
@@ -28,12 +28,12 @@ fail() { echo "FAIL: $*"; exit 1; }
 field() { "$py" -c "import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$1" "$2"; }
 
 echo "== 1. the example under its profile: one-shot, then worker"
-"$bin" fuzz --impl "$numpy {case}" --profile "$profile" --iterations 30 --seed 7 --jobs 2 \
+"$bin" fuzz --impl "$numpy {case}" --profile "$profile" --iterations 20 --seed 7 --jobs 2 \
   --out "$work/out1" --json "$work/s1.json" >"$work/o1.txt" 2>&1
 rc=$?
 tail -n 12 "$work/o1.txt"
 [ "$rc" -eq 0 ] || fail "exit $rc under the profile"
-[ "$(field "$work/s1.json" judged)" -eq 30 ] && [ "$(field "$work/s1.json" passed)" -eq 30 ] || fail "not 30 of 30 PASSED"
+[ "$(field "$work/s1.json" judged)" -eq 20 ] && [ "$(field "$work/s1.json" passed)" -eq 20 ] || fail "not 20 of 20 PASSED"
 [ "$(field "$work/s1.json" crashed)" -eq 0 ] && [ "$(field "$work/s1.json" failed)" -eq 0 ] || fail "failures or crashes"
 "$bin" fuzz --impl "$numpy --serve" --worker --profile "$profile" --iterations 30 --seed 8 --jobs 2 \
   --out "$work/out1" --json "$work/s1w.json" >"$work/o1w.txt" 2>&1 || { tail "$work/o1w.txt"; fail "worker run"; }
@@ -49,7 +49,9 @@ kept=$(ls "$work/tmp")
 rm -rf "${work:?}/tmp/"*
 
 echo "== 2. planted bugs: found, shrunk to <= 4 tokens per rank, reproduced"
-for spec in "unstable_order dispatch" "skip_last_source ep_dispatch" "source_major ep_permute"; do
+# (source_major and score_in_bf16 are found and shrunk alike: issue 32's closing note;
+# examples.numpy catches all four at their stage on fixed cases)
+for spec in "unstable_order dispatch" "skip_last_source ep_dispatch"; do
   set -- $spec
   rm -rf "$work/out2"
   "$bin" fuzz --impl "$numpy {case} --bug $1" --profile "$profile" --iterations 6 --seed 1 --jobs 2 \
@@ -74,7 +76,7 @@ done
 echo "== 3. crash, hang, nonsense, exit 77: reported as such, never PASSED"
 # a crash: exit 3 with a message on stderr
 "$bin" fuzz --impl "echo 'boom: the kernel fell over' >&2; exit 3; : {case}" --iterations 3 --seed 1 \
-  --out "$work/out3" --json "$work/s3.json" >"$work/o3.txt" 2>&1
+  --shrink-budget 10 --out "$work/out3" --json "$work/s3.json" >"$work/o3.txt" 2>&1
 rc=$?
 [ "$rc" -eq 1 ] && [ "$(field "$work/s3.json" crashed)" -eq 3 ] && [ "$(field "$work/s3.json" passed)" -eq 0 ] ||
   { cat "$work/o3.txt"; fail "crash: exit $rc"; }

@@ -315,3 +315,26 @@ TEST_CASE("diff_tensors names only the reported mismatches", "[cpu][diff]") {
   REQUIRE(r.last.size() == 3);
   CHECK(r.last.back().index == n - 2);
 }
+
+TEST_CASE("diff_tensors: +0 against -0 agrees only for outside code (zero_sign_free)", "[cpu][diff]") {
+  // docs/contract.md §15 rule 8: check accepts a zero of the other sign and
+  // counts it; moeverify's own fast paths stay held to the bits.
+  const int64_t n = kRunBytes + 17;
+  const CoordFn coords = [](int64_t i) { return "<" + std::to_string(i) + ">"; };
+  for (ElemType t : {ElemType::f32, ElemType::bf16, ElemType::f16}) {
+    INFO("type " << elem_name(t));
+    Tensor ref = Tensor::alloc(t, {n}, 0);
+    for (int64_t i = 0; i < n; i += 2) put(ref, i, 1.5f);
+    Tensor mine = ref.clone();
+    for (int64_t i = 1; i < n; i += 40) put(mine, i, -0.0f);
+    const int64_t flipped = (n - 1 + 39) / 40;
+    const DiffResult strict = diff_tensors(mine, ref, CompareClass::exact, {}, coords);
+    CHECK(strict.mismatches == flipped);
+    CHECK(strict.signed_zeros == 0);
+    const DiffResult outside = diff_tensors(mine, ref, CompareClass::exact, {}, coords, nullptr, nullptr, true);
+    CHECK(outside.mismatches == 0);
+    CHECK(outside.signed_zeros == flipped);
+    put(mine, 0, 1.25f);  // a real difference still fails
+    CHECK(diff_tensors(mine, ref, CompareClass::exact, {}, coords, nullptr, nullptr, true).mismatches == 1);
+  }
+}

@@ -63,7 +63,13 @@ class ImplJob {
   /// Exports `yaml` into root/tag, runs the implementation, judges it.
   ImplRun run(const std::string& yaml, const std::string& tag) {
     const std::string folder = root_ + "/" + tag;
-    ImplRun r = run_in(yaml, folder);
+    ImplRun r;
+    try {
+      r = run_in(yaml, folder);
+    } catch (const std::exception& e) {  // moeverify's own side (export, check) failed: an ERROR, not a crash of yours
+      r = ImplRun{};
+      r.v = Verdict{Outcome::ERROR, "moeverify/-/-", "moeverify/-", std::string("moeverify failed: ") + e.what()};
+    }
     if (!impl_.keep) {
       std::error_code ec;
       std::filesystem::remove_all(folder, ec);  // links inside are removed, never followed

@@ -25,7 +25,6 @@
 #include "dump.h"
 #include "error.h"
 #include "fuzz.h"
-#include "fuzz_shrink.h"
 #include "profile.h"
 #include "case_filter.h"
 #include "case_key_docs.h"
@@ -573,6 +572,8 @@ int cmd_selftest(const CLI::App* cmd, const SelftestArgs& a) {
   o.cases_dir = a.cases;
   o.seed = parse_u64_option("--seed", a.seed);
   o.fuzz_budget = parse_u64_option("--budget", a.budget);
+  if (o.fuzz_budget == 0)
+    bad_input("--budget 0: the fuzz would draw nothing for a fault no case catches; valid: 1 or more configurations per fault");
   o.jobs = parse_int_option("--jobs", a.jobs, 1, 256);
   o.quick = a.quick;
   if (cmd->count("--json")) check_output_file("--json", a.json);

@@ -256,9 +256,12 @@ std::set<std::string> actual_files(const std::string& actual_dir, const std::set
         ignored.push_back(n);
         continue;
       }
-      bad_input(printable(p, 200) + ": no expected tensor of the manifest has this file name (did you mean " +
-                nearest(n, expected) + "?); valid: the \"file\" of an entry with role \"expected\" in manifest.json, "
-                "or pass --allow-unknown to ignore other files");
+      const std::string near = nearest(n, expected);
+      bad_input(printable(p, 200) + ": no expected tensor of the manifest has this file name" +
+                (near.empty() ? std::string(" (the manifest expects no tensor at all)")
+                              : " (did you mean " + near + "?)") +
+                "; valid: the \"file\" of an entry with role \"expected\" in manifest.json, or pass "
+                "--allow-unknown to ignore other files");
     }
     struct stat st {};
     if (stat(p.c_str(), &st) != 0 || !S_ISREG(st.st_mode))

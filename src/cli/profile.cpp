@@ -1,6 +1,7 @@
 #include "profile.h"
 
 #include <unistd.h>
+#include <yaml-cpp/yaml.h>
 
 #include <climits>
 #include <cmath>

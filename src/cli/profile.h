@@ -17,8 +17,6 @@
 // with a '/' or ending in .yaml is a file path.
 #pragma once
 
-#include <yaml-cpp/yaml.h>
-
 #include <cstdint>
 #include <optional>
 #include <string>

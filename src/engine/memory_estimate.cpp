@@ -304,6 +304,8 @@ uint64_t parse_memory_size(const std::string& text, const std::string& flag) {
   if (number.empty() || std::count(number.begin(), number.end(), '.') > 1 || number == ".")
     fail("expected a size, got '" + printable(text) + "'");
   for (char& ch : unit) ch = char(std::toupper(static_cast<unsigned char>(ch)));
+  if (!unit.empty() && unit[0] == 'E' && unit.size() > 1 && std::isdigit(static_cast<unsigned char>(unit[1])))
+    fail("'" + printable(text) + "' has an exponent; write the size in digits and a unit");
   double scale = 0;
   const char* units = "BKMGT";
   for (int p = 0; p < 5; ++p) {

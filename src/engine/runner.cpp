@@ -50,7 +50,14 @@ void each_rank(int R, int threads, Fn fn, const std::vector<int>& order = {}) {
 std::string all_zero_reason(const Case& c, const std::string& output, const RankBoard& b) {
   const char* src = output == "out" ? "score_sorted" : output == "expert_output" ? "expert_input" : nullptr;
   auto it = src ? b.find(src) : b.end();
-  if (it == b.end()) return "";
+  if (it == b.end()) {  // no input known to carry it: the case's tokens, else a generic reason (never none)
+    src = "x";
+    it = b.find(src);
+  }
+  if (it == b.end())
+    return std::string("; every value reaching this output is zero or rounds to zero in ") + dtype_name(c.dtype) +
+           " (score_before_experts, a small route_scale or zero-token ranks can cause it), so this data cannot show "
+           "a wrong result (change the seed or the data)";
   double mx = 0;
   for (float v : to_floats(it->second)) mx = std::max(mx, double(std::fabs(v)));
   std::ostringstream o;
