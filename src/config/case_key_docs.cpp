@@ -27,7 +27,7 @@ std::string case_key_meaning(const std::string& key) {
       {"router.force_load_balance", "ids = (t*K + k) mod E regardless of scores (docs/contract.md §6)"},
       {"router.route_norm", "top-k scores divided by their sum (+1e-20)"},
       {"router.route_scale", "top-k scores multiplied by this"},
-      {"router.hot_expert", "an expert given +1 selection bias: in every token's top-k (-1: none)"},
+      {"router.hot_expert", "an expert given +1 selection bias: in every token's top-k (-1: none); the exported `bias` input already holds the +1, so an implementation adds it to nothing else"},
       {"router.gate_dtype", "fp32: logits from x and the gate promoted to fp32; act: rounded to act first (docs/contract.md §14)"},
       {"score_multiply", "fp32: y = round(v * s); act: the score rounded to act first (docs/contract.md §14)"},
       {"experts.rounding", "fused: H = round(silu(h1) * h3); torchtitan: silu(h1) rounded first (docs/contract.md §14)"},
