@@ -222,5 +222,11 @@ else
   echo "FAIL memory line '$line': the estimate must be at least the measured peak (> 50 MiB)"; fails=$((fails + 1))
 fi
 
+# --help lists every exit code (issue 34: a newcomer should not need the README for them)
+help=$("$bin" --help)
+for code in "0 PASSED" "1 INCORRECT" "2 bad input" "3 ERROR" "4 NOT_VERIFIED" "5 NOT_SUPPORTED"; do
+  grep -q "$code" <<<"$help" || { echo "FAIL --help does not list exit code '$code'"; fails=$((fails + 1)); }
+done
+
 echo "cli contract: $fails failure(s)"
 [ "$fails" = 0 ]

@@ -789,6 +789,9 @@ int main(int argc, char** argv) {
   CLI::App app{"moeverify: verify fast MoE token paths against an independent CPU reference"};
   app.set_version_flag("--version", std::string("moeverify ") + MOEVERIFY_VERSION);
   app.require_subcommand(1);
+  app.footer("Exit codes: 0 PASSED, 1 INCORRECT (fuzz: a failure or a crash of --impl), 2 bad input (file, line, "
+             "what would be valid), 3 ERROR or an internal error, 4 NOT_VERIFIED (nothing could show a bug), "
+             "5 NOT_SUPPORTED; a run exits with its worst case.");
   Commands c;
   add_run_validate_list(app, c);
   add_export_check(app, c);
