@@ -21,6 +21,7 @@ import builtins
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -257,7 +258,7 @@ def fuzz(fn, profile=None, seconds=60, iterations=None, jobs=1, seed=None, out="
     pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    worker = "%s -m moeverify.worker %s" % (_quote(sys.executable), _quote(target))
+    worker = "%s -m moeverify.worker %s" % (shlex.quote(sys.executable), shlex.quote(target))
     with tempfile.TemporaryDirectory(prefix="moeverify-fuzz-") as tmp:
         summary = os.path.join(tmp, "fuzz.json")
         cmd = [binary(), "fuzz", "--impl", worker, "--worker", "--jobs", str(jobs), "--out", os.fspath(out),
@@ -277,10 +278,6 @@ def fuzz(fn, profile=None, seconds=60, iterations=None, jobs=1, seed=None, out="
     if raise_on_failure and p.returncode != 0:
         raise AssertionError("moeverify fuzz --impl: exit %d\n%s" % (p.returncode, p.stdout[-6000:]))
     return result
-
-
-def _quote(s):
-    return "'" + s.replace("'", "'\\''") + "'"
 
 
 def load_function(target):

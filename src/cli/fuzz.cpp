@@ -205,29 +205,21 @@ std::optional<std::string> loads(const std::string& yaml) {
   return yaml;
 }
 
-/// Writes the shrunk case with its repro line under --out (checked and
-/// created before the first draw; a link at the file's path is not
-/// followed); "" (and a note) when it cannot be written.
-std::string write_failure(const FuzzOptions& o, FuzzFailure& f) {
+}  // namespace
+
+std::string write_shrunk_case(const FuzzOptions& o, FuzzFailure& f, const HeaderFn& header) {
   YAML::Node n = YAML::Load(f.shrunk);
   const std::string name = "fuzz_" + std::to_string(o.seed) + "_" + std::to_string(f.index);
   n["name"] = name;
   const std::string path = o.out_dir + "/" + name + ".yaml";
-  std::ostringstream body;
-  body << "# moeverify fuzz: seed " << o.seed << ", configuration " << f.index << ", " << outcome_name(f.outcome)
-       << " at " << f.check << "\n"
-       << "# drawn: " << f.yaml << "\n"
-       << "# repro: moeverify run " << path << " --threads " << threads_of(f.index) << o.fault_flags << "\n"
-       << "cases:\n  - " << flow(n) << "\n";
-  const std::string err = write_file(path, {body.str()}, /*no_follow=*/true);
+  const std::string body = header(path, name) + "cases:\n  - " + flow(n) + "\n";
+  const std::string err = write_file(path, {body}, /*no_follow=*/true);
   if (!err.empty()) {
     f.note += "; the shrunk case could not be written to " + path + ": " + err;
     return "";
   }
   return path;
 }
-
-}  // namespace
 
 FuzzResult fuzz(const FuzzOptions& o, std::ostream& progress) {
   if (o.seconds <= 0 && o.iterations == 0) bad_input("fuzz: give --seconds or --iterations");
@@ -274,7 +266,14 @@ FuzzResult fuzz(const FuzzOptions& o, std::ostream& progress) {
         f.shrunk = o.shrink && valid ? shrink(yaml, v, judge, loads, o.shrink_budget, f.shrink_runs) : yaml;
         f.shrunk_tokens = valid ? tokens_of(f.shrunk) : -1;
         std::lock_guard<std::mutex> lk(m);
-        if (!o.out_dir.empty()) f.file = write_failure(o, f);
+        if (!o.out_dir.empty())
+          f.file = write_shrunk_case(o, f, [&](const std::string& path, const std::string&) {
+            std::ostringstream h;
+            h << "# moeverify fuzz: seed " << o.seed << ", configuration " << f.index << ", " << outcome_name(f.outcome)
+              << " at " << f.check << "\n# drawn: " << f.yaml << "\n# repro: moeverify run " << path << " --threads "
+              << threads_of(f.index) << o.fault_flags << "\n";
+            return h.str();
+          });
         res.failures.push_back(f);
         if (o.stop_at_first) stop = true;
       }

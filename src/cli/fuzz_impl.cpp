@@ -177,25 +177,15 @@ std::string repro_line(const ImplOptions& impl, const std::string& file, const s
 }
 
 void write_impl_failure(const FuzzOptions& o, const ImplOptions& impl, FuzzFailure& f) {
-  YAML::Node n = YAML::Load(f.shrunk);
-  const std::string name = "fuzz_" + std::to_string(o.seed) + "_" + std::to_string(f.index);
-  n["name"] = name;
-  const std::string path = o.out_dir + "/" + name + ".yaml";
-  f.repro = repro_line(impl, path, name);
-  std::ostringstream body;
-  body << "# moeverify fuzz --impl: seed " << o.seed << ", configuration " << f.index << ", " << outcome_name(f.outcome)
-       << " at " << f.check << "\n"
-       << "# implementation: " << impl.cmd << (impl.worker ? " (worker)" : "") << "\n"
-       << "# drawn: " << f.yaml << "\n"
-       << "# repro: " << f.repro << "\n"
-       << "cases:\n  - " << flow(n) << "\n";
-  const std::string err = write_file(path, {body.str()}, /*no_follow=*/true);
-  if (!err.empty()) {
-    f.note += "; the shrunk case could not be written to " + path + ": " + err;
-    f.repro.clear();
-    return;
-  }
-  f.file = path;
+  f.file = write_shrunk_case(o, f, [&](const std::string& path, const std::string& name) {
+    f.repro = repro_line(impl, path, name);
+    std::ostringstream h;
+    h << "# moeverify fuzz --impl: seed " << o.seed << ", configuration " << f.index << ", " << outcome_name(f.outcome)
+      << " at " << f.check << "\n# implementation: " << impl.cmd << (impl.worker ? " (worker)" : "")
+      << "\n# drawn: " << f.yaml << "\n# repro: " << f.repro << "\n";
+    return h.str();
+  });
+  if (f.file.empty()) f.repro.clear();
 }
 
 /// The profile of an --impl run: the user's, plus held routed weights (a

@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 
+#include "fuzz.h"
 #include "report.h"
 
 namespace moev {
@@ -44,5 +45,12 @@ using FitFn = std::function<std::optional<std::string>(const std::string& yaml)>
 /// their defaults); at most `budget` configurations are judged (`runs`).
 std::string shrink(const std::string& yaml, const Verdict& v, const JudgeFn& judge, const FitFn& fit, int budget,
                    int& runs);
+
+/// The comment lines that head a shrunk case file, given its path and case name.
+using HeaderFn = std::function<std::string(const std::string& path, const std::string& name)>;
+/// Writes failure f's shrunk case as OUT/fuzz_SEED_INDEX.yaml under its
+/// header (--out was checked before the first draw; a link at the path is
+/// not followed). Returns the path, or "" with the reason added to f.note.
+std::string write_shrunk_case(const FuzzOptions& o, FuzzFailure& f, const HeaderFn& header);
 
 }  // namespace moev

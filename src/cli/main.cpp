@@ -336,16 +336,7 @@ int cmd_validate_profile(const std::string& name, const std::vector<std::string>
   const Profile p = load_profile(name);
   std::cout << p.file << ": profile " << p.name << " valid" << (p.about.empty() ? "" : ": " + p.about) << "\n";
   for (const auto& f : p.fix) std::cout << "  fix    " << f.key << " = " << f.value << "\n";
-  for (const auto& a : p.allow) {
-    std::cout << "  allow  " << a.key << " in ";
-    if (a.values.empty()) {
-      std::cout << "[" << a.min << ", " << a.max << "]\n";
-    } else {
-      std::string v;
-      for (const auto& x : a.values) v += (v.empty() ? "" : ", ") + x;
-      std::cout << "{" << v << "}\n";
-    }
-  }
+  for (const auto& a : p.allow) std::cout << "  allow  " << a.key << " in " << a.text() << "\n";
   std::vector<std::string> all = sets;
   for (const auto& s : p.sets()) all.push_back(s);
   for (const auto& file : files) {

@@ -81,17 +81,6 @@ std::vector<nlohmann::ordered_json> values_of(const Case& c, const nlohmann::ord
   return {j[k]};
 }
 
-std::string describe(const Profile::Allow& a) {
-  if (a.values.empty()) {
-    std::ostringstream o;
-    o << "[" << a.min << ", " << a.max << "]";
-    return o.str();
-  }
-  std::string s;
-  for (const auto& v : a.values) s += (s.empty() ? "" : ", ") + v;
-  return "{" + s + "}";
-}
-
 bool allowed(const Profile::Allow& a, const nlohmann::ordered_json& j) {
   if (a.values.empty()) return j.is_number() && j.get<double>() >= a.min && j.get<double>() <= a.max;
   for (const auto& v : a.values)
@@ -187,6 +176,17 @@ Profile::Allow read_allow_rule(const Profile& p, const YAML::Node& key, const YA
 
 }  // namespace
 
+std::string Profile::Allow::text() const {
+  if (values.empty()) {
+    std::ostringstream o;
+    o << "[" << min << ", " << max << "]";
+    return o.str();
+  }
+  std::string s;
+  for (const auto& v : values) s += (s.empty() ? "" : ", ") + v;
+  return "{" + s + "}";
+}
+
 std::vector<std::string> Profile::sets() const {
   std::vector<std::string> s;
   for (const auto& f : fix) s.push_back(f.key + "=" + f.value);
@@ -201,21 +201,30 @@ std::string Profile::violation(const Case& c) const {
         return f.key + " is " + v.dump() + " where the profile fixes " + f.value;
   for (const auto& a : allow)
     for (const auto& v : values_of(c, j, a.key))
-      if (!allowed(a, v)) return a.key + " is " + v.dump() + ", outside the profile's " + describe(a);
+      if (!allowed(a, v)) return a.key + " is " + v.dump() + ", outside the profile's " + a.text();
   return "";
 }
 
-std::optional<std::string> Profile::refit(const std::string& yaml, std::string& why) const {
-  YAML::Node n = YAML::Load(yaml);
-  for (const auto& f : fix) set_key(n, f.key, f.value);
+namespace {
+
+/// The configuration as it stands, when it loads and lies inside `p`.
+std::optional<std::string> inside(const Profile& p, const YAML::Node& n, std::string& why) {
   const std::string text = emit_flow(n);
   try {
-    why = violation(load_one_case(text, "profile"));
+    why = p.violation(load_one_case(text, "profile"));
   } catch (const Error& e) {
     why = e.what();
   }
   if (why.empty()) return text;
   return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<std::string> Profile::refit(const std::string& yaml, std::string& why) const {
+  YAML::Node n = YAML::Load(yaml);
+  for (const auto& f : fix) set_key(n, f.key, f.value);
+  return inside(*this, n, why);
 }
 
 std::optional<std::string> Profile::conform(const std::string& yaml, uint64_t pick_seed, std::string& why) const {
@@ -235,7 +244,7 @@ std::optional<std::string> Profile::conform(const std::string& yaml, uint64_t pi
     why = e.what();
     return std::nullopt;
   }
-  return refit(emit_flow(n), why);
+  return inside(*this, n, why);
 }
 
 std::string profiles_dir() {

@@ -40,6 +40,8 @@ struct Profile {
     double min = 0, max = 0;
     bool integer = true;  // the range's bounds are integers: draw integers
     int line = 0;
+    /// "{a, b}" or "[min, max]", as messages show the rule.
+    std::string text() const;
   };
   std::string name, about, file;
   std::vector<Fix> fix;
