@@ -36,6 +36,7 @@ rank. The combine multiplies in fp32, rounds to the activation dtype, and
 adds a token's contributions in ascending dispatch row order, rounding after
 every addition (`per_add`) or once at the end (`fp32_accumulate`); under
 `score_multiply: act` the score is rounded to the activation dtype first.
+With `backward: on` it also writes grad_x, the dispatch backward (§13).
 """
 import os
 import sys
@@ -141,6 +142,36 @@ def combine(g, r, x, token_sorted, score_sorted, act, case, bug):
     return out
 
 
+def dispatch_backward(g, r, token_sorted, score_sorted, act, case):
+    """grad_x of one rank (docs/contract.md §13): a token's K row gradients
+    (ep_dispatch_bwd.grad_routed_input; under score_before_experts each one
+    times its score, rounded to act: grad_topk_scores is not written here)
+    added in ascending dispatch row order,
+    rounding after every addition (`grad_accumulate: per_add`, autograd's
+    index_put_) or once (`fp32_accumulate`; `as_combine`: the combine's mode),
+    then the shared expert's gradient with one rounding."""
+    mode = case.get("grad_accumulate", "as_combine")  # the key is in the manifest only when set
+    if mode == "as_combine":
+        mode = case["combine.accumulate"]
+    rows = g.expected("ep_dispatch_bwd.grad_routed_input", rank=r)
+    if case["score_before_experts"] == "on":
+        rows = rnd(rows * score_factor(score_sorted, act, case)[:, None], act)
+    out = np.zeros((case_tokens(g, r), rows.shape[1]), np.float32)
+    if mode == "per_add":
+        for i, t in enumerate(token_sorted):
+            out[t] = rnd(out[t] + rows[i], act)
+    else:
+        np.add.at(out, token_sorted, rows)
+        out = rnd(out, act)
+    if case["shared_experts.kind"] != "none":
+        out = rnd(out + g.expected("shared_experts_bwd.grad_x_shared", rank=r), act)
+    return out
+
+
+def case_tokens(g, r):
+    return g.input("x", rank=r).shape[0]
+
+
 def refuse_unsupported(case):
     plain = {"capacity.factor": 0.0, "equal_split.policy": "off", "sp": 1, "combine.buffer": "fresh",
              "combine.placement": "out_of_place"}
@@ -176,6 +207,8 @@ def implement(g, bug=None):
         g.write("dispatch.score_sorted", score_sorted, rank=r)
         g.write("dispatch.row_of", row_of, rank=r)
         g.write("combine.out", combine(g, r, x, token_sorted, score_sorted, act, case, bug), rank=r)
+        if case["backward"] == "on":
+            g.write("dispatch_bwd.grad_x", dispatch_backward(g, r, token_sorted, score_sorted, act, case), rank=r)
     print("numpy_moe.py: %s, %d rank(s): outputs written to %s" % (g.name, R, g.actual_dir))
 
 

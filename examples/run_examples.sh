@@ -49,6 +49,27 @@ case "$mode" in
       echo "--bug $1 on $2: check exit $rc, first INCORRECT stage: ${first:-none}"
       [ "$rc" -eq 1 ] && [ "$first" = "$3" ] || { echo "expected exit 1 and INCORRECT first at $3"; exit 1; }
     done
+    # grad_accumulate (docs/contract.md §14): a bf16 K = 8 backward whose
+    # forward combine sums in fp32 once and whose grad_x adds per row (as
+    # PyTorch does) passes under grad_accumulate: per_add; the same grad_x
+    # under the default (the combine's fp32_accumulate) is INCORRECT at
+    # dispatch_bwd.
+    printf '%s\n' "defaults:" "  dtype: bf16" "  data: realistic" "  seed: 7" \
+      "  shape: {tokens: 64, hidden: 32, ffn: 16, experts: 16, top_k: 8}" "  backward: on" \
+      "  combine: {accumulate: fp32_accumulate}" "cases:" "  - name: ga_per_add" "    grad_accumulate: per_add" \
+      "  - name: ga_default" >"$tmp/ga.yaml"
+    "$bin" export "$tmp/ga.yaml" "$tmp/ga" >/dev/null || exit 1
+    "$py" "$src/examples/numpy_moe.py" "$tmp/ga/ga_per_add" >/dev/null || exit 1
+    "$bin" check "$tmp/ga/ga_per_add" >"$tmp/ga.txt" ||
+      { grep -E "INCORRECT|ERROR" "$tmp/ga.txt"; echo "grad_accumulate per_add: check failed"; exit 1; }
+    grep -q -E '^   dispatch_bwd +actual\* +PASSED' "$tmp/ga.txt" || { echo "dispatch_bwd was not judged"; exit 1; }
+    mkdir -p "$tmp/ga/ga_default/actual"
+    cp "$tmp/ga/ga_per_add/actual/dispatch_bwd.grad_x.rank0.npy" "$tmp/ga/ga_default/actual/"
+    "$bin" check "$tmp/ga/ga_default" >"$tmp/ga.txt"
+    rc=$?
+    first=$(grep -m1 -E '^   [a-z_]+ +actual\*? +INCORRECT' "$tmp/ga.txt" | awk '{print $1}')
+    echo "per-add grad_x: PASSED under grad_accumulate: per_add; under the default: exit $rc, INCORRECT at ${first:-none}"
+    [ "$rc" -eq 1 ] && [ "$first" = dispatch_bwd ] || { echo "expected exit 1 and INCORRECT at dispatch_bwd"; exit 1; }
     ;;
   torch)
     py=$(torch_python)

@@ -89,6 +89,8 @@ for path in files:
                     run(cmd.replace("python3", "/usr/bin/python3", 1), where, want)
                 elif prog == "mpirun" or wide or (prog == "moeverify" and len(words) > 1 and words[1] in LONG):
                     for i, w in enumerate(words):
+                        if i > 0 and words[i - 1] == "--emit":  # an output file (fuzz --emit)
+                            continue
                         if i > 0 and words[i - 1] == "--profile":  # a profile file or name (fuzz --impl)
                             run(f"moeverify validate --profile {shlex.quote(w)}", where)
                         elif w.endswith(".yaml"):

@@ -9,6 +9,10 @@
 #       note (KILL) or moeverify's collective timeout (STOP) on stderr.
 #   mpi_faults.sh MPIEXEC MOEVERIFY stop_at
 #       rank 1 stops itself at its 6th collective: rank 0 must name it.
+#   mpi_faults.sh MPIEXEC MOEVERIFY stop_inside
+#       3 ranks; rank 1 stops itself inside the dispatch all-to-all, after
+#       its arrival notice: a live rank must name rank 1 (fallen silent),
+#       and none the other live rank (it waits and beats).
 #   mpi_faults.sh MPIEXEC MOEVERIFY planted CASEFILE
 #       --fault unswapped_combine_splits on 2 ranks: the split check against
 #       the buffer sizes turns it into a clean ERROR naming the collective.
@@ -118,7 +122,7 @@ signal)
     # Rank 1 stopped at a random point: outside a collective (rank 0 names
     # it), or inside one after its arrival notice (rank 0 says every peer
     # reached it); stop_at below holds the naming to a fixed point.
-    grep -q "moeverify: rank 0 (.*): collective .* not complete after [0-9.]* s (--collective-timeout); \(rank(s) 1 never reached it\|every peer rank reached it\)" "$tmp/err.log" ||
+    grep -q "moeverify: rank 0 (.*): collective .* not complete after [0-9.]* s (--collective-timeout); rank(s) 1 \(never reached it\|reached it, then fell silent\)" "$tmp/err.log" ||
       fail "no collective-timeout message from rank 0"
     [ "$rc" = 3 ] || fail "exit $rc, expected 3 (MPI_Abort with moeverify's ERROR status)"
   fi
@@ -142,6 +146,34 @@ stop_at)
   echo "ok   stop_at: exit 3; $(grep -m1 -o "collective .* never reached it" "$tmp/err.log")"
   ;;
 
+stop_inside)
+  # The dispatch all-to-all-v (collective 14 of this 3-rank case), rows of
+  # 8 KiB: above the eager limit, so rank 1's rows move only as it makes
+  # progress, and a live rank that receives them cannot complete.
+  {
+    echo "defaults:"
+    echo "  data: exact"
+    echo "  seed: 5"
+    echo "  shape: {tokens: 24, hidden: 2048, ffn: 16, experts: 12, top_k: 2}"
+    echo "cases:"
+    echo "  - name: c1"
+    echo "    ep: 3"
+  } >"$tmp/three.yaml"
+  MOEVERIFY_TEST_STOP_AT=1:14:inside timeout -s KILL 60 "$mpiexec" -x MOEVERIFY_TEST_STOP_AT -np 3 "$bin" run \
+    "$tmp/three.yaml" --threads 1 --collective-timeout 3 >"$tmp/out.log" 2>"$tmp/err.log"
+  rc=$?
+  [ "$rc" = 137 ] && fail "hang: killed by timeout"
+  [ "$rc" = 3 ] || fail "exit $rc, expected 3"
+  # A live rank whose share had all arrived may complete it and time out at
+  # the next collective, where rank 1 never arrived: at least one line must
+  # name rank 1 inside collective 14, and no line may call a live rank silent.
+  grep -q "moeverify: rank [02] (.*): collective token all-to-all (dispatch) (MPI_Ialltoallv, number 14) not complete after [0-9.]* s (--collective-timeout); rank(s) 1 reached it, then fell silent (no heartbeat for [0-9.]* s): stopped or dead inside it; aborting" "$tmp/err.log" ||
+    fail "no timeout line names rank 1 alone as fallen silent inside collective 14"
+  grep "fell silent" "$tmp/err.log" | grep -v -q "rank(s) 1 reached it, then fell silent" &&
+    fail "a live rank was called silent"
+  echo "ok   stop_inside: exit 3; $(grep -m1 -o "rank(s) 1 reached it, then .*inside it" "$tmp/err.log")"
+  ;;
+
 planted)
   timeout -k 5 120 "$mpiexec" -np 2 "$bin" run "$arg" --threads 1 --fault unswapped_combine_splits \
     --collective-timeout 10 >"$tmp/run.log" 2>&1
@@ -155,6 +187,6 @@ planted)
   echo "ok   planted unswapped_combine_splits under mpirun: exit 3, $(grep -m1 -o "send splits sum to [0-9]* rows but the send buffer holds [0-9]* rows" "$tmp/run.log")"
   ;;
 
-*) echo "usage: $0 MPIEXEC MOEVERIFY disagree|signal|planted ARG"; exit 2 ;;
+*) echo "usage: $0 MPIEXEC MOEVERIFY disagree|signal|stop_at|stop_inside|planted ARG"; exit 2 ;;
 esac
 exit 0

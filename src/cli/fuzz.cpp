@@ -23,6 +23,7 @@
 #include "memory_estimate.h"
 #include "random_case.h"
 #include "fuzz_shrink.h"
+#include "profile.h"
 #include "runner.h"
 
 namespace moev {
@@ -239,9 +240,12 @@ FuzzResult fuzz(const FuzzOptions& o, std::ostream& progress) {
     while (!stop) {
       const uint64_t i = next++;
       if ((o.iterations && i >= o.iterations) || (o.seconds > 0 && since(t0) >= o.seconds)) break;
-      const std::string yaml = on_backend(random_case_yaml(o.seed, i), o.backend);
+      std::string why;
+      const std::optional<std::string> drawn = draw_configuration(o.profile, o.seed, i, why);
+      const std::string yaml = drawn ? on_backend(*drawn, o.backend) : "{}";
       Verdict v;
       try {
+        if (!drawn) bad_input("no configuration inside the profile: " + why);
         v = run_yaml(yaml, o, threads_of(i));
       } catch (const std::exception& e) {  // the generator drew a configuration the loader refuses
         v = Verdict{Outcome::ERROR, "generator/-/-", "generator/-", e.what()};
@@ -263,7 +267,11 @@ FuzzResult fuzz(const FuzzOptions& o, std::ostream& progress) {
         f.yaml = yaml;
         const bool valid = v.key != "generator/-";
         const JudgeFn judge = [&](const std::string& y) { return run_yaml(y, o, threads_of(i)); };
-        f.shrunk = o.shrink && valid ? shrink(yaml, v, judge, loads, o.shrink_budget, f.shrink_runs) : yaml;
+        const FitFn fit = [&](const std::string& y) -> std::optional<std::string> {
+          std::string w;
+          return o.profile ? o.profile->refit(y, w) : loads(y);
+        };
+        f.shrunk = o.shrink && valid ? shrink(yaml, v, judge, fit, o.shrink_budget, f.shrink_runs) : yaml;
         f.shrunk_tokens = valid ? tokens_of(f.shrunk) : -1;
         std::lock_guard<std::mutex> lk(m);
         if (!o.out_dir.empty())
@@ -309,6 +317,21 @@ FuzzResult fuzz(const FuzzOptions& o, std::ostream& progress) {
   res.uninformative = uninformative;
   res.seconds = since(t0);
   return res;
+}
+
+std::string emit_case_file(const FuzzOptions& o, const std::string& replay) {
+  std::ostringstream y;
+  y << "# moeverify fuzz --emit: configurations 0 to " << o.iterations - 1 << " of seed " << o.seed
+    << (o.profile ? ", inside profile " + o.profile->name : "") << "\n# the ones `" << replay << "` runs\ncases:\n";
+  for (uint64_t i = 0; i < o.iterations; ++i) {
+    std::string why;
+    const std::optional<std::string> drawn = draw_configuration(o.profile, o.seed, i, why);
+    if (!drawn) bad_input("fuzz --emit: configuration " + std::to_string(i) + " has no draw inside the profile: " + why);
+    YAML::Node n = YAML::Load(on_backend(*drawn, o.backend));
+    n["name"] = "fuzz_" + std::to_string(o.seed) + "_" + std::to_string(i);
+    y << "  - " << flow(n) << "\n";
+  }
+  return y.str();
 }
 
 void print_fuzz_result(const FuzzResult& r, std::ostream& os) {

@@ -34,6 +34,7 @@ struct FuzzOptions {
   bool stop_at_first = false;  // selftest: stop at the first failure
   int collective_timeout_ms = 5000;
   std::string backend = "host";  // the case key `backend` of every drawn configuration
+  const Profile* profile = nullptr;  // what the generator may draw, fixed keys applied (null: everything)
 };
 
 /// `fuzz --impl CMD`: the implementation under test, run per configuration
@@ -43,7 +44,6 @@ struct ImplOptions {
   bool worker = false;      // CMD started once per job, fed one folder per line (docs/guide.md)
   double timeout_s = 60;    // per configuration; past it the implementation counts as crashed
   bool keep = false;        // keep the temporary case folders (printed)
-  const Profile* profile = nullptr;  // what the generator may draw; fixed keys applied
 };
 
 /// A failure: the first check that did not pass, named without its rank.
@@ -85,6 +85,11 @@ struct FuzzResult {
 /// Runs the fuzz loop; prints the seed first and a progress line every few
 /// seconds to `progress`.
 FuzzResult fuzz(const FuzzOptions& opt, std::ostream& progress);
+
+/// `fuzz --emit`: the case file of the configurations `fuzz` would run
+/// (0 to iterations - 1, inside the profile, on the backend), each named
+/// fuzz_SEED_I; `replay` is the fuzz command line that runs the same ones.
+std::string emit_case_file(const FuzzOptions& o, const std::string& replay);
 
 void print_fuzz_result(const FuzzResult& r, std::ostream& os);
 std::string fuzz_json(const FuzzResult& r);

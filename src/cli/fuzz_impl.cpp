@@ -144,16 +144,6 @@ class ImplJob {
   Worker worker_;
 };
 
-/// Configuration `i` of the stream, inside the profile: the plain draw when
-/// it fits, else the profile's repair of it, else the draws of other seeds.
-std::optional<std::string> draw(const Profile& p, uint64_t seed, uint64_t i, std::string& why) {
-  for (uint64_t attempt = 0; attempt < 200; ++attempt) {
-    const uint64_t s = attempt == 0 ? seed : seed ^ (0xD1B54A32D192ED03ull * attempt);
-    if (auto y = p.conform(random_case_yaml(s, i), s + i, why)) return y;
-  }
-  return std::nullopt;
-}
-
 /// The folder of the temporary case folders: a new one under $TMPDIR (or /tmp).
 std::string make_work_dir() {
   const char* t = getenv("TMPDIR");
@@ -190,8 +180,8 @@ void write_impl_failure(const FuzzOptions& o, const ImplOptions& impl, FuzzFailu
 
 /// The profile of an --impl run: the user's, plus held routed weights (a
 /// golden folder holds every input as .npy; export refuses streamed ones).
-Profile impl_profile(const ImplOptions& impl) {
-  Profile p = impl.profile ? *impl.profile : Profile{};
+Profile impl_profile(const FuzzOptions& o) {
+  Profile p = o.profile ? *o.profile : Profile{};
   bool has = false;
   for (const auto& f : p.fix) has = has || f.key == "experts.weights";
   if (!has) p.fix.push_back({"experts.weights", "held", 0});
@@ -233,22 +223,22 @@ namespace {
 class ImplFuzz {
  public:
   ImplFuzz(const FuzzOptions& o, const ImplOptions& impl, std::ostream& progress)
-      : o_(o), impl_(impl), profile_(impl_profile(impl)), progress_(progress) {}
+      : o_(o), impl_(impl), profile_(impl_profile(o)), progress_(progress) {}
 
   FuzzResult run() {
     std::string why;
-    if (!draw(profile_, o_.seed, 0, why))
+    if (!draw_configuration(&profile_, o_.seed, 0, why))
       bad_input("--profile " + profile_.file + ": no configuration in 200 draws lies inside it; the last refused: " +
                 why + "; valid: a profile whose allowed values make valid cases together");
     if (!o_.out_dir.empty()) prepare_dump_root(o_.out_dir, "fuzz --out");
     res_.impl = true;
     res_.seed = o_.seed;
     res_.impl_cmd = impl_.cmd;
-    res_.profile = impl_.profile ? impl_.profile->name : "";
+    res_.profile = o_.profile ? o_.profile->name : "";
     res_.work_dir = make_work_dir();
     progress_ << "fuzz --impl: seed " << o_.seed << " (replay: moeverify fuzz --seed " << o_.seed << " --impl "
               << shell_quote(impl_.cmd) << (impl_.worker ? " --worker" : "")
-              << (impl_.profile ? " --profile " + shell_quote(impl_.profile->file) : "") << ")" << std::endl;
+              << (o_.profile ? " --profile " + shell_quote(o_.profile->file) : "") << ")" << std::endl;
     t0_ = Clock::now();
     running_ = std::max(1, o_.jobs);
     std::vector<std::thread> pool;
@@ -273,7 +263,7 @@ class ImplFuzz {
       const uint64_t i = next_++;
       if ((o_.iterations && i >= o_.iterations) || (o_.seconds > 0 && since(t0_) >= o_.seconds)) break;
       std::string why_not;
-      const std::optional<std::string> yaml = draw(profile_, o_.seed, i, why_not);
+      const std::optional<std::string> yaml = draw_configuration(&profile_, o_.seed, i, why_not);
       if (!yaml) continue;  // no draw fits (index 0 did, checked in run): not counted
       const ImplRun r = j.run(*yaml, "c" + std::to_string(i));
       const bool failed = r.kind == ImplRun::Kind::crashed ||

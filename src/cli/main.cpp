@@ -26,6 +26,7 @@
 #include "error.h"
 #include "fuzz.h"
 #include "profile.h"
+#include "subprocess.h"
 #include "case_filter.h"
 #include "case_key_docs.h"
 #include "export_check.h"
@@ -479,12 +480,12 @@ struct FuzzArgs {
   std::string seconds, iterations, seed, jobs = "1", backend = "host", out = "fuzz-failures", json;
   std::vector<std::string> faults;
   bool no_shrink = false;
-  std::string impl, impl_timeout = "60", profile, shrink_budget = "400";
+  std::string impl, impl_timeout = "60", profile, shrink_budget = "400", emit;
   bool worker = false, keep = false;
 };
 
-/// fuzz --impl's options, checked: CMD's {case} (or --worker), the profile.
-ImplOptions impl_options(const CLI::App* cmd, const FuzzArgs& a, std::unique_ptr<Profile>& profile) {
+/// fuzz --impl's options, checked: CMD's {case} (or --worker).
+ImplOptions impl_options(const CLI::App* cmd, const FuzzArgs& a) {
   ImplOptions impl;
   impl.cmd = a.impl;
   impl.worker = a.worker;
@@ -500,17 +501,16 @@ ImplOptions impl_options(const CLI::App* cmd, const FuzzArgs& a, std::unique_ptr
               "{case} (e.g. \"python3 my_moe.py --serve\")");
   if (!a.faults.empty() || cmd->count("--backend"))
     bad_input("fuzz --impl: --fault and --backend apply to moeverify's own fast paths; valid: --impl without them");
-  if (cmd->count("--profile")) {
-    profile = std::make_unique<Profile>(load_profile(a.profile));
-    impl.profile = profile.get();
-  }
   return impl;
 }
 
 int cmd_fuzz(const CLI::App* cmd, const FuzzArgs& a) {
-  const bool impl = cmd->count("--impl") > 0;
-  if (!impl && (cmd->count("--profile") || a.worker || a.keep || cmd->count("--impl-timeout")))
-    bad_input("fuzz: --profile, --worker, --keep and --impl-timeout go with --impl CMD; valid: add --impl, or drop them");
+  const bool impl = cmd->count("--impl") > 0, emit = cmd->count("--emit") > 0;
+  if (!impl && (a.worker || a.keep || cmd->count("--impl-timeout")))
+    bad_input("fuzz: --worker, --keep and --impl-timeout go with --impl CMD; valid: add --impl, or drop them");
+  if (emit && (impl || cmd->count("--seconds") || !cmd->count("--iterations")))
+    bad_input("fuzz --emit FILE writes --iterations N configurations and runs none; valid: --emit FILE --iterations N "
+              "[--seed S] [--profile P] [--backend B], without --impl or --seconds");
   // Every drawn configuration runs on the backend; one that cannot run here
   // at all is NOT_SUPPORTED before anything is drawn.
   if (const std::string why = backend_unavailable(backend_flag(a.backend)); !impl && !why.empty())
@@ -532,9 +532,25 @@ int cmd_fuzz(const CLI::App* cmd, const FuzzArgs& a) {
     check_output_file("--json", a.json);
   }
   if (a.out.empty()) bad_input("--out: the path is empty; valid: a folder for the shrunk failures");
+  std::unique_ptr<Profile> profile;
+  if (cmd->count("--profile")) {
+    profile = std::make_unique<Profile>(load_profile(a.profile));
+    o.profile = profile.get();
+  }
+  if (emit) {
+    if (a.emit.empty()) bad_input("--emit: the path is empty; valid: a case file path such as soak.yaml");
+    check_output_file("--emit", a.emit);
+    const std::string replay = "moeverify fuzz --seed " + std::to_string(o.seed) + " --iterations " +
+                               std::to_string(o.iterations) + (profile ? " --profile " + shell_quote(profile->file) : "") +
+                               (a.backend == "host" ? "" : " --backend " + a.backend);
+    const std::string err = write_file(a.emit, {emit_case_file(o, replay)});
+    if (!err.empty()) bad_input("--emit: " + err);
+    std::cout << a.emit << ": " << o.iterations << " configurations of seed " << o.seed
+              << (profile ? " inside profile " + profile->name : "") << " (run them: moeverify run " << a.emit << ")\n";
+    return 0;
+  }
   if (impl) {
-    std::unique_ptr<Profile> profile;
-    const ImplOptions io = impl_options(cmd, a, profile);
+    const ImplOptions io = impl_options(cmd, a);
     const FuzzResult r = fuzz_impl(o, io, std::cerr);
     print_impl_result(r, std::cout);
     if (cmd->count("--json")) {
@@ -704,8 +720,10 @@ void add_fuzz_selftest_bench(CLI::App& app, Commands& c) {
                  "(done | skip REASON | error REASON; Python: moeverify.serve)");
   c.fz->add_option("--impl-timeout", c.fa.impl_timeout, "with --impl: seconds per configuration before it counts as "
                    "crashed (default 60)")->type_name("SECONDS");
-  c.fz->add_option("--profile", c.fa.profile, "with --impl: draw only what the implementation supports, with its "
-                   "conventions: a shipped name (torchtitan, megatron) or a profile file")->type_name("NAME|FILE");
+  c.fz->add_option("--profile", c.fa.profile, "draw only what the implementation supports, with its conventions: a "
+                   "shipped name (torchtitan, megatron) or a profile file")->type_name("NAME|FILE");
+  c.fz->add_option("--emit", c.fa.emit, "write the --iterations N configurations (inside --profile) as a case file, "
+                   "run none: e.g. to run them under mpirun")->type_name("FILE");
   c.fz->add_flag("--keep", c.fa.keep, "with --impl: keep the temporary case folders (their folder is printed)");
 
   c.st = app.add_subcommand("selftest", "show that every planted fault is caught by a case, the fuzz or a probe");

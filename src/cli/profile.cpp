@@ -247,6 +247,15 @@ std::optional<std::string> Profile::conform(const std::string& yaml, uint64_t pi
   return inside(*this, n, why);
 }
 
+std::optional<std::string> draw_configuration(const Profile* p, uint64_t seed, uint64_t i, std::string& why) {
+  if (!p) return random_case_yaml(seed, i);
+  for (uint64_t attempt = 0; attempt < 200; ++attempt) {
+    const uint64_t s = attempt == 0 ? seed : seed ^ (0xD1B54A32D192ED03ull * attempt);
+    if (auto y = p->conform(random_case_yaml(s, i), s + i, why)) return y;
+  }
+  return std::nullopt;
+}
+
 std::string profiles_dir() {
   std::vector<std::string> dirs;
   char exe[PATH_MAX];

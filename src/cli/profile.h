@@ -61,6 +61,11 @@ struct Profile {
   std::optional<std::string> refit(const std::string& yaml, std::string& why) const;
 };
 
+/// Configuration `i` of the fuzz stream `seed`, inside `p` (null: any): the
+/// plain draw when it fits, else the profile's repair of it, else the draws
+/// of other seeds; nullopt (and `why`, the last refusal) after 200 tries.
+std::optional<std::string> draw_configuration(const Profile* p, uint64_t seed, uint64_t i, std::string& why);
+
 /// Loads and validates a profile: NAME or FILE (see above). Throws
 /// Error(bad_input) naming the file, the line and what would be valid.
 Profile load_profile(const std::string& name_or_file);

@@ -70,6 +70,13 @@ std::string host_name() {
   return h;
 }
 
+/// "1.5 s": a duration for a message.
+std::string fmt_seconds(std::chrono::steady_clock::duration d) {
+  char b[32];
+  std::snprintf(b, sizeof(b), "%.3g s", std::chrono::duration<double>(d).count());
+  return b;
+}
+
 void check(int rc, const char* what) {
   if (rc != MPI_SUCCESS) {
     char msg[MPI_MAX_ERROR_STRING];
@@ -90,8 +97,24 @@ class MpiComm final : public Comm {
     MPI_Comm_size(MPI_COMM_WORLD, &size_);
     if (const char* v = std::getenv("MOEVERIFY_TEST_STOP_AT")) {
       long long r = -1, k = -1;
-      if (std::sscanf(v, "%lld:%lld", &r, &k) == 2 && r == rank_) stall_at_ = k;
+      char where[16] = {0};
+      const int n = std::sscanf(v, "%lld:%lld:%15s", &r, &k, where);
+      if (n >= 2 && r == rank_) {
+        stall_at_ = k;
+        stall_inside_ = n == 3 && std::strcmp(where, "inside") == 0;
+      }
     }
+    beats_.resize(size_t(size_));
+    for (int p = 0; p < size_; ++p)
+      if (p != rank_) post_beat_recv(p);
+  }
+  /// Finalize must not meet receives still posted.
+  void cancel_beats() {
+    for (Beat& b : beats_)
+      if (b.recv != MPI_REQUEST_NULL) {
+        MPI_Cancel(&b.recv);
+        MPI_Wait(&b.recv, MPI_STATUS_IGNORE);
+      }
   }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -220,7 +243,7 @@ class MpiComm final : public Comm {
 
   void announce(Arrivals& a, const char* what) {
     a.sent = ++collectives_;
-    if (a.sent == stall_at_) std::raise(SIGSTOP);  // the test hook below
+    if (a.sent == stall_at_ && !stall_inside_) std::raise(SIGSTOP);  // the test hook below
     a.got.assign(size_t(size_), 0);
     for (int p = 0; p < size_; ++p) {
       if (p == rank_) continue;
@@ -233,6 +256,67 @@ class MpiComm final : public Comm {
       a.reqs.emplace_back();
       check(MPI_Isend(&a.sent, 1, MPI_INT64_T, p, kArriveTag, MPI_COMM_WORLD, &a.reqs.back()), what);
     }
+    if (a.sent == stall_at_ && stall_inside_) std::raise(SIGSTOP);  // inside: the peers have its notice
+  }
+
+  /// Heartbeats: a rank waiting inside its k-th collective sends k to every
+  /// peer (tag kBeatTag) every beat interval, and keeps one receive posted
+  /// per peer. A rank that times out can then tell, among the peers whose
+  /// arrival notice came, the live ones (still waiting: a recent beat of
+  /// collective k or later) from the silent ones (stopped or dead inside the
+  /// collective), and names the silent ones.
+  struct Beat {
+    int64_t in = 0, out = 0;  // receive and send buffers
+    MPI_Request recv = MPI_REQUEST_NULL, send = MPI_REQUEST_NULL;
+    int64_t last = 0;  // the highest collective number heard from this peer
+    std::chrono::steady_clock::time_point at{};  // when a beat of `last` came
+  };
+  static constexpr int kBeatTag = 7322;
+
+  void post_beat_recv(int p) {
+    Beat& b = beats_[size_t(p)];
+    check(MPI_Irecv(&b.in, 1, MPI_INT64_T, p, kBeatTag, MPI_COMM_WORLD, &b.recv), "heartbeat");
+  }
+
+  /// Takes every beat that has come, then sends collective k's beat to each
+  /// peer whose previous beat has left (a slow peer skips a beat, never
+  /// queues them).
+  void beat(int64_t k, bool send) {
+    const auto now = std::chrono::steady_clock::now();
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      Beat& b = beats_[size_t(p)];
+      for (int done = 1; done;) {
+        check(MPI_Test(&b.recv, &done, MPI_STATUS_IGNORE), "heartbeat");
+        if (!done) break;
+        if (b.in >= b.last) {
+          b.last = b.in;
+          b.at = now;
+        }
+        post_beat_recv(p);
+      }
+      if (!send) continue;
+      int free = 1;
+      if (b.send != MPI_REQUEST_NULL) check(MPI_Test(&b.send, &free, MPI_STATUS_IGNORE), "heartbeat");
+      if (!free) continue;
+      b.out = k;
+      check(MPI_Isend(&b.out, 1, MPI_INT64_T, p, kBeatTag, MPI_COMM_WORLD, &b.send), "heartbeat");
+    }
+  }
+
+  /// The peers that reached collective k (arrival notice in, per `a`) but
+  /// sent no beat of k or later within `quiet`: "1, 3".
+  std::string silent_peers(Arrivals& a, int64_t k, std::chrono::steady_clock::duration quiet) {
+    beat(k, false);
+    const auto now = std::chrono::steady_clock::now();
+    std::string out;
+    for (size_t i = 0; i < a.peer.size(); ++i) {
+      int arrived = 0;
+      check(MPI_Test(&a.reqs[i], &arrived, MPI_STATUS_IGNORE), "heartbeat");
+      const Beat& b = beats_[size_t(a.peer[i])];
+      if (arrived && (b.last < k || now - b.at > quiet)) out += (out.empty() ? "" : ", ") + std::to_string(a.peer[i]);
+    }
+    return out;
   }
 
   /// The peers whose notice of this collective has not arrived, as "1, 3".
@@ -255,6 +339,10 @@ class MpiComm final : public Comm {
     Arrivals a;
     announce(a, what);
     const auto t0 = std::chrono::steady_clock::now();
+    // A beat every eighth of the deadline (at least 10 ms apart), the first
+    // one an interval in: collectives between running ranks never beat.
+    const auto interval = std::max<std::chrono::steady_clock::duration>(g_timeout / 8, std::chrono::milliseconds(10));
+    auto next_beat = t0 + interval;
     bool collective_done = false;
     for (long polls = 0;; ++polls) {
       int done = 0;
@@ -268,21 +356,32 @@ class MpiComm final : public Comm {
       const auto waited = std::chrono::steady_clock::now() - t0;
       if (waited > g_timeout) {
         const std::string missing = missing_peers(a, what);
+        const auto quiet = std::max<std::chrono::steady_clock::duration>(g_timeout / 2, 3 * interval);
+        const std::string silent = silent_peers(a, a.sent, quiet);
+        std::string why;
+        if (!missing.empty())
+          why = "rank(s) " + missing + " never reached it: stopped, dead, or stuck at an earlier step";
+        if (!silent.empty())
+          why += (why.empty() ? "" : "; ") + ("rank(s) " + silent + " reached it, then fell silent (no heartbeat for " +
+                                             fmt_seconds(quiet) + "): stopped or dead inside it");
+        if (why.empty()) why = "every peer rank reached it and is still waiting in it";
         std::fprintf(stderr,
                      "moeverify: rank %d (%s, pid %d): collective %s (%s, number %lld) not complete after %.3g s "
                      "(--collective-timeout); %s; aborting the job\n",
                      rank_, host_name().c_str(), int(getpid()), what, call, (long long)a.sent,
-                     std::chrono::duration<double>(waited).count(),
-                     missing.empty() ? "every peer rank reached it: a peer is stopped, dead, or failed inside it"
-                                     : ("rank(s) " + missing + " never reached it: stopped, dead, or stuck at an "
-                                        "earlier step").c_str());
+                     std::chrono::duration<double>(waited).count(), why.c_str());
         std::fflush(stderr);
         MPI_Abort(MPI_COMM_WORLD, 3);
         std::_Exit(3);
       }
+      if (t0 + waited >= next_beat) {
+        beat(a.sent, true);
+        next_beat = t0 + waited + interval;
+      }
       // Spin briefly (collectives between running ranks finish in
-      // microseconds), then yield the core: ranks may be oversubscribed.
-      if (polls < 2000) std::this_thread::yield();
+      // microseconds), then yield the core: ranks may be oversubscribed, so
+      // the spin is bounded in polls and in time.
+      if (polls < 2000 && waited < std::chrono::milliseconds(2)) std::this_thread::yield();
       else std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
   }
@@ -290,8 +389,12 @@ class MpiComm final : public Comm {
   int rank_ = 0, size_ = 1;
   /// Test hook (tests/mpi_faults.sh): MOEVERIFY_TEST_STOP_AT="R:K" stops rank
   /// R with SIGSTOP on reaching its K-th collective, before its notices, so
-  /// that the peers' timeout line must name it.
+  /// that the peers' timeout line must name it as never reaching it;
+  /// "R:K:inside" stops it after its notices, inside the exchange, so that
+  /// the line must name it as fallen silent.
   int64_t stall_at_ = -1;
+  bool stall_inside_ = false;  // "R:K:inside": after its notices, inside the exchange
+  std::vector<Beat> beats_;     // per peer (this rank's entry unused)
   int64_t collectives_ = 0;  // collectives this rank has reached (arrival notices)
   bool agreed_failure_ = false;
 };
@@ -413,6 +516,7 @@ void mpi_finalize_if_started() {
   MPI_Finalized(&fin);
   if (fin) return;
   g_world->barrier("finalize");  // under the deadline: MPI_Finalize itself would wait forever for a stopped peer
+  g_world->cancel_beats();
   MPI_Finalize();
 }
 #else

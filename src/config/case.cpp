@@ -86,6 +86,22 @@ const EnumTable<GateDtype>& gate_dtype_table() {
   return t;
 }
 
+const EnumTable<GradAccumulate>& grad_accumulate_table() {
+  static const EnumTable<GradAccumulate> t = {{"as_combine", GradAccumulate::as_combine},
+                                              {"per_add", GradAccumulate::per_add},
+                                              {"fp32_accumulate", GradAccumulate::fp32_accumulate}};
+  return t;
+}
+
+k::Accumulate Case::dispatch_grad_accumulate() const {
+  switch (grad_accumulate) {
+    case GradAccumulate::per_add: return k::Accumulate::per_add;
+    case GradAccumulate::fp32_accumulate: return k::Accumulate::fp32_accumulate;
+    case GradAccumulate::as_combine: break;
+  }
+  return combine.accumulate;
+}
+
 const EnumTable<k::ScoreMultiply>& score_multiply_table() {
   static const EnumTable<k::ScoreMultiply> t = {{"fp32", k::ScoreMultiply::fp32}, {"act", k::ScoreMultiply::act}};
   return t;
@@ -216,6 +232,8 @@ std::string Case::summary() const {
     o << " experts.compute_dtype=" << enum_name(compute_dtype_table(), experts.compute_dtype);
   if (streams_weights()) o << " experts.weights=streamed";
   if (backward == Switch::on) o << " backward=on";
+  if (grad_accumulate != GradAccumulate::as_combine)
+    o << " grad_accumulate=" << enum_name(grad_accumulate_table(), grad_accumulate);
   if (layers > 1) o << " layers=" << layers;
   if (capacity.factor > 0)
     o << " capacity=" << capacity.factor << "/" << enum_name(capacity_policy_table(), capacity.policy)

@@ -31,7 +31,10 @@ enum class Switch { off, on };
 enum class EmptyGroups { zero, pad };           // docs/contract.md §4: TE (0 rows) or torchao (A rows)
 enum class PermuteMode { auto_, generic, equal_count };
 enum class EqualSplitPolicy { off, force, adaptive };  // docs/frameworks.md §5.2
-enum class DispatchDtype { act, fp8_e4m3 };            // docs/contract.md §16: rows sent as they are, or FP8 with block scales
+enum class DispatchDtype { act, fp8_e4m3 };
+/// How the dispatch backward sums a token's K row gradients (docs/contract.md
+/// §13, §14): as the forward combine (`combine.accumulate`), or its own mode.
+enum class GradAccumulate { as_combine, per_add, fp32_accumulate };            // docs/contract.md §16: rows sent as they are, or FP8 with block scales
 /// Where the routed experts' weights live (docs/architecture.md "Scale and backends"):
 /// `held` as whole (E, F, D) tensors on the board, `streamed` generated a
 /// few experts at a time by each stage that reads them, `auto` streamed past
@@ -50,6 +53,7 @@ const EnumTable<ExpertsImpl>& experts_impl_table();
 const EnumTable<SharedKind>& shared_kind_table();
 const EnumTable<SharedOrder>& shared_order_table();
 const EnumTable<k::Accumulate>& accumulate_table();
+const EnumTable<GradAccumulate>& grad_accumulate_table();
 const EnumTable<CombinePlacement>& placement_table();
 const EnumTable<OutBuffer>& out_buffer_table();
 const EnumTable<Switch>& switch_table();
@@ -147,6 +151,9 @@ struct Case {
   int64_t seq_len = 0;  // L: shape.seq_len gives tokens = B*L; the loader stores tokens / B (0 in a Case built in code)
   SpPadding sp_padding = SpPadding::virtual_;
   Switch backward = Switch::off;
+  GradAccumulate grad_accumulate = GradAccumulate::as_combine;  // docs/contract.md §14
+  /// The accumulate mode of the dispatch backward's scatter-add.
+  k::Accumulate dispatch_grad_accumulate() const;
   // MoE layer entries (docs/contract.md §12): `layers` pipelines, entry l with router
   // weights of its own; `layer` is the entry a pipeline runs (set by the
   // runner, not a key; 0 keeps the single-layer inputs).

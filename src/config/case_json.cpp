@@ -57,6 +57,8 @@ nlohmann::ordered_json case_to_json(const Case& c) {
   j["shape.seq_len"] = c.tokens / c.batch;
   j["sp_padding"] = enum_name(sp_padding_table(), c.sp_padding);
   j["backward"] = enum_name(switch_table(), c.backward);
+  if (c.grad_accumulate != GradAccumulate::as_combine)  // docs/contract.md §14; the default's manifest is as before
+    j["grad_accumulate"] = enum_name(grad_accumulate_table(), c.grad_accumulate);
   j["backend"] = enum_name(backend_table(), c.backend);
   j["layers"] = c.layers;  // the golden tensors are entry 1's
   j["capacity.factor"] = c.capacity.factor;

@@ -37,7 +37,7 @@ struct Fnv {
 // A field added to Case must be added below too: this guard fails the build
 // on the one platform CI builds (x86-64, libstdc++) when Case grows.
 #if defined(__x86_64__) && defined(__GLIBCXX__) && !defined(_GLIBCXX_DEBUG)
-static_assert(sizeof(Case) == 424, "Case changed: hash the new field in config_hash(), then update this size");
+static_assert(sizeof(Case) == 432, "Case changed: hash the new field in config_hash(), then update this size");
 #endif
 
 uint64_t config_hash(const Case& c) {
@@ -99,6 +99,7 @@ uint64_t config_hash(const Case& c) {
   f.i64(c.seq_len);
   f.e(c.sp_padding);
   f.e(c.backward);  // docs/contract.md §13
+  if (c.grad_accumulate != GradAccumulate::as_combine) f.e(c.grad_accumulate);  // §14; the default hashes as before
   f.e(c.backend);
   f.i64(c.layers);   // docs/contract.md §12
   f.i64(c.layer);

@@ -105,6 +105,9 @@ bool draw_backward_layers_capacity(uint64_t seed, uint64_t index, std::ostream& 
     y << ", capacity: {factor: " << db.pick<const char*>({"0.25", "0.5", "1", "1.25", "4"})
       << ", policy: " << db.pick<const char*>({"probs", "position"})
       << ", pad_to_capacity: " << db.pick<const char*>({"off", "on"}) << "}";
+  // The backward's own accumulate mode in about a third of those cases
+  // (docs/contract.md §14), drawn last so the keys above draw as before.
+  if (backward && db.chance(0.35)) y << ", grad_accumulate: " << db.pick<const char*>({"per_add", "fp32_accumulate"});
   return backward;
 }
 

@@ -36,7 +36,8 @@
 //
 // Numerics (README "Backward"): gradient rows are data movement except where
 // a score multiplies them, round_act(float(g) * s) as the forward's multiply;
-// the scatter-add is the forward combine's (accumulate mode and order), so
+// the scatter-add is the forward combine's (order; accumulate mode per
+// grad_accumulate, by default the combine's), so
 // every gradient row is compared bitwise. The score gradient is an fp32
 // dot product over D: compared with the half-width of an fp32 summation
 // against an fp64 reference (class rounding), which flags act-rounded
@@ -674,7 +675,7 @@ void fast_dispatch_bwd(FastCtx& ctx) {
   Tensor& gx = rows_out(ctx, "grad_x", T);
   float* gs = scores_before(c) ? ctx.output("grad_topk_scores", ElemType::f32, {T, c.top_k}).as<float>() : nullptr;
   const bool shared = has_shared(c);
-  dispatch_backward(ctx.exec, c.dtype, apply_of(c), c.score_multiply, c.combine.accumulate,
+  dispatch_backward(ctx.exec, c.dtype, apply_of(c), c.score_multiply, c.dispatch_grad_accumulate(),
                     ctx.input("grad_routed_input").data(), ctx.input("score_sorted").as<float>(),
                     row_of.as<int32_t>(), scores_before(c) ? ctx.input("x").data() : nullptr,
                     shared ? SharedGrad::add_after : SharedGrad::none,
@@ -688,8 +689,9 @@ void ref_dispatch_bwd(RefCtx& r) {
     RankBoard& out = r.out.ranks[q];
     const int64_t T = in.at("row_of").shape[0];
     const ref::Vec shared = has_shared(c) ? to_floats(in.at("grad_x_shared")) : ref::Vec{};
-    const ref::Accumulate acc = c.combine.accumulate == k::Accumulate::per_add ? ref::Accumulate::per_add
-                                                                                : ref::Accumulate::fp32_accumulate;
+    const ref::Accumulate acc = c.dispatch_grad_accumulate() == k::Accumulate::per_add
+                                    ? ref::Accumulate::per_add
+                                    : ref::Accumulate::fp32_accumulate;
     out["grad_x"] = from_floats(ref::scatter_add_grad(ref_act(c.dtype), ref_apply(c), ref_smul(c), acc,
                                                       rows_of(in.at("grad_routed_input")),
                                                       ref_ids(in.at("token_sorted")), to_floats(in.at("score_sorted")),
