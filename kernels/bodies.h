@@ -46,9 +46,10 @@ enum class ScoreMultiply : uint8_t { fp32, act };
 /// FP8 block scales (docs/contract.md §16): s = amax / 448 in fp32, or that
 /// rounded up to a power of two (UE8M0, DeepGEMM's recipe on newer GPUs).
 enum class Fp8Scale : uint8_t { fp32, ue8m0 };
-/// The quotient that is rounded to e4m3: x * (1 / s) (DeepGEMM's helpers) or
-/// x * (448 / amax) (DeepEP's older tests; fp32 scales only).
-enum class Fp8Quotient : uint8_t { reciprocal, amax_ratio };
+/// The quotient that is rounded to e4m3: x * (1 / s) (DeepGEMM's helpers),
+/// x * (448 / amax) (DeepEP's older tests; fp32 scales only) or x / s, one
+/// correctly rounded fp32 division (DeepSeek-V3's act_quant kernel).
+enum class Fp8Quotient : uint8_t { reciprocal, amax_ratio, divide };
 
 /// e^v from additions, multiplications and exponent bits only, so that the
 /// host and CUDA executors give the same bits (a library expf differs: CUDA's
@@ -378,8 +379,8 @@ struct Fp8QuantFaults {
 /// i = t * (D / block) + b. Layout: x (T, D) act, q (T, D) e4m3 bytes, scale
 /// (T, D / block) fp32. amax = max |x| over the block, clamped below at
 /// `clamp`; s = amax / 448 in fp32, rounded up to a power of two under
-/// ue8m0; q = e4m3(x * (1 / s)) or e4m3(x * (448 / amax)), each product one
-/// fp32 rounding. Every lane computes the block's amax (a max: the same bits
+/// ue8m0; q = e4m3(x * (1 / s)), e4m3(x * (448 / amax)) or e4m3(x / s), each
+/// product or quotient one fp32 rounding (nvcc: --prec-div=true). Every lane computes the block's amax (a max: the same bits
 /// in any order), then encodes its strided elements; lane 0 writes the scale.
 template <class T>
 struct Fp8QuantBody {
@@ -411,7 +412,10 @@ struct Fp8QuantBody {
       if (u & 0x7fffffu) s = f32_from_bits(faults.round_down ? (u & 0x7f800000u) : (u & 0x7f800000u) + 0x800000u);
     }
     const float mul = quotient == Fp8Quotient::amax_ratio ? 448.f / amax : 1.f / s;
-    for (int64_t c = lane; c < block; c += lanes) q[start + c] = from_float<e4m3>(to_float(x[start + c]) * mul);
+    if (quotient == Fp8Quotient::divide)
+      for (int64_t c = lane; c < block; c += lanes) q[start + c] = from_float<e4m3>(to_float(x[start + c]) / s);
+    else
+      for (int64_t c = lane; c < block; c += lanes) q[start + c] = from_float<e4m3>(to_float(x[start + c]) * mul);
     if (lane == 0) scale[i] = faults.store_inverse ? mul : s;
   }
 };

@@ -75,8 +75,11 @@ Fp8Rows fp8_quantise(const Fp8Spec& spec, const Vec& x, int64_t rows, int64_t D)
       // The multiplier in fp32, then the product of two fp32 values (exact
       // in double) rounded once to fp32, then to e4m3.
       const double mul = spec.amax_ratio ? double(float(448.0 / amax)) : double(float(1.0 / double(s)));
+      // x / s: the double quotient of two fp32 values rounded to fp32 is the
+      // correctly rounded fp32 quotient (53 >= 2 * 24 + 2 bits).
       for (int64_t j = 0; j < spec.block; ++j)
-        out.q[size_t(t * D + b * spec.block + j)] = e4m3_encode(float(double(blk[j]) * mul));
+        out.q[size_t(t * D + b * spec.block + j)] =
+            e4m3_encode(spec.divide ? float(double(blk[j]) / double(s)) : float(double(blk[j]) * mul));
       out.scale[size_t(t * nb + b)] = s;
     }
   return out;

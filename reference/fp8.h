@@ -24,6 +24,7 @@ struct Fp8Spec {
   int64_t block = 128;
   bool ue8m0 = false;       // s rounded up to a power of two
   bool amax_ratio = false;  // quotient x * (448 / amax), else x * (1 / s)
+  bool divide = false;      // quotient x / s (one fp32 division), else as above
   float clamp = 1e-4f;      // the amax clamp, in fp32
 };
 

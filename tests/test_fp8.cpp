@@ -156,6 +156,7 @@ ref::Fp8Spec spec_of(const Fp8Params& p) {
   s.block = p.block;
   s.ue8m0 = p.scale == k::Fp8Scale::ue8m0;
   s.amax_ratio = p.quotient == k::Fp8Quotient::amax_ratio;
+  s.divide = p.quotient == k::Fp8Quotient::divide;
   s.clamp = p.clamp;
   return s;
 }
@@ -177,10 +178,10 @@ TEST_CASE("FP8 block quantisation: fast equals the reference bitwise in every co
   x[size_t(3 * D + 5)] = 1e-7f;
   for (int64_t block : {32, 96, 1, 3})
     for (k::Fp8Scale sc : {k::Fp8Scale::fp32, k::Fp8Scale::ue8m0})
-      for (k::Fp8Quotient qu : {k::Fp8Quotient::reciprocal, k::Fp8Quotient::amax_ratio}) {
+      for (k::Fp8Quotient qu : {k::Fp8Quotient::reciprocal, k::Fp8Quotient::amax_ratio, k::Fp8Quotient::divide}) {
         if (sc == k::Fp8Scale::ue8m0 && qu == k::Fp8Quotient::amax_ratio) continue;  // refused by validation
         const Fp8Params p{block, sc, qu, 1e-4f};
-        INFO("block " << block << " ue8m0 " << (sc == k::Fp8Scale::ue8m0) << " amax_ratio " << (qu == k::Fp8Quotient::amax_ratio));
+        INFO("block " << block << " ue8m0 " << (sc == k::Fp8Scale::ue8m0) << " quotient " << int(qu));
         const Quantised f = fast_quantise(x, T, D, p);
         const ref::Fp8Rows r = ref::fp8_quantise(spec_of(p), x, T, D);
         CHECK(f.q == r.q);
@@ -228,13 +229,17 @@ TEST_CASE("the two quotient conventions differ in the last bit of some values, a
   }
   const Fp8Params rec{128, k::Fp8Scale::fp32, k::Fp8Quotient::reciprocal, 1e-4f};
   const Fp8Params rat{128, k::Fp8Scale::fp32, k::Fp8Quotient::amax_ratio, 1e-4f};
-  const ref::Fp8Rows r1 = ref::fp8_quantise(spec_of(rec), x, T, D), r2 = ref::fp8_quantise(spec_of(rat), x, T, D);
-  int64_t differ = 0;
-  for (size_t i = 0; i < r1.q.size(); ++i) differ += r1.q[i] != r2.q[i];
-  INFO(differ << " of " << r1.q.size() << " bytes differ");
+  const Fp8Params div{128, k::Fp8Scale::fp32, k::Fp8Quotient::divide, 1e-4f};
+  const ref::Fp8Rows r1 = ref::fp8_quantise(spec_of(rec), x, T, D), r2 = ref::fp8_quantise(spec_of(rat), x, T, D),
+                     r3 = ref::fp8_quantise(spec_of(div), x, T, D);
+  int64_t differ = 0, differ_div = 0;
+  for (size_t i = 0; i < r1.q.size(); ++i) differ += r1.q[i] != r2.q[i], differ_div += r1.q[i] != r3.q[i];
+  INFO(differ << " of " << r1.q.size() << " bytes differ (amax_ratio), " << differ_div << " (divide)");
   CHECK(differ > 0);
+  CHECK(differ_div > 0);
   CHECK(fast_quantise(x, T, D, rec).q == r1.q);
   CHECK(fast_quantise(x, T, D, rat).q == r2.q);
+  CHECK(fast_quantise(x, T, D, div).q == r3.q);
 }
 
 TEST_CASE("planted quantiser faults differ from the reference", "[cpu][fp8][fault]") {

@@ -58,6 +58,30 @@ def unstable_dispatch(g):
     g.write("dispatch.token_sorted", order // g.expected("routing.ids").shape[1])
 
 
+def e4m3_bits(v):
+    """fp32 values to e4m3fn bytes: the nearest value, ties to the even
+    mantissa, magnitudes past 448 saturating (docs/contract.md §16)."""
+    mags = moeverify.e4m3_to_f32(np.arange(127, dtype=np.uint8)).astype(np.float64)  # codes 0 .. 448
+    a = np.minimum(np.abs(v.astype(np.float64)), 448.0)
+    hi = np.clip(np.searchsorted(mags, a), 1, 126)
+    lo = hi - 1
+    dlo, dhi = a - mags[lo], mags[hi] - a
+    code = np.where((dhi < dlo) | ((dhi == dlo) & (hi % 2 == 0)), hi, lo).astype(np.uint8)
+    return np.where(np.signbit(v), code | 0x80, code).astype(np.uint8)
+
+
+def deepseek_quant(g):
+    """DeepSeek-V3's act_quant in NumPy: per token and block, s = amax / 448
+    and y = x / s, both in fp32 (dispatch.quotient: divide)."""
+    x = g.input("x").astype(np.float32)
+    B = g.case["dispatch.block"]
+    blocks = x.reshape(x.shape[0], -1, B)
+    amax = np.maximum(np.abs(blocks).max(axis=2), np.float32(g.case["dispatch.amax_clamp"]))
+    s = (amax / np.float32(448)).astype(np.float32)
+    g.write("fp8_quant.x_q", e4m3_bits((blocks / s[:, :, None]).astype(np.float32)).reshape(x.shape))
+    g.write("fp8_quant.x_scale", s)
+
+
 def main():
     tool, src = sys.argv[1], sys.argv[2]
     os.environ["MOEVERIFY_BIN"] = tool
@@ -89,6 +113,32 @@ def run(tool, src, tmp):
         f.write(b"not a numpy file")
     expect(raises(g.check, moeverify.GoldenError, "routed_input"), "a malformed file raises GoldenError")
     os.remove(os.path.join(g.actual_dir, "dispatch.routed_input.rank0.npy"))
+
+    # dispatch.quotient: divide: a NumPy port of DeepSeek-V3's quantiser passes
+    fq = moeverify.export(os.path.join(src, "cases/fp8.yaml"), os.path.join(tmp, "fp8"),
+                          cases=["fp8_local_divide[dispatch.scale=fp32]"])
+    gq = moeverify.open(fq[0])
+    deepseek_quant(gq)
+    v = moeverify.check(fq[0], raise_on_failure=False)
+    expect(v.passed and any(r["stage"] == "fp8_quant" for r in v.rows),
+           "dispatch.quotient divide: x / s in fp32 (DeepSeek-V3's act_quant) PASSES fp8_quant")
+    # ... and under the reciprocal convention, on rows enough to meet a value
+    # where x / s and x * (1 / s) round to neighbouring e4m3 codes, it is INCORRECT
+    qcase = os.path.join(tmp, "quotient.yaml")
+    with open(qcase, "w") as f:
+        f.write("defaults:\n  dtype: bf16\n  data: realistic\n  seed: 3\n"
+                "  shape: {tokens: 512, hidden: 1024, ffn: 16, experts: 8, top_k: 2}\n"
+                "  dispatch: {dtype: fp8_e4m3, scale: fp32, block: 128}\n"
+                "cases:\n  - name: q_div\n    dispatch.quotient: divide\n"
+                "  - name: q_rec\n    dispatch.quotient: reciprocal\n")
+    for folder in moeverify.export(qcase, os.path.join(tmp, "quotient")):
+        deepseek_quant(moeverify.open(folder))
+        v = moeverify.check(folder, raise_on_failure=False)
+        if folder.endswith("q_div"):
+            expect(v.passed, "x / s on 512 x 1024 bf16 rows PASSES under divide")
+        else:
+            expect(not v and v.failures and v.failures[0]["stage"] == "fp8_quant",
+                   "x / s under quotient reciprocal: INCORRECT at fp8_quant")
 
     # main: exit codes of the one-shot command line
     script = os.path.join(tmp, "impl.py")

@@ -191,7 +191,8 @@ const EnumTable<k::Fp8Scale>& fp8_scale_table() {
 }
 const EnumTable<k::Fp8Quotient>& fp8_quotient_table() {
   static const EnumTable<k::Fp8Quotient> t = {{"reciprocal", k::Fp8Quotient::reciprocal},
-                                              {"amax_ratio", k::Fp8Quotient::amax_ratio}};
+                                              {"amax_ratio", k::Fp8Quotient::amax_ratio},
+                                              {"divide", k::Fp8Quotient::divide}};
   return t;
 }
 

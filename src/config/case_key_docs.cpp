@@ -68,7 +68,7 @@ std::string case_key_meaning(const std::string& key) {
                          "block scales moved with their rows, dequantised for the experts (docs/contract.md §16)"},
       {"dispatch.scale", "fp32: s = amax / 448; ue8m0: s rounded up to a power of two (DeepGEMM on newer GPUs)"},
       {"dispatch.block", "channels per scale block of a token row (1 x block tiles); a divisor of shape.hidden"},
-      {"dispatch.quotient", "the value rounded to e4m3: x * (1 / s) (reciprocal, DeepGEMM) or x * (448 / amax) (amax_ratio, DeepEP's tests; fp32 scales)"},
+      {"dispatch.quotient", "the value rounded to e4m3: x * (1 / s) (reciprocal, DeepGEMM), x * (448 / amax) (amax_ratio, DeepEP's tests; fp32 scales) or x / s (divide, DeepSeek-V3's act_quant)"},
       {"dispatch.amax_clamp", "each block's amax is clamped below at this value before the scale is taken (1e-4 as DeepEP and DeepGEMM)"},
   };
   if (auto it = m.find(key); it != m.end()) return it->second;

@@ -116,7 +116,7 @@ bool draw_backward_layers_capacity(uint64_t seed, uint64_t index, std::ostream& 
 /// (no score before the experts, no backward; sp > 1 included, docs/contract.md
 /// §16 "With sequence parallelism"), and in half of those with capacity
 /// (§16 "With capacity"), with a
-/// block that divides D, either scale and either quotient (amax_ratio with
+/// block that divides D, either scale and any quotient (amax_ratio with
 /// fp32 scales only).
 bool draw_fp8(uint64_t seed, uint64_t index, std::ostream& y, int64_t D, bool supported, bool capacity) {
   Draw df{std::mt19937_64((seed ^ 0x465038ull) * 0x9E3779B97F4A7C15ull + index)};
@@ -125,8 +125,12 @@ bool draw_fp8(uint64_t seed, uint64_t index, std::ostream& y, int64_t D, bool su
   for (int b : divisors(int(D)))
     if (b <= 128) blocks.push_back(b);
   const bool ue8m0 = df.chance(0.5);
-  y << ", dispatch: {dtype: fp8_e4m3, scale: " << (ue8m0 ? "ue8m0" : "fp32") << ", block: " << df.pick(blocks)
-    << ", quotient: " << (!ue8m0 && df.chance(0.5) ? "amax_ratio" : "reciprocal") << "}";
+  const int block = df.pick(blocks);
+  const char* quotient = !ue8m0 && df.chance(0.5) ? "amax_ratio" : "reciprocal";
+  // divide in about a quarter, drawn last so that the keys above draw as before it existed.
+  if (df.chance(0.25)) quotient = "divide";
+  y << ", dispatch: {dtype: fp8_e4m3, scale: " << (ue8m0 ? "ue8m0" : "fp32") << ", block: " << block
+    << ", quotient: " << quotient << "}";
   return true;
 }
 

@@ -26,6 +26,7 @@ ref::Fp8Spec ref_fp8_spec(const Case& c) {
   s.block = c.dispatch.block;
   s.ue8m0 = c.dispatch.scale == k::Fp8Scale::ue8m0;
   s.amax_ratio = c.dispatch.quotient == k::Fp8Quotient::amax_ratio;
+  s.divide = c.dispatch.quotient == k::Fp8Quotient::divide;
   s.clamp = float(c.dispatch.amax_clamp);
   return s;
 }
