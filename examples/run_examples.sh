@@ -37,6 +37,24 @@ case "$mode" in
     n=$(grep -c -E '^   ep_permute +actual\* +PASSED' "$tmp/report.txt")
     [ "$n" -eq "$(ls -d "$tmp"/golden/ep4_*/ "$tmp"/golden/mixtral_like/ | wc -l)" ] ||
       { echo "ep_permute was not checked in every EP case ($n)"; exit 1; }
+    # A partial run (rank 1 stopped before writing combine.out) is INCORRECT,
+    # not PASSED on what the other ranks wrote; --require makes an unwritten
+    # stage INCORRECT and a written one pass.
+    rm -rf "$tmp/partial" && cp -r "$tmp/golden/ep4_hot_expert" "$tmp/partial"
+    rm "$tmp/partial/actual/combine.out.rank1.npy"
+    "$bin" check "$tmp/partial" >"$tmp/partial.txt"
+    rc=$?
+    grep -q "missing on rank 1, written on ranks 0, 2, 3" "$tmp/partial.txt" && [ "$rc" -eq 1 ] ||
+      { tail -5 "$tmp/partial.txt"; echo "a combine.out missing on rank 1 is not INCORRECT (exit $rc)"; exit 1; }
+    "$bin" check "$tmp/golden/ep4_hot_expert" --require dispatch,combine >/dev/null ||
+      { echo "--require dispatch,combine: not PASSED although both are written"; exit 1; }
+    "$bin" check "$tmp/golden/ep4_hot_expert" --require all >"$tmp/partial.txt"
+    rc=$?
+    grep -q "missing on ranks 0, 1, 2, 3 (required by --require)" "$tmp/partial.txt" && [ "$rc" -eq 1 ] ||
+      { echo "--require all: the unwritten stages are not INCORRECT (exit $rc)"; exit 1; }
+    "$bin" check "$tmp/golden/ep4_hot_expert" --require combin >/dev/null 2>&1
+    [ $? -eq 2 ] || { echo "--require with an unknown stage is not exit 2"; exit 1; }
+    echo "partial run: INCORRECT (missing on rank 1); --require: a written stage passes, all fails, a typo is exit 2"
     # Each planted bug: check exit 1, first INCORRECT at the stage it is in.
     for spec in "unstable_order exact_fp32 dispatch" "score_in_bf16 realistic_bf16 combine" \
                 "skip_last_source ep4_hot_expert ep_dispatch" "source_major ep4_zero_token_rank ep_permute"; do

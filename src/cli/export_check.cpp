@@ -305,12 +305,35 @@ bool ExternalEntry::run_reference(const Stage& s, const Board& board, Board& ref
   }
 }
 
+/// "rank 1" or "ranks 0, 2".
+std::string ranks_text(const std::vector<int>& ranks) {
+  std::string s = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s;
+}
+
+Check missing_check(const std::string& slot, const std::string& name, const std::vector<int>& absent_on,
+                    const std::vector<int>& written_on, bool required) {
+  Check ch;
+  ch.slot = slot;
+  ch.variant = "actual";
+  ch.tensor = name;
+  ch.outcome = Outcome::INCORRECT;
+  ch.note = "missing on " + ranks_text(absent_on) +
+            (written_on.empty() ? " (required by --require)"
+                                : ", written on " + ranks_text(written_on) + ": a partial run (a rank that crashed or "
+                                  "stopped before writing?)");
+  return ch;
+}
+
 void ExternalEntry::read_given(const Stage& s, const std::vector<std::map<std::string, Tensor>>& expected,
                                const Board& fed, Board& merged, std::vector<std::map<std::string, Tensor>>& given) {
   const int R = c.ep;
   std::set<std::string> missing;
   int64_t written = 0;
-  for (const OutputSpec& o : s.outputs)
+  const bool required = opt.require_all || std::find(opt.require.begin(), opt.require.end(), s.slot) != opt.require.end();
+  for (const OutputSpec& o : s.outputs) {
+    std::vector<int> absent_on, written_on;
     for (int r = 0; r < R; ++r) {
       auto e = expected[size_t(r)].find(o.name);
       if (e == expected[size_t(r)].end()) continue;
@@ -318,8 +341,10 @@ void ExternalEntry::read_given(const Stage& s, const std::vector<std::map<std::s
       ActualTensor a = (*actual)(golden_file(prefix + s.slot, o.name, r), e->second);
       if (a.kind == ActualTensor::Kind::absent) {
         missing.insert(o.name);
+        absent_on.push_back(r);
         continue;
       }
+      written_on.push_back(r);
       ++written;
       ++checked;
       if (a.kind == ActualTensor::Kind::rows_differ) {
@@ -329,6 +354,11 @@ void ExternalEntry::read_given(const Stage& s, const std::vector<std::map<std::s
         merged.ranks[size_t(r)][o.name] = a.t;
       }
     }
+    // Written on some ranks only (a rank that crashed or stopped), or not at
+    // all where --require asks for it: INCORRECT, never a silent pass.
+    if (!absent_on.empty() && (!written_on.empty() || required))
+      rep.checks.push_back(missing_check(s.slot, o.name, absent_on, written_on, required));
+  }
   if (missing.empty()) return;
   std::string m;
   for (const auto& n : missing) m += (m.empty() ? "" : ", ") + n;
@@ -505,6 +535,7 @@ CaseReport run_external(const Case& c, const ActualFn* actual, std::vector<Golde
     if (!not_checked.empty())
       cov << "; stages not written (the reference's outputs fed the next stage): " << joined(not_checked);
     rep.notes.push_back(cov.str());
+    rep.coverage = {true, expected_total, checked, partly, not_checked};
     if (checked == 0) {
       Check ch;
       ch.slot = "-";
@@ -559,11 +590,32 @@ CaseReport check_case_folder(const std::string& folder, const std::string& actua
   return rep;
 }
 
+/// --require all|STAGE,STAGE: the stage names checked against the registry.
+void parse_require(const std::string& text, ExternalOptions& o) {
+  if (text == "all") {
+    o.require_all = true;
+    return;
+  }
+  std::stringstream ss(text);
+  for (std::string st; std::getline(ss, st, ',');) {
+    const auto& slots = slot_order();
+    if (std::find(slots.begin(), slots.end(), st) == slots.end()) {
+      std::string valid;
+      for (const auto& n : slots) valid += (valid.empty() ? "" : ", ") + n;
+      bad_input("--require " + printable(text, 200) + ": '" + printable(st, 60) + "' is not a stage; valid: all, or " +
+                "stage names separated by commas: " + valid);
+    }
+    o.require.push_back(st);
+  }
+}
+
 int cmd_check(const CheckArgs& a) {
   const std::string& dir = a.dir;
   if (dir.empty()) bad_input("check: the folder is empty; valid: a folder written by `moeverify export`");
   if (a.has_actual && a.actual_dir.empty()) bad_input("--actual: the path is empty; valid: a folder of .npy files");
   if (a.want_json && a.json.empty()) bad_input("--json: the path is empty; valid: a file path such as report.json");
+  CheckArgs args = a;
+  if (!a.require.empty()) parse_require(a.require, args.external);
   if (a.has_actual && !golden::is_dir(a.actual_dir))
     bad_input("--actual " + printable(a.actual_dir, 200) + ": no such folder; valid: the folder holding the "
               "implementation's .npy files, named as in the manifest");
@@ -588,7 +640,7 @@ int cmd_check(const CheckArgs& a) {
   std::cout << "moeverify check: the reference fed the implementation's own previous-stage outputs "
                "(docs/contract.md §15)\n";
   for (const auto& [golden, act] : folders) {
-    reports.push_back(check_case_folder(golden, act, a));
+    reports.push_back(check_case_folder(golden, act, args));
     std::cout << "actual outputs: " << act << "\n";
     // Someone else's outputs are judged tensor by tensor: every row is shown.
     print_report(reports.back(), std::cout, ReportDetail::every_check);

@@ -77,6 +77,10 @@ struct ExternalOptions {
   /// Hold the routing to the lowest-index rule among exact ties (for
   /// implementations that promise it), instead of accepting any member.
   bool strict_ties = false;
+  /// `check --require`: stages whose outputs must be written (on every
+  /// rank); a missing one is INCORRECT. `require_all`: every stage.
+  std::vector<std::string> require;
+  bool require_all = false;
 };
 
 /// The reference pipeline of `run` without fast stages, for every layer
@@ -106,6 +110,7 @@ struct CheckArgs {
   std::string dir, actual_dir, json;
   bool has_actual = false, want_json = false;
   bool allow_unknown = false;  // files under actual/ that no manifest entry names are ignored, and listed
+  std::string require;         // --require: "all" or STAGE,STAGE (parsed into external)
   ExternalOptions external;
 };
 /// `moeverify check DIR [--actual DIR2] [--json F]`: DIR is one golden folder

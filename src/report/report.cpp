@@ -389,6 +389,11 @@ std::string reports_json(const std::vector<CaseReport>& reports, const std::stri
                                        {"actual_segments", ch.rows.actual_segments}};
     }
     jc["notes"] = capped(r.notes);
+    if (r.coverage.valid)  // check only: what the implementation wrote
+      jc["coverage"] = {{"expected", r.coverage.expected},
+                        {"checked", r.coverage.checked},
+                        {"partly_written", r.coverage.partly},
+                        {"not_written", r.coverage.not_written}};
     if (r.overload.valid) {  // docs/contract.md §12: overload_factor.avg, .max, .max_cum
       Json entries = Json::array();
       for (double v : r.overload.entries) entries.push_back(json_num(v));

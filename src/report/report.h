@@ -46,6 +46,12 @@ struct CaseReport {
     std::vector<double> entries;
     double avg = 0, max = 0, max_cum = 0;
   } overload;
+  /// `check`: how much of the manifest's outputs the implementation wrote.
+  struct Coverage {
+    bool valid = false;
+    int64_t expected = 0, checked = 0;  // tensors (one per rank)
+    std::vector<std::string> partly, not_written;  // stages ("stage (missing tensors)" for partly)
+  } coverage;
 };
 
 /// How much of a case the human table shows. `summary`: one line per (slot,
