@@ -62,6 +62,9 @@ expect short-report 0 "$bin" run "$src"/cases/equal_split.yaml
 # --case: several names and shell patterns over the sweep names (issue 24)
 expect case-glob 0 "$bin" run "$src"/cases/ep4.yaml --case 'ep4_token_distribution*' --case ep4_hot_expert
 [ "$(grep -c '^== case' "$tmp/out")" -eq 4 ] || { echo "FAIL case-glob: $(grep -c '^== case' "$tmp/out") cases"; fails=$((fails + 1)); }
+# a swept case's base name selects every point of its sweep
+expect case-base-name 0 "$bin" run "$src"/cases/fp8.yaml --case fp8_local_divide
+[ "$(grep -c '^== case' "$tmp/out")" -eq 2 ] || { echo "FAIL case-base-name: $(grep -c '^== case' "$tmp/out") cases, expected 2"; fails=$((fails + 1)); }
 expect case-unmatched 2 "$bin" run "$src"/cases/ep4.yaml --case ep4_hot_expert --case 'nothing*'
 grep -q "^moeverify: --case 'nothing\*'\|--case nothing\*" "$tmp/err" || { echo "FAIL case-unmatched names the pattern"; cat "$tmp/err"; fails=$((fails + 1)); }
 # a failing run ends with its failures and a repro line that runs the case alone
@@ -71,7 +74,7 @@ grep -q '^failures:' "$tmp/out" && [ -n "$repro" ] || { echo "FAIL failures-list
 (cd "$src" && eval "\"$bin\" $repro") >"$tmp/repro.out" 2>&1
 [ $? -eq 1 ] && [ "$(grep -c '^== case' "$tmp/repro.out")" -eq 1 ] || { echo "FAIL the repro line does not rerun one failing case: $repro"; fails=$((fails + 1)); }
 # a planted fault that nothing catches is said plainly and recorded
-expect fault-uncaught 0 "$bin" run "$src"/cases/basic.yaml --case exact_fp32 --fault unordered_combine --json "$tmp/fu.json"
+expect fault-uncaught 4 "$bin" run "$src"/cases/basic.yaml --case exact_fp32 --fault unordered_combine --json "$tmp/fu.json"
 grep -q "PLANTED FAULT NOT CAUGHT: unordered_combine" "$tmp/out" &&
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); assert d['faults_uncaught']==['unordered_combine'] and d['faults']==['unordered_combine']" "$tmp/fu.json" ||
   { echo "FAIL fault-uncaught"; fails=$((fails + 1)); }

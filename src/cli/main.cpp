@@ -303,6 +303,9 @@ int cmd_run(const CLI::App* cmd, const RunArgs& a) {
     }
   }
   finish_run(reports, worst_all, a, opt.faults.bits != 0, writer && want_json, out);
+  // A planted fault that every case passed with: the run promised to fail,
+  // and nothing here could show that bug: NOT_VERIFIED (exit 4), not 0.
+  if (opt.faults.bits != 0 && worst_all == Outcome::PASSED) return exit_status(Outcome::NOT_VERIFIED);
   return exit_status(worst_all);
 }
 
@@ -643,7 +646,7 @@ void add_run_validate_list(CLI::App& app, Commands& c) {
       ->type_name("INT");
   c.run->add_option("--json", c.ra.json, "also write the report as JSON to this file");
   c.run->add_option("--dump", c.ra.dump, "write every stage's inputs and outputs as .npy under this folder");
-  c.run->add_option("--fault", c.ra.faults, "turn on a planted fault (see `moeverify list`); the run must then fail");
+  c.run->add_option("--fault", c.ra.faults, "turn on a planted fault (see `moeverify list`); the run must then fail (every case PASSED: exit 4, the fault not caught)");
   c.run->add_option("--case", c.ra.cases.patterns,
                   "run only these cases: names or shell patterns over the expanded sweep names (repeatable)")
       ->expected(1)

@@ -12,7 +12,8 @@
 namespace moev {
 
 /// A pattern selects a name it equals (so a sweep name's own brackets need
-/// no escaping) or that it matches as a shell glob (`*`, `?`, `[...]`). No
+/// no escaping), every point of a sweep it names, or a name it matches as a
+/// shell glob (`*`, `?`, `[...]`). No
 /// pattern: every case. An empty pattern, or one that selects nothing in the
 /// files given, is bad input naming it.
 struct CaseFilter {
@@ -21,8 +22,14 @@ struct CaseFilter {
   bool selects(const std::string& name) const {
     if (patterns.empty()) return true;
     for (const auto& p : patterns)
-      if (p == name || fnmatch(p.c_str(), name.c_str(), 0) == 0) return true;
+      if (matches(p, name)) return true;
     return false;
+  }
+  /// A swept case's base name selects every point: `fp8_local` selects
+  /// `fp8_local[dispatch.scale=fp32]` and the others.
+  static bool matches(const std::string& p, const std::string& name) {
+    return p == name || fnmatch(p.c_str(), name.c_str(), 0) == 0 ||
+           (name.size() > p.size() && name[p.size()] == '[' && name.compare(0, p.size(), p) == 0);
   }
   void check_not_empty() const {
     for (const auto& p : patterns)
@@ -32,7 +39,7 @@ struct CaseFilter {
   void check_each_used(const std::vector<std::string>& names, const std::string& where) const {
     for (const auto& p : patterns) {
       bool used = false;
-      for (const auto& n : names) used = used || p == n || fnmatch(p.c_str(), n.c_str(), 0) == 0;
+      for (const auto& n : names) used = used || matches(p, n);
       if (!used)
         bad_input("--case " + printable(p) + ": no case of that name or pattern in " + where +
                   "; valid: a name as `moeverify validate FILE` lists it, or a pattern such as 'ep4_*'");
