@@ -22,6 +22,7 @@
 #include "golden.h"
 #include "selection.h"
 #include "stages.h"
+#include "subprocess.h"
 
 namespace moev {
 using golden::layout_of;
@@ -590,6 +591,33 @@ CaseReport check_case_folder(const std::string& folder, const std::string& actua
   return rep;
 }
 
+/// The end of a check that did not pass: each failing case folder, its
+/// first check that did not pass (the stage where the fault shows first)
+/// with its note, and the command that checks that folder alone.
+void print_check_failures(const std::vector<CaseReport>& reports,
+                          const std::vector<std::pair<std::string, std::string>>& folders, const CheckArgs& a,
+                          std::ostream& out) {
+  bool header = false;
+  for (size_t i = 0; i < reports.size(); ++i) {
+    const CaseReport& r = reports[i];
+    if (r.outcome == Outcome::PASSED) continue;
+    if (!header) out << "failures:\n";
+    header = true;
+    const Check* first = nullptr;
+    for (const Check& ch : r.checks)
+      if (!first && ch.outcome != Outcome::PASSED) first = &ch;
+    out << "   " << r.c.name << ": " << outcome_name(r.outcome);
+    if (first) out << " at " << first->slot << " / " << first->tensor;
+    if (first && !first->note.empty()) out << " (" << printable(first->note, 160) << ")";
+    out << "\n      repro: moeverify check " << shell_quote(folders[i].first);
+    if (a.has_actual) out << " --actual " << shell_quote(folders[i].second);
+    if (!a.require.empty()) out << " --require " << shell_quote(a.require);
+    if (a.external.strict_ties) out << " --strict-ties";
+    if (a.allow_unknown) out << " --allow-unknown";
+    out << "\n";
+  }
+}
+
 /// --require all|STAGE,STAGE: the stage names checked against the registry.
 void parse_require(const std::string& text, ExternalOptions& o) {
   if (text == "all") {
@@ -650,6 +678,7 @@ int cmd_check(const CheckArgs& a) {
   size_t passed = 0;
   for (const auto& r : reports) passed += r.outcome == Outcome::PASSED;
   std::cout << "\n" << passed << " of " << reports.size() << " case(s) PASSED; overall " << outcome_name(all) << "\n";
+  print_check_failures(reports, folders, a, std::cout);
   std::string bad;
   for (const auto& r : reports)
     if (bad.empty() && !r.bad_input.empty()) bad = r.bad_input;

@@ -83,10 +83,12 @@ void print_checks(const std::vector<const Check*>& checks, std::ostream& os) {
     if (!ch.note.empty()) os << "      note: " << capped(ch.note) << "\n";
     auto show = [&](const std::vector<Mismatch>& ms, const char* label) {
       for (const auto& m : ms) {
-        // Exact classes show every digit and the bit patterns, and the ulp
-        // distance; tolerance classes the values to 3 digits.
-        os << "      " << label << " mismatch " << capped(m.coords) << ": fast ";
-        if (ch.cls == CompareClass::exact) {
+        // Exact and rounding classes (the latter: one act rounding apart at
+        // most) show every digit, the bit patterns and the ulp distance;
+        // tolerance classes the values to 3 digits. `check` judges the
+        // user's values: "yours", not "fast".
+        os << "      " << label << " mismatch " << capped(m.coords) << (ch.variant == "actual" ? ": yours " : ": fast ");
+        if (ch.cls == CompareClass::exact || ch.cls == CompareClass::rounding) {
           os << value_text(m.fast, ch.diff.type) << " vs " << value_text(m.ref, ch.diff.type);
           const int64_t u = ulp_distance(m.fast, m.ref, ch.diff.type);
           if (u > 0) os << ", " << u << " ulp apart";
