@@ -55,6 +55,34 @@ case "$mode" in
     "$bin" check "$tmp/golden/ep4_hot_expert" --require combin >/dev/null 2>&1
     [ $? -eq 2 ] || { echo "--require with an unknown stage is not exit 2"; exit 1; }
     echo "partial run: INCORRECT (missing on rank 1); --require: a written stage passes, all fails, a typo is exit 2"
+    # A padded expert buffer longer than the layout (GroupedExperts' max_len
+    # rows) is judged on the layout's rows and the rest ignored, said so; a
+    # wrong row inside the layout is still INCORRECT.
+    printf '%s\n' "defaults:" "  data: exact" "  seed: 3" "  shape: {tokens: 16, hidden: 8, ffn: 8, experts: 4, top_k: 2}" \
+      "  experts: {kind: swiglu, impl: grouped}" "  align: 8" "  empty_groups: pad" "cases:" "  - name: padbuf" >"$tmp/pad.yaml"
+    "$bin" export "$tmp/pad.yaml" "$tmp/pad" >/dev/null || exit 1
+    for spoil in 0 1; do
+      mkdir -p "$tmp/pad/padbuf/actual"
+      "$py" - "$tmp/pad/padbuf" "$spoil" <<'PY' || exit 1
+import sys, numpy as np
+d, spoil = sys.argv[1], sys.argv[2] == "1"
+for n in ["align_pad.expert_input", "experts.expert_output"]:
+    a = np.load("%s/%s.rank0.npy" % (d, n))
+    b = np.concatenate([a, np.zeros((40, a.shape[1]), a.dtype)])
+    if spoil and n == "experts.expert_output":
+        b[a.shape[0] - 1, 0] += 1
+    np.save("%s/actual/%s.rank0.npy" % (d, n), b)
+PY
+      "$bin" check "$tmp/pad/padbuf" >"$tmp/pad.txt"
+      rc=$?
+      if [ "$spoil" = 0 ]; then
+        [ "$rc" -eq 0 ] && grep -q "expert_output on rank 0: 40 rows past its .* rows in the padded group layout ignored" "$tmp/pad.txt" ||
+          { tail -5 "$tmp/pad.txt"; echo "a padded buffer with 40 trailing rows is not judged on its real rows (exit $rc)"; exit 1; }
+      else
+        [ "$rc" -eq 1 ] || { echo "a wrong row in a padded buffer was not INCORRECT (exit $rc)"; exit 1; }
+      fi
+    done
+    echo "padded expert buffers: judged on the layout's rows (40 trailing rows ignored); a wrong row inside is INCORRECT"
     # Each planted bug: check exit 1, first INCORRECT at the stage it is in.
     for spec in "unstable_order exact_fp32 dispatch" "score_in_bf16 realistic_bf16 combine" \
                 "skip_last_source ep4_hot_expert ep_dispatch" "source_major ep4_zero_token_rank ep_permute"; do

@@ -60,6 +60,7 @@ struct ActualTensor {
   enum class Kind { absent, present, rows_differ } kind = Kind::absent;
   Tensor t;                    // present: the data, in the expected dtype
   std::vector<int64_t> shape;  // rows_differ: the file's shape (its data is not read)
+  std::string note;            // present: what was done to it (trailing pad rows ignored)
 };
 /// Supplies the implementation's tensor for a golden file name, validated
 /// against the reference's tensor of the same stage (see read_npy).
