@@ -108,13 +108,16 @@ class MpiComm final : public Comm {
     for (int p = 0; p < size_; ++p)
       if (p != rank_) post_beat_recv(p);
   }
-  /// Finalize must not meet receives still posted.
+  /// Finalize must not meet receives still posted; a beat still on its way
+  /// out is left to complete on its own.
   void cancel_beats() {
-    for (Beat& b : beats_)
+    for (Beat& b : beats_) {
       if (b.recv != MPI_REQUEST_NULL) {
         MPI_Cancel(&b.recv);
         MPI_Wait(&b.recv, MPI_STATUS_IGNORE);
       }
+      if (b.send != MPI_REQUEST_NULL) MPI_Request_free(&b.send);
+    }
   }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
