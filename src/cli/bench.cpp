@@ -288,6 +288,7 @@ StageBench bench_stage(const Stage& s, const VariantDecision& vd, double slot_re
   b.ran = true;
   b.seconds_min = *std::min_element(times.begin(), times.end());
   b.seconds_median = median(times);
+  b.spread = spread_of(times);
   std::tie(b.bytes, b.bytes_formula) = bytes_formula(s, c, board, out);
   b.gbps = b.seconds_min > 0 ? b.bytes / b.seconds_min / 1e9 : 0;
   b.roof_seconds = memcpy_seconds(b.bytes / 2, opt.threads, opt.repeat);
@@ -468,7 +469,8 @@ void print_bench(const CaseBench& b, std::ostream& os) {
        << std::setw(11) << fmt(s.bytes / 1e6, 1) << std::setw(9) << fmt(s.gbps, 2) << std::setw(10)
        << fmt(s.roof_gbps, 2) << std::setw(8) << fmt(100 * s.ratio_to_roof, 1) << std::setw(10)
        << fmt(s.ref_seconds * 1e3, 1) << std::setw(10) << fmt(s.compare_seconds * 1e3, 1) << std::setw(11)
-       << fmt(s.check_ratio, 2) << "\n";
+       << fmt(s.check_ratio, 2) << (s.spread > kNoisySpread ? "  noisy: repeats spread " + fmt(s.spread, 2) + "x" : "")
+       << "\n";
   }
   const bool on_device = c.backend != Backend::host;
   if (on_device) {
@@ -573,6 +575,8 @@ std::string bench_json(const std::vector<CaseBench>& all, const BenchOptions& op
       } else {
         js.update({{"seconds_min", s.seconds_min},
                    {"seconds_median", s.seconds_median},
+                   {"spread", s.spread},
+                   {"noisy", s.spread > kNoisySpread},
                    {"bytes", s.bytes},
                    {"bytes_formula", s.bytes_formula},
                    {"gbps", s.gbps},
@@ -764,6 +768,12 @@ std::string bench_svg(const std::vector<CaseBench>& all) {
       << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
       << body.str() << "</svg>\n";
   return svg.str();
+}
+
+double spread_of(const std::vector<double>& times) {
+  if (times.empty()) return 0;
+  const auto [lo, hi] = std::minmax_element(times.begin(), times.end());
+  return *lo > 0 ? *hi / *lo : 0;
 }
 
 }  // namespace moev

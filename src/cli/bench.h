@@ -27,6 +27,12 @@ struct BenchOptions {
   std::string file;               // the case's file, re-loaded by the sweep
 };
 
+/// Repeats whose slowest is more than this times the fastest: the machine
+/// was busy, and the table marks the row noisy.
+constexpr double kNoisySpread = 1.5;
+/// The slowest of `times` over the fastest (0 when empty or the fastest is 0).
+double spread_of(const std::vector<double>& times);
+
 /// One stage variant's timings. Seconds are wall time of the fast function on
 /// all ranks together (ranks as threads, as the runner runs them); on a
 /// device backend that includes writing its outputs back to the host (the
@@ -36,6 +42,7 @@ struct StageBench {
   bool ran = false;
   std::string note;  // why it was not timed, when ran is false
   double seconds_min = 0, seconds_median = 0;
+  double spread = 0;          // slowest / fastest repeat; past kNoisySpread the figures are marked noisy
   double bytes = 0;           // traffic by bytes_formula, summed over ranks
   std::string bytes_formula;  // the formula's name, for the table and JSON
   double gbps = 0;            // bytes / seconds_min / 1e9
