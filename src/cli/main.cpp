@@ -14,6 +14,8 @@
 #include <iostream>
 #include <sstream>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <thread>
 
 #include <unistd.h>
@@ -207,6 +209,59 @@ void print_run_header(std::ostream& out, const RunArgs& a, int threads, int worl
   }
 }
 
+/// Progress where stderr is not a terminal: "[i/N] name" as a case starts,
+/// then, while it runs past 10 s, "[i/N] name: slot/variant, T s in" every
+/// 10 s from a thread of its own (a single stage may take minutes).
+class PipeProgress {
+ public:
+  PipeProgress(bool on, size_t total) : total_(total) {
+    // Test hook (cli.contract): MOEVERIFY_TEST_PROGRESS_SECONDS shortens the 10 s.
+    if (const char* v = std::getenv("MOEVERIFY_TEST_PROGRESS_SECONDS")) every_ = std::max(0.1, std::atof(v));
+    if (on) ticker_ = std::thread([this] { tick(); });
+  }
+  ~PipeProgress() {
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (ticker_.joinable()) ticker_.join();
+  }
+  void start(size_t done, const std::string& name) {
+    std::lock_guard<std::mutex> lk(m_);
+    done_ = done;
+    name_ = name;
+    slot_.clear();
+    start_ = last_ = std::chrono::steady_clock::now();
+    std::cerr << "[" << done_ << "/" << total_ << "] " << name_ << std::endl;
+  }
+  void stage(const std::string& slot, const std::string& variant) {
+    std::lock_guard<std::mutex> lk(m_);
+    slot_ = slot.empty() ? "" : slot + "/" + variant;
+  }
+
+ private:
+  void tick() {
+    std::unique_lock<std::mutex> lk(m_);
+    while (!stop_) {
+      cv_.wait_for(lk, std::chrono::duration<double>(std::min(1.0, every_ / 4)));
+      const auto now = std::chrono::steady_clock::now();
+      if (stop_ || name_.empty() || slot_.empty() || now - last_ < std::chrono::duration<double>(every_)) continue;
+      last_ = now;
+      std::cerr << "[" << done_ << "/" << total_ << "] " << name_ << ": " << slot_ << ", "
+                << int64_t(std::chrono::duration<double>(now - start_).count()) << " s in" << std::endl;
+    }
+  }
+  std::mutex m_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  double every_ = 10;  // seconds between lines
+  size_t done_ = 0, total_;
+  std::string name_, slot_;
+  std::chrono::steady_clock::time_point start_, last_;
+  std::thread ticker_;
+};
+
 /// The end of `run`: the tolerance table, the count of passed cases, the
 /// failures with their repro lines, a planted fault no case caught, and the
 /// JSON report (`write_json`: rank 0 with --json).
@@ -284,16 +339,19 @@ int cmd_run(const CLI::App* cmd, const RunArgs& a) {
   print_run_header(out, a, threads, mpi ? world : 0, opt.faults.bits != 0, skipped);
   size_t done = 0;
   // On a terminal a transient progress line; otherwise (tests, CI, logs) one
-  // fixed line per case, never a progress line.
+  // fixed line per case, and on a case past 10 s a line every 10 s naming
+  // its stage (short cases print no more).
   const bool tty = writer && isatty(STDERR_FILENO);
   ProgressLine line;
+  PipeProgress piped(writer && !tty, total);
   if (tty) opt.progress = [&](const std::string& slot, const std::string& variant) { line.update(slot, variant); };
+  else if (writer) opt.progress = [&](const std::string& slot, const std::string& variant) { piped.stage(slot, variant); };
   for (const auto& [file, cases] : all) {
     for (const auto& c : cases) {
       if (!selected(c)) continue;
       ++done;
       if (tty) line.start(done, total, c.name);
-      else if (writer) std::cerr << "[" << done << "/" << total << "] " << c.name << "\n";
+      else if (writer) piped.start(done, c.name);
       reset_peak_rss();
       reports.push_back(run_case(c, opt));
       const uint64_t measured = peak_rss_bytes();
