@@ -337,8 +337,11 @@ std::string ranks_text(const std::vector<int>& ranks) {
   return s;
 }
 
+/// INCORRECT at `slot`: tensor `name` missing on `absent_on`; written on
+/// `written_on` (a partial run) or, when that is empty, on no rank although
+/// --require asks for the stage.
 Check missing_check(const std::string& slot, const std::string& name, const std::vector<int>& absent_on,
-                    const std::vector<int>& written_on, bool required) {
+                    const std::vector<int>& written_on) {
   Check ch;
   ch.slot = slot;
   ch.variant = "actual";
@@ -356,7 +359,7 @@ void ExternalEntry::read_given(const Stage& s, const std::vector<std::map<std::s
   const int R = c.ep;
   std::set<std::string> missing;
   int64_t written = 0;
-  const bool required = opt.require_all || std::find(opt.require.begin(), opt.require.end(), s.slot) != opt.require.end();
+  const bool required = std::find(opt.require.begin(), opt.require.end(), s.slot) != opt.require.end();
   for (const OutputSpec& o : s.outputs) {
     std::vector<int> absent_on, written_on;
     for (int r = 0; r < R; ++r) {
@@ -384,7 +387,7 @@ void ExternalEntry::read_given(const Stage& s, const std::vector<std::map<std::s
     // Written on some ranks only (a rank that crashed or stopped), or not at
     // all where --require asks for it: INCORRECT, never a silent pass.
     if (!absent_on.empty() && (!written_on.empty() || required))
-      rep.checks.push_back(missing_check(s.slot, o.name, absent_on, written_on, required));
+      rep.checks.push_back(missing_check(s.slot, o.name, absent_on, written_on));
   }
   if (missing.empty()) return;
   std::string m;
@@ -624,31 +627,21 @@ CaseReport check_case_folder(const std::string& folder, const std::string& actua
 void print_check_failures(const std::vector<CaseReport>& reports,
                           const std::vector<std::pair<std::string, std::string>>& folders, const CheckArgs& a,
                           std::ostream& out) {
-  bool header = false;
-  for (size_t i = 0; i < reports.size(); ++i) {
-    const CaseReport& r = reports[i];
-    if (r.outcome == Outcome::PASSED) continue;
-    if (!header) out << "failures:\n";
-    header = true;
-    const Check* first = nullptr;
-    for (const Check& ch : r.checks)
-      if (!first && ch.outcome != Outcome::PASSED) first = &ch;
-    out << "   " << r.c.name << ": " << outcome_name(r.outcome);
+  print_failure_list(reports, [&](size_t i, const CaseReport&, const Check* first, std::ostream& out) {
     if (first) out << " at " << first->slot << " / " << first->tensor;
     if (first && !first->note.empty()) out << " (" << printable(first->note, 160) << ")";
-    out << "\n      repro: moeverify check " << shell_quote(folders[i].first);
-    if (a.has_actual) out << " --actual " << shell_quote(folders[i].second);
-    if (!a.require.empty()) out << " --require " << shell_quote(a.require);
+    out << "\n      repro: moeverify check " << shell_word(folders[i].first);
+    if (a.has_actual) out << " --actual " << shell_word(folders[i].second);
+    if (!a.require.empty()) out << " --require " << shell_word(a.require);
     if (a.external.strict_ties) out << " --strict-ties";
     if (a.allow_unknown) out << " --allow-unknown";
-    out << "\n";
-  }
+  }, out);
 }
 
 /// --require all|STAGE,STAGE: the stage names checked against the registry.
 void parse_require(const std::string& text, ExternalOptions& o) {
   if (text == "all") {
-    o.require_all = true;
+    o.require = slot_order();
     return;
   }
   std::stringstream ss(text);

@@ -79,9 +79,8 @@ struct ExternalOptions {
   /// implementations that promise it), instead of accepting any member.
   bool strict_ties = false;
   /// `check --require`: stages whose outputs must be written (on every
-  /// rank); a missing one is INCORRECT. `require_all`: every stage.
+  /// rank); a missing one is INCORRECT ("all": every slot of slot_order()).
   std::vector<std::string> require;
-  bool require_all = false;
 };
 
 /// The reference pipeline of `run` without fast stages, for every layer

@@ -124,35 +124,18 @@ Backend backend_flag(const std::string& name) {
   bad_input("--backend: unknown backend '" + printable(name) + "'; valid: " + valid);
 }
 
-/// A shell word: single-quoted unless it is plain.
-std::string shell_word(const std::string& w) {
-  if (!w.empty() && w.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-./=:") == std::string::npos)
-    return w;
-  std::string q = "'";
-  for (char ch : w) q += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
-  return q + "'";
-}
 
 /// The end of a run that did not pass: each case that failed, its first
 /// check that did not pass, and the command that runs it alone.
 void print_failures(const std::vector<CaseReport>& reports, const RunArgs& a, std::ostream& out) {
-  bool header = false;
-  for (const CaseReport& r : reports) {
-    if (r.outcome == Outcome::PASSED) continue;
-    if (!header) out << "failures:\n";
-    header = true;
-    const Check* first = nullptr;
-    for (const Check& ch : r.checks)
-      if (!first && ch.outcome != Outcome::PASSED) first = &ch;
-    out << "   " << r.c.name << ": " << outcome_name(r.outcome);
+  print_failure_list(reports, [&](size_t, const CaseReport& r, const Check* first, std::ostream& out) {
     if (first) out << " at " << first->slot << " / " << first->variant << " / " << first->tensor;
     std::string file = r.c.source.substr(0, r.c.source.rfind(':'));
     out << "\n      repro: moeverify run " << shell_word(file) << " --case " << shell_word(r.c.name);
     for (const auto& st : a.sets) out << " --set " << shell_word(st);
     for (const auto& f : a.faults) out << " --fault " << shell_word(f);
     if (!a.backend.empty()) out << " --backend " << shell_word(a.backend);
-    out << "\n";
-  }
+  }, out);
 }
 
 /// The case files of `run`, every case loaded and validated before any
@@ -602,7 +585,7 @@ int cmd_fuzz(const CLI::App* cmd, const FuzzArgs& a) {
     if (a.emit.empty()) bad_input("--emit: the path is empty; valid: a case file path such as soak.yaml");
     check_output_file("--emit", a.emit);
     const std::string replay = "moeverify fuzz --seed " + std::to_string(o.seed) + " --iterations " +
-                               std::to_string(o.iterations) + (profile ? " --profile " + shell_quote(profile->file) : "") +
+                               std::to_string(o.iterations) + (profile ? " --profile " + shell_word(profile->file) : "") +
                                (a.backend == "host" ? "" : " --backend " + a.backend);
     const std::string err = write_file(a.emit, {emit_case_file(o, replay)});
     if (!err.empty()) bad_input("--emit: " + err);

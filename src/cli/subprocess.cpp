@@ -124,6 +124,12 @@ std::string shell_quote(const std::string& s) {
   return q + "'";
 }
 
+std::string shell_word(const std::string& w) {
+  if (!w.empty() && w.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-./=:") == std::string::npos)
+    return w;
+  return shell_quote(w);
+}
+
 ProcEnd run_command(const std::string& cmd, double timeout_s) {
   ProcEnd e;
   const auto t0 = Clock::now();

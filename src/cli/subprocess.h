@@ -60,5 +60,7 @@ class Worker {
 
 /// `s` quoted for /bin/sh: '...' with every ' written as '\''.
 std::string shell_quote(const std::string& s);
+/// A shell word for a printed command line: as it is when plain, else shell_quote'd.
+std::string shell_word(const std::string& w);
 
 }  // namespace moev

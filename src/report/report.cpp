@@ -434,4 +434,20 @@ void write_npy(const std::string& path, const Tensor& t) {
   if (!err.empty()) runtime_error("--dump: " + err);
 }
 
+void print_failure_list(const std::vector<CaseReport>& reports, const FailureTail& tail, std::ostream& out) {
+  bool header = false;
+  for (size_t i = 0; i < reports.size(); ++i) {
+    const CaseReport& r = reports[i];
+    if (r.outcome == Outcome::PASSED) continue;
+    if (!header) out << "failures:\n";
+    header = true;
+    const Check* first = nullptr;
+    for (const Check& ch : r.checks)
+      if (!first && ch.outcome != Outcome::PASSED) first = &ch;
+    out << "   " << r.c.name << ": " << outcome_name(r.outcome);
+    tail(i, r, first, out);
+    out << "\n";
+  }
+}
+
 }  // namespace moev

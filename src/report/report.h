@@ -3,6 +3,7 @@
 // a CaseReport (engine/runner.h run_case); the commands print it.
 #pragma once
 
+#include <functional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -62,6 +63,13 @@ enum class ReportDetail { summary, every_check };
 
 /// Human table (stdout) and JSON (--json, every check always) of a run.
 void print_report(const CaseReport& r, std::ostream& os, ReportDetail detail = ReportDetail::summary);
+
+/// The end of a run or check that did not pass: "failures:", then per case
+/// that did not pass "   NAME: OUTCOME" followed by what `tail` writes (it
+/// is given the case's index, the case and its first check that did not
+/// pass, or null) and a newline. Nothing when every case passed.
+using FailureTail = std::function<void(size_t i, const CaseReport& r, const Check* first, std::ostream& out)>;
+void print_failure_list(const std::vector<CaseReport>& reports, const FailureTail& tail, std::ostream& out);
 void print_tolerance_table(const std::vector<CaseReport>& reports, std::ostream& os);
 /// What a JSON report says of the run as a whole (docs/json-schema.md).
 struct ReportMeta {
