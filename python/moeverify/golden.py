@@ -211,6 +211,24 @@ class Golden:
         return dest
 
 
+    def clear_actual(self, rank=None):
+        """Removes the files under actual/ that an earlier run wrote for this
+        folder's expected entries (of `rank`, or every rank), so that a tensor
+        this run does not write is reported missing instead of judged on a
+        stale value. Nothing else under actual/ is touched. Returns how many
+        files it removed."""
+        if not os.path.isdir(self.actual_dir) or os.path.islink(self.actual_dir):
+            return 0
+        removed = 0
+        for e in self.entries:
+            if e.role != "expected" or (rank is not None and e.rank != rank):
+                continue
+            f = os.path.join(self.actual_dir, e.file)
+            if os.path.isfile(f) and not os.path.islink(f):
+                os.remove(f)
+                removed += 1
+        return removed
+
     # ---- judging ----------------------------------------------------------
 
     def check(self, strict_ties=False, raise_on_failure=True):

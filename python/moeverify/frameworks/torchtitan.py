@@ -1,0 +1,235 @@
+"""torchtitan's MoE, as installed, on exported case folders.
+
+    python -m moeverify.frameworks.torchtitan CASE_DIR...
+    moeverify fuzz --impl "python -m moeverify.frameworks.torchtitan --serve" --worker \\
+        --profile cases/profiles/torchtitan-0.3.yaml
+
+Builds torchtitan's own `MoE` module (TokenChoiceTopKRouter, RoutedExperts
+with LocalTokenDispatcher and GroupedExperts, the FeedForward shared
+expert) from the case's shapes and options, loads the case's inputs into
+its parameters and buffers, runs its forward (and, for a backward case,
+autograd's backward from the case's grad_out), and writes the tensors its
+code produced at its own seams (moeverify.torch.Capture; the table of
+seams is SEAMS below, and docs/frameworks.md lists it). Nothing is
+recomputed here: every value written is one that torchtitan's code made.
+
+The module's parameters hold the case's weights as mixed-precision training
+holds them: the router gate and the shared expert in the activation dtype
+(FSDP's param_dtype), the routed experts in fp32 (GroupedExperts casts them
+with .bfloat16() itself, so their gradients arrive in fp32).
+
+Configurations torchtitan cannot express raise Unsupported (exit 77, a
+skip): see UNSUPPORTED and docs/frameworks.md "What each framework runs".
+EP > 1 is not run by this adapter yet (its all-to-all dispatcher needs a
+process group per rank).
+"""
+import os
+import sys
+
+try:
+    import torch
+except ImportError as e:  # an honest skip: nothing ran
+    print("moeverify.frameworks.torchtitan: skipped: %s" % e, file=sys.stderr)
+    sys.exit(77)
+
+from .. import impl as _impl
+from ..torch import Capture, Seam
+
+Unsupported = _impl.Unsupported
+
+# torchtitan's seams -> moeverify stage names (docs/frameworks.md). EP = 1:
+# the expert-parallel stages between dispatch and the experts are identities
+# there and torchtitan has no tensor for them, so they are not written.
+SEAMS = [
+    Seam("router.gate", "out", {"router_logits.logits": None}),
+    Seam("router", "out", {"routing.topk_scores": 0, "routing.ids": 1, "routing.scores": 2},
+         grad={"combine_bwd.grad_topk_scores": 0}),
+    Seam("routed_experts", "in", {"routing.counts": 3}),
+    Seam("routed_experts.token_dispatcher", "call",
+         {"dispatch.routed_input": 0,
+          "dispatch.token_sorted": lambda r: r[2].token_indices_experts_sorted_N,
+          "dispatch.score_sorted": lambda r: r[2].topk_scores_experts_sorted_N},
+         grad={"ep_dispatch_bwd.grad_routed_input": 0}, method="dispatch"),
+    Seam("routed_experts.inner_experts", "out",
+         {"experts.expert_output": None, "ep_combine.routed_output": None},
+         grad={"combine_bwd.grad_routed_output": None}),
+    Seam("routed_experts.inner_experts", "in", {}, grad={"experts_bwd.grad_expert_input": 0}),
+    # GroupedExperts makes three grouped GEMMs per call: h1 = X W1^T (before
+    # the silu), h3 = X W3^T, then Y = H W2^T, whose operand A is H.
+    Seam("routed_experts.inner_experts", "call", {"_gemm_out": None}, method="_grouped_mm"),
+    Seam("routed_experts.inner_experts", "call_in", {"_gemm_a": "A"}, method="_grouped_mm"),
+    Seam("shared_experts", "out", {"shared_experts.shared_out": None}),
+    Seam("shared_experts.w1", "out", {"_shared_h1": None}),
+    Seam("shared_experts.w3", "out", {"_shared_h3": None}),
+    Seam("shared_experts.w2", "in", {"shared_experts.shared_hidden": 0}),
+]
+
+PARAM_GRADS = {
+    "experts_bwd.grad_w1": "routed_experts.inner_experts.w1_EFD",
+    "experts_bwd.grad_w3": "routed_experts.inner_experts.w3_EFD",
+    "experts_bwd.grad_w2": "routed_experts.inner_experts.w2_EDF",
+    "shared_experts_bwd.grad_shared_w1": "shared_experts.w1.weight",
+    "shared_experts_bwd.grad_shared_w3": "shared_experts.w3.weight",
+    "shared_experts_bwd.grad_shared_w2": "shared_experts.w2.weight",
+}
+
+# Keys whose value torchtitan's MoE cannot express, with the values it can.
+NEEDS = {
+    "ep": (1,),
+    "sp": (1,),
+    "layers": (1,),
+    "capacity.factor": (0.0,),
+    "score_before_experts": ("off",),
+    "combine.placement": ("out_of_place",),
+    "combine.buffer": ("fresh",),
+    "equal_split.policy": ("off",),
+    "router.hot_expert": (-1,),
+    "experts.kind": ("swiglu",),
+    "shared_experts.kind": ("none", "swiglu"),
+    "shared_experts.order": ("add_after",),
+}
+
+
+def refuse_unsupported(c):
+    for key, valid in NEEDS.items():
+        if key in c and c[key] not in valid:
+            raise Unsupported("%s: %r; torchtitan's MoE runs %s" % (key, c[key], " or ".join(map(str, valid))))
+    if c.get("dispatch.dtype", "act") != "act":
+        raise Unsupported("dispatch.dtype: FP8 dispatch is not torchtitan's")
+    if c["dtype"] not in ("fp32", "bf16"):
+        raise Unsupported("dtype %s: GroupedExperts computes in bf16 and returns the input's dtype; "
+                          "fp16 is not a torchtitan training dtype" % c["dtype"])
+    D, F = c["shape.hidden"], c["shape.ffn"]
+    if D % 8 or F % 8:
+        raise Unsupported("hidden %d, ffn %d: torch._grouped_mm needs rows of a multiple of 16 bytes "
+                          "(multiples of 8 bf16 elements)" % (D, F))
+    if c["router.groups"] > 1 and c["shape.experts"] // c["router.groups"] < 2:
+        raise Unsupported("router.groups: torchtitan needs at least 2 experts per group")
+
+
+def build(c, act):
+    """torchtitan's MoE for case c, its parameters in the dtypes training uses."""
+    from torchtitan.models.common.feed_forward import FeedForward
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
+    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
+    E, D, F, K = c["shape.experts"], c["shape.hidden"], c["shape.ffn"], c["shape.top_k"]
+    G = c["router.groups"]
+    shared = None
+    if c["shared_experts.kind"] == "swiglu":
+        Fs = F  # the shared expert has the routed experts' ffn width (input.shared_w1: (1, F, D))
+        shared = FeedForward.Config(w1=Linear.Config(in_features=D, out_features=Fs),
+                                    w2=Linear.Config(in_features=Fs, out_features=D),
+                                    w3=Linear.Config(in_features=D, out_features=Fs))
+    cfg = MoE.Config(
+        num_experts=E,
+        routed_experts=RoutedExperts.Config(
+            inner_experts=GroupedExperts.Config(dim=D, hidden_dim=F, num_experts=E),
+            token_dispatcher=LocalTokenDispatcher.Config(num_experts=E, top_k=K)),
+        router=TokenChoiceTopKRouter.Config(
+            num_experts=E, gate=Linear.Config(in_features=D, out_features=E),
+            num_expert_groups=G if G > 1 else None,
+            num_limited_groups=c["router.limited_groups"] if G > 1 else None,
+            top_k=K, score_func=c["router.score"], route_norm=c["router.route_norm"] == "on",
+            route_scale=float(c["router.route_scale"]),
+            _debug_force_load_balance=c["router.force_load_balance"] == "on"),
+        load_balance_coeff=1e-3 if c["router.bias"] == "on" else None,
+        shared_experts=shared)
+    with torch.device("cpu"):
+        moe = cfg.build()
+    moe.router.gate.to(act)
+    if moe.shared_experts is not None:
+        moe.shared_experts.to(act)
+    return moe
+
+
+def load(moe, g):
+    """The case's inputs into the module: weights, the selection bias."""
+    def put(param, value):
+        with torch.no_grad():
+            param.copy_(value.to(param.dtype).reshape(param.shape))
+
+    put(moe.router.gate.weight, g.input("wg", as_torch=True))
+    ex = moe.routed_experts.inner_experts
+    put(ex.w1_EFD, g.input("w1", as_torch=True))
+    put(ex.w3_EFD, g.input("w3", as_torch=True))
+    put(ex.w2_EDF, g.input("w2", as_torch=True))
+    if moe.expert_bias_E is not None:
+        moe.expert_bias_E.copy_(g.input("bias", as_torch=True))
+    if moe.shared_experts is not None:
+        put(moe.shared_experts.w1.weight, g.input("shared_w1", as_torch=True))
+        put(moe.shared_experts.w3.weight, g.input("shared_w3", as_torch=True))
+        put(moe.shared_experts.w2.weight, g.input("shared_w2", as_torch=True))
+
+
+def seams(c):
+    """The table of seams, plus the stages that depend on the case."""
+    shared = c["shared_experts.kind"] == "swiglu"
+    table = [s for s in SEAMS if shared or not s.path.startswith("shared_experts")]
+    if shared:
+        # torchtitan's combine returns the routed sum; MoE.forward adds shared(x)
+        table.append(Seam("", "out", {"combine.out": None}))
+    else:
+        table.append(Seam("routed_experts.token_dispatcher", "call", {"combine.out": None}, method="combine"))
+    return table
+
+
+def run(g):
+    """fn(golden) for moeverify.main / fuzz --impl: one case folder."""
+    c = g.case
+    refuse_unsupported(c)
+    g.clear_actual()
+    act = torch.bfloat16 if c["dtype"] == "bf16" else torch.float32
+    torch.manual_seed(0)
+    moe = build(c, act)
+    load(moe, g)
+    moe.train(c.get("backward", "off") == "on")
+    x = g.input("x", as_torch=True).to(act)
+    T, D = x.shape
+    backward = c.get("backward", "off") == "on"
+    if backward:
+        x.requires_grad_(True)
+    grads = {k: v for k, v in PARAM_GRADS.items() if moe.shared_experts is not None or "shared" not in k}
+    skip = ()
+    if act != torch.float32:
+        # On the CPU, autocast refuses float32, so torchtitan's router computes
+        # its scores, top-k gather, normalisation and scale in bf16: a
+        # convention moeverify has no key for yet (docs/frameworks.md). Its
+        # routing is not judged; the routed experts are fed the reference's
+        # routing instead, as check feeds a stage not written.
+        skip = ("routing.scores", "routing.ids", "routing.topk_scores", "routing.counts")
+        routing = [g.expected(n, as_torch=True) for n in ("topk_scores", "ids", "counts")]
+        routing[1] = routing[1].long()
+        if backward:
+            routing[0].requires_grad_(True)
+
+        def feed_reference_routing(module, args):
+            return (args[0], routing[0].view(args[1].shape), routing[1].view(args[2].shape), routing[2])
+
+        moe.routed_experts.register_forward_pre_hook(feed_reference_routing)
+    with Capture(moe, seams(c), grads, backward=backward) as cap:
+        out = moe(x.view(1, T, D)).view(T, D)
+        if backward:
+            out.backward(g.input("grad_out", as_torch=True).to(act))
+    if backward:
+        cap.values["dispatch_bwd.grad_x"] = x.grad.detach().clone()
+        if skip:
+            cap.values["combine_bwd.grad_topk_scores"] = routing[0].grad.detach().clone()
+    gemm_out, gemm_a = cap.scratch.get("_gemm_out", []), cap.scratch.get("_gemm_a", [])
+    if len(gemm_out) == 3:
+        cap.values["experts.expert_h13"] = torch.cat([gemm_out[0], gemm_out[1]], dim=1)
+        cap.values["experts.expert_hidden"] = gemm_a[2]
+    if "_shared_h1" in cap.scratch:
+        cap.values["shared_experts.shared_h13"] = torch.cat(
+            [cap.scratch["_shared_h1"][-1], cap.scratch["_shared_h3"][-1]], dim=-1)
+    cap.write(g, skip=skip)
+
+
+def main(argv=None):
+    torch.set_num_threads(int(os.environ.get("MOEVERIFY_TORCH_THREADS", "1")))
+    return _impl.main(run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
