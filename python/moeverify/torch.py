@@ -24,7 +24,10 @@ tensor in the backward:
 
 Kinds: "out" (a module's forward output), "in" (its positional inputs),
 "call" (the result of the method `method` of the module at `path`) and
-"call_in" (that method's arguments by parameter name, keywords included). A
+"call_in" (that method's arguments by parameter name, keywords included)
+and "grad_in" (the gradients autograd computes for a module's inputs in the
+backward: a full backward hook, so the gradient of an input that other
+modules also read is this module's share alone). A
 picker is None (the whole value), an index into a tuple, a name (a
 result's field, e.g. a dispatch metadata object, or an argument) or a
 function of the value. A seam seen more than once (a module called twice)
@@ -49,7 +52,7 @@ __all__ = ["Seam", "Capture"]
 class Seam:
     """One place in the model and the golden tensors taken there."""
 
-    KINDS = ("out", "in", "call", "call_in")
+    KINDS = ("out", "in", "call", "call_in", "grad_in")
 
     def __init__(self, path, kind, take=None, grad=None, method=None, every=False):
         if kind not in self.KINDS:
@@ -122,6 +125,10 @@ class Capture:
         if seam.kind == "out":
             h = target.register_forward_hook(lambda m, args, out: self._store(seam, out))
             self._undo.append(h.remove)
+        elif seam.kind == "grad_in":
+            if self.backward:
+                h = target.register_full_backward_hook(lambda m, grad_in, grad_out: self._store(seam, grad_in))
+                self._undo.append(h.remove)
         elif seam.kind == "in":
             h = target.register_forward_pre_hook(lambda m, args: self._store(seam, args))
             self._undo.append(h.remove)

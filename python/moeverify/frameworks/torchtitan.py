@@ -58,6 +58,10 @@ SEAMS = [
     # the silu), h3 = X W3^T, then Y = H W2^T, whose operand A is H.
     Seam("routed_experts.inner_experts", "call", {"_gemm_out": None}, method="_grouped_mm"),
     Seam("routed_experts.inner_experts", "call_in", {"_gemm_a": "A"}, method="_grouped_mm"),
+    # x feeds the routed experts and the shared expert: the shared one's share
+    # of its gradient (dispatch_bwd.grad_x is x.grad, both shares summed by
+    # autograd)
+    Seam("shared_experts", "grad_in", {"shared_experts_bwd.grad_x_shared": 0}),
     Seam("shared_experts", "out", {"shared_experts.shared_out": None}),
     Seam("shared_experts.w1", "out", {"_shared_h1": None}),
     Seam("shared_experts.w3", "out", {"_shared_h3": None}),
@@ -184,10 +188,10 @@ def run(g):
     torch.manual_seed(0)
     moe = build(c, act)
     load(moe, g)
-    moe.train(c.get("backward", "off") == "on")
+    backward = c.get("backward", "off") == "on"
+    moe.train(backward)
     x = g.input("x", as_torch=True).to(act)
     T, D = x.shape
-    backward = c.get("backward", "off") == "on"
     if backward:
         x.requires_grad_(True)
     grads = {k: v for k, v in PARAM_GRADS.items() if moe.shared_experts is not None or "shared" not in k}
@@ -208,14 +212,20 @@ def run(g):
             return (args[0], routing[0].view(args[1].shape), routing[1].view(args[2].shape), routing[2])
 
         moe.routed_experts.register_forward_pre_hook(feed_reference_routing)
+    if backward:
+        # moeverify's grad_x is the token path's (docs/contract.md §13): the
+        # router's own input gradient (through the gate, into x) is not part of
+        # it, so the router reads x without a gradient path; its weights still
+        # get theirs.
+        moe.router.register_forward_pre_hook(lambda m, args: (args[0].detach(),) + tuple(args[1:]))
     with Capture(moe, seams(c), grads, backward=backward) as cap:
         out = moe(x.view(1, T, D)).view(T, D)
         if backward:
             out.backward(g.input("grad_out", as_torch=True).to(act))
     if backward:
         cap.values["dispatch_bwd.grad_x"] = x.grad.detach().clone()
-        if skip:
-            cap.values["combine_bwd.grad_topk_scores"] = routing[0].grad.detach().clone()
+    if backward and skip:
+        cap.values["combine_bwd.grad_topk_scores"] = routing[0].grad.detach().clone()
     gemm_out, gemm_a = cap.scratch.get("_gemm_out", []), cap.scratch.get("_gemm_a", [])
     if len(gemm_out) == 3:
         cap.values["experts.expert_h13"] = torch.cat([gemm_out[0], gemm_out[1]], dim=1)
