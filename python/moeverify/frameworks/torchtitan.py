@@ -199,10 +199,12 @@ def run(g):
     if act != torch.float32:
         # On the CPU, autocast refuses float32, so torchtitan's router computes
         # its scores, top-k gather, normalisation and scale in bf16: a
-        # convention moeverify has no key for yet (docs/frameworks.md). Its
-        # routing is not judged; the routed experts are fed the reference's
-        # routing instead, as check feeds a stage not written.
-        skip = ("routing.scores", "routing.ids", "routing.topk_scores", "routing.counts")
+        # convention moeverify has no key for yet (docs/frameworks.md). The
+        # router is not judged; the routed experts are fed the reference's
+        # routing instead, as check feeds a stage not written. Its logits are
+        # left out too: check would route them again and judge the dispatch
+        # on that routing, not on the one fed here.
+        skip = ("router_logits.logits", "routing.scores", "routing.ids", "routing.topk_scores", "routing.counts")
         routing = [g.expected(n, as_torch=True) for n in ("topk_scores", "ids", "counts")]
         routing[1] = routing[1].long()
         if backward:
