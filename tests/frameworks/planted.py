@@ -1,0 +1,51 @@
+"""A framework adapter with a bug planted into the framework at run time
+(issue 33): `python planted.py FRAMEWORK BUG --serve` patches the installed
+framework's own code, then serves as moeverify.frameworks.FRAMEWORK does.
+The fuzz must find each bug and shrink it to a few tokens at its stage.
+
+Bugs (torchtitan):
+  unstable_sort  the dispatch's argsort of the expert ids puts a group's
+                 tokens in descending order (a sort that is not stable)
+  per_add_combine  the combine's scatter_add rounds after every row added
+                 (bf16), instead of summing a token's rows in fp32
+"""
+import sys
+import types
+
+fw, bug = sys.argv[1], sys.argv[2]
+del sys.argv[1:3]
+
+import torch  # noqa: E402
+
+
+def unstable_argsort(x, dim=-1, descending=False, stable=False):
+    # equal keys come out in descending index order
+    n = x.numel()
+    key = x.reshape(-1).long() * n + (n - 1 - torch.arange(n))
+    return torch.argsort(key, stable=True)
+
+
+def per_add_scatter_add(out, index, src):
+    out = out.clone()
+    for i in range(src.shape[0]):
+        t = int(index[i, 0])
+        out[t] = out[t] + src[i]  # one rounding per row in the output's dtype
+    return out
+
+
+if fw == "torchtitan":
+    import torchtitan.models.common.token_dispatcher as td
+    if bug == "unstable_sort":
+        proxy = types.ModuleType("torch_with_unstable_argsort")
+        proxy.__getattr__ = lambda name: getattr(torch, name)
+        proxy.argsort = unstable_argsort
+        td.torch = proxy
+    elif bug == "per_add_combine":
+        td.deterministic_scatter_add = per_add_scatter_add
+    else:
+        sys.exit("planted.py: no bug %r for torchtitan" % bug)
+    from moeverify.frameworks import torchtitan as adapter
+else:
+    sys.exit("planted.py: no framework %r" % fw)
+
+sys.exit(adapter.main())
