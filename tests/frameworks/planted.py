@@ -3,6 +3,10 @@
 framework's own code, then serves as moeverify.frameworks.FRAMEWORK does.
 The fuzz must find each bug and shrink it to a few tokens at its stage.
 
+Bugs (megatron):
+  unstable_sort  moe_utils.permute as the dispatcher calls it returns each
+                 expert's tokens in descending order
+
 Bugs (torchtitan):
   unstable_sort  the dispatch's argsort of the expert ids puts a group's
                  tokens in descending order (a sort that is not stable)
@@ -45,6 +49,22 @@ if fw == "torchtitan":
     else:
         sys.exit("planted.py: no bug %r for torchtitan" % bug)
     from moeverify.frameworks import torchtitan as adapter
+elif fw == "megatron":
+    import megatron.core.transformer.moe.token_dispatcher as mtd
+    real_permute = mtd.permute
+
+    def descending_permute(tokens, routing_map, *args, **kwargs):
+        permuted, probs, sorted_indices = real_permute(tokens, routing_map, *args, **kwargs)
+        counts = routing_map.sum(dim=0).tolist()
+        parts = [seg.flip(0) for seg in torch.split(sorted_indices, counts)]
+        order = torch.cat(parts) if parts else sorted_indices
+        return tokens.index_select(0, order), probs, order
+
+    if bug == "unstable_sort":
+        mtd.permute = descending_permute
+    else:
+        sys.exit("planted.py: no bug %r for megatron" % bug)
+    from moeverify.frameworks import megatron as adapter
 else:
     sys.exit("planted.py: no framework %r" % fw)
 

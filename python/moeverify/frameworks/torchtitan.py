@@ -19,7 +19,7 @@ holds them: the router gate and the shared expert in the activation dtype
 with .bfloat16() itself, so their gradients arrive in fp32).
 
 Configurations torchtitan cannot express raise Unsupported (exit 77, a
-skip): see UNSUPPORTED and docs/frameworks.md "What each framework runs".
+skip): see NEEDS below and docs/frameworks.md "What each framework runs".
 EP > 1 is not run by this adapter yet (its all-to-all dispatcher needs a
 process group per rank).
 """
@@ -105,8 +105,8 @@ def refuse_unsupported(c):
                           "fp16 is not a torchtitan training dtype" % c["dtype"])
     D, F = c["shape.hidden"], c["shape.ffn"]
     if D % 8 or F % 8:
-        raise Unsupported("hidden %d, ffn %d: torch._grouped_mm needs rows of a multiple of 16 bytes "
-                          "(multiples of 8 bf16 elements)" % (D, F))
+        raise Unsupported("hidden or ffn not a multiple of 8: torch._grouped_mm needs rows of a multiple "
+                          "of 16 bytes")
     if c["router.groups"] > 1 and c["shape.experts"] // c["router.groups"] < 2:
         raise Unsupported("router.groups: torchtitan needs at least 2 experts per group")
 

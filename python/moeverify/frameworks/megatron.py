@@ -1,0 +1,180 @@
+"""Megatron-Core's MoE layer, as installed, on exported case folders.
+
+    python -m moeverify.frameworks.megatron CASE_DIR...
+    moeverify fuzz --impl "python -m moeverify.frameworks.megatron --serve" --worker \\
+        --profile cases/profiles/megatron-0.16.yaml
+
+Builds Megatron-Core's own `MoELayer` (TopKRouter, the all-gather token
+dispatcher with moe_utils.permute/unpermute, SequentialMLP experts with a
+fused [w1 | w3] linear_fc1) in a one-process gloo group, loads the case's
+inputs into its parameters, runs its forward and writes what its code made
+at its seams (moeverify.torch.Capture; SEAMS below, docs/frameworks.md).
+
+What it judges, and what not (docs/frameworks.md "Megatron-Core"):
+  - router_logits, routing (ids and top-k probabilities from its dense
+    probs and routing map), dispatch (the permute), the experts' [h1 | h3].
+  - Not the experts' outputs, the combine or the backward: Megatron-Core
+    0.16 multiplies each row's probability into H before linear_fc2
+    (per_token_scale), a placement of the score moeverify has no key for
+    yet, so its expert outputs are scaled and its combine rounds elsewhere.
+Two shims make it run on a CPU, neither touching a value: the router's
+gating moves its weight to `torch.cuda.current_device()` (made the CPU),
+and moe_utils names `te_general_gemm` only when Transformer Engine is
+installed (set to None, the fallback its own code tests for: without it,
+megatron-core 0.16.1 raises NameError on every router call).
+"""
+import os
+import sys
+import warnings
+
+try:
+    import torch
+except ImportError as e:  # an honest skip: nothing ran
+    print("moeverify.frameworks.megatron: skipped: %s" % e, file=sys.stderr)
+    sys.exit(77)
+
+from .. import impl as _impl
+from ..torch import Capture, Seam
+
+Unsupported = _impl.Unsupported
+
+SEAMS = [
+    Seam("router", "call", {"router_logits.logits": None}, method="gating"),
+    Seam("router", "out", {"_probs": 0, "_routing_map": 1}),
+    Seam("token_dispatcher", "call",
+         {"dispatch.routed_input": 0, "routing.counts": 1, "dispatch.score_sorted": 2},
+         method="dispatch_postprocess"),
+]
+
+NEEDS = {
+    "ep": (1,), "sp": (1,), "layers": (1,), "capacity.factor": (0.0,),
+    "score_before_experts": ("off",), "experts.kind": ("swiglu",), "shared_experts.kind": ("none",),
+    "router.hot_expert": (-1,), "router.force_load_balance": ("off",), "router.gate_dtype": ("fp32",),
+}
+
+
+def refuse_unsupported(c):
+    for key, valid in NEEDS.items():
+        if key in c and c[key] not in valid:
+            raise Unsupported("%s: %r; the adapter runs %s" % (key, c[key], " or ".join(map(str, valid))))
+    if c.get("dispatch.dtype", "act") != "act":
+        raise Unsupported("dispatch.dtype: FP8 dispatch is not run by this adapter")
+    K, G, L = c["shape.top_k"], c["router.groups"], c["router.limited_groups"]
+    norm = c["router.route_norm"] == "on"
+    if c["router.score"] == "sigmoid" and norm != (K > 1):
+        raise Unsupported("sigmoid with route_norm %s: Megatron normalises sigmoid scores exactly when "
+                          "K > 1" % ("on and K = 1" if norm else "off and K > 1"))
+    if c["router.score"] == "softmax" and norm and K == 1:
+        raise Unsupported("softmax, K = 1, route_norm on: Megatron requires moe_router_pre_softmax when K = 1")
+    if c["router.score"] == "softmax" and norm and G > 1:
+        raise Unsupported("router.groups with softmax after the top-k (route_norm on): Megatron ranks the "
+                          "groups by summed logits there, moeverify by summed scores")
+    if c["router.bias"] == "on" and c["router.score"] != "sigmoid":
+        raise Unsupported("router.bias with softmax: Megatron adds the expert bias in its sigmoid path only")
+    if G > 1 and K != 2 * L:
+        raise Unsupported("router.groups: Megatron scores a group by its top K / limited_groups experts, "
+                          "moeverify by its top 2 (equal when K = 2 * limited_groups)")
+
+
+_initialised = False
+
+
+def _init_process_group():
+    global _initialised
+    if _initialised:
+        return
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # the shim of the docstring
+    torch.cuda.current_device = lambda: "cpu"  # the router's weight "moves" to the CPU
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(20000 + os.getpid() % 20000))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    _initialised = True
+
+
+def build(c, act):
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    E, D, F, K = c["shape.experts"], c["shape.hidden"], c["shape.ffn"], c["shape.top_k"]
+    G = c["router.groups"]
+    scale = float(c["router.route_scale"])
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=D, ffn_hidden_size=F, moe_ffn_hidden_size=F, num_attention_heads=1,
+        num_moe_experts=E, moe_router_topk=K, moe_token_dispatcher_type="allgather",
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        bias_activation_fusion=False, bf16=act == torch.bfloat16, params_dtype=act,
+        use_cpu_initialization=True, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        moe_router_dtype="fp32", moe_router_score_function=c["router.score"],
+        moe_router_pre_softmax=c["router.route_norm"] == "off",
+        moe_router_num_groups=G if G > 1 else None,
+        moe_router_group_topk=c["router.limited_groups"] if G > 1 else None,
+        moe_router_topk_scaling_factor=scale if scale != 1.0 else None,
+        moe_router_enable_expert_bias=c["router.bias"] == "on")
+    spec = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
+    return build_module(spec, config=cfg)
+
+
+def load(moe, g):
+    def put(param, value):
+        with torch.no_grad():
+            param.copy_(value.to(param.dtype).reshape(param.shape))
+
+    put(moe.router.weight, g.input("wg", as_torch=True))
+    w1, w3, w2 = (g.input(n, as_torch=True) for n in ("w1", "w3", "w2"))
+    for e, expert in enumerate(moe.experts.local_experts):
+        put(expert.linear_fc1.weight, torch.cat([w1[e], w3[e]], dim=0))  # gate half first: silu(x[0]) * x[1]
+        put(expert.linear_fc2.weight, w2[e])
+    if moe.router.expert_bias is not None:
+        moe.router.expert_bias.copy_(g.input("bias", as_torch=True))
+
+
+def run(g):
+    c = g.case
+    refuse_unsupported(c)
+    if c["dtype"] not in ("fp32", "bf16"):
+        raise Unsupported("dtype %s: the adapter runs fp32 and bf16" % c["dtype"])
+    g.clear_actual()
+    _init_process_group()
+    act = torch.bfloat16 if c["dtype"] == "bf16" else torch.float32
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        moe = build(c, act)
+    load(moe, g)
+    x = g.input("x", as_torch=True).to(act)
+    T, D = x.shape
+    if T == 0:
+        # A framework bug, not a skip of convenience (docs/frameworks.md):
+        # RouterGatingLinearFunction.forward views its output as
+        # (*input.shape[:-1], -1), which an empty output cannot take.
+        raise Unsupported("megatron-core 0.16.1 bug: a rank of 0 tokens raises in the router's gating "
+                          "(output.view(*shape[:-1], -1) of an empty tensor)")
+    seams = list(SEAMS) + [Seam("experts.local_experts.%d.linear_fc1" % e, "out", {"_fc1": 0})
+                           for e in range(len(moe.experts.local_experts))]
+    with torch.no_grad(), Capture(moe, seams, backward=False) as cap:
+        moe(x.view(T, 1, D))
+    # the dense (T, E) probabilities and routing map, as the (T, K) layout of
+    # the manifest: each token's experts in ascending id, their probabilities
+    routing_map, probs = cap.scratch["_routing_map"][-1], cap.scratch["_probs"][-1]
+    ids = routing_map.nonzero()[:, 1].view(T, c["shape.top_k"])
+    cap.values["routing.ids"] = ids
+    cap.values["routing.topk_scores"] = probs.gather(1, ids)
+    cap.values["dispatch.token_sorted"] = moe.token_dispatcher.reversed_local_input_permutation_mapping
+    cap.values["experts.expert_h13"] = torch.cat(cap.scratch["_fc1"])
+    cap.write(g)
+
+
+def main(argv=None):
+    torch.set_num_threads(int(os.environ.get("MOEVERIFY_TORCH_THREADS", "1")))
+    return _impl.main(run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
