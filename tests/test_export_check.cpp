@@ -76,6 +76,10 @@ TEST_CASE("read_npy reads what write_npy writes and refuses the rest", "[cpu]") 
       if (t == ElemType::i64) {
         write_npy(p, from_ints({int64_t(1) << 40}, t, {1}));
         CHECK_THROWS_AS(read_npy(p, ElemType::i32, {1}), Error);  // does not fit
+        write_npy(p, from_ints({int64_t(INT32_MIN) - 1}, t, {1}));
+        CHECK_THROWS_AS(read_npy(p, ElemType::i32, {1}), Error);  // below INT32_MIN (issue 34 item 9)
+        write_npy(p, from_ints({int64_t(INT32_MIN)}, t, {1}));
+        CHECK(to_ints(read_npy(p, ElemType::i32, {1})) == std::vector<int64_t>{INT32_MIN});
       }
       write_npy(p, x);
       CHECK_THROWS_AS(read_npy(p, ElemType::f32, {3, 5}), Error);
@@ -92,6 +96,9 @@ TEST_CASE("read_npy reads what write_npy writes and refuses the rest", "[cpu]") 
     std::ifstream in(p, std::ios::binary);
     std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     std::ofstream(p, std::ios::binary | std::ios::trunc) << bytes.substr(0, bytes.size() - 1);
+    CHECK_THROWS_AS(read_npy(p, t, {3, 5}), Error);
+    // bytes after the data: not a file NumPy wrote (issue 34 item 9)
+    std::ofstream(p, std::ios::binary | std::ios::trunc) << bytes << 'x';
     CHECK_THROWS_AS(read_npy(p, t, {3, 5}), Error);
     std::ofstream(p, std::ios::binary | std::ios::trunc) << "not numpy";
     CHECK_THROWS_AS(read_npy(p, t, {3, 5}), Error);

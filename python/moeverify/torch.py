@@ -24,7 +24,8 @@ tensor in the backward:
 
 Kinds: "out" (a module's forward output), "in" (its positional inputs),
 "call" (the result of the method `method` of the module at `path`) and
-"call_in" (that method's arguments by parameter name, keywords included)
+"call_in" (that method's arguments by parameter name, keywords and defaults
+included)
 and "grad_in" (the gradients autograd computes for a module's inputs in the
 backward: a full backward hook, so the gradient of an input that other
 modules also read is this module's share alone). A
@@ -139,7 +140,9 @@ class Capture:
             @functools.wraps(original)  # a second seam on this method sees its signature
             def wrapped(*args, **kwargs):
                 if seam.kind == "call_in":
-                    self._store(seam, dict(signature.bind(*args, **kwargs).arguments))
+                    bound = signature.bind(*args, **kwargs)
+                    bound.apply_defaults()
+                    self._store(seam, dict(bound.arguments))
                 result = original(*args, **kwargs)
                 if seam.kind == "call":
                     self._store(seam, result)

@@ -192,6 +192,21 @@ def run(tool, src, tmp, use_torch):
         h.write(e.qualified, h.expected(e.qualified, as_torch=True).float().to(torch.bfloat16))
         expect(np.array_equal(np.load(os.path.join(h.actual_dir, e.file)), h.expected(e.qualified, raw=True)),
                "a torch bf16 tensor is written as its exact bit patterns")
+    # issue 34 item 9: behaviours that were right but untested
+    from moeverify import codec
+    e4m3 = codec.e4m3_to_f32(np.array([0x7f, 0xff, 0x7e, 0xfe, 0x00, 0x80], np.uint8))
+    expect(np.isnan(e4m3[0]) and np.isnan(e4m3[1]) and e4m3[2] == 448 and e4m3[3] == -448 and e4m3[4] == 0
+           and np.signbit(e4m3[5]), "e4m3: 0x7f and 0xff decode as NaN, 0x7e/0xfe as +-448, 0x80 as -0")
+    expect(raises(lambda: codec.encode(np.array([np.iinfo(np.int32).min - 1], np.int64), "int32", "ids"),
+                  ValueError, "outside int32"), "an integer below int32's minimum is refused on encode")
+    expect(raises(lambda: codec.encode(np.array([np.iinfo(np.int32).max + 1], np.int64), "int32", "ids"),
+                  ValueError, "outside int32"), "an integer above int32's maximum is refused on encode")
+    deep = [c for c in cases if c.layers > 1][0]
+    entry2 = deep.entry("wg", "input", 0, None, 2)
+    own = (entry2.layer == 2)  # layer 2 has router weights of its own
+    x1, x2 = deep.input("x", layer=1, raw=True), deep.input("x", layer=2, raw=True)
+    expect(own and deep.entry("x", "input", 0, None, 2).layer == 1 and np.array_equal(x1, x2),
+           "a layer-2 input it does not hold (x) falls back to entry 1; one it holds (wg) is its own")
     ints = g.entry("dispatch.token_sorted")
     g.write(ints.qualified, g.expected(ints.qualified).astype(np.int64))
     rc, _ = check(tool, g.path)
