@@ -155,6 +155,22 @@ std::string list_ints(const std::vector<int64_t>& v) {
   return s + (v.size() > 16 ? ", ... (" + std::to_string(v.size()) + " in all)]" : "]");
 }
 
+/// "expert 2 has 1 row short, expert 5 has 1 row too many": the first
+/// segments where the implementation's row counts differ from the
+/// reference's (issue 34's diagnosing hints); "" when they cannot be paired.
+std::string segment_hint(const std::vector<int64_t>& want, const std::vector<int64_t>& got) {
+  if (want.size() != got.size() || want == got) return "";
+  std::ostringstream h;
+  int shown = 0;
+  for (size_t e = 0; e < want.size() && shown < 3; ++e) {
+    if (want[e] == got[e]) continue;
+    const int64_t d = got[e] - want[e];
+    h << (shown++ ? ", " : "hint: ") << "expert " << e << " has " << (d < 0 ? -d : d) << " row"
+      << ((d < 0 ? -d : d) == 1 ? "" : "s") << (d < 0 ? " short" : " too many");
+  }
+  return h.str();
+}
+
 /// A tensor of the implementation with another number of rows than the
 /// reference's: INCORRECT at its stage, with the rows per segment of the
 /// counts that group them (the reference's, fed the implementation's earlier
@@ -181,10 +197,76 @@ Check rows_check(const std::string& slot, const OutputSpec& o, int r, int R, con
     if (given_rank.count(seg)) {
       ch.rows.actual_segments = to_ints(given_rank.at(seg));
       n << ", the implementation's " << list_ints(ch.rows.actual_segments);
+      const std::string hint = segment_hint(ch.rows.expected_segments, ch.rows.actual_segments);
+      if (!hint.empty()) n << "; " << hint;
     }
   }
   ch.note = n.str();
   return ch;
+}
+
+/// The convention keys (docs/contract.md §14) that change a stage's values by
+/// a rounding: the keys a one-rounding mismatch there may point at.
+const char* rounding_keys(const std::string& slot) {
+  static const std::map<std::string, const char*> keys = {
+      {"router_logits", "router.gate_dtype"},
+      {"experts", "experts.rounding, experts.compute_dtype"},
+      {"shared_experts", "experts.rounding"},
+      {"combine", "combine.accumulate, score_multiply"},
+      {"combine_bwd", "score_multiply"},
+      {"experts_bwd", "experts.rounding, experts.compute_dtype"},
+      {"shared_experts_bwd", "experts.rounding"},
+      {"dispatch_bwd", "grad_accumulate, combine.accumulate"},
+      {"fp8_quant", "dispatch.quotient, dispatch.scale"}};
+  auto k = keys.find(slot);
+  return k == keys.end() ? nullptr : k->second;
+}
+
+/// Rows of `t` grouped by `counts`, each group's rows as byte strings,
+/// sorted: the multiset of rows per expert.
+std::vector<std::vector<std::string>> rows_per_segment(const Tensor& t, const std::vector<int64_t>& counts) {
+  std::vector<std::vector<std::string>> seg;
+  const int64_t rows = t.shape.empty() ? 0 : t.shape[0];
+  const size_t width = rows ? size_t(t.bytes() / uint64_t(rows)) : 0;
+  int64_t at = 0;
+  for (int64_t n : counts) {
+    if (n < 0 || at + n > rows) return {};
+    std::vector<std::string> g;
+    for (int64_t i = at; i < at + n; ++i)
+      g.emplace_back(static_cast<const char*>(t.data()) + size_t(i) * width, width);
+    std::sort(g.begin(), g.end());
+    seg.push_back(std::move(g));
+    at += n;
+  }
+  if (at != rows) return {};
+  return seg;
+}
+
+/// Hints on an INCORRECT check of the implementation's values (issue 34:
+/// reports that diagnose), appended to its note. Each names a pattern, not a
+/// verdict: all zeros where values were expected; every mismatch one
+/// rounding apart where a convention key changes that rounding; the same
+/// rows per expert in another order (a sort that is not stable).
+void add_hints(Check& ch, const std::string& slot, const Tensor& yours, const Tensor& want, const RankBoard& in) {
+  if (ch.outcome != Outcome::INCORRECT || !ch.diff.structural.empty() || yours.shape != want.shape) return;
+  std::vector<std::string> hints;
+  const bool floating = yours.type == ElemType::f32 || yours.type == ElemType::bf16 || yours.type == ElemType::f16;
+  if (floating && yours.numel() > 0) {
+    const std::vector<float> y = to_floats(yours), w = to_floats(want);
+    const bool all_zero = std::all_of(y.begin(), y.end(), [](float v) { return v == 0.f; });
+    if (all_zero && std::any_of(w.begin(), w.end(), [](float v) { return v != 0.f; }))
+      hints.push_back("all zeros where values were expected: output not written?");
+    else if (ch.diff.max_ulp <= 1 && ch.diff.mismatches > 0 && rounding_keys(slot))
+      hints.push_back(std::string("every mismatch is one rounding apart: a convention? see ") + rounding_keys(slot) +
+                      " (docs/contract.md §14)");
+  }
+  if (slot == "dispatch" && in.count("counts") && !yours.shape.empty()) {
+    const std::vector<int64_t> counts = to_ints(in.at("counts"));
+    const auto a = rows_per_segment(yours, counts), b = rows_per_segment(want, counts);
+    if (!a.empty() && a == b)
+      hints.push_back("same rows per expert, another order: is the sort stable? (docs/contract.md §2)");
+  }
+  for (const std::string& h : hints) ch.note += (ch.note.empty() ? "hint: " : "; hint: ") + h;
 }
 
 /// The capacity boundary (docs/contract.md §11, §15): under policy probs rows whose
@@ -360,6 +442,10 @@ void ExternalEntry::read_given(const Stage& s, const std::vector<std::map<std::s
   std::set<std::string> missing;
   int64_t written = 0;
   const bool required = std::find(opt.require.begin(), opt.require.end(), s.slot) != opt.require.end();
+  // Row-count checks wait for the stage's other outputs: the counts that
+  // group a tensor's rows may come after it (expert_input, expert_counts).
+  struct RowsDiffer { const OutputSpec* o; int r; const Tensor* expected; std::vector<int64_t> shape; };
+  std::vector<RowsDiffer> rows_differ;
   for (const OutputSpec& o : s.outputs) {
     std::vector<int> absent_on, written_on;
     for (int r = 0; r < R; ++r) {
@@ -378,7 +464,7 @@ void ExternalEntry::read_given(const Stage& s, const std::vector<std::map<std::s
       ++written;
       ++checked;
       if (a.kind == ActualTensor::Kind::rows_differ) {
-        rep.checks.push_back(rows_check(s.slot, o, r, R, e->second, a.shape, fed.ranks[size_t(r)], given[size_t(r)]));
+        rows_differ.push_back({&o, r, &e->second, a.shape});
       } else {
         given[size_t(r)][o.name] = a.t;
         merged.ranks[size_t(r)][o.name] = a.t;
@@ -389,6 +475,9 @@ void ExternalEntry::read_given(const Stage& s, const std::vector<std::map<std::s
     if (!absent_on.empty() && (!written_on.empty() || required))
       rep.checks.push_back(missing_check(s.slot, o.name, absent_on, written_on));
   }
+  for (const RowsDiffer& d : rows_differ)
+    rep.checks.push_back(rows_check(s.slot, *d.o, d.r, R, *d.expected, d.shape, fed.ranks[size_t(d.r)],
+                                    given[size_t(d.r)]));
   if (missing.empty()) return;
   std::string m;
   for (const auto& n : missing) m += (m.empty() ? "" : ", ") + n;
@@ -497,6 +586,7 @@ bool ExternalEntry::stage(const Stage& s, Board& board) {
         rep.checks.push_back(check_output(c, s.slot, "actual", o, &gi->second, &expected[size_t(r)].at(o.name),
                                           merged.ranks[size_t(r)], r, R,
                                           o.from_fast ? o.from_fast_label : std::string("reference"), scale));
+        add_hints(rep.checks.back(), s.slot, gi->second, expected[size_t(r)].at(o.name), merged.ranks[size_t(r)]);
       }
   }
   feed_reference_metadata(first_check, given, expected, s.slot, merged);
