@@ -5,6 +5,7 @@
 #include <rapidcheck/catch.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -558,4 +559,18 @@ TEST_CASE("expert-parallel properties", "[cpu][prop][ep]") {
     RC_ASSERT(int64_t(un.size()) == M);
     for (int64_t i = 0; i < M; ++i) RC_ASSERT(map[size_t(un[size_t(i)])] == i);
   });
+}
+
+// issue 34 item 9: MPI's counts and displacements are int; a split, an offset
+// or a row size past INT_MAX is refused before the exchange (comm_mpi.cpp),
+// one that just fits is not.
+TEST_CASE("the MPI all-to-all refuses counts and offsets past INT_MAX", "[cpu]") {
+  using comm_detail::mpi_count_overflow;
+  const int64_t M = INT_MAX;
+  CHECK(mpi_count_overflow({M, 0}, {1, 1}, 8) == -1);           // the largest split, the largest offset
+  CHECK(mpi_count_overflow({M, 1, 0}, {0, 0, 0}, 8) == M + 1);  // a zero split's displacement is an int too
+  CHECK(mpi_count_overflow({M - 1, 1, 1}, {0, 0, 0}, 8) == -1); // offsets 0, M - 1, M
+  CHECK(mpi_count_overflow({M, 1, 1}, {0, 0, 0}, 8) == M + 1);  // the offset of rank 2 is M + 1
+  CHECK(mpi_count_overflow({0, 0}, {M + 1, 0}, 8) == M + 1);    // a received split
+  CHECK(mpi_count_overflow({1}, {1}, size_t(M) + 1) == M + 1);  // a row of more than INT_MAX bytes
 }

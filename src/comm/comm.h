@@ -156,6 +156,11 @@ A2aVerdict check_own_a2a(int R, int64_t send_capacity_rows, const std::vector<in
 /// Marks, on every rank whose verdict is still clean, a row size that
 /// differs from rank 0's.
 void check_row_bytes(std::vector<A2aVerdict>& all);
+/// MPI's counts and displacements are int (in rows, one row a derived type
+/// of row_bytes): the first split, offset or row size past INT_MAX, or -1
+/// when every one fits. The MPI communicator refuses the exchange on it.
+int64_t mpi_count_overflow(const std::vector<int64_t>& send_rows, const std::vector<int64_t>& recv_rows,
+                           size_t row_bytes);
 /// "" when every rank's verdict is clean; else the message that rank `rank`
 /// throws: its own fault, or the first faulty rank's.
 std::string a2a_failure(const char* what, int rank, const std::vector<A2aVerdict>& all);

@@ -10,6 +10,7 @@
 // The drain waits without a deadline: every rank has passed step 2, and
 // between the two meetings a rank only checks and copies, so each arrives.
 #include <algorithm>
+#include <climits>
 #include <condition_variable>
 #include <cstring>
 #include <limits>
@@ -87,6 +88,18 @@ void check_row_bytes(std::vector<A2aVerdict>& all) {
       v.a = v.row_bytes;
       v.b = all[0].row_bytes;
     }
+}
+
+int64_t mpi_count_overflow(const std::vector<int64_t>& send_rows, const std::vector<int64_t>& recv_rows,
+                           size_t row_bytes) {
+  int64_t so = 0, ro = 0;
+  for (size_t p = 0; p < send_rows.size() && p < recv_rows.size(); ++p) {
+    for (int64_t v : {send_rows[p], recv_rows[p], so, ro})
+      if (v > INT_MAX) return v;
+    so += send_rows[p];
+    ro += recv_rows[p];
+  }
+  return row_bytes > size_t(INT_MAX) ? int64_t(row_bytes) : -1;
 }
 
 std::vector<A2aVerdict> a2a_verdicts(const std::vector<A2aArgs>& args) {

@@ -146,21 +146,20 @@ class MpiComm final : public Comm {
         }
     }
     if (mine.fault == 0) {  // MPI counts and displacements are int (in rows)
-      int64_t so = 0, ro = 0, big = -1;
-      for (size_t p = 0; p < R; ++p) {
-        for (int64_t v : {send_rows[p], recv_rows[p], so, ro})
-          if (v > INT_MAX) big = v;
-        sc[p] = int(send_rows[p]);
-        sd[p] = int(so);
-        rc[p] = int(recv_rows[p]);
-        rd[p] = int(ro);
-        so += send_rows[p];
-        ro += recv_rows[p];
-      }
-      if (row_bytes > size_t(INT_MAX)) big = int64_t(row_bytes);
+      const int64_t big = comm_detail::mpi_count_overflow(send_rows, recv_rows, row_bytes);
       if (big >= 0) {
         mine.fault = int64_t(A2aFault::count_overflow);
         mine.a = big;
+      } else {
+        int64_t so = 0, ro = 0;
+        for (size_t p = 0; p < R; ++p) {
+          sc[p] = int(send_rows[p]);
+          sd[p] = int(so);
+          rc[p] = int(recv_rows[p]);
+          rd[p] = int(ro);
+          so += send_rows[p];
+          ro += recv_rows[p];
+        }
       }
     }
     // Every rank's verdict, so that all throw alike or none does.
