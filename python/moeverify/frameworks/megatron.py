@@ -49,7 +49,10 @@ SEAMS = [
 NEEDS = {
     "ep": (1,), "sp": (1,), "layers": (1,), "capacity.factor": (0.0,),
     "score_before_experts": ("off",), "experts.kind": ("swiglu",), "shared_experts.kind": ("none",),
-    "router.hot_expert": (-1,), "router.force_load_balance": ("off",), "router.gate_dtype": ("fp32",),
+    "router.hot_expert": (-1,), "router.force_load_balance": ("off",),
+    # its conventions as the adapter configures it (cases/profiles/megatron-0.16.yaml)
+    "router.gate_dtype": ("fp32",), "experts.rounding": ("torchtitan",), "experts.compute_dtype": ("act",),
+    "align": (1,), "empty_groups": ("zero",),
 }
 
 

@@ -91,6 +91,16 @@ NEEDS = {
     "experts.kind": ("swiglu",),
     "shared_experts.kind": ("none", "swiglu"),
     "shared_experts.order": ("add_after",),
+    # its conventions (docs/contract.md §14; cases/profiles/torchtitan-0.3.yaml
+    # sets them): a case asking for another one asks for other arithmetic
+    "router.gate_dtype": ("act",),
+    "score_multiply": ("fp32",),
+    "experts.rounding": ("torchtitan",),
+    "experts.compute_dtype": ("bf16",),
+    "combine.accumulate": ("fp32_accumulate",),
+    "grad_accumulate": ("per_add",),
+    "align": (1,),
+    "empty_groups": ("zero",),
 }
 
 
