@@ -246,7 +246,8 @@ int cmd_export(const std::string& file, const std::string& dir, const CaseFilter
   for (const Case& c : chosen) {
     const std::string folder = dir + "/" + dump_folder_name(c.name);
     const size_t n = export_case_folder(c, folder);
-    std::cout << "exported " << c.name << ": " << n << " tensors, " << c.ep << " rank(s) -> " << folder << "\n";
+    std::cout << "exported " << c.name << ": " << n << " tensors, " << c.ep << " rank(s) -> " << folder
+              << (c.streams_weights() ? " (routed weights streamed in `run`, written whole here)" : "") << "\n";
   }
   return 0;
 }

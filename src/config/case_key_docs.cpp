@@ -33,7 +33,8 @@ std::string case_key_meaning(const std::string& key) {
       {"experts.rounding", "fused: H = round(silu(h1) * h3); torchtitan: silu(h1) rounded first (docs/contract.md §14)"},
       {"experts.compute_dtype", "act, or bf16: X and the weights rounded to bf16 for the GEMMs (docs/contract.md §14)"},
       {"experts.weights", "held: w1/w3/w2 as whole tensors; streamed: generated a few experts at a time by each stage that "
-                          "reads them; auto: streamed past 4 GiB (docs/architecture.md \"Scale and backends\")"},
+                          "reads them; auto: streamed past 4 GiB (docs/architecture.md \"Scale and backends\"); export writes "
+                          "streamed weights whole up to 256 MiB and refuses larger ones"},
       {"experts.kind", "identity experts (Y = X) or SwiGLU experts"},
       {"experts.impl", "the primary SwiGLU implementation: a loop per expert, grouped GEMM, or batched (equal counts)"},
       {"shared_experts.kind", "a shared expert beside the routed ones"},
