@@ -114,7 +114,7 @@ TEST_CASE("a streamed run computes what the held run computes, byte for byte, an
   }
 }
 
-TEST_CASE("streamed weights are refused where every expert's weights are needed at once", "[cpu][streamed]") {
+TEST_CASE("streamed weights are refused where every expert's weights are needed at once, or exported past 256 MiB", "[cpu][streamed]") {
   const std::string base =
       "cases:\n  - name: s\n    shape: {tokens: 8, hidden: 16, ffn: 8, experts: 4, top_k: 2}\n"
       "    experts: {kind: swiglu, weights: streamed}\n";
@@ -123,7 +123,14 @@ TEST_CASE("streamed weights are refused where every expert's weights are needed 
   CHECK_THROWS_WITH(load_cases_text(base + "    dispatch: {dtype: fp8_e4m3, block: 16}\n", "s.yaml", {}),
                     Catch::Contains("the FP8 error bound reads every expert's weights"));
   const Case c = load_cases_text(base, "s.yaml", {}).front();
-  CHECK_THROWS_WITH(run_external(c, nullptr, nullptr), Catch::Contains("the routed weights are streamed"));
+  // export and check hold small streamed weights whole (issue 34 item 7) and
+  // refuse past 256 MiB of routed weights, before generating any.
+  CHECK_NOTHROW(run_external(c, nullptr, nullptr));
+  Case huge = c;
+  huge.num_experts = 64;
+  huge.hidden = 2048;
+  huge.ffn = 2048;  // 64 * 3 * 2048 * 2048 * 4 = 3 GiB
+  CHECK_THROWS_WITH(run_external(huge, nullptr, nullptr), Catch::Contains("the routed weights are streamed"));
   // auto: streamed past 4 GiB of routed weights (bf16: 2 bytes each).
   Case big = c;
   big.experts.weights = WeightStorage::auto_;
