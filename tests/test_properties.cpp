@@ -315,10 +315,16 @@ TEST_CASE("whole pipeline", "[cpu][prop]") {
     RunOptions o;
     o.threads = *rc::gen::inRange(1, 4);
     const CaseReport r = run_case(c, o);
-    for (const auto& ch : r.checks)
+    for (const auto& ch : r.checks) {
+      // Data too small to show a bug (fp16 products of tiny values rounding
+      // to zero) is NOT_VERIFIED, an honest verdict: such a draw is
+      // discarded, not failed (a draw of one token with D = F = 1 in fp16).
+      if (ch.outcome == Outcome::NOT_VERIFIED && ch.note.find("cannot show a wrong result") != std::string::npos)
+        RC_DISCARD("uninformative data: " + ch.note);
       if (ch.outcome != Outcome::PASSED)
         RC_FAIL(c.summary() + ": " + ch.slot + "/" + ch.variant + "/" + ch.tensor + " " + outcome_name(ch.outcome) +
                 " " + ch.note);
+    }
     RC_ASSERT(r.outcome == Outcome::PASSED);
   });
 }
