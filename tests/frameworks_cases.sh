@@ -11,13 +11,7 @@
 set -u
 bin=$1 src=$2 fw=$3 profile=$4
 shift 4
-py=${MOEVERIFY_TORCH_PYTHON:-}
-if [ -z "$py" ]; then echo "skip: MOEVERIFY_TORCH_PYTHON is not set (a Python with torch and $fw)"; exit 77; fi
-mod=$fw; [ "$fw" = megatron ] && mod=megatron.core
-"$py" -c "import torch, $mod" 2>/dev/null || { echo "skip: $py cannot import torch and $mod"; exit 77; }
-export PYTHONPATH="$src/python${PYTHONPATH:+:$PYTHONPATH}" MOEVERIFY_BIN="$bin"
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
+. "$src/tests/frameworks/env.sh"
 mkdir -p "$tmp/golden"
 files=("$@")
 [ ${#files[@]} -gt 0 ] || files=("$src"/cases/*.yaml "$src"/cases/regressions/*.yaml)

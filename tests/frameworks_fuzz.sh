@@ -9,13 +9,7 @@
 set -u
 bin=$1 src=$2 fw=$3 profile=$4 n=$5
 shift 5
-py=${MOEVERIFY_TORCH_PYTHON:-}
-if [ -z "$py" ]; then echo "skip: MOEVERIFY_TORCH_PYTHON is not set (a Python with torch and $fw)"; exit 77; fi
-mod=$fw; [ "$fw" = megatron ] && mod=megatron.core
-"$py" -c "import torch, $mod" 2>/dev/null || { echo "skip: $py cannot import torch and $mod"; exit 77; }
-export PYTHONPATH="$src/python${PYTHONPATH:+:$PYTHONPATH}" MOEVERIFY_BIN="$bin"
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
+. "$src/tests/frameworks/env.sh"
 fails=0
 "$bin" fuzz --impl "$py -W ignore -m moeverify.frameworks.$fw --serve" --worker --profile "$profile" \
   --iterations "$n" --seed 5 --jobs 2 --out "$tmp/clean" --json "$tmp/clean.json" > "$tmp/clean.log" 2>&1

@@ -33,10 +33,10 @@ except ImportError as e:  # an honest skip: nothing ran
     print("moeverify.frameworks.megatron: skipped: %s" % e, file=sys.stderr)
     sys.exit(77)
 
-from .. import impl as _impl
+from ..impl import Unsupported
 from ..torch import Capture, Seam
+from . import main_for, refuse_keys
 
-Unsupported = _impl.Unsupported
 
 SEAMS = [
     Seam("router", "call", {"router_logits.logits": None}, method="gating"),
@@ -57,9 +57,7 @@ NEEDS = {
 
 
 def refuse_unsupported(c):
-    for key, valid in NEEDS.items():
-        if key in c and c[key] not in valid:
-            raise Unsupported("%s: %r; the adapter runs %s" % (key, c[key], " or ".join(map(str, valid))))
+    refuse_keys(c, NEEDS, "the adapter")
     if c.get("dispatch.dtype", "act") != "act":
         raise Unsupported("dispatch.dtype: FP8 dispatch is not run by this adapter")
     K, G, L = c["shape.top_k"], c["router.groups"], c["router.limited_groups"]
@@ -175,8 +173,7 @@ def run(g):
 
 
 def main(argv=None):
-    torch.set_num_threads(int(os.environ.get("MOEVERIFY_TORCH_THREADS", "1")))
-    return _impl.main(run, argv)
+    return main_for(run, argv)
 
 
 if __name__ == "__main__":

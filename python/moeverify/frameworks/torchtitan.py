@@ -23,7 +23,6 @@ skip): see NEEDS below and docs/frameworks.md "What each framework runs".
 EP > 1 is not run by this adapter yet (its all-to-all dispatcher needs a
 process group per rank).
 """
-import os
 import sys
 
 try:
@@ -32,10 +31,10 @@ except ImportError as e:  # an honest skip: nothing ran
     print("moeverify.frameworks.torchtitan: skipped: %s" % e, file=sys.stderr)
     sys.exit(77)
 
-from .. import impl as _impl
+from ..impl import Unsupported
 from ..torch import Capture, Seam
+from . import main_for, refuse_keys
 
-Unsupported = _impl.Unsupported
 
 # torchtitan's seams -> moeverify stage names (docs/frameworks.md). EP = 1:
 # the expert-parallel stages between dispatch and the experts are identities
@@ -105,9 +104,7 @@ NEEDS = {
 
 
 def refuse_unsupported(c):
-    for key, valid in NEEDS.items():
-        if key in c and c[key] not in valid:
-            raise Unsupported("%s: %r; torchtitan's MoE runs %s" % (key, c[key], " or ".join(map(str, valid))))
+    refuse_keys(c, NEEDS, "torchtitan's MoE")
     if c.get("dispatch.dtype", "act") != "act":
         raise Unsupported("dispatch.dtype: FP8 dispatch is not torchtitan's")
     if c["dtype"] not in ("fp32", "bf16"):
@@ -249,8 +246,7 @@ def run(g):
 
 
 def main(argv=None):
-    torch.set_num_threads(int(os.environ.get("MOEVERIFY_TORCH_THREADS", "1")))
-    return _impl.main(run, argv)
+    return main_for(run, argv)
 
 
 if __name__ == "__main__":
