@@ -61,3 +61,32 @@ TEST_CASE("selection: group-limited routing accepts any group tied at the bounda
   CHECK_FALSE(valid(r, t2, {2, 4}));  // g1 and g2 together leave out g0, which beats both
   CHECK_FALSE(valid(r, t2, {0, 3}));  // g1 kept, but its 0.35 beats the chosen 0.25
 }
+
+TEST_CASE("selection: the near-tie slack is the tolerance at the K-th value, not the top one", "[cpu]") {
+  // A top score of 100 beside a boundary near 0.5: scaled by the top score
+  // (1e-3) the slack would accept expert 2, 1e-5 below the K-th value; the
+  // tolerance at the K-th value (about 5e-6) does not, and accepts a gap of 1e-6.
+  const std::vector<float> ch = {100.f, 0.5f, 0.49999f, 0.499999f, 0.1f};
+  const std::vector<int32_t> reference = {0, 1};
+  SelectionRule r{5, 2, 1, 0, near_tie_slack(1e-7, 1e-5, 2, ch.data(), reference.data())};
+  CHECK(r.slack == Approx(1e-7 + 1e-5 * 0.5).epsilon(1e-6));
+  CHECK_FALSE(valid(r, ch, {0, 2}));
+  CHECK(valid(r, ch, {0, 3}));
+  // the order of the reference's ids does not matter
+  const std::vector<int32_t> swapped = {1, 0};
+  CHECK(near_tie_slack(1e-7, 1e-5, 2, ch.data(), swapped.data()) == r.slack);
+}
+
+TEST_CASE("selection: a tied filler group may hold an expert equal to the K-th value", "[cpu]") {
+  // 4 groups of 2, keep 2, K = 2. g0 = {0.6, 0.5} (1.1) holds both choices;
+  // g1 and g2 tie at the boundary (0.6) and either completes the kept pair.
+  // g1's 0.5 equals the K-th chosen value: a tie, not an expert that beats
+  // the chosen ones, so {0, 1} is valid (as are {0, 2} and {0, 4}).
+  const SelectionRule r{8, 2, 4, 2, 0.0};
+  const std::vector<float> ch = {0.6f, 0.5f, 0.5f, 0.1f, 0.5f, 0.1f, 0.05f, 0.05f};
+  CHECK(valid(r, ch, {0, 1}));
+  CHECK(valid(r, ch, {1, 0}));
+  CHECK(valid(r, ch, {0, 2}));
+  CHECK(valid(r, ch, {0, 4}));
+  CHECK_FALSE(valid(r, ch, {0, 3}));
+}

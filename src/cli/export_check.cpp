@@ -98,7 +98,7 @@ void check_routing_external(const Case& c, const Board& ref, const Board& merged
           if (ok) {
             ++ties;
           } else if (!own_scores) {
-            rule.slack = stol.atol + stol.rtol * std::fabs(double(raw[size_t(s[K - 1])]));
+            rule.slack = near_tie_slack(stol.atol, stol.rtol, int(K), raw.data(), s);
             ok = is_near = judge_selection(rule, raw.data(), a).valid;
             near += is_near;
           }

@@ -1,6 +1,7 @@
 #include "selection.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -94,6 +95,12 @@ SelectionVerdict judge_selection(const SelectionRule& r, const float* ch, const 
   }
   v.valid = true;
   return v;
+}
+
+double near_tie_slack(double atol, double rtol, int K, const float* ch, const int32_t* ids) {
+  float kth = std::numeric_limits<float>::infinity();
+  for (int k = 0; k < K; ++k) kth = std::min(kth, ch[ids[k]]);
+  return K > 0 ? atol + rtol * std::fabs(double(kth)) : atol;
 }
 
 }  // namespace moev

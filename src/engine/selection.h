@@ -33,4 +33,11 @@ struct SelectionVerdict {
 /// group mask); `ids`: the K experts the implementation chose, any order.
 SelectionVerdict judge_selection(const SelectionRule& rule, const float* choice, const int32_t* ids);
 
+/// The slack of a near-tie judged on the reference's scores: the scores
+/// tolerance at the K-th chosen value, atol + rtol |choice[kth]|, where kth is
+/// the smallest-valued member of `reference_ids` (the reference's K choices).
+/// Scaled by the K-th value, not the top one: a large top score must not
+/// widen what counts as a tie at the boundary.
+double near_tie_slack(double atol, double rtol, int K, const float* choice, const int32_t* reference_ids);
+
 }  // namespace moev

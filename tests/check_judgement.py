@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""`check`'s judgement of an implementation's expert selection (issue 34
+item 9; docs/contract.md §15): two behaviours that only a whole check shows,
+each on a folder built to tell them apart (the others are unit tests in
+tests/test_selection.cpp).
+
+1. Where the implementation writes its own scores, its ids are judged on
+   them exactly: no near-tie slack. Token t's K-th and (K+1)-th experts tie
+   exactly in the reference; the implementation's own scores put the
+   (K+1)-th one ulp lower (within the scores tolerance) and its ids take it
+   anyway. That is a wrong selection on its own scores: INCORRECT at
+   routing.ids. With the same ids and the tie left exact, PASSED.
+2. Under force_load_balance the ids are the forced pattern: a selection
+   that is a valid top-K of the scores (what the router would pick without
+   it) is INCORRECT, not accepted as a tie.
+
+Usage: check_judgement.py MOEVERIFY SOURCE_DIR
+"""
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+binary, src = sys.argv[1], sys.argv[2]
+sys.path.insert(0, os.path.join(src, "python"))
+import moeverify  # noqa: E402
+
+failures = []
+
+
+def check(g):
+    p = subprocess.run([binary, "check", g.path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return p.returncode, p.stdout
+
+
+def expect(g, what, rc_want, text):
+    rc, out = check(g)
+    ids_lines = [l for l in out.splitlines() if " ids " in l or "routing" in l]
+    ok = rc == rc_want and any(text in l for l in ids_lines)
+    print(("ok   " if ok else "FAIL ") + "%s: exit %d (want %d)" % (what, rc, rc_want))
+    if not ok:
+        failures.append(what)
+        print("\n".join(ids_lines)[:3000])
+
+
+with tempfile.TemporaryDirectory() as tmp:
+    # 1. own scores: no slack
+    root = os.path.join(tmp, "ties")
+    subprocess.run([binary, "export", os.path.join(src, "cases", "edge.yaml"), root, "--case", "router_ties"],
+                   check=True, stdout=subprocess.DEVNULL)
+    g = [g for g in moeverify.open_all(root) if g.name.startswith("router_ties")][0]
+    scores, ids = g.expected("routing.scores"), g.expected("routing.ids")
+    K = ids.shape[1]
+    chosen = None
+    for t in range(len(scores)):
+        order = np.argsort(-scores[t], kind="stable")
+        kth, nxt = scores[t, order[K - 1]], scores[t, order[K]]
+        if kth == nxt and kth > 0:
+            chosen = (t, order[K - 1], order[K])
+            break
+    if chosen is None:
+        print("FAIL no token with an exact tie at the K-th place in %s" % g.name)
+        sys.exit(1)
+    t, e_k, e_next = chosen
+    own = ids.copy()
+    own[t][list(own[t]).index(e_k)] = e_next  # the other member of the tie
+    g.clear_actual()
+    g.write("routing.scores", scores)
+    g.write("routing.ids", own)
+    expect(g, "own scores, the tie exact: the other member accepted", 0, "PASSED")
+    lowered = scores.copy()
+    lowered[t, e_next] = np.nextafter(lowered[t, e_next], np.float32(0))
+    g.write("routing.scores", lowered)
+    expect(g, "own scores one ulp apart at the tie (token %d, experts %d/%d): no slack" % (t, e_k, e_next), 1,
+           "INCORRECT")
+
+    # 2. force_load_balance: the forced pattern, not any top-K of the scores
+    case = os.path.join(tmp, "flb.yaml")
+    with open(case, "w") as f:
+        f.write("defaults: {data: exact, seed: 3}\ncases:\n  - name: flb\n"
+                "    shape: {tokens: 16, hidden: 8, ffn: 8, experts: 8, top_k: 2}\n"
+                "    router: {force_load_balance: on}\n")
+    root = os.path.join(tmp, "flb")
+    subprocess.run([binary, "export", case, root], check=True, stdout=subprocess.DEVNULL)
+    g = moeverify.open_all(root)[0]
+    scores, forced = g.expected("routing.scores"), g.expected("routing.ids")
+    topk = np.argsort(-scores, axis=1, kind="stable")[:, :forced.shape[1]].astype(forced.dtype)
+    if all(set(a) == set(b) for a, b in zip(topk, forced)):
+        print("FAIL the forced pattern equals the top-K of the scores: the folder cannot tell")
+        sys.exit(1)
+    g.clear_actual()
+    g.write("routing.ids", forced)
+    expect(g, "force_load_balance, the forced ids", 0, "PASSED")
+    g.write("routing.ids", topk)
+    expect(g, "force_load_balance, the top-K of the scores instead", 1, "INCORRECT")
+
+print("%d failure(s)" % len(failures))
+sys.exit(1 if failures else 0)
