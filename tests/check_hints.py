@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
-"""`check`'s diagnosing hints (issue 34 item 6), each seen on its planted
+"""`check`'s diagnosing reports (issue 34 item 6), each seen on its planted
 pattern: the reference's own outputs written back with one pattern each,
-then the text report must carry the hint, and a correct folder none.
+then the report must carry the hint, and a correct folder none; an unstable
+sort with a correct combine fails at dispatch alone; stages fed inconsistent
+inputs are not judged; a later failure off by the same rows is marked a
+consequence of the first; the JSON calls the values "yours".
 
 Usage: check_hints.py MOEVERIFY SOURCE_DIR
 """
@@ -19,8 +22,8 @@ import moeverify  # noqa: E402
 failures = []
 
 
-def check(g):
-    p = subprocess.run([binary, "check", g.path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def check(g, *args):
+    p = subprocess.run([binary, "check", g.path, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return p.returncode, p.stdout
 
 
@@ -87,6 +90,64 @@ with tempfile.TemporaryDirectory() as tmp:
     out[0, 0] += 1  # one bf16 ulp
     h.write("combine.out", out.view(np.uint16))
     expect("rounding", h, "combine.out one ulp off", "a convention? see combine.accumulate")
+
+    # 5. the phantom combine: an unstable sort at dispatch, a correct combine.
+    # Judged in the implementation's own row order, dispatch alone fails.
+    fresh(g)
+    for n in ("token_sorted", "routed_input", "score_sorted"):
+        g.write("dispatch." + n, g.expected("dispatch." + n)[order])
+    g.write("combine.out", g.expected("combine.out"))
+    rc, out = check(g)
+    bad = [l.split()[0] for l in out.splitlines() if l.startswith("   ") and "actual*" in l and "INCORRECT" in l]
+    ok = rc == 1 and bad == ["dispatch"] and "later stages are judged in its order" in out
+    print(("ok   " if ok else "FAIL ") + "unstable sort with a correct combine: INCORRECT at %s" % bad)
+    if not ok:
+        failures.append("phantom combine")
+
+    # 6. wrong row indices with rows gathered by them: later stages, fed the
+    # reference's index metadata beside those rows, are not judged
+    fresh(g)
+    tok = g.expected("dispatch.token_sorted")
+    x = g.input("x")
+    wrong = (tok + 1) % len(x)
+    g.write("dispatch.token_sorted", wrong.astype(tok.dtype))
+    g.write("dispatch.routed_input", x[wrong])
+    g.write("combine.out", g.expected("combine.out") * 2)
+    rc, out = check(g)
+    comb = [l for l in out.splitlines() if l.startswith("   combine ") and " out " in l]
+    ok = rc == 1 and comb and "NOT_VERIFIED" in comb[0] and "not judged: inputs inconsistent with stage dispatch" in out
+    print(("ok   " if ok else "FAIL ") + "wrong token indices: combine not judged (%s)" % (comb[0].split()[5] if comb else "no row"))
+    if not ok:
+        failures.append("inconsistent inputs")
+        print("\n".join(comb))
+
+    # 7. a row short at align_pad and, built on it, at the experts: the later
+    # failure is marked a consequence of the first, which the failure list names
+    fresh(g)
+    g.write("align_pad.expert_counts", short)
+    g.write("align_pad.expert_input", xin[keep])
+    g.write("experts.expert_output", g.expected("experts.expert_output")[keep])
+    rc, out = check(g, "--json", os.path.join(tmp, "r.json"))
+    import json
+    checks = json.load(open(os.path.join(tmp, "r.json")))["cases"][0]["checks"]
+    marked = [c["stage"] for c in checks if c.get("consequence_of") == "align_pad"]
+    firsts = [c for c in checks if c["outcome"] == "INCORRECT" and "consequence_of" not in c]
+    ok = (rc == 1 and marked == ["experts"] and {c["stage"] for c in firsts} == {"align_pad"} and
+          "INCORRECT at align_pad" in out and "then 1 later check(s) off by the same rows" in out)
+    print(("ok   " if ok else "FAIL ") + "a row short, then the same row short later: consequence marked at %s" % marked)
+    if not ok:
+        failures.append("consequence")
+        print(out[-1500:])
+
+    # 8. the JSON calls the implementation's values "yours"
+    fresh(g)
+    g.write("combine.out", g.expected("combine.out") + 1)
+    check(g, "--json", os.path.join(tmp, "y.json"))
+    first = [f for c in json.load(open(os.path.join(tmp, "y.json")))["cases"][0]["checks"] for f in c["first"]]
+    ok = first and all("yours" in f and "fast" not in f for f in first)
+    print(("ok   " if ok else "FAIL ") + "check --json: first mismatches name the values 'yours'")
+    if not ok:
+        failures.append("yours")
 
 print("%d failure(s)" % len(failures))
 sys.exit(1 if failures else 0)

@@ -102,7 +102,8 @@ class Verdict:
         for r in self.failures[:limit]:
             rank = "" if r.get("rank") is None else "@%d" % r["rank"]
             first = r["first"][0] if r.get("first") else None
-            where = "; first at %s: yours %s vs expected %s" % (first["at"], first["fast"], first["ref"]) if first else ""
+            yours = first and first.get("yours", first.get("fast"))  # "fast" in reports before "yours"
+            where = "; first at %s: yours %s vs expected %s" % (first["at"], yours, first["ref"]) if first else ""
             lines.append("  %s %s/%s%s: %s (%s of %s elements)%s%s" % (
                 r["case"], r["stage"], r["tensor"], rank, r["outcome"], r.get("mismatches"), r.get("total"),
                 where, "; " + r["note"][:300] if r.get("note") else ""))

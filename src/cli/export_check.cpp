@@ -321,6 +321,76 @@ bool adopt_capacity_ties(const Case& c, const RankBoard& in, const std::map<std:
   return true;
 }
 
+/// The local dispatch (docs/contract.md §2) of an implementation whose
+/// token_sorted holds, within each expert's segment of the counts, the
+/// reference's tokens in another order (a sort that is not stable). The
+/// stage stays INCORRECT; the later stages are judged in the implementation's
+/// own row order, so that its combine, which sums the same rows, is not
+/// failed for pairing the reference's row map with its rows. Each dispatch
+/// output it did not write, or wrote unlike the reference's in its order, is
+/// fed as the reference's rows in its order (row_of remapped). `fed` is one
+/// rank's board the reference saw; `expected` the reference's outputs.
+/// Returns whether the order was paired (then `set` names what was set in
+/// `merged`, the rest being the implementation's own).
+bool adopt_own_row_order(const Stage& s, const RankBoard& fed, const std::map<std::string, Tensor>& given,
+                         const std::map<std::string, Tensor>& expected, RankBoard& merged,
+                         std::vector<std::string>& set) {
+  if (s.slot != "dispatch" || !given.count("token_sorted") || !expected.count("token_sorted") || !fed.count("counts"))
+    return false;
+  const Tensor& gt = given.at("token_sorted");
+  const Tensor& et = expected.at("token_sorted");
+  if (gt.shape != et.shape) return false;
+  const std::vector<int64_t> mine = to_ints(gt), ref_tok = to_ints(et), counts = to_ints(fed.at("counts"));
+  if (mine == ref_tok) return false;
+  // perm[i]: the reference's row that the implementation's row i is.
+  const int64_t N = int64_t(ref_tok.size());
+  std::vector<int64_t> perm(size_t(N), -1);
+  int64_t at = 0;
+  for (int64_t n : counts) {
+    if (n < 0 || at + n > N) return false;
+    std::map<int64_t, int64_t> row_of_token;  // within one segment a token appears once
+    for (int64_t i = at; i < at + n; ++i)
+      if (!row_of_token.emplace(ref_tok[size_t(i)], i).second) return false;
+    for (int64_t i = at; i < at + n; ++i) {
+      auto f = row_of_token.find(mine[size_t(i)]);
+      if (f == row_of_token.end()) return false;
+      perm[size_t(i)] = f->second;
+      row_of_token.erase(f);
+    }
+    at += n;
+  }
+  if (at != N) return false;
+  std::vector<int64_t> inverse(static_cast<size_t>(N));
+  for (int64_t i = 0; i < N; ++i) inverse[size_t(perm[size_t(i)])] = i;
+  std::map<std::string, Tensor> adopted;
+  for (const OutputSpec& o : s.outputs) {
+    auto e = expected.find(o.name);
+    if (e == expected.end()) continue;
+    const Tensor& ref = e->second;
+    Tensor t = Tensor::alloc(ref.type, ref.shape);
+    if (o.coords == Coords::token_k) {  // row_of: the reference's row numbers, renumbered
+      if (ref.type != ElemType::i32) return false;  // (the stage writes i32 row numbers)
+      const int32_t* a = ref.as<int32_t>();
+      int32_t* b = t.as<int32_t>();
+      for (int64_t i = 0; i < ref.numel(); ++i) b[i] = a[i] >= 0 && a[i] < N ? int32_t(inverse[size_t(a[i])]) : a[i];
+    } else if (!ref.shape.empty() && ref.shape[0] == N) {  // rows: the reference's, in the implementation's order
+      const size_t width = N ? size_t(ref.bytes() / uint64_t(N)) : 0;
+      for (int64_t i = 0; i < N; ++i)
+        std::memcpy(static_cast<char*>(t.data()) + size_t(i) * width,
+                    static_cast<const char*>(ref.data()) + size_t(perm[size_t(i)]) * width, width);
+    } else {
+      continue;  // not laid out by row (a per-expert tensor): as it is
+    }
+    auto g = given.find(o.name);
+    if (g != given.end() && g->second.shape == t.shape && g->second.bytes() == t.bytes() &&
+        std::memcmp(g->second.data(), t.data(), t.bytes()) == 0)
+      continue;  // the implementation's own, consistent with its order
+    adopted[o.name] = t;
+  }
+  for (auto& [n, t] : adopted) merged[n] = t, set.push_back(n);
+  return true;
+}
+
 /// The inputs of one layer entry as golden tensors. Entry 1 gives every
 /// input; a later entry only those it draws anew (its router gate, bias).
 /// With combine.buffer alias_x_offset the output starts alias_offset
@@ -356,12 +426,19 @@ struct ExternalEntry {
   void run(Board& board);
 
  private:
+  void mark_row_consequences();
   bool run_reference(const Stage& s, const Board& board, Board& refout);
   void read_given(const Stage& s, const std::vector<std::map<std::string, Tensor>>& expected, const Board& fed,
                   Board& merged, std::vector<std::map<std::string, Tensor>>& given);
   void feed_reference_metadata(size_t first_check, const std::vector<std::map<std::string, Tensor>>& given,
                                const std::vector<std::map<std::string, Tensor>>& expected, const std::string& slot,
-                               Board& merged);
+                               const std::vector<std::set<std::string>>& own_order, Board& merged);
+
+ public:
+  /// The stage after which the board pairs the reference's index metadata
+  /// with the implementation's wrong rows ("" while consistent): later
+  /// verdicts of the implementation's values are not judged.
+  std::string inconsistent_since;
 };
 
 bool ExternalEntry::run_reference(const Stage& s, const Board& board, Board& refout) {
@@ -491,24 +568,35 @@ void ExternalEntry::read_given(const Stage& s, const std::vector<std::map<std::s
 /// its buffers. Those are replaced by the reference's, and said.
 void ExternalEntry::feed_reference_metadata(size_t first_check, const std::vector<std::map<std::string, Tensor>>& given,
                                             const std::vector<std::map<std::string, Tensor>>& expected,
-                                            const std::string& slot, Board& merged) {
+                                            const std::string& slot, const std::vector<std::set<std::string>>& own_order,
+                                            Board& merged) {
   const int R = c.ep;
+  bool metadata_replaced = false, wrong_rows_kept = false;
   for (size_t i = first_check; i < rep.checks.size(); ++i) {
     const Check& ch = rep.checks[i];
     if (ch.outcome == Outcome::PASSED) continue;
     const size_t at = ch.tensor.find('@');
     const std::string name = ch.tensor.substr(0, at);
     const int r = at == std::string::npos ? 0 : std::atoi(ch.tensor.c_str() + at + 1);
-    if (r < 0 || r >= R) continue;
+    if (r < 0 || r >= R || own_order[size_t(r)].count(name)) continue;
     auto e = expected[size_t(r)].find(name);
     if (e == expected[size_t(r)].end()) continue;
     auto g = given[size_t(r)].find(name);
     const bool rows = ch.rows.expected >= 0;
-    if (!rows && (g == given[size_t(r)].end() || (g->second.type != ElemType::i32 && g->second.type != ElemType::i64)))
+    if (!rows && (g == given[size_t(r)].end() || (g->second.type != ElemType::i32 && g->second.type != ElemType::i64))) {
+      // A wrong tensor of values, fed on as the implementation's.
+      wrong_rows_kept = wrong_rows_kept || (g != given[size_t(r)].end() && ch.outcome == Outcome::INCORRECT);
       continue;
+    }
+    metadata_replaced = metadata_replaced || !rows;
     merged.ranks[size_t(r)][name] = e->second;
     rep.notes.push_back("stage " + prefix + slot + ": the implementation's " + ch.tensor + " is wrong; later stages are fed the reference's" +
                         (rows ? " (its rows differ)" : " (index metadata)"));
+  }
+  if (metadata_replaced && wrong_rows_kept && inconsistent_since.empty()) {
+    inconsistent_since = prefix + slot;
+    rep.notes.push_back("stage " + prefix + slot + ": its index metadata fed on is the reference's, its wrong values "
+                        "the implementation's: later stages that disagree are not judged (inputs inconsistent)");
   }
 }
 
@@ -589,7 +677,34 @@ bool ExternalEntry::stage(const Stage& s, Board& board) {
         add_hints(rep.checks.back(), s.slot, gi->second, expected[size_t(r)].at(o.name), merged.ranks[size_t(r)]);
       }
   }
-  feed_reference_metadata(first_check, given, expected, s.slot, merged);
+  // Fed the reference's row metadata beside the implementation's wrong rows
+  // (an earlier stage), the reference's values here mean nothing.
+  if (!inconsistent_since.empty())
+    for (size_t i = first_check; i < rep.checks.size(); ++i) {
+      Check& ch = rep.checks[i];
+      if (ch.outcome != Outcome::INCORRECT || ch.rows.expected >= 0 || ch.note.rfind("missing on ", 0) == 0) continue;
+      ch.outcome = Outcome::NOT_VERIFIED;
+      ch.note = "not judged: inputs inconsistent with stage " + inconsistent_since +
+                " (its index metadata fed on is the reference's, its wrong values yours)" +
+                (ch.note.empty() ? "" : "; " + ch.note);
+    }
+  std::vector<std::set<std::string>> own_order(static_cast<size_t>(R));
+  for (int r = 0; r < R; ++r) {
+    std::vector<std::string> set;
+    if (!adopt_own_row_order(s, fed.ranks[size_t(r)], given[size_t(r)], expected[size_t(r)], merged.ranks[size_t(r)],
+                             set))
+      continue;
+    // Every dispatch output is now in the implementation's order: none is
+    // replaced by the reference's own below.
+    for (const OutputSpec& o : s.outputs) own_order[size_t(r)].insert(o.name);
+    std::string names;
+    for (const auto& n : set) names += (names.empty() ? "" : ", ") + n;
+    rep.notes.push_back("stage " + prefix + s.slot + (R > 1 ? " rank " + std::to_string(r) : "") +
+                        ": the implementation's rows are the reference's in another order within each expert; "
+                        "later stages are judged in its order (its token_sorted" +
+                        (names.empty() ? "" : "; the reference's " + names + " in that order") + ")");
+  }
+  feed_reference_metadata(first_check, given, expected, s.slot, own_order, merged);
   board = std::move(merged);
   return true;
 }
@@ -598,6 +713,31 @@ void ExternalEntry::run(Board& board) {
   for (const std::string& slot : slot_order()) {
     const Stage* s = stage_for(c, slot);
     if (s && !stage(*s, board)) break;
+  }
+  mark_row_consequences();
+}
+
+/// A stage whose rows differ from the reference's is fed the reference's
+/// rows; the implementation's later stages were built on its own, so they
+/// differ by the same rows. Such a later row-count failure (the same count
+/// off, on the same rank) is marked a consequence of the first.
+void ExternalEntry::mark_row_consequences() {
+  std::map<int, std::pair<int64_t, std::string>> first;  // rank -> (rows off, stage)
+  for (Check& ch : rep.checks) {
+    if (ch.outcome != Outcome::INCORRECT || ch.rows.expected < 0) continue;
+    const size_t at = ch.tensor.find('@');
+    const int r = at == std::string::npos ? 0 : std::atoi(ch.tensor.c_str() + at + 1);
+    const int64_t off = ch.rows.actual - ch.rows.expected;
+    auto f = first.find(r);
+    if (f == first.end()) {
+      first[r] = {off, ch.slot};
+      continue;
+    }
+    if (f->second.second == ch.slot || f->second.first != off) continue;
+    ch.consequence_of = prefix + f->second.second;
+    ch.note += "; a consequence of stage " + ch.consequence_of + "'s rows (the first cause there: " +
+               std::to_string(off < 0 ? -off : off) + " row" + (off == 1 || off == -1 ? "" : "s") +
+               (off < 0 ? " short" : " too many") + " as here)";
   }
 }
 
@@ -642,7 +782,7 @@ CaseReport run_external(const Case& given, const ActualFn* actual, std::vector<G
     if (golden) golden_inputs(cl, prefix, board, l > 0 ? &first : nullptr, *golden);
     if (l == 0) first = board;
     CaseReport rl;
-    ExternalEntry entry{cl, prefix, actual, golden, opt, rl, 0, 0, {}, {}};
+    ExternalEntry entry{cl, prefix, actual, golden, opt, rl, 0, 0, {}, {}, {}};
     entry.run(board);
     for (auto& ch : rl.checks) ch.slot = prefix + ch.slot, rep.checks.push_back(std::move(ch));
     for (auto& d : rl.decisions) d.slot = prefix + d.slot, rep.decisions.push_back(std::move(d));
@@ -728,9 +868,14 @@ CaseReport check_case_folder(const std::string& folder, const std::string& actua
 void print_check_failures(const std::vector<CaseReport>& reports,
                           const std::vector<std::pair<std::string, std::string>>& folders, const CheckArgs& a,
                           std::ostream& out) {
-  print_failure_list(reports, [&](size_t i, const CaseReport&, const Check* first, std::ostream& out) {
+  print_failure_list(reports, [&](size_t i, const CaseReport& r, const Check* first, std::ostream& out) {
     if (first) out << " at " << first->slot << " / " << first->tensor;
     if (first && !first->note.empty()) out << " (" << printable(first->note, 160) << ")";
+    int64_t consequences = 0;
+    for (const Check& ch : r.checks) consequences += !ch.consequence_of.empty();
+    if (consequences)
+      out << "\n      then " << consequences << " later check(s) off by the same rows: consequences of the first, "
+          << "marked in the report";
     out << "\n      repro: moeverify check " << shell_word(folders[i].first);
     if (a.has_actual) out << " --actual " << shell_word(folders[i].second);
     if (!a.require.empty()) out << " --require " << shell_word(a.require);

@@ -151,6 +151,9 @@ struct Check {
     std::string segments_of;
     std::vector<int64_t> expected_segments, actual_segments;
   } rows;
+  /// check only: the earlier stage whose wrong rows this failure follows
+  /// from (the same row count off on the same rank); "" for a first cause.
+  std::string consequence_of;
 };
 
 struct CheckCtx {

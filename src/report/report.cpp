@@ -363,7 +363,10 @@ std::string reports_json(const std::vector<CaseReport>& reports, const std::stri
     for (const Check& ch : r.checks) {
       Json first = Json::array();
       for (const auto& m : ch.diff.first)
-        first.push_back({{"index", m.index}, {"at", capped(m.coords)}, {"fast", json_num(m.fast)}, {"ref", json_num(m.ref)}});
+        first.push_back({{"index", m.index},
+                         {"at", capped(m.coords)},
+                         {ch.variant == "actual" ? "yours" : "fast", json_num(m.fast)},  // check: the user's values
+                         {"ref", json_num(m.ref)}});
       // "tensor@rank" in the text table; here the name and the rank apart.
       const size_t at = ch.tensor.find('@');
       const Json rank = at == std::string::npos ? Json(nullptr) : Json(std::atoi(ch.tensor.c_str() + at + 1));
@@ -383,6 +386,7 @@ std::string reports_json(const std::vector<CaseReport>& reports, const std::stri
                               {"max_ulp", json_num(ch.diff.max_ulp)},
                               {"note", capped(ch.note)},
                               {"first", first}});
+      if (!ch.consequence_of.empty()) jc["checks"].back()["consequence_of"] = ch.consequence_of;
       if (ch.rows.expected >= 0)
         jc["checks"].back()["rows"] = {{"expected", ch.rows.expected},
                                        {"actual", ch.rows.actual},
