@@ -82,6 +82,19 @@ repro=$(grep -m1 'repro: ' "$tmp/out" | sed 's/.*repro: moeverify //')
 grep -q '^failures:' "$tmp/out" && [ -n "$repro" ] || { echo "FAIL failures-list: no list"; fails=$((fails + 1)); }
 (cd "$src" && eval "\"$bin\" $repro") >"$tmp/repro.out" 2>&1
 [ $? -eq 1 ] && [ "$(grep -c '^== case' "$tmp/repro.out")" -eq 1 ] || { echo "FAIL the repro line does not rerun one failing case: $repro"; fails=$((fails + 1)); }
+# run's checks carry the same diagnosing hints as check's (issue 34 item 6):
+# an unstable expert sort shows "is the sort stable?" at dispatch
+expect run-hint 1 "$bin" run "$src"/cases/basic.yaml --case exact_fp32 --fault unstable_sort --verbose
+grep -q "dispatch .*INCORRECT" "$tmp/out" && grep -q "hint: same rows per expert, another order: is the sort stable?" "$tmp/out" ||
+  { echo "FAIL run-hint: no sort hint at dispatch"; grep -E "INCORRECT|note" "$tmp/out" | head; fails=$((fails + 1)); }
+# --set applies where it fits (issue 34 item 7): edge.yaml's one_expert case
+# (E = 1) cannot take top_k 2 and is left out with a note; the others run.
+# An override that fits no case refuses the file, as before.
+expect set-per-case 0 "$bin" validate "$src"/cases/edge.yaml --set shape.top_k=2
+grep -q "^moeverify: note: case one_expert left out (--set does not fit it): .*top_k" "$tmp/err" &&
+  grep -q "zero_token_experts" "$tmp/out" && ! grep -q "one_expert" "$tmp/out" ||
+  { echo "FAIL set-per-case: one_expert not left out with a note"; cat "$tmp/out" "$tmp/err" | head; fails=$((fails + 1)); }
+expect set-fits-none 2 "$bin" validate "$src"/cases/edge.yaml --set shape.top_k=64
 # a planted fault that nothing catches is said plainly and recorded
 expect fault-uncaught 4 "$bin" run "$src"/cases/basic.yaml --case exact_fp32 --fault unordered_combine --json "$tmp/fu.json"
 grep -q "PLANTED FAULT NOT CAUGHT: unordered_combine" "$tmp/out" &&

@@ -205,70 +205,6 @@ Check rows_check(const std::string& slot, const OutputSpec& o, int r, int R, con
   return ch;
 }
 
-/// The convention keys (docs/contract.md §14) that change a stage's values by
-/// a rounding: the keys a one-rounding mismatch there may point at.
-const char* rounding_keys(const std::string& slot) {
-  static const std::map<std::string, const char*> keys = {
-      {"router_logits", "router.gate_dtype"},
-      {"experts", "experts.rounding, experts.compute_dtype"},
-      {"shared_experts", "experts.rounding"},
-      {"combine", "combine.accumulate, score_multiply"},
-      {"combine_bwd", "score_multiply"},
-      {"experts_bwd", "experts.rounding, experts.compute_dtype"},
-      {"shared_experts_bwd", "experts.rounding"},
-      {"dispatch_bwd", "grad_accumulate, combine.accumulate"},
-      {"fp8_quant", "dispatch.quotient, dispatch.scale"}};
-  auto k = keys.find(slot);
-  return k == keys.end() ? nullptr : k->second;
-}
-
-/// Rows of `t` grouped by `counts`, each group's rows as byte strings,
-/// sorted: the multiset of rows per expert.
-std::vector<std::vector<std::string>> rows_per_segment(const Tensor& t, const std::vector<int64_t>& counts) {
-  std::vector<std::vector<std::string>> seg;
-  const int64_t rows = t.shape.empty() ? 0 : t.shape[0];
-  const size_t width = rows ? size_t(t.bytes() / uint64_t(rows)) : 0;
-  int64_t at = 0;
-  for (int64_t n : counts) {
-    if (n < 0 || at + n > rows) return {};
-    std::vector<std::string> g;
-    for (int64_t i = at; i < at + n; ++i)
-      g.emplace_back(static_cast<const char*>(t.data()) + size_t(i) * width, width);
-    std::sort(g.begin(), g.end());
-    seg.push_back(std::move(g));
-    at += n;
-  }
-  if (at != rows) return {};
-  return seg;
-}
-
-/// Hints on an INCORRECT check of the implementation's values (issue 34:
-/// reports that diagnose), appended to its note. Each names a pattern, not a
-/// verdict: all zeros where values were expected; every mismatch one
-/// rounding apart where a convention key changes that rounding; the same
-/// rows per expert in another order (a sort that is not stable).
-void add_hints(Check& ch, const std::string& slot, const Tensor& yours, const Tensor& want, const RankBoard& in) {
-  if (ch.outcome != Outcome::INCORRECT || !ch.diff.structural.empty() || yours.shape != want.shape) return;
-  std::vector<std::string> hints;
-  const bool floating = yours.type == ElemType::f32 || yours.type == ElemType::bf16 || yours.type == ElemType::f16;
-  if (floating && yours.numel() > 0) {
-    const std::vector<float> y = to_floats(yours), w = to_floats(want);
-    const bool all_zero = std::all_of(y.begin(), y.end(), [](float v) { return v == 0.f; });
-    if (all_zero && std::any_of(w.begin(), w.end(), [](float v) { return v != 0.f; }))
-      hints.push_back("all zeros where values were expected: output not written?");
-    else if (ch.diff.max_ulp <= 1 && ch.diff.mismatches > 0 && rounding_keys(slot))
-      hints.push_back(std::string("every mismatch is one rounding apart: a convention? see ") + rounding_keys(slot) +
-                      " (docs/contract.md §14)");
-  }
-  if (slot == "dispatch" && in.count("counts") && !yours.shape.empty()) {
-    const std::vector<int64_t> counts = to_ints(in.at("counts"));
-    const auto a = rows_per_segment(yours, counts), b = rows_per_segment(want, counts);
-    if (!a.empty() && a == b)
-      hints.push_back("same rows per expert, another order: is the sort stable? (docs/contract.md §2)");
-  }
-  for (const std::string& h : hints) ch.note += (ch.note.empty() ? "hint: " : "; hint: ") + h;
-}
-
 /// The capacity boundary (docs/contract.md §11, §15): under policy probs rows whose
 /// scores tie exactly at an expert's cap may be kept either way. When the
 /// implementation's kept tokens (its token_sorted, grouped by its counts) are
@@ -674,7 +610,6 @@ bool ExternalEntry::stage(const Stage& s, Board& board) {
         rep.checks.push_back(check_output(c, s.slot, "actual", o, &gi->second, &expected[size_t(r)].at(o.name),
                                           merged.ranks[size_t(r)], r, R,
                                           o.from_fast ? o.from_fast_label : std::string("reference"), scale));
-        add_hints(rep.checks.back(), s.slot, gi->second, expected[size_t(r)].at(o.name), merged.ranks[size_t(r)]);
       }
   }
   // Fed the reference's row metadata beside the implementation's wrong rows

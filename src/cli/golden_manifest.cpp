@@ -219,7 +219,9 @@ int cmd_export(const std::string& file, const std::string& dir, const CaseFilter
   std::vector<std::string> all_sets = sets;
   if (profile)
     for (const auto& s : profile->sets()) all_sets.push_back(s);
-  const std::vector<Case> cases = load_cases(file, all_sets);
+  std::vector<std::string> misfits;
+  const std::vector<Case> cases = load_cases(file, all_sets, &misfits);
+  for (const auto& n : misfits) std::cerr << "moeverify: note: " << n << "\n";
   std::vector<Case> chosen;
   std::vector<std::string> names;
   size_t left_out = 0;

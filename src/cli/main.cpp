@@ -41,6 +41,17 @@ using namespace moev;
 
 namespace {
 
+/// Cases that `--set` does not fit, left out of the files (load_cases), each
+/// said on stderr once before anything runs.
+std::vector<std::string>& left_out_notes() {
+  static std::vector<std::string> notes;
+  return notes;
+}
+void print_left_out() {
+  for (const auto& n : left_out_notes()) std::cerr << "moeverify: note: " << n << "\n";
+  left_out_notes().clear();
+}
+
 // ---- option values: parsed here, so that a bad one says what is wrong -------
 
 int parse_int_option(const std::string& flag, const std::string& text, int lo, int hi) {
@@ -149,7 +160,8 @@ CaseFiles load_run_cases(const CLI::App* cmd, const RunArgs& a) {
     sets.push_back("backend=" + a.backend);
   }
   CaseFiles all;
-  for (const auto& f : a.files) all.push_back({f, load_cases(f, sets)});
+  for (const auto& f : a.files) all.push_back({f, load_cases(f, sets, &left_out_notes())});
+  print_left_out();
   if (!a.cases.patterns.empty()) {
     std::vector<std::string> names;
     for (const auto& [file, cases] : all)
@@ -366,7 +378,8 @@ int cmd_validate(const CLI::App* cmd, const std::vector<std::string>& files, con
   // The memory estimate as `run` would make it with its default thread count.
   const int threads = int(std::max(1u, std::thread::hardware_concurrency()));
   for (const auto& f : files) {
-    const auto cases = load_cases(f, sets);
+    const auto cases = load_cases(f, sets, &left_out_notes());
+    print_left_out();
     for (const auto& c : cases) check_case_memory(c, threads, limit.bytes, limit.origin);
     std::cout << f << ": " << cases.size() << " case(s) valid\n";
     for (const auto& c : cases) std::cout << "  " << c.name << ": " << c.summary() << "\n";
@@ -487,10 +500,11 @@ int cmd_bench(const CLI::App* cmd, const BenchArgs& a) {
   std::vector<std::pair<std::string, Case>> selected;
   std::vector<std::string> names;
   for (const auto& f : a.files)
-    for (const auto& c : load_cases(f, o.sets)) {
+    for (const auto& c : load_cases(f, o.sets, &left_out_notes())) {
       names.push_back(c.name);
       if (a.cases.selects(c.name)) selected.push_back({f, c});
     }
+  print_left_out();
   a.cases.check_each_used(names, "the given files");
   for (const auto& [f, c] : selected) check_case_memory(c, o.threads, limit.bytes, limit.origin);
   if (want_json) check_output_file("--json", a.json);

@@ -208,11 +208,17 @@ constexpr size_t kMaxCaseNameChars = 200;
 /// complex or duplicate keys (also a dotted key against its nested form),
 /// unknown keys, out-of-range values, unclosed quotes, control bytes,
 /// oversized files and sweeps.
-std::vector<Case> load_cases(const std::string& path, const std::vector<std::string>& overrides);
+/// With `left_out`, a case that is valid alone but not with the overrides
+/// (`--set ep=4` beside a case's own four-entry tokens_per_rank, a top_k
+/// above its experts) is left out and named there with the reason, one line
+/// each; the file is refused only when the overrides fit none of its cases.
+std::vector<Case> load_cases(const std::string& path, const std::vector<std::string>& overrides,
+                             std::vector<std::string>* left_out = nullptr);
 /// The same for the text of a case file (a golden manifest's case); `path`
 /// names it in messages.
 std::vector<Case> load_cases_text(const std::string& text, const std::string& path,
-                                  const std::vector<std::string>& overrides);
+                                  const std::vector<std::string>& overrides,
+                                  std::vector<std::string>* left_out = nullptr);
 
 /// A user-supplied value made safe to echo in a one-line message: control
 /// bytes and bytes that are not well-formed UTF-8 of a printable character

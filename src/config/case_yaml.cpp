@@ -16,6 +16,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <set>
 
 #include "case_schema.h"
@@ -319,7 +320,8 @@ Axes sweep_axes(const YAML::Node& entry, const std::string& path, const Flat& ow
 /// one case per point of the sweep's cartesian product (named NAME[key=value,
 /// ...]), the `--set` overrides applied last; names stay unique in the file.
 void expand_entry(const YAML::Node& entry, const std::string& path, const Flat& defaults, const Flat& cli,
-                  std::vector<Case>& out, std::set<std::string>& names) {
+                  std::vector<Case>& out, std::set<std::string>& names,
+                  std::vector<std::pair<std::string, Error>>* misfits) {
   const Src esrc{entry, path};
   const std::string source = printable(path, 200) + ":" + std::to_string(entry.Mark().line + 1);
   Flat flat = defaults;
@@ -341,12 +343,23 @@ void expand_entry(const YAML::Node& entry, const std::string& path, const Flat& 
       suffix += (suffix.empty() ? "[" : ",") + axes[a].first + "=" + render(axes[a].second[idx[a]].node);
     }
     if (!suffix.empty()) suffix += "]";
+    const Flat own_point = f;
     for (auto& [k, v] : cli) f[k] = v;
-    Case c = build_case(f, source);
-    c.name += suffix;
-    if (!names.insert(c.name).second)
-      fail_at(esrc, "name", "duplicate case name '" + printable(c.name) + "'", "valid: names unique within the file");
-    out.push_back(std::move(c));
+    std::optional<Case> c;
+    try {
+      c = build_case(f, source);
+    } catch (const Error& e) {
+      // Valid alone, invalid with the overrides: they do not fit this case.
+      if (!misfits || e.kind != ErrorKind::bad_input || cli.empty()) throw;
+      const Case alone = build_case(own_point, source);  // throws when the case itself is bad
+      misfits->push_back({alone.name + suffix, e});
+    }
+    if (c) {
+      c->name += suffix;
+      if (!names.insert(c->name).second)
+        fail_at(esrc, "name", "duplicate case name '" + printable(c->name) + "'", "valid: names unique within the file");
+      out.push_back(std::move(*c));
+    }
     size_t a = 0;
     while (a < axes.size() && ++idx[a] == axes[a].second.size()) idx[a++] = 0;
     if (a == axes.size()) break;
@@ -355,19 +368,24 @@ void expand_entry(const YAML::Node& entry, const std::string& path, const Flat& 
 
 }  // namespace
 
-std::vector<Case> load_cases(const std::string& path, const std::vector<std::string>& overrides) {
-  return load_cases_text(read_case_file(path), path, overrides);
+std::vector<Case> load_cases(const std::string& path, const std::vector<std::string>& overrides,
+                             std::vector<std::string>* left_out) {
+  return load_cases_text(read_case_file(path), path, overrides, left_out);
 }
 
 std::vector<Case> load_cases_text(const std::string& text, const std::string& path,
-                                  const std::vector<std::string>& overrides) {
+                                  const std::vector<std::string>& overrides, std::vector<std::string>* left_out) {
   const YAML::Node root = parse_root(text, path);
   Flat defaults;
   if (root["defaults"]) flatten(root["defaults"], "", path, defaults, {});
   const Flat cli = parse_overrides(overrides);
   std::vector<Case> out;
   std::set<std::string> names;
-  for (const auto& entry : root["cases"]) expand_entry(entry, path, defaults, cli, out, names);
+  std::vector<std::pair<std::string, Error>> misfits;
+  for (const auto& entry : root["cases"]) expand_entry(entry, path, defaults, cli, out, names, left_out ? &misfits : nullptr);
+  if (!misfits.empty() && out.empty()) throw misfits.front().second;  // the overrides fit no case: refused as before
+  for (const auto& [name, e] : misfits)
+    left_out->push_back("case " + printable(name, 200) + " left out (--set does not fit it): " + e.what());
   return out;
 }
 

@@ -38,8 +38,8 @@ constexpr double kTokenAct = 4, kTokenFloat = 2;
 //  - routed rows (routed_input, recv, permuted, unpadded, recv_out,
 //    routed_output), per row routed, in act: at a slot the input, the
 //    primary's output and the reference's (with R > 1, Stage::ref_per_rank:
-//    the rows of as many ranks at a time as there are threads), plus one per extra variant that may run
-//    (equal-count permute, equal-split or force-LB all-to-all) and the
+//    the rows of as many ranks at a time as there are threads), plus one per extra variant that will run
+//    (equal-count permute under force-LB routing, equal-split or force-LB all-to-all) and the
 //    chain's own copy where it differs from the fast rows (SwiGLU); and half
 //    a copy of allocator slack.
 constexpr double kRoutedAct = 2.5;
@@ -105,7 +105,12 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
 
   double b = 0;
   b += tokens * D * (kTokenAct * s + kTokenFloat * 4) + ranks * tail * (4 * s + 4);
-  const bool extra_permute = ranks > 1 && c.permute != PermuteMode::generic;
+  // The equal-count permute runs only where every (source, expert) segment
+  // holds the same count (docs/contract.md §7), which force-load-balance
+  // routing guarantees and top-k routing of real data does not: elsewhere it
+  // is reported not taken before it allocates anything.
+  const bool extra_permute =
+      ranks > 1 && c.permute != PermuteMode::generic && c.router.force_load_balance == Switch::on;
   const bool extra_a2a = ranks > 1 && (c.equal_split.policy != EqualSplitPolicy::off ||
                                        c.router.force_load_balance == Switch::on);
   const double side = std::min(std::max(1.0, double(threads)), ranks);  // ranks' references at a time

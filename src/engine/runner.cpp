@@ -18,6 +18,7 @@
 #include "datagen.h"
 #include "dump.h"
 #include "error.h"
+#include "hints.h"
 #include "../kernels/overload_host.h"
 #include "parallel_errors.h"
 #include "../reference/reference.h"
@@ -111,6 +112,7 @@ Check make_check(const Case& c, const std::string& slot, const std::string& vari
     n << "bound atol + rtol * max(|ref|, sum of |terms|) (docs/contract.md §15); largest error/bound " << ch.diff.max_bound_ratio;
     ch.note += (ch.note.empty() ? "" : "; ") + n.str();
   }
+  if (f && r) add_hints(ch, slot, *f, *r, fb);  // run and check alike
   return ch;
 }
 
