@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "../reference/reference.h"
+#include "pipeline.h"
+#include "registry.h"
 #include "runner.h"
 #include "stages.h"  // ref_padding
 
@@ -173,6 +175,103 @@ void check_sp_invariance(const Case& c, const RunOptions& opt, const Board& fast
     sp_invariance_checks(c, run_case(c1, o1), fast, checks);
   }
   rep.checks.insert(rep.checks.end(), checks.begin(), checks.end());
+}
+
+/// EP invariance (docs/contract.md §3): each rank's output equals an EP = 1 run on
+/// that rank's tokens; bitwise when the experts are row-wise exact. The
+/// EP = 1 run is the fast pipeline alone (the property compares two fast
+/// runs; the case's own stages are checked by run_pipeline); only when the outputs
+/// differ is it run again with every stage checked, to name the first stage
+/// of the EP = 1 run that fails. Its error scale for the GEMM class is that
+/// of the EP = 1 run's own routed rows and scores.
+void check_ep_invariance(const Case& c, const RunOptions& opt, const std::vector<RankBoard>& inputs,
+                         const std::map<std::string, Tensor>& globals, const Board& fast, const Board& chain,
+                         CaseReport& rep) {
+  const int R = c.ep;
+  Case c1 = c;
+  c1.ep = 1;
+  c1.tokens_per_rank.clear();
+  RunOptions o1 = opt;
+  o1.dump_dir.clear();
+  o1.after_slot = nullptr;
+  const bool exact = c.experts.kind == ExpertKind::identity;
+  const OutputSpec oi{"out", exact ? CompareClass::exact : CompareClass::gemm, Coords::token_col, promise_combined,
+                      nullptr};
+  // The ranks' EP = 1 runs are independent: on the host they run side by
+  // side on the run's threads, each with its share of them (on a device,
+  // one at a time).
+  const int side = opt.mirror ? 1 : ranks_side_by_side(opt.threads, R);
+  if (side > 1) {
+    o1.threads = std::max(1, opt.threads / side);
+    o1.progress = nullptr;  // one progress line per case, not interleaved ones
+  }
+  std::vector<std::vector<Check>> per_rank(static_cast<size_t>(R));
+  each_rank(R, side, [&](int p) {
+    Case cp = c1;
+    cp.tokens = c.tokens_on(p);
+    RunOptions op = o1;
+    // Streamed weights: the EP = 1 run is scaled by this rank's error scale
+    // on the reference chain (the same tokens, experts and rows), not by one
+    // of its own, which would generate every expert's weights once more per
+    // rank.
+    const Tensor* chain_scale = !exact && c.streams_weights() && chain.has("out_magnitude", p)
+                                    ? &chain.at("out_magnitude", p)
+                                    : nullptr;
+    auto rerun = [&](bool fast_only, CaseReport& r1, Board& f1) {
+      r1.c = cp;
+      op.fast_only = fast_only;
+      op.fast_only_magnitude = !exact && !chain_scale;
+      std::vector<RankBoard> in1 = {RankBoard{}};
+      // Per-rank tensors are cloned (an in-place stage may write into x);
+      // the global ones are shared, read-only like every stage input.
+      for (auto& [n, t] : inputs[size_t(p)]) in1[0][n] = globals.count(n) ? t : t.clone();
+      run_pipeline(cp, op, in1, false, r1, f1);
+      return make_check(c, "ep_invariance", "ep1_vs_ep" + std::to_string(R), oi,
+                        fast.has("out", p) ? &fast.at("out", p) : nullptr, f1.has("out", 0) ? &f1.at("out", 0) : nullptr,
+                        fast.ranks[size_t(p)], p, R, "EP = 1 run",
+                        chain_scale ? chain_scale
+                        : !exact && f1.has("out_magnitude", 0) ? &f1.at("out_magnitude", 0)
+                                                                : nullptr);
+    };
+    CaseReport r1;
+    Board f1;
+    Check ch = rerun(true, r1, f1);
+    for (const auto& e : r1.checks) ch.outcome = worst(ch.outcome, e.outcome);  // a fast stage that failed
+    if (ch.outcome != Outcome::PASSED) {
+      r1 = CaseReport{};
+      f1 = Board{};
+      ch = rerun(false, r1, f1);
+      Outcome w1 = Outcome::PASSED;
+      const Check* first_bad = nullptr;
+      for (const auto& e : r1.checks) {
+        if (e.outcome != Outcome::PASSED && !first_bad) first_bad = &e;
+        w1 = worst(w1, e.outcome);
+      }
+      if (first_bad) {
+        ch.outcome = worst(ch.outcome, w1);
+        ch.note = std::string("the EP = 1 run of this rank's tokens was ") + outcome_name(w1) + " at " +
+                  first_bad->slot + "/" + first_bad->variant + "/" + first_bad->tensor + " against " +
+                  first_bad->against + (first_bad->note.empty() ? "" : " (" + first_bad->note + ")") +
+                  (ch.note.empty() ? "" : "; " + ch.note);
+      }
+    }
+    per_rank[size_t(p)].push_back(ch);
+    // The gradients too (docs/contract.md §3 EP invariance, run backwards): bitwise
+    // with identity experts; with SwiGLU experts in the end-to-end class,
+    // scaled by this rank's error scales on the reference chain (the same
+    // tokens and rows as the EP = 1 run's).
+    for (const EndToEndOutput& e : backward_end_to_end(c)) {
+      const std::string& n = e.spec.name;
+      const Tensor* scale = !exact && chain.has(e.scale, p) ? &chain.at(e.scale, p) : nullptr;
+      if (!exact && !scale) continue;
+      const OutputSpec og = exact ? OutputSpec{n, CompareClass::exact, e.spec.coords, nullptr} : e.spec;
+      per_rank[size_t(p)].push_back(make_check(c, "ep_invariance", "ep1_vs_ep" + std::to_string(R), og,
+                                               fast.has(n, p) ? &fast.at(n, p) : nullptr,
+                                               f1.has(n, 0) ? &f1.at(n, 0) : nullptr, fast.ranks[size_t(p)], p, R,
+                                               "EP = 1 run", scale));
+    }
+  });
+  for (const auto& v : per_rank) rep.checks.insert(rep.checks.end(), v.begin(), v.end());
 }
 
 }  // namespace moev
