@@ -15,14 +15,75 @@ def refuse_keys(case, needs, who):
             raise Unsupported("%s: %r; %s runs %s" % (key, case[key], who, " or ".join(map(str, valid))))
 
 
-def main_for(run, argv=None):
+def main_for(run, argv=None, distributed=False):
     """The adapter's command line (moeverify.main: CASE_DIR... or --serve),
     torch limited to MOEVERIFY_TORCH_THREADS threads (default 1: fuzz --jobs
-    runs one worker per core)."""
+    runs one worker per core). With `distributed` (one process per EP rank,
+    the torch.distributed world initialised): main_distributed."""
     import os
 
     import torch
 
     from ..impl import main
     torch.set_num_threads(int(os.environ.get("MOEVERIFY_TORCH_THREADS", "1")))
-    return main(run, argv)
+    return main_distributed(run, argv) if distributed else main(run, argv)
+
+
+def main_distributed(run, argv=None):
+    """The same command line when torchrun started one process per EP rank:
+    every rank runs `run` on each folder (writing its own rank's tensors),
+    the ranks' answers are gathered, and rank 0 speaks for all: the first
+    error, else the first skip, else done. With --serve rank 0 alone reads
+    stdin and passes each folder on; every rank's prints go to stderr, so
+    that rank 0's answers stay the only lines on stdout. (torchrun itself
+    turns a skip's exit 77 into 1: with fuzz --impl use --serve and
+    --worker, whose answers say skip.)"""
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    from ..impl import EXIT_UNSUPPORTED, USAGE, _call
+    rank, size = dist.get_rank(), dist.get_world_size()
+    args = sys.argv[1:] if argv is None else list(argv)
+    prog = "moeverify.frameworks (torchrun, %d ranks)" % size
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1) if rank == 0 else None
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+
+    def agreed(folder):
+        mine = _call(run, folder)
+        every = [None] * size
+        dist.all_gather_object(every, mine)
+        for r, a in enumerate(every):
+            if a.startswith("error"):
+                return "error rank %d: %s" % (r, a[6:])
+        return next((a for a in every if a.startswith("skip")), "done")
+
+    if args == ["--serve"]:
+        while True:
+            box = [None]
+            if rank == 0:
+                line = sys.stdin.readline()
+                box[0] = line.rstrip("\r\n") if line else None  # None: stdin closed
+            dist.broadcast_object_list(box, src=0)
+            if box[0] is None:
+                return 0
+            if box[0]:
+                answer = agreed(box[0])
+                if answers:
+                    answers.write(answer + "\n")
+                    answers.flush()
+    if not args or any(a.startswith("-") for a in args):
+        if rank == 0:
+            print(USAGE % {"prog": prog}, file=sys.stderr)
+        sys.exit(2)
+    for folder in args:
+        answer = agreed(folder)
+        if answer != "done" and rank == 0:
+            print("%s: %s: %s" % (prog, folder, answer), file=sys.stderr)
+        if answer.startswith("skip"):
+            sys.exit(EXIT_UNSUPPORTED)
+        if answer.startswith("error"):
+            sys.exit(1)
+    return 0

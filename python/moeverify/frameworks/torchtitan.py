@@ -20,9 +20,21 @@ with .bfloat16() itself, so their gradients arrive in fp32).
 
 Configurations torchtitan cannot express raise Unsupported (exit 77, a
 skip): see NEEDS below and docs/frameworks.md "What each framework runs".
-EP > 1 is not run by this adapter yet (its all-to-all dispatcher needs a
-process group per rank).
+
+Expert parallelism runs as real processes, one per EP rank, as torchtitan
+runs it: under `torchrun --nproc-per-node R` (gloo on the CPU), each process
+builds the MoE with torchtitan's AllToAllTokenDispatcher wired to a
+one-dimensional "ep" DeviceMesh and its GroupedExperts holding its E/R local
+experts, and writes its own rank's tensors. A case runs when its `ep` is the
+world's size (else a skip naming the torchrun line that runs it):
+
+    torchrun --nproc-per-node 2 -m moeverify.frameworks.torchtitan CASE_DIR...
+    moeverify fuzz --impl "torchrun --nproc-per-node 2 -m moeverify.frameworks.torchtitan --serve" \
+        --worker --profile cases/profiles/torchtitan-0.3.yaml --set ep=2
+
+With --serve, rank 0 reads the folders and answers for every rank.
 """
+import os
 import sys
 
 try:
@@ -76,9 +88,33 @@ PARAM_GRADS = {
     "shared_experts_bwd.grad_shared_w2": "shared_experts.w2.weight",
 }
 
+# EP > 1: torchtitan's AllToAllTokenDispatcher methods are the seams of the
+# expert-parallel stages (docs/frameworks.md). dispatch() there returns the
+# rows permuted to local-expert-major order, so the dispatch stage is taken
+# at its local reorder instead.
+EP_SEAMS = [
+    Seam("routed_experts.token_dispatcher", "call",
+         {"dispatch.routed_input": 0, "dispatch.token_sorted": 1, "dispatch.score_sorted": 2},
+         grad={"ep_dispatch_bwd.grad_routed_input": 0}, method="_local_reorder"),
+    Seam("routed_experts.token_dispatcher", "call",
+         {"ep_dispatch.recv_counts": 0,
+          "ep_dispatch.input_splits": lambda r: torch.tensor(r[1], dtype=torch.int64),
+          "ep_dispatch.output_splits": lambda r: torch.tensor(r[2], dtype=torch.int64)},
+         method="_sync_token_count_exchange"),
+    Seam("routed_experts.token_dispatcher", "call", {"ep_dispatch.recv": None},
+         grad={"ep_permute_bwd.grad_recv": None}, method="_dispatch_token_exchange"),
+    Seam("routed_experts.token_dispatcher", "call",
+         {"ep_permute.permuted": 1, "ep_permute.expert_counts_real": 3}, method="_permute"),
+    Seam("routed_experts.inner_experts", "out", {"experts.expert_output": None},
+         grad={"ep_unpermute_bwd.grad_unpadded": None}),
+    Seam("routed_experts.token_dispatcher", "call", {"ep_unpermute.recv_out": None},
+         grad={"ep_combine_bwd.grad_recv_out": None}, method="_unpermute"),
+    Seam("routed_experts.token_dispatcher", "call", {"ep_combine.routed_output": None},
+         grad={"combine_bwd.grad_routed_output": None}, method="_combine_token_exchange"),
+]
+
 # Keys whose value torchtitan's MoE cannot express, with the values it can.
 NEEDS = {
-    "ep": (1,),
     "sp": (1,),
     "layers": (1,),
     "capacity.factor": (0.0,),
@@ -103,8 +139,20 @@ NEEDS = {
 }
 
 
+def world():
+    """(rank, size) of the torchrun world this process is in; (0, 1) alone."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def refuse_unsupported(c):
     refuse_keys(c, NEEDS, "torchtitan's MoE")
+    R = c.get("ep", 1)
+    if R != world()[1]:
+        raise Unsupported("ep: %d; this adapter runs as %d process(es), one per EP rank (run it as "
+                          "`torchrun --nproc-per-node %d -m moeverify.frameworks.torchtitan`)" % (R, world()[1], R))
     if c.get("dispatch.dtype", "act") != "act":
         raise Unsupported("dispatch.dtype: FP8 dispatch is not torchtitan's")
     if c["dtype"] not in ("fp32", "bf16"):
@@ -118,14 +166,28 @@ def refuse_unsupported(c):
         raise Unsupported("router.groups: torchtitan needs at least 2 experts per group")
 
 
+_MESH = []  # the "ep" DeviceMesh of the torchrun world, made once
+
+
+def ep_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+    if not _MESH:
+        _MESH.append(init_device_mesh("cpu", (world()[1],), mesh_dim_names=("ep",)))
+    return _MESH[0]
+
+
 def build(c, act):
-    """torchtitan's MoE for case c, its parameters in the dtypes training uses."""
+    """torchtitan's MoE for case c, its parameters in the dtypes training uses;
+    with EP R > 1, this rank's share: the all-to-all dispatcher on the "ep"
+    mesh and E/R local experts."""
     from torchtitan.models.common.feed_forward import FeedForward
     from torchtitan.models.common.linear import Linear
     from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
-    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
 
     E, D, F, K = c["shape.experts"], c["shape.hidden"], c["shape.ffn"], c["shape.top_k"]
+    R = c.get("ep", 1)
+    dispatcher = (AllToAllTokenDispatcher if R > 1 else LocalTokenDispatcher).Config(num_experts=E, top_k=K)
     G = c["router.groups"]
     shared = None
     if c["shared_experts.kind"] == "swiglu":
@@ -136,8 +198,8 @@ def build(c, act):
     cfg = MoE.Config(
         num_experts=E,
         routed_experts=RoutedExperts.Config(
-            inner_experts=GroupedExperts.Config(dim=D, hidden_dim=F, num_experts=E),
-            token_dispatcher=LocalTokenDispatcher.Config(num_experts=E, top_k=K)),
+            inner_experts=GroupedExperts.Config(dim=D, hidden_dim=F, num_experts=E // R),
+            token_dispatcher=dispatcher),
         router=TokenChoiceTopKRouter.Config(
             num_experts=E, gate=Linear.Config(in_features=D, out_features=E),
             num_expert_groups=G if G > 1 else None,
@@ -152,32 +214,50 @@ def build(c, act):
     moe.router.gate.to(act)
     if moe.shared_experts is not None:
         moe.shared_experts.to(act)
+    if R > 1:
+        # torchtitan's trainer picks the SPMD backend from
+        # parallelism.spmd_backend; "partial_dtensor" (DTensor on the model
+        # parallel axes only) runs the dispatcher's all_to_all_single over the
+        # "ep" mesh's process group, which needs no global SPMD mesh.
+        from torchtitan.distributed.utils import set_spmd_backend
+        set_spmd_backend("partial_dtensor")
+        moe.routed_experts.token_dispatcher.wire_meshes(ep_mesh=ep_mesh())
     return moe
 
 
-def load(moe, g):
-    """The case's inputs into the module: weights, the selection bias."""
+def load(moe, g, rank, R):
+    """This rank's inputs into the module: weights (its E/R local experts'),
+    the selection bias."""
     def put(param, value):
         with torch.no_grad():
             param.copy_(value.to(param.dtype).reshape(param.shape))
 
-    put(moe.router.gate.weight, g.input("wg", as_torch=True))
+    def local(name):  # experts [rank E_l, (rank + 1) E_l) of (E, ...)
+        w = g.input(name, rank=rank, as_torch=True)
+        E_l = w.shape[0] // R
+        return w[rank * E_l:(rank + 1) * E_l]
+
+    put(moe.router.gate.weight, g.input("wg", rank=rank, as_torch=True))
     ex = moe.routed_experts.inner_experts
-    put(ex.w1_EFD, g.input("w1", as_torch=True))
-    put(ex.w3_EFD, g.input("w3", as_torch=True))
-    put(ex.w2_EDF, g.input("w2", as_torch=True))
+    put(ex.w1_EFD, local("w1"))
+    put(ex.w3_EFD, local("w3"))
+    put(ex.w2_EDF, local("w2"))
     if moe.expert_bias_E is not None:
-        moe.expert_bias_E.copy_(g.input("bias", as_torch=True))
+        moe.expert_bias_E.copy_(g.input("bias", rank=rank, as_torch=True))
     if moe.shared_experts is not None:
-        put(moe.shared_experts.w1.weight, g.input("shared_w1", as_torch=True))
-        put(moe.shared_experts.w3.weight, g.input("shared_w3", as_torch=True))
-        put(moe.shared_experts.w2.weight, g.input("shared_w2", as_torch=True))
+        put(moe.shared_experts.w1.weight, g.input("shared_w1", rank=rank, as_torch=True))
+        put(moe.shared_experts.w3.weight, g.input("shared_w3", rank=rank, as_torch=True))
+        put(moe.shared_experts.w2.weight, g.input("shared_w2", rank=rank, as_torch=True))
 
 
 def seams(c):
     """The table of seams, plus the stages that depend on the case."""
     shared = c["shared_experts.kind"] == "swiglu"
     table = [s for s in SEAMS if shared or not s.path.startswith("shared_experts")]
+    if c.get("ep", 1) > 1:  # the dispatcher's own EP seams replace the local dispatch and expert rows
+        table = [s for s in table if not (s.kind in ("call", "out") and
+                                          (s.method == "dispatch" or "experts.expert_output" in s.take))]
+        table += EP_SEAMS
     if shared:
         # torchtitan's combine returns the routed sum; MoE.forward adds shared(x)
         table.append(Seam("", "out", {"combine.out": None}))
@@ -190,14 +270,15 @@ def run(g):
     """fn(golden) for moeverify.main / fuzz --impl: one case folder."""
     c = g.case
     refuse_unsupported(c)
-    g.clear_actual()
+    rank, R = world()
+    g.clear_actual(rank=rank)
     act = torch.bfloat16 if c["dtype"] == "bf16" else torch.float32
     torch.manual_seed(0)
     moe = build(c, act)
-    load(moe, g)
+    load(moe, g, rank, R)
     backward = c.get("backward", "off") == "on"
     moe.train(backward)
-    x = g.input("x", as_torch=True).to(act)
+    x = g.input("x", rank=rank, as_torch=True).to(act)
     T, D = x.shape
     if backward:
         x.requires_grad_(True)
@@ -212,7 +293,7 @@ def run(g):
         # left out too: check would route them again and judge the dispatch
         # on that routing, not on the one fed here.
         skip = ("router_logits.logits", "routing.scores", "routing.ids", "routing.topk_scores", "routing.counts")
-        routing = [g.expected(n, as_torch=True) for n in ("topk_scores", "ids", "counts")]
+        routing = [g.expected(n, rank=rank, as_torch=True) for n in ("topk_scores", "ids", "counts")]
         routing[1] = routing[1].long()
         if backward:
             routing[0].requires_grad_(True)
@@ -230,7 +311,7 @@ def run(g):
     with Capture(moe, seams(c), grads, backward=backward) as cap:
         out = moe(x.view(1, T, D)).view(T, D)
         if backward:
-            out.backward(g.input("grad_out", as_torch=True).to(act))
+            out.backward(g.input("grad_out", rank=rank, as_torch=True).to(act))
     if backward:
         cap.values["dispatch_bwd.grad_x"] = x.grad.detach().clone()
     if backward and skip:
@@ -242,10 +323,19 @@ def run(g):
     if "_shared_h1" in cap.scratch:
         cap.values["shared_experts.shared_h13"] = torch.cat(
             [cap.scratch["_shared_h1"][-1], cap.scratch["_shared_h3"][-1]], dim=-1)
-    cap.write(g, skip=skip)
+    cap.write(g, rank=rank, skip=skip)
 
 
 def main(argv=None):
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: one process per EP rank
+        import datetime
+
+        import torch.distributed as dist
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        try:
+            return main_for(run, argv, distributed=True)
+        finally:
+            dist.destroy_process_group()
     return main_for(run, argv)
 
 
