@@ -26,12 +26,13 @@ ls -d "$tmp"/golden/*/*/ 2>/dev/null > "$tmp/folders"
 [ "$(wc -l < "$tmp/answers")" = "$(wc -l < "$tmp/folders")" ] ||
   { echo "FAIL the adapter answered $(wc -l < "$tmp/answers") of $(wc -l < "$tmp/folders") folders"; tail -20 "$tmp/adapter.log"; exit 1; }
 passed=0 skipped=0 failed=0 stages=0 bwd=0
-while IFS= read -r d <&3 && IFS= read -r answer <&4; do
+judge() {  # judge FOLDER ANSWER: one line, the totals updated
+  local d=$1 answer=$2 n rc outcome ns nb
   n="$(basename "$(dirname "$d")")/$(basename "$d")"
   case $answer in
-    skip*) skipped=$((skipped + 1)); echo "skip $n: ${answer#skip }"; continue ;;
+    skip*) skipped=$((skipped + 1)); echo "skip $n: ${answer#skip }"; return ;;
     done) ;;
-    *) failed=$((failed + 1)); echo "FAIL $n: adapter: $answer"; continue ;;
+    *) failed=$((failed + 1)); echo "FAIL $n: adapter: $answer"; return ;;
   esac
   "$bin" check "$d" --json "$tmp/check.json" > "$tmp/check.log" 2>&1
   rc=$?
@@ -48,7 +49,31 @@ PY
   else
     failed=$((failed + 1)); echo "FAIL $n: check exit $rc, $outcome"; grep -E "INCORRECT|ERROR|missing" "$tmp/check.log" | head -8
   fi
+}
+# EP > 1 where the adapter runs one process per rank under torchrun: the
+# folders it skipped for their ep go to a torchrun worker of that many ranks
+# (MOEVERIFY_FRAMEWORKS_EP, default "2 4": R torch processes share the cores).
+eps=${MOEVERIFY_FRAMEWORKS_EP-2 4}
+: > "$tmp/ep_folders"
+while IFS= read -r d <&3 && IFS= read -r answer <&4; do
+  if [[ $answer =~ ^skip\ ep:\ ([0-9]+)\;\ this\ adapter\ runs\ as ]] && [[ " $eps " == *" ${BASH_REMATCH[1]} "* ]]; then
+    echo "${BASH_REMATCH[1]} $d" >> "$tmp/ep_folders"
+  else
+    judge "$d" "$answer"
+  fi
 done 3< "$tmp/folders" 4< "$tmp/answers"
+for R in $eps; do
+  grep "^$R " "$tmp/ep_folders" | cut -d' ' -f2- > "$tmp/folders_ep"
+  [ -s "$tmp/folders_ep" ] || continue
+  start=$SECONDS
+  "$py" -W ignore -m torch.distributed.run --standalone --nproc-per-node "$R" -m "moeverify.frameworks.$fw" --serve \
+    < "$tmp/folders_ep" > "$tmp/answers_ep" 2> "$tmp/adapter_ep.log"
+  [ "$(wc -l < "$tmp/answers_ep")" = "$(wc -l < "$tmp/folders_ep")" ] ||
+    { echo "FAIL the EP $R adapter answered $(wc -l < "$tmp/answers_ep") of $(wc -l < "$tmp/folders_ep") folders"
+      grep -v "^W1\|warn" "$tmp/adapter_ep.log" | tail -20; exit 1; }
+  echo "     EP $R: $(wc -l < "$tmp/folders_ep") folder(s) through torchrun, $R processes, $((SECONDS - start)) s"
+  while IFS= read -r d <&3 && IFS= read -r answer <&4; do judge "$d" "$answer"; done 3< "$tmp/folders_ep" 4< "$tmp/answers_ep"
+done
 echo "$fw: $passed case(s) PASSED ($stages case-stages checked, $bwd of them backward), $skipped skipped" \
      "(not expressible), $failed failed"
 [ "$failed" = 0 ] && [ "$passed" -gt 0 ]
