@@ -52,8 +52,8 @@ PY
 }
 # EP > 1 where the adapter runs one process per rank under torchrun: the
 # folders it skipped for their ep go to a torchrun worker of that many ranks
-# (MOEVERIFY_FRAMEWORKS_EP, default "2 4": R torch processes share the cores).
-eps=${MOEVERIFY_FRAMEWORKS_EP-2 4}
+# (MOEVERIFY_FRAMEWORKS_EP, default "2 4 8": R torch processes share the cores).
+eps=${MOEVERIFY_FRAMEWORKS_EP-2 4 8}
 : > "$tmp/ep_folders"
 while IFS= read -r d <&3 && IFS= read -r answer <&4; do
   if [[ $answer =~ ^skip\ ep:\ ([0-9]+)\;\ this\ adapter\ runs\ as ]] && [[ " $eps " == *" ${BASH_REMATCH[1]} "* ]]; then

@@ -6,13 +6,25 @@
 # Usage: frameworks_fuzz.sh MOEVERIFY SOURCE_DIR FRAMEWORK PROFILE N BUG:STAGE...
 # Skipped (77) without MOEVERIFY_TORCH_PYTHON (a Python with torch and the
 # framework), never passed.
+# With MOEVERIFY_FUZZ_EP=R every configuration has R EP ranks, run as R
+# processes by one torchrun worker (the profile's ep narrowed to R; one job).
 set -u
 bin=$1 src=$2 fw=$3 profile=$4 n=$5
 shift 5
 . "$src/tests/frameworks/env.sh"
 fails=0
-"$bin" fuzz --impl "$py -W ignore -m moeverify.frameworks.$fw --serve" --worker --profile "$profile" \
-  --iterations "$n" --seed 5 --jobs 2 --out "$tmp/clean" --json "$tmp/clean.json" > "$tmp/clean.log" 2>&1
+R=${MOEVERIFY_FUZZ_EP:-}
+launch="$py -W ignore"
+jobs=2
+if [ -n "$R" ]; then
+  sed -E "s/^  ep: .*/  ep: [$R]/" "$profile" > "$tmp/profile_ep$R.yaml"
+  grep -q "^  ep: \[$R\]" "$tmp/profile_ep$R.yaml" || { echo "FAIL the profile has no ep line to narrow"; exit 1; }
+  profile=$tmp/profile_ep$R.yaml
+  launch="$py -W ignore -m torch.distributed.run --standalone --nproc-per-node $R"
+  jobs=1
+fi
+"$bin" fuzz --impl "$launch -m moeverify.frameworks.$fw --serve" --worker --profile "$profile" \
+  --iterations "$n" --seed 5 --jobs "$jobs" --out "$tmp/clean" --json "$tmp/clean.json" > "$tmp/clean.log" 2>&1
 rc=$?
 read -r judged failed crashed < <(/usr/bin/python3 -c '
 import json, sys; d = json.load(open(sys.argv[1])); print(d["judged"], d["failed"], d["crashed"])' "$tmp/clean.json")
@@ -22,8 +34,8 @@ if [ "$rc" != 0 ] || [ "$failed" != 0 ] || [ "$crashed" != 0 ] || [ "$judged" -l
 fi
 for planted in "$@"; do
   bug=${planted%%:*} stage=${planted#*:}
-  "$bin" fuzz --impl "$py -W ignore $src/tests/frameworks/planted.py $fw $bug --serve" --worker \
-    --profile "$profile" --iterations 400 --seed 3 --jobs 2 --out "$tmp/$bug" --json "$tmp/$bug.json" > "$tmp/$bug.log" 2>&1
+  "$bin" fuzz --impl "$launch $src/tests/frameworks/planted.py $fw $bug --serve" --worker \
+    --profile "$profile" --iterations 400 --seed 3 --jobs "$jobs" --out "$tmp/$bug" --json "$tmp/$bug.json" > "$tmp/$bug.log" 2>&1
   rc=$?
   got=$(/usr/bin/python3 -c '
 import json, sys

@@ -12,6 +12,9 @@ Bugs (torchtitan):
                  tokens in descending order (a sort that is not stable)
   per_add_combine  the combine's scatter_add rounds after every row added
                  (bf16), instead of summing a token's rows in fp32
+  source_major   EP > 1: the received rows are left rank-major, the permute
+                 to local-expert-major order skipped (the experts then read
+                 each other's rows wherever two ranks sent rows)
 """
 import sys
 import types
@@ -46,6 +49,15 @@ if fw == "torchtitan":
         td.torch = proxy
     elif bug == "per_add_combine":
         td.deterministic_scatter_add = per_add_scatter_add
+    elif bug == "source_major":
+        real = td.AllToAllTokenDispatcher._permute
+
+        def rank_major(self, routed_input_RD, counts_E):
+            shape, permuted, indices, counts_e = real(self, routed_input_RD, counts_E)
+            keep = torch.arange(routed_input_RD.shape[0])
+            return shape, routed_input_RD[keep, :], keep, counts_e
+
+        td.AllToAllTokenDispatcher._permute = rank_major
     else:
         sys.exit("planted.py: no bug %r for torchtitan" % bug)
     from moeverify.frameworks import torchtitan as adapter
