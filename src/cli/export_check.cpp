@@ -366,6 +366,9 @@ struct ExternalEntry {
   bool run_reference(const Stage& s, const Board& board, Board& refout);
   void read_given(const Stage& s, const std::vector<std::map<std::string, Tensor>>& expected, const Board& fed,
                   Board& merged, std::vector<std::map<std::string, Tensor>>& given);
+  void feed_next(const Stage& s, size_t first_check, const Board& fed,
+                 const std::vector<std::map<std::string, Tensor>>& given,
+                 const std::vector<std::map<std::string, Tensor>>& expected, Board& merged);
   void feed_reference_metadata(size_t first_check, const std::vector<std::map<std::string, Tensor>>& given,
                                const std::vector<std::map<std::string, Tensor>>& expected, const std::string& slot,
                                const std::vector<std::set<std::string>>& own_order, Board& merged);
@@ -536,6 +539,45 @@ void ExternalEntry::feed_reference_metadata(size_t first_check, const std::vecto
   }
 }
 
+/// What the next stage is fed after stage `s` was judged: a later stage fed
+/// inconsistent inputs is not judged (inconsistent_since); a dispatch in
+/// another row order within each expert is followed in that order
+/// (adopt_own_row_order); wrong index metadata is replaced by the
+/// reference's (feed_reference_metadata).
+void ExternalEntry::feed_next(const Stage& s, size_t first_check, const Board& fed,
+                              const std::vector<std::map<std::string, Tensor>>& given,
+                              const std::vector<std::map<std::string, Tensor>>& expected, Board& merged) {
+  const int R = c.ep;
+  // Fed the reference's row metadata beside the implementation's wrong rows
+  // (an earlier stage), the reference's values here mean nothing.
+  if (!inconsistent_since.empty())
+    for (size_t i = first_check; i < rep.checks.size(); ++i) {
+      Check& ch = rep.checks[i];
+      if (ch.outcome != Outcome::INCORRECT || ch.rows.expected >= 0 || ch.note.rfind("missing on ", 0) == 0) continue;
+      ch.outcome = Outcome::NOT_VERIFIED;
+      ch.note = "not judged: inputs inconsistent with stage " + inconsistent_since +
+                " (its index metadata fed on is the reference's, its wrong values yours)" +
+                (ch.note.empty() ? "" : "; " + ch.note);
+    }
+  std::vector<std::set<std::string>> own_order(static_cast<size_t>(R));
+  for (int r = 0; r < R; ++r) {
+    std::vector<std::string> set;
+    if (!adopt_own_row_order(s, fed.ranks[size_t(r)], given[size_t(r)], expected[size_t(r)], merged.ranks[size_t(r)],
+                             set))
+      continue;
+    // Every dispatch output is now in the implementation's order: none is
+    // replaced by the reference's own below.
+    for (const OutputSpec& o : s.outputs) own_order[size_t(r)].insert(o.name);
+    std::string names;
+    for (const auto& n : set) names += (names.empty() ? "" : ", ") + n;
+    rep.notes.push_back("stage " + prefix + s.slot + (R > 1 ? " rank " + std::to_string(r) : "") +
+                        ": the implementation's rows are the reference's in another order within each expert; "
+                        "later stages are judged in its order (its token_sorted" +
+                        (names.empty() ? "" : "; the reference's " + names + " in that order") + ")");
+  }
+  feed_reference_metadata(first_check, given, expected, s.slot, own_order, merged);
+}
+
 bool ExternalEntry::stage(const Stage& s, Board& board) {
   const int R = c.ep;
   rep.decisions.push_back({s.slot, actual ? "actual" : "reference", true, true, "", {}});
@@ -612,34 +654,7 @@ bool ExternalEntry::stage(const Stage& s, Board& board) {
                                           o.from_fast ? o.from_fast_label : std::string("reference"), scale));
       }
   }
-  // Fed the reference's row metadata beside the implementation's wrong rows
-  // (an earlier stage), the reference's values here mean nothing.
-  if (!inconsistent_since.empty())
-    for (size_t i = first_check; i < rep.checks.size(); ++i) {
-      Check& ch = rep.checks[i];
-      if (ch.outcome != Outcome::INCORRECT || ch.rows.expected >= 0 || ch.note.rfind("missing on ", 0) == 0) continue;
-      ch.outcome = Outcome::NOT_VERIFIED;
-      ch.note = "not judged: inputs inconsistent with stage " + inconsistent_since +
-                " (its index metadata fed on is the reference's, its wrong values yours)" +
-                (ch.note.empty() ? "" : "; " + ch.note);
-    }
-  std::vector<std::set<std::string>> own_order(static_cast<size_t>(R));
-  for (int r = 0; r < R; ++r) {
-    std::vector<std::string> set;
-    if (!adopt_own_row_order(s, fed.ranks[size_t(r)], given[size_t(r)], expected[size_t(r)], merged.ranks[size_t(r)],
-                             set))
-      continue;
-    // Every dispatch output is now in the implementation's order: none is
-    // replaced by the reference's own below.
-    for (const OutputSpec& o : s.outputs) own_order[size_t(r)].insert(o.name);
-    std::string names;
-    for (const auto& n : set) names += (names.empty() ? "" : ", ") + n;
-    rep.notes.push_back("stage " + prefix + s.slot + (R > 1 ? " rank " + std::to_string(r) : "") +
-                        ": the implementation's rows are the reference's in another order within each expert; "
-                        "later stages are judged in its order (its token_sorted" +
-                        (names.empty() ? "" : "; the reference's " + names + " in that order") + ")");
-  }
-  feed_reference_metadata(first_check, given, expected, s.slot, own_order, merged);
+  feed_next(s, first_check, fed, given, expected, merged);
   board = std::move(merged);
   return true;
 }

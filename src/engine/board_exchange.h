@@ -1,4 +1,4 @@
-// The MPI board exchange of a stage variant (docs/architecture.md "SPMD ranks"):
+// The MPI board exchange of a stage variant (docs/architecture.md idea 3):
 // every process runs its own rank's fast function, then all ranks' outputs,
 // notes, skip reasons and errors are all-gathered, so that each process can
 // run the reference, which sees every rank.

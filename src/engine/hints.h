@@ -1,6 +1,7 @@
-// Diagnosing hints on an INCORRECT check (docs/guide.md "Check your own
-// implementation"; issue 34): patterns that say why values differ, appended to
-// the check's note by check_output, for `run` and `check` alike.
+// Diagnosing hints on an INCORRECT check (docs/guide.md "Checking an
+// implementation moeverify did not write: export and check"): patterns that
+// say why values differ, appended to the note of every check make_check
+// makes, for `run` and `check` alike.
 #pragma once
 
 #include <string>
