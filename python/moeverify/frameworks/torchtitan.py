@@ -266,6 +266,14 @@ def seams(c):
     return table
 
 
+def tokens_2d(moe):
+    """Whether this torchtitan's MoE takes tokens as (T, D) (its source on
+    the main branch, x_TD) rather than (B, L, D) (0.3.0, x_BLD)."""
+    import inspect
+    first = next(iter(inspect.signature(moe.forward).parameters))
+    return first.endswith("_TD")
+
+
 def run(g):
     """fn(golden) for moeverify.main / fuzz --impl: one case folder."""
     c = g.case
@@ -309,7 +317,7 @@ def run(g):
         # get theirs.
         moe.router.register_forward_pre_hook(lambda m, args: (args[0].detach(),) + tuple(args[1:]))
     with Capture(moe, seams(c), grads, backward=backward) as cap:
-        out = moe(x.view(1, T, D)).view(T, D)
+        out = moe(x if tokens_2d(moe) else x.view(1, T, D)).view(T, D)
         if backward:
             out.backward(g.input("grad_out", rank=rank, as_torch=True).to(act))
     if backward:
