@@ -382,7 +382,7 @@ void print_impl_result(const FuzzResult& r, std::ostream& os) {
      << "   " << std::setw(14) << "crashed" << r.crashed << "  (another exit status, a signal, an exception or a timeout)\n";
   for (const auto& [why, n] : r.skip_reasons) os << "      skipped " << n << ": " << why << "\n";
   if (!r.stages.empty()) os << "   per stage (configurations judged / INCORRECT):\n";
-  for (const auto& [slot, s] : r.stages) os << "      " << std::setw(16) << slot << s.judged << " / " << s.failed << "\n";
+  for (const auto& [slot, s] : r.stages) os << "      " << std::setw(20) << slot << " " << s.judged << " / " << s.failed << "\n";
   for (const auto& f : r.failures) {
     if (f.same_as >= 0) {
       os << "\n   FAIL configuration " << f.index << ": " << outcome_name(f.outcome) << " at " << f.check
