@@ -18,6 +18,7 @@ implement: that configuration is then skipped and counted, never passed.
     moeverify fuzz --impl "python3 my_moe.py --serve" --worker  # one process per job (torch imported once)
 """
 import builtins
+import functools
 import importlib.util
 import json
 import os
@@ -183,13 +184,16 @@ def _call(fn, folder):
         return "error " + _one_line("%s: %s" % (type(e).__name__, e))
 
 
-def serve(fn, stdin=None):
+def serve(fn, stdin=None, call=None, speak=True):
     """The worker loop of `moeverify fuzz --impl CMD --worker`: reads one case
     folder per line from stdin, runs fn on it and answers one line on stdout
     ("done", "skip REASON" or "error REASON"; the traceback goes to stderr),
     until stdin closes. Whatever fn prints goes to stderr, so that the
-    answers stay the only lines on stdout."""
-    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    answers stay the only lines on stdout. `call(fn, folder)` gives the
+    answer (default: run fn here); with speak=False nothing is answered (a
+    rank other than 0 of moeverify.frameworks' torchrun worker)."""
+    call = call or _call
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1) if speak else None
     sys.stdout.flush()
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     src = stdin if stdin is not None else sys.stdin
@@ -197,38 +201,43 @@ def serve(fn, stdin=None):
         folder = line.rstrip("\r\n")
         if not folder:
             continue
-        answer = _call(fn, folder)
+        answer = call(fn, folder)
         sys.stderr.flush()
-        answers.write(answer + "\n")
-        answers.flush()
+        if answers:
+            answers.write(answer + "\n")
+            answers.flush()
 
 
 USAGE = """usage: %(prog)s CASE_DIR...    run on exported case folders (exit 77: a configuration not supported)
        %(prog)s --serve        worker for `moeverify fuzz --impl "%(prog)s --serve" --worker`"""
 
 
-def main(fn, argv=None):
+def main(fn, argv=None, call=None, stdin=None, speak=True):
     """A command line for fn: `prog CASE_DIR...` runs it on each folder (exit
     77 when one is Unsupported, 1 when fn raises), `prog --serve` is the
-    worker `fuzz --impl ... --worker` starts."""
+    worker `fuzz --impl ... --worker` starts. `call`, `stdin` and `speak` as
+    for serve (moeverify.frameworks.main_distributed sets them)."""
+    call = call or _call
     args = sys.argv[1:] if argv is None else list(argv)
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "impl"
+    say = functools.partial(print, file=sys.stderr) if speak else (lambda *a, **k: None)
     if args in (["-h"], ["--help"]):
-        print(USAGE % {"prog": prog})
+        if speak:
+            print(USAGE % {"prog": prog})
         return 0
     if args == ["--serve"]:
-        serve(fn)
+        serve(fn, stdin, call, speak)
         return 0
     if not args or any(a.startswith("-") for a in args):
-        print(USAGE % {"prog": prog}, file=sys.stderr)
+        say(USAGE % {"prog": prog})
         sys.exit(2)
     for folder in args:
-        answer = _call(fn, folder)
+        answer = call(fn, folder)
         if answer.startswith("skip"):
-            print("%s: not supported: %s" % (prog, answer[5:]), file=sys.stderr)
+            say("%s: not supported: %s" % (prog, answer[5:]))
             sys.exit(EXIT_UNSUPPORTED)
         if answer.startswith("error"):
-            print("%s: %s: %s" % (prog, folder, answer[6:]), file=sys.stderr)
+            say("%s: %s: %s" % (prog, folder, answer[6:]))
             sys.exit(1)
     return 0
 

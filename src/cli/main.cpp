@@ -41,15 +41,14 @@ using namespace moev;
 
 namespace {
 
-/// Cases that `--set` does not fit, left out of the files (load_cases), each
-/// said on stderr once before anything runs.
-std::vector<std::string>& left_out_notes() {
-  static std::vector<std::string> notes;
-  return notes;
-}
-void print_left_out() {
-  for (const auto& n : left_out_notes()) std::cerr << "moeverify: note: " << n << "\n";
-  left_out_notes().clear();
+/// The cases of a file with the `--set` overrides, those the overrides do
+/// not fit left out (load_cases) and each named on stderr as it is loaded,
+/// before anything runs.
+std::vector<Case> load_noting_left_out(const std::string& file, const std::vector<std::string>& sets) {
+  std::vector<std::string> left_out;
+  std::vector<Case> cases = load_cases(file, sets, &left_out);
+  for (const auto& n : left_out) std::cerr << "moeverify: note: " << n << "\n";
+  return cases;
 }
 
 // ---- option values: parsed here, so that a bad one says what is wrong -------
@@ -160,8 +159,7 @@ CaseFiles load_run_cases(const CLI::App* cmd, const RunArgs& a) {
     sets.push_back("backend=" + a.backend);
   }
   CaseFiles all;
-  for (const auto& f : a.files) all.push_back({f, load_cases(f, sets, &left_out_notes())});
-  print_left_out();
+  for (const auto& f : a.files) all.push_back({f, load_noting_left_out(f, sets)});
   if (!a.cases.patterns.empty()) {
     std::vector<std::string> names;
     for (const auto& [file, cases] : all)
@@ -378,8 +376,7 @@ int cmd_validate(const CLI::App* cmd, const std::vector<std::string>& files, con
   // The memory estimate as `run` would make it with its default thread count.
   const int threads = int(std::max(1u, std::thread::hardware_concurrency()));
   for (const auto& f : files) {
-    const auto cases = load_cases(f, sets, &left_out_notes());
-    print_left_out();
+    const auto cases = load_noting_left_out(f, sets);
     for (const auto& c : cases) check_case_memory(c, threads, limit.bytes, limit.origin);
     std::cout << f << ": " << cases.size() << " case(s) valid\n";
     for (const auto& c : cases) std::cout << "  " << c.name << ": " << c.summary() << "\n";
@@ -500,11 +497,10 @@ int cmd_bench(const CLI::App* cmd, const BenchArgs& a) {
   std::vector<std::pair<std::string, Case>> selected;
   std::vector<std::string> names;
   for (const auto& f : a.files)
-    for (const auto& c : load_cases(f, o.sets, &left_out_notes())) {
+    for (const auto& c : load_noting_left_out(f, o.sets)) {
       names.push_back(c.name);
       if (a.cases.selects(c.name)) selected.push_back({f, c});
     }
-  print_left_out();
   a.cases.check_each_used(names, "the given files");
   for (const auto& [f, c] : selected) check_case_memory(c, o.threads, limit.bytes, limit.origin);
   if (want_json) check_output_file("--json", a.json);

@@ -38,52 +38,27 @@ def main_distributed(run, argv=None):
     that rank 0's answers stay the only lines on stdout. (torchrun itself
     turns a skip's exit 77 into 1: with fuzz --impl use --serve and
     --worker, whose answers say skip.)"""
-    import os
     import sys
 
     import torch.distributed as dist
 
-    from ..impl import EXIT_UNSUPPORTED, USAGE, _call
+    from ..impl import _call, main
     rank, size = dist.get_rank(), dist.get_world_size()
-    args = sys.argv[1:] if argv is None else list(argv)
-    prog = "moeverify.frameworks (torchrun, %d ranks)" % size
-    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1) if rank == 0 else None
-    sys.stdout.flush()
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
 
-    def agreed(folder):
-        mine = _call(run, folder)
+    def agreed(fn, folder):
         every = [None] * size
-        dist.all_gather_object(every, mine)
+        dist.all_gather_object(every, _call(fn, folder))
         for r, a in enumerate(every):
             if a.startswith("error"):
                 return "error rank %d: %s" % (r, a[6:])
         return next((a for a in every if a.startswith("skip")), "done")
 
-    if args == ["--serve"]:
+    def folders():  # rank 0's stdin, line by line, on every rank
         while True:
-            box = [None]
-            if rank == 0:
-                line = sys.stdin.readline()
-                box[0] = line.rstrip("\r\n") if line else None  # None: stdin closed
+            box = [sys.stdin.readline() or None] if rank == 0 else [None]  # None: stdin closed
             dist.broadcast_object_list(box, src=0)
             if box[0] is None:
-                return 0
-            if box[0]:
-                answer = agreed(box[0])
-                if answers:
-                    answers.write(answer + "\n")
-                    answers.flush()
-    if not args or any(a.startswith("-") for a in args):
-        if rank == 0:
-            print(USAGE % {"prog": prog}, file=sys.stderr)
-        sys.exit(2)
-    for folder in args:
-        answer = agreed(folder)
-        if answer != "done" and rank == 0:
-            print("%s: %s: %s" % (prog, folder, answer), file=sys.stderr)
-        if answer.startswith("skip"):
-            sys.exit(EXIT_UNSUPPORTED)
-        if answer.startswith("error"):
-            sys.exit(1)
-    return 0
+                return
+            yield box[0]
+
+    return main(run, argv, call=agreed, stdin=folders(), speak=rank == 0)

@@ -30,7 +30,7 @@ world's size (else a skip naming the torchrun line that runs it):
 
     torchrun --nproc-per-node 2 -m moeverify.frameworks.torchtitan CASE_DIR...
     moeverify fuzz --impl "torchrun --nproc-per-node 2 -m moeverify.frameworks.torchtitan --serve" \
-        --worker --profile cases/profiles/torchtitan-0.3.yaml --set ep=2
+        --worker --profile PROFILE   # a copy of torchtitan-0.3.yaml allowing ep: [2] only
 
 With --serve, rank 0 reads the folders and answers for every rank.
 """
