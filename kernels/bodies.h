@@ -33,6 +33,12 @@ enum class CombineInit : uint8_t { buffer, zeros };
 enum class CombineOrder : uint8_t { ascending_row, descending_row /* planted fault */ };
 enum class SoftmaxShift : uint8_t { subtract_max, none /* planted fault */ };
 enum class GroupTie : uint8_t { lower_group, higher_group /* planted fault */ };
+/// The type the router's scores are held in (docs/contract.md §14
+/// `router.score_dtype`): fp32, or the activation dtype.
+enum class ScoreHeld : uint8_t { fp32, bf16, fp16 };
+/// Planted faults of held scores: the scores themselves left in fp32, or the
+/// route_norm denominator taken from the fp32 sum without its act rounding.
+enum class HeldFault : uint8_t { none, scores_fp32, norm_sum_fp32 };
 /// The SwiGLU activation's rounding points (docs/contract.md §8, §14 `experts.rounding`):
 /// `fused` rounds once, H = round(silu(h1) * h3); `rounded_to_act` rounds
 /// silu(h1) to the activation dtype first, as every torchtitan expert path
@@ -101,8 +107,18 @@ struct RouterBody {
   TieBreak tie;
   SoftmaxShift shift = SoftmaxShift::subtract_max;
   GroupTie group_tie = GroupTie::lower_group;
+  // Scores held in act (docs/contract.md §14 router.score_dtype): each score,
+  // the normalisation's sum and quotients, the scaled values, and each group
+  // score where the choice values are the scores (no bias) rounded to it.
+  ScoreHeld held = ScoreHeld::fp32;
+  bool biased = false;
+  HeldFault held_fault = HeldFault::none;
 
   static constexpr int kPhases = 4;
+
+  MOEV_HD float hold(float v) const {
+    return held == ScoreHeld::bf16 ? round_to<bf16>(v) : held == ScoreHeld::fp16 ? round_to<fp16>(v) : v;
+  }
 
   MOEV_HD void operator()(int phase, int64_t t, int lane, int lanes) const {
     const float* l = logits + t * E;
@@ -131,9 +147,10 @@ struct RouterBody {
           for (int e = lane; e < E; e += lanes) c[e] = s[e] / sum;
         }
         return;
-      case 2:  // the normalised scores, and the choice values score + bias
+      case 2:  // the normalised (held) scores, and the choice values score + bias
         for (int e = lane; e < E; e += lanes) {
-          if (softmax) s[e] = c[e];
+          s[e] = softmax ? c[e] : s[e];
+          if (held_fault != HeldFault::scores_fp32) s[e] = hold(s[e]);
           if (select) c[e] = s[e] + bias[e];
         }
         return;
@@ -166,9 +183,10 @@ struct RouterBody {
     if (norm == RouteNorm::on) {
       float sum = 0.f;
       for (int k = 0; k < K; ++k) sum += ts[k];
-      for (int k = 0; k < K; ++k) ts[k] = ts[k] / (sum + 1e-20f);
+      const float d = held_fault == HeldFault::norm_sum_fp32 ? sum + 1e-20f : hold(hold(sum) + 1e-20f);
+      for (int k = 0; k < K; ++k) ts[k] = hold(ts[k] / d);
     }
-    for (int k = 0; k < K; ++k) ts[k] = ts[k] * route_scale;
+    for (int k = 0; k < K; ++k) ts[k] = hold(ts[k] * route_scale);
   }
 
   // Group score = sum of the two largest choice values of the group; the best
@@ -181,7 +199,7 @@ struct RouterBody {
       for (int e = g * per; e < (g + 1) * per; ++e) {
         if (c[e] > a) { b = a; a = c[e]; } else if (c[e] > b) { b = c[e]; }
       }
-      gs[g] = a + b;
+      gs[g] = biased ? a + b : hold(a + b);
     }
     bool keep[kMaxGroups];
     for (int g = 0; g < groups; ++g) keep[g] = false;
@@ -261,13 +279,16 @@ struct GatherBody {
 
 /// SwiGLU activation for row r: H = round(silu(float(h1)) * float(h3)) in fp32
 /// (docs/contract.md §8), with silu(h1) rounded to T first under rounded_to_act
-/// (§14). h13 holds rows of width 2F: [h1 | h3] (W13 order, §8.1).
+/// (§14), and then H = round(float(H) * row_scale[r]) where a row scale is
+/// given (§14 score_on_hidden). h13 holds rows of width 2F: [h1 | h3] (W13
+/// order, §8.1).
 template <class T>
 struct SwigluBody {
   const T* h13;  // (rows, 2F)
   T* H;          // (rows, F)
   int64_t F;
   SiluRounding silu_rounding = SiluRounding::fused;
+  const float* row_scale = nullptr;  // (rows) or none
 
   MOEV_HD void operator()(int64_t r, int lane, int lanes) const {
     const T* h1 = h13 + r * 2 * F;
@@ -277,6 +298,7 @@ struct SwigluBody {
       float silu = a / (1.f + k_exp(-a));
       if (silu_rounding == SiluRounding::rounded_to_act) silu = to_float(from_float<T>(silu));
       H[r * F + f] = from_float<T>(silu * to_float(h3[f]));
+      if (row_scale) H[r * F + f] = from_float<T>(to_float(H[r * F + f]) * row_scale[r]);
     }
   }
 };

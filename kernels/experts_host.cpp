@@ -79,7 +79,7 @@ void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* 
                             w3 = to_bf16(ctx, dt, W3, E_l * F * D), w2 = to_bf16(ctx, dt, W2, E_l * D * F);
     std::vector<bf16> yb(static_cast<size_t>(rows * D));
     experts_swiglu(ctx, DType::bf16, impl, xb.data(), counts, E_l, D, F, w1.data(), w3.data(), w2.data(), yb.data(),
-                   mid, SwigluConventions{conv.rounding, ComputeDtype::act});
+                   mid, SwigluConventions{conv.rounding, ComputeDtype::act, conv.row_scale});
     from_bf16(ctx, dt, yb, Y);
     return;
   }
@@ -104,7 +104,7 @@ void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* 
       dispatch_dtype(dt, [&](auto tag) {
         using T = decltype(tag);
         swiglu_act_device(ctx, reinterpret_cast<const T*>(h13 + size_t(r0 * 2 * F) * eb),
-                          reinterpret_cast<T*>(H + size_t(r0 * F) * eb), n, F, conv);
+                          reinterpret_cast<T*>(H + size_t(r0 * F) * eb), n, F, conv, r0);
       });
       gemm_nt(ctx, dt, H + size_t(r0 * F) * eb, n, F, F, static_cast<const uint8_t*>(W2) + wo, D, y + size_t(r0 * D) * eb, D);
     }
@@ -134,7 +134,7 @@ void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* 
           gemm_typed(xs + r * D, tile_rows(t), D, D, w1 + j * F * D, F, h13 + r * 2 * F, 2 * F);
           gemm_typed(xs + r * D, tile_rows(t), D, D, w3 + j * F * D, F, h13 + r * 2 * F + F, 2 * F);
         });
-        host_run(ctx, n, k::SwigluBody<T>{h13 + r0 * 2 * F, H + r0 * F, F, silu_rounding(ctx, conv)});
+        host_run(ctx, n, swiglu_body(ctx, conv, h13 + r0 * 2 * F, H + r0 * F, F, r0));
         host_run(ctx, tiles, [&](int64_t t, int, int) {
           const int64_t r = r0 + t * kGemmTile;
           gemm_typed(H + r * F, tile_rows(t), F, F, w2 + j * D * F, D, ys + r * D, D);
@@ -154,7 +154,7 @@ void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* 
         const int64_t n = std::min(kGemmTile, off[size_t(j) + 1] - r);
         gemm_typed(xs + r * D, n, D, D, w1 + j * F * D, F, h13 + r * 2 * F, 2 * F);
         gemm_typed(xs + r * D, n, D, D, w3 + j * F * D, F, h13 + r * 2 * F + F, 2 * F);
-        const k::SwigluBody<T> act{h13, H, F, silu_rounding(ctx, conv)};
+        const k::SwigluBody<T> act = swiglu_body(ctx, conv, h13, H, F, 0);
         for (int64_t q = r; q < r + n; ++q) act(q, 0, 1);
         gemm_typed(H + r * F, n, F, F, w2 + j * D * F, D, ys + r * D, D);
       });

@@ -29,6 +29,8 @@ struct RouterConfig {
   k::ScoreFunc score = k::ScoreFunc::softmax;
   k::Selection selection = k::Selection::topk;
   k::RouteNorm norm = k::RouteNorm::off;
+  k::ScoreHeld held = k::ScoreHeld::fp32;  // docs/contract.md §14 router.score_dtype
+  bool biased = false;                     // router.bias: on
 };
 
 /// Where the router GEMM's result is rounded (docs/contract.md §14 `router.gate_dtype`):
@@ -71,6 +73,9 @@ enum class ComputeDtype : uint8_t { act, bf16 };
 struct SwigluConventions {
   k::SiluRounding rounding = k::SiluRounding::fused;
   ComputeDtype compute = ComputeDtype::act;
+  /// score_on_hidden (docs/contract.md §14): one fp32 score per row of X,
+  /// multiplied into H before the W2 GEMM; null: none.
+  const float* row_scale = nullptr;
 };
 
 /// The SwiGLU intermediates, caller-owned, in dtype: h13 (rows, 2F) holds

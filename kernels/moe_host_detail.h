@@ -23,14 +23,25 @@ inline k::SiluRounding silu_rounding(const ExecCtx& ctx, const SwigluConventions
   return ctx.faults.has(Fault::silu_rounded) ? k::SiluRounding::rounded_to_act : conv.rounding;
 }
 
-/// H (n, F) = the SwiGLU activation of h13 (n, 2F) on the mirror's device.
+/// The activation body over h13 and H whose row 0 is row `row0` of the call
+/// (the row of conv.row_scale it takes).
 template <class T>
-void swiglu_act_device(const ExecCtx& ctx, const T* h13, T* H, int64_t n, int64_t F, const SwigluConventions& conv) {
+k::SwigluBody<T> swiglu_body(const ExecCtx& ctx, const SwigluConventions& conv, const T* h13, T* H, int64_t F,
+                             int64_t row0) {
+  return {h13, H, F, silu_rounding(ctx, conv), conv.row_scale ? conv.row_scale + row0 : nullptr};
+}
+
+/// H (n, F) = the SwiGLU activation of h13 (n, 2F) on the mirror's device,
+/// rows [row0, row0 + n) of the call.
+template <class T>
+void swiglu_act_device(const ExecCtx& ctx, const T* h13, T* H, int64_t n, int64_t F, const SwigluConventions& conv,
+                       int64_t row0) {
   Mirror& m = *ctx.mirror;
   Mirror::Scope scope{m};
-  m.device().run(k::SwigluBody<T>{static_cast<const T*>(m.in(h13, size_t(n * 2 * F) * sizeof(T))),
-                                  static_cast<T*>(m.out(H, size_t(n * F) * sizeof(T))), F, silu_rounding(ctx, conv)},
-                 n);
+  k::SwigluBody<T> b = swiglu_body(ctx, conv, static_cast<const T*>(m.in(h13, size_t(n * 2 * F) * sizeof(T))),
+                                   static_cast<T*>(m.out(H, size_t(n * F) * sizeof(T))), F, row0);
+  if (b.row_scale) b.row_scale = static_cast<const float*>(m.in(b.row_scale, size_t(n) * 4));
+  m.device().run(b, n);
   m.wrote(H, size_t(n * F) * sizeof(T));
 }
 

@@ -46,7 +46,11 @@ void router_route(const ExecCtx& ctx, const RouterConfig& cfg, const float* logi
                      ctx.faults.has(Fault::highest_id_tiebreak) ? k::TieBreak::higher_id
                                                                 : k::TieBreak::lower_id,
                      ctx.faults.has(Fault::softmax_no_max) ? k::SoftmaxShift::none : k::SoftmaxShift::subtract_max,
-                     ctx.faults.has(Fault::group_tie_higher) ? k::GroupTie::higher_group : k::GroupTie::lower_group};
+                     ctx.faults.has(Fault::group_tie_higher) ? k::GroupTie::higher_group : k::GroupTie::lower_group,
+                     cfg.held, cfg.biased,
+                     ctx.faults.has(Fault::scores_not_held)     ? k::HeldFault::scores_fp32
+                     : ctx.faults.has(Fault::norm_sum_not_held) ? k::HeldFault::norm_sum_fp32
+                                                                : k::HeldFault::none};
   if (ctx.mirror) {
     Mirror& m = *ctx.mirror;
     Mirror::Scope scope{m};

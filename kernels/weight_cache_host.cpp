@@ -27,7 +27,7 @@ void experts_swiglu_batched(const ExecCtx& ctx, DType dt, const void* X, int64_t
                             w3 = to_bf16(ctx, dt, W3, E_l * F * D), w2 = to_bf16(ctx, dt, W2, E_l * D * F);
     std::vector<bf16> yb(static_cast<size_t>(E_l * c * D));
     experts_swiglu_batched(ctx, DType::bf16, xb.data(), c, E_l, D, F, w1.data(), w3.data(), w2.data(), version, cache,
-                           yb.data(), mid, SwigluConventions{conv.rounding, ComputeDtype::act});
+                           yb.data(), mid, SwigluConventions{conv.rounding, ComputeDtype::act, conv.row_scale});
     from_bf16(ctx, dt, yb, Y);
     return;
   }
@@ -66,7 +66,7 @@ void experts_swiglu_batched(const ExecCtx& ctx, DType dt, const void* X, int64_t
       for (int j = 0; j < E_l; ++j) {
         const int64_t r = j * c;
         gemm_nt(ctx, dt, xs + r * D, c, D, D, w13 + size_t(j) * 2 * fd, 2 * F, h13 + r * 2 * F, 2 * F);
-        swiglu_act_device(ctx, h13 + r * 2 * F, H + r * F, c, F, conv);
+        swiglu_act_device(ctx, h13 + r * 2 * F, H + r * F, c, F, conv, r);
         gemm_nn(ctx, dt, H + r * F, c, F, F, w2t + size_t(j) * fd, D, ys + r * D, D);
       }
       return;
@@ -76,7 +76,7 @@ void experts_swiglu_batched(const ExecCtx& ctx, DType dt, const void* X, int64_t
       const int64_t j = item / tiles, r = j * c + (item % tiles) * kGemmTile;
       const int64_t n = std::min(kGemmTile, (j + 1) * c - r);
       gemm_typed(xs + r * D, n, D, D, w13 + size_t(j) * 2 * fd, 2 * F, h13 + r * 2 * F, 2 * F);
-      const k::SwigluBody<T> act{h13, H, F, silu_rounding(ctx, conv)};
+      const k::SwigluBody<T> act = swiglu_body(ctx, conv, h13, H, F, 0);
       for (int64_t q = r; q < r + n; ++q) act(q, 0, 1);
       gemm_typed(H + r * F, n, F, F, w2t + size_t(j) * fd, D, ys + r * D, D, WeightLayout::k_by_n);
     });

@@ -93,7 +93,8 @@ ExpertWeights expert_weights(Act ca, WeightView W1, WeightView W3, WeightView W2
 /// absolute values made upper bounds (abs_upper). The same h1 and h3
 /// serve the trace, the half-widths and the error scale.
 SwigluTrace swiglu_core(Act act, Act ca, const Vec& X, const Counts& counts, int64_t D, int64_t F, WeightView W1,
-                        WeightView W3, WeightView W2, SiluRounding rounding, const SwigluWant& want, int threads) {
+                        WeightView W3, WeightView W2, SiluRounding rounding, const SwigluWant& want, int threads,
+                        const float* row_scale = nullptr) {
   int64_t rows = 0;
   std::vector<int64_t> first(counts.size(), 0);
   for (size_t j = 0; j < counts.size(); ++j) first[j] = rows, rows += counts[j];
@@ -142,8 +143,11 @@ SwigluTrace swiglu_core(Act act, Act ca, const Vec& X, const Counts& counts, int
                 const float s = f32(double(a[f]) / (1.0 + e[f]));
                 const float silu = tt ? round_act_to<c.value>(s) : s;
                 hr[f] = round_act_to<c.value>(f32(double(silu) * b[f]));
-                Hd[f] = hr[f];
               }
+              // score_on_hidden: H' = round(float(H) * s), the W2 GEMM's operand
+              if (row_scale)
+                for (int64_t f = 0; f < F; ++f) hr[f] = round_act_to<c.value>(f32(double(hr[f]) * row_scale[g0 + r]));
+              for (int64_t f = 0; f < F; ++f) Hd[f] = hr[f];
             }
           });
           const MatD y = H * w.w2.transpose();
@@ -179,6 +183,7 @@ SwigluTrace swiglu_core(Act act, Act ca, const Vec& X, const Counts& counts, int
               // first-order propagation of an error of m13(r, f) in h1 and of m13(r, F + f) in h3
               Heff(r, f) = std::fabs(silu * b) + std::fabs(dsilu * b) * m13(r, f) + std::fabs(silu) * m13(r, F + f);
             }
+            if (row_scale) Heff.row(r) *= std::fabs(double(row_scale[g0 + r]));
           }
           const MatD y = abs_product_nt(abs_f32_up(Heff), w.a2);
           for (int64_t i = 0; i < n * D; ++i) o.magnitude[size_t(g0 * D + i)] = f32(y.data()[i]);
@@ -191,7 +196,7 @@ SwigluTrace swiglu_core(Act act, Act ca, const Vec& X, const Counts& counts, int
 
 SwigluTrace swiglu_experts_traced(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F,
                                   WeightView W1, WeightView W3, WeightView W2, SiluRounding rounding,
-                                  Compute compute, int threads, bool bounds) {
+                                  Compute compute, int threads, bool bounds, const float* row_scale) {
   // ca: the dtype the GEMMs and the activation round to; the inputs are
   // rounded to it first (exact when ca == act).
   const Act ca = compute == Compute::bf16 ? Act::bf16 : act;
@@ -200,8 +205,8 @@ SwigluTrace swiglu_experts_traced(Act act, const Vec& X, const Counts& counts, i
   want.halfwidth = bounds;
   // The error scale is of the unrounded inputs: the same GEMMs when ca == act.
   want.magnitude = bounds && ca == act;
-  SwigluTrace o = swiglu_core(act, ca, X, counts, D, F, W1, W3, W2, rounding, want, threads);
-  if (bounds && ca != act) o.magnitude = swiglu_magnitude(X, counts, D, F, W1, W3, W2, threads);
+  SwigluTrace o = swiglu_core(act, ca, X, counts, D, F, W1, W3, W2, rounding, want, threads, row_scale);
+  if (bounds && ca != act) o.magnitude = swiglu_magnitude(X, counts, D, F, W1, W3, W2, threads, row_scale);
   return o;
 }
 
@@ -210,7 +215,8 @@ Vec swiglu_experts(Act act, const Vec& X, const Counts& counts, int64_t D, int64
   return swiglu_experts_traced(act, X, counts, D, F, W1, W3, W2).Y;
 }
 
-Vec swiglu_hidden(Act act, const Vec& h13, int64_t rows, int64_t F, Vec& halfwidth, SiluRounding rounding) {
+Vec swiglu_hidden(Act act, const Vec& h13, int64_t rows, int64_t F, Vec& halfwidth, SiluRounding rounding,
+                  const float* row_scale) {
   // fp32 silu and product carry a few fp32 roundings (and exp's error): the
   // exact value v is known to about 2^-20 relative. Any rounding of a value
   // in v (1 -+ 2^-20) is accepted; a dropped or extra rounding to act moves
@@ -277,6 +283,22 @@ Vec swiglu_hidden(Act act, const Vec& h13, int64_t rows, int64_t F, Vec& halfwid
       }
     }
   });
+  if (row_scale) {
+    // score_on_hidden: H' = round(float(H) * s), one fp32 product and one
+    // rounding, monotone in H: the ends of [H - w, H + w] bound where any
+    // accepted H lands.
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t f = 0; f < F; ++f) {
+        const size_t i = size_t(r * F + f);
+        const double s = row_scale[r];
+        auto scaled = [&](double h) { return round_act(act, f32(h * s)); };
+        const float mid = scaled(H[i]);
+        const float width = std::max(std::fabs(scaled(double(H[i]) + halfwidth[i]) - mid),
+                                     std::fabs(scaled(double(H[i]) - halfwidth[i]) - mid));
+        H[i] = mid;
+        halfwidth[i] = std::fabs(mid) <= std::numeric_limits<float>::max() ? width : 0.f;
+      }
+  }
   return H;
 }
 
@@ -302,11 +324,12 @@ Vec swiglu_h13_halfwidth(Act act, const Vec& X, const Counts& counts, int64_t D,
 }
 
 Vec swiglu_magnitude(const Vec& X, const Counts& counts, int64_t D, int64_t F, WeightView W1, WeightView W3,
-                     WeightView W2, int threads) {
+                     WeightView W2, int threads, const float* row_scale) {
   // Act::fp32: the values as they are (round_act to fp32 is the identity).
   SwigluWant want;
   want.magnitude = true;
-  return swiglu_core(Act::fp32, Act::fp32, X, counts, D, F, W1, W3, W2, SiluRounding::fused, want, threads).magnitude;
+  return swiglu_core(Act::fp32, Act::fp32, X, counts, D, F, W1, W3, W2, SiluRounding::fused, want, threads, row_scale)
+      .magnitude;
 }
 
 namespace {

@@ -161,6 +161,13 @@ struct RouterSpec {
   Selection selection = Selection::topk;
   bool route_norm = false;
   float route_scale = 1.f;
+  /// docs/contract.md §14 `router.score_dtype`: the type the scores and what
+  /// is made of them are held in. Act::fp32 is the default contract; bf16 or
+  /// fp16 round the scores, the normalisation's sum and quotient and the
+  /// scaled values to it, and (without a bias, when the choice values are
+  /// the scores themselves) each group's score.
+  Act held = Act::fp32;
+  bool bias = false;  // the case has a selection bias (router.bias: on)
 };
 
 /// docs/contract.md §14 `router.gate_dtype`: logits kept in fp32, or rounded to act.
@@ -208,6 +215,18 @@ void select_experts(const RouterSpec& spec, const Vec& scores, const Vec& bias, 
 /// scaled. An id outside [0, E) gives NaN (it can match nothing).
 Vec topk_scores_for(const RouterSpec& spec, const Vec& scores, const Ids& ids, int64_t T);
 
+/// Under a held type other than fp32 (docs/contract.md §14 `router.score_dtype`),
+/// the per-element half-widths of the class `rounding` (docs/contract.md,
+/// comparison classes). router_scores_halfwidth: how far a held score may land
+/// from router_scores' value when the fp32 score it rounds is known within
+/// rtol |s| + atol (the scores tolerance) of the exact one.
+/// topk_scores_halfwidth: how far topk_scores_for's value may land when the
+/// fp32 sum of the K held scores and the fp32 quotient are each a few ulps
+/// off (another summation order), the held denominator included. Both
+/// mostly 0, so a missing or extra rounding fails.
+Vec router_scores_halfwidth(const RouterSpec& spec, const Vec& logits, int64_t T, double rtol, double atol);
+Vec topk_scores_halfwidth(const RouterSpec& spec, const Vec& scores, const Ids& ids, int64_t T);
+
 enum class ScoreApply { after_experts, before_experts };
 
 struct LocalDispatch {
@@ -239,19 +258,24 @@ struct SwigluTrace {
 };
 /// Under Compute::bf16, h13 and H hold bf16 values and Y is the bf16 result
 /// rounded to act. Row blocks of each expert run on `threads` threads; the
-/// result does not depend on their number (reference/blocked.h).
+/// result does not depend on their number (reference/blocked.h). With
+/// `row_scale` (one fp32 score per row of X; docs/contract.md §14
+/// score_on_hidden) H is H' = round(float(H) * s) of its row, the operand of
+/// the W2 GEMM, and the error scale carries the |s|.
 SwigluTrace swiglu_experts_traced(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F,
                                   WeightView W1, WeightView W3, WeightView W2,
                                   SiluRounding rounding = SiluRounding::fused, Compute compute = Compute::act,
-                                  int threads = 1, bool bounds = false);
+                                  int threads = 1, bool bounds = false, const float* row_scale = nullptr);
 
 /// The activation H = round_act(silu(h1) * h3) (docs/contract.md §8) of given
 /// [h1 | h3] rows, computed in fp64: what H must be given those GEMM outputs.
 /// halfwidth[i] is how far a correct fp32 computation may land from H[i]
 /// (one act rounding of a value within 2^-20 relative of the exact one; under
 /// SiluRounding::torchtitan, either rounding of silu(h1) such a value allows).
+/// With `row_scale`, H' = round_act(float(H) * s) of each row (score_on_hidden)
+/// and the half-width of what the accepted H give.
 Vec swiglu_hidden(Act act, const Vec& h13, int64_t rows, int64_t F, Vec& halfwidth,
-                  SiluRounding rounding = SiluRounding::fused);
+                  SiluRounding rounding = SiluRounding::fused, const float* row_scale = nullptr);
 
 /// How far a correct h13 = [round(X W1^T) | round(X W3^T)] (fp32 or better
 /// accumulation, docs/contract.md §8) may land from swiglu_experts_traced's h13, per
@@ -274,7 +298,7 @@ Vec swiglu_h13_halfwidth(Act act, const Vec& X, const Counts& counts, int64_t D,
 /// h1, h3 are fp64 GEMMs; m1, m3 and the last product are fp32 GEMMs of
 /// absolute values made upper bounds (reference/blocked.h).
 Vec swiglu_magnitude(const Vec& X, const Counts& counts, int64_t D, int64_t F, WeightView W1, WeightView W3,
-                     WeightView W2, int threads = 1);
+                     WeightView W2, int threads = 1, const float* row_scale = nullptr);
 
 /// Gradients of swiglu_experts (reference/swiglu_bwd.cpp): dX (rows, D) in
 /// act values; dW1, dW3 (E_l, F, D) and dW2 (E_l, D, F), the weights'

@@ -5,10 +5,22 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <vector>
 
 #include "reference.h"
 
 namespace ref {
+
+namespace {
+
+/// max |round(v') - round(v)| over v' in [v - room, v + room].
+float rounding_halfwidth(Act act, double v, double room) {
+  const float mid = round_act(act, f32(v));
+  const float lo = round_act(act, f32(v - room)), hi = round_act(act, f32(v + room));
+  return std::isfinite(mid) ? std::max(hi - mid, mid - lo) : 0.f;
+}
+
+}  // namespace
 
 Vec router_logits(const Vec& x, const Vec& wg, int64_t T, int64_t D, int E, GateDtype gate, Act act) {
   using MatD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -27,16 +39,15 @@ Vec router_logits_halfwidth(const Vec& x, const Vec& wg, int64_t T, int64_t D, i
   const Vec mag = gemm_magnitude(x, wg, T, D, E);
   const double gamma = double(D + 2) * std::ldexp(1.0, -24);
   Vec half(size_t(T * E), 0.f);
-  for (size_t i = 0; i < half.size(); ++i) {
-    const double v = exact_f32[i], room = gamma * mag[i] + std::ldexp(1.0, -126);
-    const float mid = round_act(act, exact_f32[i]);
-    const float lo = round_act(act, f32(v - room)), hi = round_act(act, f32(v + room));
-    half[i] = std::isfinite(mid) ? std::max(hi - mid, mid - lo) : 0.f;
-  }
+  for (size_t i = 0; i < half.size(); ++i)
+    half[i] = rounding_halfwidth(act, exact_f32[i], gamma * mag[i] + std::ldexp(1.0, -126));
   return half;
 }
 
-Vec router_scores(const RouterSpec& s, const Vec& logits, int64_t T) {
+namespace {
+
+/// The scores before the held rounding: fp64, rounded to fp32.
+Vec scores_f32(const RouterSpec& s, const Vec& logits, int64_t T) {
   const int E = s.E;
   Vec scores(size_t(T * E), 0.f);
   for (int64_t t = 0; t < T; ++t) {
@@ -52,6 +63,41 @@ Vec router_scores(const RouterSpec& s, const Vec& logits, int64_t T) {
     }
   }
   return scores;
+}
+
+/// Steps 7 and 8 for one token's K gathered scores in the held type
+/// (docs/contract.md §14 router.score_dtype): the fp32 sum of the K held
+/// scores and the 1e-20 each rounded to it, every quotient and product too.
+/// `sum_shift` / `q_shift` move the fp32 sum and quotients by that much
+/// before their rounding (topk_scores_halfwidth's neighbours).
+void norm_scale_held(const RouterSpec& s, float* ts, double sum_shift = 0, double q_shift = 0) {
+  if (s.route_norm) {
+    double sum = 0;
+    for (int k = 0; k < s.K; ++k) sum = f32(sum + ts[k]);
+    const float d = round_act(s.held, f32(double(round_act(s.held, f32(sum + sum_shift))) + 1e-20));
+    for (int k = 0; k < s.K; ++k) {
+      const double q = f32(double(ts[k]) / d);
+      ts[k] = round_act(s.held, f32(q + q_shift * std::fabs(q)));
+    }
+  }
+  for (int k = 0; k < s.K; ++k) ts[k] = round_act(s.held, f32(double(ts[k]) * s.route_scale));
+}
+
+}  // namespace
+
+Vec router_scores(const RouterSpec& s, const Vec& logits, int64_t T) {
+  Vec scores = scores_f32(s, logits, T);
+  if (s.held != Act::fp32)
+    for (float& v : scores) v = round_act(s.held, v);
+  return scores;
+}
+
+Vec router_scores_halfwidth(const RouterSpec& s, const Vec& logits, int64_t T, double rtol, double atol) {
+  const Vec exact = scores_f32(s, logits, T);
+  Vec half(exact.size(), 0.f);
+  for (size_t i = 0; i < half.size(); ++i)
+    half[i] = rounding_halfwidth(s.held, exact[i], rtol * std::fabs(double(exact[i])) + atol);
+  return half;
 }
 
 void select_experts(const RouterSpec& s, const Vec& scores, const Vec& bias, int64_t T, Vec& choice, Ids& ids) {
@@ -74,7 +120,9 @@ void select_experts(const RouterSpec& s, const Vec& scores, const Vec& bias, int
       for (int g = 0; g < s.groups; ++g) {
         std::vector<float> v(ch + g * per, ch + (g + 1) * per);
         std::sort(v.begin(), v.end(), std::greater<float>());
-        gs.push_back({-double(f32(double(v[0]) + v[1])), g});
+        // Without a bias the choice values are the held scores, and so is their sum.
+        const float sum = f32(double(v[0]) + v[1]);
+        gs.push_back({-double(s.bias ? sum : round_act(s.held, sum)), g});
       }
       std::sort(gs.begin(), gs.end());
       for (size_t n = size_t(s.limited_groups); n < gs.size(); ++n)
@@ -96,6 +144,10 @@ Vec topk_scores_for(const RouterSpec& s, const Vec& scores, const Ids& ids, int6
       const int32_t e = ids[size_t(t * K + k)];
       ts[k] = e >= 0 && e < E ? scores[size_t(t * E + e)] : std::numeric_limits<float>::quiet_NaN();
     }
+    if (s.held != Act::fp32) {
+      norm_scale_held(s, ts);
+      continue;
+    }
     if (s.route_norm) {
       float sum = 0.f;
       for (int k = 0; k < K; ++k) sum = f32(double(sum) + ts[k]);
@@ -105,6 +157,36 @@ Vec topk_scores_for(const RouterSpec& s, const Vec& scores, const Ids& ids, int6
     for (int k = 0; k < K; ++k) ts[k] = f32(double(ts[k]) * s.route_scale);
   }
   return out;
+}
+
+Vec topk_scores_halfwidth(const RouterSpec& s, const Vec& scores, const Ids& ids, int64_t T) {
+  const Vec mid = topk_scores_for(s, scores, ids, T);
+  Vec half(mid.size(), 0.f);
+  if (s.held == Act::fp32 || !s.route_norm) return half;  // no sum, no quotient: one value each
+  const int K = s.K;
+  for (int64_t t = 0; t < T; ++t) {
+    // The gathered held scores: the quotient's numerators.
+    std::vector<float> g(static_cast<size_t>(K));
+    double mag = 0;
+    for (int k = 0; k < K; ++k) {
+      const int32_t e = ids[size_t(t * K + k)];
+      g[size_t(k)] = e >= 0 && e < s.E ? scores[size_t(t * s.E + e)] : std::numeric_limits<float>::quiet_NaN();
+      mag += std::fabs(double(g[size_t(k)]));
+    }
+    // An fp32 sum of K terms in any order lands within (K + 1) 2^-24 sum |g|,
+    // a quotient within 2 ulps: every held value those neighbours round to.
+    const double sum_room = double(K + 1) * std::ldexp(mag, -24), q_room = std::ldexp(1.0, -22);
+    for (double ds : {-sum_room, 0.0, sum_room})
+      for (double dq : {-q_room, 0.0, q_room}) {
+        std::vector<float> v = g;
+        norm_scale_held(s, v.data(), ds, dq);
+        for (int k = 0; k < K; ++k) {
+          const size_t i = size_t(t * K + k);
+          if (std::isfinite(mid[i])) half[i] = std::max(half[i], std::fabs(v[size_t(k)] - mid[i]));
+        }
+      }
+  }
+  return half;
 }
 
 RouterOut route(const RouterSpec& s, const Vec& logits, const Vec& bias, int64_t T) {

@@ -56,13 +56,17 @@ struct Option {
   const char* key;      // the option's YAML, as a flow mapping entry
   const char* tensor;   // where it first changes a result
   const char* dtype;    // a dtype in which it must change it
+  const char* noop;     // a dtype in which it changes nothing (null: none)
 };
 
 const Option kOptions[] = {
-    {"router.gate_dtype: act", "logits", "bf16"},
-    {"score_multiply: act", "out", "bf16"},
-    {"experts.rounding: torchtitan", "expert_hidden", "bf16"},
-    {"experts.compute_dtype: bf16", "expert_output", "fp32"},
+    {"router.gate_dtype: act", "logits", "bf16", "fp32"},
+    {"router.score_dtype: act", "scores", "bf16", "fp32"},
+    {"score_multiply: act", "out", "bf16", "fp32"},
+    {"experts.rounding: torchtitan", "expert_hidden", "bf16", "fp32"},
+    {"experts.compute_dtype: bf16", "expert_output", "fp32", "bf16"},
+    // the score moves into the experts: another product in every dtype
+    {"score_on_hidden: on", "expert_output", "fp32", nullptr},
 };
 
 }  // namespace
@@ -80,11 +84,11 @@ TEST_CASE("conventions differ from the defaults where docs/contract.md §14 says
 }
 
 TEST_CASE("conventions are no-ops where they round to what is already there", "[cpu]") {
-  // In fp32 the act roundings of gate_dtype, score_multiply and
+  // In fp32 the act roundings of gate_dtype, score_dtype, score_multiply and
   // experts.rounding are the identity; in bf16 so is compute_dtype bf16.
   for (const Option& o : kOptions) {
-    const bool bf16_compute = std::string(o.key) == "experts.compute_dtype: bf16";
-    const std::string base = std::string("dtype: ") + (bf16_compute ? "bf16" : "fp32");
+    if (!o.noop) continue;
+    const std::string base = std::string("dtype: ") + o.noop;
     INFO(o.key << " in " << base);
     const CaseReport def = run_kept(conv_case(base));
     const CaseReport opt = run_kept(conv_case(base + ", " + o.key));
@@ -101,6 +105,8 @@ TEST_CASE("conventions fast equals reference", "[cpu][prop]") {
     const int K = *rc::gen::inRange(1, std::min(E, 4) + 1);
     const int64_t T = *rc::gen::element<int64_t>(0, 1, 3, 8, 17, 32);
     const char* gate = *rc::gen::element("fp32", "act");
+    const char* held = *rc::gen::element("fp32", "act");
+    const char* bias = *rc::gen::element("off", "on");
     const char* smul = *rc::gen::element("fp32", "act");
     const char* rounding = *rc::gen::element("fused", "torchtitan");
     const char* compute = *rc::gen::element("act", "bf16");
@@ -112,12 +118,43 @@ TEST_CASE("conventions fast equals reference", "[cpu][prop]") {
     y << "cases:\n  - {name: p, data: realistic, seed: " << *rc::gen::inRange(0, 100000) << ", dtype: " << dt
       << ", ep: " << ep << ", shape: {tokens: " << T << ", hidden: " << D << ", ffn: " << F << ", experts: " << E
       << ", top_k: " << K << "}, experts: {kind: swiglu, impl: " << impl << ", rounding: " << rounding
-      << ", compute_dtype: " << compute << "}, router: {gate_dtype: " << gate << ", route_norm: on}, score_multiply: "
+      << ", compute_dtype: " << compute << "}, router: {gate_dtype: " << gate << ", score_dtype: " << held << ", bias: " << bias
+      << ", route_norm: on}, score_multiply: "
       << smul << ", score_before_experts: " << before << ", shared_experts: {kind: " << shared << "}}\n";
     RC_CLASSIFY(std::string(gate) == "act", "gate act");
     RC_CLASSIFY(std::string(smul) == "act", "score act");
+    RC_CLASSIFY(std::string(held) == "act", "scores held in act");
     RC_CLASSIFY(std::string(rounding) == "torchtitan", "torchtitan rounding");
     RC_CLASSIFY(std::string(compute) == "bf16", "bf16 compute");
+    const Case c = load_cases_text(y.str(), "prop", {}).at(0);
+    RunOptions o;
+    o.threads = *rc::gen::inRange(1, 3);
+    const CaseReport r = run_case(c, o);
+    for (const auto& ch : r.checks)
+      if (ch.outcome != Outcome::PASSED && ch.outcome != Outcome::NOT_VERIFIED)
+        RC_FAIL(c.summary() + ": " + ch.slot + "/" + ch.variant + "/" + ch.tensor + " " + outcome_name(ch.outcome) +
+                " " + ch.note);
+  });
+}
+
+TEST_CASE("score_on_hidden fast equals reference", "[cpu][prop]") {
+  rc::prop("the score on the SwiGLU hidden with every expert impl and convention, random shapes and dtypes", [] {
+    const char* dt = *rc::gen::element("fp32", "bf16", "fp16");
+    const int E = *rc::gen::inRange(1, 9);
+    const int K = *rc::gen::inRange(1, std::min(E, 4) + 1);
+    const int64_t T = *rc::gen::element<int64_t>(0, 1, 3, 8, 17, 32);
+    const char* impl = *rc::gen::element("loop", "grouped", "batched");
+    const bool force_lb = std::string(impl) == "batched" || *rc::gen::arbitrary<bool>();  // equal counts for batched
+    const int64_t D = *rc::gen::element<int64_t>(1, 5, 16), F = *rc::gen::element<int64_t>(1, 8, 12);
+    std::ostringstream y;
+    y << "cases:\n  - {name: h, data: realistic, seed: " << *rc::gen::inRange(0, 100000) << ", dtype: " << dt
+      << ", shape: {tokens: " << T << ", hidden: " << D << ", ffn: " << F << ", experts: " << E << ", top_k: " << K
+      << "}, experts: {kind: swiglu, impl: " << impl << ", rounding: " << *rc::gen::element("fused", "torchtitan")
+      << ", compute_dtype: " << *rc::gen::element("act", "bf16") << "}, router: {route_norm: on, route_scale: "
+      << *rc::gen::element("1", "2.5") << ", force_load_balance: " << (force_lb ? "on" : "off")
+      << "}, score_multiply: " << *rc::gen::element("fp32", "act") << ", score_on_hidden: on"
+      << ", combine: {accumulate: " << *rc::gen::element("per_add", "fp32_accumulate")
+      << "}, shared_experts: {kind: " << *rc::gen::element("none", "swiglu") << "}}\n";
     const Case c = load_cases_text(y.str(), "prop", {}).at(0);
     RunOptions o;
     o.threads = *rc::gen::inRange(1, 3);

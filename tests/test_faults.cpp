@@ -17,7 +17,7 @@ std::vector<std::string> caught_by(const Case& c, Fault f) {
   clean.threads = 2;
   REQUIRE(run_case(c, clean).outcome == Outcome::PASSED);
   RunOptions faulty = clean;
-  faulty.faults.bits = uint32_t(f);
+  faulty.faults.bits = uint64_t(f);
   const CaseReport r = run_case(c, faulty);
   CHECK(r.outcome == Outcome::INCORRECT);
   std::vector<std::string> failed;
@@ -77,6 +77,27 @@ TEST_CASE("fault group_tie_higher is caught on exact group-score ties", "[cpu][f
     const auto failed = caught_by(case_named("router.yaml", name), Fault::group_tie_higher);
     CHECK(contains(failed, "routing/ids"));
   }
+}
+
+TEST_CASE("faults of held scores are caught by the routing checks", "[cpu][fault]") {
+  // router.score_dtype act (docs/contract.md §14) in bf16 and fp16: scores left
+  // in fp32 miss one rounding nearly everywhere; a route_norm denominator
+  // left in fp32 moves some quotients by an act ulp.
+  for (const char* dt : {"bf16", "fp16"}) {
+    INFO(dt);
+    Case c = case_named("router.yaml", "bias_group_limited[router.score=softmax]");
+    c.router.score_dtype = GateDtype::act;
+    c.dtype = std::string(dt) == "bf16" ? DType::bf16 : DType::fp16;
+    CHECK(contains(caught_by(c, Fault::scores_not_held), "routing/scores"));
+    CHECK(contains(caught_by(c, Fault::norm_sum_not_held), "routing/topk_scores"));
+  }
+}
+
+TEST_CASE("fault score_applied_twice is caught by the combine check", "[cpu][fault]") {
+  // score_on_hidden: the experts already scaled H; a second multiply in the
+  // combine scales every output by s once more (route_scale 2.5 makes it big).
+  Case c = case_named("conventions.yaml", "score_on_hidden[dtype=bf16]");
+  CHECK(contains(caught_by(c, Fault::score_applied_twice), "combine/out"));
 }
 
 TEST_CASE("fault silu_rounded is caught by the activation check, given the same GEMM outputs", "[cpu][fault]") {

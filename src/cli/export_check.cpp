@@ -49,7 +49,16 @@ const Stage* stage_for(const Case& c, const std::string& slot) {
 /// valid only within the scores tolerance is a near-tie: reported, not
 /// failed. With strict_ties the set must be the lowest-index one. topk_scores
 /// against the reference's scores at the implementation's ids (in its order),
-/// counts against the histogram of its ids.
+/// counts against the histogram of its ids. Under router.score_dtype act
+/// (docs/contract.md §14) scores and topk_scores are class rounding, the
+/// latter the chain on the judged scores (see check_routing).
+/// round_act to `act` as a plain function (SelectionRule::group_round).
+float (*group_rounding(ref::Act act))(float) {
+  if (act == ref::Act::bf16) return [](float v) { return ref::round_act_to<ref::Act::bf16>(v); };
+  if (act == ref::Act::fp16) return [](float v) { return ref::round_act_to<ref::Act::fp16>(v); };
+  return nullptr;
+}
+
 void check_routing_external(const Case& c, const Board& ref, const Board& merged,
                             const std::vector<std::map<std::string, Tensor>>& given, const ExternalOptions& opt,
                             CaseReport& rep) {
@@ -62,14 +71,23 @@ void check_routing_external(const Case& c, const Board& ref, const Board& merged
     const int64_t T = ref.at("scores", q).shape[0];
     const Tolerance stol = tolerance_for(c, CompareClass::scores);
     auto add = [&](const std::string& name, CompareClass cls, Coords co, const Tensor& f, const Tensor& r,
-                   const std::string& against, const std::string& note) {
+                   const std::string& against, const std::string& note, const Tensor* halfwidth = nullptr) {
       const OutputSpec o(name, cls, co, nullptr);
-      Check ch = check_output(c, "routing", "actual", o, &f, &r, mb, q, R, against);
+      Check ch = check_output(c, "routing", "actual", o, &f, &r, mb, q, R, against, halfwidth);
       if (!note.empty()) ch.note += (ch.note.empty() ? "" : "; ") + note;
       rep.checks.push_back(ch);
     };
     const bool own_scores = g.count("scores") > 0;
-    if (own_scores) add("scores", CompareClass::scores, Coords::token_expert, g.at("scores"), ref.at("scores", q), "reference", "");
+    const bool held = spec.held != ref::Act::fp32;
+    const CompareClass score_cls = held ? CompareClass::rounding : CompareClass::scores;
+    if (own_scores) {
+      Tensor hw;
+      if (held)
+        hw = from_floats(ref::router_scores_halfwidth(spec, to_floats(mb.at("logits")), T, stol.rtol, stol.atol),
+                         ElemType::f32, {T, E});
+      add("scores", score_cls, Coords::token_expert, g.at("scores"), ref.at("scores", q), "reference", "",
+          held ? &hw : nullptr);
+    }
     const ref::Vec ref_scores = to_floats(ref.at("scores", q));
     const ref::Vec judged = own_scores ? to_floats(g.at("scores")) : ref_scores;
     const ref::Ids ids_used = ref_ids(mb.at("ids"));
@@ -93,6 +111,7 @@ void check_routing_external(const Case& c, const Board& ref, const Board& merged
           // The selection values before any group mask.
           for (int64_t e = 0; e < E; ++e) raw[size_t(e)] = float(double(judged[size_t(t * E + e)]) + double(bias[size_t(e)]));
           SelectionRule rule{int(E), int(K), spec.groups, spec.limited_groups, 0.0};
+          if (held && !spec.bias) rule.group_round = group_rounding(spec.held);
           const SelectionVerdict exact = judge_selection(rule, raw.data(), a);
           ok = exact.valid;
           if (ok) {
@@ -119,9 +138,14 @@ void check_routing_external(const Case& c, const Board& ref, const Board& merged
       add("ids", CompareClass::exact, Coords::token_k, g.at("ids"), ids_tensor(expect, ElemType::i32, {T, K}),
           opt.strict_ties ? "ref, lowest index" : "ref, as a selection", note.str());
     }
-    if (g.count("topk_scores"))
-      add("topk_scores", CompareClass::scores, Coords::token_k, g.at("topk_scores"),
-          from_floats(ref::topk_scores_for(spec, ref_scores, ids_used, T), ElemType::f32, {T, K}), "ref at its ids", "");
+    if (g.count("topk_scores")) {
+      // Held scores are act values: the chain runs on the judged ones.
+      Tensor hw;
+      if (held) hw = from_floats(ref::topk_scores_halfwidth(spec, judged, ids_used, T), ElemType::f32, {T, K});
+      add("topk_scores", score_cls, Coords::token_k, g.at("topk_scores"),
+          from_floats(ref::topk_scores_for(spec, held ? judged : ref_scores, ids_used, T), ElemType::f32, {T, K}),
+          "ref at its ids", "", held ? &hw : nullptr);
+    }
     if (g.count("counts")) {
       std::vector<int64_t> hist(size_t(E), 0);
       for (int32_t e : ids_used)

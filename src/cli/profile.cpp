@@ -121,7 +121,32 @@ std::string pick(const Profile::Allow& a, std::mt19937_64& g) {
   return o.str();
 }
 
-void read_fix(Profile& p, const YAML::Node& fix) {
+/// The `--set` strings of the allow rules with a single value: every case
+/// the profile admits has that value, so the fixed and allowed values are
+/// probed beside them (a fixed score_on_hidden needs the swiglu experts the
+/// profile allows alone).
+std::vector<std::string> pinned(const YAML::Node& allow) {
+  std::vector<std::string> s;
+  if (allow && allow.IsMap())
+    for (const auto& kv : allow)
+      if (kv.second.IsSequence() && kv.second.size() == 1 && kv.first.Scalar() != "shape.tokens")
+        s.push_back(kv.first.Scalar() + "=" + emit_flow(kv.second[0]));
+  return s;
+}
+
+/// The profile's fixed keys and `pins` (pinned()) but key `own`'s, with
+/// `own`'s value `value` after them when given.
+std::vector<std::string> probe_sets(const Profile& p, const std::vector<std::string>& pins, const std::string& own = "",
+                                    const std::string& value = "") {
+  std::vector<std::string> s;
+  for (const auto& pin : pins)
+    if (own.empty() || pin.compare(0, own.size() + 1, own + "=") != 0) s.push_back(pin);
+  for (const auto& f : p.sets()) s.push_back(f);
+  if (!own.empty()) s.push_back(own + "=" + value);
+  return s;
+}
+
+void read_fix(Profile& p, const YAML::Node& fix, const std::vector<std::string>& pins) {
   if (!fix.IsMap()) bad_input(at(p.file, fix) + ": fix: expected a mapping of case keys to values; " + kValid);
   for (const auto& kv : fix) {
     const std::string k = kv.first.Scalar();
@@ -130,7 +155,7 @@ void read_fix(Profile& p, const YAML::Node& fix) {
                 "the keys of `moeverify validate --keys` but name, seed and sweep");
     p.fix.push_back({k, emit_flow(kv.second), int(kv.first.Mark().line) + 1});
   }
-  const std::string err = probe(p.sets());
+  const std::string err = probe(probe_sets(p, pins));
   if (err.empty()) return;
   // The loader names the key it refused ("--set KEY: ..."): point at its line.
   for (const auto& f : p.fix)
@@ -139,7 +164,8 @@ void read_fix(Profile& p, const YAML::Node& fix) {
   bad_input(at(p.file, fix) + ": fix: the fixed keys do not make a valid case together: " + err);
 }
 
-Profile::Allow read_allow_rule(const Profile& p, const YAML::Node& key, const YAML::Node& v) {
+Profile::Allow read_allow_rule(const Profile& p, const YAML::Node& key, const YAML::Node& v,
+                               const std::vector<std::string>& pins) {
   const std::string k = key.Scalar();
   Profile::Allow a;
   a.key = k;
@@ -152,9 +178,7 @@ Profile::Allow read_allow_rule(const Profile& p, const YAML::Node& key, const YA
     if (f.key == k) bad_input(where + "also fixed (line " + std::to_string(f.line) + "); valid: fix it or allow values, not both");
   if (v.IsSequence() && v.size() > 0) {
     for (const auto& e : v) {
-      std::vector<std::string> sets = p.sets();
-      sets.push_back(k + "=" + emit_flow(e));
-      const std::string err = k == "shape.tokens" ? "" : probe(sets);
+      const std::string err = k == "shape.tokens" ? "" : probe(probe_sets(p, pins, k, emit_flow(e)));
       if (!err.empty()) bad_input(at(p.file, e) + ": allow " + k + ": " + err);
       a.values.push_back(emit_flow(e));
     }
@@ -317,10 +341,11 @@ Profile load_profile(const std::string& name_or_file) {
       bad_input(at(file, kv.first) + ": unknown key '" + printable(k) + "'; " + kValid);
     }
   }
-  if (root["fix"]) read_fix(p, root["fix"]);
+  const std::vector<std::string> pins = pinned(root["allow"]);
+  if (root["fix"]) read_fix(p, root["fix"], pins);
   if (const YAML::Node allow = root["allow"]) {
     if (!allow.IsMap()) bad_input(at(file, allow) + ": allow: expected a mapping of case keys to values; " + kValid);
-    for (const auto& kv : allow) p.allow.push_back(read_allow_rule(p, kv.first, kv.second));
+    for (const auto& kv : allow) p.allow.push_back(read_allow_rule(p, kv.first, kv.second, pins));
   }
   return p;
 }

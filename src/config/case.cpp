@@ -225,8 +225,10 @@ std::string Case::summary() const {
   }
   // Framework conventions (docs/contract.md §14): named only when not the default.
   if (router.gate_dtype != GateDtype::fp32) o << " gate_dtype=" << enum_name(gate_dtype_table(), router.gate_dtype);
+  if (router.score_dtype != GateDtype::fp32) o << " score_dtype=" << enum_name(gate_dtype_table(), router.score_dtype);
   if (score_multiply != k::ScoreMultiply::fp32)
     o << " score_multiply=" << enum_name(score_multiply_table(), score_multiply);
+  if (score_on_hidden == Switch::on) o << " score_on_hidden=on";
   if (experts.rounding != k::SiluRounding::fused)
     o << " experts.rounding=" << enum_name(experts_rounding_table(), experts.rounding);
   if (experts.compute_dtype != ComputeDtype::act)

@@ -102,6 +102,9 @@ struct Case {
     float route_scale = 1.f;
     int hot_expert = -1;  // >= 0: +1 selection bias on this expert (it enters every top-k)
     GateDtype gate_dtype = GateDtype::fp32;  // docs/contract.md §14: logits rounded to act under `act`
+    // docs/contract.md §14 router.score_dtype: scores, their normalisation and
+    // scaling (and unbiased group scores) held in act under `act`
+    GateDtype score_dtype = GateDtype::fp32;
   } router;
   struct Experts {
     ExpertKind kind = ExpertKind::identity;
@@ -117,6 +120,10 @@ struct Case {
     SharedOrder order = SharedOrder::add_after;
   } shared;
   Switch score_before_experts = Switch::off;
+  // docs/contract.md §14 score_on_hidden: the score multiplies the SwiGLU
+  // hidden H before the down projection (Megatron-Core's per_token_scale);
+  // the combine then adds the expert outputs as they are.
+  Switch score_on_hidden = Switch::off;
   k::ScoreMultiply score_multiply = k::ScoreMultiply::fp32;  // docs/contract.md §14: score rounded to act under `act`
   struct Combine {
     k::Accumulate accumulate = k::Accumulate::per_add;

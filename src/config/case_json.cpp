@@ -33,6 +33,7 @@ nlohmann::ordered_json case_to_json(const Case& c) {
   j["router.route_scale"] = double(c.router.route_scale);  // a float is exact as a double
   j["router.hot_expert"] = c.router.hot_expert;
   j["router.gate_dtype"] = enum_name(gate_dtype_table(), c.router.gate_dtype);
+  j["router.score_dtype"] = enum_name(gate_dtype_table(), c.router.score_dtype);
   j["score_multiply"] = enum_name(score_multiply_table(), c.score_multiply);
   j["experts.rounding"] = enum_name(experts_rounding_table(), c.experts.rounding);
   j["experts.compute_dtype"] = enum_name(compute_dtype_table(), c.experts.compute_dtype);
@@ -42,6 +43,7 @@ nlohmann::ordered_json case_to_json(const Case& c) {
   j["shared_experts.kind"] = enum_name(shared_kind_table(), c.shared.kind);
   j["shared_experts.order"] = enum_name(shared_order_table(), c.shared.order);
   j["score_before_experts"] = enum_name(switch_table(), c.score_before_experts);
+  j["score_on_hidden"] = enum_name(switch_table(), c.score_on_hidden);
   j["combine.accumulate"] = enum_name(accumulate_table(), c.combine.accumulate);
   j["combine.placement"] = enum_name(placement_table(), c.combine.placement);
   j["combine.buffer"] = enum_name(out_buffer_table(), c.combine.buffer);

@@ -16,7 +16,7 @@ std::string case_key_meaning(const std::string& key) {
       {"shape.ffn", "F, the expert FFN size (SwiGLU experts)"},
       {"shape.experts", "E, routed experts in all (E % ep == 0)"},
       {"shape.top_k", "K, experts per token (K <= E)"},
-      {"dtype", "the activation dtype; router logits and scores are fp32 regardless"},
+      {"dtype", "the activation dtype; router logits and scores are fp32 unless router.gate_dtype / router.score_dtype say act"},
       {"seed", "the data seed: every input is a hash of (seed, stream, rank, row, column)"},
       {"data", "exact: small integers, bitwise checkable end to end; realistic: normal data, real weights"},
       {"backend", "where the fast path runs (the flag --backend sets it for every case)"},
@@ -29,6 +29,7 @@ std::string case_key_meaning(const std::string& key) {
       {"router.route_scale", "top-k scores multiplied by this"},
       {"router.hot_expert", "an expert given +1 selection bias: in every token's top-k (-1: none); the exported `bias` input already holds the +1, so an implementation adds it to nothing else"},
       {"router.gate_dtype", "fp32: logits from x and the gate promoted to fp32; act: rounded to act first (docs/contract.md §14)"},
+      {"router.score_dtype", "fp32: scores and top-k scores in fp32; act: the scores, the route_norm sum and quotient, the scaled scores and (without bias) the group scores rounded to act, and the score gradient too (docs/contract.md §14)"},
       {"score_multiply", "fp32: y = round(v * s); act: the score rounded to act first (docs/contract.md §14)"},
       {"experts.rounding", "fused: H = round(silu(h1) * h3); torchtitan: silu(h1) rounded first (docs/contract.md §14)"},
       {"experts.compute_dtype", "act, or bf16: X and the weights rounded to bf16 for the GEMMs (docs/contract.md §14)"},
@@ -40,6 +41,9 @@ std::string case_key_meaning(const std::string& key) {
       {"shared_experts.kind", "a shared expert beside the routed ones"},
       {"shared_experts.order", "add_after: out = combine + shared(x); init_with_shared: the combine starts from shared(x)"},
       {"score_before_experts", "on: rows scaled by their score before the experts, not after"},
+      {"score_on_hidden", "on: the score multiplies the SwiGLU hidden H before the down projection (Megatron-Core's per_token_scale), "
+                          "and the combine adds the expert outputs unscaled; ep 1, align 1, no capacity, SP or FP8, "
+                          "forward only (docs/contract.md §14)"},
       {"combine.accumulate", "per_add: a rounding after every addition; fp32_accumulate: one at the end (docs/contract.md §2)"},
       {"grad_accumulate", "the dispatch backward's sum of a token's K row gradients: as_combine (combine.accumulate's mode), "
                           "per_add (autograd's index_put_ with accumulate: a rounding after every addition) or "

@@ -134,6 +134,7 @@ void add_router_keys(std::vector<Field>& v) {
                }});
   v.push_back(int_field("router.hot_expert", -1, 4095, [](Case& c, int64_t x) { c.router.hot_expert = int(x); }));
   v.push_back(enum_field<GateDtype>("router.gate_dtype", gate_dtype_table(), [](Case& c) -> GateDtype& { return c.router.gate_dtype; }));
+  v.push_back(enum_field<GateDtype>("router.score_dtype", gate_dtype_table(), [](Case& c) -> GateDtype& { return c.router.score_dtype; }));
 }
 
 /// Experts, shared experts and the combine (docs/contract.md §2, §8, §9, §14).
@@ -147,6 +148,7 @@ void add_experts_combine_keys(std::vector<Field>& v) {
   v.push_back(enum_field<SharedKind>("shared_experts.kind", shared_kind_table(), [](Case& c) -> SharedKind& { return c.shared.kind; }));
   v.push_back(enum_field<SharedOrder>("shared_experts.order", shared_order_table(), [](Case& c) -> SharedOrder& { return c.shared.order; }));
   v.push_back(enum_field<Switch>("score_before_experts", switch_table(), [](Case& c) -> Switch& { return c.score_before_experts; }));
+  v.push_back(enum_field<Switch>("score_on_hidden", switch_table(), [](Case& c) -> Switch& { return c.score_on_hidden; }));
   v.push_back(enum_field<k::Accumulate>("combine.accumulate", accumulate_table(), [](Case& c) -> k::Accumulate& { return c.combine.accumulate; }));
   v.push_back(enum_field<GradAccumulate>("grad_accumulate", grad_accumulate_table(), [](Case& c) -> GradAccumulate& { return c.grad_accumulate; }));
   v.push_back(enum_field<CombinePlacement>("combine.placement", placement_table(), [](Case& c) -> CombinePlacement& { return c.combine.placement; }));

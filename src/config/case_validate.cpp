@@ -48,6 +48,29 @@ void validate_fp8(const Case& c, const Fail& fail) {
          "valid: backward off with dispatch.dtype fp8_e4m3");
 }
 
+/// score_on_hidden (docs/contract.md §14): the expert rows must be the
+/// dispatch rows, one to one, so that each takes its score_sorted entry.
+template <class Fail>
+void validate_score_on_hidden(const Case& c, const Fail& fail) {
+  if (c.score_on_hidden != Switch::on) return;
+  auto need = [&](bool ok, const char* key, const std::string& why, const char* valid) {
+    if (!ok) fail(key, "score_on_hidden: on " + why, std::string("valid: ") + valid + ", or score_on_hidden: off");
+  };
+  const std::string moved = "takes each expert row's score from its dispatch row, which ";
+  need(c.experts.kind == ExpertKind::swiglu, "experts.kind", "scales the SwiGLU hidden H", "experts.kind: swiglu");
+  need(c.score_before_experts == Switch::off, "score_before_experts", "places the score inside the experts, not before them",
+       "score_before_experts: off");
+  need(c.ep == 1, "ep", moved + "the EP exchange does not carry", "ep: 1");
+  need(c.align == 1, "align", moved + "alignment padding moves", "align: 1");
+  need(c.capacity.factor == 0, "capacity.factor", moved + "capacity dropping moves", "capacity.factor: 0");
+  need(c.equal_split.policy == EqualSplitPolicy::off, "equal_split.policy", moved + "equal-split padding moves",
+       "equal_split.policy: off");
+  need(c.sp == 1, "sp", "is modelled without sequence parallelism", "sp: 1");
+  need(!c.fp8(), "dispatch.dtype", "is modelled on act dispatch", "dispatch.dtype: act");
+  need(c.combine.placement == CombinePlacement::out_of_place && c.combine.buffer == OutBuffer::fresh, "combine.placement",
+       "is modelled with the out-of-place combine", "combine {placement: out_of_place, buffer: fresh}");
+}
+
 /// Streamed routed weights (experts.weights; docs/architecture.md "Scale and
 /// backends"): the paths that would need every expert's weights at once are
 /// refused, with the size that made `auto` stream them.
@@ -154,6 +177,7 @@ void validate(const Case& c, const Flat& flat) {
          "valid: combine.buffer: fresh with backward: on");
   validate_fp8(c, fail);
   validate_streamed(c, fail);
+  validate_score_on_hidden(c, fail);
 }
 
 }  // namespace

@@ -37,7 +37,7 @@ struct Fnv {
 // A field added to Case must be added below too: this guard fails the build
 // on the one platform CI builds (x86-64, libstdc++) when Case grows.
 #if defined(__x86_64__) && defined(__GLIBCXX__) && !defined(_GLIBCXX_DEBUG)
-static_assert(sizeof(Case) == 432, "Case changed: hash the new field in config_hash(), then update this size");
+static_assert(sizeof(Case) == 440, "Case changed: hash the new field in config_hash(), then update this size");
 #endif
 
 uint64_t config_hash(const Case& c) {
@@ -67,7 +67,9 @@ uint64_t config_hash(const Case& c) {
   f.e(c.score_before_experts);
   // the framework conventions (docs/contract.md §14)
   f.e(c.router.gate_dtype);
+  f.e(c.router.score_dtype);
   f.e(c.score_multiply);
+  f.e(c.score_on_hidden);
   f.e(c.experts.rounding);
   f.e(c.experts.compute_dtype);
   f.e(c.experts.weights);

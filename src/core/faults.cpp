@@ -73,6 +73,15 @@ const std::vector<FaultInfo>& fault_table() {
        "shard (docs/contract.md §11)"},
       {Fault::fp8_capacity_scales_unmoved, "fp8_capacity_scales_unmoved",
        "capacity dropping keeps the right e4m3 rows but leaves their block scales in dispatch order (docs/contract.md §11, §16)"},
+      {Fault::scores_not_held, "scores_not_held",
+       "the router keeps fp32 scores where the case holds them in act (router.score_dtype: act; torchtitan on the CPU "
+       "holds them in bf16, docs/contract.md §14): one rounding missing"},
+      {Fault::norm_sum_not_held, "norm_sum_not_held",
+       "route_norm divides the held scores by their fp32 sum, where the sum of act values is itself held in act "
+       "(docs/contract.md §14 router.score_dtype)"},
+      {Fault::score_applied_twice, "score_applied_twice",
+       "with the score applied to the SwiGLU hidden (score_on_hidden, Megatron-Core's per_token_scale), the combine "
+       "multiplies by it again (docs/contract.md §14)"},
       {Fault::fp8_capacity_filler_scale, "fp8_capacity_filler_scale",
        "a pad_to_capacity filler row gets the stale block scales of the row above it instead of scale 0 (docs/contract.md §16)"},
       {Fault::swiglu_bwd_silu_grad, "swiglu_bwd_silu_grad",

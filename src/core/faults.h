@@ -58,6 +58,10 @@ enum class Fault : uint64_t {
   // FP8 dispatch with capacity (docs/contract.md §11, §16; bits 40..41)
   fp8_capacity_scales_unmoved = 1ull << 40,  // capacity compacts the e4m3 rows but leaves their scales in dispatch order
   fp8_capacity_filler_scale = 1ull << 41,    // a pad_to_capacity filler row repeats the scales above it, not scale 0
+  // scores held in act (docs/contract.md §14 router.score_dtype; bits 42..43)
+  scores_not_held = 1ull << 42,    // the router's scores stay fp32 where the case holds them in act
+  norm_sum_not_held = 1ull << 43,  // route_norm divides by the fp32 sum of the held scores, not its act rounding
+  score_applied_twice = 1ull << 44,  // score_on_hidden: the combine multiplies by the score the experts already applied
 };
 
 struct FaultSet {

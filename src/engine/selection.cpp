@@ -46,7 +46,10 @@ SelectionVerdict judge_selection(const SelectionRule& r, const float* ch, const 
   if (r.groups > 1) {
     const int G = r.groups, per = r.E / G, L = r.limited_groups;
     std::vector<float> gs(static_cast<size_t>(G));
-    for (int g = 0; g < G; ++g) gs[size_t(g)] = group_score(ch + g * per, per);
+    for (int g = 0; g < G; ++g) {
+      gs[size_t(g)] = group_score(ch + g * per, per);
+      if (r.group_round) gs[size_t(g)] = r.group_round(gs[size_t(g)]);
+    }
     std::vector<float> sorted = gs;
     std::sort(sorted.begin(), sorted.end(), std::greater<float>());
     const double bound = sorted[size_t(L - 1)];

@@ -191,6 +191,11 @@ CoordFn coords_for(Coords kind, const Tensor& t, const RankBoard& b, int rank, i
 //   topk_scores  fast vs the reference's scores gathered at the fast ids,
 //                normalised and scaled, scores tolerance (relative, so it
 //                scales with route_scale);
+//   under router.score_dtype act (docs/contract.md §14) the scores and
+//                topk_scores are act values: class rounding, scores against
+//                the act rounding of the reference's fp32 ones (half-width:
+//                the scores tolerance), topk_scores against the chain run on
+//                the fast scores (half-width: other fp32 summation orders);
 //   counts       fast vs the histogram of the fast ids: exact.
 // Tokens whose fast ids differ from the reference's own selection are the
 // near-ties: reported, and the end-to-end chain continues from the fast
@@ -211,7 +216,18 @@ void check_routing(CheckCtx& ctx) {
     ref::Vec choice_on_fast;
     ref::Ids ids_on_fast;
     ref::select_experts(spec, fast_scores, to_floats(ctx.fast.at("bias", q)), T, choice_on_fast, ids_on_fast);
-    const ref::Vec topk_expected = ref::topk_scores_for(spec, ref_scores, fast_ids, T);
+    const bool held = spec.held != ref::Act::fp32;
+    // Held scores are act values: topk_scores follow from the fast ones
+    // exactly but for the fp32 summation order (halfwidth below).
+    const ref::Vec topk_expected = ref::topk_scores_for(spec, held ? fast_scores : ref_scores, fast_ids, T);
+    Tensor scores_hw, topk_hw;
+    if (held) {
+      const Tolerance st = tolerance_for(c, CompareClass::scores);
+      scores_hw = from_floats(ref::router_scores_halfwidth(spec, to_floats(ctx.fast.at("logits", q)), T, st.rtol, st.atol),
+                              ElemType::f32, {T, E});
+      topk_hw = from_floats(ref::topk_scores_halfwidth(spec, fast_scores, fast_ids, T), ElemType::f32, {T, K});
+    }
+    const CompareClass score_cls = held ? CompareClass::rounding : CompareClass::scores;
     std::vector<int64_t> hist(size_t(E), 0);
     for (int32_t e : fast_ids)
       if (e >= 0 && e < E) ++hist[size_t(e)];
@@ -224,14 +240,14 @@ void check_routing(CheckCtx& ctx) {
         }
     near_total += near;
     auto add = [&](const std::string& name, CompareClass cls, Coords co, const Tensor& f, const Tensor& r,
-                   const std::string& against, const std::string& note) {
+                   const std::string& against, const std::string& note, const Tensor* halfwidth = nullptr) {
       Check ch;
       ch.slot = "routing";
       ch.tensor = ranks > 1 ? name + "@" + std::to_string(q) : name;
       ch.cls = cls;
       ch.tol = tolerance_for(c, cls);
       ch.against = against;
-      ch.diff = diff_tensors(f, r, cls, ch.tol, coords_for(co, f, fb, q, ranks));
+      ch.diff = diff_tensors(f, r, cls, ch.tol, coords_for(co, f, fb, q, ranks), nullptr, halfwidth);
       ch.outcome = ch.diff.mismatches ? Outcome::INCORRECT : Outcome::PASSED;
       ch.note = ch.diff.structural.empty() ? note : ch.diff.structural;
       ctx.checks.push_back(ch);
@@ -240,14 +256,15 @@ void check_routing(CheckCtx& ctx) {
         near ? std::to_string(near) + " near-tie token(s): the fast ids differ from the reference's own selection "
                                       "where the scores agree within tolerance; reported, not failed"
              : "";
-    add("scores", CompareClass::scores, Coords::token_expert, ctx.fast.at("scores", q), ctx.ref.at("scores", q),
-        "reference", "");
+    add("scores", score_cls, Coords::token_expert, ctx.fast.at("scores", q), ctx.ref.at("scores", q), "reference", "",
+        held ? &scores_hw : nullptr);
     add("ids", CompareClass::exact, Coords::token_k, fids, ids_tensor(ids_on_fast, ElemType::i32, {T, K}),
         "ref on fast scores", near_note);
     if (ctx.checks.back().outcome != Outcome::PASSED)  // then the differences are not near-ties
       ctx.checks.back().note = "the fast ids are not the selection the contract makes from the fast scores";
-    add("topk_scores", CompareClass::scores, Coords::token_k, ctx.fast.at("topk_scores", q),
-        from_floats(topk_expected, ElemType::f32, {T, K}), "ref at fast ids", "");
+    add("topk_scores", score_cls, Coords::token_k, ctx.fast.at("topk_scores", q),
+        from_floats(topk_expected, ElemType::f32, {T, K}), held ? "ref on fast scores" : "ref at fast ids", "",
+        held ? &topk_hw : nullptr);
     add("counts", CompareClass::exact, Coords::expert, ctx.fast.at("counts", q), from_ints(hist, ElemType::i64, {E}),
         "histogram of ids", "");
   }

@@ -62,10 +62,14 @@
 
 namespace moev {
 
-std::string backward_unsupported(const Case&) {
-  // Every expert convention has a backward contract (docs/contract.md §13): the
-  // SwiGLU experts under experts.rounding and experts.compute_dtype, routed
-  // and shared alike. A convention added without one must be refused here.
+std::string backward_unsupported(const Case& c) {
+  // Every expert convention but score_on_hidden has a backward contract
+  // (docs/contract.md §13): the SwiGLU experts under experts.rounding and
+  // experts.compute_dtype, routed and shared alike. A convention added
+  // without one must be refused here.
+  if (c.backward == Switch::on && c.score_on_hidden == Switch::on)
+    return "score_on_hidden: on has a forward contract only (docs/contract.md §14): the score's gradient through "
+           "the scaled hidden is not modelled";
   return "";
 }
 
@@ -84,8 +88,15 @@ k::ScoreApply apply_of(const Case& c) {
 ref::ScoreApply ref_apply(const Case& c) {
   return scores_before(c) ? ref::ScoreApply::before_experts : ref::ScoreApply::after_experts;
 }
+/// The score multiply as the backward sees it. Under router.score_dtype act
+/// (docs/contract.md §14) the score is already an act value, so rounding it
+/// changes nothing, and its gradient is rounded to act as autograd rounds
+/// the gradient of an act tensor: exactly score_multiply act.
+k::ScoreMultiply score_product(const Case& c) {
+  return c.router.score_dtype == GateDtype::act ? k::ScoreMultiply::act : c.score_multiply;
+}
 ref::ScoreMultiply ref_smul(const Case& c) {
-  return c.score_multiply == k::ScoreMultiply::act ? ref::ScoreMultiply::act : ref::ScoreMultiply::fp32;
+  return score_product(c) == k::ScoreMultiply::act ? ref::ScoreMultiply::act : ref::ScoreMultiply::fp32;
 }
 bool has_shared(const Case& c) { return c.shared.kind != SharedKind::none; }
 bool routed_swiglu(const Case& c) { return c.experts.kind == ExpertKind::swiglu; }
@@ -174,7 +185,7 @@ void fast_combine_bwd(FastCtx& ctx) {
     gs = ctx.output("grad_topk_scores", ElemType::f32, {T, c.top_k}).as<float>();
     routed = ctx.input("routed_output").data();
   }
-  combine_backward(ctx.exec, c.dtype, apply_of(c), c.score_multiply, g.data(), routed,
+  combine_backward(ctx.exec, c.dtype, apply_of(c), score_product(c), g.data(), routed,
                    ctx.input("score_sorted").as<float>(), tok.as<int32_t>(), ctx.input("row_of").as<int32_t>(), T, N,
                    c.hidden, c.top_k, rows.data(), gs);
 }
@@ -675,7 +686,7 @@ void fast_dispatch_bwd(FastCtx& ctx) {
   Tensor& gx = rows_out(ctx, "grad_x", T);
   float* gs = scores_before(c) ? ctx.output("grad_topk_scores", ElemType::f32, {T, c.top_k}).as<float>() : nullptr;
   const bool shared = has_shared(c);
-  dispatch_backward(ctx.exec, c.dtype, apply_of(c), c.score_multiply, c.dispatch_grad_accumulate(),
+  dispatch_backward(ctx.exec, c.dtype, apply_of(c), score_product(c), c.dispatch_grad_accumulate(),
                     ctx.input("grad_routed_input").data(), ctx.input("score_sorted").as<float>(),
                     row_of.as<int32_t>(), scores_before(c) ? ctx.input("x").data() : nullptr,
                     shared ? SharedGrad::add_after : SharedGrad::none,

@@ -67,6 +67,9 @@ RouterConfig router_config(const Case& c) {
   r.score = c.router.score;
   r.selection = c.router.force_load_balance == Switch::on ? k::Selection::force_load_balance : k::Selection::topk;
   r.norm = c.router.route_norm == Switch::on ? k::RouteNorm::on : k::RouteNorm::off;
+  if (c.router.score_dtype == GateDtype::act)
+    r.held = c.dtype == DType::bf16 ? k::ScoreHeld::bf16 : c.dtype == DType::fp16 ? k::ScoreHeld::fp16 : k::ScoreHeld::fp32;
+  r.biased = c.router.bias == Switch::on || c.router.hot_expert >= 0;  // a hot expert is a bias
   return r;
 }
 
@@ -80,6 +83,8 @@ ref::RouterSpec ref_router_spec(const Case& c) {
   spec.selection = c.router.force_load_balance == Switch::on ? ref::Selection::force_load_balance : ref::Selection::topk;
   spec.route_norm = c.router.route_norm == Switch::on;
   spec.route_scale = c.router.route_scale;
+  if (c.router.score_dtype == GateDtype::act) spec.held = ref_act(c.dtype);
+  spec.bias = c.router.bias == Switch::on || c.router.hot_expert >= 0;  // a hot expert is a bias
   return spec;
 }
 
@@ -123,6 +128,26 @@ ref::ScoreMultiply ref_smul(const Case& c) {
   return c.score_multiply == k::ScoreMultiply::act ? ref::ScoreMultiply::act : ref::ScoreMultiply::fp32;
 }
 
+/// score_on_hidden (docs/contract.md §14): the score of each routed expert
+/// row, which is its dispatch row (ep 1, align 1: case_validate.cpp), rounded
+/// to act first under score_multiply act. Empty with the key off and for the
+/// shared expert (`mid` "shared_").
+ref::Vec hidden_scores(const Case& c, const RankBoard& b, const std::string& mid) {
+  if (c.score_on_hidden != Switch::on || mid != "expert_") return {};
+  ref::Vec s = to_floats(b.at("score_sorted"));
+  if (c.score_multiply == k::ScoreMultiply::act)
+    for (float& v : s) v = ref::round_act(ref_act(c.dtype), v);
+  return s;
+}
+/// Row r0 of hidden_scores, or null where there are none.
+const float* scores_from(const ref::Vec& s, int64_t r0) { return s.empty() ? nullptr : s.data() + r0; }
+
+/// Whether the combine multiplies by the score (docs/contract.md §2): not
+/// when the score was applied before the experts or inside them.
+bool combine_scales(const Case& c) {
+  return c.score_before_experts == Switch::off && c.score_on_hidden == Switch::off;
+}
+
 int64_t group_rows(const Tensor& counts) {
   int64_t n = 0;
   for (int64_t v : to_ints(counts)) n += v;
@@ -132,7 +157,7 @@ int64_t group_rows(const Tensor& counts) {
 ref::CombineSpec combine_spec(const Case& c) {
   ref::CombineSpec s;
   s.act = ref_act(c.dtype);
-  s.apply = c.score_before_experts == Switch::on ? ref::ScoreApply::before_experts : ref::ScoreApply::after_experts;
+  s.apply = combine_scales(c) ? ref::ScoreApply::after_experts : ref::ScoreApply::before_experts;
   s.acc = c.combine.accumulate == k::Accumulate::per_add ? ref::Accumulate::per_add : ref::Accumulate::fp32_accumulate;
   s.shared_add = c.shared.kind != SharedKind::none && c.shared.order == SharedOrder::add_after ? ref::SharedAdd::add_after
                                                                                                 : ref::SharedAdd::none;
@@ -151,7 +176,9 @@ CombineArgs combine_args(const FastCtx& ctx) {
   a.T = ctx.input("x").shape[0];
   a.D = c.hidden;
   a.K = c.top_k;
-  a.apply = c.score_before_experts == Switch::on ? k::ScoreApply::before_experts : k::ScoreApply::after_experts;
+  // The planted fault applies the score again after score_on_hidden did.
+  a.apply = combine_scales(c) || ctx.exec.faults.has(Fault::score_applied_twice) ? k::ScoreApply::after_experts
+                                                                                  : k::ScoreApply::before_experts;
   a.acc = c.combine.accumulate;
   const bool add_after = c.shared.kind != SharedKind::none && c.shared.order == SharedOrder::add_after;
   a.shared_add = add_after ? k::SharedAdd::add_after : k::SharedAdd::none;
@@ -249,13 +276,15 @@ void fast_swiglu(FastCtx& ctx, ExpertsImpl impl, const Tensor& X, const int64_t*
   Tensor& Y = ctx.output(out, X.type, {rows, c.hidden});
   Tensor& h13 = ctx.output(mid + "h13", mid_type(c, conv), {rows, 2 * c.ffn});
   Tensor& H = ctx.output(mid + "hidden", mid_type(c, conv), {rows, c.ffn});
+  const ref::Vec scores = hidden_scores(c, ctx.in, mid);
   for_weight_chunks(c, ctx.in, w_prefix, expert0, E_l, ctx.exec.threads,
                     [&](int64_t j0, int64_t m, const ExpertWeightSlice& w) {
                       const int64_t r0 = chunk_rows(counts, j0, m).first;
+                      SwigluConventions cv = conv;
+                      cv.row_scale = scores_from(scores, r0);
                       experts_swiglu(ctx.exec, c.dtype, impl, row_ptr(X.data(), X, r0), counts + j0, int(m), c.hidden,
                                      c.ffn, w.w1.data(), w.w3.data(), w.w2.data(), row_ptr(Y.data(), Y, r0),
-                                     SwigluIntermediates{row_ptr(h13.data(), h13, r0), row_ptr(H.data(), H, r0)},
-                                     conv);
+                                     SwigluIntermediates{row_ptr(h13.data(), h13, r0), row_ptr(H.data(), H, r0)}, cv);
                     });
 }
 
@@ -269,7 +298,8 @@ ref::Vec group_floats(const Case& c, const Tensor& X, const ref::Counts& counts)
   return xv;
 }
 
-/// f(x, counts, w) -> a (rows, width) Vec per chunk of experts, assembled
+/// f(x, counts, w, r0) -> a (rows, width) Vec per chunk of experts (its
+/// first row r0 of all), assembled
 /// into one for all of [first, first + counts.size()): the reference's
 /// per-expert functions over held or streamed weights alike.
 template <class F>
@@ -282,13 +312,13 @@ ref::Vec over_chunks(const Case& c, const RankBoard& b, const ref::Vec& xv, cons
                     [&](int64_t j0, int64_t m, const ExpertWeightSlice& w) {
                       const auto [r0, n] = chunk_rows(counts.data(), j0, m);
                       if (j0 == 0 && m == int64_t(counts.size())) {
-                        out = f(xv, counts, w);
+                        out = f(xv, counts, w, 0);
                         return;
                       }
                       out.resize(size_t(rows * width));
                       const ref::Vec part =
                           f(ref::Vec(xv.begin() + r0 * c.hidden, xv.begin() + (r0 + n) * c.hidden),
-                            ref::Counts(counts.begin() + j0, counts.begin() + j0 + m), w);
+                            ref::Counts(counts.begin() + j0, counts.begin() + j0 + m), w, r0);
                       std::copy(part.begin(), part.end(), out.begin() + r0 * width);
                     });
   if (out.empty()) out.assign(size_t(rows * width), 0.f);
@@ -296,21 +326,24 @@ ref::Vec over_chunks(const Case& c, const RankBoard& b, const ref::Vec& xv, cons
 }
 
 /// Error scale of SwiGLU over the first sum(counts) rows of X with the
-/// weights of experts [first, first + counts.size()) of the `w_prefix` tensors.
+/// weights of experts [first, first + counts.size()) of the `w_prefix` tensors
+/// (and the rows' hidden_scores, if any).
 Tensor swiglu_scale(const Case& c, const RankBoard& b, const Tensor& X, const ref::Counts& counts,
-                    const std::string& w_prefix, int64_t first, int threads = 1) {
+                    const std::string& w_prefix, int64_t first, int threads = 1, const ref::Vec& scores = {}) {
   const ref::Vec xv = group_floats(c, X, counts);
   const ref::Vec m = over_chunks(c, b, xv, counts, w_prefix, first, c.hidden, threads,
-                                 [&](const ref::Vec& x, const ref::Counts& n, const ExpertWeightSlice& w) {
+                                 [&](const ref::Vec& x, const ref::Counts& n, const ExpertWeightSlice& w, int64_t r0) {
                                    return ref::swiglu_magnitude(x, n, c.hidden, c.ffn, weight_view(w.w1, 0),
-                                                                weight_view(w.w3, 0), weight_view(w.w2, 0), threads);
+                                                                weight_view(w.w3, 0), weight_view(w.w2, 0), threads,
+                                                                scores_from(scores, r0));
                                  });
   return from_floats(m, ElemType::f32, {int64_t(xv.size()) / std::max<int64_t>(c.hidden, 1), c.hidden});
 }
 
 Tensor routed_swiglu_scale(const Case& c, const RankBoard& b, int rank, int ranks) {
   const ref::Counts counts = ref_counts(b.at("expert_counts"));
-  return swiglu_scale(c, b, b.at("expert_input"), counts, "", int64_t(rank) * (c.num_experts / ranks));
+  return swiglu_scale(c, b, b.at("expert_input"), counts, "", int64_t(rank) * (c.num_experts / ranks), 1,
+                      hidden_scores(c, b, "expert_"));
 }
 
 /// Where a SwiGLU runs: its input rows, their groups, and whose weights.
@@ -349,7 +382,7 @@ std::vector<OutputSpec> swiglu_mid_outputs(const SwigluSite& site, Coords co) {
                    const ref::Act a = mid_act(c, swiglu_conventions(c, st->mid));
                    const ref::Vec hw = over_chunks(
                        c, b, xv, counts, st->w_prefix, st->first_expert(c, rank, ranks), 2 * c.ffn, 1,
-                       [&](const ref::Vec& x, const ref::Counts& n, const ExpertWeightSlice& w) {
+                       [&](const ref::Vec& x, const ref::Counts& n, const ExpertWeightSlice& w, int64_t) {
                          return ref::swiglu_h13_halfwidth(a, x, n, c.hidden, c.ffn, weight_view(w.w1, 0),
                                                           weight_view(w.w3, 0));
                        });
@@ -361,7 +394,9 @@ std::vector<OutputSpec> swiglu_mid_outputs(const SwigluSite& site, Coords co) {
     const int64_t rows = h13.shape[0];
     const SwigluConventions conv = swiglu_conventions(c, st->mid);
     ref::Vec half;
-    const ref::Vec H = ref::swiglu_hidden(mid_act(c, conv), to_floats(h13), rows, c.ffn, half, ref_rounding(conv));
+    const ref::Vec scores = hidden_scores(c, b, st->mid);
+    const ref::Vec H = ref::swiglu_hidden(mid_act(c, conv), to_floats(h13), rows, c.ffn, half, ref_rounding(conv),
+                                          scores_from(scores, 0));
     scale = from_floats(half, ElemType::f32, {rows, c.ffn});
     return from_floats(H, h13.type, {rows, c.ffn});
   };
@@ -389,7 +424,8 @@ ref::Vec shared_scale(const Case& c, const RankBoard& b) {
 /// ranks' rows, not once per rank. The experts go in chunks of about 256 MiB
 /// of gathered fp32 rows (and of streamed weights).
 std::vector<ref::Vec> swiglu_scales_all_ranks(const Case& c, const RankBoard& weights, const std::vector<Tensor>& rows,
-                                              const std::vector<ref::Counts>& counts, int threads) {
+                                              const std::vector<ref::Counts>& counts, int threads,
+                                              const std::vector<ref::Vec>& scores) {
   const size_t R = rows.size();
   const int64_t D = c.hidden, E = c.num_experts;
   std::vector<std::vector<int64_t>> at(R, std::vector<int64_t>(size_t(E) + 1, 0));  // first row of (q, e)
@@ -410,16 +446,18 @@ std::vector<ref::Vec> swiglu_scales_all_ranks(const Case& c, const RankBoard& we
   for_weight_chunks(
       c, weights, "", 0, E, threads,
       [&](int64_t j0, int64_t m, const ExpertWeightSlice& w) {
-        ref::Vec x;
+        ref::Vec x, s;  // the rows, and their hidden scores where there are
         ref::Counts n(size_t(m), 0);
         for (int64_t e = j0; e < j0 + m; ++e)
           for (size_t q = 0; q < R; ++q) {
             const ref::Vec v = to_floats(block(q, e));
             x.insert(x.end(), v.begin(), v.end());
             n[size_t(e - j0)] += counts[q][size_t(e)];
+            if (!scores[q].empty())
+              s.insert(s.end(), scores[q].begin() + at[q][size_t(e)], scores[q].begin() + at[q][size_t(e) + 1]);
           }
         const ref::Vec mag = ref::swiglu_magnitude(x, n, D, c.ffn, weight_view(w.w1, 0), weight_view(w.w3, 0),
-                                                   weight_view(w.w2, 0), threads);
+                                                   weight_view(w.w2, 0), threads, scores_from(s, 0));
         size_t pos = 0;
         for (int64_t e = j0; e < j0 + m; ++e)
           for (size_t q = 0; q < R; ++q) {
@@ -445,7 +483,9 @@ std::vector<Tensor> combined_magnitudes(const Case& c, const std::vector<RankBoa
   if (c.experts.kind == ExpertKind::swiglu && R > 0) {
     std::vector<ref::Counts> counts(R);
     for (size_t q = 0; q < R; ++q) counts[q] = ref_counts(ranks[q].at("counts"));
-    std::vector<ref::Vec> scales = swiglu_scales_all_ranks(c, ranks[0], rows, counts, threads);
+    std::vector<ref::Vec> hs(R);
+    for (size_t q = 0; q < R; ++q) hs[q] = hidden_scores(c, ranks[q], "expert_");
+    std::vector<ref::Vec> scales = swiglu_scales_all_ranks(c, ranks[0], rows, counts, threads, hs);
     for (size_t q = 0; q < R; ++q) {
       const int64_t n = int64_t(scales[q].size()) / std::max<int64_t>(c.hidden, 1);
       rows[q] = from_floats(scales[q], ElemType::f32, {n, c.hidden});
@@ -484,6 +524,7 @@ void ref_swiglu(RefCtx& r, const std::string& in, const std::function<ref::Count
     const ref::Vec xv = group_floats(c, X, counts);
     const int64_t rows = int64_t(xv.size()) / std::max<int64_t>(D, 1);
     const SwigluConventions conv = swiglu_conventions(c, mid);
+    const ref::Vec scores = hidden_scores(c, b, mid);
     // Y, h13 and (with scales) their error scales: the one chunk's trace as
     // it is (held weights), else each chunk's rows put in place.
     ref::SwigluTrace all;
@@ -500,7 +541,7 @@ void ref_swiglu(RefCtx& r, const std::string& in, const std::function<ref::Count
                             ref::Counts(counts.begin() + j0, counts.begin() + j0 + m), D, F, weight_view(w.w1, 0),
                             weight_view(w.w3, 0), weight_view(w.w2, 0), ref_rounding(conv),
                             conv.compute == ComputeDtype::bf16 ? ref::Compute::bf16 : ref::Compute::act, r.threads,
-                            r.wants_scales());
+                            r.wants_scales(), scores_from(scores, r0));
                         if (m == int64_t(counts.size())) {
                           all = std::move(tr);
                           return;
@@ -808,8 +849,10 @@ Stage identity_experts() {
 /// What a routed SwiGLU stage reads from the board: the weights only where
 /// they are held (streamed ones are generated by the stage itself).
 std::vector<std::string> routed_swiglu_inputs(const Case& c) {
-  if (c.streams_weights()) return {"expert_input", "expert_counts"};
-  return {"expert_input", "expert_counts", "w1", "w3", "w2"};
+  std::vector<std::string> v = {"expert_input", "expert_counts"};
+  if (!c.streams_weights()) v.insert(v.end(), {"w1", "w3", "w2"});
+  if (c.score_on_hidden == Switch::on) v.push_back("score_sorted");  // hidden_scores
+  return v;
 }
 
 Stage swiglu_experts(ExpertsImpl impl) {
@@ -862,12 +905,15 @@ Stage swiglu_batched() {
     Tensor& H = ctx.output("expert_hidden", mid_type(c, conv), {cnt * E_l, c.ffn});
     // The cache is cold per run (and per chunk of streamed weights); its
     // reuse across versions is tested in test_ep.cpp.
+    const ref::Vec scores = hidden_scores(c, ctx.in, "expert_");
     for_weight_chunks(c, ctx.in, "", e0, E_l, ctx.exec.threads, [&](int64_t j0, int64_t m, const ExpertWeightSlice& w) {
       BatchedWeightCache cache;
       const int64_t r0 = j0 * cnt;
+      SwigluConventions cv = conv;
+      cv.row_scale = scores_from(scores, r0);
       experts_swiglu_batched(ctx.exec, c.dtype, row_ptr(X.data(), X, r0), cnt, int(m), c.hidden, c.ffn, w.w1.data(),
                              w.w3.data(), w.w2.data(), 1, cache, row_ptr(Y.data(), Y, r0),
-                             SwigluIntermediates{row_ptr(h13.data(), h13, r0), row_ptr(H.data(), H, r0)}, conv);
+                             SwigluIntermediates{row_ptr(h13.data(), h13, r0), row_ptr(H.data(), H, r0)}, cv);
     });
     ctx.notes.push_back("rank " + std::to_string(ctx.rank) + ": batched over (E_l, c) = (" + std::to_string(E_l) +
                         ", " + std::to_string(cnt) + ")");

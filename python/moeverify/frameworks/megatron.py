@@ -12,11 +12,12 @@ at its seams (moeverify.torch.Capture; SEAMS below, docs/frameworks.md).
 
 What it judges, and what not (docs/frameworks.md "Megatron-Core"):
   - router_logits, routing (ids and top-k probabilities from its dense
-    probs and routing map), dispatch (the permute), the experts' [h1 | h3].
-  - Not the experts' outputs, the combine or the backward: Megatron-Core
-    0.16 multiplies each row's probability into H before linear_fc2
-    (per_token_scale), a placement of the score moeverify has no key for
-    yet, so its expert outputs are scaled and its combine rounds elsewhere.
+    probs and routing map), dispatch (the permute), the experts' [h1 | h3],
+    their scaled hidden and outputs, and the combine: Megatron-Core 0.16
+    multiplies each row's probability into H before linear_fc2
+    (per_token_scale), the case key score_on_hidden (docs/contract.md §14),
+    which the profile sets.
+  - Not the backward: score_on_hidden has a forward contract only.
 Two shims make it run on a CPU, neither touching a value: the router's
 gating moves its weight to `torch.cuda.current_device()` (made the CPU),
 and moe_utils names `te_general_gemm` only when Transformer Engine is
@@ -44,6 +45,8 @@ SEAMS = [
     Seam("token_dispatcher", "call",
          {"dispatch.routed_input": 0, "routing.counts": 1, "dispatch.score_sorted": 2},
          method="dispatch_postprocess"),
+    # SequentialMLP returns (output, bias): the expert rows' outputs
+    Seam("experts", "out", {"experts.expert_output": 0}),
 ]
 
 NEEDS = {
@@ -52,7 +55,8 @@ NEEDS = {
     "router.hot_expert": (-1,), "router.force_load_balance": ("off",),
     # its conventions as the adapter configures it (cases/profiles/megatron-0.16.yaml)
     "router.gate_dtype": ("fp32",), "experts.rounding": ("torchtitan",), "experts.compute_dtype": ("act",),
-    "align": (1,), "empty_groups": ("zero",),
+    "align": (1,), "empty_groups": ("zero",), "score_on_hidden": ("on",), "score_multiply": ("fp32",),
+    "combine.accumulate": ("fp32_accumulate",), "backward": ("off",),
 }
 
 
@@ -157,10 +161,12 @@ def run(g):
         # (*input.shape[:-1], -1), which an empty output cannot take.
         raise Unsupported("megatron-core 0.16.1 bug: a rank of 0 tokens raises in the router's gating "
                           "(output.view(*shape[:-1], -1) of an empty tensor)")
-    seams = list(SEAMS) + [Seam("experts.local_experts.%d.linear_fc1" % e, "out", {"_fc1": 0})
-                           for e in range(len(moe.experts.local_experts))]
+    seams = list(SEAMS)
+    for e in range(len(moe.experts.local_experts)):
+        seams.append(Seam("experts.local_experts.%d.linear_fc1" % e, "out", {"_fc1": 0}))
+        seams.append(Seam("experts.local_experts.%d.linear_fc2" % e, "in", {"_fc2_in": 0}))
     with torch.no_grad(), Capture(moe, seams, backward=False) as cap:
-        moe(x.view(T, 1, D))
+        out = moe(x.view(T, 1, D))
     # the dense (T, E) probabilities and routing map, as the (T, K) layout of
     # the manifest: each token's experts in ascending id, their probabilities
     routing_map, probs = cap.scratch["_routing_map"][-1], cap.scratch["_probs"][-1]
@@ -169,6 +175,11 @@ def run(g):
     cap.values["routing.topk_scores"] = probs.gather(1, ids)
     cap.values["dispatch.token_sorted"] = moe.token_dispatcher.reversed_local_input_permutation_mapping
     cap.values["experts.expert_h13"] = torch.cat(cap.scratch["_fc1"])
+    # linear_fc2's operand is H scaled by the row's probability (per_token_scale)
+    cap.values["experts.expert_hidden"] = torch.cat(cap.scratch["_fc2_in"])
+    # MoELayer returns (output, bias); with one rank its reduce-scatter is the
+    # identity, so the output is the unpermute's scatter-add
+    cap.values["combine.out"] = (out[0] if isinstance(out, tuple) else out).reshape(T, D)
     cap.write(g)
 
 

@@ -129,6 +129,7 @@ NEEDS = {
     # its conventions (docs/contract.md §14; cases/profiles/torchtitan-0.3.yaml
     # sets them): a case asking for another one asks for other arithmetic
     "router.gate_dtype": ("act",),
+    "router.score_dtype": ("act",),
     "score_multiply": ("fp32",),
     "experts.rounding": ("torchtitan",),
     "experts.compute_dtype": ("bf16",),
@@ -291,25 +292,10 @@ def run(g):
     if backward:
         x.requires_grad_(True)
     grads = {k: v for k, v in PARAM_GRADS.items() if moe.shared_experts is not None or "shared" not in k}
-    skip = ()
-    if act != torch.float32:
-        # On the CPU, autocast refuses float32, so torchtitan's router computes
-        # its scores, top-k gather, normalisation and scale in bf16: a
-        # convention moeverify has no key for yet (docs/frameworks.md). The
-        # router is not judged; the routed experts are fed the reference's
-        # routing instead, as check feeds a stage not written. Its logits are
-        # left out too: check would route them again and judge the dispatch
-        # on that routing, not on the one fed here.
-        skip = ("router_logits.logits", "routing.scores", "routing.ids", "routing.topk_scores", "routing.counts")
-        routing = [g.expected(n, rank=rank, as_torch=True) for n in ("topk_scores", "ids", "counts")]
-        routing[1] = routing[1].long()
-        if backward:
-            routing[0].requires_grad_(True)
-
-        def feed_reference_routing(module, args):
-            return (args[0], routing[0].view(args[1].shape), routing[1].view(args[2].shape), routing[2])
-
-        moe.routed_experts.register_forward_pre_hook(feed_reference_routing)
+    # On the CPU, autocast refuses float32, so in a bf16 case torchtitan's
+    # router computes its logits, scores, normalisation and scale in bf16:
+    # router.gate_dtype and router.score_dtype act (docs/contract.md §14),
+    # which the profile sets and refuse_unsupported requires.
     if backward:
         # moeverify's grad_x is the token path's (docs/contract.md §13): the
         # router's own input gradient (through the gate, into x) is not part of
@@ -322,8 +308,6 @@ def run(g):
             out.backward(g.input("grad_out", rank=rank, as_torch=True).to(act))
     if backward:
         cap.values["dispatch_bwd.grad_x"] = x.grad.detach().clone()
-    if backward and skip:
-        cap.values["combine_bwd.grad_topk_scores"] = routing[0].grad.detach().clone()
     gemm_out, gemm_a = cap.scratch.get("_gemm_out", []), cap.scratch.get("_gemm_a", [])
     if len(gemm_out) == 3:
         cap.values["experts.expert_h13"] = torch.cat([gemm_out[0], gemm_out[1]], dim=1)
@@ -331,7 +315,7 @@ def run(g):
     if "_shared_h1" in cap.scratch:
         cap.values["shared_experts.shared_h13"] = torch.cat(
             [cap.scratch["_shared_h1"][-1], cap.scratch["_shared_h3"][-1]], dim=-1)
-    cap.write(g, rank=rank, skip=skip)
+    cap.write(g, rank=rank)
 
 
 def main(argv=None):
