@@ -180,6 +180,8 @@ def refuse_unsupported(case):
             raise moeverify.Unsupported("%s must be %s (this example implements the plain path)" % (key, want))
     if case.get("dispatch.dtype", "act") != "act":  # the key is in the manifest only under FP8 dispatch
         raise moeverify.Unsupported("dispatch.dtype must be act (no FP8 dispatch here)")
+    if case.get("score_on_hidden", "off") != "off":
+        raise moeverify.Unsupported("score_on_hidden must be off (the score multiplies in the combine here)")
 
 
 def implement(g, bug=None):

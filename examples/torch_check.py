@@ -39,7 +39,8 @@ def main():
         sys.exit(__doc__)
     g = moeverify.open(args[0])
     case = g.case
-    if g.ranks != 1 or case["shared_experts.kind"] != "none" or case["score_before_experts"] != "off":
+    if g.ranks != 1 or case["shared_experts.kind"] != "none" or case["score_before_experts"] != "off" \
+            or case.get("score_on_hidden", "off") != "off":
         sys.exit("torch_check.py: local path without shared experts, scores after the experts only "
                  "(examples/torch_ep.py runs EP cases)")
     torch.set_num_threads(1)

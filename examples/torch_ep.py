@@ -81,6 +81,7 @@ def main():
     if g.ranks != world:
         sys.exit("torch_ep.py: the case has ep %d; run it with torchrun --nproc-per-node %d" % (g.ranks, g.ranks))
     if case["shared_experts.kind"] != "none" or case["score_before_experts"] != "off" or case["align"] != 1 \
+            or case.get("score_on_hidden", "off") != "off" \
             or case["capacity.factor"] != 0 or case["equal_split.policy"] != "off":
         sys.exit("torch_ep.py: plain EP path only (no shared experts, scores after the experts, align 1, "
                  "no capacity, no equal split)")

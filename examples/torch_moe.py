@@ -49,6 +49,8 @@ def refuse_unsupported(g):
             raise moeverify.Unsupported("%s must be %s" % (key, want))
     if c.get("dispatch.dtype", "act") != "act":
         raise moeverify.Unsupported("dispatch.dtype must be act")
+    if c.get("score_on_hidden", "off") != "off":
+        raise moeverify.Unsupported("score_on_hidden must be off (the score multiplies after the experts here)")
 
 
 def swiglu_experts(x, counts, w1, w3, w2):

@@ -76,6 +76,9 @@ struct SwigluConventions {
   /// score_on_hidden (docs/contract.md §14): one fp32 score per row of X,
   /// multiplied into H before the W2 GEMM; null: none.
   const float* row_scale = nullptr;
+  /// experts.w13_fused (docs/contract.md §14): under the torchtitan rounding
+  /// the backward forms dX in one GEMM over 2F, not two rounded ones.
+  bool w13_fused = false;
 };
 
 /// The SwiGLU intermediates, caller-owned, in dtype: h13 (rows, 2F) holds

@@ -61,7 +61,7 @@ BwdRules rules_of(const ExecCtx& ctx, const SwigluConventions& conv) {
   r.rounding = conv.rounding;
   const bool unfused = conv.rounding == k::SiluRounding::rounded_to_act;
   r.fused_grad = unfused && ctx.faults.has(Fault::swiglu_bwd_fused_rounding);
-  r.split_dx = unfused;
+  r.split_dx = unfused && !conv.w13_fused;
   r.round_wgrad = (unfused || conv.compute == ComputeDtype::bf16) && !ctx.faults.has(Fault::swiglu_bwd_wgrad_fp32);
   return r;
 }

@@ -326,10 +326,12 @@ struct SwigluGrads {
 /// of the act-rounded inputs from the same GEMMs (swiglu_backward_magnitude's
 /// when the inputs are act values, as a stage's tensors are); under autograd's
 /// rules the half-widths of class rounding instead.
+/// `w13_fused`: W1 and W3 are one GEMM (docs/contract.md §14 experts.w13_fused), so
+/// dX is one GEMM over 2F under the torchtitan rounding too.
 SwigluGrads swiglu_experts_backward(Act act, const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
                                     WeightView W1, WeightView W3, WeightView W2,
                                     SiluRounding rounding = SiluRounding::fused, Compute compute = Compute::act,
-                                    int threads = 1, bool bounds = false);
+                                    int threads = 1, bool bounds = false, bool w13_fused = false);
 /// Backward of swiglu_experts under experts.rounding torchtitan and/or
 /// experts.compute_dtype bf16 (docs/contract.md §13, autograd's rounding points), per
 /// expert j, with ca the compute dtype (bf16 under Compute::bf16, else act)
@@ -341,7 +343,7 @@ SwigluGrads swiglu_experts_backward(Act act, const Vec& X, const Vec& dY, const 
 ///   fused:      dh3 = round(dH silu(h1)), dh1 = round(dH h3 silu'(h1));
 ///   dX  = round_act(round_act(round(dh1 W1_j)) + round_act(round(dh3 W3_j)))
 ///         (torchtitan: x feeds two GEMMs; the sum in fp32), or
-///         round_act(round(dh1 W1_j + dh3 W3_j)) (fused);
+///         round_act(round(dh1 W1_j + dh3 W3_j)) (fused, or w13_fused: one GEMM);
 ///   dW1 = round_act(round(dh1^T X_j)), dW3 likewise, dW2 = round_act(round(dY_j^T H_j)).
 /// In fp64 from the rounded operands. With bounds, the m* fields hold the
 /// half-widths of class `rounding` (reference/swiglu_bwd_autograd.cpp): how far
@@ -349,7 +351,7 @@ SwigluGrads swiglu_experts_backward(Act act, const Vec& X, const Vec& dY, const 
 /// unit in the last place for most elements).
 SwigluGrads swiglu_backward_autograd(Act act, const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
                                      WeightView W1, WeightView W3, WeightView W2, SiluRounding rounding,
-                                     Compute compute, int threads = 1, bool bounds = false);
+                                     Compute compute, int threads = 1, bool bounds = false, bool w13_fused = false);
 /// Error scales of swiglu_experts_backward (docs/contract.md §15), same layouts: the
 /// sums of |terms| with a first-order propagation of the errors of every
 /// rounded intermediate (h1, h3 from |X||W|^T, dH from |dY||W2|, dh1, dh3

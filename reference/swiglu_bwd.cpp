@@ -119,9 +119,10 @@ SwigluGrads swiglu_bwd_core(Act act, const Vec& X, const Vec& dY, const Counts& 
 
 SwigluGrads swiglu_experts_backward(Act act, const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
                                     WeightView W1, WeightView W3, WeightView W2, SiluRounding rounding,
-                                    Compute compute, int threads, bool bounds) {
+                                    Compute compute, int threads, bool bounds, bool w13_fused) {
   if (rounding != SiluRounding::fused || compute != Compute::act)
-    return swiglu_backward_autograd(act, X, dY, counts, D, F, W1, W3, W2, rounding, compute, threads, bounds);
+    return swiglu_backward_autograd(act, X, dY, counts, D, F, W1, W3, W2, rounding, compute, threads, bounds,
+                                    w13_fused);
   BwdWant want;
   want.grads = true;
   want.magnitude = bounds;

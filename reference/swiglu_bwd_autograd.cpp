@@ -271,7 +271,7 @@ void input_grad(const Rd& R, bool split, const ElemOut& e, const MatD& w1, const
 
 SwigluGrads swiglu_backward_autograd(Act act, const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
                                      WeightView W1, WeightView W3, WeightView W2, SiluRounding rounding,
-                                     Compute compute, int threads, bool bounds) {
+                                     Compute compute, int threads, bool bounds, bool w13_fused) {
   std::vector<int64_t> first(counts.size(), 0);
   int64_t rows = 0;
   for (size_t j = 0; j < counts.size(); ++j) first[j] = rows, rows += counts[j];
@@ -295,7 +295,7 @@ SwigluGrads swiglu_backward_autograd(Act act, const Vec& X, const Vec& dY, const
       const ElemOut e = elementwise(R, rounding, x * w1.transpose(), x * w3.transpose(), dy * w2,
                                     abs_product_nt(ax, absf(w1)), abs_product_nt(ax, absf(w3)),
                                     abs_product_nn(ady, absf(w2)), D);
-      input_grad(R, rounding == SiluRounding::torchtitan, e, w1, w3, g, size_t(row * D), bounds);
+      input_grad(R, rounding == SiluRounding::torchtitan && !w13_fused, e, w1, w3, g, size_t(row * D), bounds);
       const double gn = gamma_of(n);
       const size_t at = size_t(j) * size_t(F * D);
       MatD r1, r3, r2;

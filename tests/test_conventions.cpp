@@ -165,3 +165,21 @@ TEST_CASE("score_on_hidden fast equals reference", "[cpu][prop]") {
                 " " + ch.note);
   });
 }
+
+TEST_CASE("experts.w13_fused changes the input gradient under the torchtitan rounding only", "[cpu]") {
+  // One GEMM over 2F rounded once against two rounded GEMMs added: another
+  // dX in bf16 (docs/contract.md §13, §14); the forward and the default
+  // rounding's backward (already one GEMM) are the same.
+  const std::string bwd = "dtype: bf16, backward: on, ";
+  for (const char* rounding : {"torchtitan", "fused"}) {
+    INFO(rounding);
+    const std::string base = bwd + "experts.rounding: " + rounding;
+    const CaseReport split = run_kept(conv_case(base));
+    const CaseReport fused = run_kept(conv_case(base + ", experts.w13_fused: on"));
+    require_passed(split);
+    require_passed(fused);
+    CHECK(differing(split, fused, "out") == 0);
+    if (std::string(rounding) == "torchtitan") CHECK(differing(split, fused, "grad_expert_input") > 0);
+    else CHECK(differing(split, fused, "grad_expert_input") == 0);
+  }
+}

@@ -119,7 +119,7 @@ std::vector<YAML::Node> shrink_candidates(const YAML::Node& n) {
         with([&](YAML::Node& c) { c[section].remove(k); });
       }
   for (const char* key : {"score_before_experts", "align", "empty_groups", "permute", "dtype", "data",
-                          "router.gate_dtype", "router.score_dtype", "score_multiply", "experts.rounding", "experts.compute_dtype", "experts.weights", "sp",
+                          "router.gate_dtype", "router.score_dtype", "score_multiply", "experts.rounding", "experts.compute_dtype", "experts.w13_fused", "experts.weights", "sp",
                           "sp_padding", "backward", "layers", "capacity", "dispatch"})
     if (n[key]) with([&](YAML::Node& c) { c.remove(key); });
   return out;

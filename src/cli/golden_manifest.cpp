@@ -220,7 +220,19 @@ int cmd_export(const std::string& file, const std::string& dir, const CaseFilter
   if (profile)
     for (const auto& s : profile->sets()) all_sets.push_back(s);
   std::vector<std::string> misfits;
-  const std::vector<Case> cases = load_cases(file, all_sets, &misfits);
+  std::vector<Case> cases;
+  try {
+    cases = load_cases(file, all_sets, &misfits);
+  } catch (const Error& e) {
+    // The profile's fixed keys fit none of the file's cases (score_before_experts
+    // beside FP8 dispatch): the file lies outside the profile, as below.
+    if (!profile || e.kind != ErrorKind::bad_input || profile->fix.empty()) throw;
+    load_cases(file, sets);  // an error of the file itself is reported as such
+    bad_input("export --profile " + profile->name + ": every chosen case of " + printable(file, 200) +
+              " lies outside the profile: its fixed keys fit none of them (" + e.what() +
+              "); valid: cases the fixed keys fit (moeverify validate --profile " + profile->file + " " +
+              printable(file, 200) + " lists them)");
+  }
   for (const auto& n : misfits) std::cerr << "moeverify: note: " << n << "\n";
   std::vector<Case> chosen;
   std::vector<std::string> names;

@@ -229,6 +229,7 @@ std::string Case::summary() const {
   if (score_multiply != k::ScoreMultiply::fp32)
     o << " score_multiply=" << enum_name(score_multiply_table(), score_multiply);
   if (score_on_hidden == Switch::on) o << " score_on_hidden=on";
+  if (experts.w13_fused == Switch::on) o << " experts.w13_fused=on";
   if (experts.rounding != k::SiluRounding::fused)
     o << " experts.rounding=" << enum_name(experts_rounding_table(), experts.rounding);
   if (experts.compute_dtype != ComputeDtype::act)

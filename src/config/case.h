@@ -114,6 +114,9 @@ struct Case {
     k::SiluRounding rounding = k::SiluRounding::fused;
     ComputeDtype compute_dtype = ComputeDtype::act;
     WeightStorage weights = WeightStorage::auto_;
+    // docs/contract.md §14: W1 and W3 as one GEMM [W1; W3] (Megatron's
+    // linear_fc1), so that autograd forms dX in one GEMM over 2F
+    Switch w13_fused = Switch::off;
   } experts;
   struct Shared {
     SharedKind kind = SharedKind::none;

@@ -37,6 +37,7 @@ nlohmann::ordered_json case_to_json(const Case& c) {
   j["score_multiply"] = enum_name(score_multiply_table(), c.score_multiply);
   j["experts.rounding"] = enum_name(experts_rounding_table(), c.experts.rounding);
   j["experts.compute_dtype"] = enum_name(compute_dtype_table(), c.experts.compute_dtype);
+  j["experts.w13_fused"] = enum_name(switch_table(), c.experts.w13_fused);
   j["experts.weights"] = enum_name(weight_storage_table(), c.experts.weights);
   j["experts.kind"] = enum_name(expert_kind_table(), c.experts.kind);
   j["experts.impl"] = enum_name(experts_impl_table(), c.experts.impl);

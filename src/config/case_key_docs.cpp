@@ -32,6 +32,9 @@ std::string case_key_meaning(const std::string& key) {
       {"router.score_dtype", "fp32: scores and top-k scores in fp32; act: the scores, the route_norm sum and quotient, the scaled scores and (without bias) the group scores rounded to act, and the score gradient too (docs/contract.md §14)"},
       {"score_multiply", "fp32: y = round(v * s); act: the score rounded to act first (docs/contract.md §14)"},
       {"experts.rounding", "fused: H = round(silu(h1) * h3); torchtitan: silu(h1) rounded first (docs/contract.md §14)"},
+      {"experts.w13_fused", "on: W1 and W3 are one GEMM [W1; W3] (Megatron's linear_fc1), so under autograd's rounding "
+                            "(experts.rounding torchtitan) dX is one GEMM over 2F rounded once, not two rounded GEMMs "
+                            "added; the forward is the same (docs/contract.md §14)"},
       {"experts.compute_dtype", "act, or bf16: X and the weights rounded to bf16 for the GEMMs (docs/contract.md §14)"},
       {"experts.weights", "held: w1/w3/w2 as whole tensors; streamed: generated a few experts at a time by each stage that "
                           "reads them; auto: streamed past 4 GiB (docs/architecture.md \"Scale and backends\"); export writes "

@@ -142,6 +142,7 @@ void add_experts_combine_keys(std::vector<Field>& v) {
   v.push_back(enum_field<k::ScoreMultiply>("score_multiply", score_multiply_table(), [](Case& c) -> k::ScoreMultiply& { return c.score_multiply; }));
   v.push_back(enum_field<k::SiluRounding>("experts.rounding", experts_rounding_table(), [](Case& c) -> k::SiluRounding& { return c.experts.rounding; }));
   v.push_back(enum_field<ComputeDtype>("experts.compute_dtype", compute_dtype_table(), [](Case& c) -> ComputeDtype& { return c.experts.compute_dtype; }));
+  v.push_back(enum_field<Switch>("experts.w13_fused", switch_table(), [](Case& c) -> Switch& { return c.experts.w13_fused; }));
   v.push_back(enum_field<WeightStorage>("experts.weights", weight_storage_table(), [](Case& c) -> WeightStorage& { return c.experts.weights; }));
   v.push_back(enum_field<ExpertKind>("experts.kind", expert_kind_table(), [](Case& c) -> ExpertKind& { return c.experts.kind; }));
   v.push_back(enum_field<ExpertsImpl>("experts.impl", experts_impl_table(), [](Case& c) -> ExpertsImpl& { return c.experts.impl; }));

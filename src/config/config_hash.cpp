@@ -72,6 +72,7 @@ uint64_t config_hash(const Case& c) {
   f.e(c.score_on_hidden);
   f.e(c.experts.rounding);
   f.e(c.experts.compute_dtype);
+  f.e(c.experts.w13_fused);
   f.e(c.experts.weights);
   f.e(c.combine.accumulate);
   f.e(c.combine.placement);

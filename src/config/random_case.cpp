@@ -83,6 +83,7 @@ void draw_ep_tolerance_conventions(Draw& d, std::ostream& y) {
   y << ", experts.rounding: " << d.pick<const char*>({"fused", "fused", "torchtitan"});
   y << ", experts.compute_dtype: " << d.pick<const char*>({"act", "act", "bf16"});
   y << ", router.score_dtype: " << d.pick<const char*>({"fp32", "fp32", "act"});
+  y << ", experts.w13_fused: " << d.pick<const char*>({"off", "off", "on"});
 }
 
 /// Backward, layer entries and capacity from a stream of their own (seeded

@@ -99,6 +99,7 @@ ref::ScoreMultiply ref_smul(const Case& c) {
   return score_product(c) == k::ScoreMultiply::act ? ref::ScoreMultiply::act : ref::ScoreMultiply::fp32;
 }
 bool has_shared(const Case& c) { return c.shared.kind != SharedKind::none; }
+bool w13_fused(const Case& c) { return c.experts.w13_fused == Switch::on; }
 bool routed_swiglu(const Case& c) { return c.experts.kind == ExpertKind::swiglu; }
 bool shared_swiglu(const Case& c) { return c.shared.kind == SharedKind::swiglu; }
 /// Whether a SwiGLU site runs under autograd's rounding rules (docs/contract.md §13):
@@ -489,7 +490,7 @@ Magnitude autograd_halfwidth(bool shared, int which) {
     const SwigluBwdArgs a = shared ? shared_args(c, b) : routed_args(c, b, rank);
     const ref::SwigluGrads g =
         ref::swiglu_experts_backward(ref_act(c.dtype), a.X, a.dY, a.counts, c.hidden, c.ffn, a.W1, a.W3, a.W2,
-                                     ref_rounding(c), shared ? ref::Compute::act : ref_compute(c), 1, true);
+                                     ref_rounding(c), shared ? ref::Compute::act : ref_compute(c), 1, true, w13_fused(c));
     const int64_t E_l = int64_t(a.counts.size()), D = c.hidden, F = c.ffn;
     const std::vector<int64_t> w13 = shared ? std::vector<int64_t>{F, D} : std::vector<int64_t>{E_l, F, D};
     const std::vector<int64_t> w2 = shared ? std::vector<int64_t>{D, F} : std::vector<int64_t>{E_l, D, F};
@@ -522,7 +523,7 @@ void fast_experts_swiglu_bwd(FastCtx& ctx) {
   experts_swiglu_backward(ctx.exec, c.dtype, ctx.input("expert_input").data(), ctx.input("grad_expert_output").data(),
                           cnt.as<int64_t>(), E_l, D, F, weight_ptr(ctx, "w1", e0), weight_ptr(ctx, "w3", e0),
                           weight_ptr(ctx, "w2", e0), dx.data(), g1.as<float>(), g3.as<float>(), g2.as<float>(),
-                          SwigluConventions{c.experts.rounding, c.experts.compute_dtype});
+                          SwigluConventions{c.experts.rounding, c.experts.compute_dtype, nullptr, w13_fused(c)});
 }
 
 void ref_experts_swiglu_bwd(RefCtx& r) {
@@ -535,7 +536,7 @@ void ref_experts_swiglu_bwd(RefCtx& r) {
     // autograd's rules the half-widths, autograd_halfwidth's).
     const ref::SwigluGrads g =
         ref::swiglu_experts_backward(ref_act(c.dtype), a.X, a.dY, a.counts, c.hidden, c.ffn, a.W1, a.W3, a.W2,
-                                     ref_rounding(c), ref_compute(c), r.threads, r.wants_scales());
+                                     ref_rounding(c), ref_compute(c), r.threads, r.wants_scales(), w13_fused(c));
     const int64_t E_l = int64_t(a.counts.size());
     RankBoard& out = r.out.ranks[q];
     out["grad_expert_input"] = from_floats(g.dX, act_elem(c.dtype), {a.rows, c.hidden});
@@ -565,7 +566,7 @@ void fast_shared_swiglu_bwd(FastCtx& ctx) {
   experts_swiglu_backward(ctx.exec, c.dtype, x.data(), ctx.input("grad_out").data(), &T, 1, D, F,
                           ctx.input("shared_w1").data(), ctx.input("shared_w3").data(), ctx.input("shared_w2").data(),
                           dx.data(), dw1.as<float>(), dw3.as<float>(), dw2.as<float>(),
-                          SwigluConventions{c.experts.rounding, ComputeDtype::act});
+                          SwigluConventions{c.experts.rounding, ComputeDtype::act, nullptr, w13_fused(c)});
 }
 
 void ref_shared_swiglu_bwd(RefCtx& r) {
@@ -575,7 +576,7 @@ void ref_shared_swiglu_bwd(RefCtx& r) {
     const SwigluBwdArgs a = shared_args(c, r.in.ranks[q]);
     const ref::SwigluGrads g =
         ref::swiglu_experts_backward(ref_act(c.dtype), a.X, a.dY, a.counts, c.hidden, c.ffn, a.W1, a.W3, a.W2,
-                                     ref_rounding(c), ref::Compute::act, r.threads, r.wants_scales());
+                                     ref_rounding(c), ref::Compute::act, r.threads, r.wants_scales(), w13_fused(c));
     const int64_t D = c.hidden, F = c.ffn;
     RankBoard& out = r.out.ranks[q];
     out["grad_x_shared"] = from_floats(g.dX, act_elem(c.dtype), {a.rows, D});

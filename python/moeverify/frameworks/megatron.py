@@ -51,17 +51,33 @@ SEAMS = [
 
 NEEDS = {
     "ep": (1,), "sp": (1,), "layers": (1,), "capacity.factor": (0.0,),
-    "score_before_experts": ("off",), "experts.kind": ("swiglu",), "shared_experts.kind": ("none",),
+    "experts.kind": ("swiglu",), "shared_experts.kind": ("none",),
     "router.hot_expert": (-1,), "router.force_load_balance": ("off",),
-    # its conventions as the adapter configures it (cases/profiles/megatron-0.16.yaml)
+    # its conventions as the adapter configures it (cases/profiles/megatron-0.16*.yaml)
     "router.gate_dtype": ("fp32",), "experts.rounding": ("torchtitan",), "experts.compute_dtype": ("act",),
-    "align": (1,), "empty_groups": ("zero",), "score_on_hidden": ("on",), "score_multiply": ("fp32",),
-    "combine.accumulate": ("fp32_accumulate",), "backward": ("off",),
+    "align": (1,), "empty_groups": ("zero",), "score_multiply": ("fp32",), "experts.w13_fused": ("on",),
+    "combine.accumulate": ("fp32_accumulate",),
 }
+
+
+def probs_on_input(c):
+    """Whether the case asks for Megatron's moe_apply_probs_on_input (the
+    score multiplied into each expert's input rows, K = 1) rather than its
+    default per_token_scale (into the SwiGLU hidden)."""
+    return c["score_before_experts"] == "on"
 
 
 def refuse_unsupported(c):
     refuse_keys(c, NEEDS, "the adapter")
+    if probs_on_input(c):
+        # moe_apply_probs_on_input: (probs * x).to(x.dtype) before the experts,
+        # per_token_scale then ones: score_before_experts, K = 1 (its assert),
+        # with autograd's backward (cases/profiles/megatron-0.16-probs-on-input.yaml)
+        if c["shape.top_k"] != 1:
+            raise Unsupported("score_before_experts with top_k %d: Megatron applies the probabilities to the "
+                              "input (moe_apply_probs_on_input) only with K = 1" % c["shape.top_k"])
+    else:
+        refuse_keys(c, {"score_on_hidden": ("on",), "backward": ("off",)}, "the adapter (per_token_scale)")
     if c.get("dispatch.dtype", "act") != "act":
         raise Unsupported("dispatch.dtype: FP8 dispatch is not run by this adapter")
     K, G, L = c["shape.top_k"], c["router.groups"], c["router.limited_groups"]
@@ -121,7 +137,8 @@ def build(c, act):
         moe_router_num_groups=G if G > 1 else None,
         moe_router_group_topk=c["router.limited_groups"] if G > 1 else None,
         moe_router_topk_scaling_factor=scale if scale != 1.0 else None,
-        moe_router_enable_expert_bias=c["router.bias"] == "on")
+        moe_router_enable_expert_bias=c["router.bias"] == "on",
+        moe_apply_probs_on_input=probs_on_input(c))
     spec = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
     return build_module(spec, config=cfg)
 
@@ -161,25 +178,59 @@ def run(g):
         # (*input.shape[:-1], -1), which an empty output cannot take.
         raise Unsupported("megatron-core 0.16.1 bug: a rank of 0 tokens raises in the router's gating "
                           "(output.view(*shape[:-1], -1) of an empty tensor)")
+    backward = c.get("backward", "off") == "on"
+    on_input = probs_on_input(c)
     seams = list(SEAMS)
-    for e in range(len(moe.experts.local_experts)):
-        seams.append(Seam("experts.local_experts.%d.linear_fc1" % e, "out", {"_fc1": 0}))
+    if on_input:  # the dispatch's rows are scaled inside SequentialMLP: taken from the experts' inputs below
+        seams[2] = Seam("token_dispatcher", "call", {"routing.counts": 1, "dispatch.score_sorted": 2},
+                        method="dispatch_postprocess")
+    E_l = len(moe.experts.local_experts)
+    for e in range(E_l):
+        fc1 = "experts.local_experts.%d.linear_fc1" % e
+        seams.append(Seam(fc1, "out", {"_fc1": 0}))
+        seams.append(Seam(fc1, "in", {"_fc1_in_%d" % e: 0}, grad={"_fc1_in_grad_%d" % e: 0}))
         seams.append(Seam("experts.local_experts.%d.linear_fc2" % e, "in", {"_fc2_in": 0}))
-    with torch.no_grad(), Capture(moe, seams, backward=False) as cap:
+    if backward:
+        seams[1] = Seam("router", "out", {"_probs": 0, "_routing_map": 1}, grad={"_probs_grad": 0})
+        seams[3] = Seam("experts", "out", {"experts.expert_output": 0}, grad={"combine_bwd.grad_routed_output": 0})
+        # moeverify's grad_x is the token path's (docs/contract.md §13): the
+        # router reads x without a gradient path (its weights keep theirs)
+        moe.router.register_forward_pre_hook(lambda m, args: (args[0].detach(),) + tuple(args[1:]))
+        x.requires_grad_(True)
+    moe.train(backward)
+    with torch.set_grad_enabled(backward), Capture(moe, seams, backward=backward) as cap:
         out = moe(x.view(T, 1, D))
+        out = (out[0] if isinstance(out, tuple) else out).reshape(T, D)
+        if backward:
+            out.backward(g.input("grad_out", as_torch=True).to(act))
     # the dense (T, E) probabilities and routing map, as the (T, K) layout of
     # the manifest: each token's experts in ascending id, their probabilities
     routing_map, probs = cap.scratch["_routing_map"][-1], cap.scratch["_probs"][-1]
     ids = routing_map.nonzero()[:, 1].view(T, c["shape.top_k"])
     cap.values["routing.ids"] = ids
     cap.values["routing.topk_scores"] = probs.gather(1, ids)
+    if on_input:  # the rows (probs * x).to(x.dtype) the experts take, expert-major as the dispatch's
+        cap.values["dispatch.routed_input"] = torch.cat([cap.scratch["_fc1_in_%d" % e][-1] for e in range(E_l)])
+    if backward:
+        # the gradient of the dense (T, E) probabilities at each token's ids;
+        # under score_before_experts the score's gradient is the dispatch's
+        grad_probs = cap.scratch["_probs_grad"][-1].gather(1, ids)
+        cap.values["dispatch_bwd.grad_topk_scores" if on_input else "combine_bwd.grad_topk_scores"] = grad_probs
+        cap.values["dispatch_bwd.grad_x"] = x.grad.detach().clone()
+        cap.values["experts_bwd.grad_expert_input"] = torch.cat(
+            [cap.scratch["_fc1_in_grad_%d" % e][-1] for e in range(E_l)])
+        F = c["shape.ffn"]
+        fc1 = [ex.linear_fc1.weight.grad for ex in moe.experts.local_experts]
+        cap.values["experts_bwd.grad_w1"] = torch.stack([w[:F] for w in fc1])
+        cap.values["experts_bwd.grad_w3"] = torch.stack([w[F:] for w in fc1])
+        cap.values["experts_bwd.grad_w2"] = torch.stack([ex.linear_fc2.weight.grad for ex in moe.experts.local_experts])
     cap.values["dispatch.token_sorted"] = moe.token_dispatcher.reversed_local_input_permutation_mapping
     cap.values["experts.expert_h13"] = torch.cat(cap.scratch["_fc1"])
     # linear_fc2's operand is H scaled by the row's probability (per_token_scale)
     cap.values["experts.expert_hidden"] = torch.cat(cap.scratch["_fc2_in"])
     # MoELayer returns (output, bias); with one rank its reduce-scatter is the
     # identity, so the output is the unpermute's scatter-add
-    cap.values["combine.out"] = (out[0] if isinstance(out, tuple) else out).reshape(T, D)
+    cap.values["combine.out"] = out.detach()
     cap.write(g)
 
 

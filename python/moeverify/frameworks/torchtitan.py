@@ -119,6 +119,7 @@ NEEDS = {
     "layers": (1,),
     "capacity.factor": (0.0,),
     "score_before_experts": ("off",),
+    "score_on_hidden": ("off",),  # GroupedExperts takes no score
     "combine.placement": ("out_of_place",),
     "combine.buffer": ("fresh",),
     "equal_split.policy": ("off",),
@@ -133,6 +134,7 @@ NEEDS = {
     "score_multiply": ("fp32",),
     "experts.rounding": ("torchtitan",),
     "experts.compute_dtype": ("bf16",),
+    "experts.w13_fused": ("off",),
     "combine.accumulate": ("fp32_accumulate",),
     "grad_accumulate": ("per_add",),
     "align": (1,),
