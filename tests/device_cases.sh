@@ -67,7 +67,10 @@ for fc in "highest_id_tiebreak edge router_ties[router.score=softmax]" \
           "direct_route_score_before force_lb direct_route_K_eq_El_score_before" \
           "overload_cum_final backward bwd_local_fp32" "overload_global_balanced ep4 ep4_hot_expert" \
           "unswapped_combine_splits ep ep2_basic[experts.kind=identity] 3" \
-          "local_equal_split_decision equal_split equal_split_adaptive[equal_split.threshold=0.5] 3"; do
+          "local_equal_split_decision equal_split equal_split_adaptive[equal_split.threshold=0.5] 3" \
+          "scores_not_held conventions score_dtype_act[dtype=bf16,router.score=softmax,router.bias=off]" \
+          "norm_sum_not_held conventions score_dtype_act[dtype=bf16,router.score=softmax,router.bias=off]" \
+          "score_applied_twice conventions score_on_hidden[dtype=bf16]"; do
   set -- $fc
   want=${4:-1} word=INCORRECT
   [ "$want" = 3 ] && word=ERROR

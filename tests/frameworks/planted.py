@@ -6,6 +6,8 @@ The fuzz must find each bug and shrink it to a few tokens at its stage.
 Bugs (megatron):
   unstable_sort  moe_utils.permute as the dispatcher calls it returns each
                  expert's tokens in descending order
+  act_probs      MLP.forward's per_token_scale rounded to the activation dtype
+                 before it scales the hidden (fp32 probabilities expected)
 
 Bugs (torchtitan):
   unstable_sort  the dispatch's argsort of the expert ids puts a group's
@@ -74,6 +76,16 @@ elif fw == "megatron":
 
     if bug == "unstable_sort":
         mtd.permute = descending_permute
+    elif bug == "act_probs":
+        import megatron.core.transformer.mlp as mlp
+        real_forward = mlp.MLP.forward
+
+        def forward(self, hidden_states, per_token_scale=None, **kwargs):
+            if per_token_scale is not None:
+                per_token_scale = per_token_scale.to(hidden_states.dtype)
+            return real_forward(self, hidden_states, per_token_scale, **kwargs)
+
+        mlp.MLP.forward = forward
     else:
         sys.exit("planted.py: no bug %r for megatron" % bug)
     from moeverify.frameworks import megatron as adapter

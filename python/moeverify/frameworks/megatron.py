@@ -54,7 +54,7 @@ NEEDS = {
     "experts.kind": ("swiglu",), "shared_experts.kind": ("none",),
     "router.hot_expert": (-1,), "router.force_load_balance": ("off",),
     # its conventions as the adapter configures it (cases/profiles/megatron-0.16*.yaml)
-    "router.gate_dtype": ("fp32",), "experts.rounding": ("torchtitan",), "experts.compute_dtype": ("act",),
+    "router.gate_dtype": ("fp32",), "router.score_dtype": ("fp32",), "experts.rounding": ("torchtitan",), "experts.compute_dtype": ("act",),
     "align": (1,), "empty_groups": ("zero",), "score_multiply": ("fp32",), "experts.w13_fused": ("on",),
     "combine.accumulate": ("fp32_accumulate",),
 }
