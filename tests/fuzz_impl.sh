@@ -139,7 +139,7 @@ expect2 "--emit without --iterations" "writes --iterations N configurations" "$b
 "$bin" fuzz --emit "$work/e.yaml" --iterations 30 --seed 3 --profile torchtitan >/dev/null || fail "fuzz --emit: exit $?"
 "$bin" validate "$work/e.yaml" --profile torchtitan >"$work/e.txt" 2>&1 || { cat "$work/e.txt"; fail "emitted cases do not validate"; }
 grep -q "30 of 30 case(s) inside the profile" "$work/e.txt" || { cat "$work/e.txt"; fail "emitted cases outside the profile"; }
-expect2 "unknown profile" "valid: megatron, megatron-0.16, torchtitan, torchtitan-0.3" "$bin" fuzz --impl "x {case}" --profile nosuch --iterations 1
+expect2 "unknown profile" "valid: megatron, megatron-0.16, megatron-0.16-probs-on-input, torchtitan, torchtitan-0.3" "$bin" fuzz --impl "x {case}" --profile nosuch --iterations 1
 printf 'fix:\n  experts.rounding: fused\nallow:\n  ep: [1, 2]\n  combine.acumulate: [per_add]\n' >"$work/p.yaml"
 expect2 "a profile with an unknown key" "p.yaml:5:3: allow: 'combine.acumulate' is not a case key" \
   "$bin" validate --profile "$work/p.yaml"

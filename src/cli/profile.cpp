@@ -121,16 +121,18 @@ std::string pick(const Profile::Allow& a, std::mt19937_64& g) {
   return o.str();
 }
 
-/// The `--set` strings of the allow rules with a single value: every case
-/// the profile admits has that value, so the fixed and allowed values are
-/// probed beside them (a fixed score_on_hidden needs the swiglu experts the
-/// profile allows alone).
+/// The `--set` strings of the allow rules with a single value that is valid
+/// alone (a bad key or value is refused at its own line, read_allow_rule):
+/// every case the profile admits has that value.
 std::vector<std::string> pinned(const YAML::Node& allow) {
   std::vector<std::string> s;
   if (allow && allow.IsMap())
-    for (const auto& kv : allow)
-      if (kv.second.IsSequence() && kv.second.size() == 1 && kv.first.Scalar() != "shape.tokens")
-        s.push_back(kv.first.Scalar() + "=" + emit_flow(kv.second[0]));
+    for (const auto& kv : allow) {
+      const std::string k = kv.first.Scalar();
+      if (!kv.second.IsSequence() || kv.second.size() != 1 || k == "shape.tokens" || !profile_key(k)) continue;
+      const std::string set = k + "=" + emit_flow(kv.second[0]);
+      if (probe({set}).empty()) s.push_back(set);
+    }
   return s;
 }
 
@@ -146,6 +148,18 @@ std::vector<std::string> probe_sets(const Profile& p, const std::vector<std::str
   return s;
 }
 
+/// The loader's verdict on the profile's fixed keys (and `own`'s `value`):
+/// "" when they make a valid case with the pinned values or without them (a
+/// fixed score_on_hidden needs the swiglu experts a profile allows alone; an
+/// sp the profile allows may need the force-LB it pins off), else the error
+/// with the pins.
+std::string probe_profile(const Profile& p, const std::vector<std::string>& pins, const std::string& own = "",
+                          const std::string& value = "") {
+  const std::string with = probe(probe_sets(p, pins, own, value));
+  if (with.empty() || probe(probe_sets(p, {}, own, value)).empty()) return "";
+  return with;
+}
+
 void read_fix(Profile& p, const YAML::Node& fix, const std::vector<std::string>& pins) {
   if (!fix.IsMap()) bad_input(at(p.file, fix) + ": fix: expected a mapping of case keys to values; " + kValid);
   for (const auto& kv : fix) {
@@ -155,7 +169,7 @@ void read_fix(Profile& p, const YAML::Node& fix, const std::vector<std::string>&
                 "the keys of `moeverify validate --keys` but name, seed and sweep");
     p.fix.push_back({k, emit_flow(kv.second), int(kv.first.Mark().line) + 1});
   }
-  const std::string err = probe(probe_sets(p, pins));
+  const std::string err = probe_profile(p, pins);
   if (err.empty()) return;
   // The loader names the key it refused ("--set KEY: ..."): point at its line.
   for (const auto& f : p.fix)
@@ -178,7 +192,7 @@ Profile::Allow read_allow_rule(const Profile& p, const YAML::Node& key, const YA
     if (f.key == k) bad_input(where + "also fixed (line " + std::to_string(f.line) + "); valid: fix it or allow values, not both");
   if (v.IsSequence() && v.size() > 0) {
     for (const auto& e : v) {
-      const std::string err = k == "shape.tokens" ? "" : probe(probe_sets(p, pins, k, emit_flow(e)));
+      const std::string err = k == "shape.tokens" ? "" : probe_profile(p, pins, k, emit_flow(e));
       if (!err.empty()) bad_input(at(p.file, e) + ": allow " + k + ": " + err);
       a.values.push_back(emit_flow(e));
     }
