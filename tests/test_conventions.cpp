@@ -44,6 +44,19 @@ int64_t differing(const CaseReport& a, const CaseReport& b, const std::string& n
   return n;
 }
 
+/// Inside an rc::prop: the case file `yaml` runs (1 or 2 threads) with every
+/// check PASSED or NOT_VERIFIED.
+void rc_require_passes(const std::string& yaml) {
+  const Case c = load_cases_text(yaml, "prop", {}).at(0);
+  RunOptions o;
+  o.threads = *rc::gen::inRange(1, 3);
+  const CaseReport r = run_case(c, o);
+  for (const auto& ch : r.checks)
+    if (ch.outcome != Outcome::PASSED && ch.outcome != Outcome::NOT_VERIFIED)
+      RC_FAIL(c.summary() + ": " + ch.slot + "/" + ch.variant + "/" + ch.tensor + " " + outcome_name(ch.outcome) + " " +
+              ch.note);
+}
+
 void require_passed(const CaseReport& r) {
   for (const auto& ch : r.checks)
     if (ch.outcome != Outcome::PASSED)
@@ -126,14 +139,7 @@ TEST_CASE("conventions fast equals reference", "[cpu][prop]") {
     RC_CLASSIFY(std::string(held) == "act", "scores held in act");
     RC_CLASSIFY(std::string(rounding) == "torchtitan", "torchtitan rounding");
     RC_CLASSIFY(std::string(compute) == "bf16", "bf16 compute");
-    const Case c = load_cases_text(y.str(), "prop", {}).at(0);
-    RunOptions o;
-    o.threads = *rc::gen::inRange(1, 3);
-    const CaseReport r = run_case(c, o);
-    for (const auto& ch : r.checks)
-      if (ch.outcome != Outcome::PASSED && ch.outcome != Outcome::NOT_VERIFIED)
-        RC_FAIL(c.summary() + ": " + ch.slot + "/" + ch.variant + "/" + ch.tensor + " " + outcome_name(ch.outcome) +
-                " " + ch.note);
+    rc_require_passes(y.str());
   });
 }
 
@@ -155,14 +161,7 @@ TEST_CASE("score_on_hidden fast equals reference", "[cpu][prop]") {
       << "}, score_multiply: " << *rc::gen::element("fp32", "act") << ", score_on_hidden: on"
       << ", combine: {accumulate: " << *rc::gen::element("per_add", "fp32_accumulate")
       << "}, shared_experts: {kind: " << *rc::gen::element("none", "swiglu") << "}}\n";
-    const Case c = load_cases_text(y.str(), "prop", {}).at(0);
-    RunOptions o;
-    o.threads = *rc::gen::inRange(1, 3);
-    const CaseReport r = run_case(c, o);
-    for (const auto& ch : r.checks)
-      if (ch.outcome != Outcome::PASSED && ch.outcome != Outcome::NOT_VERIFIED)
-        RC_FAIL(c.summary() + ": " + ch.slot + "/" + ch.variant + "/" + ch.tensor + " " + outcome_name(ch.outcome) +
-                " " + ch.note);
+    rc_require_passes(y.str());
   });
 }
 
