@@ -135,15 +135,24 @@ void select_experts(const RouterSpec& s, const Vec& scores, const Vec& bias, int
   }
 }
 
+namespace {
+
+/// Step 5 for token t: its K scores at ids (NaN for an id outside [0, E)).
+void gather_scores(const RouterSpec& s, const Vec& scores, const Ids& ids, int64_t t, float* ts) {
+  for (int k = 0; k < s.K; ++k) {
+    const int32_t e = ids[size_t(t * s.K + k)];
+    ts[k] = e >= 0 && e < s.E ? scores[size_t(t * s.E + e)] : std::numeric_limits<float>::quiet_NaN();
+  }
+}
+
+}  // namespace
+
 Vec topk_scores_for(const RouterSpec& s, const Vec& scores, const Ids& ids, int64_t T) {
-  const int E = s.E, K = s.K;
+  const int K = s.K;
   Vec out(size_t(T * K), 0.f);
   for (int64_t t = 0; t < T; ++t) {
     float* ts = &out[size_t(t * K)];
-    for (int k = 0; k < K; ++k) {
-      const int32_t e = ids[size_t(t * K + k)];
-      ts[k] = e >= 0 && e < E ? scores[size_t(t * E + e)] : std::numeric_limits<float>::quiet_NaN();
-    }
+    gather_scores(s, scores, ids, t, ts);
     if (s.held != Act::fp32) {
       norm_scale_held(s, ts);
       continue;
@@ -167,12 +176,9 @@ Vec topk_scores_halfwidth(const RouterSpec& s, const Vec& scores, const Ids& ids
   for (int64_t t = 0; t < T; ++t) {
     // The gathered held scores: the quotient's numerators.
     std::vector<float> g(static_cast<size_t>(K));
+    gather_scores(s, scores, ids, t, g.data());
     double mag = 0;
-    for (int k = 0; k < K; ++k) {
-      const int32_t e = ids[size_t(t * K + k)];
-      g[size_t(k)] = e >= 0 && e < s.E ? scores[size_t(t * s.E + e)] : std::numeric_limits<float>::quiet_NaN();
-      mag += std::fabs(double(g[size_t(k)]));
-    }
+    for (float v : g) mag += std::fabs(double(v));
     // An fp32 sum of K terms in any order lands within (K + 1) 2^-24 sum |g|,
     // a quotient within 2 ulps: every held value those neighbours round to.
     const double sum_room = double(K + 1) * std::ldexp(mag, -24), q_room = std::ldexp(1.0, -22);

@@ -41,13 +41,6 @@ const Stage* stage_for(const Case& c, const std::string& slot) {
   return first;
 }
 
-/// round_act to `act` as a plain function (SelectionRule::group_round).
-float (*group_rounding(ref::Act act))(float) {
-  if (act == ref::Act::bf16) return [](float v) { return ref::round_act_to<ref::Act::bf16>(v); };
-  if (act == ref::Act::fp16) return [](float v) { return ref::round_act_to<ref::Act::fp16>(v); };
-  return nullptr;
-}
-
 /// Routing of an implementation (docs/contract.md §15):
 /// `scores` against the reference; `ids` per token as a selection, judged on
 /// the implementation's own scores (the reference's when it wrote none) by
@@ -111,7 +104,7 @@ void check_routing_external(const Case& c, const Board& ref, const Board& merged
           // The selection values before any group mask.
           for (int64_t e = 0; e < E; ++e) raw[size_t(e)] = float(double(judged[size_t(t * E + e)]) + double(bias[size_t(e)]));
           SelectionRule rule{int(E), int(K), spec.groups, spec.limited_groups, 0.0};
-          if (held && !spec.bias) rule.group_round = group_rounding(spec.held);
+          if (!spec.bias) rule.group_held = spec.held;
           const SelectionVerdict exact = judge_selection(rule, raw.data(), a);
           ok = exact.valid;
           if (ok) {

@@ -48,7 +48,7 @@ SelectionVerdict judge_selection(const SelectionRule& r, const float* ch, const 
     std::vector<float> gs(static_cast<size_t>(G));
     for (int g = 0; g < G; ++g) {
       gs[size_t(g)] = group_score(ch + g * per, per);
-      if (r.group_round) gs[size_t(g)] = r.group_round(gs[size_t(g)]);
+      gs[size_t(g)] = ref::round_act(r.group_held, gs[size_t(g)]);
     }
     std::vector<float> sorted = gs;
     std::sort(sorted.begin(), sorted.end(), std::greater<float>());

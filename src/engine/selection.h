@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <string>
 
+#include "reference.h"
+
 namespace moev {
 
 struct SelectionRule {
@@ -22,10 +24,10 @@ struct SelectionRule {
   /// Values closer than this count as equal (0: exact). A selection valid
   /// only with slack is a near-tie: reported, not failed.
   double slack = 0;
-  /// Each group score rounded by this after its fp32 sum (docs/contract.md §14
-  /// router.score_dtype act without a bias: the sum of two act values held
-  /// in act); null: kept in fp32.
-  float (*group_round)(float) = nullptr;
+  /// The type each group score is rounded to after its fp32 sum
+  /// (docs/contract.md §14 router.score_dtype act without a bias: the sum of
+  /// two act values held in act); fp32: kept as it is.
+  ref::Act group_held = ref::Act::fp32;
 };
 
 struct SelectionVerdict {

@@ -39,14 +39,16 @@ from ..torch import Capture, Seam
 from . import main_for, refuse_keys
 
 
+# The grad rows are taken in a backward run only (moeverify.torch.Capture).
 SEAMS = [
     Seam("router", "call", {"router_logits.logits": None}, method="gating"),
-    Seam("router", "out", {"_probs": 0, "_routing_map": 1}),
+    Seam("router", "out", {"_probs": 0, "_routing_map": 1}, grad={"_probs_grad": 0}),
+    # its rows; under moe_apply_probs_on_input run() takes the scaled ones instead
     Seam("token_dispatcher", "call",
          {"dispatch.routed_input": 0, "routing.counts": 1, "dispatch.score_sorted": 2},
          method="dispatch_postprocess"),
     # SequentialMLP returns (output, bias): the expert rows' outputs
-    Seam("experts", "out", {"experts.expert_output": 0}),
+    Seam("experts", "out", {"experts.expert_output": 0}, grad={"combine_bwd.grad_routed_output": 0}),
 ]
 
 NEEDS = {
@@ -181,9 +183,6 @@ def run(g):
     backward = c.get("backward", "off") == "on"
     on_input = probs_on_input(c)
     seams = list(SEAMS)
-    if on_input:  # the dispatch's rows are scaled inside SequentialMLP: taken from the experts' inputs below
-        seams[2] = Seam("token_dispatcher", "call", {"routing.counts": 1, "dispatch.score_sorted": 2},
-                        method="dispatch_postprocess")
     E_l = len(moe.experts.local_experts)
     for e in range(E_l):
         fc1 = "experts.local_experts.%d.linear_fc1" % e
@@ -191,8 +190,6 @@ def run(g):
         seams.append(Seam(fc1, "in", {"_fc1_in_%d" % e: 0}, grad={"_fc1_in_grad_%d" % e: 0}))
         seams.append(Seam("experts.local_experts.%d.linear_fc2" % e, "in", {"_fc2_in": 0}))
     if backward:
-        seams[1] = Seam("router", "out", {"_probs": 0, "_routing_map": 1}, grad={"_probs_grad": 0})
-        seams[3] = Seam("experts", "out", {"experts.expert_output": 0}, grad={"combine_bwd.grad_routed_output": 0})
         # moeverify's grad_x is the token path's (docs/contract.md §13): the
         # router reads x without a gradient path (its weights keep theirs)
         moe.router.register_forward_pre_hook(lambda m, args: (args[0].detach(),) + tuple(args[1:]))
@@ -210,6 +207,7 @@ def run(g):
     cap.values["routing.ids"] = ids
     cap.values["routing.topk_scores"] = probs.gather(1, ids)
     if on_input:  # the rows (probs * x).to(x.dtype) the experts take, expert-major as the dispatch's
+        # (its permute's rows are unscaled: SequentialMLP scales them)
         cap.values["dispatch.routed_input"] = torch.cat([cap.scratch["_fc1_in_%d" % e][-1] for e in range(E_l)])
     if backward:
         # the gradient of the dense (T, E) probabilities at each token's ids;
