@@ -85,12 +85,13 @@ MOEV_HD inline float k_exp(float v) {
 /// choice are (T, E) row-major fp32; ids and topk_scores are (T, K), the K
 /// entries in descending choice order, ties to the lower id.
 ///
-/// A phased body (host_exec.h), a block per token on a GPU: the lanes share
-/// the E-wide steps (exponentials, normalisation, the bias), each element
-/// computed by one lane; a reduction (the row max, the softmax sum) is
-/// recomputed by every lane that needs it, sequentially in ascending expert
-/// order, so every lane count gives the host executor's bits. The group
-/// limit and the top-k selection (K passes over E) run on lane 0.
+/// A thread-per-item body (kThreadPerItem, host_exec.h): every executor runs
+/// a token as lane 0 of 1, a GPU one token per thread, so each token's steps
+/// run in one order everywhere (the reductions in ascending expert order, the
+/// selection as K passes) and the bits are the host's by construction. A
+/// block per token, its lanes meeting at barriers between the E-wide steps,
+/// left one thread busy through the serial selection while the others
+/// waited: 56 ms for DeepSeek-V3's 32,768 tokens on an H100 (docs/guide.md).
 struct RouterBody {
   const float* logits;
   const float* bias;  // (E) fp32 selection bias; all zeros when the case has none
@@ -114,55 +115,46 @@ struct RouterBody {
   bool biased = false;
   HeldFault held_fault = HeldFault::none;
 
-  static constexpr int kPhases = 4;
+  static constexpr bool kThreadPerItem = true;
 
   MOEV_HD float hold(float v) const {
     return held == ScoreHeld::bf16 ? round_to<bf16>(v) : held == ScoreHeld::fp16 ? round_to<fp16>(v) : v;
   }
 
-  MOEV_HD void operator()(int phase, int64_t t, int lane, int lanes) const {
+  MOEV_HD void operator()(int64_t t, int, int) const {
     const float* l = logits + t * E;
     float* s = scores + t * E;
     float* c = choice + t * E;
-    const bool softmax = score == ScoreFunc::softmax;
     const bool select = selection != Selection::force_load_balance;
-    switch (phase) {
-      case 0:  // scores before normalisation
-        if (softmax) {
-          // exp(l - max) never overflows; exp(l) does past l ~ 88.7 in fp32
-          // (inf / inf = NaN). The planted fault drops the shift (docs/frameworks.md
-          // §1.2 step 2).
-          float m = l[0];
-          for (int e = 1; e < E; ++e) m = l[e] > m ? l[e] : m;
-          if (shift == SoftmaxShift::none) m = 0.f;
-          for (int e = lane; e < E; e += lanes) s[e] = k_exp(l[e] - m);
-        } else {
-          for (int e = lane; e < E; e += lanes) s[e] = 1.f / (1.f + k_exp(-l[e]));
-        }
-        return;
-      case 1:  // softmax: the sum of the row, then each score over it (into choice for now)
-        if (softmax) {
-          float sum = 0.f;
-          for (int e = 0; e < E; ++e) sum += s[e];
-          for (int e = lane; e < E; e += lanes) c[e] = s[e] / sum;
-        }
-        return;
-      case 2:  // the normalised (held) scores, and the choice values score + bias
-        for (int e = lane; e < E; e += lanes) {
-          s[e] = softmax ? c[e] : s[e];
-          if (held_fault != HeldFault::scores_fp32) s[e] = hold(s[e]);
-          if (select) c[e] = s[e] + bias[e];
-        }
-        return;
-      default:
-        if (lane == 0) select_top_k(t, s, c);
+    if (score == ScoreFunc::softmax) {
+      // exp(l - max) never overflows; exp(l) does past l ~ 88.7 in fp32
+      // (inf / inf = NaN). The planted fault drops the shift (docs/frameworks.md
+      // §1.2 step 2).
+      float m = l[0];
+      for (int e = 1; e < E; ++e) m = l[e] > m ? l[e] : m;
+      if (shift == SoftmaxShift::none) m = 0.f;
+      float sum = 0.f;
+      for (int e = 0; e < E; ++e) {
+        s[e] = k_exp(l[e] - m);
+        sum += s[e];
+      }
+      for (int e = 0; e < E; ++e) s[e] = s[e] / sum;
+    } else {
+      for (int e = 0; e < E; ++e) s[e] = 1.f / (1.f + k_exp(-l[e]));
     }
+    // the normalised (held) scores, and the choice values score + bias
+    for (int e = 0; e < E; ++e) {
+      if (held_fault != HeldFault::scores_fp32) s[e] = hold(s[e]);
+      if (select) c[e] = s[e] + bias[e];
+    }
+    select_top_k(t, s, c);
   }
 
-  /// Steps 4-8 on lane 0: the group limit, the top-k, the gathered scores,
-  /// their normalisation and the route scale.
+  /// Steps 4-8: the group limit, the top-k, the gathered scores, their
+  /// normalisation and the route scale. The chosen ids are kept in registers
+  /// (`id`) and written once.
   MOEV_HD void select_top_k(int64_t t, const float* s, float* c) const {
-    int32_t* id = ids + t * K;
+    int32_t id[kMaxTopK];
     float* ts = topk_scores + t * K;
     if (selection == Selection::force_load_balance) {
       for (int k = 0; k < K; ++k) id[k] = int32_t((t * K + k) % E);
@@ -179,7 +171,10 @@ struct RouterBody {
         id[k] = best;
       }
     }
-    for (int k = 0; k < K; ++k) ts[k] = s[id[k]];
+    for (int k = 0; k < K; ++k) {
+      ids[t * K + k] = id[k];
+      ts[k] = s[id[k]];
+    }
     if (norm == RouteNorm::on) {
       float sum = 0.f;
       for (int k = 0; k < K; ++k) sum += ts[k];
@@ -216,14 +211,45 @@ struct RouterBody {
   }
 };
 
+/// 16-byte moves of row data: a GPU thread's widest single load and store
+/// (ld/st.global.v4), so a warp moves 512 contiguous bytes per instruction
+/// instead of 64 with 2-byte elements. Both addresses 16-byte aligned.
+MOEV_HD inline void move16(void* dst, const void* src) {
+#ifdef __CUDA_ARCH__
+  *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
+#else
+  memcpy(dst, src, 16);
+#endif
+}
+MOEV_HD inline void zero16(void* dst) {
+#ifdef __CUDA_ARCH__
+  *static_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+#else
+  memset(dst, 0, 16);
+#endif
+}
+/// Whether a row span [p, p + bytes) may move in 16-byte pieces.
+MOEV_HD inline bool aligned16(const void* p, int64_t bytes) {
+  return ((reinterpret_cast<uintptr_t>(p) | uintptr_t(bytes)) & 15) == 0;
+}
+
 /// Copies the n elements of one row span, as lane `lane` of `lanes`. One
 /// lane (the host executor) copies the contiguous span with memcpy, at copy
-/// speed; several lanes (the CUDA executor) interleave element by element,
-/// so neighbouring threads touch neighbouring elements (coalesced).
+/// speed; several lanes (the CUDA executor) interleave 16-byte pieces where
+/// both rows and the span are 16-byte aligned (rows of D * sizeof(T) bytes, D
+/// a multiple of 8 in bf16), else elements, so neighbouring threads touch
+/// neighbouring bytes (coalesced). A copy is the same bytes either way.
 template <class T>
 MOEV_HD inline void copy_row(T* dst, const T* src, int64_t n, int lane, int lanes) {
+  const int64_t bytes = n * int64_t(sizeof(T));
   if (lanes == 1) {
-    memcpy(dst, src, size_t(n) * sizeof(T));
+    memcpy(dst, src, size_t(bytes));
+    return;
+  }
+  if (aligned16(dst, bytes) && aligned16(src, 0)) {
+    char* d = reinterpret_cast<char*>(dst);
+    const char* s = reinterpret_cast<const char*>(src);
+    for (int64_t c = lane; c < bytes / 16; c += lanes) move16(d + 16 * c, s + 16 * c);
     return;
   }
   for (int64_t c = lane; c < n; c += lanes) dst[c] = src[c];
@@ -233,11 +259,27 @@ MOEV_HD inline void copy_row(T* dst, const T* src, int64_t n, int lane, int lane
 /// activation type), as copy_row splits the work.
 template <class T>
 MOEV_HD inline void zero_row(T* dst, int64_t n, int lane, int lanes) {
+  const int64_t bytes = n * int64_t(sizeof(T));
   if (lanes == 1) {
-    memset(dst, 0, size_t(n) * sizeof(T));
+    memset(dst, 0, size_t(bytes));
+    return;
+  }
+  if (aligned16(dst, bytes)) {
+    char* d = reinterpret_cast<char*>(dst);
+    for (int64_t c = lane; c < bytes / 16; c += lanes) zero16(d + 16 * c);
     return;
   }
   for (int64_t c = lane; c < n; c += lanes) dst[c] = from_float<T>(0.f);
+}
+
+/// Lanes for a GPU block that moves rows of `bytes` bytes in 16-byte pieces:
+/// one piece per thread up to 256 threads, in whole warps (a D = 256 bf16 row
+/// keeps one warp busy, DeepSeek-V3's D = 7168 a block of 256 with 3.5
+/// pieces each). The CUDA executor asks bodies with a row width for it.
+MOEV_HD inline int row_lanes(int64_t bytes) {
+  const int64_t pieces = (bytes + 15) / 16;
+  const int64_t warps = (pieces + 31) / 32;
+  return int(warps < 1 ? 32 : warps > 8 ? 256 : warps * 32);
 }
 
 /// Local dispatch gather (docs/contract.md §2) for dispatch row i: perm[i] is the flat
@@ -314,8 +356,11 @@ struct SwigluBody {
 /// Index space: item = token; lane `lane` of `lanes` owns the column spans
 /// [c0, c0 + W) with c0 = (lane + j * lanes) * W. The host executor runs lane
 /// 0 of 1 with W = kCombineSpan: the row is walked in L1-sized spans, each
-/// with contiguous, branch-free inner loops over the span (vectorised). The
-/// CUDA executor runs W = 1: one column per thread, coalesced. Every column
+/// with contiguous, branch-free inner loops over the span (vectorised). A
+/// device runs W = kDeviceSpan<T>: 16 bytes of columns per thread, one
+/// vector load per routed row, neighbouring threads on neighbouring pieces
+/// (coalesced). In place, a lane reads its init piece before it stores it,
+/// and no other lane touches that piece. Every column
 /// goes through the same operations in the same order whatever W, so the
 /// result is bit-identical across executors and span widths.
 template <class T, int W = 1>
@@ -356,15 +401,29 @@ struct CombineBody {
   /// representable in T under per_add (rounded after every addition), the
   /// fp32 sum under fp32_accumulate (rounded once at the end).
   MOEV_HD void span(int64_t t, const int32_t* rows, int nrows, int64_t c0, int n) const {
+    // A device span (W * sizeof(T) == 16) reads each row's piece with one
+    // 16-byte load into `buf` and writes the result with one store, where the
+    // span is whole and aligned; the arithmetic below is the same either way.
+    constexpr bool kVec = W * sizeof(T) == 16;
+    alignas(16) T buf[kVec ? W : 1];
+    auto load = [&](const T* p) -> const T* {
+      if constexpr (kVec) {
+        if (n == W && aligned16(p, 0)) {
+          move16(buf, p);
+          return buf;
+        }
+      }
+      return p;
+    };
     float v[W];
     if (init_from == CombineInit::zeros) {
       for (int i = 0; i < n; ++i) v[i] = 0.f;
     } else {
-      const T* in = init + t * D + c0;
+      const T* in = load(init + t * D + c0);
       for (int i = 0; i < n; ++i) v[i] = to_float(in[i]);
     }
     for (int k = 0; k < nrows; ++k) {
-      const T* y = routed_out + int64_t(rows[k]) * D + c0;
+      const T* y = load(routed_out + int64_t(rows[k]) * D + c0);
       if (apply == ScoreApply::after_experts) {
         const float s = smul == ScoreMultiply::act ? round_to<T>(score_sorted[rows[k]]) : score_sorted[rows[k]];
         if (acc == Accumulate::per_add)
@@ -381,13 +440,24 @@ struct CombineBody {
     if (acc == Accumulate::fp32_accumulate)
       for (int i = 0; i < n; ++i) v[i] = round_to<T>(v[i]);
     if (shared_add == SharedAdd::add_after) {
-      const T* sh = shared + t * D + c0;
+      const T* sh = load(shared + t * D + c0);
       for (int i = 0; i < n; ++i) v[i] = round_to<T>(v[i] + to_float(sh[i]));
     }
     T* o = out + t * D + c0;
+    if constexpr (kVec) {
+      if (n == W && aligned16(o, 0)) {
+        for (int i = 0; i < W; ++i) buf[i] = from_float<T>(v[i]);
+        move16(o, buf);
+        return;
+      }
+    }
     for (int i = 0; i < n; ++i) o[i] = from_float<T>(v[i]);
   }
 };
+
+/// The combine's span width on a device: 16 bytes of T per lane.
+template <class T>
+constexpr int kDeviceSpan = int(16 / sizeof(T));
 
 /// The planted faults of the FP8 quantiser (docs/contract.md §16), as flags of
 /// the body (src/core/faults.h names them).

@@ -20,7 +20,7 @@ void combine_device(const ExecCtx& ctx, const CombineArgs& a, k::CombineInit ini
     const size_t td = size_t(a.T * a.D) * sizeof(T);
     if (td == 0) return;
     const bool shared = a.shared_add == k::SharedAdd::add_after;
-    k::CombineBody<T, 1> d{static_cast<const T*>(m.in(a.routed_out, size_t(a.rows * a.D) * sizeof(T))),
+    k::CombineBody<T, k::kDeviceSpan<T>> d{static_cast<const T*>(m.in(a.routed_out, size_t(a.rows * a.D) * sizeof(T))),
                            static_cast<const float*>(m.in(a.score_sorted, size_t(a.rows) * 4)),
                            static_cast<const int32_t*>(m.in(a.row_of, size_t(a.T * a.K) * 4)),
                            init_from == k::CombineInit::buffer ? static_cast<const T*>(m.in(init, td)) : nullptr,

@@ -27,21 +27,23 @@ namespace {
                                cudaGetErrorString(e_) + ")");                                   \
   } while (0)
 
-// Item = block, lane = thread. A phased body (host_exec.h) gets a block
-// barrier between its phases; every thread of the block walks the same
-// items, so each reaches every barrier.
+// Item = a group of `lanes` threads, lane = thread within it: a block of
+// blockDim.x threads holds blockDim.x / lanes items at a time, so a row
+// body whose rows need one warp runs four rows per 128-thread block.
 template <class Body>
-__global__ void items_kernel(Body body, int64_t n) {
-  for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
-    if constexpr (body_phases<Body>::value > 0) {
-      for (int p = 0; p < body_phases<Body>::value; ++p) {
-        body(p, i, int(threadIdx.x), int(blockDim.x));
-        __syncthreads();
-      }
-    } else {
-      body(i, int(threadIdx.x), int(blockDim.x));
-    }
-  }
+__global__ void items_kernel(Body body, int64_t n, int lanes) {
+  const int per_block = int(blockDim.x) / lanes;
+  const int lane = int(threadIdx.x) % lanes;
+  for (int64_t i = int64_t(blockIdx.x) * per_block + int(threadIdx.x) / lanes; i < n;
+       i += int64_t(gridDim.x) * per_block)
+    body(i, lane, lanes);
+}
+
+// A thread-per-item body (host_exec.h kThreadPerItem): item = thread, lane 0 of 1.
+template <class Body>
+__global__ void thread_items_kernel(Body body, int64_t n) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    body(i, 0, 1);
 }
 
 // Device work goes on the calling host thread's own stream
@@ -49,14 +51,35 @@ __global__ void items_kernel(Body body, int64_t n) {
 // stream. Every call waits for its work before it returns (kernels/device.h).
 inline cudaStream_t thread_stream() { return cudaStreamPerThread; }
 
+/// Enqueues body over items [0, n) on the calling thread's stream, `lanes`
+/// threads an item (a multiple of 32, or a divisor of 128), without waiting.
 template <class Body>
-void launch(const Body& body, int64_t n) {
+void enqueue(const Body& body, int64_t n, int lanes = 128) {
   if (n == 0) return;
-  const unsigned blocks = unsigned(n < 65535 ? n : 65535);
-  items_kernel<<<blocks, 128, 0, thread_stream()>>>(body, n);
+  if constexpr (thread_per_item<Body>::value) {
+    const int64_t blocks = (n + 127) / 128;
+    thread_items_kernel<<<unsigned(blocks < 65535 ? blocks : 65535), 128, 0, thread_stream()>>>(body, n);
+  } else {
+    const int threads = lanes >= 128 ? lanes : lanes * (128 / lanes);
+    const int64_t blocks = (n + threads / lanes - 1) / (threads / lanes);
+    items_kernel<<<unsigned(blocks < 65535 ? blocks : 65535), unsigned(threads), 0, thread_stream()>>>(body, n, lanes);
+  }
   MOEV_CUDA_CHECK(cudaGetLastError());
+}
+
+/// enqueue, then wait for it (the staged entry points below).
+template <class Body>
+void launch(const Body& body, int64_t n, int lanes = 128) {
+  enqueue(body, n, lanes);
   MOEV_CUDA_CHECK(cudaStreamSynchronize(thread_stream()));
 }
+
+/// Lanes for the row-moving bodies: by the row's bytes (k::row_lanes).
+template <class T> int lanes_of(const k::GatherBody<T>& b) { return k::row_lanes(b.D * int64_t(sizeof(T))); }
+template <class T, int W> int lanes_of(const k::CombineBody<T, W>& b) { return k::row_lanes(b.D * int64_t(sizeof(T))); }
+template <class T> int lanes_of(const k::RowMapBody<T>& b) { return k::row_lanes(b.D * int64_t(sizeof(T))); }
+template <class T, class M> int lanes_of(const k::FnRowMapBody<T, M>& b) { return k::row_lanes(b.D * int64_t(sizeof(T))); }
+template <class Body> int lanes_of(const Body&) { return 128; }
 
 /// A device copy of a host buffer, copied back on request; freed on scope exit.
 struct Staged {
@@ -98,9 +121,9 @@ void dispatch_gather(DType dt, k::ScoreApply apply, const void* x, int64_t T, co
     Staged dx(x, size_t(T * D) * sizeof(T_)), dp(perm, size_t(N) * 4), ds(topk_scores, size_t(N) * 4);
     Staged dr(nullptr, size_t(N * D) * sizeof(T_)), dt_(nullptr, size_t(N) * 4), dss(nullptr, size_t(N) * 4),
         drow(nullptr, size_t(N) * 4);
-    launch(k::GatherBody<T_>{dx.as<T_>(), dp.as<int32_t>(), ds.as<float>(), dr.as<T_>(), dt_.as<int32_t>(),
-                             dss.as<float>(), drow.as<int32_t>(), D, K, apply, smul},
-           N);
+    const k::GatherBody<T_> body{dx.as<T_>(), dp.as<int32_t>(), ds.as<float>(), dr.as<T_>(), dt_.as<int32_t>(),
+                                 dss.as<float>(), drow.as<int32_t>(), D, K, apply, smul};
+    launch(body, N, lanes_of(body));
     dr.back(routed);
     dt_.back(token_sorted);
     dss.back(score_sorted);
@@ -115,10 +138,11 @@ void combine(const CombineArgs& a, int64_t N, const void* init, void* out) {
     Staged dro(a.routed_out, size_t(N * a.D) * sizeof(T_)), ds(a.score_sorted, size_t(N) * 4),
         drow(a.row_of, size_t(a.T * a.K) * 4), dinit(init, td),
         dsh(a.shared, a.shared_add == k::SharedAdd::add_after ? td : 0), dout(nullptr, td);
-    launch(k::CombineBody<T_>{dro.as<T_>(), ds.as<float>(), drow.as<int32_t>(), dinit.as<T_>(), dsh.as<T_>(),
-                              dout.as<T_>(), a.D, a.K, a.apply, a.acc, a.shared_add, k::CombineOrder::ascending_row,
-                              a.smul},
-           a.T);
+    const k::CombineBody<T_, k::kDeviceSpan<T_>> body{
+        dro.as<T_>(), ds.as<float>(),    drow.as<int32_t>(), dinit.as<T_>(), dsh.as<T_>(),
+        dout.as<T_>(), a.D,              a.K,                a.apply,        a.acc,
+        a.shared_add,  k::CombineOrder::ascending_row,       a.smul};
+    launch(body, a.T, lanes_of(body));
     dout.back(out);
   });
 }
@@ -158,6 +182,26 @@ __global__ void sort_keys_kernel(const int32_t* ids, int64_t N, bool descending,
   }
 }
 
+// counts[e] = #{a : ids[a] == e} for e in [0, E) (ids outside are not
+// counted, as HistogramBody), counts zeroed before. Per-block counters in
+// shared memory where E fits (`shared`), then one global add per expert.
+__global__ void histogram_kernel(const int32_t* ids, int64_t N, int E, bool shared, unsigned long long* counts) {
+  extern __shared__ unsigned int local[];
+  if (shared)
+    for (int e = threadIdx.x; e < E; e += blockDim.x) local[e] = 0;
+  __syncthreads();
+  for (int64_t a = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; a < N; a += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t e = ids[a];
+    if (e < 0 || e >= E) continue;
+    if (shared) atomicAdd(&local[e], 1u);
+    else atomicAdd(&counts[e], 1ull);
+  }
+  if (!shared) return;
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x)
+    if (local[e]) atomicAdd(&counts[e], (unsigned long long)local[e]);
+}
+
 // cuBLAS is loaded when the first GEMM runs, not linked: mapping libcublas
 // and libcublasLt at start-up costs every process about 220 MB resident
 // (measured), host runs and MPI ranks included.
@@ -194,6 +238,14 @@ const Blas& blas() {
     const cublasStatus_t s_ = (expr);                                                                 \
     if (s_ != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(std::string(#expr) + ": cuBLAS status " + std::to_string(int(s_))); \
   } while (0)
+
+struct Event {
+  cudaEvent_t e = nullptr;
+  Event() { MOEV_CUDA_CHECK(cudaEventCreate(&e)); }
+  ~Event() { cudaEventDestroy(e); }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+};
 
 class CudaDevice final : public Device {
  public:
@@ -245,39 +297,69 @@ class CudaDevice final : public Device {
     return v;
   }
   double busy_seconds() const override { return double(busy_ns_.load()) * 1e-9; }
-  double timed_copy(void* d, const void* s, size_t n) override {
-    return elapsed([&] { MOEV_CUDA_CHECK(cudaMemcpyAsync(d, s, n, cudaMemcpyDeviceToDevice, thread_stream())); });
+  void window_begin() override {
+    bind();
+    std::lock_guard<std::mutex> lk(window_m_);
+    MOEV_CUDA_CHECK(cudaEventRecord(window_ref_.e, thread_stream()));
+    MOEV_CUDA_CHECK(cudaEventSynchronize(window_ref_.e));
+    window_ = BusyUnion{};
+    window_open_ = true;
   }
-  void run(const k::RouterBody& b, int64_t n) override { timed([&] { launch(b, n); }); }
-  void run(const HistogramBody& b, int64_t n) override { timed([&] { launch(b, n); }); }
-  void run(const PadRouteBody& b, int64_t n) override { timed([&] { launch(b, n); }); }
+  double window_end() override {
+    std::lock_guard<std::mutex> lk(window_m_);
+    window_open_ = false;
+    return window_.seconds();
+  }
+  double timed_copy(void* d, const void* s, size_t n) override {
+    double sec = 0;
+    timed([&] { MOEV_CUDA_CHECK(cudaMemcpyAsync(d, s, n, cudaMemcpyDeviceToDevice, thread_stream())); }, false, &sec);
+    return sec;
+  }
+  void run(const k::RouterBody& b, int64_t n) override { body(b, n); }
+  // Counts are integers: atomics give the same counts in any order, where
+  // the body (one thread an expert walking every assignment) took one
+  // thread 262,144 loads per expert at DeepSeek-V3 size.
+  void run(const HistogramBody& b, int64_t n) override {
+    if (n == 0) return;
+    timed([&] {
+      MOEV_CUDA_CHECK(cudaMemsetAsync(b.counts, 0, size_t(n) * 8, thread_stream()));
+      if (b.N == 0) return;
+      const int E = int(n);
+      const size_t smem = E <= 12288 ? size_t(E) * 4 : 0;
+      const int64_t blocks = std::min<int64_t>((b.N + 1023) / 1024, 1024);
+      histogram_kernel<<<unsigned(blocks), 256, smem, thread_stream()>>>(b.ids, b.N, E, smem > 0,
+                                                                         reinterpret_cast<unsigned long long*>(b.counts));
+      MOEV_CUDA_CHECK(cudaGetLastError());
+    });
+  }
+  void run(const PadRouteBody& b, int64_t n) override { body(b, n); }
 #define MOEV_CUDA_BODIES(T)                                                                   \
-  void run(const k::GatherBody<T>& b, int64_t n) override { timed([&] { launch(b, n); }); }                   \
-  void run(const k::CombineBody<T, 1>& b, int64_t n) override { timed([&] { launch(b, n); }); }              \
-  void run(const k::RowMapBody<T>& b, int64_t n) override { timed([&] { launch(b, n); }); }                   \
-  void run(const k::FnRowMapBody<T, EqualCountMap>& b, int64_t n) override { timed([&] { launch(b, n); }); } \
-  void run(const RoundBody<T>& b, int64_t n) override { timed([&] { launch(b, n); }); }                      \
-  void run(const k::SwigluBody<T>& b, int64_t n) override { timed([&] { launch(b, n); }); }                  \
-  void run(const k::CombineGradRowsBody<T>& b, int64_t n) override { timed([&] { launch(b, n); }); }        \
-  void run(const k::ScoreGradBody<T>& b, int64_t n) override { timed([&] { launch(b, n); }); }             \
-  void run(const k::SwigluBwdBody<T>& b, int64_t n) override { timed([&] { launch(b, n); }); }             \
-  void run(const k::GradSumBody<T>& b, int64_t n) override { timed([&] { launch(b, n); }); }
+  void run(const k::GatherBody<T>& b, int64_t n) override { body(b, n); }                   \
+  void run(const k::CombineBody<T, k::kDeviceSpan<T>>& b, int64_t n) override { body(b, n); }              \
+  void run(const k::RowMapBody<T>& b, int64_t n) override { body(b, n); }                   \
+  void run(const k::FnRowMapBody<T, EqualCountMap>& b, int64_t n) override { body(b, n); } \
+  void run(const RoundBody<T>& b, int64_t n) override { body(b, n); }                      \
+  void run(const k::SwigluBody<T>& b, int64_t n) override { body(b, n); }                  \
+  void run(const k::CombineGradRowsBody<T>& b, int64_t n) override { body(b, n); }        \
+  void run(const k::ScoreGradBody<T>& b, int64_t n) override { body(b, n); }             \
+  void run(const k::SwigluBwdBody<T>& b, int64_t n) override { body(b, n); }             \
+  void run(const k::GradSumBody<T>& b, int64_t n) override { body(b, n); }
   MOEV_CUDA_BODIES(float)
   MOEV_CUDA_BODIES(bf16)
   MOEV_CUDA_BODIES(fp16)
 #undef MOEV_CUDA_BODIES
-  void run(const k::RowMapBody<e4m3>& b, int64_t n) override { timed([&] { launch(b, n); }); }
-  void run(const k::FnRowMapBody<e4m3, EqualCountMap>& b, int64_t n) override { timed([&] { launch(b, n); }); }
+  void run(const k::RowMapBody<e4m3>& b, int64_t n) override { body(b, n); }
+  void run(const k::FnRowMapBody<e4m3, EqualCountMap>& b, int64_t n) override { body(b, n); }
 #define MOEV_CUDA_FP8(T)                                                                              \
-  void run(const k::Fp8QuantBody<T>& b, int64_t n) override { timed([&] { launch(b, n); }); }   \
-  void run(const k::Fp8DequantBody<T>& b, int64_t n) override { timed([&] { launch(b, n); }); }
+  void run(const k::Fp8QuantBody<T>& b, int64_t n) override { body(b, n); }   \
+  void run(const k::Fp8DequantBody<T>& b, int64_t n) override { body(b, n); }
   MOEV_CUDA_FP8(float)
   MOEV_CUDA_FP8(bf16)
   MOEV_CUDA_FP8(fp16)
 #undef MOEV_CUDA_FP8
 #define MOEV_CUDA_CONVERT(T)                                                                   \
-  void run(const ConvertBody<T, bf16>& b, int64_t n) override { timed([&] { launch(b, n); }); }               \
-  void run(const ConvertBody<bf16, T>& b, int64_t n) override { timed([&] { launch(b, n); }); }
+  void run(const ConvertBody<T, bf16>& b, int64_t n) override { body(b, n); }               \
+  void run(const ConvertBody<bf16, T>& b, int64_t n) override { body(b, n); }
   MOEV_CUDA_CONVERT(float)
   MOEV_CUDA_CONVERT(fp16)
 #undef MOEV_CUDA_CONVERT
@@ -319,19 +401,29 @@ class CudaDevice final : public Device {
   }
 
  private:
+  /// Device memory for the calling thread's stream, freed in stream order:
+  /// the pool keeps it for the next call (cudaMallocAsync), so a sort's
+  /// scratch costs no cudaMalloc/cudaFree, whose implicit synchronisation
+  /// stalled every rank's stream.
+  struct StreamBuffer {
+    void* d = nullptr;
+    explicit StreamBuffer(size_t n) { MOEV_CUDA_CHECK(cudaMallocAsync(&d, std::max<size_t>(n, 1), thread_stream())); }
+    ~StreamBuffer() { cudaFreeAsync(d, thread_stream()); }
+    template <class T> T* as() const { return static_cast<T*>(d); }
+  };
+
   void sort_pairs(const int32_t* ids, int64_t N, int E, int32_t* perm, bool descending_within) {
     const int bits = std::max(1, int(std::ceil(std::log2(double(E) * double(N) + 1))));
-    Staged keys(nullptr, size_t(N) * 8), keys_out(nullptr, size_t(N) * 8), vals(nullptr, size_t(N) * 4);
+    StreamBuffer keys(size_t(N) * 8), keys_out(size_t(N) * 8), vals(size_t(N) * 4);
     const unsigned blocks = unsigned(std::min<int64_t>((N + 255) / 256, 65535));
     sort_keys_kernel<<<blocks, 256, 0, thread_stream()>>>(ids, N, descending_within, keys.as<uint64_t>(), vals.as<int32_t>());
     MOEV_CUDA_CHECK(cudaGetLastError());
     size_t temp_bytes = 0;
     MOEV_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys.as<uint64_t>(), keys_out.as<uint64_t>(),
                                                     vals.as<int32_t>(), perm, N, 0, bits, thread_stream()));
-    Staged temp(nullptr, std::max<size_t>(temp_bytes, 1));
+    StreamBuffer temp(temp_bytes);
     MOEV_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.d, temp_bytes, keys.as<uint64_t>(), keys_out.as<uint64_t>(),
                                                     vals.as<int32_t>(), perm, N, 0, bits, thread_stream()));
-    MOEV_CUDA_CHECK(cudaStreamSynchronize(thread_stream()));
   }
 
   static cudaDataType data_type(DType dt) {
@@ -365,35 +457,39 @@ class CudaDevice final : public Device {
     timed([&] {
       MOEV_CUBLAS_CHECK(blas().gemm(blas_, op_a, op_b, int(m), int(n), int(k), &alpha, A, t, int(lda), B, t, int(ldb),
                                      &beta, C, c_type, int(ldc), ct, CUBLAS_GEMM_DEFAULT));
-      MOEV_CUDA_CHECK(cudaStreamSynchronize(thread_stream()));
     });
   }
 
-  /// Runs f between two events on the calling thread's stream and adds the
-  /// time between them to busy_ns_ (only that stream's work counts; ranks
-  /// running side by side each add their own).
-  template <class F>
-  void timed(F&& f) {
-    busy_ns_ += int64_t(elapsed(std::forward<F>(f)) * 1e9);
+  /// A body over [0, n) on the calling thread's stream, timed.
+  template <class Body>
+  void body(const Body& b, int64_t n) {
+    timed([&] { enqueue(b, n, lanes_of(b)); });
   }
 
-  /// Seconds between two events recorded around f on the calling thread's
-  /// stream, once the second has completed.
+  /// Runs f (which enqueues work on the calling thread's stream) between
+  /// two events and waits for the second. The time between them goes to
+  /// busy_ns_ where `busy` (only that stream's work counts; ranks running
+  /// side by side each add their own), to *seconds if given, and, inside a
+  /// window, the interval to the window's union.
   template <class F>
-  double elapsed(F&& f) {
+  void timed(F&& f, bool busy = true, double* seconds = nullptr) {
     bind();
-    struct Event {
-      cudaEvent_t e = nullptr;
-      Event() { MOEV_CUDA_CHECK(cudaEventCreate(&e)); }
-      ~Event() { cudaEventDestroy(e); }
-    } start, stop;
+    Event start, stop;
     MOEV_CUDA_CHECK(cudaEventRecord(start.e, thread_stream()));
     f();
     MOEV_CUDA_CHECK(cudaEventRecord(stop.e, thread_stream()));
     MOEV_CUDA_CHECK(cudaEventSynchronize(stop.e));
     float ms = 0;
     MOEV_CUDA_CHECK(cudaEventElapsedTime(&ms, start.e, stop.e));
-    return double(ms) * 1e-3;
+    if (busy) busy_ns_ += int64_t(double(ms) * 1e6);
+    if (seconds) *seconds = double(ms) * 1e-3;
+    std::lock_guard<std::mutex> lk(window_m_);
+    if (window_open_) {
+      float a = 0, b = 0;  // offsets from the window's reference event: a few seconds, float ms resolve 1 us
+      MOEV_CUDA_CHECK(cudaEventElapsedTime(&a, window_ref_.e, start.e));
+      MOEV_CUDA_CHECK(cudaEventElapsedTime(&b, window_ref_.e, stop.e));
+      window_.add(double(a) * 1e-3, double(b) * 1e-3);
+    }
   }
 
   /// The CUDA device is per host thread: in-process ranks call in from
@@ -409,6 +505,10 @@ class CudaDevice final : public Device {
   int ordinal_;
   std::string name_;
   std::atomic<int64_t> busy_ns_{0};
+  std::mutex window_m_;
+  Event window_ref_;
+  BusyUnion window_;
+  bool window_open_ = false;
   std::mutex blas_m_;
   cublasHandle_t blas_ = nullptr;
 };

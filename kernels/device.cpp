@@ -1,5 +1,6 @@
 #include "device.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -175,6 +176,25 @@ void Mirror::end_call() {
   }
 }
 
+void BusyUnion::add(double a, double b) {
+  if (!(b > a)) return;
+  // merge with every interval that overlaps or touches [a, b)
+  auto it = iv_.upper_bound(a);
+  if (it != iv_.begin() && std::prev(it)->second >= a) --it;
+  while (it != iv_.end() && it->first <= b) {
+    a = std::min(a, it->first);
+    b = std::max(b, it->second);
+    it = iv_.erase(it);
+  }
+  iv_.emplace(a, b);
+}
+
+double BusyUnion::seconds() const {
+  double s = 0;
+  for (const auto& [a, b] : iv_) s += b - a;
+  return s;
+}
+
 // --- the emulated device ------------------------------------------------------
 
 namespace {
@@ -209,16 +229,27 @@ class EmulatedDevice final : public Device {
   }
   double busy_seconds() const override { return double(busy_ns_.load()) * 1e-9; }
   double timed_copy(void* d, const void* s, size_t n) override {
-    const auto t0 = std::chrono::steady_clock::now();
-    std::memmove(d, s, n);
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    double sec = 0;
+    timed([&] { std::memmove(d, s, n); }, false, &sec);
+    return sec;
+  }
+  void window_begin() override {
+    std::lock_guard<std::mutex> lk(window_m_);
+    window_ = BusyUnion{};
+    window_t0_ = Clock::now();
+    window_open_ = true;
+  }
+  double window_end() override {
+    std::lock_guard<std::mutex> lk(window_m_);
+    window_open_ = false;
+    return window_.seconds();
   }
   void run(const k::RouterBody& b, int64_t n) override { body(b, n); }
   void run(const HistogramBody& b, int64_t n) override { body(b, n); }
   void run(const PadRouteBody& b, int64_t n) override { body(b, n); }
 #define MOEV_EMULATED_BODIES(T)                                                                   \
   void run(const k::GatherBody<T>& b, int64_t n) override { body(b, n); }               \
-  void run(const k::CombineBody<T, 1>& b, int64_t n) override { body(b, n); }          \
+  void run(const k::CombineBody<T, k::kDeviceSpan<T>>& b, int64_t n) override { body(b, n); }          \
   void run(const k::RowMapBody<T>& b, int64_t n) override { body(b, n); }               \
   void run(const k::FnRowMapBody<T, EqualCountMap>& b, int64_t n) override { body(b, n); } \
   void run(const RoundBody<T>& b, int64_t n) override { body(b, n); }                  \
@@ -268,11 +299,20 @@ class EmulatedDevice final : public Device {
   }
 
  private:
+  using Clock = std::chrono::steady_clock;
+  /// Runs f on the host clock: to busy_ns_ where `busy`, to *seconds if
+  /// given, and inside a window to its union (as the CUDA device's events).
   template <class F>
-  void timed(F&& f) {
-    const auto t0 = std::chrono::steady_clock::now();
+  void timed(F&& f, bool busy = true, double* seconds = nullptr) {
+    const auto t0 = Clock::now();
     f();
-    busy_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    const auto t1 = Clock::now();
+    if (busy) busy_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
+    if (seconds) *seconds = std::chrono::duration<double>(t1 - t0).count();
+    std::lock_guard<std::mutex> lk(window_m_);
+    if (window_open_)
+      window_.add(std::chrono::duration<double>(t0 - window_t0_).count(),
+                  std::chrono::duration<double>(t1 - window_t0_).count());
   }
   /// Each item as an emulated GPU block of kLanes lanes (block_item): the
   /// bodies' multi-lane index math, which the host executor (one lane) never
@@ -286,6 +326,10 @@ class EmulatedDevice final : public Device {
 
   ExecCtx ctx_;
   std::atomic<int64_t> busy_ns_{0};
+  std::mutex window_m_;
+  BusyUnion window_;
+  Clock::time_point window_t0_;
+  bool window_open_ = false;
 };
 
 }  // namespace

@@ -76,6 +76,18 @@ struct ConvertBody {
   }
 };
 
+/// The length of a union of time intervals [a, b) in seconds, added in any
+/// order (overlapping ones count once): how long a device was busy when
+/// in-process ranks run their kernels side by side.
+class BusyUnion {
+ public:
+  void add(double a, double b);
+  double seconds() const;
+
+ private:
+  std::map<double, double> iv_;  // disjoint intervals, start -> end
+};
+
 /// Every call is complete when it returns (its writes have landed): callers
 /// on other threads, and NCCL's own stream, may use the memory next.
 class Device {
@@ -104,6 +116,13 @@ class Device {
   /// roof (a device-to-device copy of a stage's traffic) and to time the
   /// in-process all-to-all's copies.
   virtual double timed_copy(void* dst, const void* src, size_t bytes) = 0;
+  /// A busy window: from window_begin() to window_end(), every timed body,
+  /// sort, GEMM and timed_copy adds its interval (CUDA events on a GPU, the
+  /// host clock on the emulated device) to a union; window_end() returns the
+  /// union's length, the seconds the device was busy with that work, however
+  /// many ranks' streams overlapped. `bench --backend` times each stage by it.
+  virtual void window_begin() = 0;
+  virtual double window_end() = 0;
 
   // The bodies of bodies.h over items [0, n) (item = block, lane = thread on a GPU).
   virtual void run(const k::RouterBody& b, int64_t n) = 0;
@@ -111,7 +130,7 @@ class Device {
   virtual void run(const PadRouteBody& b, int64_t n) = 0;
 #define MOEV_DEVICE_BODIES(T)                                                  \
   virtual void run(const k::GatherBody<T>& b, int64_t n) = 0;                  \
-  virtual void run(const k::CombineBody<T, 1>& b, int64_t n) = 0;             \
+  virtual void run(const k::CombineBody<T, k::kDeviceSpan<T>>& b, int64_t n) = 0;             \
   virtual void run(const k::RowMapBody<T>& b, int64_t n) = 0;                  \
   virtual void run(const k::FnRowMapBody<T, EqualCountMap>& b, int64_t n) = 0; \
   virtual void run(const RoundBody<T>& b, int64_t n) = 0;                      \

@@ -13,34 +13,26 @@
 namespace moev {
 
 
-/// A phased body has `static constexpr int kPhases` and is called as
-/// body(phase, item, lane, lanes): the lanes of one item run phase p + 1
-/// only after all of them finished phase p (a block barrier on a GPU), so
-/// they can cooperate on one item through its output rows. A plain body is
-/// called as body(item, lane, lanes). kPhases of a body, 0 when plain:
+/// A thread-per-item body has `static constexpr bool kThreadPerItem = true`:
+/// every executor runs each of its items as lane 0 of 1 (a GPU, one item per
+/// thread), so its lanes never cooperate. Whether Body is one:
 template <class B, class = void>
-struct body_phases {
-  static constexpr int value = 0;
+struct thread_per_item {
+  static constexpr bool value = false;
 };
 template <class B>
-struct body_phases<B, std::void_t<decltype(B::kPhases)>> {
-  static constexpr int value = B::kPhases;
+struct thread_per_item<B, std::void_t<decltype(B::kThreadPerItem)>> {
+  static constexpr bool value = B::kThreadPerItem;
 };
 
 /// Item i of a body as a GPU block of `lanes` threads runs it, the lanes one
-/// after another (in descending order if asked), phase by phase for a phased
-/// body. The lanes of one phase write disjoint elements and read only what
-/// earlier phases wrote (the bodies' contract), so this is one valid
-/// schedule of the block. The host executor runs lane 0 of 1.
+/// after another (in descending order if asked); a thread-per-item body as
+/// one lane. The lanes write disjoint elements (the bodies' contract), so
+/// this is one valid schedule of the block. The host executor runs lane 0 of 1.
 template <class Body>
 inline void block_item(const Body& body, int64_t i, int lanes, bool descending = false) {
-  auto lane = [&](int j) { return descending ? lanes - 1 - j : j; };
-  if constexpr (body_phases<Body>::value > 0) {
-    for (int p = 0; p < body_phases<Body>::value; ++p)
-      for (int j = 0; j < lanes; ++j) body(p, i, lane(j), lanes);
-  } else {
-    for (int j = 0; j < lanes; ++j) body(i, lane(j), lanes);
-  }
+  if constexpr (thread_per_item<Body>::value) lanes = 1;
+  for (int j = 0; j < lanes; ++j) body(i, descending ? lanes - 1 - j : j, lanes);
 }
 
 /// Items [0, n) on ctx.threads threads, each as a block of `lanes` lanes.

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "../kernels/backward_bodies.h"
+#include "../kernels/device.h"
 #include "../kernels/host_exec.h"
 #include "case.h"
 #include "runner.h"
@@ -81,71 +82,83 @@ void block_run(const Body& body, int64_t n, int lanes, bool descending) {
 }  // namespace
 
 TEST_CASE("kernel bodies give the host executor's bits with any lane count", "[cpu][bodies]") {
-  // The CUDA executor runs lanes = 128 threads per item; CI has no GPU, so
-  // the index math of many lanes runs here on an emulated block.
+  // The CUDA executor runs up to 256 threads per item; CI has no GPU, so
+  // the index math of many lanes runs here on an emulated block. The router
+  // is a thread-per-item body: one lane on every executor.
+  static_assert(thread_per_item<k::RouterBody>::value, "the router runs a token per thread");
+  static_assert(!thread_per_item<k::RowMapBody<bf16>>::value, "row bodies spread a row over lanes");
   const int64_t T = 29;
-  for (int E : {8, 13, 256})
-    for (k::ScoreFunc sf : {k::ScoreFunc::softmax, k::ScoreFunc::sigmoid})
-      for (k::Selection sel : {k::Selection::topk, k::Selection::force_load_balance}) {
-        const int K = std::min(E, 6), groups = E % 4 == 0 ? 4 : 1;
-        std::vector<float> logits(static_cast<size_t>(T * E)), bias(static_cast<size_t>(E));
-        for (size_t i = 0; i < logits.size(); ++i) logits[i] = float(int((i * 37) % 23) - 11) / 4.f;  // ties
-        for (int e = 0; e < E; ++e) bias[size_t(e)] = float(e % 3) / 8.f;
-        auto route = [&](int lanes, bool desc) {
-          std::vector<float> s(logits.size(), -1.f), c(logits.size(), -1.f), ts(size_t(T * K), -1.f);
-          std::vector<int32_t> ids(size_t(T * K), -1);
-          k::RouterBody b{logits.data(), bias.data(), s.data(), c.data(), ids.data(), ts.data(), T, E, K, groups,
-                          groups > 1 ? 2 : 1, 2.5f, sf, sel, k::RouteNorm::on, k::TieBreak::lower_id};
-          if (lanes == 0) host_run(ExecCtx{1, {}}, T, b);
-          else block_run(b, T, lanes, desc);
-          return std::make_tuple(s, ids, ts);
-        };
-        const auto want = route(0, false);
-        for (int lanes : {1, 3, 32, 128})
-          for (bool desc : {false, true}) {
-            const auto got = route(lanes, desc);
-            INFO("E " << E << " lanes " << lanes << (desc ? " descending" : ""));
-            CHECK(std::memcmp(std::get<0>(got).data(), std::get<0>(want).data(), std::get<0>(want).size() * 4) == 0);
-            CHECK(std::get<1>(got) == std::get<1>(want));
-            CHECK(std::memcmp(std::get<2>(got).data(), std::get<2>(want).data(), std::get<2>(want).size() * 4) == 0);
-          }
-      }
-  // Ordered combine (one column per lane on a GPU) and the SwiGLU backward's
-  // elementwise body (lanes over f).
+  // Ordered combine (16 bytes of columns per lane on a GPU, one vector load
+  // per row where the row is 16-byte aligned: D = 64 in bf16; D = 70 takes
+  // the element path), the row copies (16-byte pieces, or elements) and the
+  // SwiGLU backward's elementwise body (lanes over f).
   const int K = 3;
-  const int64_t D = 70, F = 45, N = T * K;
-  std::vector<bf16> rows(size_t(N * D)), h13(size_t(T * 2 * F)), dH(size_t(T * F));
-  for (size_t i = 0; i < rows.size(); ++i) rows[i] = from_float<bf16>(float(int(i % 41) - 20) / 8.f);
-  for (size_t i = 0; i < h13.size(); ++i) h13[i] = from_float<bf16>(float(int(i % 29) - 14) / 5.f);
-  for (size_t i = 0; i < dH.size(); ++i) dH[i] = from_float<bf16>(float(int(i % 17) - 8) / 3.f);
-  std::vector<float> sc(static_cast<size_t>(N));
-  std::vector<int32_t> row_of(static_cast<size_t>(N));
-  for (int64_t a = 0; a < N; ++a) {
-    sc[size_t(a)] = float(a % 7 + 1) / 7.f;
-    row_of[size_t(a)] = int32_t((a * 11) % N);
+  const int64_t F = 45, N = T * K;
+  for (int64_t D : {int64_t(70), int64_t(64)}) {
+    std::vector<bf16> rows(size_t(N * D)), h13(size_t(T * 2 * F)), dH(size_t(T * F)), init(size_t(T * D));
+    for (size_t i = 0; i < rows.size(); ++i) rows[i] = from_float<bf16>(float(int(i % 41) - 20) / 8.f);
+    for (size_t i = 0; i < init.size(); ++i) init[i] = from_float<bf16>(float(int(i % 13) - 6) / 4.f);
+    for (size_t i = 0; i < h13.size(); ++i) h13[i] = from_float<bf16>(float(int(i % 29) - 14) / 5.f);
+    for (size_t i = 0; i < dH.size(); ++i) dH[i] = from_float<bf16>(float(int(i % 17) - 8) / 3.f);
+    std::vector<float> sc(static_cast<size_t>(N));
+    std::vector<int32_t> row_of(static_cast<size_t>(N));
+    std::vector<int64_t> map(static_cast<size_t>(N));
+    for (int64_t a = 0; a < N; ++a) {
+      sc[size_t(a)] = float(a % 7 + 1) / 7.f;
+      row_of[size_t(a)] = int32_t((a * 11) % N);
+      map[size_t(a)] = (a * 13) % (N + 1) - 1;  // some zero rows
+    }
+    // lanes 0: the host executor's body (kCombineSpan columns a span, one lane)
+    auto combine = [&](int lanes, k::Accumulate acc, bool in_place) {
+      std::vector<bf16> out = in_place ? init : std::vector<bf16>(size_t(T * D), from_float<bf16>(-1.f));
+      const bf16* from = in_place ? out.data() : init.data();
+      auto body = [&](auto w) {
+        return k::CombineBody<bf16, decltype(w)::value>{rows.data(), sc.data(), row_of.data(), from, nullptr,
+                                                        out.data(), D, K, k::ScoreApply::after_experts, acc,
+                                                        k::SharedAdd::none, k::CombineOrder::ascending_row,
+                                                        k::ScoreMultiply::fp32, k::CombineInit::buffer};
+      };
+      if (lanes == 0) block_run(body(std::integral_constant<int, k::kCombineSpan>{}), T, 1, false);
+      else block_run(body(std::integral_constant<int, k::kDeviceSpan<bf16>>{}), T, lanes, true);
+      return out;
+    };
+    auto row_map = [&](int lanes) {
+      std::vector<bf16> out(size_t(N * D), from_float<bf16>(-1.f));
+      block_run(k::RowMapBody<bf16>{rows.data(), map.data(), out.data(), D}, N, lanes, lanes > 1);
+      return out;
+    };
+    auto swiglu_bwd = [&](int lanes) {
+      std::vector<bf16> H(size_t(T * F)), g(size_t(T * 2 * F));
+      block_run(k::SwigluBwdBody<bf16>{h13.data(), dH.data(), H.data(), g.data(), F}, T, lanes, lanes > 1);
+      return std::make_pair(H, g);
+    };
+    auto bits = [](const std::vector<bf16>& v) {
+      std::vector<uint16_t> b;
+      for (bf16 x : v) b.push_back(x.bits);
+      return b;
+    };
+    for (int lanes : {1, 3, 32, 128}) {
+      INFO("D " << D << " lanes " << lanes);
+      for (k::Accumulate acc : {k::Accumulate::per_add, k::Accumulate::fp32_accumulate})
+        for (bool in_place : {false, true}) CHECK(bits(combine(lanes, acc, in_place)) == bits(combine(0, acc, in_place)));
+      CHECK(bits(row_map(lanes)) == bits(row_map(1)));
+      CHECK(bits(swiglu_bwd(lanes).first) == bits(swiglu_bwd(1).first));
+      CHECK(bits(swiglu_bwd(lanes).second) == bits(swiglu_bwd(1).second));
+    }
   }
-  auto combine = [&](int lanes) {
-    std::vector<bf16> out(size_t(T * D), from_float<bf16>(-1.f));
-    const k::CombineBody<bf16, 1> b{rows.data(), sc.data(), row_of.data(), nullptr, nullptr, out.data(), D, K,
-                                    k::ScoreApply::after_experts, k::Accumulate::per_add, k::SharedAdd::none,
-                                    k::CombineOrder::ascending_row, k::ScoreMultiply::fp32, k::CombineInit::zeros};
-    block_run(b, T, lanes, lanes > 1);
-    return out;
-  };
-  auto swiglu_bwd = [&](int lanes) {
-    std::vector<bf16> H(size_t(T * F)), g(size_t(T * 2 * F));
-    block_run(k::SwigluBwdBody<bf16>{h13.data(), dH.data(), H.data(), g.data(), F}, T, lanes, lanes > 1);
-    return std::make_pair(H, g);
-  };
-  auto bits = [](const std::vector<bf16>& v) {
-    std::vector<uint16_t> b;
-    for (bf16 x : v) b.push_back(x.bits);
-    return b;
-  };
-  for (int lanes : {3, 32, 128}) {
-    INFO("lanes " << lanes);
-    CHECK(bits(combine(lanes)) == bits(combine(1)));
-    CHECK(bits(swiglu_bwd(lanes).first) == bits(swiglu_bwd(1).first));
-    CHECK(bits(swiglu_bwd(lanes).second) == bits(swiglu_bwd(1).second));
-  }
+}
+
+TEST_CASE("BusyUnion counts overlapping intervals once", "[cpu][bench]") {
+  BusyUnion u;
+  CHECK(u.seconds() == 0);
+  u.add(1.0, 2.0);
+  u.add(1.5, 2.5);  // overlaps the first: [1, 2.5)
+  u.add(4.0, 5.0);
+  u.add(0.0, 0.5);
+  u.add(3.0, 3.0);  // empty
+  CHECK(u.seconds() == Approx(3.0));
+  u.add(0.25, 4.5);  // joins all of them: [0, 5)
+  CHECK(u.seconds() == Approx(5.0));
+  u.add(5.0, 6.0);  // touches the end: [0, 6)
+  CHECK(u.seconds() == Approx(6.0));
 }

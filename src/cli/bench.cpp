@@ -24,6 +24,7 @@
 #include "memory_estimate.h"
 #include "registry.h"
 #include "runner.h"
+#include "subprocess.h"
 #include "version.h"
 
 namespace moev {
@@ -123,11 +124,14 @@ std::pair<double, std::string> bytes_formula(const Stage& s, const Case& c, cons
 }
 
 /// Seconds of one fast call: `wall` on the host clock; on a device backend
-/// `device` too, the device's busy time across the call (its kernels and
-/// GEMMs, Device::busy_seconds) plus the in-process all-to-all's
-/// device-to-device copies, summed over ranks.
+/// `device` too, the time the device was busy with the call (its kernels,
+/// sorts, GEMMs and the in-process all-to-all's device-to-device copies, the
+/// union of their intervals: Device::window_begin/window_end), and
+/// `device_summed`, the same work's intervals summed over the ranks' streams
+/// (which counts overlapping ranks once each: what `device` was before
+/// 2026-11-27, kept for comparison).
 struct FastSeconds {
-  double wall = 0, device = 0;
+  double wall = 0, device = 0, device_summed = 0;
 };
 
 /// Runs a stage's fast function on every rank of `in` (in-process ranks as
@@ -160,6 +164,7 @@ FastSeconds time_fast_once(const Stage& s, const Case& c, const Board& in, std::
   };
   if (mirror) begin_device_call(*mirror, in, s.inputs(c));
   const double busy0 = mirror ? mirror->device().busy_seconds() : 0;
+  if (mirror) mirror->device().window_begin();
   const auto t0 = clock_type::now();
   if (R == 1) {
     one(0);
@@ -171,7 +176,8 @@ FastSeconds time_fast_once(const Stage& s, const Case& c, const Board& in, std::
   FastSeconds sec;
   sec.wall = seconds_since(t0);
   if (mirror) {
-    sec.device = mirror->device().busy_seconds() - busy0 + double(copy_ns.load()) * 1e-9;
+    sec.device = mirror->device().window_end();
+    sec.device_summed = mirror->device().busy_seconds() - busy0 + double(copy_ns.load()) * 1e-9;
     sync_device_outputs(*mirror, out);
     mirror->end_call();
   }
@@ -273,7 +279,7 @@ StageBench bench_stage(const Stage& s, const VariantDecision& vd, double slot_re
         return b;
       }
   std::vector<RankBoard> out(static_cast<size_t>(R));
-  std::vector<double> times, device_times;
+  std::vector<double> times, device_times, device_summed;
   for (int i = 0; i < opt.warmup + opt.repeat; ++i) {
     std::string skipped, error;
     // The first call allocates (and poisons) the outputs; later calls reuse them.
@@ -283,7 +289,7 @@ StageBench bench_stage(const Stage& s, const VariantDecision& vd, double slot_re
       b.note = !error.empty() ? "fast stage failed: " + error : "skipped: " + skipped;
       return b;
     }
-    if (i >= opt.warmup) times.push_back(sec.wall), device_times.push_back(sec.device);
+    if (i >= opt.warmup) times.push_back(sec.wall), device_times.push_back(sec.device), device_summed.push_back(sec.device_summed);
   }
   b.ran = true;
   b.seconds_min = *std::min_element(times.begin(), times.end());
@@ -297,6 +303,7 @@ StageBench bench_stage(const Stage& s, const VariantDecision& vd, double slot_re
   if (mirror) {
     b.device_seconds_min = *std::min_element(device_times.begin(), device_times.end());
     b.device_seconds_median = median(device_times);
+    b.device_summed_seconds_min = *std::min_element(device_summed.begin(), device_summed.end());
     b.device_gbps = b.device_seconds_min > 0 ? b.bytes / b.device_seconds_min / 1e9 : 0;
     b.device_copy_seconds = device_copy_seconds(mirror->device(), b.bytes / 2, opt.repeat);
     b.device_copy_gbps = b.device_copy_seconds > 0 ? b.bytes / b.device_copy_seconds / 1e9 : 0;
@@ -400,6 +407,60 @@ std::string xml_escape(const std::string& s) {
 
 }  // namespace
 
+/// Runs the peer command on the case's shape (BenchOptions::peer) and
+/// records its stage seconds, or why there are none, in cb.
+void run_peer(CaseBench& cb, const BenchOptions& opt, std::ostream& log) {
+  const Case& c = cb.c;
+  nlohmann::json spec = {{"tokens", c.tokens * c.ep},
+                         {"ep", c.ep},
+                         {"hidden", c.hidden},
+                         {"ffn", c.ffn},
+                         {"experts", c.num_experts},
+                         {"top_k", c.top_k},
+                         {"groups", c.router.groups},
+                         {"limited_groups", c.router.limited_groups},
+                         {"score", c.router.score == k::ScoreFunc::sigmoid ? "sigmoid" : "softmax"},
+                         {"bias", c.router.bias == Switch::on},
+                         {"route_norm", c.router.route_norm == Switch::on},
+                         {"route_scale", c.router.route_scale},
+                         {"dtype", dtype_name(c.dtype)},
+                         {"expert_kind", c.experts.kind == ExpertKind::swiglu ? "swiglu" : "identity"},
+                         {"repeat", opt.repeat},
+                         {"device", c.backend == Backend::cuda ? "cuda" : "cpu"}};
+  char path[] = "/tmp/moeverify-peer-XXXXXX";
+  const int fd = mkstemp(path);
+  if (fd < 0) {
+    cb.peer_note = "cannot create a spec file under /tmp";
+    return;
+  }
+  close(fd);
+  std::ofstream(path) << spec.dump() << "\n";
+  std::string cmd = opt.peer;
+  const size_t at = cmd.find("{spec}");
+  if (at == std::string::npos) cmd += std::string(" ") + path;
+  else cmd.replace(at, 6, path);
+  log << "  peer: " << cmd << "\n";
+  const ProcEnd end = run_command(cmd, opt.peer_timeout_s);
+  std::remove(path);
+  if (end.how != ProcEnd::How::exited || end.code != 0) {
+    std::string err = end.err_tail;
+    while (!err.empty() && (err.back() == '\n' || err.back() == ' ')) err.pop_back();
+    const size_t nl = err.rfind('\n');
+    cb.peer_note = "the peer " + end.describe(opt.peer_timeout_s) +
+                   (err.empty() ? "" : ": " + (nl == std::string::npos ? err : err.substr(nl + 1)));
+    return;
+  }
+  try {
+    const nlohmann::json j = nlohmann::json::parse(end.out_tail);
+    cb.peer_name = "torch " + j.value("torch", std::string("?")) + " on " + j.value("device", std::string("?"));
+    for (const auto& [slot, v] : j.at("stages").items())
+      cb.peer.push_back({slot, v.value("what", std::string()), v.at("seconds").get<double>()});
+  } catch (const std::exception& e) {
+    cb.peer.clear();
+    cb.peer_note = std::string("the peer's output is not its JSON (") + e.what() + ")";
+  }
+}
+
 CaseBench bench_case(const Case& c, const BenchOptions& opt, std::ostream& log) {
   CaseBench cb;
   cb.c = c;
@@ -447,7 +508,16 @@ CaseBench bench_case(const Case& c, const BenchOptions& opt, std::ostream& log) 
     const double t = cb.dispatch_seconds + cb.combine_seconds;
     cb.roof_ratio = t > 0 ? 2 * cb.routed_memcpy_seconds / t : 0;
   }
+  if (!opt.peer.empty()) run_peer(cb, opt, log);
   return cb;
+}
+
+/// The stage the peer's slot is compared with: the first timed variant of
+/// that slot (the primary one, which `run` reports first), or none.
+const StageBench* peer_match(const CaseBench& b, const std::string& slot) {
+  for (const auto& s : b.stages)
+    if (s.ran && s.slot == slot) return &s;
+  return nullptr;
 }
 
 void print_bench(const CaseBench& b, std::ostream& os) {
@@ -475,8 +545,8 @@ void print_bench(const CaseBench& b, std::ostream& os) {
   const bool on_device = c.backend != Backend::host;
   if (on_device) {
     os << "  on the device (" << enum_name(backend_table(), c.backend)
-       << "): its own clock over kernels, GEMMs and all-to-all copies, summed over ranks; roof: a device-to-device "
-          "copy of half the bytes, timed in the same run (min ms and GB/s above: wall, with the write-back to the "
+       << "): its own clock, the time it was busy with the stage's kernels, sorts, GEMMs and all-to-all copies (their "
+          "intervals' union across ranks); roof: a device-to-device copy of half the bytes, timed in the same run (min ms and GB/s above: wall, with the write-back to the "
           "host)\n";
     os << "  " << std::left << std::setw(16) << "slot" << std::setw(24) << "variant" << std::right << std::setw(10)
        << "dev ms" << std::setw(10) << "med ms" << std::setw(10) << "GB/s" << std::setw(11) << "copy GB/s"
@@ -522,6 +592,19 @@ void print_bench(const CaseBench& b, std::ostream& os) {
        << (on_device ? "device-to-device copy" : "memcpy") << " of " << fmt(b.routed_bytes / 1e6, 1) << " MB routed rows "
        << fmt(b.routed_memcpy_seconds * 1e3, 3) << " ms / (dispatch " << fmt(b.dispatch_seconds * 1e3, 3)
        << " ms + combine " << fmt(b.combine_seconds * 1e3, 3) << " ms) = " << fmt(b.roof_ratio, 3) << "\n";
+  if (!b.peer.empty() || !b.peer_note.empty()) {
+    os << "  peer (" << (b.peer_note.empty() ? b.peer_name : "none") << "): the same stage on the same shapes, "
+       << (on_device ? "device" : "wall") << " seconds, best of " << "--repeat; ratio = moeverify / peer time\n";
+    if (!b.peer_note.empty()) os << "    not run: " << b.peer_note << "\n";
+    for (const auto& p : b.peer) {
+      const StageBench* mine = peer_match(b, p.slot);
+      const double t = mine ? (on_device ? mine->device_seconds_min : mine->seconds_min) : 0;
+      os << "    " << std::left << std::setw(16) << p.slot << std::right << std::setw(10) << fmt(t * 1e3, 4)
+         << " ms (" << (mine ? mine->variant : std::string("not timed")) << ")" << std::setw(10)
+         << fmt(p.seconds * 1e3, 4) << " ms peer  ratio " << (t > 0 && p.seconds > 0 ? fmt(t / p.seconds, 2) : "-")
+         << "  [" << p.what << "]\n";
+    }
+  }
   if (!b.sweep.empty()) {
     os << "  growth (verify time, peak memory):\n";
     for (const auto& p : b.sweep) {
@@ -594,6 +677,7 @@ std::string bench_json(const std::vector<CaseBench>& all, const BenchOptions& op
         if (is_all_to_all(s.slot)) js.update({{"algbw_gbps", s.algbw_gbps}, {"busbw_gbps", s.busbw_gbps}});
         if (c.backend != Backend::host)
           js.update({{"device_seconds_min", s.device_seconds_min},
+                     {"device_summed_seconds_min", s.device_summed_seconds_min},
                      {"device_seconds_median", s.device_seconds_median},
                      {"device_gbps", s.device_gbps},
                      {"device_copy_seconds", s.device_copy_seconds},
@@ -622,6 +706,22 @@ std::string bench_json(const std::vector<CaseBench>& all, const BenchOptions& op
       sw.push_back(jp);
     }
     jc["sweep"] = sw;
+    if (!opt.peer.empty()) {
+      json jp = {{"command", opt.peer}, {"name", b.peer_name}, {"note", b.peer_note}};
+      json ps = json::array();
+      for (const auto& p : b.peer) {
+        const StageBench* mine = peer_match(b, p.slot);
+        const double t = mine ? (c.backend != Backend::host ? mine->device_seconds_min : mine->seconds_min) : 0;
+        ps.push_back({{"slot", p.slot},
+                      {"what", p.what},
+                      {"peer_seconds", p.seconds},
+                      {"variant", mine ? mine->variant : ""},
+                      {"seconds", t},
+                      {"ratio", t > 0 && p.seconds > 0 ? t / p.seconds : 0}});
+      }
+      jp["stages"] = ps;
+      jc["peer"] = jp;
+    }
     cases.push_back(jc);
   }
   doc["cases"] = cases;

@@ -25,6 +25,12 @@ struct BenchOptions {
   bool sweep = false;
   std::vector<std::string> sets;  // --set overrides, re-applied by the sweep
   std::string file;               // the case's file, re-loaded by the sweep
+  /// The peer command (`--peer`): run after a case's stages with `{spec}`
+  /// replaced by a JSON file of the case's shape (appended when absent);
+  /// its stdout is one JSON object of its stage seconds
+  /// (python/moeverify/peer.py is PyTorch's). Empty: no peer.
+  std::string peer;
+  double peer_timeout_s = 600;
 };
 
 /// Repeats whose slowest is more than this times the fastest: the machine
@@ -52,12 +58,16 @@ struct StageBench {
   /// seconds (device_seconds_min on a device), busbw = algbw * (R - 1) / R;
   /// 0 elsewhere.
   double algbw_gbps = 0, busbw_gbps = 0;
-  /// Device backends (0 on the host): seconds by the device's clock (its
-  /// kernels, GEMMs and the all-to-all's device copies, summed over ranks;
-  /// CUDA events on a GPU), min and median over the timed calls; the roof,
+  /// Device backends (0 on the host): seconds by the device's clock (the
+  /// union of its kernels', GEMMs' and the all-to-all's device copies'
+  /// intervals across ranks; CUDA events on a GPU), min and median over the
+  /// timed calls; the roof,
   /// a device-to-device copy of bytes / 2 timed the same way in the same run;
   /// ratio_to_device_copy = device_copy_seconds / device_seconds_min.
   double device_seconds_min = 0, device_seconds_median = 0, device_gbps = 0;
+  /// The fast call's device intervals summed over the ranks' streams, not
+  /// their union (overlapping in-process ranks count once each).
+  double device_summed_seconds_min = 0;
   double device_copy_seconds = 0, device_copy_gbps = 0, ratio_to_device_copy = 0;
   /// The verification's own cost in the run that built the board.
   double ref_seconds = 0, compare_seconds = 0;
@@ -101,6 +111,15 @@ struct CaseBench {
   /// 0 when the case has no such pair.
   double routed_bytes = 0, routed_memcpy_seconds = 0, dispatch_seconds = 0, combine_seconds = 0, roof_ratio = 0;
   std::vector<SweepPoint> sweep;
+  /// The peer's figures (BenchOptions::peer): what it did for each slot and
+  /// its best seconds, beside this case's primary variant of that slot.
+  struct PeerStage {
+    std::string slot, what;
+    double seconds = 0;
+  };
+  std::vector<PeerStage> peer;
+  std::string peer_name;  // e.g. "torch 2.11.0+cu130 on NVIDIA H100 80GB HBM3"
+  std::string peer_note;  // why the peer gave no figures
 };
 
 /// Runs the case once (verifying it), then times each stage variant that

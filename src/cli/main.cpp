@@ -483,7 +483,7 @@ FaultSet parse_faults(const std::vector<std::string>& names, std::string* flags 
 
 struct BenchArgs {
   std::vector<std::string> files, sets;
-  std::string threads, repeat = "5", warmup = "1", json, plot, backend = "host", max_memory;
+  std::string threads, repeat = "5", warmup = "1", json, plot, backend = "host", max_memory, peer;
   CaseFilter cases;
   bool sweep = false;
 };
@@ -501,6 +501,9 @@ int cmd_bench(const CLI::App* cmd, const BenchArgs& a) {
   o.warmup = parse_int_option("--warmup", a.warmup, 0, 100000);
   o.sweep = a.sweep;
   o.sets = a.sets;
+  if (cmd->count("--peer") && a.peer.find_first_not_of(" \t") == std::string::npos)
+    bad_input("--peer: the command is empty; valid: a command such as \"python3 -m moeverify.peer {spec}\"");
+  o.peer = a.peer;
   if (cmd->count("--backend")) o.sets.push_back("backend=" + a.backend);
   const MemoryLimit limit = memory_limit(cmd, a.max_memory);
   a.cases.check_not_empty();
@@ -820,6 +823,11 @@ void add_fuzz_selftest_bench(CLI::App& app, Commands& c) {
   c.bn->add_option("--backend", c.ba.backend, "host (default), cuda or emulated: the case key `backend` of every case; on a device each stage is also "
                    "timed by the device's clock against a device-to-device copy");
   c.bn->add_option("--max-memory", c.ba.max_memory, kMemHelp)->type_name("SIZE");
+  c.bn->add_option("--peer", c.ba.peer,
+                   "also time another implementation of the stages on each case's shape and print moeverify/peer "
+                   "ratios: CMD gets {spec}, a JSON file of the shape, and prints its seconds as JSON "
+                   "(PyTorch's: \"python3 -m moeverify.peer {spec}\"; docs/guide.md, Benchmarks)")
+      ->type_name("CMD");
 }
 
 /// Runs the parsed subcommand; its exit status.

@@ -46,19 +46,29 @@ if [ "${results[1]}" = SKIPPED ]; then
   echo "kit_run: no usable CUDA device: every GPU check SKIPPED"
   exit 77
 fi
-# every case file, the planted faults and a fuzz budget on the GPU (the same
-# script that runs them on the emulated device in CI); its log has a line per file
-check cases bash "$root/tests/device_cases.sh" "$bin/moeverify" "$root" cuda 200
+# PyTorch beside moeverify on the same shapes (bench --peer), where the
+# python3 here holds torch with CUDA.
+peer=()
+if PYTHONPATH="$root/python" python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
+  export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}"
+  peer=(--peer "python3 -m moeverify.peer {spec}")
+fi
 # bench on the GPU: each stage variant timed by CUDA events against a
 # device-to-device copy of its bytes in the same run (the device table and
 # JSON's device_* keys), after a verifying run (a case that is not PASSED
-# fails the check). The real shapes, DeepSeek-V3's layer (identity experts;
-# its router logits failed the first GPU run) and the T = 128 SwiGLU case,
-# take a few minutes on a GPU machine's 16 cores; KIT_FAST=1 skips them.
+# fails the check), and PyTorch's way of each stage on the same shapes. The
+# real shapes, DeepSeek-V3's layer (identity experts) and the T = 128 SwiGLU
+# case, take a few minutes on a GPU machine's 16 cores; KIT_FAST=1 skips
+# them. DeepSeek-V3 runs first: the roof figures of issue 36.
+if [ -z "${KIT_FAST:-}" ]; then
+  check bench.deepseek_v3 "$bin/moeverify" bench "$root/cases/slow/deepseek_v3.yaml" --backend cuda --repeat 3 "${peer[@]}" --json "$out/bench.deepseek_v3.json"
+fi
+# every case file, the planted faults and a fuzz budget on the GPU (the same
+# script that runs them on the emulated device in CI); its log has a line per file
+check cases bash "$root/tests/device_cases.sh" "$bin/moeverify" "$root" cuda 200
 check bench.ep4 "$bin/moeverify" bench "$root/cases/ep4.yaml" --backend cuda --repeat 3 --json "$out/bench.ep4.json"
 if [ -z "${KIT_FAST:-}" ]; then
-  check bench.deepseek_v3 "$bin/moeverify" bench "$root/cases/slow/deepseek_v3.yaml" --backend cuda --repeat 3 --json "$out/bench.deepseek_v3.json"
-  check bench.swiglu_ep8_t128 "$bin/moeverify" bench "$root/cases/slow/swiglu_ep8_t128.yaml" --backend cuda --repeat 3 --json "$out/bench.swiglu_ep8_t128.json"
+  check bench.swiglu_ep8_t128 "$bin/moeverify" bench "$root/cases/slow/swiglu_ep8_t128.yaml" --backend cuda --repeat 3 "${peer[@]}" --json "$out/bench.swiglu_ep8_t128.json"
 fi
 # Framework numerics on the GPU through export/check: the torchtitan-style
 # dispatcher and torchtitan's SwiGLU experts' autograd with their tensors on
