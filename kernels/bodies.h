@@ -96,7 +96,7 @@ struct RouterBody {
   const float* logits;
   const float* bias;  // (E) fp32 selection bias; all zeros when the case has none
   float* scores;
-  float* choice;      // scratch (T, E)
+  float* choice;      // scratch (T, E); a chosen expert's entry ends as kTaken
   int32_t* ids;
   float* topk_scores;
   int64_t T;
@@ -153,6 +153,18 @@ struct RouterBody {
   /// Steps 4-8: the group limit, the top-k, the gathered scores, their
   /// normalisation and the route scale. The chosen ids are kept in registers
   /// (`id`) and written once.
+  ///
+  /// Each of the K passes scans the untaken experts in ascending order: the
+  /// first sets `best`, a later one replaces it where its choice value is
+  /// greater (or equal, under the planted higher_id fault). A NaN is never
+  /// greater, nor is anything greater than a NaN, so a NaN is chosen only
+  /// where it is the first untaken expert. A chosen expert's choice value is
+  /// overwritten with kTaken, a signalling NaN that no arithmetic produces
+  /// (every operation on a NaN returns a quiet one, and the choice values
+  /// are sums), so a scan tests one loaded value instead of the K ids, and
+  /// its loads do not wait on one another.
+  static constexpr uint32_t kTaken = 0x7fa0dead;
+
   MOEV_HD void select_top_k(int64_t t, const float* s, float* c) const {
     int32_t id[kMaxTopK];
     float* ts = topk_scores + t * K;
@@ -162,13 +174,20 @@ struct RouterBody {
       if (groups > 1) mask_groups(c);
       for (int k = 0; k < K; ++k) {
         int best = -1;
+        float bv = 0.f;
+#ifdef __CUDA_ARCH__
+#pragma unroll 8
+#endif
         for (int e = 0; e < E; ++e) {
-          bool taken = false;
-          for (int j = 0; j < k; ++j) taken = taken || id[j] == e;
-          if (taken) continue;
-          if (best < 0 || c[e] > c[best] || (tie == TieBreak::higher_id && c[e] == c[best])) best = e;
+          const float v = c[e];
+          if (f32_bits(v) == kTaken) continue;
+          if (best < 0 || v > bv || (tie == TieBreak::higher_id && v == bv)) {
+            best = e;
+            bv = v;
+          }
         }
         id[k] = best;
+        c[best] = f32_from_bits(kTaken);
       }
     }
     for (int k = 0; k < K; ++k) {
@@ -402,15 +421,18 @@ struct CombineBody {
   /// fp32 sum under fp32_accumulate (rounded once at the end).
   MOEV_HD void span(int64_t t, const int32_t* rows, int nrows, int64_t c0, int n) const {
     // A device span (W * sizeof(T) == 16) reads each row's piece with one
-    // 16-byte load into `buf` and writes the result with one store, where the
-    // span is whole and aligned; the arithmetic below is the same either way.
+    // 16-byte load, where the span is whole and aligned, and the pieces of
+    // kBatch rows before it adds the first of them, so that a thread has
+    // kBatch loads in flight; the result is written with one store. The
+    // additions are the same, in the same row order, either way.
     constexpr bool kVec = W * sizeof(T) == 16;
-    alignas(16) T buf[kVec ? W : 1];
-    auto load = [&](const T* p) -> const T* {
+    constexpr int kBatch = kVec ? 4 : 1;
+    alignas(16) T buf[kBatch][kVec ? W : 1];
+    auto load = [&](const T* p, int j) -> const T* {
       if constexpr (kVec) {
         if (n == W && aligned16(p, 0)) {
-          move16(buf, p);
-          return buf;
+          move16(buf[j], p);
+          return buf[j];
         }
       }
       return p;
@@ -419,35 +441,51 @@ struct CombineBody {
     if (init_from == CombineInit::zeros) {
       for (int i = 0; i < n; ++i) v[i] = 0.f;
     } else {
-      const T* in = load(init + t * D + c0);
+      const T* in = load(init + t * D + c0, 0);
       for (int i = 0; i < n; ++i) v[i] = to_float(in[i]);
     }
-    for (int k = 0; k < nrows; ++k) {
-      const T* y = load(routed_out + int64_t(rows[k]) * D + c0);
-      if (apply == ScoreApply::after_experts) {
-        const float s = smul == ScoreMultiply::act ? round_to<T>(score_sorted[rows[k]]) : score_sorted[rows[k]];
-        if (acc == Accumulate::per_add)
-          for (int i = 0; i < n; ++i) v[i] = round_to<T>(v[i] + round_to<T>(to_float(y[i]) * s));
-        else
-          for (int i = 0; i < n; ++i) v[i] += round_to<T>(to_float(y[i]) * s);
-      } else {
-        if (acc == Accumulate::per_add)
-          for (int i = 0; i < n; ++i) v[i] = round_to<T>(v[i] + to_float(y[i]));
-        else
-          for (int i = 0; i < n; ++i) v[i] += to_float(y[i]);
+    for (int k0 = 0; k0 < nrows; k0 += kBatch) {
+      const T* ys[kBatch];
+      float ss[kBatch];
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+      for (int j = 0; j < kBatch; ++j)
+        if (k0 + j < nrows) {
+          ys[j] = load(routed_out + int64_t(rows[k0 + j]) * D + c0, j);
+          ss[j] = score_sorted[rows[k0 + j]];
+        }
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+      for (int j = 0; j < kBatch; ++j) {
+        if (k0 + j >= nrows) break;
+        const T* y = ys[j];
+        if (apply == ScoreApply::after_experts) {
+          const float s = smul == ScoreMultiply::act ? round_to<T>(ss[j]) : ss[j];
+          if (acc == Accumulate::per_add)
+            for (int i = 0; i < n; ++i) v[i] = round_to<T>(v[i] + round_to<T>(to_float(y[i]) * s));
+          else
+            for (int i = 0; i < n; ++i) v[i] += round_to<T>(to_float(y[i]) * s);
+        } else {
+          if (acc == Accumulate::per_add)
+            for (int i = 0; i < n; ++i) v[i] = round_to<T>(v[i] + to_float(y[i]));
+          else
+            for (int i = 0; i < n; ++i) v[i] += to_float(y[i]);
+        }
       }
     }
     if (acc == Accumulate::fp32_accumulate)
       for (int i = 0; i < n; ++i) v[i] = round_to<T>(v[i]);
     if (shared_add == SharedAdd::add_after) {
-      const T* sh = load(shared + t * D + c0);
+      const T* sh = load(shared + t * D + c0, 0);
       for (int i = 0; i < n; ++i) v[i] = round_to<T>(v[i] + to_float(sh[i]));
     }
     T* o = out + t * D + c0;
     if constexpr (kVec) {
       if (n == W && aligned16(o, 0)) {
-        for (int i = 0; i < W; ++i) buf[i] = from_float<T>(v[i]);
-        move16(o, buf);
+        for (int i = 0; i < W; ++i) buf[0][i] = from_float<T>(v[i]);
+        move16(o, buf[0]);
         return;
       }
     }

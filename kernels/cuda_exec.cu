@@ -51,14 +51,28 @@ __global__ void thread_items_kernel(Body body, int64_t n) {
 // stream. Every call waits for its work before it returns (kernels/device.h).
 inline cudaStream_t thread_stream() { return cudaStreamPerThread; }
 
+/// Multiprocessors of the calling thread's current GPU (a process uses one).
+int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    cudaGetDevice(&dev);
+    return cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && v > 0 ? v : 1;
+  }();
+  return n;
+}
+
 /// Enqueues body over items [0, n) on the calling thread's stream, `lanes`
 /// threads an item (a multiple of 32, or a divisor of 128), without waiting.
 template <class Body>
 void enqueue(const Body& body, int64_t n, int lanes = 128) {
   if (n == 0) return;
   if constexpr (thread_per_item<Body>::value) {
-    const int64_t blocks = (n + 127) / 128;
-    thread_items_kernel<<<unsigned(blocks < 65535 ? blocks : 65535), 128, 0, thread_stream()>>>(body, n);
+    // A thread's item is a long serial chain (the router: K scans over E
+    // experts), so the items are spread over every SM first: blocks of one
+    // warp until the SMs hold two blocks each, then 128 threads.
+    const int threads = n >= 128 * 2 * int64_t(sm_count()) ? 128 : 32;
+    const int64_t blocks = (n + threads - 1) / threads;
+    thread_items_kernel<<<unsigned(blocks < 65535 ? blocks : 65535), unsigned(threads), 0, thread_stream()>>>(body, n);
   } else {
     const int threads = lanes >= 128 ? lanes : lanes * (128 / lanes);
     const int64_t blocks = (n + threads / lanes - 1) / (threads / lanes);
@@ -174,12 +188,19 @@ __global__ void hash_kernel(const uint8_t* p, size_t n, unsigned long long* out)
   atomicAdd(out, h);
 }
 
-// Sort keys (expert, a) or (expert, N-1-a) packed in 64 bits; values a.
-__global__ void sort_keys_kernel(const int32_t* ids, int64_t N, bool descending, uint64_t* keys, int32_t* vals) {
+// Sort keys (expert, N-1-a) packed in 64 bits (the planted fault
+// unstable_sort: descending a within an expert); values a.
+__global__ void sort_keys_kernel(const int32_t* ids, int64_t N, uint64_t* keys, int32_t* vals) {
   for (int64_t a = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; a < N; a += int64_t(gridDim.x) * blockDim.x) {
-    keys[a] = uint64_t(ids[a]) * uint64_t(N) + uint64_t(descending ? N - 1 - a : a);
+    keys[a] = uint64_t(ids[a]) * uint64_t(N) + uint64_t(N - 1 - a);
     vals[a] = int32_t(a);
   }
+}
+
+// Values a = 0, 1, ..., N - 1.
+__global__ void iota_kernel(int64_t N, int32_t* vals) {
+  for (int64_t a = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; a < N; a += int64_t(gridDim.x) * blockDim.x)
+    vals[a] = int32_t(a);
 }
 
 // counts[e] = #{a : ids[a] == e} for e in [0, E) (ids outside are not
@@ -364,8 +385,8 @@ class CudaDevice final : public Device {
   MOEV_CUDA_CONVERT(fp16)
 #undef MOEV_CUDA_CONVERT
 
-  // CUB radix sort of packed (expert, a) keys: ascending a within an expert,
-  // or descending under the planted fault unstable_sort.
+  // CUB radix sort (sort_pairs): ascending a within an expert, or
+  // descending under the planted fault unstable_sort.
   void sort(const int32_t* ids, int64_t N, int E, int32_t* perm, bool descending_within) override {
     if (N == 0) return;
     timed([&] { sort_pairs(ids, N, E, perm, descending_within); });
@@ -412,17 +433,36 @@ class CudaDevice final : public Device {
     template <class T> T* as() const { return static_cast<T*>(d); }
   };
 
+  /// The expert sort: CUB's radix sort is stable, so sorting the expert ids
+  /// (ceil(log2 E) bits: one 8-bit pass at E = 256) with the values a in
+  /// ascending order keeps ascending a within an expert. The planted fault
+  /// sorts packed (expert, N-1-a) keys instead, descending a within one.
   void sort_pairs(const int32_t* ids, int64_t N, int E, int32_t* perm, bool descending_within) {
-    const int bits = std::max(1, int(std::ceil(std::log2(double(E) * double(N) + 1))));
-    StreamBuffer keys(size_t(N) * 8), keys_out(size_t(N) * 8), vals(size_t(N) * 4);
     const unsigned blocks = unsigned(std::min<int64_t>((N + 255) / 256, 65535));
-    sort_keys_kernel<<<blocks, 256, 0, thread_stream()>>>(ids, N, descending_within, keys.as<uint64_t>(), vals.as<int32_t>());
-    MOEV_CUDA_CHECK(cudaGetLastError());
+    StreamBuffer vals(size_t(N) * 4);
     size_t temp_bytes = 0;
-    MOEV_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys.as<uint64_t>(), keys_out.as<uint64_t>(),
+    if (descending_within) {
+      const int bits = std::max(1, int(std::ceil(std::log2(double(E) * double(N) + 1))));
+      StreamBuffer keys(size_t(N) * 8), keys_out(size_t(N) * 8);
+      sort_keys_kernel<<<blocks, 256, 0, thread_stream()>>>(ids, N, keys.as<uint64_t>(), vals.as<int32_t>());
+      MOEV_CUDA_CHECK(cudaGetLastError());
+      MOEV_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys.as<uint64_t>(), keys_out.as<uint64_t>(),
+                                                      vals.as<int32_t>(), perm, N, 0, bits, thread_stream()));
+      StreamBuffer temp(temp_bytes);
+      MOEV_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.d, temp_bytes, keys.as<uint64_t>(), keys_out.as<uint64_t>(),
+                                                      vals.as<int32_t>(), perm, N, 0, bits, thread_stream()));
+      return;
+    }
+    const int bits = std::max(1, int(std::ceil(std::log2(double(E) + 1))));
+    StreamBuffer keys_out(size_t(N) * 4);
+    iota_kernel<<<blocks, 256, 0, thread_stream()>>>(N, vals.as<int32_t>());
+    MOEV_CUDA_CHECK(cudaGetLastError());
+    // ids are non-negative expert ids below E: as unsigned keys they sort alike
+    const uint32_t* keys = reinterpret_cast<const uint32_t*>(ids);
+    MOEV_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys, keys_out.as<uint32_t>(),
                                                     vals.as<int32_t>(), perm, N, 0, bits, thread_stream()));
     StreamBuffer temp(temp_bytes);
-    MOEV_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.d, temp_bytes, keys.as<uint64_t>(), keys_out.as<uint64_t>(),
+    MOEV_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.d, temp_bytes, keys, keys_out.as<uint32_t>(),
                                                     vals.as<int32_t>(), perm, N, 0, bits, thread_stream()));
   }
 

@@ -235,6 +235,41 @@ std::vector<std::array<int64_t, 3>> gemm_shapes(const Stage& s, const Case& c, c
 /// Eigen's own threads are off in every target), each the fastest of
 /// `repeat` products after one untimed one; operands are filled once with
 /// small values.
+/// The device's roof for a GEMM stage (issue 36 item 3): one GEMM of the
+/// same FLOPs on the device, in the case's dtype, fp32 accumulation: M the
+/// stage's rows (the sum of its shapes' M over ranks, of the largest
+/// shape's K), K that K, N = flops / (2 M K). The fastest of `repeat` after
+/// one untimed call, by the device's clock (Device::window_*). 0 when the
+/// shape is empty or too large to allocate.
+double device_gemm_seconds(Device& dev, DType dt, const std::vector<std::array<int64_t, 3>>& shapes, double flops,
+                           int repeat) {
+  int64_t K = 0, M = 0;
+  for (const auto& [m, k, n] : shapes) K = std::max(K, k);
+  for (const auto& [m, k, n] : shapes) M += k == K ? m : 0;
+  if (M == 0 || K == 0 || flops <= 0) return 0;
+  const int64_t N = std::max<int64_t>(1, int64_t(std::llround(flops / (2.0 * double(M) * double(K)))));
+  const size_t eb = dtype_bytes(dt);
+  struct Buffer {
+    Device& d;
+    void* p;
+    Buffer(Device& dev, size_t n) : d(dev), p(dev.alloc(n)) { d.fill(p, 0x3c, n); }  // 0x3c3c: small finite values
+    ~Buffer() { d.release(p); }
+  };
+  try {
+    Buffer x(dev, size_t(M * K) * eb), w(dev, size_t(N * K) * eb), y(dev, size_t(M * N) * eb);
+    double best = 1e300;
+    for (int r = 0; r <= std::max(1, repeat); ++r) {
+      dev.window_begin();
+      dev.gemm_nt(dt, x.p, M, K, K, w.p, N, y.p, N);
+      const double t = dev.window_end();
+      if (r > 0) best = std::min(best, t);
+    }
+    return best;
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
+
 double eigen_gemm_seconds(const std::vector<std::array<int64_t, 3>>& shapes, int threads, int repeat) {
   using MatF = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   const int nt = std::max(1, threads);
@@ -323,6 +358,10 @@ StageBench bench_stage(const Stage& s, const VariantDecision& vd, double slot_re
     b.gflops = b.flops / own_seconds / 1e9;
     b.eigen_seconds = eigen_gemm_seconds(shapes, opt.threads, opt.repeat);
     b.eigen_ratio = b.eigen_seconds / own_seconds;
+    if (mirror) {
+      b.device_gemm_seconds = device_gemm_seconds(mirror->device(), c.dtype, shapes, b.flops, opt.repeat);
+      b.device_gemm_ratio = b.device_gemm_seconds / own_seconds;
+    }
   }
   return b;
 }
@@ -520,6 +559,23 @@ const StageBench* peer_match(const CaseBench& b, const std::string& slot) {
   return nullptr;
 }
 
+/// The peer's table under a case's (BenchOptions::peer).
+void print_peer(const CaseBench& b, std::ostream& os) {
+  if (b.peer.empty() && b.peer_note.empty()) return;
+  const bool on_device = b.c.backend != Backend::host;
+  os << "  peer (" << (b.peer_note.empty() ? b.peer_name : "none") << "): the same stage on the same shapes, "
+     << (on_device ? "device" : "wall") << " seconds, best of --repeat; ratio = moeverify / peer time\n";
+  if (!b.peer_note.empty()) os << "    not run: " << b.peer_note << "\n";
+  for (const auto& p : b.peer) {
+    const StageBench* mine = peer_match(b, p.slot);
+    const double t = mine ? (on_device ? mine->device_seconds_min : mine->seconds_min) : 0;
+    os << "    " << std::left << std::setw(16) << p.slot << std::right << std::setw(10) << fmt(t * 1e3, 4)
+       << " ms (" << (mine ? mine->variant : std::string("not timed")) << ")" << std::setw(10)
+       << fmt(p.seconds * 1e3, 4) << " ms peer  ratio " << (t > 0 && p.seconds > 0 ? fmt(t / p.seconds, 2) : "-")
+       << "  [" << p.what << "]\n";
+  }
+}
+
 void print_bench(const CaseBench& b, std::ostream& os) {
   const Case& c = b.c;
   os << "\ncase " << c.name << ": " << c.summary() << "\n";
@@ -568,7 +624,12 @@ void print_bench(const CaseBench& b, std::ostream& os) {
       os << "  GEMM " << s.slot << "/" << s.variant << ": " << fmt(s.flops / 1e9, 3) << " GFLOP, " << fmt(s.gflops, 2)
          << (on_device ? " GFLOP/s on the device" : " GFLOP/s") << "; Eigen fp32 GEMMs of the same shapes " << fmt(s.eigen_seconds * 1e3, 3) << " ms ("
          << fmt(s.eigen_seconds > 0 ? s.flops / s.eigen_seconds / 1e9 : 0, 2) << " GFLOP/s): ratio to Eigen "
-         << fmt(s.eigen_ratio, 3) << "; check/fast " << fmt(s.check_ratio, 2) << "\n";
+         << fmt(s.eigen_ratio, 3) << "; check/fast " << fmt(s.check_ratio, 2)
+         << (s.device_gemm_seconds > 0 ? "; one device GEMM of the same FLOPs " + fmt(s.device_gemm_seconds * 1e3, 3) +
+                                             " ms (" + fmt(s.flops / s.device_gemm_seconds / 1e9, 1) +
+                                             " GFLOP/s): share " + fmt(100 * s.device_gemm_ratio, 1) + "%"
+                                       : std::string())
+         << "\n";
   for (const auto& s : b.stages)
     if (s.ran && is_all_to_all(s.slot))
       os << "  all-to-all " << s.slot << "/" << s.variant << ": algbw " << fmt(s.algbw_gbps, 2) << " GB/s, busbw "
@@ -592,19 +653,7 @@ void print_bench(const CaseBench& b, std::ostream& os) {
        << (on_device ? "device-to-device copy" : "memcpy") << " of " << fmt(b.routed_bytes / 1e6, 1) << " MB routed rows "
        << fmt(b.routed_memcpy_seconds * 1e3, 3) << " ms / (dispatch " << fmt(b.dispatch_seconds * 1e3, 3)
        << " ms + combine " << fmt(b.combine_seconds * 1e3, 3) << " ms) = " << fmt(b.roof_ratio, 3) << "\n";
-  if (!b.peer.empty() || !b.peer_note.empty()) {
-    os << "  peer (" << (b.peer_note.empty() ? b.peer_name : "none") << "): the same stage on the same shapes, "
-       << (on_device ? "device" : "wall") << " seconds, best of " << "--repeat; ratio = moeverify / peer time\n";
-    if (!b.peer_note.empty()) os << "    not run: " << b.peer_note << "\n";
-    for (const auto& p : b.peer) {
-      const StageBench* mine = peer_match(b, p.slot);
-      const double t = mine ? (on_device ? mine->device_seconds_min : mine->seconds_min) : 0;
-      os << "    " << std::left << std::setw(16) << p.slot << std::right << std::setw(10) << fmt(t * 1e3, 4)
-         << " ms (" << (mine ? mine->variant : std::string("not timed")) << ")" << std::setw(10)
-         << fmt(p.seconds * 1e3, 4) << " ms peer  ratio " << (t > 0 && p.seconds > 0 ? fmt(t / p.seconds, 2) : "-")
-         << "  [" << p.what << "]\n";
-    }
-  }
+  print_peer(b, os);
   if (!b.sweep.empty()) {
     os << "  growth (verify time, peak memory):\n";
     for (const auto& p : b.sweep) {
@@ -618,6 +667,26 @@ void print_bench(const CaseBench& b, std::ostream& os) {
          << (p.note.empty() ? "" : " (" + p.note + ")") << "\n";
     }
   }
+}
+
+/// The peer's figures beside the case's (BenchOptions::peer), for the JSON.
+nlohmann::json peer_json(const CaseBench& b, const std::string& command) {
+  using nlohmann::json;
+  const Case& c = b.c;
+  json jp = {{"command", command}, {"name", b.peer_name}, {"note", b.peer_note}};
+  json ps = json::array();
+  for (const auto& p : b.peer) {
+    const StageBench* mine = peer_match(b, p.slot);
+    const double t = mine ? (c.backend != Backend::host ? mine->device_seconds_min : mine->seconds_min) : 0;
+    ps.push_back({{"slot", p.slot},
+                  {"what", p.what},
+                  {"peer_seconds", p.seconds},
+                  {"variant", mine ? mine->variant : ""},
+                  {"seconds", t},
+                  {"ratio", t > 0 && p.seconds > 0 ? t / p.seconds : 0}});
+  }
+  jp["stages"] = ps;
+  return jp;
 }
 
 std::string bench_json(const std::vector<CaseBench>& all, const BenchOptions& opt) {
@@ -673,7 +742,9 @@ std::string bench_json(const std::vector<CaseBench>& all, const BenchOptions& op
           js.update({{"gemm_flops", s.flops},
                      {"gflops", s.gflops},
                      {"eigen_seconds", s.eigen_seconds},
-                     {"eigen_ratio", s.eigen_ratio}});
+                     {"eigen_ratio", s.eigen_ratio},
+                     {"device_gemm_seconds", s.device_gemm_seconds},
+                     {"device_gemm_ratio", s.device_gemm_ratio}});
         if (is_all_to_all(s.slot)) js.update({{"algbw_gbps", s.algbw_gbps}, {"busbw_gbps", s.busbw_gbps}});
         if (c.backend != Backend::host)
           js.update({{"device_seconds_min", s.device_seconds_min},
@@ -706,22 +777,7 @@ std::string bench_json(const std::vector<CaseBench>& all, const BenchOptions& op
       sw.push_back(jp);
     }
     jc["sweep"] = sw;
-    if (!opt.peer.empty()) {
-      json jp = {{"command", opt.peer}, {"name", b.peer_name}, {"note", b.peer_note}};
-      json ps = json::array();
-      for (const auto& p : b.peer) {
-        const StageBench* mine = peer_match(b, p.slot);
-        const double t = mine ? (c.backend != Backend::host ? mine->device_seconds_min : mine->seconds_min) : 0;
-        ps.push_back({{"slot", p.slot},
-                      {"what", p.what},
-                      {"peer_seconds", p.seconds},
-                      {"variant", mine ? mine->variant : ""},
-                      {"seconds", t},
-                      {"ratio", t > 0 && p.seconds > 0 ? t / p.seconds : 0}});
-      }
-      jp["stages"] = ps;
-      jc["peer"] = jp;
-    }
+    if (!opt.peer.empty()) jc["peer"] = peer_json(b, opt.peer);
     cases.push_back(jc);
   }
   doc["cases"] = cases;

@@ -83,6 +83,10 @@ struct StageBench {
   /// eigen_ratio = eigen_seconds / that time (above 1: faster than Eigen).
   /// 0 for other stages.
   double flops = 0, gflops = 0, eigen_seconds = 0, eigen_ratio = 0;
+  /// On a device: one GEMM of the same FLOPs there (device_gemm_seconds in
+  /// bench.cpp), and device_gemm_ratio = that / device_seconds_min (1: the
+  /// stage's GEMMs as fast as one big GEMM; issue 36 asks 0.6).
+  double device_gemm_seconds = 0, device_gemm_ratio = 0;
 };
 
 /// A point of the growth sweep: the case with one of T, D, R scaled.
