@@ -252,6 +252,53 @@ MOEV_HD inline bool aligned16(const void* p, int64_t bytes) {
   return ((reinterpret_cast<uintptr_t>(p) | uintptr_t(bytes)) & 15) == 0;
 }
 
+/// 16 bytes of a row held in registers (one ld/st.global.v4 on a GPU), and
+/// element i of it as T (little-endian: element 0 in the low bits of w[0]).
+/// A value, not an array in memory, so that nothing spills to local memory.
+struct Piece {
+  uint32_t w[4];
+};
+MOEV_HD inline Piece load_piece(const void* p) {
+#ifdef __CUDA_ARCH__
+  const uint4 u = *static_cast<const uint4*>(p);
+  return Piece{{u.x, u.y, u.z, u.w}};
+#else
+  Piece r;
+  memcpy(&r, p, 16);
+  return r;
+#endif
+}
+MOEV_HD inline void store_piece(void* p, const Piece& r) {
+#ifdef __CUDA_ARCH__
+  *static_cast<uint4*>(p) = make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]);
+#else
+  memcpy(p, &r, 16);
+#endif
+}
+template <class T>
+MOEV_HD inline float piece_get(const Piece& r, int i) {
+  T e;
+  if constexpr (sizeof(T) == 4) {
+    memcpy(&e, &r.w[i], 4);
+  } else {
+    const uint16_t b = uint16_t(r.w[i >> 1] >> ((i & 1) * 16));
+    memcpy(&e, &b, 2);
+  }
+  return to_float(e);
+}
+template <class T>
+MOEV_HD inline void piece_set(Piece& r, int i, float v) {
+  const T e = from_float<T>(v);
+  if constexpr (sizeof(T) == 4) {
+    memcpy(&r.w[i], &e, 4);
+  } else {
+    uint16_t b;
+    memcpy(&b, &e, 2);
+    const int sh = (i & 1) * 16;
+    r.w[i >> 1] = (r.w[i >> 1] & ~(0xffffu << sh)) | (uint32_t(b) << sh);
+  }
+}
+
 /// Copies the n elements of one row span, as lane `lane` of `lanes`. One
 /// lane (the host executor) copies the contiguous span with memcpy, at copy
 /// speed; several lanes (the CUDA executor) interleave 16-byte pieces where
@@ -420,76 +467,97 @@ struct CombineBody {
   /// representable in T under per_add (rounded after every addition), the
   /// fp32 sum under fp32_accumulate (rounded once at the end).
   MOEV_HD void span(int64_t t, const int32_t* rows, int nrows, int64_t c0, int n) const {
-    // A device span (W * sizeof(T) == 16) reads each row's piece with one
-    // 16-byte load, where the span is whole and aligned, and the pieces of
-    // kBatch rows before it adds the first of them, so that a thread has
-    // kBatch loads in flight; the result is written with one store. The
-    // additions are the same, in the same row order, either way.
-    constexpr bool kVec = W * sizeof(T) == 16;
-    constexpr int kBatch = kVec ? 4 : 1;
-    alignas(16) T buf[kBatch][kVec ? W : 1];
-    auto load = [&](const T* p, int j) -> const T* {
-      if constexpr (kVec) {
-        if (n == W && aligned16(p, 0)) {
-          move16(buf[j], p);
-          return buf[j];
-        }
-      }
-      return p;
-    };
+    if constexpr (W * sizeof(T) == 16) {
+      if (n == W && pieces_aligned(t, c0)) return span_pieces(t, rows, nrows, c0);
+    }
     float v[W];
     if (init_from == CombineInit::zeros) {
       for (int i = 0; i < n; ++i) v[i] = 0.f;
     } else {
-      const T* in = load(init + t * D + c0, 0);
+      const T* in = init + t * D + c0;
       for (int i = 0; i < n; ++i) v[i] = to_float(in[i]);
     }
+    for (int k = 0; k < nrows; ++k) {
+      const T* y = routed_out + int64_t(rows[k]) * D + c0;
+      add_row(v, n, score_sorted[rows[k]], [&](int i) { return to_float(y[i]); });
+    }
+    if (acc == Accumulate::fp32_accumulate)
+      for (int i = 0; i < n; ++i) v[i] = round_to<T>(v[i]);
+    if (shared_add == SharedAdd::add_after) {
+      const T* sh = shared + t * D + c0;
+      for (int i = 0; i < n; ++i) v[i] = round_to<T>(v[i] + to_float(sh[i]));
+    }
+    T* o = out + t * D + c0;
+    for (int i = 0; i < n; ++i) o[i] = from_float<T>(v[i]);
+  }
+
+  /// v[i] (+)= the contribution of one routed row, y(i) its element i as
+  /// fp32 and s its score: one per accumulate mode and score placement.
+  template <class Y>
+  MOEV_HD void add_row(float* v, int n, float s, const Y& y) const {
+    if (apply == ScoreApply::after_experts) {
+      if (smul == ScoreMultiply::act) s = round_to<T>(s);
+      if (acc == Accumulate::per_add)
+        for (int i = 0; i < n; ++i) v[i] = round_to<T>(v[i] + round_to<T>(y(i) * s));
+      else
+        for (int i = 0; i < n; ++i) v[i] += round_to<T>(y(i) * s);
+    } else {
+      if (acc == Accumulate::per_add)
+        for (int i = 0; i < n; ++i) v[i] = round_to<T>(v[i] + y(i));
+      else
+        for (int i = 0; i < n; ++i) v[i] += y(i);
+    }
+  }
+
+  /// Whether every buffer the span [c0, c0 + W) of token t touches is
+  /// 16-byte aligned there (c0 is a multiple of W, so a row's piece is
+  /// aligned when the row stride D * sizeof(T) and the base are).
+  MOEV_HD bool pieces_aligned(int64_t t, int64_t c0) const {
+    const int64_t stride = D * int64_t(sizeof(T));
+    return aligned16(routed_out, stride) && aligned16(out + t * D + c0, 0) &&
+           (init_from == CombineInit::zeros || aligned16(init + t * D + c0, 0)) &&
+           (shared_add != SharedAdd::add_after || aligned16(shared + t * D + c0, 0));
+  }
+
+  /// The device span: the same additions as span() on W columns read as
+  /// 16-byte pieces held in registers, four rows' pieces loaded before the
+  /// first of them is added (four loads in flight a thread), and the result
+  /// stored as one piece.
+  MOEV_HD void span_pieces(int64_t t, const int32_t* rows, int nrows, int64_t c0) const {
+    constexpr int kBatch = 4;
+    float v[W];
+    if (init_from == CombineInit::zeros) {
+      for (int i = 0; i < W; ++i) v[i] = 0.f;
+    } else {
+      const Piece in = load_piece(init + t * D + c0);
+      for (int i = 0; i < W; ++i) v[i] = piece_get<T>(in, i);
+    }
     for (int k0 = 0; k0 < nrows; k0 += kBatch) {
-      const T* ys[kBatch];
+      Piece pc[kBatch];
       float ss[kBatch];
 #ifdef __CUDA_ARCH__
 #pragma unroll
 #endif
       for (int j = 0; j < kBatch; ++j)
         if (k0 + j < nrows) {
-          ys[j] = load(routed_out + int64_t(rows[k0 + j]) * D + c0, j);
+          pc[j] = load_piece(routed_out + int64_t(rows[k0 + j]) * D + c0);
           ss[j] = score_sorted[rows[k0 + j]];
         }
 #ifdef __CUDA_ARCH__
 #pragma unroll
 #endif
-      for (int j = 0; j < kBatch; ++j) {
-        if (k0 + j >= nrows) break;
-        const T* y = ys[j];
-        if (apply == ScoreApply::after_experts) {
-          const float s = smul == ScoreMultiply::act ? round_to<T>(ss[j]) : ss[j];
-          if (acc == Accumulate::per_add)
-            for (int i = 0; i < n; ++i) v[i] = round_to<T>(v[i] + round_to<T>(to_float(y[i]) * s));
-          else
-            for (int i = 0; i < n; ++i) v[i] += round_to<T>(to_float(y[i]) * s);
-        } else {
-          if (acc == Accumulate::per_add)
-            for (int i = 0; i < n; ++i) v[i] = round_to<T>(v[i] + to_float(y[i]));
-          else
-            for (int i = 0; i < n; ++i) v[i] += to_float(y[i]);
-        }
-      }
+      for (int j = 0; j < kBatch; ++j)
+        if (k0 + j < nrows) add_row(v, W, ss[j], [&](int i) { return piece_get<T>(pc[j], i); });
     }
     if (acc == Accumulate::fp32_accumulate)
-      for (int i = 0; i < n; ++i) v[i] = round_to<T>(v[i]);
+      for (int i = 0; i < W; ++i) v[i] = round_to<T>(v[i]);
     if (shared_add == SharedAdd::add_after) {
-      const T* sh = load(shared + t * D + c0, 0);
-      for (int i = 0; i < n; ++i) v[i] = round_to<T>(v[i] + to_float(sh[i]));
+      const Piece sh = load_piece(shared + t * D + c0);
+      for (int i = 0; i < W; ++i) v[i] = round_to<T>(v[i] + piece_get<T>(sh, i));
     }
-    T* o = out + t * D + c0;
-    if constexpr (kVec) {
-      if (n == W && aligned16(o, 0)) {
-        for (int i = 0; i < W; ++i) buf[0][i] = from_float<T>(v[i]);
-        move16(o, buf[0]);
-        return;
-      }
-    }
-    for (int i = 0; i < n; ++i) o[i] = from_float<T>(v[i]);
+    Piece o{};
+    for (int i = 0; i < W; ++i) piece_set<T>(o, i, v[i]);
+    store_piece(out + t * D + c0, o);
   }
 };
 
