@@ -64,11 +64,11 @@ if [ -z "${KIT_FAST:-}" ]; then
   check bench.deepseek_v3 "$bin/moeverify" bench "$root/cases/slow/deepseek_v3.yaml" --backend cuda --repeat 3 "${peer[@]}" --json "$out/bench.deepseek_v3.json"
   # DeepSeek-V3's expert shapes: the grouped SwiGLU's GEMMs against one
   # device GEMM of the same FLOPs, and PyTorch's torch._grouped_mm
-  check bench.swiglu_deepseek_experts "$bin/moeverify" bench "$root/cases/slow/swiglu_deepseek_experts.yaml" --backend cuda --repeat 3 "${peer[@]}" --json "$out/bench.swiglu_deepseek_experts.json"
+  [ -n "${KIT_NO_GEMM_BENCH:-}" ] || check bench.swiglu_deepseek_experts "$bin/moeverify" bench "$root/cases/slow/swiglu_deepseek_experts.yaml" --backend cuda --repeat 3 "${peer[@]}" --json "$out/bench.swiglu_deepseek_experts.json"
 fi
 # every case file, the planted faults and a fuzz budget on the GPU (the same
 # script that runs them on the emulated device in CI); its log has a line per file
-check cases bash "$root/tests/device_cases.sh" "$bin/moeverify" "$root" cuda 200
+check cases bash "$root/tests/device_cases.sh" "$bin/moeverify" "$root" cuda "${KIT_FUZZ:-200}"
 [ -n "${KIT_NO_SMALL_BENCH:-}" ] || check bench.ep4 "$bin/moeverify" bench "$root/cases/ep4.yaml" --backend cuda --repeat 3 --json "$out/bench.ep4.json"
 if [ -z "${KIT_FAST:-}${KIT_NO_SMALL_BENCH:-}" ]; then
   check bench.swiglu_ep8_t128 "$bin/moeverify" bench "$root/cases/slow/swiglu_ep8_t128.yaml" --backend cuda --repeat 3 "${peer[@]}" --json "$out/bench.swiglu_ep8_t128.json"
