@@ -69,6 +69,13 @@ for s in c["stages"]:
         worked += 1
         for k in ["device_seconds_median", "device_gbps", "device_copy_gbps", "ratio_to_device_copy"]:
             positive(s[k], f"{where}: {k}")
+    # the device seconds are the union of the stage's intervals: never more
+    # than their sum over the ranks' streams
+    if s["device_seconds_min"] > s["device_summed_seconds_min"] * (1 + 1e-9) + 1e-9:
+        sys.exit(f"{where}: union {s['device_seconds_min']} above the summed {s['device_summed_seconds_min']}")
+    if s["slot"] == "router_logits":  # a GEMM stage: one device GEMM of its FLOPs beside it
+        positive(s["device_gemm_seconds"], f"{where}: device_gemm_seconds")
+        positive(s["device_gemm_ratio"], f"{where}: device_gemm_ratio")
 if worked < 8: sys.exit(f"emulated: only {worked} stage variants timed any device work")
 if c["dispatch_combine"]["roof"] != "device copy": sys.exit("emulated: the roof-ratio is not of a device copy")
 positive(c["dispatch_combine"]["roof_ratio"], "emulated roof_ratio")
@@ -82,6 +89,46 @@ if not root.tag.endswith("svg") or not list(root.iter("{http://www.w3.org/2000/s
     sys.exit("the plot is not an SVG with bars")
 print("bench JSON and SVG ok")
 PY
+# --peer: the command gets the case's shape as a JSON file and prints its
+# seconds; bench prints moeverify/peer per slot. This peer checks the spec
+# (exit 1 on a wrong field) and answers fixed seconds, so the ratios are known.
+cat > "$tmp/peer.py" <<'PY'
+import json, sys
+spec = json.load(open(sys.argv[1]))
+want = {"tokens": 48, "ep": 2, "hidden": 16, "experts": 8, "top_k": 2, "dtype": "fp32", "device": "cpu"}
+bad = {k: spec.get(k) for k, v in want.items() if spec.get(k) != v}
+if bad: sys.exit(f"spec fields {bad}, expected {want}")
+print(json.dumps({"torch": "fake", "device": "cpu", "stages": {s: {"seconds": 0.5, "what": "fixed"} for s in ["routing", "dispatch", "combine"]}}))
+PY
+"$bin" bench "$src/cases/ep.yaml" --case 'ep2_basic[experts.kind=identity]' --threads 2 --repeat 2 --backend emulated \
+  --peer "/usr/bin/python3 $tmp/peer.py {spec}" --json "$tmp/peer.json" > "$tmp/peer.txt" 2>&1 \
+  || { cat "$tmp/peer.txt"; echo "bench --peer failed"; exit 1; }
+grep -q "peer (torch fake on cpu)" "$tmp/peer.txt" || { cat "$tmp/peer.txt"; echo "no peer table"; exit 1; }
+/usr/bin/python3 - "$tmp/peer.json" <<'PY'
+import json, math, sys
+c = json.load(open(sys.argv[1]))["cases"][0]
+p = c["peer"]
+if p["note"] or len(p["stages"]) != 3: sys.exit(f"peer: note {p['note']!r}, {len(p['stages'])} stages")
+for ps in p["stages"]:
+    mine = next(s for s in c["stages"] if s["slot"] == ps["slot"] and s["timed"])
+    if ps["variant"] != mine["variant"] or ps["seconds"] != mine["device_seconds_min"]:
+        sys.exit(f"peer {ps['slot']}: compared with {ps['variant']} {ps['seconds']}, not {mine['variant']} {mine['device_seconds_min']}")
+    if ps["peer_seconds"] != 0.5 or not math.isclose(ps["ratio"], ps["seconds"] / 0.5):
+        sys.exit(f"peer {ps['slot']}: ratio {ps['ratio']} for {ps['seconds']} s against 0.5 s")
+print("bench --peer ok")
+PY
+# a peer that fails is reported under the case, the bench still runs
+"$bin" bench "$src/cases/basic.yaml" --case exact_fp32 --threads 2 --repeat 1 \
+  --peer "echo no torch here >&2; exit 3" > "$tmp/peer_fail.txt" 2>&1 \
+  || { cat "$tmp/peer_fail.txt"; echo "bench with a failing peer failed"; exit 1; }
+grep -q "not run: the peer exit status 3: no torch here" "$tmp/peer_fail.txt" \
+  || { cat "$tmp/peer_fail.txt"; echo "the failing peer is not reported"; exit 1; }
+set +e
+"$bin" bench "$src/cases/basic.yaml" --case exact_fp32 --peer " " > /dev/null 2> "$tmp/peer_empty.txt"
+rc=$?
+set -e
+[ "$rc" = 2 ] && grep -q "the command is empty" "$tmp/peer_empty.txt" \
+  || { cat "$tmp/peer_empty.txt"; echo "--peer with no command: exit $rc, expected 2 and a reason"; exit 1; }
 set +e
 "$bin" bench "$src/cases/basic.yaml" --case exact_fp32 --backend cuda > /dev/null 2> "$tmp/cuda.txt"
 rc=$?
