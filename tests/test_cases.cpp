@@ -2,6 +2,8 @@
 #include <catch2/catch.hpp>
 
 #include <cstdio>
+#include <filesystem>
+#include <vector>
 #include <fstream>
 #include <unistd.h>
 
@@ -13,10 +15,21 @@ using namespace moev;
 
 namespace {
 
+/// A case file of `text` under the system's temporary folder (not the
+/// working directory, which ctest's is the build tree), removed at exit.
 std::string write_tmp(const std::string& text) {
   static int n = 0;
-  const std::string path = "moev_case_test_" + std::to_string(::getpid()) + "_" + std::to_string(n++) + ".yaml";
+  static struct Cleanup {
+    std::vector<std::string> paths;
+    ~Cleanup() {
+      for (const auto& p : paths) std::remove(p.c_str());
+    }
+  } made;
+  const std::string path = (std::filesystem::temp_directory_path() /
+                            ("moev_case_test_" + std::to_string(::getpid()) + "_" + std::to_string(n++) + ".yaml"))
+                               .string();
   std::ofstream(path) << text;
+  made.paths.push_back(path);
   return path;
 }
 
