@@ -134,6 +134,16 @@ expect2 "no {case}" "no {case} in the command" "$bin" fuzz --impl "$numpy" --ite
 expect2 "{case} with --worker" "the worker reads case folders on stdin" "$bin" fuzz --impl "x {case}" --worker --iterations 1
 expect2 "--worker without --impl" "go with --impl" "$bin" fuzz --worker --iterations 1
 expect2 "--emit without --iterations" "writes --iterations N configurations" "$bin" fuzz --emit "$work/e.yaml" --seconds 1
+# A profile whose fixed keys need its one-value allow rules (megatron-0.16's
+# score_on_hidden needs the swiglu experts it allows alone): every seed finds
+# configurations. Seed 37 found none in 200 draws when the draws were loaded
+# with the fixes alone (exit 2); an implementation that writes nothing is
+# NOT_VERIFIED, exit 4.
+for seed in 4 37 39; do
+  "$bin" fuzz --impl "true {case}" --profile megatron-0.16 --iterations 2 --seed $seed >"$work/pin.txt" 2>&1
+  rc=$?
+  [ "$rc" -eq 4 ] || { cat "$work/pin.txt"; fail "megatron-0.16, seed $seed: exit $rc, expected 4 (configurations drawn, none passed)"; }
+done
 # fuzz --emit (plain fuzz, no --impl): the configurations inside the profile
 # as a case file that loads, every case with the profile's fixed keys.
 "$bin" fuzz --emit "$work/e.yaml" --iterations 30 --seed 3 --profile torchtitan >/dev/null || fail "fuzz --emit: exit $?"

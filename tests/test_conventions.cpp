@@ -144,7 +144,8 @@ TEST_CASE("conventions fast equals reference", "[cpu][prop]") {
 }
 
 TEST_CASE("score_on_hidden fast equals reference", "[cpu][prop]") {
-  rc::prop("the score on the SwiGLU hidden with every expert impl and convention, random shapes and dtypes", [] {
+  rc::prop("the score on the SwiGLU hidden with every expert impl and convention, random shapes and dtypes, "
+           "with and without capacity", [] {
     const char* dt = *rc::gen::element("fp32", "bf16", "fp16");
     const int E = *rc::gen::inRange(1, 9);
     const int K = *rc::gen::inRange(1, std::min(E, 4) + 1);
@@ -160,7 +161,15 @@ TEST_CASE("score_on_hidden fast equals reference", "[cpu][prop]") {
       << *rc::gen::element("1", "2.5") << ", force_load_balance: " << (force_lb ? "on" : "off")
       << "}, score_multiply: " << *rc::gen::element("fp32", "act") << ", score_on_hidden: on"
       << ", combine: {accumulate: " << *rc::gen::element("per_add", "fp32_accumulate")
-      << "}, shared_experts: {kind: " << *rc::gen::element("none", "swiglu") << "}}\n";
+      << "}, shared_experts: {kind: " << *rc::gen::element("none", "swiglu") << "}";
+    // after capacity dropping (docs/contract.md §11): the kept rows' scores, a filler's 0
+    const bool capacity = !force_lb && *rc::gen::arbitrary<bool>();
+    if (capacity)
+      y << ", capacity: {factor: " << *rc::gen::element("0.25", "0.5", "1", "4")
+        << ", policy: " << *rc::gen::element("probs", "position")
+        << ", pad_to_capacity: " << *rc::gen::element("off", "on") << "}";
+    y << "}\n";
+    RC_CLASSIFY(capacity, "capacity");
     rc_require_passes(y.str());
   });
 }

@@ -269,6 +269,13 @@ std::optional<std::string> Profile::conform(const std::string& yaml, uint64_t pi
   std::mt19937_64 g(pick_seed * 0x9E3779B97F4A7C15ull + 0x50524full);
   YAML::Node n = YAML::Load(yaml);
   for (const auto& f : fix) set_key(n, f.key, f.value);
+  // The allow rules of one value hold in every case the profile admits: set
+  // with the fixes, before the draw is first loaded, since a fixed key may
+  // need them (a fixed score_on_hidden needs the swiglu experts a rule
+  // allows alone). Loaded without them, most draws failed on the fixes and
+  // some seeds found no configuration in 200 draws.
+  for (const auto& a : allow)
+    if (a.values.size() == 1 && a.key != "shape.tokens") set_key(n, a.key, a.values[0]);
   try {
     const Case c = load_one_case(emit_flow(n), "profile");
     const nlohmann::ordered_json j = case_to_json(c);

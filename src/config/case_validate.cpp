@@ -62,7 +62,6 @@ void validate_score_on_hidden(const Case& c, const Fail& fail) {
        "score_before_experts: off");
   need(c.ep == 1, "ep", moved + "the EP exchange does not carry", "ep: 1");
   need(c.align == 1, "align", moved + "alignment padding moves", "align: 1");
-  need(c.capacity.factor == 0, "capacity.factor", moved + "capacity dropping moves", "capacity.factor: 0");
   need(c.equal_split.policy == EqualSplitPolicy::off, "equal_split.policy", moved + "equal-split padding moves",
        "equal_split.policy: off");
   need(c.sp == 1, "sp", "is modelled without sequence parallelism", "sp: 1");

@@ -129,7 +129,8 @@ ref::ScoreMultiply ref_smul(const Case& c) {
 }
 
 /// score_on_hidden (docs/contract.md §14): the score of each routed expert
-/// row, which is its dispatch row (ep 1, align 1: case_validate.cpp), rounded
+/// row, which is its dispatch row (ep 1, align 1: case_validate.cpp), or with
+/// a capacity the capacity stage's row (its score_sorted, 0 for a filler), rounded
 /// to act first under score_multiply act. Empty with the key off and for the
 /// shared expert (`mid` "shared_").
 ref::Vec hidden_scores(const Case& c, const RankBoard& b, const std::string& mid) {

@@ -17,6 +17,10 @@ What it judges, and what not (docs/frameworks.md "Megatron-Core"):
     multiplies each row's probability into H before linear_fc2
     (per_token_scale), the case key score_on_hidden (docs/contract.md §14),
     which the profile sets.
+  - Its router-level capacity (moe_expert_capacity_factor): the top-k
+    before apply_router_token_dropping (routing), the kept rows (capacity);
+    policy probs only, no padding to capacity (docs/frameworks.md: its
+    position policy keeps arbitrary tokens, its padding rows are tokens).
   - Not the backward: score_on_hidden has a forward contract only.
 Two shims make it run on a CPU, neither touching a value: the router's
 gating moves its weight to `torch.cuda.current_device()` (made the CPU),
@@ -52,7 +56,10 @@ SEAMS = [
 ]
 
 NEEDS = {
-    "ep": (1,), "sp": (1,), "layers": (1,), "capacity.factor": (0.0,),
+    "ep": (1,), "sp": (1,), "layers": (1,),
+    # apply_router_token_dropping pads with real tokens of probability 0,
+    # moeverify's pad_to_capacity with zero rows of token -1 (docs/contract.md §11)
+    "capacity.pad_to_capacity": ("off",),
     "experts.kind": ("swiglu",), "shared_experts.kind": ("none",),
     "router.hot_expert": (-1,), "router.force_load_balance": ("off",),
     # its conventions as the adapter configures it (cases/profiles/megatron-0.16*.yaml)
@@ -69,8 +76,37 @@ def probs_on_input(c):
     return c["score_before_experts"] == "on"
 
 
+def capacity_on(c):
+    return float(c.get("capacity.factor", 0)) > 0
+
+
+class _DroppingSeam:
+    """The router's own seam before its capacity: wraps the router module's
+    apply_router_token_dropping, recording the probabilities and routing map
+    it is given (the top-k before any drop), and returns what the original
+    returns (the kept ones). Restored on exit."""
+
+    def __enter__(self):
+        import megatron.core.transformer.moe.router as router_mod
+        self.mod, self.orig, self.before = router_mod, router_mod.apply_router_token_dropping, []
+
+        def recorded(probs, routing_map, *args, **kwargs):
+            self.before.append((probs.detach().clone(), routing_map.detach().clone()))
+            return self.orig(probs, routing_map, *args, **kwargs)
+
+        router_mod.apply_router_token_dropping = recorded
+        return self
+
+    def __exit__(self, *exc):
+        self.mod.apply_router_token_dropping = self.orig
+        return False
+
+
 def refuse_unsupported(c):
     refuse_keys(c, NEEDS, "the adapter")
+    if probs_on_input(c) and capacity_on(c):
+        raise Unsupported("capacity with moe_apply_probs_on_input: the scaled rows are taken at the experts' "
+                          "inputs, which the adapter maps to the dispatch, not the capacity stage")
     if probs_on_input(c):
         # moe_apply_probs_on_input: (probs * x).to(x.dtype) before the experts,
         # per_token_scale then ones: score_before_experts, K = 1 (its assert),
@@ -140,7 +176,11 @@ def build(c, act):
         moe_router_group_topk=c["router.limited_groups"] if G > 1 else None,
         moe_router_topk_scaling_factor=scale if scale != 1.0 else None,
         moe_router_enable_expert_bias=c["router.bias"] == "on",
-        moe_apply_probs_on_input=probs_on_input(c))
+        moe_apply_probs_on_input=probs_on_input(c),
+        # router-level dropping (apply_router_token_dropping, docs/contract.md §11)
+        moe_expert_capacity_factor=float(c["capacity.factor"]) if capacity_on(c) else None,
+        moe_token_drop_policy=c.get("capacity.policy", "probs"),
+        moe_pad_expert_input_to_capacity=False)
     spec = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
     return build_module(spec, config=cfg)
 
@@ -195,17 +235,29 @@ def run(g):
         moe.router.register_forward_pre_hook(lambda m, args: (args[0].detach(),) + tuple(args[1:]))
         x.requires_grad_(True)
     moe.train(backward)
-    with torch.set_grad_enabled(backward), Capture(moe, seams, backward=backward) as cap:
+    with torch.set_grad_enabled(backward), Capture(moe, seams, backward=backward) as cap, _DroppingSeam() as drop:
         out = moe(x.view(T, 1, D))
         out = (out[0] if isinstance(out, tuple) else out).reshape(T, D)
         if backward:
             out.backward(g.input("grad_out", as_torch=True).to(act))
     # the dense (T, E) probabilities and routing map, as the (T, K) layout of
-    # the manifest: each token's experts in ascending id, their probabilities
+    # the manifest: each token's experts in ascending id, their probabilities;
+    # with a capacity, the router's top-k before apply_router_token_dropping
     routing_map, probs = cap.scratch["_routing_map"][-1], cap.scratch["_probs"][-1]
+    if capacity_on(c):
+        probs, routing_map = drop.before[-1]
     ids = routing_map.nonzero()[:, 1].view(T, c["shape.top_k"])
     cap.values["routing.ids"] = ids
     cap.values["routing.topk_scores"] = probs.gather(1, ids)
+    # with a capacity the permute moves the kept rows only: they are the
+    # capacity stage's (docs/contract.md §11), the dispatch's never exist
+    rows = "capacity" if capacity_on(c) else "dispatch"
+    if capacity_on(c):
+        for n in ("routed_input", "score_sorted"):
+            cap.values["capacity." + n] = cap.values.pop("dispatch." + n)
+        cap.values["capacity.counts"] = cap.values.pop("routing.counts")
+        # the router's per-expert counts before any drop: its routing map's columns
+        cap.values["routing.counts"] = routing_map.sum(dim=0)
     if on_input:  # the rows (probs * x).to(x.dtype) the experts take, expert-major as the dispatch's
         # (its permute's rows are unscaled: SequentialMLP scales them)
         cap.values["dispatch.routed_input"] = torch.cat([cap.scratch["_fc1_in_%d" % e][-1] for e in range(E_l)])
@@ -222,7 +274,7 @@ def run(g):
         cap.values["experts_bwd.grad_w1"] = torch.stack([w[:F] for w in fc1])
         cap.values["experts_bwd.grad_w3"] = torch.stack([w[F:] for w in fc1])
         cap.values["experts_bwd.grad_w2"] = torch.stack([ex.linear_fc2.weight.grad for ex in moe.experts.local_experts])
-    cap.values["dispatch.token_sorted"] = moe.token_dispatcher.reversed_local_input_permutation_mapping
+    cap.values[rows + ".token_sorted"] = moe.token_dispatcher.reversed_local_input_permutation_mapping
     cap.values["experts.expert_h13"] = torch.cat(cap.scratch["_fc1"])
     # linear_fc2's operand is H scaled by the row's probability (per_token_scale)
     cap.values["experts.expert_hidden"] = torch.cat(cap.scratch["_fc2_in"])
