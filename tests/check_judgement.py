@@ -13,6 +13,11 @@ tests/test_selection.cpp).
 2. Under force_load_balance the ids are the forced pattern: a selection
    that is a valid top-K of the scores (what the router would pick without
    it) is INCORRECT, not accepted as a tie.
+3. Routing that writes its ids (another member of an exact tie) but not its
+   counts, then its kept rows under a capacity (Megatron-Core's adapter did):
+   the counts fed on are its ids', so the capacity stage is judged on its
+   routing: PASSED. (Fed the reference's counts beside its ids, the capacity
+   counts were INCORRECT.)
 
 Usage: check_judgement.py MOEVERIFY SOURCE_DIR
 """
@@ -95,6 +100,32 @@ with tempfile.TemporaryDirectory() as tmp:
     expect(g, "force_load_balance, the forced ids", 0, "PASSED")
     g.write("routing.ids", topk)
     expect(g, "force_load_balance, the top-K of the scores instead", 1, "INCORRECT")
+
+    # 3. ids without counts, then the capacity stage (fuzz --impl with
+    # Megatron-Core, seed 36, shrunk: one token, logits tied at experts 0, 2, 7)
+    case = os.path.join(tmp, "cap.yaml")
+    with open(case, "w") as f:
+        f.write("cases:\n  - {name: cap, seed: 447918, dtype: fp32, data: exact, shape: {experts: 8, top_k: 1, "
+                "hidden: 1, ffn: 1, tokens: 1}, experts: {kind: swiglu, rounding: torchtitan, w13_fused: on}, "
+                "capacity: {factor: 0.25, policy: probs}, score_on_hidden: on, "
+                "combine: {accumulate: fp32_accumulate}}\n")
+    root = os.path.join(tmp, "cap")
+    subprocess.run([binary, "export", case, root], check=True, stdout=subprocess.DEVNULL)
+    g = moeverify.open_all(root)[0]
+    scores, ids = g.expected("routing.scores"), g.expected("routing.ids")
+    tied = [e for e in range(scores.shape[1]) if scores[0, e] == scores[0, ids[0, 0]] and e != ids[0, 0]]
+    if not tied:
+        print("FAIL no exact tie at the chosen expert in %s" % g.name)
+        sys.exit(1)
+    other = tied[0]
+    g.clear_actual()
+    g.write("routing.ids", np.array([[other]], dtype=ids.dtype))
+    counts = np.zeros_like(g.expected("capacity.counts"))
+    counts[other] = 1
+    g.write("capacity.counts", counts)
+    for n in ("routed_input", "score_sorted", "token_sorted"):
+        g.write("capacity." + n, g.expected("capacity." + n))  # one token, one row: the same row
+    expect(g, "ids of another tied expert without counts, then its kept rows", 0, "PASSED")
 
 print("%d failure(s)" % len(failures))
 sys.exit(1 if failures else 0)

@@ -598,6 +598,20 @@ void ExternalEntry::feed_next(const Stage& s, size_t first_check, const Board& f
   feed_reference_metadata(first_check, given, expected, s.slot, own_order, merged);
 }
 
+/// Routing that wrote its ids but not its counts: the counts fed on are the
+/// histogram of its ids, not the reference's (whose ids may be another valid
+/// choice among tied scores, docs/contract.md §15), so the next stages see
+/// one routing, the implementation's.
+void counts_from_given_ids(const std::vector<std::map<std::string, Tensor>>& given, Board& merged) {
+  for (size_t r = 0; r < given.size(); ++r) {
+    if (!given[r].count("ids") || given[r].count("counts") || !merged.ranks[r].count("counts")) continue;
+    std::vector<int64_t> hist(size_t(merged.ranks[r].at("counts").numel()), 0);
+    for (int64_t e : to_ints(given[r].at("ids")))
+      if (e >= 0 && e < int64_t(hist.size())) ++hist[size_t(e)];
+    merged.ranks[r]["counts"] = from_ints(hist, ElemType::i64, {int64_t(hist.size())});
+  }
+}
+
 bool ExternalEntry::stage(const Stage& s, Board& board) {
   const int R = c.ep;
   rep.decisions.push_back({s.slot, actual ? "actual" : "reference", true, true, "", {}});
@@ -652,6 +666,7 @@ bool ExternalEntry::stage(const Stage& s, Board& board) {
     rep.notes.push_back("the check stopped at stage " + prefix + s.slot + ": a file of the implementation cannot be read");
     return false;
   }
+  if (s.slot == "routing") counts_from_given_ids(given, merged);
   if (s.slot == "capacity" && !opt.strict_ties)
     for (int r = 0; r < R; ++r)
       if (adopt_capacity_ties(c, board.ranks[size_t(r)], given[size_t(r)], expected[size_t(r)]))
