@@ -10,7 +10,7 @@ using namespace host_detail;
 
 namespace {
 
-/// The combine on the mirror's device: one column per lane (W = 1), the same
+/// The combine on the mirror's device: 16 bytes of columns per lane (W = kDeviceSpan), the same
 /// operations per column as the host's spans, so the bytes agree.
 void combine_device(const ExecCtx& ctx, const CombineArgs& a, k::CombineInit init_from, const void* init, void* out) {
   Mirror& m = *ctx.mirror;
