@@ -268,7 +268,7 @@ struct Event {
   Event& operator=(const Event&) = delete;
 };
 
-class CudaDevice final : public Device {
+class CudaDevice final : public BodyDevice<CudaDevice> {
  public:
   CudaDevice(int ordinal, std::string name) : ordinal_(ordinal), name_(std::move(name)) {}
   ~CudaDevice() override {
@@ -332,11 +332,15 @@ class CudaDevice final : public Device {
     return window_.seconds();
   }
   double timed_copy(void* d, const void* s, size_t n) override {
-    double sec = 0;
-    timed([&] { MOEV_CUDA_CHECK(cudaMemcpyAsync(d, s, n, cudaMemcpyDeviceToDevice, thread_stream())); }, false, &sec);
-    return sec;
+    return timed([&] { MOEV_CUDA_CHECK(cudaMemcpyAsync(d, s, n, cudaMemcpyDeviceToDevice, thread_stream())); }, false);
   }
-  void run(const k::RouterBody& b, int64_t n) override { body(b, n); }
+  using BodyDevice::run;
+  /// A body over [0, n) on the calling thread's stream, timed (BodyDevice's
+  /// run overrides call it).
+  template <class Body>
+  void body(const Body& b, int64_t n) {
+    timed([&] { enqueue(b, n, lanes_of(b)); });
+  }
   // Counts are integers: atomics give the same counts in any order, where
   // the body (one thread an expert walking every assignment) took one
   // thread 262,144 loads per expert at DeepSeek-V3 size.
@@ -353,37 +357,6 @@ class CudaDevice final : public Device {
       MOEV_CUDA_CHECK(cudaGetLastError());
     });
   }
-  void run(const PadRouteBody& b, int64_t n) override { body(b, n); }
-#define MOEV_CUDA_BODIES(T)                                                                   \
-  void run(const k::GatherBody<T>& b, int64_t n) override { body(b, n); }                   \
-  void run(const k::CombineBody<T, k::kDeviceSpan<T>>& b, int64_t n) override { body(b, n); }              \
-  void run(const k::RowMapBody<T>& b, int64_t n) override { body(b, n); }                   \
-  void run(const k::FnRowMapBody<T, EqualCountMap>& b, int64_t n) override { body(b, n); } \
-  void run(const RoundBody<T>& b, int64_t n) override { body(b, n); }                      \
-  void run(const k::SwigluBody<T>& b, int64_t n) override { body(b, n); }                  \
-  void run(const k::CombineGradRowsBody<T>& b, int64_t n) override { body(b, n); }        \
-  void run(const k::ScoreGradBody<T>& b, int64_t n) override { body(b, n); }             \
-  void run(const k::SwigluBwdBody<T>& b, int64_t n) override { body(b, n); }             \
-  void run(const k::GradSumBody<T>& b, int64_t n) override { body(b, n); }
-  MOEV_CUDA_BODIES(float)
-  MOEV_CUDA_BODIES(bf16)
-  MOEV_CUDA_BODIES(fp16)
-#undef MOEV_CUDA_BODIES
-  void run(const k::RowMapBody<e4m3>& b, int64_t n) override { body(b, n); }
-  void run(const k::FnRowMapBody<e4m3, EqualCountMap>& b, int64_t n) override { body(b, n); }
-#define MOEV_CUDA_FP8(T)                                                                              \
-  void run(const k::Fp8QuantBody<T>& b, int64_t n) override { body(b, n); }   \
-  void run(const k::Fp8DequantBody<T>& b, int64_t n) override { body(b, n); }
-  MOEV_CUDA_FP8(float)
-  MOEV_CUDA_FP8(bf16)
-  MOEV_CUDA_FP8(fp16)
-#undef MOEV_CUDA_FP8
-#define MOEV_CUDA_CONVERT(T)                                                                   \
-  void run(const ConvertBody<T, bf16>& b, int64_t n) override { body(b, n); }               \
-  void run(const ConvertBody<bf16, T>& b, int64_t n) override { body(b, n); }
-  MOEV_CUDA_CONVERT(float)
-  MOEV_CUDA_CONVERT(fp16)
-#undef MOEV_CUDA_CONVERT
 
   // CUB radix sort (sort_pairs): ascending a within an expert, or
   // descending under the planted fault unstable_sort.
@@ -500,19 +473,13 @@ class CudaDevice final : public Device {
     });
   }
 
-  /// A body over [0, n) on the calling thread's stream, timed.
-  template <class Body>
-  void body(const Body& b, int64_t n) {
-    timed([&] { enqueue(b, n, lanes_of(b)); });
-  }
-
   /// Runs f (which enqueues work on the calling thread's stream) between
-  /// two events and waits for the second. The time between them goes to
-  /// busy_ns_ where `busy` (only that stream's work counts; ranks running
-  /// side by side each add their own), to *seconds if given, and, inside a
-  /// window, the interval to the window's union.
+  /// two events, waits for the second and returns the seconds between them,
+  /// also added to busy_ns_ where `busy` (only that stream's work counts;
+  /// ranks running side by side each add their own) and, inside a window,
+  /// as an interval to the window's union.
   template <class F>
-  void timed(F&& f, bool busy = true, double* seconds = nullptr) {
+  double timed(F&& f, bool busy = true) {
     bind();
     Event start, stop;
     MOEV_CUDA_CHECK(cudaEventRecord(start.e, thread_stream()));
@@ -522,7 +489,6 @@ class CudaDevice final : public Device {
     float ms = 0;
     MOEV_CUDA_CHECK(cudaEventElapsedTime(&ms, start.e, stop.e));
     if (busy) busy_ns_ += int64_t(double(ms) * 1e6);
-    if (seconds) *seconds = double(ms) * 1e-3;
     std::lock_guard<std::mutex> lk(window_m_);
     if (window_open_) {
       float a = 0, b = 0;  // offsets from the window's reference event: a few seconds, float ms resolve 1 us
@@ -530,6 +496,7 @@ class CudaDevice final : public Device {
       MOEV_CUDA_CHECK(cudaEventElapsedTime(&b, window_ref_.e, stop.e));
       window_.add(double(a) * 1e-3, double(b) * 1e-3);
     }
+    return double(ms) * 1e-3;
   }
 
   /// The CUDA device is per host thread: in-process ranks call in from

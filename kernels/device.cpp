@@ -205,7 +205,7 @@ uint64_t mix64(uint64_t z) {
   return z ^ (z >> 31);
 }
 
-class EmulatedDevice final : public Device {
+class EmulatedDevice final : public BodyDevice<EmulatedDevice> {
  public:
   explicit EmulatedDevice(int threads) : ctx_{threads, {}} {}
   std::string name() const override { return "emulated (host memory, host executor; no GPU)"; }
@@ -229,9 +229,7 @@ class EmulatedDevice final : public Device {
   }
   double busy_seconds() const override { return double(busy_ns_.load()) * 1e-9; }
   double timed_copy(void* d, const void* s, size_t n) override {
-    double sec = 0;
-    timed([&] { std::memmove(d, s, n); }, false, &sec);
-    return sec;
+    return timed([&] { std::memmove(d, s, n); }, false);
   }
   void window_begin() override {
     std::lock_guard<std::mutex> lk(window_m_);
@@ -244,39 +242,6 @@ class EmulatedDevice final : public Device {
     window_open_ = false;
     return window_.seconds();
   }
-  void run(const k::RouterBody& b, int64_t n) override { body(b, n); }
-  void run(const HistogramBody& b, int64_t n) override { body(b, n); }
-  void run(const PadRouteBody& b, int64_t n) override { body(b, n); }
-#define MOEV_EMULATED_BODIES(T)                                                                   \
-  void run(const k::GatherBody<T>& b, int64_t n) override { body(b, n); }               \
-  void run(const k::CombineBody<T, k::kDeviceSpan<T>>& b, int64_t n) override { body(b, n); }          \
-  void run(const k::RowMapBody<T>& b, int64_t n) override { body(b, n); }               \
-  void run(const k::FnRowMapBody<T, EqualCountMap>& b, int64_t n) override { body(b, n); } \
-  void run(const RoundBody<T>& b, int64_t n) override { body(b, n); }                  \
-  void run(const k::SwigluBody<T>& b, int64_t n) override { body(b, n); }             \
-  void run(const k::CombineGradRowsBody<T>& b, int64_t n) override { body(b, n); }   \
-  void run(const k::ScoreGradBody<T>& b, int64_t n) override { body(b, n); }        \
-  void run(const k::SwigluBwdBody<T>& b, int64_t n) override { body(b, n); }       \
-  void run(const k::GradSumBody<T>& b, int64_t n) override { body(b, n); }
-  MOEV_EMULATED_BODIES(float)
-  MOEV_EMULATED_BODIES(bf16)
-  MOEV_EMULATED_BODIES(fp16)
-#undef MOEV_EMULATED_BODIES
-  void run(const k::RowMapBody<e4m3>& b, int64_t n) override { body(b, n); }
-  void run(const k::FnRowMapBody<e4m3, EqualCountMap>& b, int64_t n) override { body(b, n); }
-#define MOEV_EMULATED_FP8(T)                                                        \
-  void run(const k::Fp8QuantBody<T>& b, int64_t n) override { body(b, n); } \
-  void run(const k::Fp8DequantBody<T>& b, int64_t n) override { body(b, n); }
-  MOEV_EMULATED_FP8(float)
-  MOEV_EMULATED_FP8(bf16)
-  MOEV_EMULATED_FP8(fp16)
-#undef MOEV_EMULATED_FP8
-#define MOEV_EMULATED_CONVERT(T)                                                                    \
-  void run(const ConvertBody<T, bf16>& b, int64_t n) override { body(b, n); }            \
-  void run(const ConvertBody<bf16, T>& b, int64_t n) override { body(b, n); }
-  MOEV_EMULATED_CONVERT(float)
-  MOEV_EMULATED_CONVERT(fp16)
-#undef MOEV_EMULATED_CONVERT
   void sort(const int32_t* ids, int64_t N, int E, int32_t* perm, bool descending_within) override {
     FaultSet f;
     if (descending_within) f.bits |= uint64_t(Fault::unstable_sort);
@@ -300,25 +265,27 @@ class EmulatedDevice final : public Device {
 
  private:
   using Clock = std::chrono::steady_clock;
-  /// Runs f on the host clock: to busy_ns_ where `busy`, to *seconds if
-  /// given, and inside a window to its union (as the CUDA device's events).
+  /// Runs f on the host clock and returns its seconds, also added to
+  /// busy_ns_ where `busy`, and inside a window to its union (as the CUDA
+  /// device's events).
   template <class F>
-  void timed(F&& f, bool busy = true, double* seconds = nullptr) {
+  double timed(F&& f, bool busy = true) {
     const auto t0 = Clock::now();
     f();
     const auto t1 = Clock::now();
     if (busy) busy_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
-    if (seconds) *seconds = std::chrono::duration<double>(t1 - t0).count();
     std::lock_guard<std::mutex> lk(window_m_);
     if (window_open_)
       window_.add(std::chrono::duration<double>(t0 - window_t0_).count(),
                   std::chrono::duration<double>(t1 - window_t0_).count());
+    return std::chrono::duration<double>(t1 - t0).count();
   }
   /// Each item as an emulated GPU block of kLanes lanes (block_item): the
   /// bodies' multi-lane index math, which the host executor (one lane) never
   /// takes, runs in every case on this device. An odd count, so that no
   /// stride happens to divide a row.
   static constexpr int kLanes = 3;
+  friend class BodyDevice<EmulatedDevice>;  // its run() overrides call body()
   template <class Body>
   void body(const Body& b, int64_t n) {
     timed([&] { host_run(ctx_, n, b, kLanes); });

@@ -182,6 +182,46 @@ class Device {
                            int64_t ldb, float* C) = 0;
 };
 
+/// The run() overrides of a device whose bodies all go through one template,
+/// Derived::body(b, n): the CUDA device's launch, the emulated device's host
+/// run. A device overrides run() again where a body differs by nature there
+/// (the CUDA device's histogram).
+template <class Derived>
+class BodyDevice : public Device {
+ public:
+  void run(const k::RouterBody& b, int64_t n) override { self().body(b, n); }
+  void run(const HistogramBody& b, int64_t n) override { self().body(b, n); }
+  void run(const PadRouteBody& b, int64_t n) override { self().body(b, n); }
+#define MOEV_BODY_DEVICE(T)                                                                           \
+  void run(const k::GatherBody<T>& b, int64_t n) override { self().body(b, n); }                     \
+  void run(const k::CombineBody<T, k::kDeviceSpan<T>>& b, int64_t n) override { self().body(b, n); } \
+  void run(const k::RowMapBody<T>& b, int64_t n) override { self().body(b, n); }                     \
+  void run(const k::FnRowMapBody<T, EqualCountMap>& b, int64_t n) override { self().body(b, n); }    \
+  void run(const RoundBody<T>& b, int64_t n) override { self().body(b, n); }                         \
+  void run(const k::SwigluBody<T>& b, int64_t n) override { self().body(b, n); }                     \
+  void run(const k::CombineGradRowsBody<T>& b, int64_t n) override { self().body(b, n); }            \
+  void run(const k::ScoreGradBody<T>& b, int64_t n) override { self().body(b, n); }                  \
+  void run(const k::SwigluBwdBody<T>& b, int64_t n) override { self().body(b, n); }                  \
+  void run(const k::GradSumBody<T>& b, int64_t n) override { self().body(b, n); }                    \
+  void run(const k::Fp8QuantBody<T>& b, int64_t n) override { self().body(b, n); }                   \
+  void run(const k::Fp8DequantBody<T>& b, int64_t n) override { self().body(b, n); }
+  MOEV_BODY_DEVICE(float)
+  MOEV_BODY_DEVICE(bf16)
+  MOEV_BODY_DEVICE(fp16)
+#undef MOEV_BODY_DEVICE
+  void run(const k::RowMapBody<e4m3>& b, int64_t n) override { self().body(b, n); }
+  void run(const k::FnRowMapBody<e4m3, EqualCountMap>& b, int64_t n) override { self().body(b, n); }
+#define MOEV_BODY_DEVICE_CONVERT(T)                                                       \
+  void run(const ConvertBody<T, bf16>& b, int64_t n) override { self().body(b, n); } \
+  void run(const ConvertBody<bf16, T>& b, int64_t n) override { self().body(b, n); }
+  MOEV_BODY_DEVICE_CONVERT(float)
+  MOEV_BODY_DEVICE_CONVERT(fp16)
+#undef MOEV_BODY_DEVICE_CONVERT
+
+ private:
+  Derived& self() { return static_cast<Derived&>(*this); }
+};
+
 /// The emulated device: its memory is separate host allocations, its
 /// executor the host executor with `threads` threads, each item run as a
 /// block of 3 lanes one after another (host_exec.h block_item). It exists so that the

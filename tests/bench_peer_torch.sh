@@ -3,20 +3,13 @@
 # ep4.yaml's hot-expert case (sigmoid + bias, SwiGLU experts, EP 4) and
 # router.yaml's group-limited case; every slot the peer times (routing,
 # dispatch, combine; the experts only on a GPU) gets a positive time and a
-# ratio beside moeverify's. Exits 77 (skipped) without a Python with torch.
+# ratio beside moeverify's. Exits 77 (skipped) without MOEVERIFY_TORCH_PYTHON naming
+# a Python with torch.
 #
 #   tests/bench_peer_torch.sh MOEVERIFY SOURCE_DIR
 set -u
-bin=$1
-src=$2
-py=""
-for p in ${MOEVERIFY_TORCH_PYTHON:-} python3 /usr/bin/python3; do
-  if command -v "$p" >/dev/null && "$p" -c "import torch" 2>/dev/null; then py=$p; break; fi
-done
-[ -n "$py" ] || { echo "torch is not importable (set MOEVERIFY_TORCH_PYTHON): skipped"; exit 77; }
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-export PYTHONPATH="$src/python${PYTHONPATH:+:$PYTHONPATH}"
+bin=$1 src=$2 fw=torch
+. "$src/tests/frameworks/env.sh"  # $py (MOEVERIFY_TORCH_PYTHON), PYTHONPATH, $tmp
 for spec in "ep4.yaml ep4_hot_expert" "router.yaml bias_group_limited"; do
   set -- $spec
   "$bin" bench "$src/cases/$1" --case "$2" --threads 2 --repeat 2 --peer "$py -m moeverify.peer {spec}" \

@@ -40,6 +40,16 @@ def check(g):
     return p.returncode, p.stdout
 
 
+def exported(tmp, name, yaml):
+    """The folder of the one case `yaml` describes, exported under tmp."""
+    case = os.path.join(tmp, name + ".yaml")
+    with open(case, "w") as f:
+        f.write(yaml)
+    root = os.path.join(tmp, name)
+    subprocess.run([binary, "export", case, root], check=True, stdout=subprocess.DEVNULL)
+    return moeverify.open_all(root)[0]
+
+
 def expect(g, what, rc_want, text):
     rc, out = check(g)
     ids_lines = [l for l in out.splitlines() if " ids " in l or "routing" in l]
@@ -82,14 +92,9 @@ with tempfile.TemporaryDirectory() as tmp:
            "INCORRECT")
 
     # 2. force_load_balance: the forced pattern, not any top-K of the scores
-    case = os.path.join(tmp, "flb.yaml")
-    with open(case, "w") as f:
-        f.write("defaults: {data: exact, seed: 3}\ncases:\n  - name: flb\n"
-                "    shape: {tokens: 16, hidden: 8, ffn: 8, experts: 8, top_k: 2}\n"
-                "    router: {force_load_balance: on}\n")
-    root = os.path.join(tmp, "flb")
-    subprocess.run([binary, "export", case, root], check=True, stdout=subprocess.DEVNULL)
-    g = moeverify.open_all(root)[0]
+    g = exported(tmp, "flb", "defaults: {data: exact, seed: 3}\ncases:\n  - name: flb\n"
+                 "    shape: {tokens: 16, hidden: 8, ffn: 8, experts: 8, top_k: 2}\n"
+                 "    router: {force_load_balance: on}\n")
     scores, forced = g.expected("routing.scores"), g.expected("routing.ids")
     topk = np.argsort(-scores, axis=1, kind="stable")[:, :forced.shape[1]].astype(forced.dtype)
     if all(set(a) == set(b) for a, b in zip(topk, forced)):
@@ -103,15 +108,10 @@ with tempfile.TemporaryDirectory() as tmp:
 
     # 3. ids without counts, then the capacity stage (fuzz --impl with
     # Megatron-Core, seed 36, shrunk: one token, logits tied at experts 0, 2, 7)
-    case = os.path.join(tmp, "cap.yaml")
-    with open(case, "w") as f:
-        f.write("cases:\n  - {name: cap, seed: 447918, dtype: fp32, data: exact, shape: {experts: 8, top_k: 1, "
-                "hidden: 1, ffn: 1, tokens: 1}, experts: {kind: swiglu, rounding: torchtitan, w13_fused: on}, "
-                "capacity: {factor: 0.25, policy: probs}, score_on_hidden: on, "
-                "combine: {accumulate: fp32_accumulate}}\n")
-    root = os.path.join(tmp, "cap")
-    subprocess.run([binary, "export", case, root], check=True, stdout=subprocess.DEVNULL)
-    g = moeverify.open_all(root)[0]
+    g = exported(tmp, "cap", "cases:\n  - {name: cap, seed: 447918, dtype: fp32, data: exact, shape: {experts: 8, "
+                 "top_k: 1, hidden: 1, ffn: 1, tokens: 1}, experts: {kind: swiglu, rounding: torchtitan, "
+                 "w13_fused: on}, capacity: {factor: 0.25, policy: probs}, score_on_hidden: on, "
+                 "combine: {accumulate: fp32_accumulate}}\n")
     scores, ids = g.expected("routing.scores"), g.expected("routing.ids")
     tied = [e for e in range(scores.shape[1]) if scores[0, e] == scores[0, ids[0, 0]] and e != ids[0, 0]]
     if not tied:
