@@ -6,7 +6,7 @@
 
 Builds Megatron-Core's own `MoELayer` (TopKRouter, the all-gather token
 dispatcher with moe_utils.permute/unpermute, SequentialMLP experts with a
-fused [w1 | w3] linear_fc1) in a one-process gloo group, loads the case's
+fused [w1 | w3] linear_fc1, a SharedExpertMLP where the case has one) in a one-process gloo group, loads the case's
 inputs into its parameters, runs its forward and writes what its code made
 at its seams (moeverify.torch.Capture; SEAMS below, docs/frameworks.md).
 
@@ -60,7 +60,9 @@ NEEDS = {
     # apply_router_token_dropping pads with real tokens of probability 0,
     # moeverify's pad_to_capacity with zero rows of token -1 (docs/contract.md §11)
     "capacity.pad_to_capacity": ("off",),
-    "experts.kind": ("swiglu",), "shared_experts.kind": ("none",),
+    "experts.kind": ("swiglu",), "shared_experts.kind": ("none", "swiglu"),
+    # MoELayer.postprocess: output + shared_expert_output, after the unpermute
+    "shared_experts.order": ("add_after",),
     "router.hot_expert": (-1,), "router.force_load_balance": ("off",),
     # its conventions as the adapter configures it (cases/profiles/megatron-0.16*.yaml)
     "router.gate_dtype": ("fp32",), "router.score_dtype": ("fp32",), "experts.rounding": ("torchtitan",), "experts.compute_dtype": ("act",),
@@ -180,7 +182,9 @@ def build(c, act):
         # router-level dropping (apply_router_token_dropping, docs/contract.md §11)
         moe_expert_capacity_factor=float(c["capacity.factor"]) if capacity_on(c) else None,
         moe_token_drop_policy=c.get("capacity.policy", "probs"),
-        moe_pad_expert_input_to_capacity=False)
+        moe_pad_expert_input_to_capacity=False,
+        # its SharedExpertMLP (ungated), as wide as the routed experts (input.shared_w1: (F, D))
+        moe_shared_expert_intermediate_size=F if c["shared_experts.kind"] == "swiglu" else None)
     spec = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
     return build_module(spec, config=cfg)
 
@@ -195,6 +199,10 @@ def load(moe, g):
     for e, expert in enumerate(moe.experts.local_experts):
         put(expert.linear_fc1.weight, torch.cat([w1[e], w3[e]], dim=0))  # gate half first: silu(x[0]) * x[1]
         put(expert.linear_fc2.weight, w2[e])
+    if moe.shared_experts is not None:
+        put(moe.shared_experts.linear_fc1.weight,
+            torch.cat([g.input("shared_w1", as_torch=True), g.input("shared_w3", as_torch=True)], dim=0))
+        put(moe.shared_experts.linear_fc2.weight, g.input("shared_w2", as_torch=True))
     if moe.router.expert_bias is not None:
         moe.router.expert_bias.copy_(g.input("bias", as_torch=True))
 
@@ -229,6 +237,13 @@ def run(g):
         seams.append(Seam(fc1, "out", {"_fc1": 0}))
         seams.append(Seam(fc1, "in", {"_fc1_in_%d" % e: 0}, grad={"_fc1_in_grad_%d" % e: 0}))
         seams.append(Seam("experts.local_experts.%d.linear_fc2" % e, "in", {"_fc2_in": 0}))
+    if moe.shared_experts is not None:
+        # SharedExpertMLP: the same MLP without per_token_scale; x feeds it and
+        # the router's permute, so its input gradient is its share of x.grad
+        seams += [Seam("shared_experts", "out", {"shared_experts.shared_out": None}),
+                  Seam("shared_experts", "grad_in", {"shared_experts_bwd.grad_x_shared": 0}),
+                  Seam("shared_experts.linear_fc1", "out", {"shared_experts.shared_h13": 0}),
+                  Seam("shared_experts.linear_fc2", "in", {"shared_experts.shared_hidden": 0})]
     if backward:
         # moeverify's grad_x is the token path's (docs/contract.md §13): the
         # router reads x without a gradient path (its weights keep theirs)
@@ -274,6 +289,11 @@ def run(g):
         cap.values["experts_bwd.grad_w1"] = torch.stack([w[:F] for w in fc1])
         cap.values["experts_bwd.grad_w3"] = torch.stack([w[F:] for w in fc1])
         cap.values["experts_bwd.grad_w2"] = torch.stack([ex.linear_fc2.weight.grad for ex in moe.experts.local_experts])
+        if moe.shared_experts is not None:
+            fc1 = moe.shared_experts.linear_fc1.weight.grad
+            cap.values["shared_experts_bwd.grad_shared_w1"] = fc1[:F]
+            cap.values["shared_experts_bwd.grad_shared_w3"] = fc1[F:]
+            cap.values["shared_experts_bwd.grad_shared_w2"] = moe.shared_experts.linear_fc2.weight.grad
     cap.values[rows + ".token_sorted"] = moe.token_dispatcher.reversed_local_input_permutation_mapping
     cap.values["experts.expert_h13"] = torch.cat(cap.scratch["_fc1"])
     # linear_fc2's operand is H scaled by the row's probability (per_token_scale)
