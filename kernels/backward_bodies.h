@@ -137,10 +137,48 @@ MOEV_HD inline SwigluGradElem swiglu_grad_elem(float a, float b, float g, SiluGr
   return {H, round_to<T>(g * s), round_to<T>(ga * dsilu)};
 }
 
+/// The gradient of the unscaled hidden H under score_on_hidden (docs/contract.md
+/// §13): the multiply H' = round(float(H) s) sends dH = round(float(dH') s)
+/// back, in H's type T.
+template <class T>
+MOEV_HD inline float hidden_grad(float dHp, float s) {
+  return round_to<T>(dHp * s);
+}
+
+/// score_on_hidden's row step after SwigluBwdBody (one thread per row, f
+/// ascending): the row's score gradient dS[r] = sum_f float(dH'[r, f]) *
+/// float(H[r, f]) in fp32 from the unscaled H, then H scaled in place to the
+/// forward's operand H' = round(float(H) s), which the dW2 GEMM reads.
+/// Planted fault score_grad_scaled_hidden: dS from H' instead of H.
+template <class T>
+struct HiddenScoreGradBody {
+  static constexpr bool kThreadPerItem = true;
+  const T* dHp;  // (rows, F): the W2 GEMM's gradient dH'
+  T* H;          // (rows, F): H in, H' out
+  const float* row_scale;
+  float* dS;     // (rows)
+  int64_t F;
+  bool from_scaled = false;  // the planted fault
+
+  MOEV_HD void operator()(int64_t r, int, int) const {
+    const float s = row_scale[r];
+    float sum = 0.f;
+    for (int64_t f = 0; f < F; ++f) {
+      const float h = to_float(H[r * F + f]), hs = round_to<T>(h * s);
+      sum += to_float(dHp[r * F + f]) * (from_scaled ? hs : h);
+      H[r * F + f] = from_float<T>(hs);
+    }
+    dS[r] = sum;
+  }
+};
+
 /// The SwiGLU backward's elementwise step (item = row, lanes over f): from
 /// h13 = [h1 | h3] (rows, 2F) and dH (rows, F), all in T, writes H (rows, F)
 /// and dh13 = [dh1 | dh3] (rows, 2F) in T: the layout whose one GEMM with
 /// [W1; W3] (2F, D) gives dX in a single fp32 accumulation.
+/// With a row scale (score_on_hidden, docs/contract.md §13) dH holds the W2
+/// GEMM's gradient dH' and the step starts from hidden_grad(dH', s); H is
+/// written unscaled (HiddenScoreGradBody scales it after).
 template <class T>
 struct SwigluBwdBody {
   const T* h13;  // (rows, 2F)
@@ -151,12 +189,16 @@ struct SwigluBwdBody {
   SiluGrad silu_grad = SiluGrad::exact;
   SiluRounding rounding = SiluRounding::fused;
   bool fused_grad = false;  // the planted fault swiglu_bwd_fused_rounding
+  const float* row_scale = nullptr;  // (rows) or null
+  bool scale_grad_kept = true;       // false: the planted fault hidden_grad_unscaled
 
   MOEV_HD void operator()(int64_t r, int lane, int lanes) const {
     const T* h1 = h13 + r * 2 * F;
     T* d1 = dh13 + r * 2 * F;
     for (int64_t f = lane; f < F; f += lanes) {
-      const SwigluGradElem v = swiglu_grad_elem<T>(to_float(h1[f]), to_float(h1[F + f]), to_float(dH[r * F + f]),
+      float g = to_float(dH[r * F + f]);
+      if (row_scale && scale_grad_kept) g = hidden_grad<T>(g, row_scale[r]);
+      const SwigluGradElem v = swiglu_grad_elem<T>(to_float(h1[f]), to_float(h1[F + f]), g,
                                                    silu_grad, rounding, fused_grad);
       H[r * F + f] = from_float<T>(v.H);
       d1[f] = from_float<T>(v.dh1);

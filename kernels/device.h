@@ -141,7 +141,8 @@ class Device {
   virtual void run(const k::CombineGradRowsBody<T>& b, int64_t n) = 0;         \
   virtual void run(const k::ScoreGradBody<T>& b, int64_t n) = 0;              \
   virtual void run(const k::SwigluBwdBody<T>& b, int64_t n) = 0;              \
-  virtual void run(const k::GradSumBody<T>& b, int64_t n) = 0;
+  virtual void run(const k::GradSumBody<T>& b, int64_t n) = 0;              \
+  virtual void run(const k::HiddenScoreGradBody<T>& b, int64_t n) = 0;
   MOEV_DEVICE_BODIES(float)
   MOEV_DEVICE_BODIES(bf16)
   MOEV_DEVICE_BODIES(fp16)
@@ -203,6 +204,7 @@ class BodyDevice : public Device {
   void run(const k::ScoreGradBody<T>& b, int64_t n) override { self().body(b, n); }                  \
   void run(const k::SwigluBwdBody<T>& b, int64_t n) override { self().body(b, n); }                  \
   void run(const k::GradSumBody<T>& b, int64_t n) override { self().body(b, n); }                    \
+  void run(const k::HiddenScoreGradBody<T>& b, int64_t n) override { self().body(b, n); }            \
   void run(const k::Fp8QuantBody<T>& b, int64_t n) override { self().body(b, n); }                   \
   void run(const k::Fp8DequantBody<T>& b, int64_t n) override { self().body(b, n); }
   MOEV_BODY_DEVICE(float)

@@ -53,6 +53,9 @@ struct BwdRules {
   bool fused_grad = false;   // the planted fault swiglu_bwd_fused_rounding
   bool split_dx = false;     // dX = round(round(dh1 W1) + round(dh3 W3))
   bool round_wgrad = false;  // dW = round_act(round_compute(sum))
+  // score_on_hidden (conv.row_scale): the planted faults hidden_grad_unscaled
+  // and score_grad_scaled_hidden
+  bool scale_grad_kept = true, ds_from_scaled = false;
 };
 
 BwdRules rules_of(const ExecCtx& ctx, const SwigluConventions& conv) {
@@ -63,6 +66,8 @@ BwdRules rules_of(const ExecCtx& ctx, const SwigluConventions& conv) {
   r.fused_grad = unfused && ctx.faults.has(Fault::swiglu_bwd_fused_rounding);
   r.split_dx = unfused && !conv.w13_fused;
   r.round_wgrad = (unfused || conv.compute == ComputeDtype::bf16) && !ctx.faults.has(Fault::swiglu_bwd_wgrad_fp32);
+  r.scale_grad_kept = !ctx.faults.has(Fault::hidden_grad_unscaled);
+  r.ds_from_scaled = ctx.faults.has(Fault::score_grad_scaled_hidden);
   return r;
 }
 
@@ -74,23 +79,39 @@ struct ExpertBufs {
 
 /// Row pass of one expert's n rows (tile t owns rows [t*kTile, ...)):
 /// h1, h3, dH in fp32 rounded to T, the elementwise step, and dX in O.
+/// With row scores sc (score_on_hidden) the GEMM's dH is dH', the step
+/// starts from k::hidden_grad, dS gets each row's score gradient (fp32, f
+/// ascending, from the unscaled H) and b.H the scaled H', as
+/// k::HiddenScoreGradBody on a device.
 template <class T, class O>
-void row_pass(const ExecCtx& ctx, const BwdRules& ru, ExpertBufs& b, int64_t n, int64_t D, int64_t F, O* dX) {
+void row_pass(const ExecCtx& ctx, const BwdRules& ru, ExpertBufs& b, int64_t n, int64_t D, int64_t F, O* dX,
+              const float* sc, float* dS) {
   const CMapF mw1(b.w1.data(), F, D), mw3(b.w3.data(), F, D), mw2(b.w2.data(), D, F);
   const int64_t tiles = (n + kTile - 1) / kTile;
   host_run(ctx, tiles, [&](int64_t t, int, int) {
     const int64_t r0 = t * kTile, m = std::min(kTile, n - r0);
     const CMapF xt(b.x.data() + r0 * D, m, D), dyt(b.dy.data() + r0 * D, m, D);
     const MatF h1 = xt * mw1.transpose(), h3 = xt * mw3.transpose(), dHf = dyt * mw2;
-    for (int64_t r = 0; r < m; ++r)
+    for (int64_t r = 0; r < m; ++r) {
+      const float s = sc ? sc[r0 + r] : 1.f;
+      float ds = 0.f;
       for (int64_t f = 0; f < F; ++f) {
-        const k::SwigluGradElem v = k::swiglu_grad_elem<T>(round_to<T>(h1(r, f)), round_to<T>(h3(r, f)),
-                                                           round_to<T>(dHf(r, f)), ru.sg, ru.rounding, ru.fused_grad);
+        const float gp = round_to<T>(dHf(r, f));
+        const float g = sc && ru.scale_grad_kept ? k::hidden_grad<T>(gp, s) : gp;
+        const k::SwigluGradElem v =
+            k::swiglu_grad_elem<T>(round_to<T>(h1(r, f)), round_to<T>(h3(r, f)), g, ru.sg, ru.rounding, ru.fused_grad);
         const size_t at = size_t((r0 + r) * F + f);
         b.H[at] = v.H;
+        if (sc) {
+          const float hs = round_to<T>(v.H * s);
+          ds += gp * (ru.ds_from_scaled ? hs : v.H);
+          b.H[at] = hs;
+        }
         b.dh3[at] = v.dh3;
         b.dh1[at] = v.dh1;
       }
+      if (sc) dS[r0 + r] = ds;
+    }
     const CMapF g1(b.dh1.data() + r0 * F, m, F), g3(b.dh3.data() + r0 * F, m, F);
     O* out = dX + r0 * D;
     if (ru.split_dx) {
@@ -138,7 +159,7 @@ void wgrad_pass(const ExecCtx& ctx, const BwdRules& ru, const ExpertBufs& b, int
 template <class T, class O>
 void backward_typed(const ExecCtx& ctx, const BwdRules& ru, const O* X, const O* dY, const int64_t* counts, int E_l,
                     int64_t D, int64_t F, const O* W1, const O* W3, const O* W2, O* dX, float* dW1, float* dW3,
-                    float* dW2) {
+                    float* dW2, const float* row_scale, float* dS) {
   int64_t row = 0;
   ExpertBufs b;
   for (int j = 0; j < E_l; ++j) {
@@ -160,7 +181,7 @@ void backward_typed(const ExecCtx& ctx, const BwdRules& ru, const O* X, const O*
     widen_to<T>(W1 + int64_t(j) * F * D, F * D, b.w1.data());
     widen_to<T>(W3 + int64_t(j) * F * D, F * D, b.w3.data());
     widen_to<T>(W2 + int64_t(j) * D * F, D * F, b.w2.data());
-    row_pass<T>(ctx, ru, b, n, D, F, dX + row * D);
+    row_pass<T>(ctx, ru, b, n, D, F, dX + row * D, row_scale ? row_scale + row : nullptr, dS ? dS + row : nullptr);
     wgrad_pass<T, O>(ctx, ru, b, n, D, F, gw1, gw3, gw2);
     row += n;
   }
@@ -184,9 +205,12 @@ void round_device(const ExecCtx& ctx, DType ct, DType dt, float* v, int64_t n) {
 /// fp32 (rounded under round_wgrad). dX in ct: one GEMM [dh1 | dh3] [W1_j;
 /// W3_j] into dx (one fp32 accumulation over 2F), or under split_dx the two
 /// GEMMs into dx (the W1 part) and dx3 (the W3 part), summed by the caller.
+/// With row scores (score_on_hidden) SwigluBwdBody starts from the scaled
+/// gradient and HiddenScoreGradBody then writes dS and turns H into H'.
 void device_experts(const ExecCtx& ctx, DType ct, DType dt, const BwdRules& ru, const uint8_t* X, const uint8_t* dY,
                     const int64_t* counts, int E_l, int64_t D, int64_t F, const uint8_t* W1, const uint8_t* W3,
-                    const uint8_t* W2, uint8_t* dx, uint8_t* dx3, float* dW1, float* dW3, float* dW2) {
+                    const uint8_t* W2, uint8_t* dx, uint8_t* dx3, float* dW1, float* dW3, float* dW2,
+                    const float* row_scale, float* dS) {
   const size_t eb = dtype_bytes(ct), fd = size_t(F * D) * eb;
   int64_t rows = 0;
   for (int j = 0; j < E_l; ++j) rows += counts[j];
@@ -210,10 +234,18 @@ void device_experts(const ExecCtx& ctx, DType ct, DType dt, const BwdRules& ru, 
         Mirror& m = *ctx.mirror;
         Mirror::Scope scope{m};
         const size_t nf = size_t(n * F) * sizeof(T);
-        m.device().run(k::SwigluBwdBody<T>{static_cast<const T*>(m.in(h, 2 * nf)), static_cast<const T*>(m.in(gh, nf)),
-                                           static_cast<T*>(m.out(act, nf)), static_cast<T*>(m.out(g, 2 * nf)), F, ru.sg,
-                                           ru.rounding, ru.fused_grad},
+        const float* s = row_scale ? static_cast<const float*>(m.in(row_scale + r0, size_t(n) * 4)) : nullptr;
+        const T* dHp = static_cast<const T*>(m.in(gh, nf));
+        T* Hd = static_cast<T*>(m.out(act, nf));
+        m.device().run(k::SwigluBwdBody<T>{static_cast<const T*>(m.in(h, 2 * nf)), dHp, Hd,
+                                           static_cast<T*>(m.out(g, 2 * nf)), F, ru.sg, ru.rounding, ru.fused_grad, s,
+                                           ru.scale_grad_kept},
                        n);
+        if (s) {
+          float* ds = static_cast<float*>(m.out(dS + r0, size_t(n) * 4));
+          m.device().run(k::HiddenScoreGradBody<T>{dHp, Hd, s, ds, F, ru.ds_from_scaled}, n);
+          m.wrote(dS + r0, size_t(n) * 4);
+        }
         m.wrote(act, nf);
         m.wrote(g, 2 * nf);
       });
@@ -243,7 +275,7 @@ void device_experts(const ExecCtx& ctx, DType ct, DType dt, const BwdRules& ru, 
 /// split_dx the two GEMM gradients, each in act, are added by GradSumBody.
 void backward_device(const ExecCtx& ctx, DType dt, const SwigluConventions& conv, const BwdRules& ru, const void* X,
                      const void* dY, const int64_t* counts, int E_l, int64_t D, int64_t F, const void* W1,
-                     const void* W3, const void* W2, void* dX, float* dW1, float* dW3, float* dW2) {
+                     const void* W3, const void* W2, void* dX, float* dW1, float* dW3, float* dW2, float* dS) {
   using host_detail::from_bf16;
   using host_detail::to_bf16;
   int64_t rows = 0;
@@ -267,7 +299,7 @@ void backward_device(const ExecCtx& ctx, DType dt, const SwigluConventions& conv
   uint8_t* dx = convert ? reinterpret_cast<uint8_t*>(dxb.data()) : static_cast<uint8_t*>(dX);
   uint8_t* dx3p = convert ? reinterpret_cast<uint8_t*>(dx3b.data()) : dx3.data();
   device_experts(ctx, ct, dt, ru, pick(xb, X), pick(dyb, dY), counts, E_l, D, F, pick(w1b, W1), pick(w3b, W3),
-                 pick(w2b, W2), dx, dx3p, dW1, dW3, dW2);
+                 pick(w2b, W2), dx, dx3p, dW1, dW3, dW2, conv.row_scale, dS);
   if (!ru.split_dx) {
     if (convert) from_bf16(ctx, dt, dxb, dX);
     return;
@@ -338,10 +370,11 @@ void gemm_tn_f32(const ExecCtx& ctx, DType dt, const void* A, int64_t rows, int6
 
 void experts_swiglu_backward(const ExecCtx& ctx, DType dt, const void* X, const void* dY, const int64_t* counts,
                              int E_l, int64_t D, int64_t F, const void* W1, const void* W3, const void* W2, void* dX,
-                             float* dW1, float* dW3, float* dW2, SwigluConventions conv) {
+                             float* dW1, float* dW3, float* dW2, SwigluConventions conv, float* dS) {
+  if (conv.row_scale && !dS) throw std::invalid_argument("experts_swiglu_backward: a row scale needs dS");
   const BwdRules ru = rules_of(ctx, conv);
   if (ctx.mirror) {
-    backward_device(ctx, dt, conv, ru, X, dY, counts, E_l, D, F, W1, W3, W2, dX, dW1, dW3, dW2);
+    backward_device(ctx, dt, conv, ru, X, dY, counts, E_l, D, F, W1, W3, W2, dX, dW1, dW3, dW2, dS);
     return;
   }
   dispatch_dtype(dt, [&](auto tag) {
@@ -350,7 +383,7 @@ void experts_swiglu_backward(const ExecCtx& ctx, DType dt, const void* X, const 
       using T = decltype(ctag);
       backward_typed<T, O>(ctx, ru, static_cast<const O*>(X), static_cast<const O*>(dY), counts, E_l, D, F,
                            static_cast<const O*>(W1), static_cast<const O*>(W3), static_cast<const O*>(W2),
-                           static_cast<O*>(dX), dW1, dW3, dW2);
+                           static_cast<O*>(dX), dW1, dW3, dW2, conv.row_scale, dS);
     };
     if (conv.compute == ComputeDtype::bf16) run(bf16{});
     else run(O{});

@@ -25,12 +25,18 @@ namespace moev {
 /// a fixed order: the work is split over row tiles and weight-gradient row
 /// tiles of a fixed size, so the results do not depend on ctx.threads. An
 /// expert with no rows gets weight gradients of exactly 0.
+/// With conv.row_scale (score_on_hidden, one fp32 score per row, the
+/// forward's H' = round(float(H) s)): dH' = round(dY W2_j), the elementwise
+/// step from dH = round(float(dH') s), dW2_j = dY_j^T H'_j, and dS (rows)
+/// gets each row's score gradient sum_f float(dH') float(H) in fp32, f
+/// ascending, unrounded (ref::HiddenScale states the contract).
 /// Planted faults: swiglu_bwd_silu_grad takes silu'(h1) as sigmoid(h1);
 /// swiglu_bwd_fused_rounding takes the fused formulas for dh1, dh3 under
-/// torchtitan; swiglu_bwd_wgrad_fp32 leaves the weight gradients unrounded.
+/// torchtitan; swiglu_bwd_wgrad_fp32 leaves the weight gradients unrounded;
+/// hidden_grad_unscaled and score_grad_scaled_hidden (row scales).
 void experts_swiglu_backward(const ExecCtx& ctx, DType dt, const void* X, const void* dY, const int64_t* counts,
                              int E_l, int64_t D, int64_t F, const void* W1, const void* W3, const void* W2, void* dX,
-                             float* dW1, float* dW3, float* dW2, SwigluConventions conv = {});
+                             float* dW1, float* dW3, float* dW2, SwigluConventions conv = {}, float* dS = nullptr);
 
 /// C (m, n) fp32 = A^T B with A (rows, m; row stride lda) and B (rows, n; row
 /// stride ldb) in dt: exact fp32 products summed in fp32 (the weight

@@ -309,6 +309,23 @@ struct SwigluGrads {
   Vec dW2;
   /// With bounds: the error scales of the four, as swiglu_backward_magnitude's.
   Vec mdX, mdW1, mdW3, mdW2;
+  /// With a HiddenScale: each row's score gradient (rows), and with bounds
+  /// under autograd's rules (swiglu_backward_autograd) its half-width; the
+  /// fused rules' half-width is that function's with SiluRounding::fused.
+  Vec dS, mdS;
+};
+/// The score on the hidden in the backward (docs/contract.md §13, §14
+/// score_on_hidden): one score s per row of X, the forward having used
+/// H' = round(float(H) s) as the W2 GEMM's operand. Then, per row,
+///   dH' = round(dY W2_j)                  (the W2 GEMM's input gradient)
+///   dH  = round(float(dH') s)             (the multiply's backward, in H's type)
+///   dW2_j = dY_j^T H'_j                   (the operand the forward used)
+///   ds  = sum_f float(dH'_f) float(H_f)   (fp32, no rounding per product;
+///                                          rounded to act when round_grad)
+/// and dh1, dh3, dX from dH as without a score.
+struct HiddenScale {
+  const float* s = nullptr;  // one per row of X; null: no score on the hidden
+  bool round_grad = false;   // the score gradient rounded to act (a held score)
 };
 /// Backward of swiglu_experts for the loss <Y, dY> (docs/contract.md §13 with §8).
 /// Rounding points (the contract of the fast path), per expert j:
@@ -331,7 +348,8 @@ struct SwigluGrads {
 SwigluGrads swiglu_experts_backward(Act act, const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
                                     WeightView W1, WeightView W3, WeightView W2,
                                     SiluRounding rounding = SiluRounding::fused, Compute compute = Compute::act,
-                                    int threads = 1, bool bounds = false, bool w13_fused = false);
+                                    int threads = 1, bool bounds = false, bool w13_fused = false,
+                                    HiddenScale hs = {});
 /// Backward of swiglu_experts under experts.rounding torchtitan and/or
 /// experts.compute_dtype bf16 (docs/contract.md §13, autograd's rounding points), per
 /// expert j, with ca the compute dtype (bf16 under Compute::bf16, else act)
@@ -351,14 +369,18 @@ SwigluGrads swiglu_experts_backward(Act act, const Vec& X, const Vec& dY, const 
 /// unit in the last place for most elements).
 SwigluGrads swiglu_backward_autograd(Act act, const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
                                      WeightView W1, WeightView W3, WeightView W2, SiluRounding rounding,
-                                     Compute compute, int threads = 1, bool bounds = false, bool w13_fused = false);
+                                     Compute compute, int threads = 1, bool bounds = false, bool w13_fused = false,
+                                     HiddenScale hs = {});
 /// Error scales of swiglu_experts_backward (docs/contract.md §15), same layouts: the
 /// sums of |terms| with a first-order propagation of the errors of every
 /// rounded intermediate (h1, h3 from |X||W|^T, dH from |dY||W2|, dh1, dh3
 /// from those). >= |value|, and it does not shrink under cancellation.
 /// fp64 values, fp32 GEMMs of absolute values made upper bounds (reference/blocked.h).
+/// With `row_scale` (score_on_hidden) the scales of HiddenScale's dX and
+/// weight gradients (|s| carried where dH and H' carry s).
 SwigluGrads swiglu_backward_magnitude(const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
-                                      WeightView W1, WeightView W3, WeightView W2, int threads = 1);
+                                      WeightView W1, WeightView W3, WeightView W2, int threads = 1,
+                                      const float* row_scale = nullptr);
 
 enum class Accumulate { per_add, fp32_accumulate };
 enum class SharedAdd { none, add_after };

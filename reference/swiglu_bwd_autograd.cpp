@@ -194,24 +194,65 @@ MatD rounded_weight(const Rd& R, WeightView w, size_t j, int64_t a, int64_t b) {
   return m;
 }
 
+/// The candidates of round(float(v) s) over candidates v (HiddenScale: the
+/// multiply's backward, monotone in v, so the middle stays first and equal
+/// outcomes merge).
+template <class Rd>
+Cands scaled(const Rd& R, const Cands& c, double s) {
+  Cands o;
+  o.v[0] = R.c(double(c.v[0]) * s);
+  o.v[1] = o.v[2] = o.v[0];
+  o.n = 1;
+  for (int i = 1; i < c.n; ++i) {
+    const float v = R.c(double(c.v[i]) * s);
+    const bool seen = v == o.v[0] || (o.n > 1 && v == o.v[1]);
+    if (!seen && o.n < 3) o.v[o.n++] = v;
+  }
+  return o;
+}
+
 /// The elementwise step of one expert: H, dh1, dh3 (middle values) and
 /// their half-widths, from the GEMMs h1, h3, dH and their sums of |terms|.
+/// With row scores sc (HiddenScale): H is H' = round(H s), the W2 GEMM's
+/// operand, dh1 and dh3 come from dH = round(dH' s), and Hp, gp hold the
+/// unscaled H and dH' (with half-widths hHp, hgp) the score gradient reads.
 struct ElemOut {
   MatD H, d1, d3, hH, h1, h3;
+  MatD Hp, hHp, gp, hgp;  // with row scores only
 };
 template <class Rd>
 ElemOut elementwise(const Rd& R, SiluRounding rounding, const MatD& h1, const MatD& h3, const MatD& dH,
-                    const MatD& m1, const MatD& m3, const MatD& mdH, int64_t D) {
+                    const MatD& m1, const MatD& m3, const MatD& mdH, int64_t D, const float* sc) {
   const int64_t n = h1.rows(), F = h1.cols();
-  ElemOut o{MatD(n, F), MatD(n, F), MatD(n, F), MatD(n, F), MatD(n, F), MatD(n, F)};
+  ElemOut o{MatD(n, F), MatD(n, F), MatD(n, F), MatD(n, F), MatD(n, F), MatD(n, F), MatD(), MatD(), MatD(), MatD()};
+  if (sc) o.Hp = o.hHp = o.gp = o.hgp = MatD(n, F);
   const double g = gamma_of(D);
   for (int64_t i = 0; i < n * F; ++i) {
-    const Cands a = cands(R, h1.data()[i], g * m1.data()[i] + kTiny), b = cands(R, h3.data()[i], g * m3.data()[i] + kTiny),
-                gd = cands(R, dH.data()[i], g * mdH.data()[i] + kTiny);
+    const Cands a = cands(R, h1.data()[i], g * m1.data()[i] + kTiny), b = cands(R, h3.data()[i], g * m3.data()[i] + kTiny);
+    Cands gd = cands(R, dH.data()[i], g * mdH.data()[i] + kTiny);
+    if (sc) {
+      Span gs;
+      for (int k = 0; k < gd.n; ++k) gs.see(gd.v[k]);
+      gs.mid = gd.v[0];
+      o.gp.data()[i] = gs.mid;
+      o.hgp.data()[i] = gs.halfwidth();
+      gd = scaled(R, gd, sc[i / F]);
+    }
     Span H, d3, d1;
     SiluVals sv[3];  // silu_vals of each candidate h1, computed once
     for (int ia = 0; ia < a.n; ++ia) sv[ia] = silu_vals(a.v[ia]);
     elem_outcomes(R, rounding, a, sv, b, gd, H, d3, d1);
+    if (sc) {
+      // H' = round(H s) is monotone in H: the ends of H's span bound it
+      o.Hp.data()[i] = H.mid;
+      o.hHp.data()[i] = H.halfwidth();
+      const double s = sc[i / F];
+      Span Hs;
+      Hs.mid = R.c(double(H.mid) * s);
+      Hs.see(Hs.mid);
+      if (H.lo <= H.hi) Hs.see(R.c(H.lo * s)), Hs.see(R.c(H.hi * s));
+      H = Hs;
+    }
     o.H.data()[i] = H.mid;
     o.d3.data()[i] = d3.mid;
     o.d1.data()[i] = d1.mid;
@@ -220,6 +261,30 @@ ElemOut elementwise(const Rd& R, SiluRounding rounding, const MatD& h1, const Ma
     o.h1.data()[i] = d1.halfwidth();
   }
   return o;
+}
+
+/// The score gradient of each row (HiddenScale): ds = sum_f dH'_f H_f of
+/// the unscaled H and dH', fp32 (rounded to act under round_grad), and its
+/// half-width: any fp32 summation order (gamma of F) plus the spread the
+/// operands' own half-widths allow.
+template <class Rd>
+void score_grads(const Rd&, const ElemOut& e, bool round_grad, float* dS, float* mdS, bool want_half) {
+  const int64_t n = e.Hp.rows(), F = e.Hp.cols();
+  auto out = [&](double v) { return round_grad ? round_act_to<Rd::act>(f32(v)) : f32(v); };
+  for (int64_t r = 0; r < n; ++r) {
+    double sum = 0, terms = 0, spread = 0;
+    for (int64_t f = 0; f < F; ++f) {
+      const double g = e.gp(r, f), h = e.Hp(r, f), hg = e.hgp(r, f), hh = e.hHp(r, f);
+      sum += g * h;
+      terms += std::fabs(g * h);
+      spread += std::fabs(g) * hh + std::fabs(h) * hg + hg * hh;
+    }
+    dS[r] = out(sum);
+    if (!want_half) continue;
+    const double room = gamma_of(F) * terms + spread + kTiny;
+    const float w = std::max(std::fabs(out(sum + room) - dS[r]), std::fabs(dS[r] - out(sum - room)));
+    mdS[r] = std::fabs(dS[r]) <= std::numeric_limits<float>::max() ? w : 0.f;
+  }
 }
 
 /// c |d| + h as fp32 rounded up: the per-element weight of a room GEMM
@@ -271,7 +336,7 @@ void input_grad(const Rd& R, bool split, const ElemOut& e, const MatD& w1, const
 
 SwigluGrads swiglu_backward_autograd(Act act, const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
                                      WeightView W1, WeightView W3, WeightView W2, SiluRounding rounding,
-                                     Compute compute, int threads, bool bounds, bool w13_fused) {
+                                     Compute compute, int threads, bool bounds, bool w13_fused, HiddenScale hs) {
   std::vector<int64_t> first(counts.size(), 0);
   int64_t rows = 0;
   for (size_t j = 0; j < counts.size(); ++j) first[j] = rows, rows += counts[j];
@@ -281,6 +346,8 @@ SwigluGrads swiglu_backward_autograd(Act act, const Vec& X, const Vec& dY, const
   g.mdX.assign(bounds ? dY.size() : 0, 0.f);
   for (Vec* v : {&g.dW1, &g.dW3, &g.dW2}) v->assign(wsize, 0.f);
   for (Vec* v : {&g.mdW1, &g.mdW3, &g.mdW2}) v->assign(bounds ? wsize : 0, 0.f);
+  g.dS.assign(hs.s ? size_t(rows) : 0, 0.f);
+  g.mdS.assign(hs.s && bounds ? size_t(rows) : 0, 0.f);
   // the experts with the dtypes known at compile time (Rounder)
   auto run = [&](const auto& R) {
     parallel_items(int64_t(counts.size()), threads, [&](int64_t j) {
@@ -294,7 +361,9 @@ SwigluGrads swiglu_backward_autograd(Act act, const Vec& X, const Vec& dY, const
       const MatF ax = absf(x), ady = absf(dy);
       const ElemOut e = elementwise(R, rounding, x * w1.transpose(), x * w3.transpose(), dy * w2,
                                     abs_product_nt(ax, absf(w1)), abs_product_nt(ax, absf(w3)),
-                                    abs_product_nn(ady, absf(w2)), D);
+                                    abs_product_nn(ady, absf(w2)), D, hs.s ? hs.s + row : nullptr);
+      if (hs.s)
+        score_grads(R, e, hs.round_grad, g.dS.data() + row, bounds ? g.mdS.data() + row : nullptr, bounds);
       input_grad(R, rounding == SiluRounding::torchtitan && !w13_fused, e, w1, w3, g, size_t(row * D), bounds);
       const double gn = gamma_of(n);
       const size_t at = size_t(j) * size_t(F * D);

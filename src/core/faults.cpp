@@ -82,6 +82,12 @@ const std::vector<FaultInfo>& fault_table() {
       {Fault::score_applied_twice, "score_applied_twice",
        "with the score applied to the SwiGLU hidden (score_on_hidden, Megatron-Core's per_token_scale), the combine "
        "multiplies by it again (docs/contract.md §14)"},
+      {Fault::hidden_grad_unscaled, "hidden_grad_unscaled",
+       "with the score on the SwiGLU hidden, the backward takes the W2 GEMM's gradient dH' as the hidden's gradient, "
+       "dropping the score's multiply (docs/contract.md §13)"},
+      {Fault::score_grad_scaled_hidden, "score_grad_scaled_hidden",
+       "with the score on the SwiGLU hidden, the score gradient sums dH' times the scaled H' the W2 GEMM read, not "
+       "the unscaled H the score multiplied (docs/contract.md §13)"},
       {Fault::fp8_capacity_filler_scale, "fp8_capacity_filler_scale",
        "a pad_to_capacity filler row gets the stale block scales of the row above it instead of scale 0 (docs/contract.md §16)"},
       {Fault::swiglu_bwd_silu_grad, "swiglu_bwd_silu_grad",

@@ -62,6 +62,8 @@ enum class Fault : uint64_t {
   scores_not_held = 1ull << 42,    // the router's scores stay fp32 where the case holds them in act
   norm_sum_not_held = 1ull << 43,  // route_norm divides by the fp32 sum of the held scores, not its act rounding
   score_applied_twice = 1ull << 44,  // score_on_hidden: the combine multiplies by the score the experts already applied
+  hidden_grad_unscaled = 1ull << 45,      // score_on_hidden backward: dH = dH', the multiply's backward dropped
+  score_grad_scaled_hidden = 1ull << 46,  // score_on_hidden backward: the score gradient from H' instead of H
 };
 
 struct FaultSet {

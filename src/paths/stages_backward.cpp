@@ -62,14 +62,11 @@
 
 namespace moev {
 
-std::string backward_unsupported(const Case& c) {
-  // Every expert convention but score_on_hidden has a backward contract
-  // (docs/contract.md §13): the SwiGLU experts under experts.rounding and
-  // experts.compute_dtype, routed and shared alike. A convention added
-  // without one must be refused here.
-  if (c.backward == Switch::on && c.score_on_hidden == Switch::on)
-    return "score_on_hidden: on has a forward contract only (docs/contract.md §14): the score's gradient through "
-           "the scaled hidden is not modelled";
+std::string backward_unsupported(const Case&) {
+  // Every expert convention has a backward contract (docs/contract.md §13):
+  // the SwiGLU experts under experts.rounding, experts.compute_dtype,
+  // experts.w13_fused and score_on_hidden, routed and shared alike. A
+  // convention added without one must be refused here.
   return "";
 }
 
@@ -82,6 +79,13 @@ Decision backward_on(const Case& c) {
 }
 
 bool scores_before(const Case& c) { return c.score_before_experts == Switch::on; }
+/// score_on_hidden (docs/contract.md §14): the score multiplied the SwiGLU
+/// hidden, so its gradient is the experts' (experts_bwd) and the combine
+/// added the rows unscaled.
+bool on_hidden(const Case& c) { return c.score_on_hidden == Switch::on; }
+/// Whether the forward combine multiplied by the score: its backward then
+/// scales the rows and gives the score gradient.
+bool combine_scaled(const Case& c) { return !scores_before(c) && !on_hidden(c); }
 k::ScoreApply apply_of(const Case& c) {
   return scores_before(c) ? k::ScoreApply::before_experts : k::ScoreApply::after_experts;
 }
@@ -182,11 +186,13 @@ void fast_combine_bwd(FastCtx& ctx) {
   Tensor& rows = rows_out(ctx, "grad_routed_output", N);
   float* gs = nullptr;
   const void* routed = nullptr;
-  if (!scores_before(c)) {
+  if (combine_scaled(c)) {
     gs = ctx.output("grad_topk_scores", ElemType::f32, {T, c.top_k}).as<float>();
     routed = ctx.input("routed_output").data();
   }
-  combine_backward(ctx.exec, c.dtype, apply_of(c), score_product(c), g.data(), routed,
+  // unscaled rows (the before_experts form) where the combine did not multiply
+  const k::ScoreApply apply = combine_scaled(c) ? k::ScoreApply::after_experts : k::ScoreApply::before_experts;
+  combine_backward(ctx.exec, c.dtype, apply, score_product(c), g.data(), routed,
                    ctx.input("score_sorted").as<float>(), tok.as<int32_t>(), ctx.input("row_of").as<int32_t>(), T, N,
                    c.hidden, c.top_k, rows.data(), gs);
 }
@@ -197,10 +203,13 @@ void ref_combine_bwd(RefCtx& r) {
     const RankBoard& in = r.in.ranks[q];
     RankBoard& out = r.out.ranks[q];
     out["grad_routed_output"] =
-        rows_tensor(ref::combine_grad_rows(ref_act(c.dtype), ref_apply(c), ref_smul(c), rows_of(in.at("grad_out")),
-                                           ref_ids(in.at("token_sorted")), to_floats(in.at("score_sorted"))),
+        rows_tensor(ref::combine_grad_rows(ref_act(c.dtype),
+                                           combine_scaled(c) ? ref::ScoreApply::after_experts
+                                                             : ref::ScoreApply::before_experts,
+                                           ref_smul(c), rows_of(in.at("grad_out")), ref_ids(in.at("token_sorted")),
+                                           to_floats(in.at("score_sorted"))),
                     act_elem(c.dtype), c.hidden);
-    if (!scores_before(c)) ref_score_grad(c, in, out, "grad_out", "routed_output");
+    if (combine_scaled(c)) ref_score_grad(c, in, out, "grad_out", "routed_output");
   }
 }
 
@@ -414,7 +423,37 @@ struct SwigluBwdArgs {
   ref::WeightView W1, W3, W2;  // in place on the board
   ref::Counts counts;
   int64_t rows = 0;
+  ref::Vec scores;  // score_on_hidden: one per row (row_scores); else empty
+  const float* scale() const { return scores.empty() ? nullptr : scores.data(); }
 };
+
+/// score_on_hidden (docs/contract.md §13, §14): the expert rows are the
+/// dispatch rows one to one (ep 1, align 1: case_validate.cpp), each scaled
+/// by its score_sorted entry, rounded to act under score_multiply act as the
+/// forward's (stages_local.cpp hidden_scores).
+ref::Vec row_scores(const Case& c, const RankBoard& b) {
+  ref::Vec s = to_floats(b.at("score_sorted"));
+  if (c.score_multiply == k::ScoreMultiply::act)
+    for (float& v : s) v = ref::round_act(ref_act(c.dtype), v);
+  return s;
+}
+
+/// Per-row values (a row's score gradient) onto the (T, K) assignments by
+/// row_of; an assignment a capacity dropped (-1) gets 0: it scaled nothing.
+Tensor rows_to_assignments(const ref::Vec& v, const Tensor& row_of) {
+  const std::vector<int64_t> r = to_ints(row_of);
+  ref::Vec a(r.size(), 0.f);
+  for (size_t i = 0; i < r.size(); ++i)
+    if (r[i] >= 0) a[i] = v[size_t(r[i])];
+  return from_floats(a, ElemType::f32, row_of.shape);
+}
+
+ref::HiddenScale hidden_scale(const Case& c, const SwigluBwdArgs& a) {
+  ref::HiddenScale hs;
+  hs.s = a.scale();
+  hs.round_grad = score_product(c) == k::ScoreMultiply::act;
+  return hs;
+}
 
 /// Routed experts of rank `rank`: experts [rank*E_l, (rank+1)*E_l) over the
 /// groups of expert_input (rows past the last group are no expert's).
@@ -430,6 +469,7 @@ SwigluBwdArgs routed_args(const Case& c, const RankBoard& b, int rank) {
   a.W1 = weight_view(b.at("w1"), first);
   a.W3 = weight_view(b.at("w3"), first);
   a.W2 = weight_view(b.at("w2"), first);
+  if (on_hidden(c)) a.scores = row_scores(c, b);
   return a;
 }
 
@@ -447,7 +487,7 @@ SwigluBwdArgs shared_args(const Case&, const RankBoard& b) {
 }
 
 ref::SwigluGrads magnitude_of(const Case& c, const SwigluBwdArgs& a) {
-  return ref::swiglu_backward_magnitude(a.X, a.dY, a.counts, c.hidden, c.ffn, a.W1, a.W3, a.W2);
+  return ref::swiglu_backward_magnitude(a.X, a.dY, a.counts, c.hidden, c.ffn, a.W1, a.W3, a.W2, 1, a.scale());
 }
 
 /// Error scale of one routed gradient output (which: 0 dX, 1 dW1, 2 dW3, 3 dW2).
@@ -490,7 +530,8 @@ Magnitude autograd_halfwidth(bool shared, int which) {
     const SwigluBwdArgs a = shared ? shared_args(c, b) : routed_args(c, b, rank);
     const ref::SwigluGrads g =
         ref::swiglu_experts_backward(ref_act(c.dtype), a.X, a.dY, a.counts, c.hidden, c.ffn, a.W1, a.W3, a.W2,
-                                     ref_rounding(c), shared ? ref::Compute::act : ref_compute(c), 1, true, w13_fused(c));
+                                     ref_rounding(c), shared ? ref::Compute::act : ref_compute(c), 1, true, w13_fused(c),
+                                     hidden_scale(c, a));
     const int64_t E_l = int64_t(a.counts.size()), D = c.hidden, F = c.ffn;
     const std::vector<int64_t> w13 = shared ? std::vector<int64_t>{F, D} : std::vector<int64_t>{E_l, F, D};
     const std::vector<int64_t> w2 = shared ? std::vector<int64_t>{D, F} : std::vector<int64_t>{E_l, D, F};
@@ -501,6 +542,21 @@ Magnitude autograd_halfwidth(bool shared, int which) {
       default: return from_floats(g.mdW2, ElemType::f32, w2);
     }
   };
+}
+
+/// Half-width (class rounding) of the score gradient under score_on_hidden,
+/// per assignment, under the case's rules, fused or autograd's: the
+/// spread the rounding ambiguities of H and dH' (their GEMMs within the
+/// fp32 accumulation bound) and any fp32 summation order allow
+/// (ref::swiglu_backward_autograd, which enumerates them under both). A
+/// magnitude bound (class gemm) would be some hundred times |ds| in bf16,
+/// wide enough to pass a score gradient off by the score itself.
+Tensor hidden_score_halfwidth(const Case& c, const RankBoard& b, int rank, int) {
+  const SwigluBwdArgs a = routed_args(c, b, rank);
+  const ref::SwigluGrads g =
+      ref::swiglu_backward_autograd(ref_act(c.dtype), a.X, a.dY, a.counts, c.hidden, c.ffn, a.W1, a.W3, a.W2,
+                                    ref_rounding(c), ref_compute(c), 1, true, w13_fused(c), hidden_scale(c, a));
+  return rows_to_assignments(g.mdS, b.at("row_of"));
 }
 
 /// Realistic data with a gradient that is not all zero gives a nonzero input gradient.
@@ -520,10 +576,25 @@ void fast_experts_swiglu_bwd(FastCtx& ctx) {
   Tensor& g1 = ctx.output("grad_w1", ElemType::f32, {E_l, F, D});
   Tensor& g3 = ctx.output("grad_w3", ElemType::f32, {E_l, F, D});
   Tensor& g2 = ctx.output("grad_w2", ElemType::f32, {E_l, D, F});
+  // score_on_hidden: each row's score gradient, then onto the assignments
+  const ref::Vec scores = on_hidden(c) ? row_scores(c, ctx.in) : ref::Vec{};
+  std::vector<float> ds(scores.size());
   experts_swiglu_backward(ctx.exec, c.dtype, ctx.input("expert_input").data(), ctx.input("grad_expert_output").data(),
                           cnt.as<int64_t>(), E_l, D, F, weight_ptr(ctx, "w1", e0), weight_ptr(ctx, "w3", e0),
                           weight_ptr(ctx, "w2", e0), dx.data(), g1.as<float>(), g3.as<float>(), g2.as<float>(),
-                          SwigluConventions{c.experts.rounding, c.experts.compute_dtype, nullptr, w13_fused(c)});
+                          SwigluConventions{c.experts.rounding, c.experts.compute_dtype,
+                                            scores.empty() ? nullptr : scores.data(), w13_fused(c)},
+                          ds.empty() ? nullptr : ds.data());
+  if (!on_hidden(c)) return;
+  const Tensor& row_of = ctx.input("row_of");
+  float* gs = ctx.output("grad_topk_scores", ElemType::f32, row_of.shape).as<float>();
+  const int32_t* ro = row_of.as<int32_t>();
+  const bool held = score_product(c) == k::ScoreMultiply::act;  // the gradient of an act score is act
+  dispatch_dtype(c.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    for (int64_t i = 0; i < row_of.numel(); ++i)
+      gs[i] = ro[i] < 0 ? 0.f : held ? round_to<T>(ds[size_t(ro[i])]) : ds[size_t(ro[i])];
+  });
 }
 
 void ref_experts_swiglu_bwd(RefCtx& r) {
@@ -536,9 +607,18 @@ void ref_experts_swiglu_bwd(RefCtx& r) {
     // autograd's rules the half-widths, autograd_halfwidth's).
     const ref::SwigluGrads g =
         ref::swiglu_experts_backward(ref_act(c.dtype), a.X, a.dY, a.counts, c.hidden, c.ffn, a.W1, a.W3, a.W2,
-                                     ref_rounding(c), ref_compute(c), r.threads, r.wants_scales(), w13_fused(c));
+                                     ref_rounding(c), ref_compute(c), r.threads, r.wants_scales(), w13_fused(c),
+                                     hidden_scale(c, a));
     const int64_t E_l = int64_t(a.counts.size());
     RankBoard& out = r.out.ranks[q];
+    if (on_hidden(c)) {
+      const Tensor& row_of = r.in.ranks[q].at("row_of");
+      out["grad_topk_scores"] = rows_to_assignments(g.dS, row_of);
+      // the half-width: autograd's rules computed it; the fused ones leave
+      // it to hidden_score_halfwidth
+      if (r.wants_scales() && routed_autograd(c))
+        r.scales->ranks[q]["grad_topk_scores"] = rows_to_assignments(g.mdS, row_of);
+    }
     out["grad_expert_input"] = from_floats(g.dX, act_elem(c.dtype), {a.rows, c.hidden});
     out["grad_w1"] = from_floats(g.dW1, ElemType::f32, {E_l, c.ffn, c.hidden});
     out["grad_w3"] = from_floats(g.dW3, ElemType::f32, {E_l, c.ffn, c.hidden});
@@ -768,21 +848,25 @@ Stage combine_bwd_scores_after_stage() {
   s.applies = [](const Case& c) {
     const Decision d = backward_on(c);
     if (!d.applies) return d;
-    return Decision{!scores_before(c), "score_before_experts: on (the score gradient is the dispatch's)"};
+    if (scores_before(c)) return Decision{false, "score_before_experts: on (the score gradient is the dispatch's)"};
+    return Decision{!on_hidden(c), "score_on_hidden: on (the score gradient is the experts')"};
   };
   return s;
 }
 
-/// combine_bwd, scores multiplied at dispatch: the row gradients alone.
+/// combine_bwd where the combine did not multiply (the score at dispatch or
+/// on the hidden): the row gradients alone.
 Stage combine_bwd_scores_before_stage() {
-  Stage s = make("combine_bwd", "scores_before", "grad rows G[token] in dispatch order (the score multiply was at dispatch)",
+  Stage s = make("combine_bwd", "scores_before",
+                 "grad rows G[token] in dispatch order (the score multiply was at dispatch or on the experts' hidden)",
                  {"grad_out", "score_sorted", "token_sorted", "row_of"},
                  {{"grad_routed_output", CompareClass::exact, Coords::dispatch_row, moves_nonzero("grad_out")}}, fast_combine_bwd,
                  ref_combine_bwd);
   s.applies = [](const Case& c) {
     const Decision d = backward_on(c);
     if (!d.applies) return d;
-    return Decision{scores_before(c), "score_before_experts: off"};
+    return Decision{!combine_scaled(c), "the combine multiplied by the score (score_before_experts and "
+                                        "score_on_hidden off)"};
   };
   return s;
 }
@@ -848,30 +932,45 @@ Stage experts_identity_bwd_stage() {
 /// experts_bwd of SwiGLU experts: dX and the weight gradients, under the
 /// default conventions (gemm bounds) or, `autograd`, under experts.rounding
 /// torchtitan or experts.compute_dtype bf16 (half-widths of class rounding,
-/// listed only there).
-Stage experts_swiglu_bwd_stage(bool autograd) {
+/// listed only there). `hidden`: the score_on_hidden twin, which also gives
+/// the score gradient (grad_topk_scores, per assignment) and is listed only
+/// in such cases.
+Stage experts_swiglu_bwd_stage(bool autograd, bool hidden) {
   const CompareClass cls = autograd ? CompareClass::rounding : CompareClass::gemm;
   auto scale = [autograd](int which) { return autograd ? autograd_halfwidth(false, which) : routed_grad_scale(which); };
-  Stage s = make("experts_bwd", autograd ? "swiglu_autograd" : "swiglu",
-                 autograd ? "autograd's rounding points: dH, dh1, dh3, dX, dW rounded to the compute dtype (docs/contract.md §13)"
-                          : "dX = round(dh1 W1 + dh3 W3), dW1 = dh1^T X, dW3 = dh3^T X, dW2 = dY^T H in fp32 (reference/reference.h)",
-                 {"expert_input", "expert_counts", "w1", "w3", "w2", "grad_expert_output"},
-                 {{"grad_expert_input", cls, Coords::padded_row, swiglu_grad_promise("grad_expert_output"), scale(0)},
-                  {"grad_w1", cls, Coords::flat, nullptr, scale(1)},
-                  {"grad_w3", cls, Coords::flat, nullptr, scale(2)},
-                  {"grad_w2", cls, Coords::flat, nullptr, scale(3)}},
-                 fast_experts_swiglu_bwd, ref_experts_swiglu_bwd);
+  const std::string variant = std::string(autograd ? "swiglu_autograd" : "swiglu") + (hidden ? "_hidden" : "");
+  std::string summary =
+      autograd ? "autograd's rounding points: dH, dh1, dh3, dX, dW rounded to the compute dtype (docs/contract.md §13)"
+               : "dX = round(dh1 W1 + dh3 W3), dW1 = dh1^T X, dW3 = dh3^T X, dW2 = dY^T H in fp32 (reference/reference.h)";
+  if (hidden) summary += "; the score on the hidden: dH = round(dH' s), dW2 from H', grad_topk_scores = fp32 sum_f dH' H";
+  std::vector<OutputSpec> outs = {
+      {"grad_expert_input", cls, Coords::padded_row, swiglu_grad_promise("grad_expert_output"), scale(0)},
+      {"grad_w1", cls, Coords::flat, nullptr, scale(1)},
+      {"grad_w3", cls, Coords::flat, nullptr, scale(2)},
+      {"grad_w2", cls, Coords::flat, nullptr, scale(3)}};
+  std::vector<std::string> ins = {"expert_input", "expert_counts", "w1", "w3", "w2", "grad_expert_output"};
+  if (hidden) {
+    outs.push_back({"grad_topk_scores", CompareClass::rounding, Coords::token_k, nullptr, hidden_score_halfwidth});
+    ins.insert(ins.end(), {"score_sorted", "row_of"});
+  }
+  Stage s = make("experts_bwd", variant, summary, ins, outs, fast_experts_swiglu_bwd, ref_experts_swiglu_bwd);
   s.ref_per_rank = true;  // ref_experts_swiglu_bwd honours RefCtx::rank
-  s.applies = [autograd](const Case& c) {
+  s.applies = [autograd, hidden](const Case& c) {
     const Decision d = backward_on(c);
     if (!d.applies) return d;
     if (!routed_swiglu(c)) return Decision{false, "experts.kind is not swiglu"};
     if (routed_autograd(c) != autograd)
       return Decision{false, autograd ? "experts.rounding fused, experts.compute_dtype act"
                                       : "experts.rounding or experts.compute_dtype not the default (swiglu_autograd)"};
+    if (on_hidden(c) != hidden) return Decision{false, hidden ? "score_on_hidden: off" : "score_on_hidden: on"};
     return Decision{};
   };
-  if (autograd) s.listed = [](const Case& c) { return routed_swiglu(c) && routed_autograd(c); };
+  // the default variant is listed in every case; the others where their mode is used
+  if (autograd && !hidden) s.listed = [](const Case& c) { return routed_swiglu(c) && routed_autograd(c); };
+  if (hidden)
+    s.listed = [autograd](const Case& c) {
+      return routed_swiglu(c) && on_hidden(c) && routed_autograd(c) == autograd;
+    };
   return s;
 }
 
@@ -976,8 +1075,10 @@ void register_backward_stages(std::vector<Stage>& reg) {
   for (PermuteMode m : {PermuteMode::generic, PermuteMode::equal_count}) add_permute_bwd(reg, m);
   reg.push_back(align_unpad_bwd_stage());
   reg.push_back(experts_identity_bwd_stage());
-  reg.push_back(experts_swiglu_bwd_stage(false));
-  reg.push_back(experts_swiglu_bwd_stage(true));
+  for (bool hidden : {false, true}) {
+    reg.push_back(experts_swiglu_bwd_stage(false, hidden));
+    reg.push_back(experts_swiglu_bwd_stage(true, hidden));
+  }
   reg.push_back(align_pad_bwd_stage());
   reg.push_back(ep_dispatch_bwd_stage());
   add_dispatch_bwd(reg);
