@@ -70,7 +70,9 @@ for fc in "highest_id_tiebreak edge router_ties[router.score=softmax]" \
           "local_equal_split_decision equal_split equal_split_adaptive[equal_split.threshold=0.5] 3" \
           "scores_not_held conventions score_dtype_act[dtype=bf16,router.score=softmax,router.bias=off]" \
           "norm_sum_not_held conventions score_dtype_act[dtype=bf16,router.score=softmax,router.bias=off]" \
-          "score_applied_twice conventions score_on_hidden[dtype=bf16]"; do
+          "score_applied_twice conventions score_on_hidden[dtype=bf16]" \
+          "hidden_grad_unscaled backward_swiglu bwd_score_on_hidden[dtype=bf16]" \
+          "score_grad_scaled_hidden backward_swiglu bwd_score_on_hidden_capacity"; do
   set -- $fc
   want=${4:-1} word=INCORRECT
   [ "$want" = 3 ] && word=ERROR

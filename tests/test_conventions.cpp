@@ -145,7 +145,7 @@ TEST_CASE("conventions fast equals reference", "[cpu][prop]") {
 
 TEST_CASE("score_on_hidden fast equals reference", "[cpu][prop]") {
   rc::prop("the score on the SwiGLU hidden with every expert impl and convention, random shapes and dtypes, "
-           "with and without capacity", [] {
+           "with and without capacity, forward and backward", [] {
     const char* dt = *rc::gen::element("fp32", "bf16", "fp16");
     const int E = *rc::gen::inRange(1, 9);
     const int K = *rc::gen::inRange(1, std::min(E, 4) + 1);
@@ -162,6 +162,11 @@ TEST_CASE("score_on_hidden fast equals reference", "[cpu][prop]") {
       << "}, score_multiply: " << *rc::gen::element("fp32", "act") << ", score_on_hidden: on"
       << ", combine: {accumulate: " << *rc::gen::element("per_add", "fp32_accumulate")
       << "}, shared_experts: {kind: " << *rc::gen::element("none", "swiglu") << "}";
+    // the backward (docs/contract.md §13): dH = round(dH' s), the score gradient from the experts
+    const bool backward = *rc::gen::arbitrary<bool>();
+    if (backward)
+      y << ", backward: on, experts.w13_fused: " << *rc::gen::element("off", "on")
+        << ", grad_accumulate: " << *rc::gen::element("as_combine", "per_add");
     // after capacity dropping (docs/contract.md §11): the kept rows' scores, a filler's 0
     const bool capacity = !force_lb && *rc::gen::arbitrary<bool>();
     if (capacity)
@@ -170,6 +175,7 @@ TEST_CASE("score_on_hidden fast equals reference", "[cpu][prop]") {
         << ", pad_to_capacity: " << *rc::gen::element("off", "on") << "}";
     y << "}\n";
     RC_CLASSIFY(capacity, "capacity");
+    RC_CLASSIFY(backward, "backward");
     rc_require_passes(y.str());
   });
 }

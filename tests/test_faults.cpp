@@ -100,6 +100,19 @@ TEST_CASE("fault score_applied_twice is caught by the combine check", "[cpu][fau
   CHECK(contains(caught_by(c, Fault::score_applied_twice), "combine/out"));
 }
 
+TEST_CASE("faults of the score on the hidden's backward are caught by experts_bwd", "[cpu][fault]") {
+  // hidden_grad_unscaled: dH = dH', the score's multiply dropped (dX off by
+  // the factor s); score_grad_scaled_hidden: the score gradient from H' (off
+  // by s too). Both rules of the experts: fused and autograd's.
+  for (const char* name : {"bwd_score_on_hidden[dtype=bf16]",
+                           "bwd_score_on_hidden_megatron[dtype=bf16,score_multiply=fp32,experts.compute_dtype=act]"}) {
+    INFO(name);
+    const Case c = case_named("backward_swiglu.yaml", name);
+    CHECK(contains(caught_by(c, Fault::hidden_grad_unscaled), "experts_bwd/grad_expert_input"));
+    CHECK(contains(caught_by(c, Fault::score_grad_scaled_hidden), "experts_bwd/grad_topk_scores"));
+  }
+}
+
 TEST_CASE("fault silu_rounded is caught by the activation check, given the same GEMM outputs", "[cpu][fault]") {
   // bf16: rounding silu(h1) before the product moves H by an ulp on many
   // elements; the expert output's GEMM bound alone would hide most of them.

@@ -438,14 +438,27 @@ ref::Vec row_scores(const Case& c, const RankBoard& b) {
   return s;
 }
 
-/// Per-row values (a row's score gradient) onto the (T, K) assignments by
-/// row_of; an assignment a capacity dropped (-1) gets 0: it scaled nothing.
-Tensor rows_to_assignments(const ref::Vec& v, const Tensor& row_of) {
-  const std::vector<int64_t> r = to_ints(row_of);
-  ref::Vec a(r.size(), 0.f);
-  for (size_t i = 0; i < r.size(); ++i)
-    if (r[i] >= 0) a[i] = v[size_t(r[i])];
-  return from_floats(a, ElemType::f32, row_of.shape);
+/// Per-row values (a row's score gradient) onto the (T, K) assignments: row
+/// i of expert group e (expert_counts) holds token t = token_sorted[i] for
+/// the k with ids[t, k] = e. Read from the rows themselves, not row_of, so
+/// that an outside implementation that kept other tokens of an exact tie at
+/// a capacity (which the capacity check accepts) is judged on its own rows.
+/// An assignment no row holds (dropped) gets 0: it scaled nothing; a filler
+/// row (token -1) reaches no assignment.
+Tensor rows_to_assignments(const ref::Vec& v, const RankBoard& b) {
+  const Tensor& ids = b.at("ids");
+  const std::vector<int64_t> id = to_ints(ids), tok = to_ints(b.at("token_sorted")),
+                             counts = to_ints(b.at("expert_counts"));
+  const int64_t K = ids.shape.size() > 1 ? ids.shape[1] : 0;
+  ref::Vec a(id.size(), 0.f);
+  int64_t i = 0;
+  for (size_t e = 0; e < counts.size(); ++e)
+    for (int64_t j = 0; j < counts[e]; ++j, ++i) {
+      const int64_t t = tok[size_t(i)];
+      for (int64_t k = 0; t >= 0 && k < K; ++k)
+        if (id[size_t(t * K + k)] == int64_t(e)) a[size_t(t * K + k)] = v[size_t(i)];
+    }
+  return from_floats(a, ElemType::f32, ids.shape);
 }
 
 ref::HiddenScale hidden_scale(const Case& c, const SwigluBwdArgs& a) {
@@ -556,7 +569,7 @@ Tensor hidden_score_halfwidth(const Case& c, const RankBoard& b, int rank, int) 
   const ref::SwigluGrads g =
       ref::swiglu_backward_autograd(ref_act(c.dtype), a.X, a.dY, a.counts, c.hidden, c.ffn, a.W1, a.W3, a.W2,
                                     ref_rounding(c), ref_compute(c), 1, true, w13_fused(c), hidden_scale(c, a));
-  return rows_to_assignments(g.mdS, b.at("row_of"));
+  return rows_to_assignments(g.mdS, b);
 }
 
 /// Realistic data with a gradient that is not all zero gives a nonzero input gradient.
@@ -586,15 +599,14 @@ void fast_experts_swiglu_bwd(FastCtx& ctx) {
                                             scores.empty() ? nullptr : scores.data(), w13_fused(c)},
                           ds.empty() ? nullptr : ds.data());
   if (!on_hidden(c)) return;
-  const Tensor& row_of = ctx.input("row_of");
-  float* gs = ctx.output("grad_topk_scores", ElemType::f32, row_of.shape).as<float>();
-  const int32_t* ro = row_of.as<int32_t>();
-  const bool held = score_product(c) == k::ScoreMultiply::act;  // the gradient of an act score is act
-  dispatch_dtype(c.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    for (int64_t i = 0; i < row_of.numel(); ++i)
-      gs[i] = ro[i] < 0 ? 0.f : held ? round_to<T>(ds[size_t(ro[i])]) : ds[size_t(ro[i])];
-  });
+  // the gradient of an act score is act (a held score)
+  if (score_product(c) == k::ScoreMultiply::act)
+    dispatch_dtype(c.dtype, [&](auto tag) {
+      for (float& v : ds) v = round_to<decltype(tag)>(v);
+    });
+  const Tensor g = rows_to_assignments(ds, ctx.in);
+  Tensor& gs = ctx.output("grad_topk_scores", ElemType::f32, g.shape);
+  std::memcpy(gs.data(), g.data(), g.bytes());
 }
 
 void ref_experts_swiglu_bwd(RefCtx& r) {
@@ -612,12 +624,11 @@ void ref_experts_swiglu_bwd(RefCtx& r) {
     const int64_t E_l = int64_t(a.counts.size());
     RankBoard& out = r.out.ranks[q];
     if (on_hidden(c)) {
-      const Tensor& row_of = r.in.ranks[q].at("row_of");
-      out["grad_topk_scores"] = rows_to_assignments(g.dS, row_of);
+      out["grad_topk_scores"] = rows_to_assignments(g.dS, r.in.ranks[q]);
       // the half-width: autograd's rules computed it; the fused ones leave
       // it to hidden_score_halfwidth
       if (r.wants_scales() && routed_autograd(c))
-        r.scales->ranks[q]["grad_topk_scores"] = rows_to_assignments(g.mdS, row_of);
+        r.scales->ranks[q]["grad_topk_scores"] = rows_to_assignments(g.mdS, r.in.ranks[q]);
     }
     out["grad_expert_input"] = from_floats(g.dX, act_elem(c.dtype), {a.rows, c.hidden});
     out["grad_w1"] = from_floats(g.dW1, ElemType::f32, {E_l, c.ffn, c.hidden});
@@ -951,7 +962,7 @@ Stage experts_swiglu_bwd_stage(bool autograd, bool hidden) {
   std::vector<std::string> ins = {"expert_input", "expert_counts", "w1", "w3", "w2", "grad_expert_output"};
   if (hidden) {
     outs.push_back({"grad_topk_scores", CompareClass::rounding, Coords::token_k, nullptr, hidden_score_halfwidth});
-    ins.insert(ins.end(), {"score_sorted", "row_of"});
+    ins.insert(ins.end(), {"score_sorted", "token_sorted", "ids"});
   }
   Stage s = make("experts_bwd", variant, summary, ins, outs, fast_experts_swiglu_bwd, ref_experts_swiglu_bwd);
   s.ref_per_rank = true;  // ref_experts_swiglu_bwd honours RefCtx::rank

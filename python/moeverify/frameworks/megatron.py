@@ -21,7 +21,9 @@ What it judges, and what not (docs/frameworks.md "Megatron-Core"):
     before apply_router_token_dropping (routing), the kept rows (capacity);
     policy probs only, no padding to capacity (docs/frameworks.md: its
     position policy keeps arbitrary tokens, its padding rows are tokens).
-  - Not the backward: score_on_hidden has a forward contract only.
+  - The backward through autograd: x.grad, the probabilities' gradient at
+    each token's ids, the experts' input and weight gradients, the shared
+    expert's.
 Two shims make it run on a CPU, neither touching a value: the router's
 gating moves its weight to `torch.cuda.current_device()` (made the CPU),
 and moe_utils names `te_general_gemm` only when Transformer Engine is
@@ -68,6 +70,8 @@ NEEDS = {
     "router.gate_dtype": ("fp32",), "router.score_dtype": ("fp32",), "experts.rounding": ("torchtitan",), "experts.compute_dtype": ("act",),
     "align": (1,), "empty_groups": ("zero",), "score_multiply": ("fp32",), "experts.w13_fused": ("on",),
     "combine.accumulate": ("fp32_accumulate",),
+    # its permute's backward sums a token's K row gradients in fp32, rounding once
+    "grad_accumulate": ("as_combine", "fp32_accumulate"),
 }
 
 
@@ -117,7 +121,7 @@ def refuse_unsupported(c):
             raise Unsupported("score_before_experts with top_k %d: Megatron applies the probabilities to the "
                               "input (moe_apply_probs_on_input) only with K = 1" % c["shape.top_k"])
     else:
-        refuse_keys(c, {"score_on_hidden": ("on",), "backward": ("off",)}, "the adapter (per_token_scale)")
+        refuse_keys(c, {"score_on_hidden": ("on",)}, "the adapter (per_token_scale)")
     if c.get("dispatch.dtype", "act") != "act":
         raise Unsupported("dispatch.dtype: FP8 dispatch is not run by this adapter")
     K, G, L = c["shape.top_k"], c["router.groups"], c["router.limited_groups"]
@@ -277,10 +281,11 @@ def run(g):
         # (its permute's rows are unscaled: SequentialMLP scales them)
         cap.values["dispatch.routed_input"] = torch.cat([cap.scratch["_fc1_in_%d" % e][-1] for e in range(E_l)])
     if backward:
-        # the gradient of the dense (T, E) probabilities at each token's ids;
-        # under score_before_experts the score's gradient is the dispatch's
+        # the gradient of the dense (T, E) probabilities at each token's ids:
+        # the dispatch's under moe_apply_probs_on_input (score_before_experts),
+        # the experts' under per_token_scale (score_on_hidden, docs/contract.md §13)
         grad_probs = cap.scratch["_probs_grad"][-1].gather(1, ids)
-        cap.values["dispatch_bwd.grad_topk_scores" if on_input else "combine_bwd.grad_topk_scores"] = grad_probs
+        cap.values["dispatch_bwd.grad_topk_scores" if on_input else "experts_bwd.grad_topk_scores"] = grad_probs
         cap.values["dispatch_bwd.grad_x"] = x.grad.detach().clone()
         cap.values["experts_bwd.grad_expert_input"] = torch.cat(
             [cap.scratch["_fc1_in_grad_%d" % e][-1] for e in range(E_l)])
