@@ -1,5 +1,6 @@
 #include "faults.h"
 
+#include <algorithm>
 #include <stdexcept>
 
 namespace moev {
@@ -103,13 +104,27 @@ const std::vector<FaultInfo>& fault_table() {
 }
 
 Fault parse_fault(const std::string& name) {
-  std::string valid;
+  // The table is too long for one message line: the names that share a
+  // word with the one given (at most 6), and where all are listed.
+  std::vector<std::string> words;
+  for (size_t at = 0; at <= name.size();) {
+    const size_t end = std::min(name.find('_', at), name.size());
+    if (end - at >= 3) words.push_back(name.substr(at, end - at));
+    at = end + 1;
+  }
+  std::string near;
+  int shown = 0;
   for (const auto& f : fault_table()) {
     if (name == f.name) return f.fault;
-    valid += valid.empty() ? "" : ", ";
-    valid += f.name;
+    bool shares = false;
+    for (const auto& w : words) shares = shares || std::string(f.name).find(w) != std::string::npos;
+    if (shares && shown < 6) {
+      near += (shown++ ? ", " : "") + std::string(f.name);
+    }
   }
-  throw std::invalid_argument("unknown fault '" + name + "'; valid: " + valid);
+  throw std::invalid_argument("unknown fault '" + name + "'; valid: one of the " +
+                              std::to_string(fault_table().size()) + " planted faults `moeverify list` prints" +
+                              (near.empty() ? std::string() : " (sharing a word with it: " + near + ")"));
 }
 
 }  // namespace moev

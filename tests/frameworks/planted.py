@@ -8,6 +8,9 @@ Bugs (megatron):
                  expert's tokens in descending order
   act_probs      MLP.forward's per_token_scale rounded to the activation dtype
                  before it scales the hidden (fp32 probabilities expected)
+  source_major   EP > 1: the received rows are left rank-major, the sort of
+                 their chunks into local-expert-major order skipped (and its
+                 inverse before the combine's all-to-all)
 
 Bugs (torchtitan):
   unstable_sort  the dispatch's argsort of the expert ids puts a group's
@@ -86,6 +89,11 @@ elif fw == "megatron":
             return real_forward(self, hidden_states, per_token_scale, **kwargs)
 
         mlp.MLP.forward = forward
+    elif bug == "source_major":
+        def unsorted(input, split_sizes, sorted_idxs, probs=None, fused=False):
+            return input, probs
+
+        mtd.sort_chunks_by_idxs = unsorted
     else:
         sys.exit("planted.py: no bug %r for megatron" % bug)
     from moeverify.frameworks import megatron as adapter

@@ -24,11 +24,21 @@ What it judges, and what not (docs/frameworks.md "Megatron-Core"):
   - The backward through autograd: x.grad, the probabilities' gradient at
     each token's ids, the experts' input and weight gradients, the shared
     expert's.
-Two shims make it run on a CPU, neither touching a value: the router's
-gating moves its weight to `torch.cuda.current_device()` (made the CPU),
-and moe_utils names `te_general_gemm` only when Transformer Engine is
-installed (set to None, the fallback its own code tests for: without it,
-megatron-core 0.16.1 raises NameError on every router call).
+Expert parallelism runs as real processes, one per EP rank:
+`torchrun --nproc-per-node R -m moeverify.frameworks.megatron [--serve]`
+(gloo), each rank building the MoE with MoEAlltoAllTokenDispatcher and its
+E/R local experts, under moe_apply_probs_on_input only (per_token_scale's
+probabilities cross the all-to-all, which score_on_hidden does not model).
+A case runs where its `ep` is the world's size, else a skip naming the
+torchrun line that runs it.
+
+Shims make it run on a CPU, none touching a value: the router's gating
+moves its weight to `torch.cuda.current_device()` (made the CPU);
+moe_utils names `te_general_gemm` only when Transformer Engine is installed
+(set to None, the fallback its own code tests for: without it,
+megatron-core 0.16.1 raises NameError on every router call); the all-to-all
+dispatcher's CUDA stream and events become no-ops, and its split sizes
+reach all_to_all_single as the numpy arrays a GPU run hands it.
 """
 import os
 import sys
@@ -57,8 +67,25 @@ SEAMS = [
     Seam("experts", "out", {"experts.expert_output": 0}, grad={"combine_bwd.grad_routed_output": 0}),
 ]
 
+# EP > 1: MoEAlltoAllTokenDispatcher. Under moe_apply_probs_on_input (the
+# only placement the adapter runs there) its permuted and received rows are
+# unscaled where moeverify's dispatch and ep_dispatch rows are scaled, so
+# those rows are not written; the scaled rows the experts take are
+# ep_permute's (run() takes them at linear_fc1's inputs).
+SEAMS_EP = [
+    Seam("router", "call", {"router_logits.logits": None}, method="gating"),
+    Seam("router", "out", {"_probs": 0, "_routing_map": 1}, grad={"_probs_grad": 0}),
+    Seam("token_dispatcher", "call", {"dispatch.score_sorted": 1}, method="dispatch_preprocess"),
+    Seam("token_dispatcher", "call", {"ep_permute.expert_counts_real": 1}, method="dispatch_postprocess"),
+    Seam("experts", "out", {"experts.expert_output": 0}, grad={"ep_unpermute_bwd.grad_unpadded": 0}),
+    Seam("token_dispatcher", "call", {"ep_unpermute.recv_out": None}, method="combine_preprocess",
+         grad={"ep_combine_bwd.grad_recv_out": None}),
+    Seam("token_dispatcher", "call", {"ep_combine.routed_output": None}, method="token_combine",
+         grad={"combine_bwd.grad_routed_output": None}),
+]
+
 NEEDS = {
-    "ep": (1,), "sp": (1,), "layers": (1,),
+    "sp": (1,), "layers": (1,),
     # apply_router_token_dropping pads with real tokens of probability 0,
     # moeverify's pad_to_capacity with zero rows of token -1 (docs/contract.md §11)
     "capacity.pad_to_capacity": ("off",),
@@ -108,8 +135,28 @@ class _DroppingSeam:
         return False
 
 
+def world():
+    """(rank, size) of the torchrun world this process is in; (0, 1) alone."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def refuse_unsupported(c):
     refuse_keys(c, NEEDS, "the adapter")
+    R = c.get("ep", 1)
+    if R != world()[1]:
+        raise Unsupported("ep: %d; this adapter runs as %d process(es), one per EP rank (run it as "
+                          "`torchrun --nproc-per-node %d -m moeverify.frameworks.megatron`)" % (R, world()[1], R))
+    if R > 1 and not probs_on_input(c):
+        # per_token_scale: the probabilities travel through the all-to-all
+        # beside the unscaled rows and scale the hidden at the experts; the
+        # contract's score_on_hidden takes each expert row's score from its
+        # own dispatch row (EP 1): scores through the EP exchange have no key
+        raise Unsupported("ep: %d with the score on the hidden (per_token_scale): its probabilities cross the "
+                          "all-to-all beside the rows, which score_on_hidden (EP 1) does not model; EP runs under "
+                          "moe_apply_probs_on_input (score_before_experts)" % R)
     if probs_on_input(c) and capacity_on(c):
         raise Unsupported("capacity with moe_apply_probs_on_input: the scaled rows are taken at the experts' "
                           "inputs, which the adapter maps to the dispatch, not the capacity stage")
@@ -144,21 +191,63 @@ def refuse_unsupported(c):
 _initialised = False
 
 
+class _NoStream:
+    """The all-to-all dispatcher's CUDA stream, its events and its stream
+    context on the CPU: synchronisation points with nothing to wait for."""
+
+    def wait_stream(self, other):
+        pass
+
+    def record_event(self, event=None):
+        return self
+
+    def synchronize(self):
+        pass
+
+    def __eq__(self, other):
+        return isinstance(other, _NoStream)
+
+    def __hash__(self):
+        return 0
+
+
+def _cpu_shims():
+    """The shims of the docstring, none touching a value."""
+    import contextlib
+
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as td
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    torch.cuda.current_device = lambda: "cpu"  # the router's weight "moves" to the CPU
+    # MoEAlltoAllTokenDispatcher: a CUDA stream at construction, stream syncs
+    torch.cuda.Stream = lambda *a, **k: _NoStream()
+    torch.cuda.current_stream = lambda *a, **k: _NoStream()
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    moved = td.maybe_move_tensor_to_cpu
+
+    def to_host(tensor, as_numpy=False, record_stream=False):
+        # on a GPU the split sizes come back as numpy arrays, which
+        # all_to_all_single takes; a CPU tensor would stay a tensor, which it refuses
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return moved(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    td.maybe_move_tensor_to_cpu = to_host
+
+
 def _init_process_group():
     global _initialised
     if _initialised:
         return
     import torch.distributed as dist
     from megatron.core import parallel_state
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None  # the shim of the docstring
-    torch.cuda.current_device = lambda: "cpu"  # the router's weight "moves" to the CPU
+    _cpu_shims()
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(20000 + os.getpid() % 20000))
         dist.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=dist.get_world_size())
     _initialised = True
 
 
@@ -168,11 +257,12 @@ def build(c, act):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     E, D, F, K = c["shape.experts"], c["shape.hidden"], c["shape.ffn"], c["shape.top_k"]
-    G = c["router.groups"]
+    G, R = c["router.groups"], world()[1]
     scale = float(c["router.route_scale"])
     cfg = TransformerConfig(
         num_layers=1, hidden_size=D, ffn_hidden_size=F, moe_ffn_hidden_size=F, num_attention_heads=1,
-        num_moe_experts=E, moe_router_topk=K, moe_token_dispatcher_type="allgather",
+        num_moe_experts=E, moe_router_topk=K, moe_token_dispatcher_type="alltoall" if R > 1 else "allgather",
+        expert_model_parallel_size=R,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
         bias_activation_fusion=False, bf16=act == torch.bfloat16, params_dtype=act,
         use_cpu_initialization=True, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
@@ -193,22 +283,28 @@ def build(c, act):
     return build_module(spec, config=cfg)
 
 
-def load(moe, g):
+def load(moe, g, rank):
+    """This rank's inputs into the module: its local experts are experts
+    [rank E_l, (rank + 1) E_l) of the case's weights, as EP shards them."""
     def put(param, value):
         with torch.no_grad():
             param.copy_(value.to(param.dtype).reshape(param.shape))
 
-    put(moe.router.weight, g.input("wg", as_torch=True))
-    w1, w3, w2 = (g.input(n, as_torch=True) for n in ("w1", "w3", "w2"))
+    def inp(name):
+        return g.input(name, rank=rank, as_torch=True)
+
+    put(moe.router.weight, inp("wg"))
+    w1, w3, w2 = (inp(n) for n in ("w1", "w3", "w2"))
+    e0 = rank * len(moe.experts.local_experts)
     for e, expert in enumerate(moe.experts.local_experts):
-        put(expert.linear_fc1.weight, torch.cat([w1[e], w3[e]], dim=0))  # gate half first: silu(x[0]) * x[1]
-        put(expert.linear_fc2.weight, w2[e])
+        # gate half first: silu(x[0]) * x[1]
+        put(expert.linear_fc1.weight, torch.cat([w1[e0 + e], w3[e0 + e]], dim=0))
+        put(expert.linear_fc2.weight, w2[e0 + e])
     if moe.shared_experts is not None:
-        put(moe.shared_experts.linear_fc1.weight,
-            torch.cat([g.input("shared_w1", as_torch=True), g.input("shared_w3", as_torch=True)], dim=0))
-        put(moe.shared_experts.linear_fc2.weight, g.input("shared_w2", as_torch=True))
+        put(moe.shared_experts.linear_fc1.weight, torch.cat([inp("shared_w1"), inp("shared_w3")], dim=0))
+        put(moe.shared_experts.linear_fc2.weight, inp("shared_w2"))
     if moe.router.expert_bias is not None:
-        moe.router.expert_bias.copy_(g.input("bias", as_torch=True))
+        moe.router.expert_bias.copy_(inp("bias"))
 
 
 def run(g):
@@ -216,17 +312,23 @@ def run(g):
     refuse_unsupported(c)
     if c["dtype"] not in ("fp32", "bf16"):
         raise Unsupported("dtype %s: the adapter runs fp32 and bf16" % c["dtype"])
-    g.clear_actual()
+    rank, R = world()
+    g.clear_actual(rank=rank)
     _init_process_group()
     act = torch.bfloat16 if c["dtype"] == "bf16" else torch.float32
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         moe = build(c, act)
-    load(moe, g)
-    x = g.input("x", as_torch=True).to(act)
+    load(moe, g, rank)
+    x = g.input("x", rank=rank, as_torch=True).to(act)
     T, D = x.shape
-    if T == 0:
+    every = [T]
+    if R > 1:  # the ranks agree before any enters a collective
+        import torch.distributed as dist
+        every = [None] * R
+        dist.all_gather_object(every, T)
+    if min(every) == 0:
         # A framework bug, not a skip of convenience (docs/frameworks.md):
         # RouterGatingLinearFunction.forward views its output as
         # (*input.shape[:-1], -1), which an empty output cannot take.
@@ -234,7 +336,7 @@ def run(g):
                           "(output.view(*shape[:-1], -1) of an empty tensor)")
     backward = c.get("backward", "off") == "on"
     on_input = probs_on_input(c)
-    seams = list(SEAMS)
+    seams = list(SEAMS if R == 1 else SEAMS_EP)
     E_l = len(moe.experts.local_experts)
     for e in range(E_l):
         fc1 = "experts.local_experts.%d.linear_fc1" % e
@@ -258,7 +360,7 @@ def run(g):
         out = moe(x.view(T, 1, D))
         out = (out[0] if isinstance(out, tuple) else out).reshape(T, D)
         if backward:
-            out.backward(g.input("grad_out", as_torch=True).to(act))
+            out.backward(g.input("grad_out", rank=rank, as_torch=True).to(act))
     # the dense (T, E) probabilities and routing map, as the (T, K) layout of
     # the manifest: each token's experts in ascending id, their probabilities;
     # with a capacity, the router's top-k before apply_router_token_dropping
@@ -277,9 +379,19 @@ def run(g):
         cap.values["capacity.counts"] = cap.values.pop("routing.counts")
         # the router's per-expert counts before any drop: its routing map's columns
         cap.values["routing.counts"] = routing_map.sum(dim=0)
-    if on_input:  # the rows (probs * x).to(x.dtype) the experts take, expert-major as the dispatch's
-        # (its permute's rows are unscaled: SequentialMLP scales them)
-        cap.values["dispatch.routed_input"] = torch.cat([cap.scratch["_fc1_in_%d" % e][-1] for e in range(E_l)])
+    if on_input:  # the rows (probs * x).to(x.dtype) the experts take, expert-major: with EP 1 the
+        # dispatch's, with EP the permute's (its permute's rows are unscaled: SequentialMLP scales them)
+        cap.values["dispatch.routed_input" if R == 1 else "ep_permute.permuted"] = torch.cat(
+            [cap.scratch["_fc1_in_%d" % e][-1] for e in range(E_l)])
+    if R > 1:
+        # the all-to-all's metadata: rows this rank sends to / receives from
+        # each rank, and received rows per (source rank, local expert)
+        td = moe.token_dispatcher
+        cap.values["routing.counts"] = routing_map.sum(dim=0)
+        cap.values["ep_dispatch.input_splits"] = torch.as_tensor(td.input_splits)
+        cap.values["ep_dispatch.output_splits"] = torch.as_tensor(td.output_splits)
+        cap.values["ep_dispatch.recv_counts"] = (td.num_global_tokens_per_local_expert.reshape(R, E_l) if E_l > 1
+                                                 else torch.as_tensor(td.output_splits).reshape(R, 1))
     if backward:
         # the gradient of the dense (T, E) probabilities at each token's ids:
         # the dispatch's under moe_apply_probs_on_input (score_before_experts),
@@ -306,10 +418,19 @@ def run(g):
     # MoELayer returns (output, bias); with one rank its reduce-scatter is the
     # identity, so the output is the unpermute's scatter-add
     cap.values["combine.out"] = out.detach()
-    cap.write(g)
+    cap.write(g, rank=rank)
 
 
 def main(argv=None):
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: one process per EP rank
+        import datetime
+
+        import torch.distributed as dist
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        try:
+            return main_for(run, argv, distributed=True)
+        finally:
+            dist.destroy_process_group()
     return main_for(run, argv)
 
 
