@@ -55,6 +55,13 @@ Stage make_stage(const std::string& slot, const std::string& variant, const std:
                  std::function<Decision(const Case&)> applies, std::vector<std::string> inputs,
                  std::vector<OutputSpec> outputs, std::function<void(FastCtx&)> fast, std::function<void(RefCtx&)> ref);
 
+/// score_on_hidden (docs/contract.md §14): the score of each routed expert
+/// row, which is its dispatch row (ep 1, align 1: case_validate.cpp), or with
+/// a capacity the capacity stage's row (its score_sorted, 0 for a filler),
+/// rounded to act first under score_multiply act; the forward's and the
+/// backward's experts read the same.
+ref::Vec routed_row_scores(const Case& c, const RankBoard& b);
+
 void register_local_stages(std::vector<Stage>& reg);
 void register_ep_stages(std::vector<Stage>& reg);
 void register_sp_stages(std::vector<Stage>& reg);  // docs/contract.md §10

@@ -423,20 +423,9 @@ struct SwigluBwdArgs {
   ref::WeightView W1, W3, W2;  // in place on the board
   ref::Counts counts;
   int64_t rows = 0;
-  ref::Vec scores;  // score_on_hidden: one per row (row_scores); else empty
+  ref::Vec scores;  // score_on_hidden: one per row (routed_row_scores); else empty
   const float* scale() const { return scores.empty() ? nullptr : scores.data(); }
 };
-
-/// score_on_hidden (docs/contract.md §13, §14): the expert rows are the
-/// dispatch rows one to one (ep 1, align 1: case_validate.cpp), each scaled
-/// by its score_sorted entry, rounded to act under score_multiply act as the
-/// forward's (stages_local.cpp hidden_scores).
-ref::Vec row_scores(const Case& c, const RankBoard& b) {
-  ref::Vec s = to_floats(b.at("score_sorted"));
-  if (c.score_multiply == k::ScoreMultiply::act)
-    for (float& v : s) v = ref::round_act(ref_act(c.dtype), v);
-  return s;
-}
 
 /// Per-row values (a row's score gradient) onto the (T, K) assignments: row
 /// i of expert group e (expert_counts) holds token t = token_sorted[i] for
@@ -482,7 +471,7 @@ SwigluBwdArgs routed_args(const Case& c, const RankBoard& b, int rank) {
   a.W1 = weight_view(b.at("w1"), first);
   a.W3 = weight_view(b.at("w3"), first);
   a.W2 = weight_view(b.at("w2"), first);
-  if (on_hidden(c)) a.scores = row_scores(c, b);
+  if (on_hidden(c)) a.scores = routed_row_scores(c, b);
   return a;
 }
 
@@ -590,7 +579,7 @@ void fast_experts_swiglu_bwd(FastCtx& ctx) {
   Tensor& g3 = ctx.output("grad_w3", ElemType::f32, {E_l, F, D});
   Tensor& g2 = ctx.output("grad_w2", ElemType::f32, {E_l, D, F});
   // score_on_hidden: each row's score gradient, then onto the assignments
-  const ref::Vec scores = on_hidden(c) ? row_scores(c, ctx.in) : ref::Vec{};
+  const ref::Vec scores = on_hidden(c) ? routed_row_scores(c, ctx.in) : ref::Vec{};
   std::vector<float> ds(scores.size());
   experts_swiglu_backward(ctx.exec, c.dtype, ctx.input("expert_input").data(), ctx.input("grad_expert_output").data(),
                           cnt.as<int64_t>(), E_l, D, F, weight_ptr(ctx, "w1", e0), weight_ptr(ctx, "w3", e0),

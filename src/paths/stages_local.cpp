@@ -102,6 +102,13 @@ std::vector<float> combine_init(const Case& c, const RankBoard& in) {
   return std::vector<float>(size_t(n), 0.f);
 }
 
+ref::Vec routed_row_scores(const Case& c, const RankBoard& b) {
+  ref::Vec s = to_floats(b.at("score_sorted"));
+  if (c.score_multiply == k::ScoreMultiply::act)
+    for (float& v : s) v = ref::round_act(ref_act(c.dtype), v);
+  return s;
+}
+
 namespace {
 
 Decision always(const Case&) { return {}; }
@@ -128,17 +135,11 @@ ref::ScoreMultiply ref_smul(const Case& c) {
   return c.score_multiply == k::ScoreMultiply::act ? ref::ScoreMultiply::act : ref::ScoreMultiply::fp32;
 }
 
-/// score_on_hidden (docs/contract.md §14): the score of each routed expert
-/// row, which is its dispatch row (ep 1, align 1: case_validate.cpp), or with
-/// a capacity the capacity stage's row (its score_sorted, 0 for a filler), rounded
-/// to act first under score_multiply act. Empty with the key off and for the
-/// shared expert (`mid` "shared_").
+/// routed_row_scores, or empty with the key off and for the shared expert
+/// (`mid` "shared_").
 ref::Vec hidden_scores(const Case& c, const RankBoard& b, const std::string& mid) {
   if (c.score_on_hidden != Switch::on || mid != "expert_") return {};
-  ref::Vec s = to_floats(b.at("score_sorted"));
-  if (c.score_multiply == k::ScoreMultiply::act)
-    for (float& v : s) v = ref::round_act(ref_act(c.dtype), v);
-  return s;
+  return routed_row_scores(c, b);
 }
 /// Row r0 of hidden_scores, or null where there are none.
 const float* scores_from(const ref::Vec& s, int64_t r0) { return s.empty() ? nullptr : s.data() + r0; }
