@@ -66,6 +66,17 @@ if [ -z "${KIT_FAST:-}" ]; then
   # device GEMM of the same FLOPs, and PyTorch's torch._grouped_mm
   [ -n "${KIT_NO_GEMM_BENCH:-}" ] || check bench.swiglu_deepseek_experts "$bin/moeverify" bench "$root/cases/slow/swiglu_deepseek_experts.yaml" --backend cuda --repeat 3 "${peer[@]}" --json "$out/bench.swiglu_deepseek_experts.json"
 fi
+# The full DeepSeek-V3 SwiGLU layer of issue 36 (T = 4096 per rank, EP 8,
+# 22.5 GB of streamed bf16 weights): the fast path on the GPU, the reference
+# on the machine's cores, under a limit of KIT_FULL_LAYER_S seconds (default
+# 540: one device call); run's report gives its estimated and measured peak
+# host memory (50.0 GiB estimated). Off unless KIT_FULL_LAYER=1: it may take
+# most of a session's device time.
+if [ -n "${KIT_FULL_LAYER:-}" ]; then
+  check full_layer timeout "${KIT_FULL_LAYER_S:-540}" "$bin/moeverify" run "$root/cases/slow/deepseek_v3_swiglu.yaml" \
+    --set shape.tokens=4096 --max-memory 120G --backend cuda --json "$out/full_layer.json"
+  grep -E "memory:" "$out/full_layer.log" | head -2
+fi
 # every case file, the planted faults and a fuzz budget on the GPU (the same
 # script that runs them on the emulated device in CI); its log has a line per file
 check cases bash "$root/tests/device_cases.sh" "$bin/moeverify" "$root" cuda "${KIT_FUZZ:-200}"
