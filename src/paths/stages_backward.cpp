@@ -595,7 +595,7 @@ void fast_experts_swiglu_bwd(FastCtx& ctx) {
     });
   const Tensor g = rows_to_assignments(ds, ctx.in);
   Tensor& gs = ctx.output("grad_topk_scores", ElemType::f32, g.shape);
-  std::memcpy(gs.data(), g.data(), g.bytes());
+  if (g.bytes()) std::memcpy(gs.data(), g.data(), g.bytes());  // T = 0: no storage to copy
 }
 
 void ref_experts_swiglu_bwd(RefCtx& r) {
