@@ -15,18 +15,45 @@ def refuse_keys(case, needs, who):
             raise Unsupported("%s: %r; %s runs %s" % (key, case[key], who, " or ".join(map(str, valid))))
 
 
-def main_for(run, argv=None, distributed=False):
+def world():
+    """(rank, size) of the torchrun world this process is in; (0, 1) alone."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def refuse_other_world(case, module):
+    """Raises moeverify.Unsupported unless the case's ep is the world's size:
+    one process per EP rank. The message names the torchrun line that runs
+    it (tests/frameworks_cases.sh reads "ep: N; this adapter runs as")."""
+    from ..impl import Unsupported
+    R, size = case.get("ep", 1), world()[1]
+    if R != size:
+        raise Unsupported("ep: %d; this adapter runs as %d process(es), one per EP rank (run it as "
+                          "`torchrun --nproc-per-node %d -m moeverify.frameworks.%s`)" % (R, size, R, module))
+
+
+def main_for(run, argv=None):
     """The adapter's command line (moeverify.main: CASE_DIR... or --serve),
     torch limited to MOEVERIFY_TORCH_THREADS threads (default 1: fuzz --jobs
-    runs one worker per core). With `distributed` (one process per EP rank,
-    the torch.distributed world initialised): main_distributed."""
+    runs one worker per core). Under torchrun (WORLD_SIZE > 1: one process
+    per EP rank) the gloo world is initialised and main_distributed serves."""
+    import datetime
     import os
 
     import torch
 
     from ..impl import main
     torch.set_num_threads(int(os.environ.get("MOEVERIFY_TORCH_THREADS", "1")))
-    return main_distributed(run, argv) if distributed else main(run, argv)
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return main(run, argv)
+    import torch.distributed as dist
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    try:
+        return main_distributed(run, argv)
+    finally:
+        dist.destroy_process_group()
 
 
 def main_distributed(run, argv=None):

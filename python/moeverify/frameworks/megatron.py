@@ -52,7 +52,7 @@ except ImportError as e:  # an honest skip: nothing ran
 
 from ..impl import Unsupported
 from ..torch import Capture, Seam
-from . import main_for, refuse_keys
+from . import main_for, refuse_keys, refuse_other_world, world
 
 
 # The grad rows are taken in a backward run only (moeverify.torch.Capture).
@@ -135,20 +135,10 @@ class _DroppingSeam:
         return False
 
 
-def world():
-    """(rank, size) of the torchrun world this process is in; (0, 1) alone."""
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def refuse_unsupported(c):
     refuse_keys(c, NEEDS, "the adapter")
+    refuse_other_world(c, "megatron")
     R = c.get("ep", 1)
-    if R != world()[1]:
-        raise Unsupported("ep: %d; this adapter runs as %d process(es), one per EP rank (run it as "
-                          "`torchrun --nproc-per-node %d -m moeverify.frameworks.megatron`)" % (R, world()[1], R))
     if R > 1 and not probs_on_input(c):
         # per_token_scale: the probabilities travel through the all-to-all
         # beside the unscaled rows and scale the hidden at the experts; the
@@ -422,15 +412,6 @@ def run(g):
 
 
 def main(argv=None):
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: one process per EP rank
-        import datetime
-
-        import torch.distributed as dist
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-        try:
-            return main_for(run, argv, distributed=True)
-        finally:
-            dist.destroy_process_group()
     return main_for(run, argv)
 
 

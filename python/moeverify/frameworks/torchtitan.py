@@ -34,7 +34,6 @@ world's size (else a skip naming the torchrun line that runs it):
 
 With --serve, rank 0 reads the folders and answers for every rank.
 """
-import os
 import sys
 
 try:
@@ -45,7 +44,7 @@ except ImportError as e:  # an honest skip: nothing ran
 
 from ..impl import Unsupported
 from ..torch import Capture, Seam
-from . import main_for, refuse_keys
+from . import main_for, refuse_keys, refuse_other_world, world
 
 
 # torchtitan's seams -> moeverify stage names (docs/frameworks.md). EP = 1:
@@ -142,20 +141,9 @@ NEEDS = {
 }
 
 
-def world():
-    """(rank, size) of the torchrun world this process is in; (0, 1) alone."""
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def refuse_unsupported(c):
     refuse_keys(c, NEEDS, "torchtitan's MoE")
-    R = c.get("ep", 1)
-    if R != world()[1]:
-        raise Unsupported("ep: %d; this adapter runs as %d process(es), one per EP rank (run it as "
-                          "`torchrun --nproc-per-node %d -m moeverify.frameworks.torchtitan`)" % (R, world()[1], R))
+    refuse_other_world(c, "torchtitan")
     if c.get("dispatch.dtype", "act") != "act":
         raise Unsupported("dispatch.dtype: FP8 dispatch is not torchtitan's")
     if c["dtype"] not in ("fp32", "bf16"):
@@ -321,15 +309,6 @@ def run(g):
 
 
 def main(argv=None):
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: one process per EP rank
-        import datetime
-
-        import torch.distributed as dist
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-        try:
-            return main_for(run, argv, distributed=True)
-        finally:
-            dist.destroy_process_group()
     return main_for(run, argv)
 
 
