@@ -234,6 +234,9 @@ struct Blas {
   cublasStatus_t (*gemm)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int, const void*, const void*,
                          cudaDataType, int, const void*, cudaDataType, int, const void*, void*, cudaDataType, int,
                          cublasComputeType_t, cublasGemmAlgo_t) = nullptr;
+  /// cublasGemmGroupedBatchedEx (cuBLAS 12.5 and later); null where the
+  /// library lacks it, and gemm_group then enqueues the single GEMMs.
+  decltype(&cublasGemmGroupedBatchedEx) gemm_grouped = nullptr;
 };
 
 const Blas& blas() {
@@ -246,6 +249,7 @@ const Blas& blas() {
     r.set_stream = reinterpret_cast<decltype(r.set_stream)>(dlsym(h, "cublasSetStream_v2"));
     r.set_math_mode = reinterpret_cast<decltype(r.set_math_mode)>(dlsym(h, "cublasSetMathMode"));
     r.gemm = reinterpret_cast<decltype(r.gemm)>(dlsym(h, "cublasGemmEx"));
+    r.gemm_grouped = reinterpret_cast<decltype(r.gemm_grouped)>(dlsym(h, "cublasGemmGroupedBatchedEx"));
     if (!r.create || !r.destroy || !r.set_stream || !r.set_math_mode || !r.gemm)
       throw std::runtime_error(
           "libcublas.so.13 lacks cublasCreate_v2, cublasSetStream_v2, cublasSetMathMode or cublasGemmEx");
@@ -272,7 +276,7 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
  public:
   CudaDevice(int ordinal, std::string name) : ordinal_(ordinal), name_(std::move(name)) {}
   ~CudaDevice() override {
-    if (blas_) blas().destroy(blas_);
+    for (cublasHandle_t h : handles_) blas().destroy(h);
   }
   std::string name() const override { return name_; }
   void* alloc(size_t bytes) override {
@@ -394,6 +398,43 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
     gemm_ex(dt, CUBLAS_OP_N, CUBLAS_OP_T, n, m, rows, B, ldb, A, lda, C, CUDA_R_32F, n);
   }
 
+  // The jobs as the column-major calls above make them; then one
+  // cublasGemmGroupedBatchedEx per output type (act, fp32), consecutive jobs
+  // of equal shape sharing a group, where the library has it and dt is not
+  // fp32 (fp32 GEMMs use the pedantic compute type, which the grouped call
+  // does not take); else the single GEMMs back to back. One wait either way.
+  void gemm_group(DType dt, const std::vector<GemmJob>& jobs) override {
+    if (jobs.empty()) return;
+    std::vector<Call> calls;
+    for (const GemmJob& j : jobs) {
+      if (j.op == GemmOp::nt) calls.push_back(call(dt, CUBLAS_OP_T, CUBLAS_OP_N, j.n, j.rows, j.k, j.b, j.k, j.a, j.lda, j.c, data_type(dt), j.ldc));
+      else if (j.op == GemmOp::nn) calls.push_back(call(dt, CUBLAS_OP_N, CUBLAS_OP_N, j.n, j.rows, j.k, j.b, j.n, j.a, j.lda, j.c, data_type(dt), j.ldc));
+      else calls.push_back(call(dt, CUBLAS_OP_N, CUBLAS_OP_T, j.n, j.k, j.rows, j.b, j.ldb, j.a, j.lda, j.c, CUDA_R_32F, j.n));
+    }
+    Lease h(*this);
+    const bool grouped = dt != DType::fp32 && blas().gemm_grouped != nullptr;
+    {
+      std::lock_guard<std::mutex> lk(blas_m_);
+      ++group_calls_.calls;
+      group_calls_.path = grouped ? "one cublasGemmGroupedBatchedEx per output type"
+                                  : "one cublasGemmEx per job, back to back (" +
+                                        std::string(dt == DType::fp32 ? "fp32: the pedantic compute type"
+                                                                      : "this cuBLAS lacks the grouped call") +
+                                        ")";
+    }
+    timed([&] {
+      if (!grouped) {
+        for (const Call& c : calls) enqueue_gemm(h.h, c);
+        return;
+      }
+      for (cudaDataType ct : {data_type(dt), CUDA_R_32F}) enqueue_grouped(h.h, calls, ct);
+    });
+  }
+  GroupCalls gemm_group_calls() const override {
+    std::lock_guard<std::mutex> lk(blas_m_);
+    return group_calls_;
+  }
+
  private:
   /// Device memory for the calling thread's stream, freed in stream order:
   /// the pool keeps it for the next call (cudaMallocAsync), so a sort's
@@ -443,34 +484,125 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
     return dt == DType::fp32 ? CUDA_R_32F : dt == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F;
   }
 
-  /// One cublasGemmEx: column-major C (m x n, ld ldc, type c_type) =
+  /// One column-major cuBLAS GEMM: C (m x n, ld ldc, type c_type) =
   /// op_a(A) op_b(B), A and B in dt, fp32 accumulation (fp32 inputs without
-  /// TF32: the pedantic compute type), synchronised and timed.
-  void gemm_ex(DType dt, cublasOperation_t op_a, cublasOperation_t op_b, int64_t m, int64_t n, int64_t k,
-               const void* A, int64_t lda, const void* B, int64_t ldb, void* C, cudaDataType c_type, int64_t ldc) {
+  /// TF32: the pedantic compute type).
+  struct Call {
+    cublasOperation_t op_a, op_b;
+    int m, n, k, lda, ldb, ldc;
+    const void* A;
+    const void* B;
+    void* C;
+    cudaDataType t, c_type;
+    cublasComputeType_t compute;
+  };
+  static Call call(DType dt, cublasOperation_t op_a, cublasOperation_t op_b, int64_t m, int64_t n, int64_t k,
+                   const void* A, int64_t lda, const void* B, int64_t ldb, void* C, cudaDataType c_type,
+                   int64_t ldc) {
     for (int64_t v : {m, n, k, lda, ldb, ldc})
       if (v > int64_t(INT_MAX))
         throw std::runtime_error("cublasGemmEx: a size or leading dimension of " + std::to_string(v) +
                                  " exceeds its int range");
-    std::lock_guard<std::mutex> lk(blas_m_);  // a cuBLAS handle serves one thread at a time
-    bind();
-    if (!blas_) {
-      MOEV_CUBLAS_CHECK(blas().create(&blas_));
-      // The contract's GEMMs accumulate in fp32 (docs/contract.md section 15).
-      // By default cuBLAS may reduce split-K partial sums in the output type
-      // (bf16, fp16), an extra rounding per partial: seen on an H200 as a
-      // one-ulp error in the SwiGLU backward's dX (compute_dtype bf16).
-      MOEV_CUBLAS_CHECK(
-          blas().set_math_mode(blas_, cublasMath_t(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
+    return Call{op_a,   op_b, int(m), int(n), int(k), int(lda), int(ldb), int(ldc), A, B, C, data_type(dt), c_type,
+                dt == DType::fp32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F};
+  }
+
+  /// A cuBLAS handle for the calling thread's call, from a pool: a handle
+  /// serves one thread at a time, and in-process ranks each hold their own
+  /// while their GEMMs run side by side (one shared handle under a lock
+  /// made them take turns). The pool grows to the most concurrent callers.
+  struct Lease {
+    CudaDevice& d;
+    cublasHandle_t h = nullptr;
+    explicit Lease(CudaDevice& dev) : d(dev) {
+      d.bind();
+      {
+        std::lock_guard<std::mutex> lk(d.blas_m_);
+        if (!d.free_.empty()) {
+          h = d.free_.back();
+          d.free_.pop_back();
+        }
+      }
+      if (!h) {
+        MOEV_CUBLAS_CHECK(blas().create(&h));
+        // The contract's GEMMs accumulate in fp32 (docs/contract.md section 15).
+        // By default cuBLAS may reduce split-K partial sums in the output type
+        // (bf16, fp16), an extra rounding per partial: seen on an H200 as a
+        // one-ulp error in the SwiGLU backward's dX (compute_dtype bf16).
+        const cublasStatus_t st = blas().set_math_mode(
+            h, cublasMath_t(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION));
+        if (st != CUBLAS_STATUS_SUCCESS) {
+          blas().destroy(h);
+          throw std::runtime_error("cublasSetMathMode: cuBLAS status " + std::to_string(int(st)));
+        }
+        std::lock_guard<std::mutex> lk(d.blas_m_);
+        d.handles_.push_back(h);
+      }
+      MOEV_CUBLAS_CHECK(blas().set_stream(h, thread_stream()));  // the calling thread's stream
     }
-    const cudaDataType t = data_type(dt);
-    const cublasComputeType_t ct = dt == DType::fp32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
+    ~Lease() {
+      std::lock_guard<std::mutex> lk(d.blas_m_);
+      d.free_.push_back(h);
+    }
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+  };
+
+  /// Enqueues one GEMM on the handle's stream, without waiting.
+  static void enqueue_gemm(cublasHandle_t h, const Call& c) {
     const float alpha = 1.f, beta = 0.f;
-    MOEV_CUBLAS_CHECK(blas().set_stream(blas_, thread_stream()));  // the calling thread's stream
-    timed([&] {
-      MOEV_CUBLAS_CHECK(blas().gemm(blas_, op_a, op_b, int(m), int(n), int(k), &alpha, A, t, int(lda), B, t, int(ldb),
-                                     &beta, C, c_type, int(ldc), ct, CUBLAS_GEMM_DEFAULT));
-    });
+    MOEV_CUBLAS_CHECK(blas().gemm(h, c.op_a, c.op_b, c.m, c.n, c.k, &alpha, c.A, c.t, c.lda, c.B, c.t, c.ldb, &beta,
+                                  c.C, c.c_type, c.ldc, c.compute, CUBLAS_GEMM_DEFAULT));
+  }
+
+  /// Enqueues the calls whose output type is c_type as one
+  /// cublasGemmGroupedBatchedEx: a group per run of consecutive calls of
+  /// equal operations, sizes and leading dimensions. The pointer arrays go
+  /// to the device first (the call reads them there), freed in stream order.
+  static void enqueue_grouped(cublasHandle_t h, const std::vector<Call>& calls, cudaDataType c_type) {
+    std::vector<cublasOperation_t> op_a, op_b;
+    std::vector<int> m, n, k, lda, ldb, ldc, size;
+    std::vector<const void*> A, B, ptrs;  // ptrs: every A pointer, then B's, then C's
+    std::vector<void*> C;
+    const Call* prev = nullptr;
+    cudaDataType t = CUDA_R_32F;
+    cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+    for (const Call& c : calls) {
+      if (c.c_type != c_type) continue;
+      const bool same = prev && prev->op_a == c.op_a && prev->op_b == c.op_b && prev->m == c.m && prev->n == c.n &&
+                        prev->k == c.k && prev->lda == c.lda && prev->ldb == c.ldb && prev->ldc == c.ldc;
+      if (same) {
+        ++size.back();
+      } else {
+        op_a.push_back(c.op_a), op_b.push_back(c.op_b), m.push_back(c.m), n.push_back(c.n), k.push_back(c.k);
+        lda.push_back(c.lda), ldb.push_back(c.ldb), ldc.push_back(c.ldc), size.push_back(1);
+      }
+      A.push_back(c.A), B.push_back(c.B), C.push_back(c.C);
+      t = c.t, compute = c.compute, prev = &c;
+    }
+    if (A.empty()) return;
+    const size_t np = A.size();
+    ptrs.insert(ptrs.end(), A.begin(), A.end());
+    ptrs.insert(ptrs.end(), B.begin(), B.end());
+    ptrs.insert(ptrs.end(), C.begin(), C.end());
+    StreamBuffer dptrs(ptrs.size() * sizeof(void*));
+    // pageable source: the copy has read it when the call returns
+    MOEV_CUDA_CHECK(cudaMemcpyAsync(dptrs.d, ptrs.data(), ptrs.size() * sizeof(void*), cudaMemcpyHostToDevice,
+                                    thread_stream()));
+    void** dp = static_cast<void**>(dptrs.d);
+    const void* const* dA = dp;
+    const std::vector<float> alpha(size.size(), 1.f), beta(size.size(), 0.f);
+    MOEV_CUBLAS_CHECK(blas().gemm_grouped(h, op_a.data(), op_b.data(), m.data(), n.data(), k.data(), alpha.data(), dA,
+                                          t, lda.data(), dA + np, t, ldb.data(), beta.data(),
+                                          dp + 2 * np, c_type, ldc.data(), int(size.size()), size.data(), compute));
+  }
+
+  /// One GEMM (the single entry points), synchronised and timed.
+  void gemm_ex(DType dt, cublasOperation_t op_a, cublasOperation_t op_b, int64_t m, int64_t n, int64_t k,
+               const void* A, int64_t lda, const void* B, int64_t ldb, void* C, cudaDataType c_type, int64_t ldc) {
+    const Call c = call(dt, op_a, op_b, m, n, k, A, lda, B, ldb, C, c_type, ldc);
+    Lease h(*this);
+    timed([&] { enqueue_gemm(h.h, c); });
   }
 
   /// Runs f (which enqueues work on the calling thread's stream) between
@@ -516,8 +648,10 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   Event window_ref_;
   BusyUnion window_;
   bool window_open_ = false;
-  std::mutex blas_m_;
-  cublasHandle_t blas_ = nullptr;
+  mutable std::mutex blas_m_;            // guards the handle pool and group_calls_
+  std::vector<cublasHandle_t> handles_;  // every handle made (destroyed with the device)
+  std::vector<cublasHandle_t> free_;     // those no call holds now
+  GroupCalls group_calls_;
 };
 
 }  // namespace

@@ -262,6 +262,12 @@ class EmulatedDevice final : public BodyDevice<EmulatedDevice> {
                    int64_t ldb, float* C) override {
     timed([&] { moev::gemm_tn_f32(ExecCtx{ctx_.threads, {}}, dt, A, rows, m, lda, B, n, ldb, C); });
   }
+  void gemm_group(DType dt, const std::vector<GemmJob>& jobs) override {
+    const ExecCtx host{ctx_.threads, {}};
+    timed([&] { moev::gemm_group(host, dt, jobs, {}, {}); });
+    ++group_calls_;
+  }
+  GroupCalls gemm_group_calls() const override { return {group_calls_.load(), "host Eigen GEMMs, one job after another"}; }
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -292,7 +298,7 @@ class EmulatedDevice final : public BodyDevice<EmulatedDevice> {
   }
 
   ExecCtx ctx_;
-  std::atomic<int64_t> busy_ns_{0};
+  std::atomic<int64_t> busy_ns_{0}, group_calls_{0};
   std::mutex window_m_;
   BusyUnion window_;
   Clock::time_point window_t0_;

@@ -22,10 +22,12 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "backward_bodies.h"
 #include "bodies.h"
 #include "ep_host.h"
+#include "moe_host.h"
 #include "sp_host.h"
 
 namespace moev {
@@ -181,6 +183,20 @@ class Device {
   /// dt, fp32 products and accumulation, rows > 0 (the weight gradients).
   virtual void gemm_tn_f32(DType dt, const void* A, int64_t rows, int64_t m, int64_t lda, const void* B, int64_t n,
                            int64_t ldb, float* C) = 0;
+  /// The jobs (device addresses; moe_host.h GemmJob, tn_f32 jobs with rows
+  /// > 0), independent of one another, as one timed call: each gives the
+  /// single call's result. On a GPU one grouped cuBLAS GEMM where the
+  /// library has it and the type allows it, so that many small expert
+  /// GEMMs fill the device together (issue 36 item 3); else the single
+  /// GEMMs enqueued back to back, with one wait at the end.
+  virtual void gemm_group(DType dt, const std::vector<GemmJob>& jobs) = 0;
+  /// gemm_group calls so far, and how the last one ran (for `bench`: a
+  /// GEMM stage that made calls says how).
+  struct GroupCalls {
+    int64_t calls = 0;
+    std::string path;
+  };
+  virtual GroupCalls gemm_group_calls() const = 0;
 };
 
 /// The run() overrides of a device whose bodies all go through one template,

@@ -4,6 +4,7 @@
 // host, cuBLAS on a device; docs/architecture.md idea 2). The batched
 // experts and their weight cache are in weight_cache_host.cpp.
 #include "moe_host_detail.h"
+#include "swiglu_bwd_host.h"
 
 #include <cstring>
 #include <stdexcept>
@@ -84,30 +85,50 @@ void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* 
     return;
   }
   if (ctx.mirror) {
-    // On a device: per expert, the two GEMMs into [h1 | h3], the activation
-    // body, the W2 GEMM, each through the entry points (cuBLAS, a grid).
-    // Loop and grouped are the same calls here (compute_dtype bf16 came
-    // through the conversions above, on the device too).
+    // On a device: the GEMMs into [h1 | h3], the activation body, the W2
+    // GEMMs (compute_dtype bf16 came through the conversions above, on the
+    // device too). `loop` runs them expert by expert, one cuBLAS call each;
+    // `grouped` runs each step for every expert at once: one grouped GEMM
+    // for the 2 E_l GEMMs of h13, one activation launch over all rows, one
+    // grouped GEMM for the E_l W2 GEMMs (issue 36 item 3: an expert's 512
+    // rows alone leave most of a GPU idle).
     const size_t eb = dtype_bytes(dt);
     const auto* x = static_cast<const uint8_t*>(X);
     auto* y = static_cast<uint8_t*>(Y);
     auto* h13 = static_cast<uint8_t*>(mid.h13);
     auto* H = static_cast<uint8_t*>(mid.H);
-    int64_t r0 = 0;
-    for (int j = 0; j < E_l; r0 += counts[j], ++j) {
-      const int64_t n = counts[j];
-      if (n == 0) continue;
-      const size_t wo = size_t(j) * size_t(F * D) * eb;
-      gemm_nt(ctx, dt, x + size_t(r0 * D) * eb, n, D, D, static_cast<const uint8_t*>(W1) + wo, F, h13 + size_t(r0 * 2 * F) * eb, 2 * F);
-      gemm_nt(ctx, dt, x + size_t(r0 * D) * eb, n, D, D, static_cast<const uint8_t*>(W3) + wo, F,
-              h13 + size_t(r0 * 2 * F + F) * eb, 2 * F);
+    const auto* w1 = static_cast<const uint8_t*>(W1);
+    const auto* w3 = static_cast<const uint8_t*>(W3);
+    const auto* w2 = static_cast<const uint8_t*>(W2);
+    auto act = [&](int64_t r0, int64_t n) {
       dispatch_dtype(dt, [&](auto tag) {
         using T = decltype(tag);
         swiglu_act_device(ctx, reinterpret_cast<const T*>(h13 + size_t(r0 * 2 * F) * eb),
                           reinterpret_cast<T*>(H + size_t(r0 * F) * eb), n, F, conv, r0);
       });
-      gemm_nt(ctx, dt, H + size_t(r0 * F) * eb, n, F, F, static_cast<const uint8_t*>(W2) + wo, D, y + size_t(r0 * D) * eb, D);
+    };
+    std::vector<GemmJob> up, down;
+    int64_t r0 = 0, rows = 0;
+    for (int j = 0; j < E_l; ++j) rows += counts[j];
+    for (int j = 0; j < E_l; r0 += counts[j], ++j) {
+      const int64_t n = counts[j];
+      if (n == 0) continue;
+      const size_t wo = size_t(j) * size_t(F * D) * eb;
+      const uint8_t* xj = x + size_t(r0 * D) * eb;
+      up.push_back({GemmOp::nt, xj, w1 + wo, h13 + size_t(r0 * 2 * F) * eb, n, D, F, D, 0, 2 * F});
+      up.push_back({GemmOp::nt, xj, w3 + wo, h13 + size_t(r0 * 2 * F + F) * eb, n, D, F, D, 0, 2 * F});
+      down.push_back({GemmOp::nt, H + size_t(r0 * F) * eb, w2 + wo, y + size_t(r0 * D) * eb, n, F, D, F, 0, D});
+      if (impl != ExpertsImpl::grouped) {
+        for (const GemmJob& g : {up[up.size() - 2], up.back()}) gemm_nt(ctx, dt, g.a, n, D, D, g.b, F, g.c, 2 * F);
+        act(r0, n);
+        gemm_nt(ctx, dt, down.back().a, n, F, F, down.back().b, D, down.back().c, D);
+      }
     }
+    if (impl != ExpertsImpl::grouped || rows == 0) return;
+    const size_t wb = size_t(E_l) * size_t(F * D) * eb;
+    gemm_group(ctx, dt, up, {{X, size_t(rows * D) * eb}, {W1, wb}, {W3, wb}}, {{h13, size_t(rows * 2 * F) * eb}});
+    act(0, rows);
+    gemm_group(ctx, dt, down, {{H, size_t(rows * F) * eb}, {W2, wb}}, {{Y, size_t(rows * D) * eb}});
     return;
   }
   dispatch_dtype(dt, [&](auto tag) {
@@ -203,6 +224,61 @@ void gemm_nt(const ExecCtx& ctx, DType dt, const void* X, int64_t rows, int64_t 
 void gemm_nn(const ExecCtx& ctx, DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n,
              void* Y, int64_t ldy) {
   gemm_layout(ctx, dt, X, rows, k, ldx, W, n, Y, ldy, WeightLayout::k_by_n);
+}
+
+void gemm_group(const ExecCtx& ctx, DType dt, const std::vector<GemmJob>& jobs, std::initializer_list<ByteRange> inputs,
+                std::initializer_list<ByteRange> outputs) {
+  if (jobs.empty()) return;
+  if (!ctx.mirror) {
+    for (const GemmJob& j : jobs) {
+      if (j.op == GemmOp::nt) gemm_nt(ctx, dt, j.a, j.rows, j.k, j.lda, j.b, j.n, j.c, j.ldc);
+      else if (j.op == GemmOp::nn) gemm_nn(ctx, dt, j.a, j.rows, j.k, j.lda, j.b, j.n, j.c, j.ldc);
+      else gemm_tn_f32(ctx, dt, j.a, j.rows, j.k, j.lda, j.b, j.n, j.ldb, static_cast<float*>(j.c));
+    }
+    return;
+  }
+  Mirror& m = *ctx.mirror;
+  Mirror::Scope scope{m};
+  // Each buffer moves once; a job's device address is its offset in the
+  // buffer that holds it.
+  struct Buffer {
+    const uint8_t* host;
+    size_t bytes;
+    uint8_t* dev;
+  };
+  std::vector<Buffer> bufs;
+  for (const ByteRange& r : inputs)
+    if (r.bytes) bufs.push_back({static_cast<const uint8_t*>(r.p), r.bytes, static_cast<uint8_t*>(const_cast<void*>(m.in(r.p, r.bytes)))});
+  for (const ByteRange& r : outputs)
+    if (r.bytes) bufs.push_back({static_cast<const uint8_t*>(r.p), r.bytes, static_cast<uint8_t*>(m.out(const_cast<void*>(r.p), r.bytes))});
+  auto dev = [&](const void* p, size_t bytes) -> uint8_t* {
+    const auto* h = static_cast<const uint8_t*>(p);
+    for (const Buffer& b : bufs)
+      if (h >= b.host && h + bytes <= b.host + b.bytes) return b.dev + (h - b.host);
+    throw std::logic_error("gemm_group: a job's operand lies in none of the buffers given");
+  };
+  const size_t eb = dtype_bytes(dt);
+  std::vector<GemmJob> on_device;
+  for (const GemmJob& j : jobs) {
+    if (j.k == 0 || j.n == 0) continue;
+    if (j.op == GemmOp::tn_f32) {
+      const size_t cb = size_t(j.k * j.n) * 4;
+      if (j.rows == 0) {
+        m.device().fill(dev(j.c, cb), 0, cb);  // fp32 0 is all-zero bytes
+        continue;
+      }
+      on_device.push_back({j.op, dev(j.a, size_t((j.rows - 1) * j.lda + j.k) * eb),
+                           dev(j.b, size_t((j.rows - 1) * j.ldb + j.n) * eb), dev(j.c, cb), j.rows, j.k, j.n, j.lda,
+                           j.ldb, j.ldc});
+      continue;
+    }
+    if (j.rows == 0) continue;
+    // the byte extents of the strided blocks: the last row ends at its last column
+    on_device.push_back({j.op, dev(j.a, size_t((j.rows - 1) * j.lda + j.k) * eb), dev(j.b, size_t(j.n * j.k) * eb),
+                         dev(j.c, size_t((j.rows - 1) * j.ldc + j.n) * eb), j.rows, j.k, j.n, j.lda, j.ldb, j.ldc});
+  }
+  if (!on_device.empty()) m.device().gemm_group(dt, on_device);
+  for (const ByteRange& r : outputs) m.wrote(const_cast<void*>(r.p), r.bytes);
 }
 
 void copy_bytes(const ExecCtx& ctx, void* dst, const void* src, size_t bytes) {

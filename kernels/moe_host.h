@@ -6,7 +6,7 @@
 // One file per stage family implements them (docs/architecture.md "Layout"):
 //   router_host.cpp        router_logits, router_route
 //   dispatch_host.cpp      expert_histogram, expert_sort, dispatch_gather
-//   experts_host.cpp       experts_swiglu (loop, grouped), gemm_nt, gemm_nn, copy_bytes
+//   experts_host.cpp       experts_swiglu (loop, grouped), gemm_nt, gemm_nn, gemm_group, copy_bytes
 //   weight_cache_host.cpp  experts_swiglu_batched and its BatchedWeightCache
 //   combine_host.cpp       combine, combine_from_zeros, combine_in_place
 // with the GEMM and bf16 helpers they share in moe_host_detail.h.
@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -132,6 +133,36 @@ void gemm_nt(const ExecCtx& ctx, DType dt, const void* X, int64_t rows, int64_t 
 void gemm_nn(const ExecCtx& ctx, DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n,
              void* Y, int64_t ldy);
 
+/// One GEMM of a grouped call (gemm_group, Device::gemm_group): fp32
+/// accumulation, row-major operands.
+///   nt:     c (rows, n; ld ldc) = round_dt(a (rows, k; ld lda) b^T), b (n, k) dense
+///   nn:     c (rows, n; ld ldc) = round_dt(a b), b (k, n) dense
+///   tn_f32: c (k, n) dense fp32 = a^T b, a (rows, k; ld lda), b (rows, n; ld ldb);
+///           rows == 0 gives c = 0
+/// ldb is read by tn_f32 only, ldc by nt and nn only. Each job gives what
+/// gemm_nt, gemm_nn or gemm_tn_f32 gives for it alone.
+enum class GemmOp : uint8_t { nt, nn, tn_f32 };
+struct GemmJob {
+  GemmOp op = GemmOp::nt;
+  const void* a = nullptr;
+  const void* b = nullptr;
+  void* c = nullptr;
+  int64_t rows = 0, k = 0, n = 0, lda = 0, ldb = 0, ldc = 0;
+};
+
+struct ByteRange {
+  const void* p = nullptr;
+  size_t bytes = 0;
+};
+
+/// Independent GEMMs (no job reads what another writes) as one call: on the
+/// host each job in turn; on the mirror's device one grouped GEMM (a
+/// GPU's grouped cuBLAS call, issue 36 item 3) after translating the jobs'
+/// addresses, which must lie inside `inputs` (a, b) and `outputs` (c): the
+/// whole buffers the jobs read and write, each moved once.
+void gemm_group(const ExecCtx& ctx, DType dt, const std::vector<GemmJob>& jobs, std::initializer_list<ByteRange> inputs,
+                std::initializer_list<ByteRange> outputs);
+
 /// dst = src (bytes bytes, no overlap): identity experts. A memcpy on the
 /// host; a device-to-device copy on the mirror's device.
 void copy_bytes(const ExecCtx& ctx, void* dst, const void* src, size_t bytes);
@@ -157,10 +188,6 @@ void combine(const ExecCtx& ctx, const CombineArgs& a, const void* init, void* o
 /// the default target), without reading or allocating an init buffer.
 void combine_from_zeros(const ExecCtx& ctx, const CombineArgs& a, void* out);
 
-struct ByteRange {
-  const void* p = nullptr;
-  size_t bytes = 0;
-};
 bool ranges_overlap(ByteRange a, ByteRange b);
 
 enum class Placement : uint8_t { in_place, out_of_place_fallback };

@@ -199,14 +199,17 @@ void round_device(const ExecCtx& ctx, DType ct, DType dt, float* v, int64_t n) {
   m.wrote(v, size_t(n) * 4);
 }
 
-/// Per expert on the mirror's device, all in the compute type ct: the
-/// forward's GEMMs into [h1 | h3] and dH = round(dY W2_j), the elementwise
-/// body into H and [dh1 | dh3], and the three weight gradients A^T B in
-/// fp32 (rounded under round_wgrad). dX in ct: one GEMM [dh1 | dh3] [W1_j;
-/// W3_j] into dx (one fp32 accumulation over 2F), or under split_dx the two
-/// GEMMs into dx (the W1 part) and dx3 (the W3 part), summed by the caller.
-/// With row scores (score_on_hidden) SwigluBwdBody starts from the scaled
-/// gradient and HiddenScoreGradBody then writes dS and turns H into H'.
+/// On the mirror's device, all in the compute type ct, each step for every
+/// expert at once (issue 36 item 3): the forward's GEMMs into [h1 | h3] and
+/// dH = round(dY W2_j) as one grouped GEMM; the elementwise body into H and
+/// [dh1 | dh3] over all rows; dX; the three weight gradients A^T B in fp32
+/// as one grouped GEMM (rounded under round_wgrad). dX in ct: per expert one
+/// GEMM [dh1 | dh3] [W1_j; W3_j] into dx (one fp32 accumulation over 2F; the
+/// stacked weight is copied per expert, so these stay one call each), or
+/// under split_dx the two GEMMs into dx (the W1 part) and dx3 (the W3 part)
+/// as one grouped GEMM, summed by the caller. With row scores
+/// (score_on_hidden) SwigluBwdBody starts from the scaled gradient and
+/// HiddenScoreGradBody then writes dS and turns H into H'.
 void device_experts(const ExecCtx& ctx, DType ct, DType dt, const BwdRules& ru, const uint8_t* X, const uint8_t* dY,
                     const int64_t* counts, int E_l, int64_t D, int64_t F, const uint8_t* W1, const uint8_t* W3,
                     const uint8_t* W2, uint8_t* dx, uint8_t* dx3, float* dW1, float* dW3, float* dW2,
@@ -214,8 +217,10 @@ void device_experts(const ExecCtx& ctx, DType ct, DType dt, const BwdRules& ru, 
   const size_t eb = dtype_bytes(ct), fd = size_t(F * D) * eb;
   int64_t rows = 0;
   for (int j = 0; j < E_l; ++j) rows += counts[j];
-  std::vector<uint8_t> h13(size_t(rows * 2 * F) * eb), dH(size_t(rows * F) * eb), H(size_t(rows * F) * eb),
-      dh13(size_t(rows * 2 * F) * eb), w13(2 * fd);
+  const size_t rd = size_t(rows * D) * eb, rf = size_t(rows * F) * eb, wb = size_t(E_l) * fd;
+  const size_t wgb = size_t(E_l) * size_t(F * D) * 4;
+  std::vector<uint8_t> h13(2 * rf), dH(rf), H(rf), dh13(2 * rf), w13(2 * fd);
+  std::vector<GemmJob> fwd, dxs, wg;
   int64_t r0 = 0;
   for (int j = 0; j < E_l; r0 += counts[j], ++j) {
     const int64_t n = counts[j];
@@ -225,47 +230,56 @@ void device_experts(const ExecCtx& ctx, DType ct, DType dt, const BwdRules& ru, 
     uint8_t* g = dh13.data() + size_t(r0 * 2 * F) * eb;
     uint8_t* act = H.data() + size_t(r0 * F) * eb;
     if (n > 0) {
-      uint8_t* gh = dH.data() + size_t(r0 * F) * eb;
-      gemm_nt(ctx, ct, x, n, D, D, W1 + j * fd, F, h, 2 * F);
-      gemm_nt(ctx, ct, x, n, D, D, W3 + j * fd, F, h + size_t(F) * eb, 2 * F);
-      gemm_nn(ctx, ct, dy, n, D, D, W2 + j * fd, F, gh, F);
-      dispatch_dtype(ct, [&](auto tag) {
-        using T = decltype(tag);
-        Mirror& m = *ctx.mirror;
-        Mirror::Scope scope{m};
-        const size_t nf = size_t(n * F) * sizeof(T);
-        const float* s = row_scale ? static_cast<const float*>(m.in(row_scale + r0, size_t(n) * 4)) : nullptr;
-        const T* dHp = static_cast<const T*>(m.in(gh, nf));
-        T* Hd = static_cast<T*>(m.out(act, nf));
-        m.device().run(k::SwigluBwdBody<T>{static_cast<const T*>(m.in(h, 2 * nf)), dHp, Hd,
-                                           static_cast<T*>(m.out(g, 2 * nf)), F, ru.sg, ru.rounding, ru.fused_grad, s,
-                                           ru.scale_grad_kept},
-                       n);
-        if (s) {
-          float* ds = static_cast<float*>(m.out(dS + r0, size_t(n) * 4));
-          m.device().run(k::HiddenScoreGradBody<T>{dHp, Hd, s, ds, F, ru.ds_from_scaled}, n);
-          m.wrote(dS + r0, size_t(n) * 4);
-        }
-        m.wrote(act, nf);
-        m.wrote(g, 2 * nf);
-      });
-      uint8_t* out = dx + size_t(r0 * D) * eb;
+      fwd.push_back({GemmOp::nt, x, W1 + j * fd, h, n, D, F, D, 0, 2 * F});
+      fwd.push_back({GemmOp::nt, x, W3 + j * fd, h + size_t(F) * eb, n, D, F, D, 0, 2 * F});
+      fwd.push_back({GemmOp::nn, dy, W2 + j * fd, dH.data() + size_t(r0 * F) * eb, n, D, F, D, 0, F});
       if (ru.split_dx) {
-        gemm_nn(ctx, ct, g, n, F, 2 * F, W1 + j * fd, D, out, D);
-        gemm_nn(ctx, ct, g + size_t(F) * eb, n, F, 2 * F, W3 + j * fd, D, dx3 + size_t(r0 * D) * eb, D);
-      } else {
-        std::memcpy(w13.data(), W1 + j * fd, fd);
-        std::memcpy(w13.data() + fd, W3 + j * fd, fd);
-        gemm_nn(ctx, ct, g, n, 2 * F, 2 * F, w13.data(), D, out, D);
+        dxs.push_back({GemmOp::nn, g, W1 + j * fd, dx + size_t(r0 * D) * eb, n, F, D, 2 * F, 0, D});
+        dxs.push_back({GemmOp::nn, g + size_t(F) * eb, W3 + j * fd, dx3 + size_t(r0 * D) * eb, n, F, D, 2 * F, 0, D});
       }
     }
-    gemm_tn_f32(ctx, ct, g, n, F, 2 * F, x, D, D, dW1 + j * F * D);
-    gemm_tn_f32(ctx, ct, g + size_t(F) * eb, n, F, 2 * F, x, D, D, dW3 + j * F * D);
-    gemm_tn_f32(ctx, ct, dy, n, D, D, act, F, F, dW2 + j * D * F);
+    // rows == 0 gives a zero gradient (gemm_group fills it)
+    wg.push_back({GemmOp::tn_f32, g, x, dW1 + j * F * D, n, F, D, 2 * F, D, 0});
+    wg.push_back({GemmOp::tn_f32, g + size_t(F) * eb, x, dW3 + j * F * D, n, F, D, 2 * F, D, 0});
+    wg.push_back({GemmOp::tn_f32, dy, act, dW2 + j * D * F, n, D, F, D, F, 0});
   }
+  gemm_group(ctx, ct, fwd, {{X, rd}, {dY, rd}, {W1, wb}, {W3, wb}, {W2, wb}}, {{h13.data(), 2 * rf}, {dH.data(), rf}});
+  if (rows > 0)
+    dispatch_dtype(ct, [&](auto tag) {
+      using T = decltype(tag);
+      Mirror& m = *ctx.mirror;
+      Mirror::Scope scope{m};
+      const float* s = row_scale ? static_cast<const float*>(m.in(row_scale, size_t(rows) * 4)) : nullptr;
+      const T* dHp = static_cast<const T*>(m.in(dH.data(), rf));
+      T* Hd = static_cast<T*>(m.out(H.data(), rf));
+      m.device().run(k::SwigluBwdBody<T>{static_cast<const T*>(m.in(h13.data(), 2 * rf)), dHp, Hd,
+                                         static_cast<T*>(m.out(dh13.data(), 2 * rf)), F, ru.sg, ru.rounding,
+                                         ru.fused_grad, s, ru.scale_grad_kept},
+                     rows);
+      if (s) {
+        float* ds = static_cast<float*>(m.out(dS, size_t(rows) * 4));
+        m.device().run(k::HiddenScoreGradBody<T>{dHp, Hd, s, ds, F, ru.ds_from_scaled}, rows);
+        m.wrote(dS, size_t(rows) * 4);
+      }
+      m.wrote(H.data(), rf);
+      m.wrote(dh13.data(), 2 * rf);
+    });
+  if (ru.split_dx) {
+    gemm_group(ctx, ct, dxs, {{dh13.data(), 2 * rf}, {W1, wb}, {W3, wb}}, {{dx, rd}, {dx3, rd}});
+  } else {
+    r0 = 0;
+    for (int j = 0; j < E_l; r0 += counts[j], ++j) {
+      if (counts[j] == 0) continue;
+      std::memcpy(w13.data(), W1 + j * fd, fd);
+      std::memcpy(w13.data() + fd, W3 + j * fd, fd);
+      gemm_nn(ctx, ct, dh13.data() + size_t(r0 * 2 * F) * eb, counts[j], 2 * F, 2 * F, w13.data(), D,
+              dx + size_t(r0 * D) * eb, D);
+    }
+  }
+  gemm_group(ctx, ct, wg, {{dh13.data(), 2 * rf}, {X, rd}, {dY, rd}, {H.data(), rf}},
+             {{dW1, wgb}, {dW3, wgb}, {dW2, wgb}});
   if (ru.round_wgrad)
-    for (float* w : {dW1, dW3}) round_device(ctx, ct, dt, w, int64_t(E_l) * F * D);
-  if (ru.round_wgrad) round_device(ctx, ct, dt, dW2, int64_t(E_l) * D * F);
+    for (float* w : {dW1, dW3, dW2}) round_device(ctx, ct, dt, w, int64_t(E_l) * F * D);
 }
 
 /// The backward on the mirror's device (each step an entry point: cuBLAS and

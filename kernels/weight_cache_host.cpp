@@ -60,15 +60,22 @@ void experts_swiglu_batched(const ExecCtx& ctx, DType dt, const void* X, int64_t
     T* const h13 = static_cast<T*>(mid.h13);
     T* const H = static_cast<T*>(mid.H);
     if (ctx.mirror) {
-      // On a device, per expert: the fused [W1; W3] GEMM (NT), the activation
-      // body, and H times the cached W2^T (NN), each through the entry points.
-      // The cache is built on the host and uploaded with each call.
+      // On a device, for every expert at once: the fused [W1; W3] GEMMs (NT)
+      // as one grouped GEMM, the activation body over all rows, and H times
+      // the cached W2^T (NN) as another. The cache is built on the host and
+      // uploaded with each call.
+      std::vector<GemmJob> up, down;
       for (int j = 0; j < E_l; ++j) {
         const int64_t r = j * c;
-        gemm_nt(ctx, dt, xs + r * D, c, D, D, w13 + size_t(j) * 2 * fd, 2 * F, h13 + r * 2 * F, 2 * F);
-        swiglu_act_device(ctx, h13 + r * 2 * F, H + r * F, c, F, conv, r);
-        gemm_nn(ctx, dt, H + r * F, c, F, F, w2t + size_t(j) * fd, D, ys + r * D, D);
+        up.push_back({GemmOp::nt, xs + r * D, w13 + size_t(j) * 2 * fd, h13 + r * 2 * F, c, D, 2 * F, D, 0, 2 * F});
+        down.push_back({GemmOp::nn, H + r * F, w2t + size_t(j) * fd, ys + r * D, c, F, D, F, 0, D});
       }
+      const int64_t rows = int64_t(E_l) * c;
+      gemm_group(ctx, dt, up, {{X, size_t(rows * D) * sizeof(T)}, {w13, cache.w13.size()}},
+                 {{h13, size_t(rows * 2 * F) * sizeof(T)}});
+      swiglu_act_device(ctx, h13, H, rows, F, conv, 0);
+      gemm_group(ctx, dt, down, {{H, size_t(rows * F) * sizeof(T)}, {w2t, cache.w2t.size()}},
+                 {{Y, size_t(rows * D) * sizeof(T)}});
       return;
     }
     const int64_t tiles = (c + kGemmTile - 1) / kGemmTile;

@@ -139,4 +139,17 @@ if [ "$rc" = 0 ]; then echo "--backend cuda ran (a GPU is here)"; else
   [ "$rc" = 5 ] || { cat "$tmp/cuda.txt"; echo "--backend cuda: exit $rc, expected 5 (NOT_SUPPORTED)"; exit 1; }
   grep -q "no usable CUDA device\|without the CUDA executor\|not built" "$tmp/cuda.txt" || { cat "$tmp/cuda.txt"; echo "no reason given"; exit 1; }
 fi
+# The SwiGLU experts on the emulated device: the grouped and batched
+# variants run their GEMMs as grouped calls (Device::gemm_group) and say how;
+# the loop runs one GEMM at a time and says nothing.
+"$bin" bench "$src/cases/equal_split.yaml" --case batched_experts --threads 2 --repeat 1 --backend emulated \
+  --json "$tmp/grouped.json" > "$tmp/grouped.txt" 2>&1 || { cat "$tmp/grouped.txt"; echo "bench of SwiGLU experts failed"; exit 1; }
+/usr/bin/python3 - "$tmp/grouped.json" <<'PY'
+import json, sys
+paths = {s["variant"]: s.get("gemm_path") for s in json.load(open(sys.argv[1]))["cases"][0]["stages"] if s["slot"] == "experts"}
+if set(paths) != {"swiglu_loop", "swiglu_grouped", "swiglu_batched"}: sys.exit(f"experts variants timed: {sorted(paths)}")
+if paths["swiglu_loop"] != "": sys.exit(f"the loop reports grouped GEMMs: {paths['swiglu_loop']!r}")
+for v in ("swiglu_grouped", "swiglu_batched"):
+    if "host Eigen" not in (paths[v] or ""): sys.exit(f"{v}: gemm_path {paths[v]!r}, expected the emulated device's")
+PY
 echo "bench ok"

@@ -315,6 +315,7 @@ StageBench bench_stage(const Stage& s, const VariantDecision& vd, double slot_re
       }
   std::vector<RankBoard> out(static_cast<size_t>(R));
   std::vector<double> times, device_times, device_summed;
+  const int64_t group_calls = mirror ? mirror->device().gemm_group_calls().calls : 0;
   for (int i = 0; i < opt.warmup + opt.repeat; ++i) {
     std::string skipped, error;
     // The first call allocates (and poisons) the outputs; later calls reuse them.
@@ -359,6 +360,8 @@ StageBench bench_stage(const Stage& s, const VariantDecision& vd, double slot_re
     b.eigen_seconds = eigen_gemm_seconds(shapes, opt.threads, opt.repeat);
     b.eigen_ratio = b.eigen_seconds / own_seconds;
     if (mirror) {
+      const Device::GroupCalls g = mirror->device().gemm_group_calls();
+      if (g.calls > group_calls) b.gemm_path = g.path;
       b.device_gemm_seconds = device_gemm_seconds(mirror->device(), c.dtype, shapes, b.flops, opt.repeat);
       b.device_gemm_ratio = b.device_gemm_seconds / own_seconds;
     }
@@ -629,7 +632,7 @@ void print_bench(const CaseBench& b, std::ostream& os) {
                                              " ms (" + fmt(s.flops / s.device_gemm_seconds / 1e9, 1) +
                                              " GFLOP/s): share " + fmt(100 * s.device_gemm_ratio, 1) + "%"
                                        : std::string())
-         << "\n";
+         << (s.gemm_path.empty() ? "" : "; grouped GEMMs: " + s.gemm_path) << "\n";
   for (const auto& s : b.stages)
     if (s.ran && is_all_to_all(s.slot))
       os << "  all-to-all " << s.slot << "/" << s.variant << ": algbw " << fmt(s.algbw_gbps, 2) << " GB/s, busbw "
@@ -744,7 +747,8 @@ std::string bench_json(const std::vector<CaseBench>& all, const BenchOptions& op
                      {"eigen_seconds", s.eigen_seconds},
                      {"eigen_ratio", s.eigen_ratio},
                      {"device_gemm_seconds", s.device_gemm_seconds},
-                     {"device_gemm_ratio", s.device_gemm_ratio}});
+                     {"device_gemm_ratio", s.device_gemm_ratio},
+                     {"gemm_path", s.gemm_path}});
         if (is_all_to_all(s.slot)) js.update({{"algbw_gbps", s.algbw_gbps}, {"busbw_gbps", s.busbw_gbps}});
         if (c.backend != Backend::host)
           js.update({{"device_seconds_min", s.device_seconds_min},

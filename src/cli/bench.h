@@ -87,6 +87,9 @@ struct StageBench {
   /// bench.cpp), and device_gemm_ratio = that / device_seconds_min (1: the
   /// stage's GEMMs as fast as one big GEMM; issue 36 asks 0.6).
   double device_gemm_seconds = 0, device_gemm_ratio = 0;
+  /// On a device, where the stage ran grouped GEMMs (Device::gemm_group):
+  /// how they ran there (a grouped cuBLAS call, or single GEMMs); else empty.
+  std::string gemm_path;
 };
 
 /// A point of the growth sweep: the case with one of T, D, R scaled.
