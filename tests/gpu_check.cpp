@@ -2,8 +2,10 @@
 // gather and ordered combine must agree bitwise for random problems in every
 // dtype, and so must the entry points on the CUDA device (routing, sort,
 // gather, combine, row maps through a Mirror); the NCCL communicator runs
-// with one rank. Without a usable device it
+// with one rank; the fp32/bf16/fp16 conversions agree with the host's; the
+// grouped GEMMs agree with single ones. Without a usable device it
 // prints SKIPPED and exits 77, which ctest reports as skipped (never passed).
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -142,6 +144,166 @@ int device_entry_points() {
   return failures;
 }
 
+/// The conversions between fp32 and bf16 / fp16 on the GPU (src/core/dtype.h:
+/// the hardware instruction for a non-NaN value, the integer path for a
+/// NaN) against the host's integer path, bitwise, through bodies that use
+/// them: RoundBody<bf16> (round_to<bf16>), ConvertBody<float, bf16>
+/// (from_float<bf16>), RoundBody<fp16> (from_float<fp16>, then to_float) on
+/// every high half of an fp32 bit pattern with low halves at and around
+/// every rounding boundary (ties, just below, just above; each bf16 and
+/// fp16 rounding position, subnormal ones included); every NaN class and
+/// infinity are among them. ConvertBody<fp16, bf16> covers to_float(fp16)
+/// on all 65,536 patterns. Returns the failures.
+int conversions() {
+  std::string why;
+  std::unique_ptr<Device> dev = cuda::make_device(0, why);
+  if (!dev) {
+    std::printf("conversions: no CUDA device (%s)\n", why.c_str());
+    return 1;
+  }
+  std::vector<uint32_t> low = {0u, 0xffffu, 0x7fffu, 0x8000u, 0x8001u, 0x3000u, 0x2fffu, 0x3001u, 0xb000u, 0xd000u};
+  for (int b = 0; b < 16; ++b) low.insert(low.end(), {1u << b, (1u << b) - 1u, (1u << b) + 1u, 0xffffu ^ (1u << b)});
+  std::vector<float> in;
+  in.reserve(low.size() << 16);
+  for (uint32_t hi = 0; hi < 65536; ++hi)
+    for (uint32_t lo : low) in.push_back(f32_from_bits((hi << 16) | (lo & 0xffffu)));
+  const int64_t n = int64_t(in.size());
+  const size_t fb = size_t(n) * 4;
+  float* d = static_cast<float*>(dev->alloc(fb));
+  bf16* db = static_cast<bf16*>(dev->alloc(size_t(n) * 2));
+  int failures = 0;
+  auto report = [&](const char* what, bool ok) {
+    std::printf("conversion %s on %lld inputs: %s\n", what, (long long)n, ok ? "bitwise equal" : "DIFFERS");
+    failures += !ok;
+  };
+  for (int which = 0; which < 2; ++which) {
+    std::vector<float> want(in), got(in.size());
+    for (float& v : want) v = which == 0 ? round_to<bf16>(v) : round_to<fp16>(v);
+    dev->upload(d, in.data(), fb);
+    if (which == 0) dev->run(RoundBody<bf16>{d, n}, chunks(n));
+    else dev->run(RoundBody<fp16>{d, n}, chunks(n));
+    dev->download(got.data(), d, fb);
+    report(which == 0 ? "round_to<bf16>" : "from_float<fp16> and back", std::memcmp(want.data(), got.data(), fb) == 0);
+  }
+  {
+    std::vector<bf16> want(in.size()), got(in.size());
+    for (size_t i = 0; i < in.size(); ++i) want[i] = from_float<bf16>(in[i]);
+    dev->upload(d, in.data(), fb);
+    dev->run(ConvertBody<float, bf16>{d, db, n}, chunks(n));
+    dev->download(got.data(), db, size_t(n) * 2);
+    report("from_float<bf16>", std::memcmp(want.data(), got.data(), size_t(n) * 2) == 0);
+  }
+  {
+    std::vector<fp16> h(65536);
+    std::vector<bf16> want(65536), got(65536);
+    for (uint32_t i = 0; i < 65536; ++i) h[i] = fp16{uint16_t(i)}, want[i] = from_float<bf16>(to_float(h[i]));
+    fp16* dh = static_cast<fp16*>(dev->alloc(65536 * 2));
+    dev->upload(dh, h.data(), 65536 * 2);
+    dev->run(ConvertBody<fp16, bf16>{dh, db, 65536}, chunks(65536));
+    dev->download(got.data(), db, 65536 * 2);
+    dev->release(dh);
+    std::printf("conversion to_float(fp16) on all 65536 patterns: %s\n",
+                std::memcmp(want.data(), got.data(), 65536 * 2) == 0 ? "bitwise equal" : "DIFFERS");
+    failures += std::memcmp(want.data(), got.data(), 65536 * 2) != 0;
+  }
+  dev->release(d);
+  dev->release(db);
+  return failures;
+}
+
+/// Device::gemm_group against the same jobs one GEMM at a time on the same
+/// device (grouped cuBLAS, or the single GEMMs where it falls back): nt, nn
+/// and tn_f32 jobs of random expert row counts, empty experts included, in
+/// every dtype, bitwise (the sums are exact, see below). A wrong pointer,
+/// size or leading dimension gives other values or leaves the poison (NaN
+/// bytes; the gradients of an expert without rows stay poison in both).
+/// Returns the failures.
+int grouped_gemms() {
+  std::string why;
+  std::unique_ptr<Device> dev = cuda::make_device(0, why);
+  if (!dev) {
+    std::printf("grouped GEMMs: no CUDA device (%s)\n", why.c_str());
+    return 1;
+  }
+  std::mt19937 g(7);
+  int failures = 0;
+  for (DType dt : {DType::bf16, DType::fp16, DType::fp32}) {
+    const int E = 6;
+    const int64_t D = 96, F = 40;
+    std::vector<int64_t> counts(E);
+    int64_t rows = 0;
+    for (auto& c : counts) rows += c = (g() % 3 == 0) ? 0 : int64_t(g() % 70);
+    const size_t eb = dtype_bytes(dt);
+    auto fill = [&](size_t elems) {
+      std::vector<uint8_t> b(elems * eb);
+      for (size_t i = 0; i < elems; ++i) {
+        const float v = float(int(g() % 257) - 128) / 64.f;
+        if (dt == DType::fp32) std::memcpy(&b[i * 4], &v, 4);
+        else {
+          const uint16_t u = dt == DType::bf16 ? from_float<bf16>(v).bits : from_float<fp16>(v).bits;
+          std::memcpy(&b[i * 2], &u, 2);
+        }
+      }
+      void* p = dev->alloc(std::max<size_t>(b.size(), 1));
+      dev->upload(p, b.data(), b.size());
+      return static_cast<uint8_t*>(p);
+    };
+    uint8_t* x = fill(size_t(rows * D));
+    uint8_t* w = fill(size_t(E * F * D));
+    const size_t yb = size_t(rows * 2 * F) * eb, gb = size_t(E) * size_t(F * D) * 4;
+    uint8_t* y1 = static_cast<uint8_t*>(dev->alloc(std::max<size_t>(yb, 1)));
+    uint8_t* y2 = static_cast<uint8_t*>(dev->alloc(std::max<size_t>(yb, 1)));
+    uint8_t* w1 = static_cast<uint8_t*>(dev->alloc(gb));
+    uint8_t* w2 = static_cast<uint8_t*>(dev->alloc(gb));
+    for (uint8_t* p : {y1, y2}) dev->fill(p, 0xff, yb);
+    for (uint8_t* p : {w1, w2}) dev->fill(p, 0xff, gb);
+    std::vector<GemmJob> jobs;
+    int64_t r0 = 0;
+    for (int j = 0; j < E; r0 += counts[size_t(j)], ++j) {
+      const int64_t n = counts[size_t(j)];
+      const uint8_t* wj = w + size_t(j) * size_t(F * D) * eb;
+      if (n > 0) {
+        jobs.push_back({GemmOp::nt, x + size_t(r0 * D) * eb, wj, nullptr, n, D, F, D, 0, 2 * F});  // (n, F) into cols [0, F)
+        jobs.push_back({GemmOp::nn, x + size_t(r0 * D) * eb, wj, nullptr, n, D, F, D, 0, 2 * F});  // W as (D, F): cols [F, 2F)
+        jobs.push_back({GemmOp::tn_f32, x + size_t(r0 * D) * eb, x + size_t(r0 * D) * eb, nullptr, n, std::min<int64_t>(D, F), D, D, D, 0});
+      }
+    }
+    auto place = [&](uint8_t* y, uint8_t* wg) {
+      std::vector<GemmJob> out = jobs;
+      int64_t r = 0, t = 0;
+      for (size_t i = 0; i < out.size(); i += 3) {
+        while (counts[size_t(t)] == 0) ++t;
+        out[i].c = y + size_t(r * 2 * F) * eb;
+        out[i + 1].c = y + size_t(r * 2 * F + F) * eb;
+        out[i + 2].c = wg + size_t(t) * size_t(F * D) * 4;
+        r += counts[size_t(t)], ++t;
+      }
+      return out;
+    };
+    dev->gemm_group(dt, place(y1, w1));
+    for (const GemmJob& j : place(y2, w2)) {
+      if (j.op == GemmOp::nt) dev->gemm_nt(dt, j.a, j.rows, j.k, j.lda, j.b, j.n, j.c, j.ldc);
+      else if (j.op == GemmOp::nn) dev->gemm_nn(dt, j.a, j.rows, j.k, j.lda, j.b, j.n, j.c, j.ldc);
+      else dev->gemm_tn_f32(dt, j.a, j.rows, j.k, j.lda, j.b, j.n, j.ldb, static_cast<float*>(j.c));
+    }
+    // every operand is a multiple of 1/64 of magnitude at most 2, so every
+    // product and sum is exact in fp32 and the results agree bit for bit
+    // whatever order a kernel sums in
+    auto bytes_of = [&](const uint8_t* p, size_t n) {
+      std::vector<uint8_t> h(n);
+      dev->download(h.data(), p, n);
+      return h;
+    };
+    const bool y_ok = bytes_of(y1, yb) == bytes_of(y2, yb), w_ok = bytes_of(w1, gb) == bytes_of(w2, gb);
+    std::printf("grouped GEMMs %s (%s): %zu jobs, %lld rows: outputs %s, weight gradients %s\n", dtype_name(dt),
+                dev->gemm_group_calls().path.c_str(), jobs.size(), (long long)rows, y_ok ? "equal" : "DIFFER",
+                w_ok ? "equal" : "DIFFER");
+    failures += !y_ok || !w_ok;
+    for (uint8_t* p : {x, w, y1, y2, w1, w2}) dev->release(p);
+  }
+  return failures;
+}
+
 /// The NCCL communicator with one rank on GPU 0 (NCCL allows no second rank
 /// of a communicator on the same GPU): rows sent to itself with a zero-row
 /// split in between, all-reduce and all-gather staged through the device,
@@ -259,6 +421,8 @@ int main() {
     }
   }
   failures += device_entry_points();
+  failures += conversions();
+  failures += grouped_gemms();
   failures += nccl_one_rank();
   std::printf("%d failure(s)\n", failures);
   return failures ? 1 : 0;

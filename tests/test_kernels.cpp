@@ -90,11 +90,13 @@ TEST_CASE("kernel bodies give the host executor's bits with any lane count", "[c
   const int64_t T = 29;
   // Ordered combine (16 bytes of columns per lane on a GPU, one vector load
   // per row where the row is 16-byte aligned: D = 64 in bf16; D = 70 takes
-  // the element path), the row copies (16-byte pieces, or elements) and the
-  // SwiGLU backward's elementwise body (lanes over f).
+  // the element path), the row copies (16-byte pieces, or elements; at D =
+  // 1024 a lane's four pieces in flight before it stores), the gather
+  // (its score multiply by pieces or elements) and the SwiGLU backward's
+  // elementwise body (lanes over f).
   const int K = 3;
   const int64_t F = 45, N = T * K;
-  for (int64_t D : {int64_t(70), int64_t(64)}) {
+  for (int64_t D : {int64_t(70), int64_t(64), int64_t(1024)}) {
     std::vector<bf16> rows(size_t(N * D)), h13(size_t(T * 2 * F)), dH(size_t(T * F)), init(size_t(T * D));
     for (size_t i = 0; i < rows.size(); ++i) rows[i] = from_float<bf16>(float(int(i % 41) - 20) / 8.f);
     for (size_t i = 0; i < init.size(); ++i) init[i] = from_float<bf16>(float(int(i % 13) - 6) / 4.f);
@@ -127,6 +129,16 @@ TEST_CASE("kernel bodies give the host executor's bits with any lane count", "[c
       block_run(k::RowMapBody<bf16>{rows.data(), map.data(), out.data(), D}, N, lanes, lanes > 1);
       return out;
     };
+    auto gather = [&](int lanes, k::ScoreApply apply) {
+      std::vector<bf16> out(size_t(N * D), from_float<bf16>(-1.f));
+      std::vector<int32_t> perm(static_cast<size_t>(N)), tok(perm.size()), row(perm.size());
+      std::vector<float> ss(perm.size());
+      for (int64_t a = 0; a < N; ++a) perm[size_t(a)] = int32_t((a * 7) % N);  // 7 and N = 87 are coprime
+      block_run(k::GatherBody<bf16>{init.data(), perm.data(), sc.data(), out.data(), tok.data(), ss.data(), row.data(), D,
+                                    K, apply, k::ScoreMultiply::act},
+                N, lanes, lanes > 1);
+      return out;
+    };
     auto swiglu_bwd = [&](int lanes) {
       std::vector<bf16> H(size_t(T * F)), g(size_t(T * 2 * F));
       block_run(k::SwigluBwdBody<bf16>{h13.data(), dH.data(), H.data(), g.data(), F}, T, lanes, lanes > 1);
@@ -142,6 +154,8 @@ TEST_CASE("kernel bodies give the host executor's bits with any lane count", "[c
       for (k::Accumulate acc : {k::Accumulate::per_add, k::Accumulate::fp32_accumulate})
         for (bool in_place : {false, true}) CHECK(bits(combine(lanes, acc, in_place)) == bits(combine(0, acc, in_place)));
       CHECK(bits(row_map(lanes)) == bits(row_map(1)));
+      for (k::ScoreApply apply : {k::ScoreApply::before_experts, k::ScoreApply::after_experts})
+        CHECK(bits(gather(lanes, apply)) == bits(gather(1, apply)));
       CHECK(bits(swiglu_bwd(lanes).first) == bits(swiglu_bwd(1).first));
       CHECK(bits(swiglu_bwd(lanes).second) == bits(swiglu_bwd(1).second));
     }

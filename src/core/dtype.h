@@ -31,7 +31,29 @@ MOEV_HD inline float f32_from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); ret
 
 MOEV_HD inline float to_float(float v) { return v; }
 MOEV_HD inline float to_float(bf16 v) { return f32_from_bits(uint32_t(v.bits) << 16); }
+// On a GPU each conversion between fp32 and bf16 / fp16 below is also one
+// instruction (cvt.rn.bf16.f32 from sm_80, cvt.rn.f16.f32, cvt.f32.f16), which
+// gives the same bits as the integer formulation for every input but NaN (the
+// hardware writes one canonical NaN; here a NaN keeps its payload, made
+// quiet): device code takes the instruction for a non-NaN value, the integer
+// path for a NaN. The combine rounds twice per element and routed row, and
+// the integer path made it compute-bound on an H200 (issue 36).
+// tests/gpu_check.cpp compares both on every class of input on the GPU.
+#if defined(__CUDA_ARCH__)
+#define MOEV_CVT_DEVICE 1
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define MOEV_CVT_BF16_DEVICE 1
+#endif
+
 MOEV_HD inline float to_float(fp16 v) {
+#ifdef MOEV_CVT_DEVICE
+  if ((v.bits & 0x7c00u) != 0x7c00u || (v.bits & 0x3ffu) == 0) {  // not a NaN
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+    return f;
+  }
+#endif
   const uint32_t sign = uint32_t(v.bits & 0x8000u) << 16;
   const uint32_t exp = (v.bits >> 10) & 0x1fu;
   const uint32_t man = v.bits & 0x3ffu;
@@ -57,10 +79,24 @@ MOEV_HD inline uint32_t bf16_round_bits32(uint32_t u) {
 }
 
 template <> MOEV_HD inline bf16 from_float<bf16>(float f) {
+#ifdef MOEV_CVT_BF16_DEVICE
+  if (f == f) {
+    uint16_t r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return bf16{r};
+  }
+#endif
   return bf16{uint16_t(bf16_round_bits32(f32_bits(f)) >> 16)};
 }
 
 template <> MOEV_HD inline fp16 from_float<fp16>(float f) {
+#ifdef MOEV_CVT_DEVICE
+  if (f == f) {
+    uint16_t r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return fp16{r};
+  }
+#endif
   const uint32_t x = f32_bits(f);
   const uint16_t sign = uint16_t((x >> 16) & 0x8000u);
   const uint32_t ax = x & 0x7fffffffu;
@@ -120,7 +156,12 @@ template <> MOEV_HD inline e4m3 from_float<e4m3>(float f) {
 template <class T> MOEV_HD inline float round_to(float v) { return to_float(from_float<T>(v)); }
 template <> MOEV_HD inline float round_to<float>(float v) { return v; }
 /// The same value as to_float(from_float<bf16>(v)), without leaving 32-bit lanes.
-template <> MOEV_HD inline float round_to<bf16>(float v) { return f32_from_bits(bf16_round_bits32(f32_bits(v))); }
+template <> MOEV_HD inline float round_to<bf16>(float v) {
+#ifdef MOEV_CVT_BF16_DEVICE
+  if (v == v) return to_float(from_float<bf16>(v));
+#endif
+  return f32_from_bits(bf16_round_bits32(f32_bits(v)));
+}
 
 inline const char* dtype_name(DType d) {
   switch (d) {
