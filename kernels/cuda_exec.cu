@@ -90,6 +90,7 @@ void launch(const Body& body, int64_t n, int lanes = 128) {
 
 /// Lanes for the row-moving bodies: by the row's bytes (k::row_lanes).
 template <class T> int lanes_of(const k::GatherBody<T>& b) { return k::row_lanes(b.D * int64_t(sizeof(T))); }
+template <class T> int lanes_of(const k::ScatterRowsBody<T>& b) { return k::row_lanes(b.D * int64_t(sizeof(T))); }
 template <class T, int W> int lanes_of(const k::CombineBody<T, W>& b) { return k::row_lanes(b.D * int64_t(sizeof(T))); }
 template <class T> int lanes_of(const k::RowMapBody<T>& b) { return k::row_lanes(b.D * int64_t(sizeof(T))); }
 template <class T, class M> int lanes_of(const k::FnRowMapBody<T, M>& b) { return k::row_lanes(b.D * int64_t(sizeof(T))); }

@@ -133,8 +133,10 @@ class Device {
   virtual void run(const k::RouterBody& b, int64_t n) = 0;
   virtual void run(const HistogramBody& b, int64_t n) = 0;
   virtual void run(const PadRouteBody& b, int64_t n) = 0;
+  virtual void run(const k::DispatchMetaBody& b, int64_t n) = 0;
 #define MOEV_DEVICE_BODIES(T)                                                  \
   virtual void run(const k::GatherBody<T>& b, int64_t n) = 0;                  \
+  virtual void run(const k::ScatterRowsBody<T>& b, int64_t n) = 0;             \
   virtual void run(const k::CombineBody<T, k::kDeviceSpan<T>>& b, int64_t n) = 0;             \
   virtual void run(const k::RowMapBody<T>& b, int64_t n) = 0;                  \
   virtual void run(const k::FnRowMapBody<T, EqualCountMap>& b, int64_t n) = 0; \
@@ -209,8 +211,10 @@ class BodyDevice : public Device {
   void run(const k::RouterBody& b, int64_t n) override { self().body(b, n); }
   void run(const HistogramBody& b, int64_t n) override { self().body(b, n); }
   void run(const PadRouteBody& b, int64_t n) override { self().body(b, n); }
+  void run(const k::DispatchMetaBody& b, int64_t n) override { self().body(b, n); }
 #define MOEV_BODY_DEVICE(T)                                                                           \
   void run(const k::GatherBody<T>& b, int64_t n) override { self().body(b, n); }                     \
+  void run(const k::ScatterRowsBody<T>& b, int64_t n) override { self().body(b, n); }                \
   void run(const k::CombineBody<T, k::kDeviceSpan<T>>& b, int64_t n) override { self().body(b, n); } \
   void run(const k::RowMapBody<T>& b, int64_t n) override { self().body(b, n); }                     \
   void run(const k::FnRowMapBody<T, EqualCountMap>& b, int64_t n) override { self().body(b, n); }    \

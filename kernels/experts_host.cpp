@@ -59,6 +59,59 @@ void from_bf16(const ExecCtx& ctx, DType dt, const std::vector<bf16>& src, void*
 
 }  // namespace host_detail
 
+namespace {
+
+/// experts_swiglu on the mirror's device: the GEMMs into [h1 | h3], the
+/// activation body, the W2 GEMMs (compute_dtype bf16 came through the
+/// conversions, on the device too). `loop` runs them expert by expert, one
+/// cuBLAS call each; `grouped` runs each step for every expert at once: one
+/// grouped GEMM for the 2 E_l GEMMs of h13, one activation launch over all
+/// rows, one grouped GEMM for the E_l W2 GEMMs (issue 36 item 3: an
+/// expert's 512 rows alone leave most of a GPU idle).
+void experts_device(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* X, const int64_t* counts, int E_l,
+                    int64_t D, int64_t F, const void* W1, const void* W3, const void* W2, void* Y,
+                    const SwigluIntermediates& mid, const SwigluConventions& conv) {
+  const size_t eb = dtype_bytes(dt);
+  const auto* x = static_cast<const uint8_t*>(X);
+  auto* y = static_cast<uint8_t*>(Y);
+  auto* h13 = static_cast<uint8_t*>(mid.h13);
+  auto* H = static_cast<uint8_t*>(mid.H);
+  const auto* w1 = static_cast<const uint8_t*>(W1);
+  const auto* w3 = static_cast<const uint8_t*>(W3);
+  const auto* w2 = static_cast<const uint8_t*>(W2);
+  auto act = [&](int64_t r0, int64_t n) {
+    dispatch_dtype(dt, [&](auto tag) {
+      using T = decltype(tag);
+      swiglu_act_device(ctx, reinterpret_cast<const T*>(h13 + size_t(r0 * 2 * F) * eb),
+                        reinterpret_cast<T*>(H + size_t(r0 * F) * eb), n, F, conv, r0);
+    });
+  };
+  std::vector<GemmJob> up, down;
+  int64_t r0 = 0, rows = 0;
+  for (int j = 0; j < E_l; ++j) rows += counts[j];
+  for (int j = 0; j < E_l; r0 += counts[j], ++j) {
+    const int64_t n = counts[j];
+    if (n == 0) continue;
+    const size_t wo = size_t(j) * size_t(F * D) * eb;
+    const uint8_t* xj = x + size_t(r0 * D) * eb;
+    up.push_back({GemmOp::nt, xj, w1 + wo, h13 + size_t(r0 * 2 * F) * eb, n, D, F, D, 0, 2 * F});
+    up.push_back({GemmOp::nt, xj, w3 + wo, h13 + size_t(r0 * 2 * F + F) * eb, n, D, F, D, 0, 2 * F});
+    down.push_back({GemmOp::nt, H + size_t(r0 * F) * eb, w2 + wo, y + size_t(r0 * D) * eb, n, F, D, F, 0, D});
+    if (impl != ExpertsImpl::grouped) {
+      for (const GemmJob& g : {up[up.size() - 2], up.back()}) gemm_nt(ctx, dt, g.a, n, D, D, g.b, F, g.c, 2 * F);
+      act(r0, n);
+      gemm_nt(ctx, dt, down.back().a, n, F, F, down.back().b, D, down.back().c, D);
+    }
+  }
+  if (impl != ExpertsImpl::grouped || rows == 0) return;
+  const size_t wb = size_t(E_l) * size_t(F * D) * eb;
+  gemm_group(ctx, dt, up, {{X, size_t(rows * D) * eb}, {W1, wb}, {W3, wb}}, {{h13, size_t(rows * 2 * F) * eb}});
+  act(0, rows);
+  gemm_group(ctx, dt, down, {{H, size_t(rows * F) * eb}, {W2, wb}}, {{Y, size_t(rows * D) * eb}});
+}
+
+}  // namespace
+
 void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* X,
                     const int64_t* counts, int E_l, int64_t D, int64_t F, const void* W1,
                     const void* W3, const void* W2, void* Y) {
@@ -84,53 +137,7 @@ void experts_swiglu(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* 
     from_bf16(ctx, dt, yb, Y);
     return;
   }
-  if (ctx.mirror) {
-    // On a device: the GEMMs into [h1 | h3], the activation body, the W2
-    // GEMMs (compute_dtype bf16 came through the conversions above, on the
-    // device too). `loop` runs them expert by expert, one cuBLAS call each;
-    // `grouped` runs each step for every expert at once: one grouped GEMM
-    // for the 2 E_l GEMMs of h13, one activation launch over all rows, one
-    // grouped GEMM for the E_l W2 GEMMs (issue 36 item 3: an expert's 512
-    // rows alone leave most of a GPU idle).
-    const size_t eb = dtype_bytes(dt);
-    const auto* x = static_cast<const uint8_t*>(X);
-    auto* y = static_cast<uint8_t*>(Y);
-    auto* h13 = static_cast<uint8_t*>(mid.h13);
-    auto* H = static_cast<uint8_t*>(mid.H);
-    const auto* w1 = static_cast<const uint8_t*>(W1);
-    const auto* w3 = static_cast<const uint8_t*>(W3);
-    const auto* w2 = static_cast<const uint8_t*>(W2);
-    auto act = [&](int64_t r0, int64_t n) {
-      dispatch_dtype(dt, [&](auto tag) {
-        using T = decltype(tag);
-        swiglu_act_device(ctx, reinterpret_cast<const T*>(h13 + size_t(r0 * 2 * F) * eb),
-                          reinterpret_cast<T*>(H + size_t(r0 * F) * eb), n, F, conv, r0);
-      });
-    };
-    std::vector<GemmJob> up, down;
-    int64_t r0 = 0, rows = 0;
-    for (int j = 0; j < E_l; ++j) rows += counts[j];
-    for (int j = 0; j < E_l; r0 += counts[j], ++j) {
-      const int64_t n = counts[j];
-      if (n == 0) continue;
-      const size_t wo = size_t(j) * size_t(F * D) * eb;
-      const uint8_t* xj = x + size_t(r0 * D) * eb;
-      up.push_back({GemmOp::nt, xj, w1 + wo, h13 + size_t(r0 * 2 * F) * eb, n, D, F, D, 0, 2 * F});
-      up.push_back({GemmOp::nt, xj, w3 + wo, h13 + size_t(r0 * 2 * F + F) * eb, n, D, F, D, 0, 2 * F});
-      down.push_back({GemmOp::nt, H + size_t(r0 * F) * eb, w2 + wo, y + size_t(r0 * D) * eb, n, F, D, F, 0, D});
-      if (impl != ExpertsImpl::grouped) {
-        for (const GemmJob& g : {up[up.size() - 2], up.back()}) gemm_nt(ctx, dt, g.a, n, D, D, g.b, F, g.c, 2 * F);
-        act(r0, n);
-        gemm_nt(ctx, dt, down.back().a, n, F, F, down.back().b, D, down.back().c, D);
-      }
-    }
-    if (impl != ExpertsImpl::grouped || rows == 0) return;
-    const size_t wb = size_t(E_l) * size_t(F * D) * eb;
-    gemm_group(ctx, dt, up, {{X, size_t(rows * D) * eb}, {W1, wb}, {W3, wb}}, {{h13, size_t(rows * 2 * F) * eb}});
-    act(0, rows);
-    gemm_group(ctx, dt, down, {{H, size_t(rows * F) * eb}, {W2, wb}}, {{Y, size_t(rows * D) * eb}});
-    return;
-  }
+  if (ctx.mirror) return experts_device(ctx, dt, impl, X, counts, E_l, D, F, W1, W3, W2, Y, mid, conv);
   dispatch_dtype(dt, [&](auto tag) {
     using T = decltype(tag);
     const T* xs = static_cast<const T*>(X);

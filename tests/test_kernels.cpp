@@ -139,6 +139,24 @@ TEST_CASE("kernel bodies give the host executor's bits with any lane count", "[c
                 N, lanes, lanes > 1);
       return out;
     };
+    // the device's dispatch: the metadata pass, then each token's row to
+    // its K rows; the same rows and metadata as the gather
+    auto scatter = [&](int lanes, k::ScoreApply apply) {
+      std::vector<bf16> out(size_t(N * D), from_float<bf16>(-1.f)), want(out);
+      std::vector<int32_t> perm(static_cast<size_t>(N)), tok(perm.size()), row(perm.size(), -1), tok1(perm.size()),
+          row1(perm.size());
+      std::vector<float> ss(perm.size()), ss1(perm.size());
+      for (int64_t a = 0; a < N; ++a) perm[size_t(a)] = int32_t((a * 7) % N);
+      block_run(k::DispatchMetaBody{perm.data(), sc.data(), tok.data(), ss.data(), row.data(), K}, N, 1, false);
+      block_run(k::ScatterRowsBody<bf16>{init.data(), sc.data(), row.data(), out.data(), D, K, apply,
+                                         k::ScoreMultiply::act},
+                T, lanes, lanes > 1);
+      block_run(k::GatherBody<bf16>{init.data(), perm.data(), sc.data(), want.data(), tok1.data(), ss1.data(),
+                                    row1.data(), D, K, apply, k::ScoreMultiply::act},
+                N, 1, false);
+      return tok == tok1 && row == row1 && std::memcmp(ss.data(), ss1.data(), ss.size() * 4) == 0 &&
+             std::memcmp(out.data(), want.data(), out.size() * 2) == 0;
+    };
     auto swiglu_bwd = [&](int lanes) {
       std::vector<bf16> H(size_t(T * F)), g(size_t(T * 2 * F));
       block_run(k::SwigluBwdBody<bf16>{h13.data(), dH.data(), H.data(), g.data(), F}, T, lanes, lanes > 1);
@@ -154,8 +172,10 @@ TEST_CASE("kernel bodies give the host executor's bits with any lane count", "[c
       for (k::Accumulate acc : {k::Accumulate::per_add, k::Accumulate::fp32_accumulate})
         for (bool in_place : {false, true}) CHECK(bits(combine(lanes, acc, in_place)) == bits(combine(0, acc, in_place)));
       CHECK(bits(row_map(lanes)) == bits(row_map(1)));
-      for (k::ScoreApply apply : {k::ScoreApply::before_experts, k::ScoreApply::after_experts})
+      for (k::ScoreApply apply : {k::ScoreApply::before_experts, k::ScoreApply::after_experts}) {
         CHECK(bits(gather(lanes, apply)) == bits(gather(1, apply)));
+        CHECK(scatter(lanes, apply));
+      }
       CHECK(bits(swiglu_bwd(lanes).first) == bits(swiglu_bwd(1).first));
       CHECK(bits(swiglu_bwd(lanes).second) == bits(swiglu_bwd(1).second));
     }
