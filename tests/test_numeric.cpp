@@ -66,6 +66,23 @@ TEST_CASE("the reference rounding passes zeros, infinities and NaNs through", "[
   }
 }
 
+TEST_CASE("the device conversions' NaN results are the integer paths' on every NaN", "[cpu][numeric]") {
+  // A GPU rounds with the hardware instruction and selects bf16_nan_bits /
+  // fp16_nan_bits for a NaN (src/core/dtype.h); the integer paths here are
+  // the host's. Every NaN: both signs, every non-zero mantissa.
+  int64_t bad_bf16 = 0, bad_fp16 = 0;
+  for (uint32_t sign : {0u, 0x80000000u})
+    for (uint32_t man = 1; man < (1u << 23); ++man) {
+      const uint32_t u = sign | 0x7f800000u | man;
+      bad_bf16 += from_float<bf16>(f32_from_bits(u)).bits != bf16_nan_bits(u);
+      bad_fp16 += from_float<fp16>(f32_from_bits(u)).bits != fp16_nan_bits(u);
+    }
+  CHECK(bad_bf16 == 0);
+  CHECK(bad_fp16 == 0);
+  CHECK(bf16_nan_bits(0x7f800001u) == 0x7fc0);  // a signalling NaN made quiet
+  CHECK(fp16_nan_bits(0xffc00000u) == 0xfe00);
+}
+
 TEST_CASE("known rounding values", "[cpu][numeric]") {
   CHECK(to_float(from_float<fp16>(65504.f)) == 65504.f);
   CHECK(std::isinf(to_float(from_float<fp16>(65520.f))));

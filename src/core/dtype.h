@@ -35,10 +35,12 @@ MOEV_HD inline float to_float(bf16 v) { return f32_from_bits(uint32_t(v.bits) <<
 // instruction (cvt.rn.bf16.f32 from sm_80, cvt.rn.f16.f32, cvt.f32.f16), which
 // gives the same bits as the integer formulation for every input but NaN (the
 // hardware writes one canonical NaN; here a NaN keeps its payload, made
-// quiet): device code takes the instruction for a non-NaN value, the integer
-// path for a NaN. The combine rounds twice per element and routed row, and
-// the integer path made it compute-bound on an H200 (issue 36).
-// tests/gpu_check.cpp compares both on every class of input on the GPU.
+// quiet): device code takes the instruction, and for a NaN the integer
+// formulation's result by a select. The combine rounds twice per element and
+// routed row: about 20 integer instructions per element and row on the
+// integer path, by count (not profiled), enough to make it compute-bound at
+// an H200's bandwidth (issue 36). tests/gpu_check.cpp compares both on
+// every class of input on the GPU.
 #if defined(__CUDA_ARCH__)
 #define MOEV_CVT_DEVICE 1
 #endif
@@ -78,24 +80,28 @@ MOEV_HD inline uint32_t bf16_round_bits32(uint32_t u) {
   return (u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
 }
 
+/// What the integer formulations give for a NaN with bits u, in one step
+/// each: bf16 keeps the payload's top bits, made quiet; fp16 gives sign |
+/// 0x7e00. The device paths select them for a NaN (a select, not a branch);
+/// tests/test_numeric.cpp checks them against the integer paths on every NaN.
+MOEV_HD inline uint16_t bf16_nan_bits(uint32_t u) { return uint16_t((u >> 16) | 0x0040u); }
+MOEV_HD inline uint16_t fp16_nan_bits(uint32_t u) { return uint16_t(((u >> 16) & 0x8000u) | 0x7e00u); }
+
 template <> MOEV_HD inline bf16 from_float<bf16>(float f) {
 #ifdef MOEV_CVT_BF16_DEVICE
-  if (f == f) {
-    uint16_t r;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
-    return bf16{r};
-  }
-#endif
+  uint16_t r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return bf16{f == f ? r : bf16_nan_bits(f32_bits(f))};
+#else
   return bf16{uint16_t(bf16_round_bits32(f32_bits(f)) >> 16)};
+#endif
 }
 
 template <> MOEV_HD inline fp16 from_float<fp16>(float f) {
 #ifdef MOEV_CVT_DEVICE
-  if (f == f) {
-    uint16_t r;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
-    return fp16{r};
-  }
+  uint16_t r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return fp16{f == f ? r : fp16_nan_bits(f32_bits(f))};
 #endif
   const uint32_t x = f32_bits(f);
   const uint16_t sign = uint16_t((x >> 16) & 0x8000u);
@@ -158,9 +164,10 @@ template <> MOEV_HD inline float round_to<float>(float v) { return v; }
 /// The same value as to_float(from_float<bf16>(v)), without leaving 32-bit lanes.
 template <> MOEV_HD inline float round_to<bf16>(float v) {
 #ifdef MOEV_CVT_BF16_DEVICE
-  if (v == v) return to_float(from_float<bf16>(v));
-#endif
+  return to_float(from_float<bf16>(v));
+#else
   return f32_from_bits(bf16_round_bits32(f32_bits(v)));
+#endif
 }
 
 inline const char* dtype_name(DType d) {
