@@ -3,7 +3,8 @@
 // dtype, and so must the entry points on the CUDA device (routing, sort,
 // gather, combine, row maps through a Mirror); the NCCL communicator runs
 // with one rank; the fp32/bf16/fp16 conversions agree with the host's; the
-// grouped GEMMs agree with single ones. Without a usable device it
+// grouped GEMMs agree with single ones. `gpu_check --emulated` runs the
+// checks that take a Device on the emulated device. Without a usable device it
 // prints SKIPPED and exits 77, which ctest reports as skipped (never passed).
 #include <algorithm>
 #include <cmath>
@@ -23,6 +24,20 @@
 using namespace moev;
 
 namespace {
+
+/// `gpu_check --emulated`: the checks that take a Device run on the
+/// emulated device instead (their own logic checked where CI has no GPU).
+bool g_emulated = false;
+
+/// GPU 0 as a Device (the emulated device under --emulated), or null after
+/// a line saying why `what` cannot run.
+std::unique_ptr<Device> device_or_say(const char* what) {
+  if (g_emulated) return make_emulated_device(2);
+  std::string why;
+  std::unique_ptr<Device> dev = cuda::make_device(0, why);
+  if (!dev) std::printf("%s: no CUDA device (%s)\n", what, why.c_str());
+  return dev;
+}
 
 CombineArgs combine_args(DType dt, const void* rows, const float* scores, const int32_t* row_of, int64_t N, int64_t T,
                          int64_t D, int K, k::Accumulate acc) {
@@ -44,12 +59,8 @@ CombineArgs combine_args(DType dt, const void* rows, const float* scores, const 
 /// the expert sort, gather, combine, row maps, the combine's backward.
 /// Returns the failures.
 int device_entry_points() {
-  std::string why;
-  std::unique_ptr<Device> dev = cuda::make_device(0, why);
-  if (!dev) {
-    std::printf("device entry points: no CUDA device (%s)\n", why.c_str());
-    return 1;
-  }
+  std::unique_ptr<Device> dev = device_or_say("device entry points");
+  if (!dev) return 1;
   Mirror m(*dev);
   std::mt19937 g(99);
   int failures = 0;
@@ -145,8 +156,8 @@ int device_entry_points() {
 }
 
 /// The conversions between fp32 and bf16 / fp16 on the GPU (src/core/dtype.h:
-/// the hardware instruction for a non-NaN value, the integer path for a
-/// NaN) against the host's integer path, bitwise, through bodies that use
+/// the hardware instruction, a NaN's result selected) against the host's
+/// integer path, bitwise, through bodies that use
 /// them: RoundBody<bf16> (round_to<bf16>), ConvertBody<float, bf16>
 /// (from_float<bf16>), RoundBody<fp16> (from_float<fp16>, then to_float) on
 /// every high half of an fp32 bit pattern with low halves at and around
@@ -155,12 +166,8 @@ int device_entry_points() {
 /// infinity are among them. ConvertBody<fp16, bf16> covers to_float(fp16)
 /// on all 65,536 patterns. Returns the failures.
 int conversions() {
-  std::string why;
-  std::unique_ptr<Device> dev = cuda::make_device(0, why);
-  if (!dev) {
-    std::printf("conversions: no CUDA device (%s)\n", why.c_str());
-    return 1;
-  }
+  std::unique_ptr<Device> dev = device_or_say("conversions");
+  if (!dev) return 1;
   std::vector<uint32_t> low = {0u, 0xffffu, 0x7fffu, 0x8000u, 0x8001u, 0x3000u, 0x2fffu, 0x3001u, 0xb000u, 0xd000u};
   for (int b = 0; b < 16; ++b) low.insert(low.end(), {1u << b, (1u << b) - 1u, (1u << b) + 1u, 0xffffu ^ (1u << b)});
   std::vector<float> in;
@@ -219,12 +226,8 @@ int conversions() {
 /// bytes; the gradients of an expert without rows stay poison in both).
 /// Returns the failures.
 int grouped_gemms() {
-  std::string why;
-  std::unique_ptr<Device> dev = cuda::make_device(0, why);
-  if (!dev) {
-    std::printf("grouped GEMMs: no CUDA device (%s)\n", why.c_str());
-    return 1;
-  }
+  std::unique_ptr<Device> dev = device_or_say("grouped GEMMs");
+  if (!dev) return 1;
   std::mt19937 g(7);
   int failures = 0;
   for (DType dt : {DType::bf16, DType::fp16, DType::fp32}) {
@@ -309,12 +312,8 @@ int grouped_gemms() {
 /// split in between, all-reduce and all-gather staged through the device,
 /// and a split mismatch refused before any row moves. Returns the failures.
 int nccl_one_rank() {
-  std::string why;
-  std::unique_ptr<Device> dev = cuda::make_device(0, why);
-  if (!dev) {
-    std::printf("nccl: no CUDA device (%s)\n", why.c_str());
-    return 1;
-  }
+  std::unique_ptr<Device> dev = device_or_say("nccl");
+  if (!dev) return 1;
   int failures = 0;
   try {
     auto host = make_local_comms(1, std::chrono::milliseconds(30000));
@@ -360,7 +359,13 @@ int nccl_one_rank() {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "--emulated") {
+    g_emulated = true;
+    const int failures = device_entry_points() + conversions() + grouped_gemms();
+    std::printf("%d failure(s) on the emulated device\n", failures);
+    return failures ? 1 : 0;
+  }
   const cuda::DeviceStatus st = cuda::probe();
   if (st.count == 0) {
     std::printf("SKIPPED: no usable CUDA device (%s)\n", st.message.c_str());
