@@ -414,22 +414,31 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
     }
     Lease h(*this);
     const bool grouped = dt != DType::fp32 && blas().gemm_grouped != nullptr;
-    {
-      std::lock_guard<std::mutex> lk(blas_m_);
-      ++group_calls_.calls;
-      group_calls_.path = grouped ? "one cublasGemmGroupedBatchedEx per output type"
-                                  : "one cublasGemmEx per job, back to back (" +
-                                        std::string(dt == DType::fp32 ? "fp32: the pedantic compute type"
-                                                                      : "this cuBLAS lacks the grouped call") +
-                                        ")";
-    }
+    std::string path = grouped ? "one cublasGemmGroupedBatchedEx per output type"
+                               : std::string("one cublasGemmEx per job, back to back (") +
+                                     (dt == DType::fp32 ? "fp32: the pedantic compute type" : "this cuBLAS lacks the grouped call") +
+                                     ")";
     timed([&] {
       if (!grouped) {
         for (const Call& c : calls) enqueue_gemm(h.h, c);
         return;
       }
-      for (cudaDataType ct : {data_type(dt), CUDA_R_32F}) enqueue_grouped(h.h, calls, ct);
+      for (cudaDataType ct : {data_type(dt), CUDA_R_32F}) {
+        const cublasStatus_t st = enqueue_grouped(h.h, calls, ct);
+        if (st == CUBLAS_STATUS_SUCCESS) continue;
+        if (st != CUBLAS_STATUS_NOT_SUPPORTED)
+          throw std::runtime_error("cublasGemmGroupedBatchedEx: cuBLAS status " + std::to_string(int(st)));
+        // a type combination the grouped call does not take: that output
+        // type's GEMMs one by one (the same results, one call each)
+        path += std::string("; its ") + (ct == CUDA_R_32F ? "fp32" : "activation") +
+                "-output GEMMs one cublasGemmEx each (the grouped call said not supported)";
+        for (const Call& c : calls)
+          if (c.c_type == ct) enqueue_gemm(h.h, c);
+      }
     });
+    std::lock_guard<std::mutex> lk(blas_m_);
+    ++group_calls_.calls;
+    group_calls_.path = path;
   }
   GroupCalls gemm_group_calls() const override {
     std::lock_guard<std::mutex> lk(blas_m_);
@@ -560,7 +569,8 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   /// cublasGemmGroupedBatchedEx: a group per run of consecutive calls of
   /// equal operations, sizes and leading dimensions. The pointer arrays go
   /// to the device first (the call reads them there), freed in stream order.
-  static void enqueue_grouped(cublasHandle_t h, const std::vector<Call>& calls, cudaDataType c_type) {
+  /// Returns the call's status (success where there is nothing to run).
+  static cublasStatus_t enqueue_grouped(cublasHandle_t h, const std::vector<Call>& calls, cudaDataType c_type) {
     std::vector<cublasOperation_t> op_a, op_b;
     std::vector<int> m, n, k, lda, ldb, ldc, size;
     std::vector<const void*> A, B, ptrs;  // ptrs: every A pointer, then B's, then C's
@@ -581,7 +591,7 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
       A.push_back(c.A), B.push_back(c.B), C.push_back(c.C);
       t = c.t, compute = c.compute, prev = &c;
     }
-    if (A.empty()) return;
+    if (A.empty()) return CUBLAS_STATUS_SUCCESS;
     const size_t np = A.size();
     ptrs.insert(ptrs.end(), A.begin(), A.end());
     ptrs.insert(ptrs.end(), B.begin(), B.end());
@@ -593,9 +603,9 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
     void** dp = static_cast<void**>(dptrs.d);
     const void* const* dA = dp;
     const std::vector<float> alpha(size.size(), 1.f), beta(size.size(), 0.f);
-    MOEV_CUBLAS_CHECK(blas().gemm_grouped(h, op_a.data(), op_b.data(), m.data(), n.data(), k.data(), alpha.data(), dA,
-                                          t, lda.data(), dA + np, t, ldb.data(), beta.data(),
-                                          dp + 2 * np, c_type, ldc.data(), int(size.size()), size.data(), compute));
+    return blas().gemm_grouped(h, op_a.data(), op_b.data(), m.data(), n.data(), k.data(), alpha.data(), dA, t,
+                               lda.data(), dA + np, t, ldb.data(), beta.data(), dp + 2 * np, c_type, ldc.data(),
+                               int(size.size()), size.data(), compute);
   }
 
   /// One GEMM (the single entry points), synchronised and timed.
