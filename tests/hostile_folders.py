@@ -28,6 +28,9 @@ import tempfile
 import numpy as np
 
 tool, src = sys.argv[1], sys.argv[2]
+# the package's calls run the tool under test too (a tree built elsewhere than
+# build/, as .ci/sanitize's build-asan, has no build/moeverify to find)
+os.environ["MOEVERIFY_BIN"] = os.path.abspath(tool)
 sys.path.insert(0, os.path.join(src, "python"))
 import moeverify  # noqa: E402
 
