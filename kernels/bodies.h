@@ -362,6 +362,35 @@ MOEV_HD inline int row_lanes(int64_t bytes) {
   return int(warps < 1 ? 32 : warps > 8 ? 256 : warps * 32);
 }
 
+/// The multiplier of a score s under score_multiply (docs/contract.md §14):
+/// the fp32 score, or the score rounded to T first.
+template <class T>
+MOEV_HD inline float multiplier(float s, ScoreMultiply smul) {
+  return smul == ScoreMultiply::act ? round_to<T>(s) : s;
+}
+
+/// A 16-byte piece of T with every element multiplied by m, each product
+/// rounded once to T.
+template <class T>
+MOEV_HD inline Piece scaled_piece(const Piece& in, float m) {
+  Piece out{};
+  for (int j = 0; j < int(16 / sizeof(T)); ++j) piece_set<T>(out, j, piece_get<T>(in, j) * m);
+  return out;
+}
+
+/// dst = round(src * m) over a row span of n elements, as copy_row splits
+/// the work: 16-byte pieces where several lanes meet aligned rows, else
+/// elements. The same product and rounding per element either way.
+template <class T>
+MOEV_HD inline void scale_row(T* dst, const T* src, int64_t n, float m, int lane, int lanes) {
+  constexpr int W = int(16 / sizeof(T));
+  if (lanes > 1 && aligned16(dst, n * int64_t(sizeof(T))) && aligned16(src, 0)) {
+    for (int64_t c = lane; c < n / W; c += lanes) store_piece(dst + c * W, scaled_piece<T>(load_piece(src + c * W), m));
+    return;
+  }
+  for (int64_t c = lane; c < n; c += lanes) dst[c] = from_float<T>(to_float(src[c]) * m);
+}
+
 /// Local dispatch gather (docs/contract.md §2) for dispatch row i: perm[i] is the flat
 /// assignment a = t*K + k of row i. Writes the row, token_sorted[i],
 /// score_sorted[i] and the inverse map row_of[a] = i.
@@ -383,7 +412,6 @@ struct GatherBody {
     const int32_t a = perm[i];
     const int64_t t = a / K;
     const float s = topk_scores[a];
-    const float sm = smul == ScoreMultiply::act ? round_to<T>(s) : s;
     if (lane == 0) {
       token_sorted[i] = int32_t(t);
       score_sorted[i] = s;
@@ -391,23 +419,8 @@ struct GatherBody {
     }
     const T* src = x + t * D;
     T* dst = routed + i * D;
-    if (apply == ScoreApply::before_experts) {
-      // several lanes on aligned rows: a 16-byte piece each (the same
-      // product and rounding per element), else an element each
-      constexpr int W = int(16 / sizeof(T));
-      if (lanes > 1 && aligned16(dst, D * int64_t(sizeof(T))) && aligned16(src, 0)) {
-        for (int64_t c = lane; c < D / W; c += lanes) {
-          const Piece in = load_piece(src + c * W);
-          Piece out{};
-          for (int j = 0; j < W; ++j) piece_set<T>(out, j, piece_get<T>(in, j) * sm);
-          store_piece(dst + c * W, out);
-        }
-        return;
-      }
-      for (int64_t c = lane; c < D; c += lanes) dst[c] = from_float<T>(to_float(src[c]) * sm);
-    } else {
-      copy_row(dst, src, D, lane, lanes);
-    }
+    if (apply == ScoreApply::before_experts) scale_row(dst, src, D, multiplier<T>(s, smul), lane, lanes);
+    else copy_row(dst, src, D, lane, lanes);
   }
 };
 
@@ -454,33 +467,20 @@ struct ScatterRowsBody {
     const T* src = x + t * D;
     const int32_t* rows = row_of + t * K;
     const bool scaled = apply == ScoreApply::before_experts;
-    auto score = [&](int k) {
-      const float s = topk_scores[t * K + k];
-      return smul == ScoreMultiply::act ? round_to<T>(s) : s;
-    };
+    auto score = [&](int k) { return multiplier<T>(topk_scores[t * K + k], smul); };
     if (lanes > 1 && aligned16(src, D * int64_t(sizeof(T))) && aligned16(routed, 0)) {
       // a 16-byte piece a lane: loaded once, stored K times
       for (int64_t c = lane; c < D / W; c += lanes) {
         const Piece in = load_piece(src + c * W);
-        for (int k = 0; k < K; ++k) {
-          Piece out = in;
-          if (scaled) {
-            const float sm = score(k);
-            for (int j = 0; j < W; ++j) piece_set<T>(out, j, piece_get<T>(in, j) * sm);
-          }
-          store_piece(routed + int64_t(rows[k]) * D + c * W, out);
-        }
+        for (int k = 0; k < K; ++k)
+          store_piece(routed + int64_t(rows[k]) * D + c * W, scaled ? scaled_piece<T>(in, score(k)) : in);
       }
       return;
     }
     for (int k = 0; k < K; ++k) {
       T* dst = routed + int64_t(rows[k]) * D;
-      if (scaled) {
-        const float sm = score(k);
-        for (int64_t c = lane; c < D; c += lanes) dst[c] = from_float<T>(to_float(src[c]) * sm);
-      } else {
-        copy_row(dst, src, D, lane, lanes);
-      }
+      if (scaled) scale_row(dst, src, D, score(k), lane, lanes);
+      else copy_row(dst, src, D, lane, lanes);
     }
   }
 };
@@ -596,7 +596,7 @@ struct CombineBody {
   template <class Y>
   MOEV_HD void add_row(float* v, int n, float s, const Y& y) const {
     if (apply == ScoreApply::after_experts) {
-      if (smul == ScoreMultiply::act) s = round_to<T>(s);
+      s = multiplier<T>(s, smul);
       if (acc == Accumulate::per_add)
         for (int i = 0; i < n; ++i) v[i] = round_to<T>(v[i] + round_to<T>(y(i) * s));
       else

@@ -374,32 +374,26 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   // wg^T (E x D; wg is D x E column-major) times x^T (D x T; x is D x T
   // column-major). fp32 output.
   void gemm_logits(DType dt, const void* x, const void* wg, int64_t T, int64_t D, int E, float* logits) override {
-    gemm_ex(dt, CUBLAS_OP_T, CUBLAS_OP_N, E, T, D, wg, D, x, D, logits, CUDA_R_32F, E);
+    gemm_ex(call(dt, CUBLAS_OP_T, CUBLAS_OP_N, E, T, D, wg, D, x, D, logits, CUDA_R_32F, E));
   }
 
-  // Row-major Y (rows, n; ld ldy) = X (rows, k; ld ldx) times W^T or W is,
-  // column-major, Y^T = op(W) X^T: W (n, k) row-major is a column-major k x n
-  // matrix (ld k), transposed (gemm_nt); W (k, n) row-major is a column-major
-  // n x k matrix (ld n), as is (gemm_nn). The result rounded once to dt.
+  // The single GEMMs: one job each, as call_of maps it to column-major.
   void gemm_nt(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n, void* Y,
                int64_t ldy) override {
-    gemm_ex(dt, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, k, W, k, X, ldx, Y, data_type(dt), ldy);
+    gemm_ex(call_of(dt, {GemmOp::nt, X, W, Y, rows, k, n, ldx, 0, ldy}));
   }
   void gemm_nn(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n, void* Y,
                int64_t ldy) override {
-    gemm_ex(dt, CUBLAS_OP_N, CUBLAS_OP_N, n, rows, k, W, n, X, ldx, Y, data_type(dt), ldy);
+    gemm_ex(call_of(dt, {GemmOp::nn, X, W, Y, rows, k, n, ldx, 0, ldy}));
   }
 
-  // Row-major C (m, n) = A^T B is column-major C^T (n x m, ld n) = B_cm A_cm^T
-  // with B_cm the column-major n x rows matrix B is (ld ldb) and A_cm the
-  // m x rows matrix A is (ld lda). fp32 output (a cublasGemmEx combination
-  // for bf16 and fp16 inputs too).
+  // fp32 output (a cublasGemmEx combination for bf16 and fp16 inputs too).
   void gemm_tn_f32(DType dt, const void* A, int64_t rows, int64_t m, int64_t lda, const void* B, int64_t n,
                    int64_t ldb, float* C) override {
-    gemm_ex(dt, CUBLAS_OP_N, CUBLAS_OP_T, n, m, rows, B, ldb, A, lda, C, CUDA_R_32F, n);
+    gemm_ex(call_of(dt, {GemmOp::tn_f32, A, B, C, rows, m, n, lda, ldb, 0}));
   }
 
-  // The jobs as the column-major calls above make them; then one
+  // The jobs as column-major calls (call_of); then one
   // cublasGemmGroupedBatchedEx per output type (act, fp32), consecutive jobs
   // of equal shape sharing a group, where the library has it and dt is not
   // fp32 (fp32 GEMMs use the pedantic compute type, which the grouped call
@@ -407,11 +401,7 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   void gemm_group(DType dt, const std::vector<GemmJob>& jobs) override {
     if (jobs.empty()) return;
     std::vector<Call> calls;
-    for (const GemmJob& j : jobs) {
-      if (j.op == GemmOp::nt) calls.push_back(call(dt, CUBLAS_OP_T, CUBLAS_OP_N, j.n, j.rows, j.k, j.b, j.k, j.a, j.lda, j.c, data_type(dt), j.ldc));
-      else if (j.op == GemmOp::nn) calls.push_back(call(dt, CUBLAS_OP_N, CUBLAS_OP_N, j.n, j.rows, j.k, j.b, j.n, j.a, j.lda, j.c, data_type(dt), j.ldc));
-      else calls.push_back(call(dt, CUBLAS_OP_N, CUBLAS_OP_T, j.n, j.k, j.rows, j.b, j.ldb, j.a, j.lda, j.c, CUDA_R_32F, j.n));
-    }
+    for (const GemmJob& j : jobs) calls.push_back(call_of(dt, j));
     Lease h(*this);
     const bool grouped = dt != DType::fp32 && blas().gemm_grouped != nullptr;
     std::string path = grouped ? "one cublasGemmGroupedBatchedEx per output type"
@@ -517,6 +507,20 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
                 dt == DType::fp32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F};
   }
 
+  /// A row-major job (moe_host.h GemmJob) as the column-major call that
+  /// computes it. nt: Y^T (n x rows, ld ldc) = W^T X^T, W (n, k) row-major
+  /// being a column-major k x n matrix (ld k), transposed; nn: W (k, n)
+  /// row-major is a column-major n x k matrix (ld n), as is; tn_f32: C (k, n)
+  /// = A^T B is column-major C^T (n x k, ld n) = B_cm A_cm^T, B_cm the n x
+  /// rows matrix B is (ld ldb), A_cm the k x rows matrix A is (ld lda), fp32.
+  static Call call_of(DType dt, const GemmJob& j) {
+    if (j.op == GemmOp::nt)
+      return call(dt, CUBLAS_OP_T, CUBLAS_OP_N, j.n, j.rows, j.k, j.b, j.k, j.a, j.lda, j.c, data_type(dt), j.ldc);
+    if (j.op == GemmOp::nn)
+      return call(dt, CUBLAS_OP_N, CUBLAS_OP_N, j.n, j.rows, j.k, j.b, j.n, j.a, j.lda, j.c, data_type(dt), j.ldc);
+    return call(dt, CUBLAS_OP_N, CUBLAS_OP_T, j.n, j.k, j.rows, j.b, j.ldb, j.a, j.lda, j.c, CUDA_R_32F, j.n);
+  }
+
   /// A cuBLAS handle for the calling thread's call, from a pool: a handle
   /// serves one thread at a time, and in-process ranks each hold their own
   /// while their GEMMs run side by side (one shared handle under a lock
@@ -609,9 +613,7 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   }
 
   /// One GEMM (the single entry points), synchronised and timed.
-  void gemm_ex(DType dt, cublasOperation_t op_a, cublasOperation_t op_b, int64_t m, int64_t n, int64_t k,
-               const void* A, int64_t lda, const void* B, int64_t ldb, void* C, cudaDataType c_type, int64_t ldc) {
-    const Call c = call(dt, op_a, op_b, m, n, k, A, lda, B, ldb, C, c_type, ldc);
+  void gemm_ex(const Call& c) {
     Lease h(*this);
     timed([&] { enqueue_gemm(h.h, c); });
   }

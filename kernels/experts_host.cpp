@@ -98,9 +98,9 @@ void experts_device(const ExecCtx& ctx, DType dt, ExpertsImpl impl, const void* 
     up.push_back({GemmOp::nt, xj, w3 + wo, h13 + size_t(r0 * 2 * F + F) * eb, n, D, F, D, 0, 2 * F});
     down.push_back({GemmOp::nt, H + size_t(r0 * F) * eb, w2 + wo, y + size_t(r0 * D) * eb, n, F, D, F, 0, D});
     if (impl != ExpertsImpl::grouped) {
-      for (const GemmJob& g : {up[up.size() - 2], up.back()}) gemm_nt(ctx, dt, g.a, n, D, D, g.b, F, g.c, 2 * F);
+      for (size_t i = up.size() - 2; i < up.size(); ++i) gemm_job(ctx, dt, up[i]);
       act(r0, n);
-      gemm_nt(ctx, dt, down.back().a, n, F, F, down.back().b, D, down.back().c, D);
+      gemm_job(ctx, dt, down.back());
     }
   }
   if (impl != ExpertsImpl::grouped || rows == 0) return;
@@ -233,15 +233,17 @@ void gemm_nn(const ExecCtx& ctx, DType dt, const void* X, int64_t rows, int64_t 
   gemm_layout(ctx, dt, X, rows, k, ldx, W, n, Y, ldy, WeightLayout::k_by_n);
 }
 
+void gemm_job(const ExecCtx& ctx, DType dt, const GemmJob& j) {
+  if (j.op == GemmOp::nt) gemm_nt(ctx, dt, j.a, j.rows, j.k, j.lda, j.b, j.n, j.c, j.ldc);
+  else if (j.op == GemmOp::nn) gemm_nn(ctx, dt, j.a, j.rows, j.k, j.lda, j.b, j.n, j.c, j.ldc);
+  else gemm_tn_f32(ctx, dt, j.a, j.rows, j.k, j.lda, j.b, j.n, j.ldb, static_cast<float*>(j.c));
+}
+
 void gemm_group(const ExecCtx& ctx, DType dt, const std::vector<GemmJob>& jobs, std::initializer_list<ByteRange> inputs,
                 std::initializer_list<ByteRange> outputs) {
   if (jobs.empty()) return;
   if (!ctx.mirror) {
-    for (const GemmJob& j : jobs) {
-      if (j.op == GemmOp::nt) gemm_nt(ctx, dt, j.a, j.rows, j.k, j.lda, j.b, j.n, j.c, j.ldc);
-      else if (j.op == GemmOp::nn) gemm_nn(ctx, dt, j.a, j.rows, j.k, j.lda, j.b, j.n, j.c, j.ldc);
-      else gemm_tn_f32(ctx, dt, j.a, j.rows, j.k, j.lda, j.b, j.n, j.ldb, static_cast<float*>(j.c));
-    }
+    for (const GemmJob& j : jobs) gemm_job(ctx, dt, j);
     return;
   }
   Mirror& m = *ctx.mirror;

@@ -155,6 +155,9 @@ struct ByteRange {
   size_t bytes = 0;
 };
 
+/// One job as its single entry point (gemm_nt, gemm_nn or gemm_tn_f32).
+void gemm_job(const ExecCtx& ctx, DType dt, const GemmJob& job);
+
 /// Independent GEMMs (no job reads what another writes) as one call: on the
 /// host each job in turn; on the mirror's device one grouped GEMM (a
 /// GPU's grouped cuBLAS call, issue 36 item 3) after translating the jobs'
