@@ -286,17 +286,18 @@ MOEV_HD inline float piece_get(const Piece& r, int i) {
   }
   return to_float(e);
 }
+
+/// The piece holding from_float<T> of the 16 / sizeof(T) values v, element
+/// 0 lowest; the 2-byte types convert in pairs (pack_pairs: one packed
+/// instruction a pair on a GPU), the same bits as from_float on each.
 template <class T>
-MOEV_HD inline void piece_set(Piece& r, int i, float v) {
-  const T e = from_float<T>(v);
-  if constexpr (sizeof(T) == 4) {
-    memcpy(&r.w[i], &e, 4);
-  } else {
-    uint16_t b;
-    memcpy(&b, &e, 2);
-    const int sh = (i & 1) * 16;
-    r.w[i >> 1] = (r.w[i >> 1] & ~(0xffffu << sh)) | (uint32_t(b) << sh);
-  }
+MOEV_HD inline Piece piece_of(const float (&v)[16 / sizeof(T)]) {
+  Piece r;
+  if constexpr (sizeof(T) == 4)
+    for (int i = 0; i < 4; ++i) r.w[i] = f32_bits(v[i]);
+  else
+    pack_pairs<T, 4>(v, r.w);
+  return r;
 }
 
 /// Copies the n elements of one row span, as lane `lane` of `lanes`. One
@@ -373,9 +374,9 @@ MOEV_HD inline float multiplier(float s, ScoreMultiply smul) {
 /// rounded once to T.
 template <class T>
 MOEV_HD inline Piece scaled_piece(const Piece& in, float m) {
-  Piece out{};
-  for (int j = 0; j < int(16 / sizeof(T)); ++j) piece_set<T>(out, j, piece_get<T>(in, j) * m);
-  return out;
+  float v[16 / sizeof(T)];
+  for (int j = 0; j < int(16 / sizeof(T)); ++j) v[j] = piece_get<T>(in, j) * m;
+  return piece_of<T>(v);
 }
 
 /// dst = round(src * m) over a row span of n elements, as copy_row splits
@@ -547,6 +548,9 @@ struct CombineBody {
   CombineInit init_from = CombineInit::buffer;
 
   MOEV_HD void operator()(int64_t t, int lane, int lanes) const {
+    if constexpr (W * sizeof(T) == 16) {
+      if (K <= kRegRows && D % W == 0 && pieces_aligned(t, 0)) return token_in_registers(t, lane, lanes);
+    }
     int32_t rows[kMaxTopK];
     int n = 0;  // an assignment dropped by capacity (row -1, docs/contract.md §11) adds nothing
     for (int k = 0; k < K; ++k) {
@@ -562,6 +566,103 @@ struct CombineBody {
     for (int64_t c0 = int64_t(lane) * W; c0 < D; c0 += int64_t(lanes) * W)
       span(t, rows, n, c0, D - c0 < W ? int(D - c0) : W);
   }
+
+  /// Routed rows a token may have for token_in_registers.
+  static constexpr int kRegRows = 8;
+
+  /// The device span (W columns = 16 bytes) for a token of at most kRegRows
+  /// routed rows whose buffers are 16-byte aligned (DeepSeek-V3, Qwen3 and
+  /// Mixtral's K): the same additions in the same order as span(), with
+  /// everything a lane needs in registers. The token's rows are ordered by a
+  /// compare-exchange network of fixed size (an insertion sort indexes its
+  /// array at run time, which puts the array in local memory: 160 bytes of
+  /// stack in the general path), their multipliers are read once per token,
+  /// not once per span, all rows' pieces are loaded before the first is
+  /// added (kRegRows loads in flight a lane), and the roundings go two
+  /// elements at a time (round_pairs: one packed conversion a pair on a GPU).
+  MOEV_HD void token_in_registers(int64_t t, int lane, int lanes) const {
+    constexpr int R = kRegRows;
+    const bool ascending = order == CombineOrder::ascending_row;
+    // Sort keys: a dropped assignment (row -1) last, the rest by row in the
+    // combine order (rows of one token are distinct, so no ties).
+    int32_t key[R];
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+    for (int j = 0; j < R; ++j) {
+      const int32_t r = j < K ? row_of[t * K + j] : -1;
+      key[j] = r < 0 ? INT32_MAX : ascending ? r : -r;
+    }
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+    for (int pass = 0; pass < R; ++pass)  // odd-even transposition: sorted after R passes
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+      for (int j = pass & 1; j + 1 < R; j += 2) {
+        const int32_t a = key[j], b = key[j + 1];
+        key[j] = a < b ? a : b;
+        key[j + 1] = a < b ? b : a;
+      }
+    int nrows = 0;
+    int32_t rows[R];
+    float mult[R];  // a row's score as the additions use it (add_row)
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+    for (int j = 0; j < R; ++j) {
+      nrows += key[j] != INT32_MAX;
+      rows[j] = key[j] == INT32_MAX ? 0 : ascending ? key[j] : -key[j];
+      mult[j] = key[j] == INT32_MAX || apply != ScoreApply::after_experts
+                    ? 1.f
+                    : multiplier<T>(score_sorted[rows[j]], smul);
+    }
+    for (int64_t c0 = int64_t(lane) * W; c0 < D; c0 += int64_t(lanes) * W) {
+      float v[W];
+      if (init_from == CombineInit::zeros) {
+        for (int i = 0; i < W; ++i) v[i] = 0.f;
+      } else {
+        const Piece in = load_piece(init + t * D + c0);
+        for (int i = 0; i < W; ++i) v[i] = piece_get<T>(in, i);
+      }
+      Piece pc[R];
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+      for (int j = 0; j < R; ++j)
+        if (j < nrows) pc[j] = load_piece(routed_out + int64_t(rows[j]) * D + c0);
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+      for (int j = 0; j < R; ++j)
+        if (j < nrows) add_piece(v, pc[j], mult[j]);
+      if (acc == Accumulate::fp32_accumulate) round_pairs<T, W / 2>(v);
+      if (shared_add == SharedAdd::add_after) {
+        const Piece sh = load_piece(shared + t * D + c0);
+        for (int i = 0; i < W; ++i) v[i] += piece_get<T>(sh, i);
+        round_pairs<T, W / 2>(v);
+      }
+      store_piece(out + t * D + c0, piece_of<T>(v));
+    }
+  }
+
+  /// add_row on one piece of W elements with the multiplier m already taken
+  /// (token_in_registers): the contribution round(y * m) under after_experts,
+  /// y under before_experts; per_add rounds each sum. Pairs of elements
+  /// round together (round_pairs), the values those of add_row.
+  MOEV_HD void add_piece(float (&v)[W], const Piece& p, float m) const {
+    float y[W];
+    for (int i = 0; i < W; ++i) y[i] = piece_get<T>(p, i);
+    if (apply == ScoreApply::after_experts) {
+      for (int i = 0; i < W; ++i) y[i] *= m;
+      round_pairs<T, W / 2>(y);
+    }
+    for (int i = 0; i < W; ++i) v[i] += y[i];
+    if (acc == Accumulate::per_add) round_pairs<T, W / 2>(v);
+  }
+
+
 
   /// Columns [c0, c0 + n) of token t, n <= W, from its nrows rows. v holds the running value:
   /// representable in T under per_add (rounded after every addition), the
@@ -655,9 +756,7 @@ struct CombineBody {
       const Piece sh = load_piece(shared + t * D + c0);
       for (int i = 0; i < W; ++i) v[i] = round_to<T>(v[i] + piece_get<T>(sh, i));
     }
-    Piece o{};
-    for (int i = 0; i < W; ++i) piece_set<T>(o, i, v[i]);
-    store_piece(out + t * D + c0, o);
+    store_piece(out + t * D + c0, piece_of<T>(v));
   }
 };
 

@@ -57,13 +57,26 @@ struct HistogramBody {
 constexpr int64_t kChunk = 4096;
 inline int64_t chunks(int64_t n) { return (n + kChunk - 1) / kChunk; }
 
-/// Rounds n fp32 values to the activation type T in place (router.gate_dtype act).
+/// Rounds n fp32 values to the activation type T in place (router.gate_dtype
+/// act). With `pieces`, eight values at a time round together (round_pairs,
+/// the combine's packed conversion; n a multiple of 8): the same values, so
+/// that tests/gpu_check.cpp can compare the packed path with the host's.
 template <class T>
 struct RoundBody {
   float* v;
   int64_t n;
+  bool pieces = false;
   MOEV_HD void operator()(int64_t c, int lane, int lanes) const {
     const int64_t end = (c + 1) * kChunk < n ? (c + 1) * kChunk : n;
+    if (pieces) {
+      for (int64_t i = c * kChunk + 8 * lane; i + 7 < end; i += 8 * lanes) {
+        float p[8];
+        for (int j = 0; j < 8; ++j) p[j] = v[i + j];
+        round_pairs<T, 4>(p);
+        for (int j = 0; j < 8; ++j) v[i + j] = p[j];
+      }
+      return;
+    }
     for (int64_t i = c * kChunk + lane; i < end; i += lanes) v[i] = round_to<T>(v[i]);
   }
 };

@@ -163,7 +163,9 @@ int device_entry_points() {
 /// every high half of an fp32 bit pattern with low halves at and around
 /// every rounding boundary (ties, just below, just above; each bf16 and
 /// fp16 rounding position, subnormal ones included); every NaN class and
-/// infinity are among them. ConvertBody<fp16, bf16> covers to_float(fp16)
+/// infinity are among them. The same inputs eight at a time through
+/// round_pairs (the combine's packed conversion).
+/// ConvertBody<fp16, bf16> covers to_float(fp16)
 /// on all 65,536 patterns. Returns the failures.
 int conversions() {
   std::unique_ptr<Device> dev = device_or_say("conversions");
@@ -174,6 +176,10 @@ int conversions() {
   in.reserve(low.size() << 16);
   for (uint32_t hi = 0; hi < 65536; ++hi)
     for (uint32_t lo : low) in.push_back(f32_from_bits((hi << 16) | (lo & 0xffffu)));
+  // Eight values without a NaN around the infinities: the packed path's
+  // infinities (in the patterns above an infinity shares its eight with NaNs).
+  for (uint32_t u : {0x7f800000u, 0xff800000u, 0x7f7fffffu, 0xff7fffffu, 0u, 0x80000000u, 0x477ff000u, 0xc77fefffu})
+    in.push_back(f32_from_bits(u));
   const int64_t n = int64_t(in.size());
   const size_t fb = size_t(n) * 4;
   float* d = static_cast<float*>(dev->alloc(fb));
@@ -183,15 +189,20 @@ int conversions() {
     std::printf("conversion %s on %lld inputs: %s\n", what, (long long)n, ok ? "bitwise equal" : "DIFFERS");
     failures += !ok;
   };
-  for (int which = 0; which < 2; ++which) {
-    std::vector<float> want(in), got(in.size());
-    for (float& v : want) v = which == 0 ? round_to<bf16>(v) : round_to<fp16>(v);
-    dev->upload(d, in.data(), fb);
-    if (which == 0) dev->run(RoundBody<bf16>{d, n}, chunks(n));
-    else dev->run(RoundBody<fp16>{d, n}, chunks(n));
-    dev->download(got.data(), d, fb);
-    report(which == 0 ? "round_to<bf16>" : "from_float<fp16> and back", std::memcmp(want.data(), got.data(), fb) == 0);
-  }
+  // Scalar, then eight values at a time (round_pairs: the packed conversion
+  // where none of the eight is a NaN, else the scalar one for all eight).
+  const char* names[2][2] = {{"round_to<bf16>", "from_float<fp16> and back"},
+                             {"round_pairs<bf16>", "round_pairs<fp16>"}};
+  for (int mode = 0; mode < 2; ++mode)
+    for (int which = 0; which < 2; ++which) {
+      std::vector<float> want(in), got(in.size());
+      for (float& v : want) v = which == 0 ? round_to<bf16>(v) : round_to<fp16>(v);
+      dev->upload(d, in.data(), fb);
+      if (which == 0) dev->run(RoundBody<bf16>{d, n, mode > 0}, chunks(n));
+      else dev->run(RoundBody<fp16>{d, n, mode > 0}, chunks(n));
+      dev->download(got.data(), d, fb);
+      report(names[mode][which], std::memcmp(want.data(), got.data(), fb) == 0);
+    }
   {
     std::vector<bf16> want(in.size()), got(in.size());
     for (size_t i = 0; i < in.size(); ++i) want[i] = from_float<bf16>(in[i]);

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <random>
 #include <tuple>
 #include <vector>
 
@@ -180,6 +181,71 @@ TEST_CASE("kernel bodies give the host executor's bits with any lane count", "[c
       CHECK(bits(swiglu_bwd(lanes).second) == bits(swiglu_bwd(1).second));
     }
   }
+}
+
+namespace {
+
+/// The combine as a device runs it (kDeviceSpan<T> columns a lane, `lanes`
+/// lanes, lanes in descending order) against the host executor's body
+/// (kCombineSpan columns, one lane), bitwise, over every mode. Tokens of at
+/// most 8 rows take the device's register path where the rows are 16-byte
+/// aligned, the others the general one. Returns the configurations that differ.
+template <class T>
+int device_combine_differs(int64_t D, int K, int lanes) {
+  const int64_t tokens = 23, N = tokens * K;
+  std::mt19937 g(uint32_t(D * 131 + K * 7 + lanes));
+  std::uniform_int_distribution<int> u(-300, 300);
+  auto fill = [&](size_t n) {
+    std::vector<T> v(n);
+    for (auto& x : v) x = from_float<T>(float(u(g)) / 64.f);
+    return v;
+  };
+  const std::vector<T> rows = fill(size_t(N * D)), init = fill(size_t(tokens * D)), shared = fill(size_t(tokens * D));
+  std::vector<float> sc(static_cast<size_t>(N));
+  for (auto& s : sc) s = float(u(g) + 301) / 601.f;
+  // row_of: a permutation of the N rows with every fifth assignment dropped (-1)
+  std::vector<int32_t> row_of(static_cast<size_t>(N));
+  for (int64_t a = 0; a < N; ++a) row_of[size_t(a)] = int32_t(a);
+  std::shuffle(row_of.begin(), row_of.end(), g);
+  for (int64_t a = 4; a < N; a += 5) row_of[size_t(a)] = -1;
+  int differ = 0;
+  for (auto apply : {k::ScoreApply::after_experts, k::ScoreApply::before_experts})
+    for (auto acc : {k::Accumulate::per_add, k::Accumulate::fp32_accumulate})
+      for (auto sh : {k::SharedAdd::none, k::SharedAdd::add_after})
+        for (auto order : {k::CombineOrder::ascending_row, k::CombineOrder::descending_row})
+          for (auto from : {k::CombineInit::buffer, k::CombineInit::zeros})
+            for (auto smul : {k::ScoreMultiply::fp32, k::ScoreMultiply::act})
+              for (bool in_place : {false, true}) {
+                auto run = [&](auto w, int n_lanes) {
+                  std::vector<T> out = in_place ? init : std::vector<T>(size_t(tokens * D), from_float<T>(-1.f));
+                  const k::CombineBody<T, decltype(w)::value> body{
+                      rows.data(), sc.data(), row_of.data(), in_place ? out.data() : init.data(), shared.data(),
+                      out.data(), D, K, apply, acc, sh, order, smul, from};
+                  for (int64_t t = 0; t < tokens; ++t) block_item(body, t, n_lanes, n_lanes > 1);
+                  return out;
+                };
+                const std::vector<T> want = run(std::integral_constant<int, k::kCombineSpan>{}, 1);
+                const std::vector<T> got = run(std::integral_constant<int, k::kDeviceSpan<T>>{}, lanes);
+                differ += std::memcmp(want.data(), got.data(), want.size() * sizeof(T)) != 0;
+              }
+  return differ;
+}
+
+}  // namespace
+
+TEST_CASE("the device combine gives the host executor's bits in every mode", "[cpu][bodies]") {
+  // K <= 8 with D * sizeof(T) a multiple of 16: the register path (rows
+  // sorted by a fixed network, pairs rounded together); K = 9 and 12: the
+  // general path's pieces; D = 70: elements. D = 264 in bf16 is 33 pieces:
+  // some lanes have two.
+  for (int64_t D : {int64_t(64), int64_t(70), int64_t(264)})
+    for (int K : {1, 2, 8, 9, 12})
+      for (int lanes : {1, 3, 32, 128}) {
+        INFO("D " << D << " K " << K << " lanes " << lanes);
+        CHECK(device_combine_differs<bf16>(D, K, lanes) == 0);
+        CHECK(device_combine_differs<fp16>(D, K, lanes) == 0);
+        CHECK(device_combine_differs<float>(D, K, lanes) == 0);
+      }
 }
 
 TEST_CASE("BusyUnion counts overlapping intervals once", "[cpu][bench]") {

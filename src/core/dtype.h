@@ -12,6 +12,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define MOEV_HD __host__ __device__
@@ -168,6 +169,53 @@ template <> MOEV_HD inline float round_to<bf16>(float v) {
 #else
   return f32_from_bits(bf16_round_bits32(f32_bits(v)));
 #endif
+}
+
+/// from_float<T> of the 2N values v for the 2-byte types, packed two to a
+/// word: v[2i] in the low half of d[i], v[2i + 1] in the high half (the
+/// element at the lower address in the low bits, little-endian). On a GPU
+/// one packed instruction converts each pair (cvt.rn.bf16x2.f32 or
+/// cvt.rn.f16x2.f32; it writes its first operand to the high half), and one
+/// test for a NaN among all 2N values replaces a scalar conversion's select
+/// per value: where one is a NaN, every value takes from_float, so the bits
+/// are from_float's for every input. The combine rounds twice per element
+/// and routed row this way (kernels/bodies.h); tests/gpu_check.cpp compares
+/// it with the host's on the GPU.
+template <class T, int N>
+MOEV_HD inline void pack_pairs(const float (&v)[2 * N], uint32_t (&d)[N]) {
+  static_assert(sizeof(T) == 2, "pack_pairs packs 2-byte elements");
+#ifdef MOEV_CVT_BF16_DEVICE
+  bool nan = false;
+  for (int i = 0; i < N; ++i) {
+    if constexpr (std::is_same_v<T, bf16>)
+      asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d[i]) : "f"(v[2 * i + 1]), "f"(v[2 * i]));
+    else
+      asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d[i]) : "f"(v[2 * i + 1]), "f"(v[2 * i]));
+    nan |= !(v[2 * i] == v[2 * i] && v[2 * i + 1] == v[2 * i + 1]);
+  }
+  if (!nan) return;
+#endif
+  for (int i = 0; i < N; ++i)
+    d[i] = uint32_t(from_float<T>(v[2 * i]).bits) | (uint32_t(from_float<T>(v[2 * i + 1]).bits) << 16);
+}
+
+/// v[i] = round_to<T>(v[i]) for the 2N values, through pack_pairs: the same
+/// values as 2N round_to calls (none for fp32).
+template <class T, int N>
+MOEV_HD inline void round_pairs(float (&v)[2 * N]) {
+  if constexpr (sizeof(T) == 2) {
+    uint32_t d[N];
+    pack_pairs<T, N>(v, d);
+    for (int i = 0; i < N; ++i) {
+      if constexpr (std::is_same_v<T, bf16>) {
+        v[2 * i] = f32_from_bits(d[i] << 16);
+        v[2 * i + 1] = f32_from_bits(d[i] & 0xffff0000u);
+      } else {
+        v[2 * i] = to_float(T{uint16_t(d[i] & 0xffffu)});
+        v[2 * i + 1] = to_float(T{uint16_t(d[i] >> 16)});
+      }
+    }
+  }
 }
 
 inline const char* dtype_name(DType d) {
