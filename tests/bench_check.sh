@@ -153,3 +153,42 @@ for v in ("swiglu_grouped", "swiglu_batched"):
     if "host Eigen" not in (paths[v] or ""): sys.exit(f"{v}: gemm_path {paths[v]!r}, expected the emulated device's")
 PY
 echo "bench ok"
+# The kit's summary of issue 36's targets (tests/gpu/done_when.py) on this
+# emulated bench, and on made-up figures on both sides of each threshold.
+dw="$tmp/dw"
+mkdir -p "$dw"
+/usr/bin/python3 "$src/tests/gpu/done_when.py" "$dw" > "$tmp/dw0.txt"
+for want in "row-moving stages, router: not run" "expert GEMMs: not run" "full DeepSeek-V3 SwiGLU layer: not run"; do
+  grep -qF "$want" "$tmp/dw0.txt" || { cat "$tmp/dw0.txt"; echo "done_when.py: no '$want'"; exit 1; }
+done
+cp "$tmp/emu.json" "$dw/bench.deepseek_v3.json"
+/usr/bin/python3 "$src/tests/gpu/done_when.py" "$dw" > "$tmp/dw1.txt"
+grep -qE "^row move dispatch/[a-z_]+: [0-9.]+% of the device copy \(>= 85%\): (met|NOT MET)$" "$tmp/dw1.txt" \
+  && grep -qF "router: not compared (no peer in this run)" "$tmp/dw1.txt" \
+  || { cat "$tmp/dw1.txt"; echo "done_when.py: no row-move or router line for the emulated bench"; exit 1; }
+/usr/bin/python3 - "$dw" <<'PY'
+import json, os, sys
+dw = sys.argv[1]
+def stage(slot, variant, **kv):
+    return dict(slot=slot, variant=variant, timed=True, **kv)
+bench = {"cases": [{"name": "d", "stages": [stage("dispatch", "a", ratio_to_device_copy=0.86),
+                                             stage("combine", "b", ratio_to_device_copy=0.84)],
+                    "peer": {"stages": [{"slot": "routing", "variant": "topk_router", "what": "torch.topk",
+                                         "ratio": 2.1}]}}]}
+gemm = {"cases": [{"name": "g", "stages": [stage("experts", "swiglu_grouped", device_gemm_ratio=0.61,
+                                                 gemm_path="grouped"),
+                                           stage("experts", "swiglu_loop", device_gemm_ratio=0.59)]}]}
+layer = {"cases": [{"name": "full", "outcome": "PASSED", "seconds": 601.0}]}
+for name, doc in [("bench.deepseek_v3.json", bench), ("bench.swiglu_deepseek_experts.json", gemm),
+                  ("full_layer.json", layer)]:
+    json.dump(doc, open(os.path.join(dw, name), "w"))
+PY
+/usr/bin/python3 "$src/tests/gpu/done_when.py" "$dw" > "$tmp/dw2.txt"
+for want in "row move dispatch/a: 86.0% of the device copy (>= 85%): met" \
+            "row move combine/b: 84.0% of the device copy (>= 85%): NOT MET" \
+            "router topk_router: 2.10x PyTorch's torch.topk (<= 2x): NOT MET" \
+            "GEMMs experts/swiglu_grouped: 61.0% of one same-FLOP GEMM [grouped] (>= 60%): met" \
+            "GEMMs experts/swiglu_loop: 59.0% of one same-FLOP GEMM [one call a GEMM] (>= 60%): NOT MET" \
+            "full layer full: PASSED in 601 s (PASSED, < 600 s): NOT MET"; do
+  grep -qxF "$want" "$tmp/dw2.txt" || { cat "$tmp/dw2.txt"; echo "done_when.py: no line '$want'"; exit 1; }
+done

@@ -106,6 +106,10 @@ if [ -n "${KIT_SANITIZE:-}" ] && command -v compute-sanitizer >/dev/null; then
   check memcheck.ep4 $cs --tool memcheck "$bin/moeverify" run "$root/cases/ep4.yaml" --backend cuda --threads 4
 fi
 
+# issue 36's targets from this run's bench and full-layer JSON: met or not
+echo
+python3 "$root/tests/gpu/done_when.py" "$out"
+
 echo
 echo "== GPU checks on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), logs in $out"
 fail=0

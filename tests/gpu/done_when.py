@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""Issue 36's "Done when", read from a kit run's output folder (kit_run.sh).
+
+Usage: done_when.py OUT_DIR
+
+Prints one line per target with the figure this run measured and whether it
+meets the target; a target whose input file is missing reads "not run". The
+figures are the bench JSON's own (device seconds, one run, the roof and the
+peer in the same run); nothing is computed here but the comparison:
+
+- every row-moving stage variant of bench.deepseek_v3.json: its
+  ratio_to_device_copy >= 0.85 (bytes as the bench's formula counts them);
+- the router (slot routing) against PyTorch's in the same JSON: peer ratio
+  (moeverify / torch device time) <= 2;
+- every expert GEMM variant of bench.swiglu_deepseek_experts.json with a
+  device_gemm_ratio: >= 0.60 of one device GEMM of the same FLOPs;
+- full_layer.json (run --json of the full DeepSeek-V3 SwiGLU layer): outcome
+  PASSED in under 600 s.
+
+Exit 0 always: the kit's table says which checks failed; this says which
+targets are met. Standard library only (the GPU machine's python3).
+"""
+import json
+import os
+import sys
+
+ROW_MOVES = {"dispatch", "ep_permute", "ep_unpermute", "align_pad", "align_unpad", "combine", "capacity",
+             "sp_pad_route", "sp_shard", "sp_gather"}
+
+
+def load(out, name):
+    path = os.path.join(out, name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def verdict(ok):
+    return "met" if ok else "NOT MET"
+
+
+def main(argv):
+    if len(argv) != 2:
+        print(__doc__.strip().splitlines()[2], file=sys.stderr)
+        return 2
+    out = argv[1]
+    print("== issue 36, Done when (this run's figures)")
+    bench = load(out, "bench.deepseek_v3.json")
+    if bench is None:
+        print("row-moving stages, router: not run (no bench.deepseek_v3.json)")
+    for case in (bench or {}).get("cases", []):
+        at = f" [{case['name']}]" if len(bench["cases"]) > 1 else ""
+        for s in case["stages"]:
+            if s["slot"] in ROW_MOVES and s.get("timed") and s.get("ratio_to_device_copy") is not None:
+                r = s["ratio_to_device_copy"]
+                print(f"row move{at} {s['slot']}/{s['variant']}: {100 * r:.1f}% of the device copy "
+                      f"(>= 85%): {verdict(r >= 0.85)}")
+        peers = [p for p in case.get("peer", {}).get("stages", []) if p["slot"] == "routing"]
+        if not peers:
+            note = case.get("peer", {}).get("note") or "no peer in this run"
+            print(f"router{at}: not compared ({note})")
+        for p in peers:
+            print(f"router{at} {p['variant']}: {p['ratio']:.2f}x PyTorch's {p['what']} (<= 2x): "
+                  f"{verdict(0 < p['ratio'] <= 2.0)}")
+    gemm = load(out, "bench.swiglu_deepseek_experts.json")
+    if gemm is None:
+        print("expert GEMMs: not run (no bench.swiglu_deepseek_experts.json)")
+    for case in (gemm or {}).get("cases", []):
+        at = f" [{case['name']}]" if len(gemm["cases"]) > 1 else ""
+        for s in case["stages"]:
+            r = s.get("device_gemm_ratio")
+            if s.get("timed") and r is not None and s["slot"] != "router_logits":
+                print(f"GEMMs{at} {s['slot']}/{s['variant']}: {100 * r:.1f}% of one same-FLOP GEMM "
+                      f"[{s.get('gemm_path') or 'one call a GEMM'}] (>= 60%): {verdict(r >= 0.60)}")
+    layer = load(out, "full_layer.json")
+    if layer is None:
+        print("full DeepSeek-V3 SwiGLU layer: not run (no full_layer.json)")
+    for case in (layer or {}).get("cases", []):
+        ok = case["outcome"] == "PASSED" and case["seconds"] < 600
+        print(f"full layer {case['name']}: {case['outcome']} in {case['seconds']:.0f} s (PASSED, < 600 s): "
+              f"{verdict(ok)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
