@@ -82,7 +82,8 @@ MOEV_HD inline float k_exp(float v) {
 }
 
 /// Router for one token (docs/contract.md §1, steps 1-8). Layout: logits, scores and
-/// choice are (T, E) row-major fp32; ids and topk_scores are (T, K), the K
+/// are (T, E) row-major fp32, choice T * E fp32 (choice_expert_major); ids
+/// and topk_scores are (T, K), the K
 /// entries in descending choice order, ties to the lower id.
 ///
 /// A thread-per-item body (kThreadPerItem, host_exec.h): every executor runs
@@ -96,7 +97,7 @@ struct RouterBody {
   const float* logits;
   const float* bias;  // (E) fp32 selection bias; all zeros when the case has none
   float* scores;
-  float* choice;      // scratch (T, E); a chosen expert's entry ends as kTaken
+  float* choice;      // scratch, see choice_expert_major; a chosen expert's entry ends as kTaken
   int32_t* ids;
   float* topk_scores;
   int64_t T;
@@ -114,6 +115,15 @@ struct RouterBody {
   ScoreHeld held = ScoreHeld::fp32;
   bool biased = false;
   HeldFault held_fault = HeldFault::none;
+  // Where token t's choice value of expert e lives: choice[t * E + e]
+  // (token-major: a host thread walks its token's values in order), or
+  // choice[e * T + t] (expert-major: a GPU warp's 32 tokens read 32
+  // neighbouring floats at each step of a scan, one 128-byte line instead of
+  // 32). Addresses only; the values and their order are the same.
+  bool choice_expert_major = false;
+  // The scores and choice values are already written (RouterScoresBody, a
+  // device's sigmoid routing): operator() goes straight to the selection.
+  bool scores_given = false;
 
   static constexpr bool kThreadPerItem = true;
 
@@ -121,29 +131,48 @@ struct RouterBody {
     return held == ScoreHeld::bf16 ? round_to<bf16>(v) : held == ScoreHeld::fp16 ? round_to<fp16>(v) : v;
   }
 
+  /// Token t's choice values: element e at c[e * step].
+  struct Choice {
+    float* c;
+    int64_t step;
+    MOEV_HD float& operator[](int64_t e) const { return c[e * step]; }
+  };
+  MOEV_HD Choice choice_of(int64_t t) const {
+    return choice_expert_major ? Choice{choice + t, T} : Choice{choice + t * E, 1};
+  }
+
+  /// Step 2 for sigmoid and step 3, one expert: the score as held, and into
+  /// c the choice value score + bias where the case selects.
+  MOEV_HD void sigmoid_score(float l, int e, float& s, float& c) const {
+    s = 1.f / (1.f + k_exp(-l));
+    if (held_fault != HeldFault::scores_fp32) s = hold(s);
+    if (selection != Selection::force_load_balance) c = s + bias[e];
+  }
+
   MOEV_HD void operator()(int64_t t, int, int) const {
     const float* l = logits + t * E;
     float* s = scores + t * E;
-    float* c = choice + t * E;
-    const bool select = selection != Selection::force_load_balance;
-    if (score == ScoreFunc::softmax) {
-      // exp(l - max) never overflows; exp(l) does past l ~ 88.7 in fp32
-      // (inf / inf = NaN). The planted fault drops the shift (docs/frameworks.md
-      // §1.2 step 2).
-      float m = l[0];
-      for (int e = 1; e < E; ++e) m = l[e] > m ? l[e] : m;
-      if (shift == SoftmaxShift::none) m = 0.f;
-      float sum = 0.f;
-      for (int e = 0; e < E; ++e) {
-        s[e] = k_exp(l[e] - m);
-        sum += s[e];
-      }
-      for (int e = 0; e < E; ++e) s[e] = s[e] / sum;
-    } else {
-      for (int e = 0; e < E; ++e) s[e] = 1.f / (1.f + k_exp(-l[e]));
+    const Choice c = choice_of(t);
+    if (scores_given) return select_top_k(t, s, c);
+    if (score == ScoreFunc::sigmoid) {
+      for (int e = 0; e < E; ++e) sigmoid_score(l[e], e, s[e], c[e]);
+      return select_top_k(t, s, c);
+    }
+    // softmax: exp(l - max) never overflows; exp(l) does past l ~ 88.7 in
+    // fp32 (inf / inf = NaN). The planted fault drops the shift
+    // (docs/frameworks.md §1.2 step 2).
+    float m = l[0];
+    for (int e = 1; e < E; ++e) m = l[e] > m ? l[e] : m;
+    if (shift == SoftmaxShift::none) m = 0.f;
+    float sum = 0.f;
+    for (int e = 0; e < E; ++e) {
+      s[e] = k_exp(l[e] - m);
+      sum += s[e];
     }
     // the normalised (held) scores, and the choice values score + bias
+    const bool select = selection != Selection::force_load_balance;
     for (int e = 0; e < E; ++e) {
+      s[e] = s[e] / sum;
       if (held_fault != HeldFault::scores_fp32) s[e] = hold(s[e]);
       if (select) c[e] = s[e] + bias[e];
     }
@@ -165,7 +194,7 @@ struct RouterBody {
   /// its loads do not wait on one another.
   static constexpr uint32_t kTaken = 0x7fa0dead;
 
-  MOEV_HD void select_top_k(int64_t t, const float* s, float* c) const {
+  MOEV_HD void select_top_k(int64_t t, const float* s, const Choice& c) const {
     int32_t id[kMaxTopK];
     float* ts = topk_scores + t * K;
     if (selection == Selection::force_load_balance) {
@@ -205,7 +234,7 @@ struct RouterBody {
 
   // Group score = sum of the two largest choice values of the group; the best
   // `limited_groups` groups stay (ties to the lower group), the rest get -inf.
-  MOEV_HD void mask_groups(float* c) const {
+  MOEV_HD void mask_groups(const Choice& c) const {
     const int per = E / groups;
     float gs[kMaxGroups];
     for (int g = 0; g < groups; ++g) {
@@ -227,6 +256,20 @@ struct RouterBody {
     for (int g = 0; g < groups; ++g)
       if (!keep[g])
         for (int e = g * per; e < (g + 1) * per; ++e) c[e] = -INFINITY;
+  }
+};
+
+/// Steps 2 and 3 of sigmoid routing as a row body, a device's first pass:
+/// item = token t, lane `lane` of `lanes` over its experts, each expert's
+/// score and choice value exactly as RouterBody computes them
+/// (sigmoid_score), so a GPU's lanes read the logits and write the scores in
+/// neighbouring floats and the exponentials of all tokens run in parallel
+/// instead of in each token's thread. RouterBody then runs with scores_given.
+struct RouterScoresBody {
+  RouterBody r;
+  MOEV_HD void operator()(int64_t t, int lane, int lanes) const {
+    const RouterBody::Choice c = r.choice_of(t);
+    for (int e = lane; e < r.E; e += lanes) r.sigmoid_score(r.logits[t * r.E + e], e, r.scores[t * r.E + e], c[e]);
   }
 };
 

@@ -144,6 +144,7 @@ class Device {
 
   // The bodies of bodies.h over items [0, n) (item = block, lane = thread on a GPU).
   virtual void run(const k::RouterBody& b, int64_t n) = 0;
+  virtual void run(const k::RouterScoresBody& b, int64_t n) = 0;
   virtual void run(const HistogramBody& b, int64_t n) = 0;
   virtual void run(const PadRouteBody& b, int64_t n) = 0;
   virtual void run(const k::DispatchMetaBody& b, int64_t n) = 0;
@@ -222,6 +223,7 @@ template <class Derived>
 class BodyDevice : public Device {
  public:
   void run(const k::RouterBody& b, int64_t n) override { self().body(b, n); }
+  void run(const k::RouterScoresBody& b, int64_t n) override { self().body(b, n); }
   void run(const HistogramBody& b, int64_t n) override { self().body(b, n); }
   void run(const PadRouteBody& b, int64_t n) override { self().body(b, n); }
   void run(const k::DispatchMetaBody& b, int64_t n) override { self().body(b, n); }

@@ -45,7 +45,8 @@ enum class GateDtype : uint8_t { fp32, act };
 void router_logits(const ExecCtx& ctx, DType dt, const void* x, const void* wg, int64_t T,
                    int64_t D, int E, float* logits, GateDtype gate = GateDtype::fp32);
 
-/// docs/contract.md §1 steps 1-9 on given logits. `choice` is (T, E) scratch.
+/// docs/contract.md §1 steps 1-9 on given logits. `choice` is T * E floats of
+/// scratch (token-major on the host, expert-major on a device).
 void router_route(const ExecCtx& ctx, const RouterConfig& cfg, const float* logits,
                   const float* bias, int64_t T, float* scores, float* choice, int32_t* ids,
                   float* topk_scores, int64_t* counts);

@@ -63,6 +63,15 @@ void router_route(const ExecCtx& ctx, const RouterConfig& cfg, const float* logi
     d.ids = static_cast<int32_t*>(m.out(ids, tk));
     d.topk_scores = static_cast<float*>(m.out(topk_scores, tk));
     int64_t* dc = static_cast<int64_t*>(m.out(counts, size_t(cfg.E) * 8));
+    // On a device: the choice values expert-major (a warp's tokens read
+    // neighbouring floats), and sigmoid's scores in a pass of their own
+    // (RouterScoresBody, every expert of every token in parallel) before the
+    // thread-per-token selection. The same values as the host's one pass.
+    d.choice_expert_major = true;
+    if (T > 0 && cfg.score == k::ScoreFunc::sigmoid) {
+      m.device().run(k::RouterScoresBody{d}, T);
+      d.scores_given = true;
+    }
     if (T > 0) m.device().run(d, T);
     m.device().run(HistogramBody{d.ids, T * cfg.K, dc}, cfg.E);
     m.wrote(scores, te);
