@@ -81,10 +81,10 @@ MOEV_HD inline float k_exp(float v) {
   return p * k_pow2(e);
 }
 
-/// Router for one token (docs/contract.md §1, steps 1-8). Layout: logits, scores and
-/// are (T, E) row-major fp32, choice T * E fp32 (choice_expert_major); ids
-/// and topk_scores are (T, K), the K
-/// entries in descending choice order, ties to the lower id.
+/// Router for one token (docs/contract.md §1, steps 1-8). Layout: logits and
+/// scores are (T, E) row-major fp32, choice T * E fp32 (choice_expert_major);
+/// ids and topk_scores are (T, K), the K entries in descending choice order,
+/// ties to the lower id.
 ///
 /// A thread-per-item body (kThreadPerItem, host_exec.h): every executor runs
 /// a token as lane 0 of 1, a GPU one token per thread, so each token's steps
