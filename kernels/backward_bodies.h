@@ -210,11 +210,13 @@ struct SwigluBwdBody {
 /// The input gradient of the unfused SwiGLU backward (docs/contract.md §13): x
 /// feeds two GEMMs, whose gradients a and b (each already rounded, in T) are
 /// added in fp32 and rounded to T once: out[i] = round(float(a[i]) +
-/// float(b[i])), elements in chunks of kChunk (as RoundBody).
-template <class T>
+/// float(b[i])), elements in chunks of kChunk (as RoundBody). With In =
+/// float, the fused backward's dX on a device: a and b the fp32 partial sums
+/// of the two halves of its 2F-long accumulation, one rounding at the end.
+template <class T, class In = T>
 struct GradSumBody {
-  const T* a;
-  const T* b;
+  const In* a;
+  const In* b;
   T* out;
   int64_t n;
   static constexpr int64_t kChunk = 4096;  // device.h's kChunk: callers run chunks(n) items

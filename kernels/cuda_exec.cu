@@ -510,14 +510,16 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   /// A row-major job (moe_host.h GemmJob) as the column-major call that
   /// computes it. nt: Y^T (n x rows, ld ldc) = W^T X^T, W (n, k) row-major
   /// being a column-major k x n matrix (ld k), transposed; nn: W (k, n)
-  /// row-major is a column-major n x k matrix (ld n), as is; tn_f32: C (k, n)
+  /// row-major is a column-major n x k matrix (ld n), as is (nn_f32: the
+  /// same, an fp32 output); tn_f32: C (k, n)
   /// = A^T B is column-major C^T (n x k, ld n) = B_cm A_cm^T, B_cm the n x
   /// rows matrix B is (ld ldb), A_cm the k x rows matrix A is (ld lda), fp32.
   static Call call_of(DType dt, const GemmJob& j) {
     if (j.op == GemmOp::nt)
       return call(dt, CUBLAS_OP_T, CUBLAS_OP_N, j.n, j.rows, j.k, j.b, j.k, j.a, j.lda, j.c, data_type(dt), j.ldc);
-    if (j.op == GemmOp::nn)
-      return call(dt, CUBLAS_OP_N, CUBLAS_OP_N, j.n, j.rows, j.k, j.b, j.n, j.a, j.lda, j.c, data_type(dt), j.ldc);
+    if (j.op == GemmOp::nn || j.op == GemmOp::nn_f32)
+      return call(dt, CUBLAS_OP_N, CUBLAS_OP_N, j.n, j.rows, j.k, j.b, j.n, j.a, j.lda, j.c,
+                  j.op == GemmOp::nn ? data_type(dt) : CUDA_R_32F, j.ldc);
     return call(dt, CUBLAS_OP_N, CUBLAS_OP_T, j.n, j.k, j.rows, j.b, j.ldb, j.a, j.lda, j.c, CUDA_R_32F, j.n);
   }
 

@@ -165,6 +165,9 @@ class Device {
   MOEV_DEVICE_BODIES(bf16)
   MOEV_DEVICE_BODIES(fp16)
 #undef MOEV_DEVICE_BODIES
+  // the fused SwiGLU backward's dX from fp32 halves (GradSumBody<float> is above)
+  virtual void run(const k::GradSumBody<bf16, float>& b, int64_t n) = 0;
+  virtual void run(const k::GradSumBody<fp16, float>& b, int64_t n) = 0;
   // FP8 dispatch (docs/contract.md §16): e4m3 rows move with the row-map bodies.
   virtual void run(const k::RowMapBody<e4m3>& b, int64_t n) = 0;
   virtual void run(const k::FnRowMapBody<e4m3, EqualCountMap>& b, int64_t n) = 0;
@@ -246,6 +249,8 @@ class BodyDevice : public Device {
   MOEV_BODY_DEVICE(bf16)
   MOEV_BODY_DEVICE(fp16)
 #undef MOEV_BODY_DEVICE
+  void run(const k::GradSumBody<bf16, float>& b, int64_t n) override { self().body(b, n); }
+  void run(const k::GradSumBody<fp16, float>& b, int64_t n) override { self().body(b, n); }
   void run(const k::RowMapBody<e4m3>& b, int64_t n) override { self().body(b, n); }
   void run(const k::FnRowMapBody<e4m3, EqualCountMap>& b, int64_t n) override { self().body(b, n); }
 #define MOEV_BODY_DEVICE_CONVERT(T)                                                       \

@@ -233,9 +233,25 @@ void gemm_nn(const ExecCtx& ctx, DType dt, const void* X, int64_t rows, int64_t 
   gemm_layout(ctx, dt, X, rows, k, ldx, W, n, Y, ldy, WeightLayout::k_by_n);
 }
 
+void gemm_nn_f32(const ExecCtx& ctx, DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W,
+                 int64_t n, float* Y, int64_t ldy) {
+  if (ctx.mirror) throw std::logic_error("gemm_nn_f32 runs on the host executor; on a device it is a gemm_group job");
+  if (rows == 0 || n == 0) return;
+  dispatch_dtype(dt, [&](auto tag) {
+    using T = decltype(tag);
+    const int64_t tiles = (rows + kGemmTile - 1) / kGemmTile;
+    host_run(ctx, tiles, [&](int64_t t, int, int) {
+      const int64_t r = t * kGemmTile, nr = std::min(kGemmTile, rows - r);
+      Eigen::Map<MatF, 0, Eigen::OuterStride<>>(Y + r * ldy, nr, n, Eigen::OuterStride<>(ldy)) =
+          gemm_fp32(static_cast<const T*>(X) + r * ldx, nr, k, ldx, static_cast<const T*>(W), n, WeightLayout::k_by_n);
+    });
+  });
+}
+
 void gemm_job(const ExecCtx& ctx, DType dt, const GemmJob& j) {
   if (j.op == GemmOp::nt) gemm_nt(ctx, dt, j.a, j.rows, j.k, j.lda, j.b, j.n, j.c, j.ldc);
   else if (j.op == GemmOp::nn) gemm_nn(ctx, dt, j.a, j.rows, j.k, j.lda, j.b, j.n, j.c, j.ldc);
+  else if (j.op == GemmOp::nn_f32) gemm_nn_f32(ctx, dt, j.a, j.rows, j.k, j.lda, j.b, j.n, static_cast<float*>(j.c), j.ldc);
   else gemm_tn_f32(ctx, dt, j.a, j.rows, j.k, j.lda, j.b, j.n, j.ldb, static_cast<float*>(j.c));
 }
 
@@ -283,8 +299,9 @@ void gemm_group(const ExecCtx& ctx, DType dt, const std::vector<GemmJob>& jobs, 
     }
     if (j.rows == 0) continue;
     // the byte extents of the strided blocks: the last row ends at its last column
+    const size_t cb = j.op == GemmOp::nn_f32 ? 4 : eb;
     on_device.push_back({j.op, dev(j.a, size_t((j.rows - 1) * j.lda + j.k) * eb), dev(j.b, size_t(j.n * j.k) * eb),
-                         dev(j.c, size_t((j.rows - 1) * j.ldc + j.n) * eb), j.rows, j.k, j.n, j.lda, j.ldb, j.ldc});
+                         dev(j.c, size_t((j.rows - 1) * j.ldc + j.n) * cb), j.rows, j.k, j.n, j.lda, j.ldb, j.ldc});
   }
   if (!on_device.empty()) m.device().gemm_group(dt, on_device);
   for (const ByteRange& r : outputs) m.wrote(const_cast<void*>(r.p), r.bytes);

@@ -203,11 +203,14 @@ void round_device(const ExecCtx& ctx, DType ct, DType dt, float* v, int64_t n) {
 /// expert at once (issue 36 item 3): the forward's GEMMs into [h1 | h3] and
 /// dH = round(dY W2_j) as one grouped GEMM; the elementwise body into H and
 /// [dh1 | dh3] over all rows; dX; the three weight gradients A^T B in fp32
-/// as one grouped GEMM (rounded under round_wgrad). dX in ct: per expert one
-/// GEMM [dh1 | dh3] [W1_j; W3_j] into dx (one fp32 accumulation over 2F; the
-/// stacked weight is copied per expert, so these stay one call each), or
-/// under split_dx the two GEMMs into dx (the W1 part) and dx3 (the W3 part)
-/// as one grouped GEMM, summed by the caller. With row scores
+/// as one grouped GEMM (rounded under round_wgrad). dX in ct: the fused
+/// [dh1 | dh3] [W1_j; W3_j] (one fp32 accumulation over 2F, one rounding) as
+/// the fp32 partial sums of its two halves, dh1 W1_j and dh3 W3_j, in one
+/// grouped GEMM (GemmOp::nn_f32: W1_j and W3_j are separate blocks, and
+/// stacking them for every expert would double their device memory), added
+/// and rounded once by GradSumBody<T, float>; or under split_dx the two
+/// GEMMs into dx (the W1 part) and dx3 (the W3 part), each rounded, as one
+/// grouped GEMM, summed by the caller. With row scores
 /// (score_on_hidden) SwigluBwdBody starts from the scaled gradient and
 /// HiddenScoreGradBody then writes dS and turns H into H'.
 void device_experts(const ExecCtx& ctx, DType ct, DType dt, const BwdRules& ru, const uint8_t* X, const uint8_t* dY,
@@ -219,7 +222,9 @@ void device_experts(const ExecCtx& ctx, DType ct, DType dt, const BwdRules& ru, 
   for (int j = 0; j < E_l; ++j) rows += counts[j];
   const size_t rd = size_t(rows * D) * eb, rf = size_t(rows * F) * eb, wb = size_t(E_l) * fd;
   const size_t wgb = size_t(E_l) * size_t(F * D) * 4;
-  std::vector<uint8_t> h13(2 * rf), dH(rf), H(rf), dh13(2 * rf), w13(2 * fd);
+  std::vector<uint8_t> h13(2 * rf), dH(rf), H(rf), dh13(2 * rf);
+  // the fused dX's fp32 halves (rows, D) each
+  std::vector<float> dxf(ru.split_dx ? 0 : size_t(rows * D)), dx3f(dxf.size());
   std::vector<GemmJob> fwd, dxs, wg;
   int64_t r0 = 0;
   for (int j = 0; j < E_l; r0 += counts[j], ++j) {
@@ -236,6 +241,9 @@ void device_experts(const ExecCtx& ctx, DType ct, DType dt, const BwdRules& ru, 
       if (ru.split_dx) {
         dxs.push_back({GemmOp::nn, g, W1 + j * fd, dx + size_t(r0 * D) * eb, n, F, D, 2 * F, 0, D});
         dxs.push_back({GemmOp::nn, g + size_t(F) * eb, W3 + j * fd, dx3 + size_t(r0 * D) * eb, n, F, D, 2 * F, 0, D});
+      } else {
+        dxs.push_back({GemmOp::nn_f32, g, W1 + j * fd, dxf.data() + r0 * D, n, F, D, 2 * F, 0, D});
+        dxs.push_back({GemmOp::nn_f32, g + size_t(F) * eb, W3 + j * fd, dx3f.data() + r0 * D, n, F, D, 2 * F, 0, D});
       }
     }
     // rows == 0 gives a zero gradient (gemm_group fills it)
@@ -266,15 +274,20 @@ void device_experts(const ExecCtx& ctx, DType ct, DType dt, const BwdRules& ru, 
     });
   if (ru.split_dx) {
     gemm_group(ctx, ct, dxs, {{dh13.data(), 2 * rf}, {W1, wb}, {W3, wb}}, {{dx, rd}, {dx3, rd}});
-  } else {
-    r0 = 0;
-    for (int j = 0; j < E_l; r0 += counts[j], ++j) {
-      if (counts[j] == 0) continue;
-      std::memcpy(w13.data(), W1 + j * fd, fd);
-      std::memcpy(w13.data() + fd, W3 + j * fd, fd);
-      gemm_nn(ctx, ct, dh13.data() + size_t(r0 * 2 * F) * eb, counts[j], 2 * F, 2 * F, w13.data(), D,
-              dx + size_t(r0 * D) * eb, D);
-    }
+  } else if (rows > 0) {
+    const size_t fb = dxf.size() * 4;
+    gemm_group(ctx, ct, dxs, {{dh13.data(), 2 * rf}, {W1, wb}, {W3, wb}}, {{dxf.data(), fb}, {dx3f.data(), fb}});
+    dispatch_dtype(ct, [&](auto tag) {
+      using T = decltype(tag);
+      Mirror& m = *ctx.mirror;
+      Mirror::Scope scope{m};
+      const int64_t n = rows * D;
+      m.device().run(k::GradSumBody<T, float>{static_cast<const float*>(m.in(dxf.data(), fb)),
+                                              static_cast<const float*>(m.in(dx3f.data(), fb)),
+                                              static_cast<T*>(m.out(dx, rd)), n},
+                     chunks(n));
+      m.wrote(dx, rd);
+    });
   }
   gemm_group(ctx, ct, wg, {{dh13.data(), 2 * rf}, {X, rd}, {dY, rd}, {H.data(), rf}},
              {{dW1, wgb}, {dW3, wgb}, {dW2, wgb}});

@@ -232,10 +232,11 @@ int conversions() {
 /// Device::gemm_group against the same jobs one GEMM at a time on the same
 /// device (grouped cuBLAS, or the single GEMMs where it falls back): nt, nn
 /// and tn_f32 jobs of random expert row counts, empty experts included, in
-/// every dtype, bitwise (the sums are exact, see below). A wrong pointer,
-/// size or leading dimension gives other values or leaves the poison (NaN
-/// bytes; the gradients of an expert without rows stay poison in both).
-/// Returns the failures.
+/// every dtype, bitwise (the sums are exact, see below); nn_f32 jobs, which
+/// have no single entry point, against the exact sums computed here. A
+/// wrong pointer, size or leading dimension gives other values or leaves the
+/// poison (NaN bytes; the gradients of an expert without rows stay poison in
+/// both). Returns the failures.
 int grouped_gemms() {
   std::unique_ptr<Device> dev = device_or_say("grouped GEMMs");
   if (!dev) return 1;
@@ -269,8 +270,11 @@ int grouped_gemms() {
     uint8_t* y2 = static_cast<uint8_t*>(dev->alloc(std::max<size_t>(yb, 1)));
     uint8_t* w1 = static_cast<uint8_t*>(dev->alloc(gb));
     uint8_t* w2 = static_cast<uint8_t*>(dev->alloc(gb));
+    const size_t fb = size_t(rows * F) * 4;  // the nn_f32 jobs' outputs (rows, F)
+    uint8_t* yf = static_cast<uint8_t*>(dev->alloc(std::max<size_t>(fb, 1)));
     for (uint8_t* p : {y1, y2}) dev->fill(p, 0xff, yb);
     for (uint8_t* p : {w1, w2}) dev->fill(p, 0xff, gb);
+    dev->fill(yf, 0xff, fb);
     std::vector<GemmJob> jobs;
     int64_t r0 = 0;
     for (int j = 0; j < E; r0 += counts[size_t(j)], ++j) {
@@ -280,12 +284,13 @@ int grouped_gemms() {
         jobs.push_back({GemmOp::nt, x + size_t(r0 * D) * eb, wj, nullptr, n, D, F, D, 0, 2 * F});  // (n, F) into cols [0, F)
         jobs.push_back({GemmOp::nn, x + size_t(r0 * D) * eb, wj, nullptr, n, D, F, D, 0, 2 * F});  // W as (D, F): cols [F, 2F)
         jobs.push_back({GemmOp::tn_f32, x + size_t(r0 * D) * eb, x + size_t(r0 * D) * eb, nullptr, n, std::min<int64_t>(D, F), D, D, D, 0});
+        jobs.push_back({GemmOp::nn_f32, x + size_t(r0 * D) * eb, wj, yf + size_t(r0 * F) * 4, n, D, F, D, 0, F});
       }
     }
     auto place = [&](uint8_t* y, uint8_t* wg) {
       std::vector<GemmJob> out = jobs;
       int64_t r = 0, t = 0;
-      for (size_t i = 0; i < out.size(); i += 3) {
+      for (size_t i = 0; i < out.size(); i += 4) {
         while (counts[size_t(t)] == 0) ++t;
         out[i].c = y + size_t(r * 2 * F) * eb;
         out[i + 1].c = y + size_t(r * 2 * F + F) * eb;
@@ -298,7 +303,7 @@ int grouped_gemms() {
     for (const GemmJob& j : place(y2, w2)) {
       if (j.op == GemmOp::nt) dev->gemm_nt(dt, j.a, j.rows, j.k, j.lda, j.b, j.n, j.c, j.ldc);
       else if (j.op == GemmOp::nn) dev->gemm_nn(dt, j.a, j.rows, j.k, j.lda, j.b, j.n, j.c, j.ldc);
-      else dev->gemm_tn_f32(dt, j.a, j.rows, j.k, j.lda, j.b, j.n, j.ldb, static_cast<float*>(j.c));
+      else if (j.op == GemmOp::tn_f32) dev->gemm_tn_f32(dt, j.a, j.rows, j.k, j.lda, j.b, j.n, j.ldb, static_cast<float*>(j.c));
     }
     // every operand is a multiple of 1/64 of magnitude at most 2, so every
     // product and sum is exact in fp32 and the results agree bit for bit
@@ -309,11 +314,33 @@ int grouped_gemms() {
       return h;
     };
     const bool y_ok = bytes_of(y1, yb) == bytes_of(y2, yb), w_ok = bytes_of(w1, gb) == bytes_of(w2, gb);
-    std::printf("grouped GEMMs %s (%s): %zu jobs, %lld rows: outputs %s, weight gradients %s\n", dtype_name(dt),
-                dev->gemm_group_calls().path.c_str(), jobs.size(), (long long)rows, y_ok ? "equal" : "DIFFER",
-                w_ok ? "equal" : "DIFFER");
-    failures += !y_ok || !w_ok;
-    for (uint8_t* p : {x, w, y1, y2, w1, w2}) dev->release(p);
+    // nn_f32: yf (r, f) = sum_d x (r, d) w_j (d, f), exact, for expert j's rows r
+    auto values = [&](const uint8_t* p, size_t n) {
+      const std::vector<uint8_t> b = bytes_of(p, n * eb);
+      std::vector<float> v(n);
+      for (size_t i = 0; i < n; ++i) {
+        uint16_t u = 0;
+        if (dt == DType::fp32) std::memcpy(&v[i], &b[i * 4], 4);
+        else std::memcpy(&u, &b[i * 2], 2), v[i] = dt == DType::bf16 ? to_float(bf16{u}) : to_float(fp16{u});
+      }
+      return v;
+    };
+    const std::vector<float> xv = values(x, size_t(rows * D)), wv = values(w, size_t(E * F * D));
+    std::vector<float> want(size_t(rows * F)), got(want.size());
+    for (int64_t j = 0, r0 = 0; j < E; r0 += counts[size_t(j)], ++j)
+      for (int64_t r = r0; r < r0 + counts[size_t(j)]; ++r)
+        for (int64_t f = 0; f < F; ++f) {
+          float s = 0.f;
+          for (int64_t d = 0; d < D; ++d) s += xv[size_t(r * D + d)] * wv[size_t(j * F * D + d * F + f)];
+          want[size_t(r * F + f)] = s;
+        }
+    dev->download(got.data(), yf, fb);
+    const bool f_ok = std::memcmp(want.data(), got.data(), fb) == 0;
+    std::printf("grouped GEMMs %s (%s): %zu jobs, %lld rows: outputs %s, weight gradients %s, fp32 outputs %s\n",
+                dtype_name(dt), dev->gemm_group_calls().path.c_str(), jobs.size(), (long long)rows,
+                y_ok ? "equal" : "DIFFER", w_ok ? "equal" : "DIFFER", f_ok ? "exact" : "DIFFER");
+    failures += !y_ok || !w_ok || !f_ok;
+    for (uint8_t* p : {x, w, y1, y2, w1, w2, yf}) dev->release(p);
   }
   return failures;
 }

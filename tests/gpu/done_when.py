@@ -12,7 +12,8 @@ peer in the same run); nothing is computed here but the comparison:
   ratio_to_device_copy >= 0.85 (bytes as the bench's formula counts them);
 - the router (slot routing) against PyTorch's in the same JSON: peer ratio
   (moeverify / torch device time) <= 2;
-- every expert GEMM variant of bench.swiglu_deepseek_experts.json with a
+- every expert GEMM variant of bench.swiglu_deepseek_experts.json (the
+  forward) and bench.swiglu_deepseek_experts_bwd.json (backward on) with a
   device_gemm_ratio: >= 0.60 of one device GEMM of the same FLOPs;
 - full_layer.json (run --json of the full DeepSeek-V3 SwiGLU layer): outcome
   PASSED in under 600 s.
@@ -63,16 +64,18 @@ def main(argv):
         for p in peers:
             print(f"router{at} {p['variant']}: {p['ratio']:.2f}x PyTorch's {p['what']} (<= 2x): "
                   f"{verdict(0 < p['ratio'] <= 2.0)}")
-    gemm = load(out, "bench.swiglu_deepseek_experts.json")
-    if gemm is None:
-        print("expert GEMMs: not run (no bench.swiglu_deepseek_experts.json)")
-    for case in (gemm or {}).get("cases", []):
-        at = f" [{case['name']}]" if len(gemm["cases"]) > 1 else ""
-        for s in case["stages"]:
-            r = s.get("device_gemm_ratio")
-            if s.get("timed") and r is not None and s["slot"] != "router_logits":
-                print(f"GEMMs{at} {s['slot']}/{s['variant']}: {100 * r:.1f}% of one same-FLOP GEMM "
-                      f"[{s.get('gemm_path') or 'one call a GEMM'}] (>= 60%): {verdict(r >= 0.60)}")
+    for name, what in [("bench.swiglu_deepseek_experts.json", "expert GEMMs"),
+                       ("bench.swiglu_deepseek_experts_bwd.json", "expert GEMMs, backward")]:
+        gemm = load(out, name)
+        if gemm is None:
+            print(f"{what}: not run (no {name})")
+        for case in (gemm or {}).get("cases", []):
+            at = f" [{case['name']}]" if len(gemm["cases"]) > 1 else ""
+            for s in case["stages"]:
+                r = s.get("device_gemm_ratio")
+                if s.get("timed") and r is not None and s["slot"] != "router_logits":
+                    print(f"GEMMs{at} {s['slot']}/{s['variant']}: {100 * r:.1f}% of one same-FLOP GEMM "
+                          f"[{s.get('gemm_path') or 'one call a GEMM'}] (>= 60%): {verdict(r >= 0.60)}")
     layer = load(out, "full_layer.json")
     if layer is None:
         print("full DeepSeek-V3 SwiGLU layer: not run (no full_layer.json)")

@@ -65,6 +65,9 @@ if [ -z "${KIT_FAST:-}" ]; then
   # DeepSeek-V3's expert shapes: the grouped SwiGLU's GEMMs against one
   # device GEMM of the same FLOPs, and PyTorch's torch._grouped_mm
   [ -n "${KIT_NO_GEMM_BENCH:-}" ] || check bench.swiglu_deepseek_experts "$bin/moeverify" bench "$root/cases/slow/swiglu_deepseek_experts.yaml" --backend cuda --repeat 3 "${peer[@]}" --json "$out/bench.swiglu_deepseek_experts.json"
+  # and their backward (experts_bwd: the forward's GEMMs again, dH, dX and the
+  # weight gradients, each step one grouped GEMM)
+  [ -n "${KIT_NO_GEMM_BENCH:-}" ] || check bench.swiglu_deepseek_experts_bwd "$bin/moeverify" bench "$root/cases/slow/swiglu_deepseek_experts.yaml" --set backward=on --backend cuda --repeat 3 --json "$out/bench.swiglu_deepseek_experts_bwd.json"
 fi
 # The full DeepSeek-V3 SwiGLU layer of issue 36 (T = 4096 per rank, EP 8,
 # 22.5 GB of streamed bf16 weights): the fast path on the GPU, the reference
