@@ -705,8 +705,6 @@ struct CombineBody {
     if (acc == Accumulate::per_add) round_pairs<T, W / 2>(v);
   }
 
-
-
   /// Columns [c0, c0 + n) of token t, n <= W, from its nrows rows. v holds the running value:
   /// representable in T under per_add (rounded after every addition), the
   /// fp32 sum under fp32_accumulate (rounded once at the end).
