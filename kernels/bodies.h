@@ -657,18 +657,11 @@ struct CombineBody {
     for (int j = 0; j < R; ++j) {
       nrows += key[j] != INT32_MAX;
       rows[j] = key[j] == INT32_MAX ? 0 : ascending ? key[j] : -key[j];
-      mult[j] = key[j] == INT32_MAX || apply != ScoreApply::after_experts
-                    ? 1.f
-                    : multiplier<T>(score_sorted[rows[j]], smul);
+      mult[j] = key[j] == INT32_MAX ? 1.f : row_multiplier(rows[j]);
     }
     for (int64_t c0 = int64_t(lane) * W; c0 < D; c0 += int64_t(lanes) * W) {
       float v[W];
-      if (init_from == CombineInit::zeros) {
-        for (int i = 0; i < W; ++i) v[i] = 0.f;
-      } else {
-        const Piece in = load_piece(init + t * D + c0);
-        for (int i = 0; i < W; ++i) v[i] = piece_get<T>(in, i);
-      }
+      init_piece(v, t, c0);
       Piece pc[R];
 #ifdef __CUDA_ARCH__
 #pragma unroll
@@ -680,20 +673,30 @@ struct CombineBody {
 #endif
       for (int j = 0; j < R; ++j)
         if (j < nrows) add_piece(v, pc[j], mult[j]);
-      if (acc == Accumulate::fp32_accumulate) round_pairs<T, W / 2>(v);
-      if (shared_add == SharedAdd::add_after) {
-        const Piece sh = load_piece(shared + t * D + c0);
-        for (int i = 0; i < W; ++i) v[i] += piece_get<T>(sh, i);
-        round_pairs<T, W / 2>(v);
-      }
-      store_piece(out + t * D + c0, piece_of<T>(v));
+      finish_piece(v, t, c0);
     }
   }
 
-  /// add_row on one piece of W elements with the multiplier m already taken
-  /// (token_in_registers): the contribution round(y * m) under after_experts,
-  /// y under before_experts; per_add rounds each sum. Pairs of elements
-  /// round together (round_pairs), the values those of add_row.
+  /// The device span's steps, on W columns = one 16-byte piece a buffer
+  /// (token_in_registers, span_pieces), the values those of span() and
+  /// add_row with the roundings two elements at a time (round_pairs).
+  /// row_multiplier: the multiplier add_row takes for routed row r (1 where
+  /// the score was applied before the experts).
+  MOEV_HD float row_multiplier(int32_t r) const {
+    return apply == ScoreApply::after_experts ? multiplier<T>(score_sorted[r], smul) : 1.f;
+  }
+  /// v = token t's scatter target at columns [c0, c0 + W).
+  MOEV_HD void init_piece(float (&v)[W], int64_t t, int64_t c0) const {
+    if (init_from == CombineInit::zeros) {
+      for (int i = 0; i < W; ++i) v[i] = 0.f;
+      return;
+    }
+    const Piece in = load_piece(init + t * D + c0);
+    for (int i = 0; i < W; ++i) v[i] = piece_get<T>(in, i);
+  }
+  /// v (+)= one routed row's piece p with its multiplier m (row_multiplier):
+  /// the contribution round(y * m) under after_experts, y under
+  /// before_experts; per_add rounds each sum.
   MOEV_HD void add_piece(float (&v)[W], const Piece& p, float m) const {
     float y[W];
     for (int i = 0; i < W; ++i) y[i] = piece_get<T>(p, i);
@@ -703,6 +706,17 @@ struct CombineBody {
     }
     for (int i = 0; i < W; ++i) v[i] += y[i];
     if (acc == Accumulate::per_add) round_pairs<T, W / 2>(v);
+  }
+  /// The rounding of an fp32 sum, the shared experts' output added, and the
+  /// piece stored at out.
+  MOEV_HD void finish_piece(float (&v)[W], int64_t t, int64_t c0) const {
+    if (acc == Accumulate::fp32_accumulate) round_pairs<T, W / 2>(v);
+    if (shared_add == SharedAdd::add_after) {
+      const Piece sh = load_piece(shared + t * D + c0);
+      for (int i = 0; i < W; ++i) v[i] += piece_get<T>(sh, i);
+      round_pairs<T, W / 2>(v);
+    }
+    store_piece(out + t * D + c0, piece_of<T>(v));
   }
 
   /// Columns [c0, c0 + n) of token t, n <= W, from its nrows rows. v holds the running value:
@@ -768,36 +782,25 @@ struct CombineBody {
   MOEV_HD void span_pieces(int64_t t, const int32_t* rows, int nrows, int64_t c0) const {
     constexpr int kBatch = 4;
     float v[W];
-    if (init_from == CombineInit::zeros) {
-      for (int i = 0; i < W; ++i) v[i] = 0.f;
-    } else {
-      const Piece in = load_piece(init + t * D + c0);
-      for (int i = 0; i < W; ++i) v[i] = piece_get<T>(in, i);
-    }
+    init_piece(v, t, c0);
     for (int k0 = 0; k0 < nrows; k0 += kBatch) {
       Piece pc[kBatch];
-      float ss[kBatch];
+      float m[kBatch] = {};  // read only where set (k0 + j < nrows)
 #ifdef __CUDA_ARCH__
 #pragma unroll
 #endif
       for (int j = 0; j < kBatch; ++j)
         if (k0 + j < nrows) {
           pc[j] = load_piece(routed_out + int64_t(rows[k0 + j]) * D + c0);
-          ss[j] = score_sorted[rows[k0 + j]];
+          m[j] = row_multiplier(rows[k0 + j]);
         }
 #ifdef __CUDA_ARCH__
 #pragma unroll
 #endif
       for (int j = 0; j < kBatch; ++j)
-        if (k0 + j < nrows) add_row(v, W, ss[j], [&](int i) { return piece_get<T>(pc[j], i); });
+        if (k0 + j < nrows) add_piece(v, pc[j], m[j]);
     }
-    if (acc == Accumulate::fp32_accumulate)
-      for (int i = 0; i < W; ++i) v[i] = round_to<T>(v[i]);
-    if (shared_add == SharedAdd::add_after) {
-      const Piece sh = load_piece(shared + t * D + c0);
-      for (int i = 0; i < W; ++i) v[i] = round_to<T>(v[i] + piece_get<T>(sh, i));
-    }
-    store_piece(out + t * D + c0, piece_of<T>(v));
+    finish_piece(v, t, c0);
   }
 };
 
