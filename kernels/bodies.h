@@ -273,16 +273,10 @@ struct RouterScoresBody {
   }
 };
 
-/// 16-byte moves of row data: a GPU thread's widest single load and store
-/// (ld/st.global.v4), so a warp moves 512 contiguous bytes per instruction
-/// instead of 64 with 2-byte elements. Both addresses 16-byte aligned.
-MOEV_HD inline void move16(void* dst, const void* src) {
-#ifdef __CUDA_ARCH__
-  *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
-#else
-  memcpy(dst, src, 16);
-#endif
-}
+/// 16-byte moves of row data (load_piece, store_piece, zero16 below): a
+/// GPU thread's widest single load and store (ld/st.global.v4), so a warp
+/// moves 512 contiguous bytes per instruction instead of 64 with 2-byte
+/// elements. Addresses 16-byte aligned.
 MOEV_HD inline void zero16(void* dst) {
 #ifdef __CUDA_ARCH__
   *static_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
@@ -352,7 +346,9 @@ MOEV_HD inline Piece piece_of(const float (&v)[16 / sizeof(T)]) {
 /// stores any: the compiler cannot move a load above a store that might
 /// alias it, so a load-store loop keeps one load in flight a thread, and a
 /// DeepSeek-V3 row (896 pieces, 256 lanes) then waits four memory latencies
-/// in a row. A copy is the same bytes either way.
+/// in a row. The last three or fewer pieces of a lane are loaded together
+/// too (at D = 7168, half the lanes have three: one wait, not three). A copy
+/// is the same bytes either way.
 template <class T>
 MOEV_HD inline void copy_row(T* dst, const T* src, int64_t n, int lane, int lanes) {
   const int64_t bytes = n * int64_t(sizeof(T));
@@ -373,7 +369,15 @@ MOEV_HD inline void copy_row(T* dst, const T* src, int64_t n, int lane, int lane
       store_piece(d + 16 * (c + 2 * step), p2);
       store_piece(d + 16 * (c + 3 * step), p3);
     }
-    for (; c < pieces; c += step) move16(d + 16 * c, s + 16 * c);
+    // at most three left: c, c + step, c + 2 step where below `pieces`
+    const bool h0 = c < pieces, h1 = c + step < pieces, h2 = c + 2 * step < pieces;
+    Piece p0{}, p1{}, p2{};
+    if (h0) p0 = load_piece(s + 16 * c);
+    if (h1) p1 = load_piece(s + 16 * (c + step));
+    if (h2) p2 = load_piece(s + 16 * (c + 2 * step));
+    if (h0) store_piece(d + 16 * c, p0);
+    if (h1) store_piece(d + 16 * (c + step), p1);
+    if (h2) store_piece(d + 16 * (c + 2 * step), p2);
     return;
   }
   for (int64_t c = lane; c < n; c += lanes) dst[c] = src[c];
@@ -513,11 +517,29 @@ struct ScatterRowsBody {
     const bool scaled = apply == ScoreApply::before_experts;
     auto score = [&](int k) { return multiplier<T>(topk_scores[t * K + k], smul); };
     if (lanes > 1 && aligned16(src, D * int64_t(sizeof(T))) && aligned16(routed, 0)) {
-      // a 16-byte piece a lane: loaded once, stored K times
-      for (int64_t c = lane; c < D / W; c += lanes) {
-        const Piece in = load_piece(src + c * W);
-        for (int k = 0; k < K; ++k)
-          store_piece(routed + int64_t(rows[k]) * D + c * W, scaled ? scaled_piece<T>(in, score(k)) : in);
+      // 16-byte pieces, each loaded once and stored K times; a lane loads
+      // up to four of its pieces before it stores any (as copy_row)
+      constexpr int B = 4;
+      const int64_t pieces = D / W, step = lanes;
+      for (int64_t c = lane; c < pieces; c += B * step) {
+        Piece in[B];
+        bool has[B];
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+        for (int j = 0; j < B; ++j) {
+          has[j] = c + j * step < pieces;
+          in[j] = has[j] ? load_piece(src + (c + j * step) * W) : Piece{};
+        }
+        for (int k = 0; k < K; ++k) {
+          T* dst = routed + int64_t(rows[k]) * D;
+          const float m = scaled ? score(k) : 1.f;
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+          for (int j = 0; j < B; ++j)
+            if (has[j]) store_piece(dst + (c + j * step) * W, scaled ? scaled_piece<T>(in[j], m) : in[j]);
+        }
       }
       return;
     }
