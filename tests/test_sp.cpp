@@ -121,17 +121,23 @@ TEST_CASE("SP invariance: the gathered SP output equals the sp = 1 output bit fo
     RunOptions o;
     o.threads = *rc::gen::element(1, 2);
     o.keep = RunOptions::Keep::fast_board;
-    // A draw may leave nothing to verify (a hot expert whose softmax score
-    // rounds every product to zero in fp16): NOT_VERIFIED is then the right
-    // verdict, so only a wrong result (INCORRECT, ERROR) fails the property;
-    // the SP and sp = 1 outputs are compared below either way.
+    // Data too small to show a bug (a hot expert's softmax score so small
+    // that every fp16 product rounds to zero) is NOT_VERIFIED, an honest
+    // verdict: such a draw is discarded, not failed, as in
+    // test_properties.cpp (seen: seed 13673728618590620435).
+    auto require_passed = [](const CaseReport& rep) {
+      for (const auto& ch : rep.checks)
+        if (ch.outcome == Outcome::NOT_VERIFIED && ch.note.find("cannot show a wrong result") != std::string::npos)
+          RC_DISCARD("uninformative data: " + ch.note);
+      RC_ASSERT(failed_checks(rep).empty());
+    };
     const CaseReport r = run_case(c, o);
-    RC_CLASSIFY(r.outcome == Outcome::NOT_VERIFIED, "NOT_VERIFIED: the data cannot show a bug");
-    RC_ASSERT(r.outcome == Outcome::PASSED || r.outcome == Outcome::NOT_VERIFIED);
+    require_passed(r);
     Case c1 = c;
     c1.sp = 1;
     const CaseReport r1 = run_case(c1, o);
-    RC_ASSERT(r1.outcome == Outcome::PASSED || r1.outcome == Outcome::NOT_VERIFIED);
+    require_passed(r1);
+    RC_ASSERT(r1.outcome == Outcome::PASSED);
     for (int q = 0; q < c.ep; ++q) {
       const Tensor& a = r.fast.at(c.sp > 1 ? "sp_out" : "out", q);
       const Tensor& b = r1.fast.at("out", q);
