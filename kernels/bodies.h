@@ -324,6 +324,28 @@ MOEV_HD inline float piece_get(const Piece& r, int i) {
   return to_float(e);
 }
 
+/// A lane's pieces c, c + step, ..., c + (kPieceBatch - 1) step of a row
+/// (16-byte pieces from byte address s), those below `pieces`, all loaded
+/// before the caller stores any: the compiler cannot move a load above a
+/// store that might alias it, so a load-store loop keeps one load in flight
+/// a thread. copy_row and the dispatch's scatter move rows this way.
+constexpr int kPieceBatch = 4;
+struct PieceBatch {
+  Piece p[kPieceBatch];
+  bool has[kPieceBatch];
+};
+MOEV_HD inline PieceBatch load_batch(const void* s, int64_t c, int64_t step, int64_t pieces) {
+  PieceBatch b;
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+  for (int j = 0; j < kPieceBatch; ++j) {
+    b.has[j] = c + j * step < pieces;
+    b.p[j] = b.has[j] ? load_piece(static_cast<const char*>(s) + 16 * (c + j * step)) : Piece{};
+  }
+  return b;
+}
+
 /// The piece holding from_float<T> of the 16 / sizeof(T) values v, element
 /// 0 lowest; the 2-byte types convert in pairs (pack_pairs: one packed
 /// instruction a pair on a GPU), the same bits as from_float on each.
@@ -342,13 +364,11 @@ MOEV_HD inline Piece piece_of(const float (&v)[16 / sizeof(T)]) {
 /// speed; several lanes (the CUDA executor) interleave 16-byte pieces where
 /// both rows and the span are 16-byte aligned (rows of D * sizeof(T) bytes, D
 /// a multiple of 8 in bf16), else elements, so neighbouring threads touch
-/// neighbouring bytes (coalesced). A lane loads four of its pieces before it
-/// stores any: the compiler cannot move a load above a store that might
-/// alias it, so a load-store loop keeps one load in flight a thread, and a
-/// DeepSeek-V3 row (896 pieces, 256 lanes) then waits four memory latencies
-/// in a row. The last three or fewer pieces of a lane are loaded together
-/// too (at D = 7168, half the lanes have three: one wait, not three). A copy
-/// is the same bytes either way.
+/// neighbouring bytes (coalesced). A lane loads its pieces in batches of up
+/// to four before it stores any (load_batch): with one load in flight, a
+/// DeepSeek-V3 row (896 pieces, 256 lanes: three or four a lane) waited
+/// three or four memory latencies in a row. A copy is the same bytes either
+/// way.
 template <class T>
 MOEV_HD inline void copy_row(T* dst, const T* src, int64_t n, int lane, int lanes) {
   const int64_t bytes = n * int64_t(sizeof(T));
@@ -358,26 +378,15 @@ MOEV_HD inline void copy_row(T* dst, const T* src, int64_t n, int lane, int lane
   }
   if (aligned16(dst, bytes) && aligned16(src, 0)) {
     char* d = reinterpret_cast<char*>(dst);
-    const char* s = reinterpret_cast<const char*>(src);
     const int64_t pieces = bytes / 16, step = lanes;
-    int64_t c = lane;
-    for (; c + 3 * step < pieces; c += 4 * step) {
-      const Piece p0 = load_piece(s + 16 * c), p1 = load_piece(s + 16 * (c + step)),
-                  p2 = load_piece(s + 16 * (c + 2 * step)), p3 = load_piece(s + 16 * (c + 3 * step));
-      store_piece(d + 16 * c, p0);
-      store_piece(d + 16 * (c + step), p1);
-      store_piece(d + 16 * (c + 2 * step), p2);
-      store_piece(d + 16 * (c + 3 * step), p3);
+    for (int64_t c = lane; c < pieces; c += kPieceBatch * step) {
+      const PieceBatch b = load_batch(src, c, step, pieces);
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+      for (int j = 0; j < kPieceBatch; ++j)
+        if (b.has[j]) store_piece(d + 16 * (c + j * step), b.p[j]);
     }
-    // at most three left: c, c + step, c + 2 step where below `pieces`
-    const bool h0 = c < pieces, h1 = c + step < pieces, h2 = c + 2 * step < pieces;
-    Piece p0{}, p1{}, p2{};
-    if (h0) p0 = load_piece(s + 16 * c);
-    if (h1) p1 = load_piece(s + 16 * (c + step));
-    if (h2) p2 = load_piece(s + 16 * (c + 2 * step));
-    if (h0) store_piece(d + 16 * c, p0);
-    if (h1) store_piece(d + 16 * (c + step), p1);
-    if (h2) store_piece(d + 16 * (c + 2 * step), p2);
     return;
   }
   for (int64_t c = lane; c < n; c += lanes) dst[c] = src[c];
@@ -517,28 +526,19 @@ struct ScatterRowsBody {
     const bool scaled = apply == ScoreApply::before_experts;
     auto score = [&](int k) { return multiplier<T>(topk_scores[t * K + k], smul); };
     if (lanes > 1 && aligned16(src, D * int64_t(sizeof(T))) && aligned16(routed, 0)) {
-      // 16-byte pieces, each loaded once and stored K times; a lane loads
-      // up to four of its pieces before it stores any (as copy_row)
-      constexpr int B = 4;
+      // 16-byte pieces, each loaded once (in batches, as copy_row) and
+      // stored K times
       const int64_t pieces = D / W, step = lanes;
-      for (int64_t c = lane; c < pieces; c += B * step) {
-        Piece in[B];
-        bool has[B];
-#ifdef __CUDA_ARCH__
-#pragma unroll
-#endif
-        for (int j = 0; j < B; ++j) {
-          has[j] = c + j * step < pieces;
-          in[j] = has[j] ? load_piece(src + (c + j * step) * W) : Piece{};
-        }
+      for (int64_t c = lane; c < pieces; c += kPieceBatch * step) {
+        const PieceBatch b = load_batch(src, c, step, pieces);
         for (int k = 0; k < K; ++k) {
           T* dst = routed + int64_t(rows[k]) * D;
           const float m = scaled ? score(k) : 1.f;
 #ifdef __CUDA_ARCH__
 #pragma unroll
 #endif
-          for (int j = 0; j < B; ++j)
-            if (has[j]) store_piece(dst + (c + j * step) * W, scaled ? scaled_piece<T>(in[j], m) : in[j]);
+          for (int j = 0; j < kPieceBatch; ++j)
+            if (b.has[j]) store_piece(dst + (c + j * step) * W, scaled ? scaled_piece<T>(b.p[j], m) : b.p[j]);
         }
       }
       return;
@@ -672,7 +672,7 @@ struct CombineBody {
       }
     int nrows = 0;
     int32_t rows[R];
-    float mult[R];  // a row's score as the additions use it (add_row)
+    float mult[R];  // a row's multiplier (row_multiplier)
 #ifdef __CUDA_ARCH__
 #pragma unroll
 #endif
@@ -757,7 +757,7 @@ struct CombineBody {
     }
     for (int k = 0; k < nrows; ++k) {
       const T* y = routed_out + int64_t(rows[k]) * D + c0;
-      add_row(v, n, score_sorted[rows[k]], [&](int i) { return to_float(y[i]); });
+      add_row(v, n, row_multiplier(rows[k]), [&](int i) { return to_float(y[i]); });
     }
     if (acc == Accumulate::fp32_accumulate)
       for (int i = 0; i < n; ++i) v[i] = round_to<T>(v[i]);
@@ -770,15 +770,15 @@ struct CombineBody {
   }
 
   /// v[i] (+)= the contribution of one routed row, y(i) its element i as
-  /// fp32 and s its score: one per accumulate mode and score placement.
+  /// fp32 and m its multiplier (row_multiplier): one per accumulate mode and
+  /// score placement (add_piece on a device piece).
   template <class Y>
-  MOEV_HD void add_row(float* v, int n, float s, const Y& y) const {
+  MOEV_HD void add_row(float* v, int n, float m, const Y& y) const {
     if (apply == ScoreApply::after_experts) {
-      s = multiplier<T>(s, smul);
       if (acc == Accumulate::per_add)
-        for (int i = 0; i < n; ++i) v[i] = round_to<T>(v[i] + round_to<T>(y(i) * s));
+        for (int i = 0; i < n; ++i) v[i] = round_to<T>(v[i] + round_to<T>(y(i) * m));
       else
-        for (int i = 0; i < n; ++i) v[i] += round_to<T>(y(i) * s);
+        for (int i = 0; i < n; ++i) v[i] += round_to<T>(y(i) * m);
     } else {
       if (acc == Accumulate::per_add)
         for (int i = 0; i < n; ++i) v[i] = round_to<T>(v[i] + y(i));

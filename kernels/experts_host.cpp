@@ -233,6 +233,10 @@ void gemm_nn(const ExecCtx& ctx, DType dt, const void* X, int64_t rows, int64_t 
   gemm_layout(ctx, dt, X, rows, k, ldx, W, n, Y, ldy, WeightLayout::k_by_n);
 }
 
+namespace {
+
+/// A GemmOp::nn_f32 job on the host executor (on a device it runs inside
+/// gemm_group): Y (rows, n; row stride ldy) fp32 = X W, W (k, n) row-major.
 void gemm_nn_f32(const ExecCtx& ctx, DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W,
                  int64_t n, float* Y, int64_t ldy) {
   if (ctx.mirror) throw std::logic_error("gemm_nn_f32 runs on the host executor; on a device it is a gemm_group job");
@@ -247,6 +251,8 @@ void gemm_nn_f32(const ExecCtx& ctx, DType dt, const void* X, int64_t rows, int6
     });
   });
 }
+
+}  // namespace
 
 void gemm_job(const ExecCtx& ctx, DType dt, const GemmJob& j) {
   if (j.op == GemmOp::nt) gemm_nt(ctx, dt, j.a, j.rows, j.k, j.lda, j.b, j.n, j.c, j.ldc);

@@ -133,10 +133,6 @@ void gemm_nt(const ExecCtx& ctx, DType dt, const void* X, int64_t rows, int64_t 
 /// The same with W (k, n) row-major: Y = round_act(X W).
 void gemm_nn(const ExecCtx& ctx, DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n,
              void* Y, int64_t ldy);
-/// Y (rows, n; row stride ldy) fp32 = X W with W (k, n) row-major, not
-/// rounded: on the host executor only (on a device it is a gemm_group job).
-void gemm_nn_f32(const ExecCtx& ctx, DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W,
-                 int64_t n, float* Y, int64_t ldy);
 
 /// One GEMM of a grouped call (gemm_group, Device::gemm_group): fp32
 /// accumulation, row-major operands.
@@ -146,7 +142,8 @@ void gemm_nn_f32(const ExecCtx& ctx, DType dt, const void* X, int64_t rows, int6
 ///   tn_f32: c (k, n) dense fp32 = a^T b, a (rows, k; ld lda), b (rows, n; ld ldb);
 ///           rows == 0 gives c = 0
 /// ldb is read by tn_f32 only, ldc by the others. Each job gives what
-/// gemm_nt, gemm_nn, gemm_nn_f32 or gemm_tn_f32 gives for it alone.
+/// gemm_nt, gemm_nn or gemm_tn_f32 gives for it alone (nn_f32: gemm_nn's
+/// sum before its rounding).
 enum class GemmOp : uint8_t { nt, nn, nn_f32, tn_f32 };
 struct GemmJob {
   GemmOp op = GemmOp::nt;
