@@ -611,10 +611,14 @@ struct CombineBody {
   CombineOrder order;
   ScoreMultiply smul = ScoreMultiply::fp32;
   CombineInit init_from = CombineInit::buffer;
+  /// token_in_registers where it applies; false keeps every token on the
+  /// general path (the same bits: the CUDA executor's timing knob,
+  /// docs/guide.md "Backends and the GPU kit").
+  bool registers = true;
 
   MOEV_HD void operator()(int64_t t, int lane, int lanes) const {
     if constexpr (W * sizeof(T) == 16) {
-      if (K <= kRegRows && D % W == 0 && pieces_aligned(t, 0)) return token_in_registers(t, lane, lanes);
+      if (registers && K <= kRegRows && D % W == 0 && pieces_aligned(t, 0)) return token_in_registers(t, lane, lanes);
     }
     int32_t rows[kMaxTopK];
     int n = 0;  // an assignment dropped by capacity (row -1, docs/contract.md §11) adds nothing

@@ -6,9 +6,11 @@
 #include <atomic>
 #include <climits>
 #include <cmath>
+#include <cstdlib>
 #include <cub/device/device_radix_sort.cuh>
 #include <mutex>
 #include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -91,7 +93,38 @@ void launch(const Body& body, int64_t n, int lanes = 128) {
 /// Lanes for the row-moving bodies: by the row's bytes (k::row_lanes).
 template <class T> int lanes_of(const k::GatherBody<T>& b) { return k::row_lanes(b.D * int64_t(sizeof(T))); }
 template <class T> int lanes_of(const k::ScatterRowsBody<T>& b) { return k::row_lanes(b.D * int64_t(sizeof(T))); }
-template <class T, int W> int lanes_of(const k::CombineBody<T, W>& b) { return k::row_lanes(b.D * int64_t(sizeof(T))); }
+/// Two knobs of the combine's launch, for timing its variants on a GPU
+/// (docs/guide.md "Backends and the GPU kit"); neither changes a bit of the
+/// output. MOEVERIFY_CUDA_COMBINE_LANES (32, 64, 128 or 256): threads a
+/// token, in place of the row's bytes' choice (k::row_lanes);
+/// MOEVERIFY_CUDA_COMBINE_REGISTERS=0: the general path for every token
+/// (k::CombineBody::registers).
+struct CombineTuning {
+  int lanes = 0;  // 0: k::row_lanes
+  bool registers = true;
+};
+const CombineTuning& combine_tuning() {
+  static const CombineTuning t = [] {
+    CombineTuning c;
+    if (const char* v = std::getenv("MOEVERIFY_CUDA_COMBINE_LANES")) {
+      const std::string s(v);
+      if (s != "32" && s != "64" && s != "128" && s != "256")
+        throw std::runtime_error("MOEVERIFY_CUDA_COMBINE_LANES=" + s + ": valid are 32, 64, 128 and 256");
+      c.lanes = std::stoi(s);
+    }
+    if (const char* v = std::getenv("MOEVERIFY_CUDA_COMBINE_REGISTERS")) {
+      const std::string s(v);
+      if (s != "0" && s != "1")
+        throw std::runtime_error("MOEVERIFY_CUDA_COMBINE_REGISTERS=" + s + ": valid are 0 and 1");
+      c.registers = s == "1";
+    }
+    return c;
+  }();
+  return t;
+}
+template <class T, int W> int lanes_of(const k::CombineBody<T, W>& b) {
+  return combine_tuning().lanes ? combine_tuning().lanes : k::row_lanes(b.D * int64_t(sizeof(T)));
+}
 template <class T> int lanes_of(const k::RowMapBody<T>& b) { return k::row_lanes(b.D * int64_t(sizeof(T))); }
 template <class T, class M> int lanes_of(const k::FnRowMapBody<T, M>& b) { return k::row_lanes(b.D * int64_t(sizeof(T))); }
 template <class Body> int lanes_of(const Body&) { return 128; }
@@ -346,6 +379,12 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   void body(const Body& b, int64_t n) {
     timed([&] { enqueue(b, n, lanes_of(b)); });
   }
+  template <class T, int W>
+  void body(const k::CombineBody<T, W>& b, int64_t n) {
+    k::CombineBody<T, W> tuned = b;
+    tuned.registers = combine_tuning().registers;
+    timed([&] { enqueue(tuned, n, lanes_of(tuned)); });
+  }
   // Counts are integers: atomics give the same counts in any order, where
   // the body (one thread an expert walking every assignment) took one
   // thread 262,144 loads per expert at DeepSeek-V3 size.
@@ -398,17 +437,24 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   // of equal shape sharing a group, where the library has it and dt is not
   // fp32 (fp32 GEMMs use the pedantic compute type, which the grouped call
   // does not take); else the single GEMMs back to back. One wait either way.
+  // A job whose operands are not all 16-byte aligned (aligned16) goes alone
+  // through cublasGemmEx: on an H200 (cuBLAS 13) the grouped call gave wrong
+  // sums for the SwiGLU experts at hidden = 1 (rows of 2 bytes), which the
+  // single call gets right.
   void gemm_group(DType dt, const std::vector<GemmJob>& jobs) override {
     if (jobs.empty()) return;
-    std::vector<Call> calls;
-    for (const GemmJob& j : jobs) calls.push_back(call_of(dt, j));
-    Lease h(*this);
+    std::vector<Call> calls, alone;
     const bool grouped = dt != DType::fp32 && blas().gemm_grouped != nullptr;
+    for (const GemmJob& j : jobs) (!grouped || aligned16(call_of(dt, j)) ? calls : alone).push_back(call_of(dt, j));
+    Lease h(*this);
     std::string path = grouped ? "one cublasGemmGroupedBatchedEx per output type"
                                : std::string("one cublasGemmEx per job, back to back (") +
                                      (dt == DType::fp32 ? "fp32: the pedantic compute type" : "this cuBLAS lacks the grouped call") +
                                      ")";
+    if (!alone.empty())
+      path += "; " + std::to_string(alone.size()) + " GEMM(s) with operands not 16-byte aligned one cublasGemmEx each";
     timed([&] {
+      for (const Call& c : alone) enqueue_gemm(h.h, c);
       if (!grouped) {
         for (const Call& c : calls) enqueue_gemm(h.h, c);
         return;
@@ -505,6 +551,18 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
                                  " exceeds its int range");
     return Call{op_a,   op_b, int(m), int(n), int(k), int(lda), int(ldb), int(ldc), A, B, C, data_type(dt), c_type,
                 dt == DType::fp32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F};
+  }
+
+  /// Whether every operand of c starts on a 16-byte boundary and every
+  /// column (ld times the element size) keeps it: the layout the grouped
+  /// call is given (gemm_group).
+  static bool aligned16(const Call& c) {
+    const auto bytes = [](cudaDataType t) { return t == CUDA_R_32F ? 4 : 2; };
+    const auto ok = [](const void* p, int64_t ld_bytes) {
+      return reinterpret_cast<uintptr_t>(p) % 16 == 0 && ld_bytes % 16 == 0;
+    };
+    return ok(c.A, int64_t(c.lda) * bytes(c.t)) && ok(c.B, int64_t(c.ldb) * bytes(c.t)) &&
+           ok(c.C, int64_t(c.ldc) * bytes(c.c_type));
   }
 
   /// A row-major job (moe_host.h GemmJob) as the column-major call that
