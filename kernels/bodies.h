@@ -611,15 +611,7 @@ struct CombineBody {
   CombineOrder order;
   ScoreMultiply smul = ScoreMultiply::fp32;
   CombineInit init_from = CombineInit::buffer;
-  /// token_in_registers where it applies; false keeps every token on the
-  /// general path (the same bits: the CUDA executor's timing knob,
-  /// docs/guide.md "Backends and the GPU kit").
-  bool registers = true;
-
   MOEV_HD void operator()(int64_t t, int lane, int lanes) const {
-    if constexpr (W * sizeof(T) == 16) {
-      if (registers && K <= kRegRows && D % W == 0 && pieces_aligned(t, 0)) return token_in_registers(t, lane, lanes);
-    }
     int32_t rows[kMaxTopK];
     int n = 0;  // an assignment dropped by capacity (row -1, docs/contract.md §11) adds nothing
     for (int k = 0; k < K; ++k) {
@@ -636,75 +628,8 @@ struct CombineBody {
       span(t, rows, n, c0, D - c0 < W ? int(D - c0) : W);
   }
 
-  /// Routed rows a token may have for token_in_registers.
-  static constexpr int kRegRows = 8;
-
-  /// The device span (W columns = 16 bytes) for a token of at most kRegRows
-  /// routed rows whose buffers are 16-byte aligned (DeepSeek-V3, Qwen3 and
-  /// Mixtral's K): the same additions in the same order as span(), with
-  /// everything a lane needs in registers. The token's rows are ordered by a
-  /// compare-exchange network of fixed size (an insertion sort indexes its
-  /// array at run time, which puts the array in local memory: 160 bytes of
-  /// stack in the general path), their multipliers are read once per token,
-  /// not once per span, all rows' pieces are loaded before the first is
-  /// added (kRegRows loads in flight a lane), and the roundings go two
-  /// elements at a time (round_pairs: one packed conversion a pair on a GPU).
-  MOEV_HD void token_in_registers(int64_t t, int lane, int lanes) const {
-    constexpr int R = kRegRows;
-    const bool ascending = order == CombineOrder::ascending_row;
-    // Sort keys: a dropped assignment (row -1) last, the rest by row in the
-    // combine order (rows of one token are distinct, so no ties).
-    int32_t key[R];
-#ifdef __CUDA_ARCH__
-#pragma unroll
-#endif
-    for (int j = 0; j < R; ++j) {
-      const int32_t r = j < K ? row_of[t * K + j] : -1;
-      key[j] = r < 0 ? INT32_MAX : ascending ? r : -r;
-    }
-#ifdef __CUDA_ARCH__
-#pragma unroll
-#endif
-    for (int pass = 0; pass < R; ++pass)  // odd-even transposition: sorted after R passes
-#ifdef __CUDA_ARCH__
-#pragma unroll
-#endif
-      for (int j = pass & 1; j + 1 < R; j += 2) {
-        const int32_t a = key[j], b = key[j + 1];
-        key[j] = a < b ? a : b;
-        key[j + 1] = a < b ? b : a;
-      }
-    int nrows = 0;
-    int32_t rows[R];
-    float mult[R];  // a row's multiplier (row_multiplier)
-#ifdef __CUDA_ARCH__
-#pragma unroll
-#endif
-    for (int j = 0; j < R; ++j) {
-      nrows += key[j] != INT32_MAX;
-      rows[j] = key[j] == INT32_MAX ? 0 : ascending ? key[j] : -key[j];
-      mult[j] = key[j] == INT32_MAX ? 1.f : row_multiplier(rows[j]);
-    }
-    for (int64_t c0 = int64_t(lane) * W; c0 < D; c0 += int64_t(lanes) * W) {
-      float v[W];
-      init_piece(v, t, c0);
-      Piece pc[R];
-#ifdef __CUDA_ARCH__
-#pragma unroll
-#endif
-      for (int j = 0; j < R; ++j)
-        if (j < nrows) pc[j] = load_piece(routed_out + int64_t(rows[j]) * D + c0);
-#ifdef __CUDA_ARCH__
-#pragma unroll
-#endif
-      for (int j = 0; j < R; ++j)
-        if (j < nrows) add_piece(v, pc[j], mult[j]);
-      finish_piece(v, t, c0);
-    }
-  }
-
   /// The device span's steps, on W columns = one 16-byte piece a buffer
-  /// (token_in_registers, span_pieces), the values those of span() and
+  /// (span_pieces), the values those of span() and
   /// add_row with the roundings two elements at a time (round_pairs).
   /// row_multiplier: the multiplier add_row takes for routed row r (1 where
   /// the score was applied before the experts).

@@ -93,37 +93,27 @@ void launch(const Body& body, int64_t n, int lanes = 128) {
 /// Lanes for the row-moving bodies: by the row's bytes (k::row_lanes).
 template <class T> int lanes_of(const k::GatherBody<T>& b) { return k::row_lanes(b.D * int64_t(sizeof(T))); }
 template <class T> int lanes_of(const k::ScatterRowsBody<T>& b) { return k::row_lanes(b.D * int64_t(sizeof(T))); }
-/// Two knobs of the combine's launch, for timing its variants on a GPU
-/// (docs/guide.md "Backends and the GPU kit"); neither changes a bit of the
-/// output. MOEVERIFY_CUDA_COMBINE_LANES (32, 64, 128 or 256): threads a
-/// token, in place of the row's bytes' choice (k::row_lanes);
-/// MOEVERIFY_CUDA_COMBINE_REGISTERS=0: the general path for every token
-/// (k::CombineBody::registers).
-struct CombineTuning {
-  int lanes = 0;  // 0: k::row_lanes
-  bool registers = true;
-};
-const CombineTuning& combine_tuning() {
-  static const CombineTuning t = [] {
-    CombineTuning c;
-    if (const char* v = std::getenv("MOEVERIFY_CUDA_COMBINE_LANES")) {
-      const std::string s(v);
-      if (s != "32" && s != "64" && s != "128" && s != "256")
-        throw std::runtime_error("MOEVERIFY_CUDA_COMBINE_LANES=" + s + ": valid are 32, 64, 128 and 256");
-      c.lanes = std::stoi(s);
-    }
-    if (const char* v = std::getenv("MOEVERIFY_CUDA_COMBINE_REGISTERS")) {
-      const std::string s(v);
-      if (s != "0" && s != "1")
-        throw std::runtime_error("MOEVERIFY_CUDA_COMBINE_REGISTERS=" + s + ": valid are 0 and 1");
-      c.registers = s == "1";
-    }
-    return c;
+/// Threads a token for the combine: the row's pieces (k::row_lanes) up to
+/// two warps. A lane then walks 14 pieces of a DeepSeek-V3 row (D = 7168,
+/// bf16), so a token's row list and scores, read before its first piece, are
+/// paid once for more loads: on an H200 (2026-11-27, one rank, T = 4096,
+/// K = 8) the combine ran at 57% of a device copy with 64 threads a token
+/// and 52% with 256. MOEVERIFY_CUDA_COMBINE_LANES (32, 64, 128 or 256)
+/// overrides the cap, for timing the choice on another GPU (the kit's
+/// KIT_COMBINE_AB; the output's bits do not depend on it).
+int combine_lanes_cap() {
+  static const int cap = [] {
+    const char* v = std::getenv("MOEVERIFY_CUDA_COMBINE_LANES");
+    if (!v) return 64;
+    const std::string s(v);
+    if (s != "32" && s != "64" && s != "128" && s != "256")
+      throw std::runtime_error("MOEVERIFY_CUDA_COMBINE_LANES=" + s + ": valid are 32, 64, 128 and 256");
+    return std::stoi(s);
   }();
-  return t;
+  return cap;
 }
 template <class T, int W> int lanes_of(const k::CombineBody<T, W>& b) {
-  return combine_tuning().lanes ? combine_tuning().lanes : k::row_lanes(b.D * int64_t(sizeof(T)));
+  return std::min(k::row_lanes(b.D * int64_t(sizeof(T))), combine_lanes_cap());
 }
 template <class T> int lanes_of(const k::RowMapBody<T>& b) { return k::row_lanes(b.D * int64_t(sizeof(T))); }
 template <class T, class M> int lanes_of(const k::FnRowMapBody<T, M>& b) { return k::row_lanes(b.D * int64_t(sizeof(T))); }
@@ -378,12 +368,6 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   template <class Body>
   void body(const Body& b, int64_t n) {
     timed([&] { enqueue(b, n, lanes_of(b)); });
-  }
-  template <class T, int W>
-  void body(const k::CombineBody<T, W>& b, int64_t n) {
-    k::CombineBody<T, W> tuned = b;
-    tuned.registers = combine_tuning().registers;
-    timed([&] { enqueue(tuned, n, lanes_of(tuned)); });
   }
   // Counts are integers: atomics give the same counts in any order, where
   // the body (one thread an expert walking every assignment) took one

@@ -46,18 +46,15 @@ if [ "${results[1]}" = SKIPPED ]; then
   echo "kit_run: no usable CUDA device: every GPU check SKIPPED"
   exit 77
 fi
-# KIT_COMBINE_AB=1: the combine's launch variants (kernels/cuda_exec.cu
-# CombineTuning: the register path or the general one, threads a token) timed
-# at DeepSeek-V3's shape on one rank (T = 4096, D = 7168, K = 8: 470 MB of
-# routed rows), each against a device copy of its bytes in the same run.
+# KIT_COMBINE_AB=1: the combine at each cap of its threads a token
+# (MOEVERIFY_CUDA_COMBINE_LANES; kernels/cuda_exec.cu combine_lanes_cap),
+# timed at DeepSeek-V3's shape on one rank (T = 4096, D = 7168, K = 8:
+# 470 MB of routed rows) against a device copy of its bytes in the same run.
 if [ -n "${KIT_COMBINE_AB:-}" ]; then
-  for v in "1 0" "0 0" "1 128" "1 64" "0 64"; do
-    read -r reg lanes <<< "$v"
-    name="combine_ab.registers$reg.lanes$lanes"
-    knobs=(MOEVERIFY_CUDA_COMBINE_REGISTERS="$reg")
-    [ "$lanes" = 0 ] || knobs+=(MOEVERIFY_CUDA_COMBINE_LANES="$lanes")
-    check "$name" env "${knobs[@]}" timeout 60 "$bin/moeverify" bench "$root/cases/slow/deepseek_v3.yaml" \
-      --set ep=1 --backend cuda --repeat 3
+  for lanes in 256 128 64 32; do
+    name="combine_ab.lanes$lanes"
+    check "$name" env MOEVERIFY_CUDA_COMBINE_LANES="$lanes" timeout 60 "$bin/moeverify" bench \
+      "$root/cases/slow/deepseek_v3.yaml" --set ep=1 --backend cuda --repeat 3
     grep -E "^  combine " "$out/$name.log" | tail -2 | sed "s/^/$name: /"
   done
 fi
