@@ -58,6 +58,24 @@ if [ -n "${KIT_COMBINE_AB:-}" ]; then
     grep -E "^  combine " "$out/$name.log" | tail -2 | sed "s/^/$name: /"
   done
 fi
+# KIT_NCU=1: Nsight Compute on the row-moving kernels below 85% of the copy
+# (the combine, the dispatch's metadata pass and scatter) in one staged run of
+# DeepSeek-V3 on one rank: speed of light, memory, occupancy, launch, warp
+# state and scheduler sections, so that the next change is chosen by what
+# stalls them (issue 36). ncu needs the GPU's performance counters; where the
+# machine withholds them the check fails with ncu's message.
+if [ -n "${KIT_NCU:-}" ]; then
+  ncu_bin=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
+  if [ -n "$ncu_bin" ]; then
+    check ncu timeout "${KIT_NCU_S:-240}" "$ncu_bin" --kernel-name-base demangled \
+      --kernel-name "regex:CombineBody|ScatterRowsBody|DispatchMetaBody" --launch-count 6 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+      --section WarpStateStats --section SchedulerStats \
+      "$bin/moeverify" run "$root/cases/slow/deepseek_v3.yaml" --set ep=1 --backend cuda
+  else
+    echo "kit_run: KIT_NCU=1 but no ncu on this machine"
+  fi
+fi
 # PyTorch beside moeverify on the same shapes (bench --peer), where the
 # python3 here holds torch with CUDA.
 peer=()
