@@ -261,7 +261,31 @@ struct Blas {
   /// cublasGemmGroupedBatchedEx (cuBLAS 12.5 and later); null where the
   /// library lacks it, and gemm_group then enqueues the single GEMMs.
   decltype(&cublasGemmGroupedBatchedEx) gemm_grouped = nullptr;
+  /// cublasGemmBatchedEx: gemm_group's calls under MOEVERIFY_CUDA_GEMM_GROUP=batched.
+  cublasStatus_t (*gemm_batched)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int, const void*,
+                                 const void* const*, cudaDataType, int, const void* const*, cudaDataType, int,
+                                 const void*, void* const*, cudaDataType, int, int, cublasComputeType_t,
+                                 cublasGemmAlgo_t) = nullptr;
 };
+
+/// How gemm_group enqueues its jobs (MOEVERIFY_CUDA_GEMM_GROUP): `grouped`
+/// (the default), one cublasGemmGroupedBatchedEx per output type; `batched`,
+/// one cublasGemmBatchedEx per run of consecutive jobs of one shape (a
+/// single job as cublasGemmEx), for timing the two on a GPU (the kit's
+/// KIT_GEMM_AB): on an H200 the grouped call ran DeepSeek-V3's 16 experts
+/// of 512 rows, one group of 32 equal GEMMs, at 29% of one GEMM of the same
+/// FLOPs. Either gives each GEMM's sums in fp32 and one rounding.
+bool gemm_group_batched() {
+  static const bool batched = [] {
+    const char* v = std::getenv("MOEVERIFY_CUDA_GEMM_GROUP");
+    if (!v) return false;
+    const std::string s(v);
+    if (s != "grouped" && s != "batched")
+      throw std::runtime_error("MOEVERIFY_CUDA_GEMM_GROUP=" + s + ": valid are grouped and batched");
+    return s == "batched";
+  }();
+  return batched;
+}
 
 const Blas& blas() {
   static const Blas b = [] {
@@ -274,6 +298,7 @@ const Blas& blas() {
     r.set_math_mode = reinterpret_cast<decltype(r.set_math_mode)>(dlsym(h, "cublasSetMathMode"));
     r.gemm = reinterpret_cast<decltype(r.gemm)>(dlsym(h, "cublasGemmEx"));
     r.gemm_grouped = reinterpret_cast<decltype(r.gemm_grouped)>(dlsym(h, "cublasGemmGroupedBatchedEx"));
+    r.gemm_batched = reinterpret_cast<decltype(r.gemm_batched)>(dlsym(h, "cublasGemmBatchedEx"));
     if (!r.create || !r.destroy || !r.set_stream || !r.set_math_mode || !r.gemm)
       throw std::runtime_error(
           "libcublas.so.13 lacks cublasCreate_v2, cublasSetStream_v2, cublasSetMathMode or cublasGemmEx");
@@ -428,17 +453,22 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   void gemm_group(DType dt, const std::vector<GemmJob>& jobs) override {
     if (jobs.empty()) return;
     std::vector<Call> calls, alone;
-    const bool grouped = dt != DType::fp32 && blas().gemm_grouped != nullptr;
-    for (const GemmJob& j : jobs) (!grouped || aligned16(call_of(dt, j)) ? calls : alone).push_back(call_of(dt, j));
+    const bool batched = gemm_group_batched() && dt != DType::fp32 && blas().gemm_batched != nullptr;
+    const bool grouped = !batched && dt != DType::fp32 && blas().gemm_grouped != nullptr;
+    for (const GemmJob& j : jobs)
+      ((!grouped && !batched) || aligned16(call_of(dt, j)) ? calls : alone).push_back(call_of(dt, j));
     Lease h(*this);
-    std::string path = grouped ? "one cublasGemmGroupedBatchedEx per output type"
-                               : std::string("one cublasGemmEx per job, back to back (") +
-                                     (dt == DType::fp32 ? "fp32: the pedantic compute type" : "this cuBLAS lacks the grouped call") +
-                                     ")";
+    std::string path = batched   ? "one cublasGemmBatchedEx per run of equal shapes (MOEVERIFY_CUDA_GEMM_GROUP=batched)"
+                       : grouped ? "one cublasGemmGroupedBatchedEx per output type"
+                                 : std::string("one cublasGemmEx per job, back to back (") +
+                                       (dt == DType::fp32 ? "fp32: the pedantic compute type"
+                                                          : "this cuBLAS lacks the grouped call") +
+                                       ")";
     if (!alone.empty())
       path += "; " + std::to_string(alone.size()) + " GEMM(s) with operands not 16-byte aligned one cublasGemmEx each";
     timed([&] {
       for (const Call& c : alone) enqueue_gemm(h.h, c);
+      if (batched) return enqueue_batched(h.h, calls);
       if (!grouped) {
         for (const Call& c : calls) enqueue_gemm(h.h, c);
         return;
@@ -613,6 +643,41 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
                                   c.C, c.c_type, c.ldc, c.compute, CUBLAS_GEMM_DEFAULT));
   }
 
+  /// Whether b is a's GEMM on other operands (one group of a grouped or
+  /// batched call).
+  static bool same_shape(const Call& a, const Call& b) {
+    return a.op_a == b.op_a && a.op_b == b.op_b && a.m == b.m && a.n == b.n && a.k == b.k && a.lda == b.lda &&
+           a.ldb == b.ldb && a.ldc == b.ldc && a.t == b.t && a.c_type == b.c_type && a.compute == b.compute;
+  }
+
+  /// Enqueues the calls as one cublasGemmBatchedEx per run of consecutive
+  /// calls of one shape (same_shape), a run of one as cublasGemmEx. Each
+  /// run's pointer arrays go to the device first, freed in stream order.
+  static void enqueue_batched(cublasHandle_t h, const std::vector<Call>& calls) {
+    for (size_t i = 0; i < calls.size();) {
+      size_t j = i + 1;
+      while (j < calls.size() && same_shape(calls[i], calls[j])) ++j;
+      const Call& c = calls[i];
+      if (j - i == 1) {
+        enqueue_gemm(h, c);
+      } else {
+        const size_t np = j - i;
+        std::vector<const void*> ptrs(3 * np);  // A's, B's, C's
+        for (size_t q = 0; q < np; ++q)
+          ptrs[q] = calls[i + q].A, ptrs[np + q] = calls[i + q].B, ptrs[2 * np + q] = calls[i + q].C;
+        StreamBuffer dptrs(ptrs.size() * sizeof(void*));
+        MOEV_CUDA_CHECK(cudaMemcpyAsync(dptrs.d, ptrs.data(), ptrs.size() * sizeof(void*), cudaMemcpyHostToDevice,
+                                        thread_stream()));
+        void** dp = static_cast<void**>(dptrs.d);
+        const float alpha = 1.f, beta = 0.f;
+        MOEV_CUBLAS_CHECK(blas().gemm_batched(h, c.op_a, c.op_b, c.m, c.n, c.k, &alpha, dp, c.t, c.lda, dp + np, c.t,
+                                              c.ldb, &beta, dp + 2 * np, c.c_type, c.ldc, int(np), c.compute,
+                                              CUBLAS_GEMM_DEFAULT));
+      }
+      i = j;
+    }
+  }
+
   /// Enqueues the calls whose output type is c_type as one
   /// cublasGemmGroupedBatchedEx: a group per run of consecutive calls of
   /// equal operations, sizes and leading dimensions. The pointer arrays go
@@ -628,9 +693,7 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
     cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
     for (const Call& c : calls) {
       if (c.c_type != c_type) continue;
-      const bool same = prev && prev->op_a == c.op_a && prev->op_b == c.op_b && prev->m == c.m && prev->n == c.n &&
-                        prev->k == c.k && prev->lda == c.lda && prev->ldb == c.ldb && prev->ldc == c.ldc;
-      if (same) {
+      if (prev && same_shape(*prev, c)) {
         ++size.back();
       } else {
         op_a.push_back(c.op_a), op_b.push_back(c.op_b), m.push_back(c.m), n.push_back(c.n), k.push_back(c.k);

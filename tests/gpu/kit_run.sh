@@ -58,6 +58,17 @@ if [ -n "${KIT_COMBINE_AB:-}" ]; then
     grep -E "^  combine " "$out/$name.log" | tail -2 | sed "s/^/$name: /"
   done
 fi
+# KIT_GEMM_AB=1: DeepSeek-V3's expert shapes with gemm_group's two ways of
+# enqueueing (MOEVERIFY_CUDA_GEMM_GROUP: grouped, the default, or batched),
+# each against one device GEMM of the same FLOPs in the same run.
+if [ -n "${KIT_GEMM_AB:-}" ]; then
+  for mode in grouped batched; do
+    name="gemm_ab.$mode"
+    check "$name" env MOEVERIFY_CUDA_GEMM_GROUP="$mode" timeout 120 "$bin/moeverify" bench \
+      "$root/cases/slow/swiglu_deepseek_experts.yaml" --backend cuda --repeat 3
+    grep -E "^  GEMM experts/" "$out/$name.log" | sed "s/^/$name: /"
+  done
+fi
 # KIT_NCU=1: Nsight Compute on the row-moving kernels below 85% of the copy
 # (the combine, the dispatch's metadata pass and scatter) in one staged run of
 # DeepSeek-V3 on one rank: speed of light, memory, occupancy, launch, warp
