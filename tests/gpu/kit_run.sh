@@ -46,6 +46,8 @@ if [ "${results[1]}" = SKIPPED ]; then
   echo "kit_run: no usable CUDA device: every GPU check SKIPPED"
   exit 77
 fi
+# gpu_check's grouped GEMMs again with gemm_group's batched calls
+check bodies.gemm_batched env MOEVERIFY_CUDA_GEMM_GROUP=batched "$bin/gpu_check"
 # KIT_COMBINE_AB=1: the combine at each cap of its threads a token
 # (MOEVERIFY_CUDA_COMBINE_LANES; kernels/cuda_exec.cu combine_lanes_cap),
 # timed at DeepSeek-V3's shape on one rank (T = 4096, D = 7168, K = 8:
