@@ -72,7 +72,8 @@ if [ -n "${KIT_GEMM_AB:-}" ]; then
   done
 fi
 # KIT_NCU=1: Nsight Compute on the row-moving kernels below 85% of the copy
-# (the combine, the dispatch's metadata pass and scatter) in one staged run of
+# (the combine; the dispatch's counts, CUB sort, metadata pass and scatter:
+# which of them holds the dispatch's time is not known) in one staged run of
 # DeepSeek-V3 on one rank: speed of light, memory, occupancy, launch, warp
 # state and scheduler sections, so that the next change is chosen by what
 # stalls them (issue 36). ncu needs the GPU's performance counters; where the
@@ -81,7 +82,7 @@ if [ -n "${KIT_NCU:-}" ]; then
   ncu_bin=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
   if [ -n "$ncu_bin" ]; then
     check ncu timeout "${KIT_NCU_S:-240}" "$ncu_bin" --kernel-name-base demangled \
-      --kernel-name "regex:CombineBody|ScatterRowsBody|DispatchMetaBody" --launch-count 6 \
+      --kernel-name "regex:CombineBody|ScatterRowsBody|DispatchMetaBody|histogram_kernel|Radix" --launch-count 24 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
       --section WarpStateStats --section SchedulerStats \
       "$bin/moeverify" run "$root/cases/slow/deepseek_v3.yaml" --set ep=1 --backend cuda
