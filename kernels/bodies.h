@@ -611,6 +611,7 @@ struct CombineBody {
   CombineOrder order;
   ScoreMultiply smul = ScoreMultiply::fp32;
   CombineInit init_from = CombineInit::buffer;
+
   MOEV_HD void operator()(int64_t t, int lane, int lanes) const {
     int32_t rows[kMaxTopK];
     int n = 0;  // an assignment dropped by capacity (row -1, docs/contract.md §11) adds nothing

@@ -651,8 +651,9 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   }
 
   /// Enqueues the calls as one cublasGemmBatchedEx per run of consecutive
-  /// calls of one shape (same_shape), a run of one as cublasGemmEx. Each
-  /// run's pointer arrays go to the device first, freed in stream order.
+  /// calls of one shape (same_shape), a run of one, or of a type combination
+  /// the batched call refuses, as cublasGemmEx calls. Each run's pointer
+  /// arrays go to the device first, freed in stream order.
   static void enqueue_batched(cublasHandle_t h, const std::vector<Call>& calls) {
     for (size_t i = 0; i < calls.size();) {
       size_t j = i + 1;
@@ -670,9 +671,13 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
                                         thread_stream()));
         void** dp = static_cast<void**>(dptrs.d);
         const float alpha = 1.f, beta = 0.f;
-        MOEV_CUBLAS_CHECK(blas().gemm_batched(h, c.op_a, c.op_b, c.m, c.n, c.k, &alpha, dp, c.t, c.lda, dp + np, c.t,
-                                              c.ldb, &beta, dp + 2 * np, c.c_type, c.ldc, int(np), c.compute,
-                                              CUBLAS_GEMM_DEFAULT));
+        const cublasStatus_t st = blas().gemm_batched(h, c.op_a, c.op_b, c.m, c.n, c.k, &alpha, dp, c.t, c.lda,
+                                                      dp + np, c.t, c.ldb, &beta, dp + 2 * np, c.c_type, c.ldc,
+                                                      int(np), c.compute, CUBLAS_GEMM_DEFAULT);
+        if (st == CUBLAS_STATUS_NOT_SUPPORTED)  // a type combination the batched call does not take
+          for (size_t q = i; q < j; ++q) enqueue_gemm(h, calls[q]);
+        else if (st != CUBLAS_STATUS_SUCCESS)
+          throw std::runtime_error("cublasGemmBatchedEx: cuBLAS status " + std::to_string(int(st)));
       }
       i = j;
     }

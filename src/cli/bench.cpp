@@ -230,11 +230,6 @@ std::vector<std::array<int64_t, 3>> gemm_shapes(const Stage& s, const Case& c, c
   return g;
 }
 
-/// Seconds of Eigen fp32 GEMMs of `shapes` on `threads` threads (the rows
-/// split into one block per thread, each a single-threaded Eigen product:
-/// Eigen's own threads are off in every target), each the fastest of
-/// `repeat` products after one untimed one; operands are filled once with
-/// small values.
 /// The device's roof for a GEMM stage (issue 36 item 3): one GEMM of the
 /// same FLOPs on the device, in the case's dtype, fp32 accumulation, in the
 /// faster of two shapes: the stage's own (M the sum of its shapes' M over
@@ -283,6 +278,11 @@ double device_gemm_seconds(Device& dev, DType dt, const std::vector<std::array<i
   return best * flops;
 }
 
+/// Seconds of Eigen fp32 GEMMs of `shapes` on `threads` threads (the rows
+/// split into one block per thread, each a single-threaded Eigen product:
+/// Eigen's own threads are off in every target), each the fastest of
+/// `repeat` products after one untimed one; operands are filled once with
+/// small values.
 double eigen_gemm_seconds(const std::vector<std::array<int64_t, 3>>& shapes, int threads, int repeat) {
   using MatF = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   const int nt = std::max(1, threads);
