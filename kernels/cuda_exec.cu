@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cub/device/device_radix_sort.cuh>
+#include <initializer_list>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -93,6 +94,20 @@ void launch(const Body& body, int64_t n, int lanes = 128) {
 /// Lanes for the row-moving bodies: by the row's bytes (k::row_lanes).
 template <class T> int lanes_of(const k::GatherBody<T>& b) { return k::row_lanes(b.D * int64_t(sizeof(T))); }
 template <class T> int lanes_of(const k::ScatterRowsBody<T>& b) { return k::row_lanes(b.D * int64_t(sizeof(T))); }
+/// The value of environment variable `name`, one of `valid` (the first when
+/// it is unset), for the executor's timing knobs; any other value is an
+/// error that names the valid ones.
+std::string env_choice(const char* name, std::initializer_list<const char*> valid) {
+  const char* v = std::getenv(name);
+  if (!v) return *valid.begin();
+  std::string list;
+  for (const char* c : valid) {
+    if (std::string(v) == c) return v;
+    list += std::string(list.empty() ? "" : ", ") + c;
+  }
+  throw std::runtime_error(std::string(name) + "=" + v + ": valid are " + list);
+}
+
 /// Threads a token for the combine: the row's pieces (k::row_lanes) up to
 /// two warps. A lane then walks 14 pieces of a DeepSeek-V3 row (D = 7168,
 /// bf16), so a token's row list and scores, read before its first piece, are
@@ -102,14 +117,7 @@ template <class T> int lanes_of(const k::ScatterRowsBody<T>& b) { return k::row_
 /// overrides the cap, for timing the choice on another GPU (the kit's
 /// KIT_COMBINE_AB; the output's bits do not depend on it).
 int combine_lanes_cap() {
-  static const int cap = [] {
-    const char* v = std::getenv("MOEVERIFY_CUDA_COMBINE_LANES");
-    if (!v) return 64;
-    const std::string s(v);
-    if (s != "32" && s != "64" && s != "128" && s != "256")
-      throw std::runtime_error("MOEVERIFY_CUDA_COMBINE_LANES=" + s + ": valid are 32, 64, 128 and 256");
-    return std::stoi(s);
-  }();
+  static const int cap = std::stoi(env_choice("MOEVERIFY_CUDA_COMBINE_LANES", {"64", "32", "128", "256"}));
   return cap;
 }
 template <class T, int W> int lanes_of(const k::CombineBody<T, W>& b) {
@@ -276,14 +284,7 @@ struct Blas {
 /// of 512 rows, one group of 32 equal GEMMs, at 29% of one GEMM of the same
 /// FLOPs. Either gives each GEMM's sums in fp32 and one rounding.
 bool gemm_group_batched() {
-  static const bool batched = [] {
-    const char* v = std::getenv("MOEVERIFY_CUDA_GEMM_GROUP");
-    if (!v) return false;
-    const std::string s(v);
-    if (s != "grouped" && s != "batched")
-      throw std::runtime_error("MOEVERIFY_CUDA_GEMM_GROUP=" + s + ": valid are grouped and batched");
-    return s == "batched";
-  }();
+  static const bool batched = env_choice("MOEVERIFY_CUDA_GEMM_GROUP", {"grouped", "batched"}) == "batched";
   return batched;
 }
 
@@ -446,7 +447,7 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   // of equal shape sharing a group, where the library has it and dt is not
   // fp32 (fp32 GEMMs use the pedantic compute type, which the grouped call
   // does not take); else the single GEMMs back to back. One wait either way.
-  // A job whose operands are not all 16-byte aligned (aligned16) goes alone
+  // A job whose operands are not all 16-byte aligned (operands_aligned16) goes alone
   // through cublasGemmEx: on an H200 (cuBLAS 13) the grouped call gave wrong
   // sums for the SwiGLU experts at hidden = 1 (rows of 2 bytes), which the
   // single call gets right.
@@ -455,8 +456,10 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
     std::vector<Call> calls, alone;
     const bool batched = gemm_group_batched() && dt != DType::fp32 && blas().gemm_batched != nullptr;
     const bool grouped = !batched && dt != DType::fp32 && blas().gemm_grouped != nullptr;
-    for (const GemmJob& j : jobs)
-      ((!grouped && !batched) || aligned16(call_of(dt, j)) ? calls : alone).push_back(call_of(dt, j));
+    for (const GemmJob& j : jobs) {
+      const Call c = call_of(dt, j);
+      ((!grouped && !batched) || operands_aligned16(c) ? calls : alone).push_back(c);
+    }
     Lease h(*this);
     std::string path = batched   ? "one cublasGemmBatchedEx per run of equal shapes (MOEVERIFY_CUDA_GEMM_GROUP=batched)"
                        : grouped ? "one cublasGemmGroupedBatchedEx per output type"
@@ -570,7 +573,7 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   /// Whether every operand of c starts on a 16-byte boundary and every
   /// column (ld times the element size) keeps it: the layout the grouped
   /// call is given (gemm_group).
-  static bool aligned16(const Call& c) {
+  static bool operands_aligned16(const Call& c) {
     const auto bytes = [](cudaDataType t) { return t == CUDA_R_32F ? 4 : 2; };
     const auto ok = [](const void* p, int64_t ld_bytes) {
       return reinterpret_cast<uintptr_t>(p) % 16 == 0 && ld_bytes % 16 == 0;

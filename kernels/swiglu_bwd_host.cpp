@@ -199,6 +199,21 @@ void round_device(const ExecCtx& ctx, DType ct, DType dt, float* v, int64_t n) {
   m.wrote(v, size_t(n) * 4);
 }
 
+/// out = round_T(a + b) elementwise on the device (GradSumBody), a and b n
+/// values of In: T (split_dx's two rounded gradients) or float (the fused
+/// dX's fp32 halves, rounded once).
+template <class T, class In>
+void device_grad_sum(const ExecCtx& ctx, const In* a, const In* b, void* out, int64_t n) {
+  Mirror& m = *ctx.mirror;
+  Mirror::Scope scope{m};
+  const size_t in_bytes = size_t(n) * sizeof(In), out_bytes = size_t(n) * sizeof(T);
+  m.device().run(k::GradSumBody<T, In>{static_cast<const In*>(m.in(a, in_bytes)),
+                                       static_cast<const In*>(m.in(b, in_bytes)),
+                                       static_cast<T*>(m.out(out, out_bytes)), n},
+                 chunks(n));
+  m.wrote(out, out_bytes);
+}
+
 /// On the mirror's device, all in the compute type ct, each step for every
 /// expert at once (issue 36 item 3): the forward's GEMMs into [h1 | h3] and
 /// dH = round(dY W2_j) as one grouped GEMM; the elementwise body into H and
@@ -277,17 +292,7 @@ void device_experts(const ExecCtx& ctx, DType ct, DType dt, const BwdRules& ru, 
   } else if (rows > 0) {
     const size_t fb = dxf.size() * 4;
     gemm_group(ctx, ct, dxs, {{dh13.data(), 2 * rf}, {W1, wb}, {W3, wb}}, {{dxf.data(), fb}, {dx3f.data(), fb}});
-    dispatch_dtype(ct, [&](auto tag) {
-      using T = decltype(tag);
-      Mirror& m = *ctx.mirror;
-      Mirror::Scope scope{m};
-      const int64_t n = rows * D;
-      m.device().run(k::GradSumBody<T, float>{static_cast<const float*>(m.in(dxf.data(), fb)),
-                                              static_cast<const float*>(m.in(dx3f.data(), fb)),
-                                              static_cast<T*>(m.out(dx, rd)), n},
-                     chunks(n));
-      m.wrote(dx, rd);
-    });
+    dispatch_dtype(ct, [&](auto tag) { device_grad_sum<decltype(tag)>(ctx, dxf.data(), dx3f.data(), dx, rows * D); });
   }
   gemm_group(ctx, ct, wg, {{dh13.data(), 2 * rf}, {X, rd}, {dY, rd}, {H.data(), rf}},
              {{dW1, wgb}, {dW3, wgb}, {dW2, wgb}});
@@ -345,13 +350,7 @@ void backward_device(const ExecCtx& ctx, DType dt, const SwigluConventions& conv
   if (n == 0) return;
   dispatch_dtype(dt, [&](auto tag) {
     using T = decltype(tag);
-    Mirror& m = *ctx.mirror;
-    Mirror::Scope scope{m};
-    const size_t bytes = n * sizeof(T);
-    m.device().run(k::GradSumBody<T>{static_cast<const T*>(m.in(a, bytes)), static_cast<const T*>(m.in(b, bytes)),
-                                     static_cast<T*>(m.out(dX, bytes)), int64_t(n)},
-                   chunks(int64_t(n)));
-    m.wrote(dX, bytes);
+    device_grad_sum<T>(ctx, reinterpret_cast<const T*>(a), reinterpret_cast<const T*>(b), dX, int64_t(n));
   });
 }
 
