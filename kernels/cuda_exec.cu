@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cub/device/device_radix_sort.cuh>
 #include <initializer_list>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -276,16 +277,36 @@ struct Blas {
                                  cublasGemmAlgo_t) = nullptr;
 };
 
-/// How gemm_group enqueues its jobs (MOEVERIFY_CUDA_GEMM_GROUP): `grouped`
-/// (the default), one cublasGemmGroupedBatchedEx per output type; `batched`,
-/// one cublasGemmBatchedEx per run of consecutive jobs of one shape (a
-/// single job as cublasGemmEx), for timing the two on a GPU (the kit's
-/// KIT_GEMM_AB): on an H200 the grouped call ran DeepSeek-V3's 16 experts
-/// of 512 rows, one group of 32 equal GEMMs, at 29% of one GEMM of the same
-/// FLOPs. Either gives each GEMM's sums in fp32 and one rounding.
-bool gemm_group_batched() {
-  static const bool batched = env_choice("MOEVERIFY_CUDA_GEMM_GROUP", {"grouped", "batched"}) == "batched";
-  return batched;
+/// How gemm_group enqueues its jobs (MOEVERIFY_CUDA_GEMM_GROUP):
+/// - `streams` (the default): one cublasGemmEx a job, spread over
+///   gemm_streams() streams of their own (each its own cuBLAS handle),
+///   forked from and joined back to the calling thread's stream. On an H200
+///   one DeepSeek-V3 expert GEMM of 512 rows (512 x 2048 x 7168) alone keeps
+///   about a quarter of the SMs busy: 48 of them back to back ran at 30% of
+///   one GEMM of the same FLOPs, and the grouped call at 29% (2026-11-27).
+///   Side by side they fill the GPU, the way TransformerEngine's grouped
+///   linear layers run on several streams.
+/// - `grouped`: one cublasGemmGroupedBatchedEx per output type;
+/// - `batched`: one cublasGemmBatchedEx per run of consecutive jobs of one
+///   shape (a single job as cublasGemmEx).
+/// The kit's KIT_GEMM_AB times each on a GPU. Every way gives each GEMM's
+/// sums in fp32 and one rounding; which stream runs a job never changes its
+/// bits (a job's algorithm does not depend on its stream).
+enum class GroupMode { streams, grouped, batched };
+GroupMode gemm_group_mode() {
+  static const GroupMode m = [] {
+    const std::string v = env_choice("MOEVERIFY_CUDA_GEMM_GROUP", {"streams", "grouped", "batched"});
+    return v == "grouped" ? GroupMode::grouped : v == "batched" ? GroupMode::batched : GroupMode::streams;
+  }();
+  return m;
+}
+/// The streams of gemm_group's `streams` mode (MOEVERIFY_CUDA_GEMM_STREAMS:
+/// 2, 4, 8 or 16). The default 4 is not yet timed: four GEMMs of 512 x 2048
+/// x 7168 in 128 x 256 tiles are 128 blocks, about an H100's or H200's 132
+/// SMs.
+int gemm_streams() {
+  static const int n = std::stoi(env_choice("MOEVERIFY_CUDA_GEMM_STREAMS", {"4", "2", "8", "16"}));
+  return n;
 }
 
 const Blas& blas() {
@@ -442,53 +463,71 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
     gemm_ex(call_of(dt, {GemmOp::tn_f32, A, B, C, rows, m, n, lda, ldb, 0}));
   }
 
-  // The jobs as column-major calls (call_of); then one
-  // cublasGemmGroupedBatchedEx per output type (act, fp32), consecutive jobs
-  // of equal shape sharing a group, where the library has it and dt is not
-  // fp32 (fp32 GEMMs use the pedantic compute type, which the grouped call
-  // does not take); else the single GEMMs back to back. One wait either way.
-  // A job whose operands are not all 16-byte aligned (operands_aligned16) goes alone
+  // The jobs as column-major calls (call_of), enqueued as gemm_group_mode()
+  // says, one wait in all:
+  // - streams: single GEMMs over a fan of streams (enqueue_fanned);
+  // - grouped: one cublasGemmGroupedBatchedEx per output type (act, fp32),
+  //   consecutive jobs of equal shape sharing a group;
+  // - batched: enqueue_batched.
+  // The grouped and batched calls need dt other than fp32 (fp32 GEMMs use
+  // the pedantic compute type, which they do not take) and a cuBLAS that has
+  // them; else the single GEMMs run back to back. Under them a job whose
+  // operands are not all 16-byte aligned (operands_aligned16) goes alone
   // through cublasGemmEx: on an H200 (cuBLAS 13) the grouped call gave wrong
   // sums for the SwiGLU experts at hidden = 1 (rows of 2 bytes), which the
   // single call gets right.
   void gemm_group(DType dt, const std::vector<GemmJob>& jobs) override {
     if (jobs.empty()) return;
+    const GroupMode mode = gemm_group_mode();
+    const bool fanned = mode == GroupMode::streams && jobs.size() > 1;
+    const bool batched = mode == GroupMode::batched && dt != DType::fp32 && blas().gemm_batched != nullptr;
+    const bool grouped = mode == GroupMode::grouped && dt != DType::fp32 && blas().gemm_grouped != nullptr;
     std::vector<Call> calls, alone;
-    const bool batched = gemm_group_batched() && dt != DType::fp32 && blas().gemm_batched != nullptr;
-    const bool grouped = !batched && dt != DType::fp32 && blas().gemm_grouped != nullptr;
     for (const GemmJob& j : jobs) {
       const Call c = call_of(dt, j);
       ((!grouped && !batched) || operands_aligned16(c) ? calls : alone).push_back(c);
     }
-    Lease h(*this);
-    std::string path = batched   ? "one cublasGemmBatchedEx per run of equal shapes (MOEVERIFY_CUDA_GEMM_GROUP=batched)"
-                       : grouped ? "one cublasGemmGroupedBatchedEx per output type"
-                                 : std::string("one cublasGemmEx per job, back to back (") +
-                                       (dt == DType::fp32 ? "fp32: the pedantic compute type"
-                                                          : "this cuBLAS lacks the grouped call") +
-                                       ")";
+    std::string path;
+    if (fanned)
+      path = "one cublasGemmEx per job over " + std::to_string(gemm_streams()) + " streams, longest first";
+    else if (batched)
+      path = "one cublasGemmBatchedEx per run of equal shapes (MOEVERIFY_CUDA_GEMM_GROUP=batched)";
+    else if (grouped)
+      path = "one cublasGemmGroupedBatchedEx per output type (MOEVERIFY_CUDA_GEMM_GROUP=grouped)";
+    else
+      path = std::string("one cublasGemmEx per job, back to back (") +
+             (mode == GroupMode::streams ? "a single job"
+              : dt == DType::fp32        ? "fp32: the pedantic compute type"
+                                         : "this cuBLAS lacks the grouped or batched call") +
+             ")";
     if (!alone.empty())
       path += "; " + std::to_string(alone.size()) + " GEMM(s) with operands not 16-byte aligned one cublasGemmEx each";
-    timed([&] {
-      for (const Call& c : alone) enqueue_gemm(h.h, c);
-      if (batched) return enqueue_batched(h.h, calls);
-      if (!grouped) {
-        for (const Call& c : calls) enqueue_gemm(h.h, c);
-        return;
-      }
-      for (cudaDataType ct : {data_type(dt), CUDA_R_32F}) {
-        const cublasStatus_t st = enqueue_grouped(h.h, calls, ct);
-        if (st == CUBLAS_STATUS_SUCCESS) continue;
-        if (st != CUBLAS_STATUS_NOT_SUPPORTED)
-          throw std::runtime_error("cublasGemmGroupedBatchedEx: cuBLAS status " + std::to_string(int(st)));
-        // a type combination the grouped call does not take: that output
-        // type's GEMMs one by one (the same results, one call each)
-        path += std::string("; its ") + (ct == CUDA_R_32F ? "fp32" : "activation") +
-                "-output GEMMs one cublasGemmEx each (the grouped call said not supported)";
-        for (const Call& c : calls)
-          if (c.c_type == ct) enqueue_gemm(h.h, c);
-      }
-    });
+    if (fanned) {
+      FanLease f(*this);
+      timed([&] { enqueue_fanned(*f.fan, calls); });
+    } else {
+      Lease h(*this);
+      timed([&] {
+        for (const Call& c : alone) enqueue_gemm(h.h, c);
+        if (batched) return enqueue_batched(h.h, calls);
+        if (!grouped) {
+          for (const Call& c : calls) enqueue_gemm(h.h, c);
+          return;
+        }
+        for (cudaDataType ct : {data_type(dt), CUDA_R_32F}) {
+          const cublasStatus_t st = enqueue_grouped(h.h, calls, ct);
+          if (st == CUBLAS_STATUS_SUCCESS) continue;
+          if (st != CUBLAS_STATUS_NOT_SUPPORTED)
+            throw std::runtime_error("cublasGemmGroupedBatchedEx: cuBLAS status " + std::to_string(int(st)));
+          // a type combination the grouped call does not take: that output
+          // type's GEMMs one by one (the same results, one call each)
+          path += std::string("; its ") + (ct == CUDA_R_32F ? "fp32" : "activation") +
+                  "-output GEMMs one cublasGemmEx each (the grouped call said not supported)";
+          for (const Call& c : calls)
+            if (c.c_type == ct) enqueue_gemm(h.h, c);
+        }
+      });
+    }
     std::lock_guard<std::mutex> lk(blas_m_);
     ++group_calls_.calls;
     group_calls_.path = path;
@@ -598,6 +637,25 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
     return call(dt, CUBLAS_OP_N, CUBLAS_OP_T, j.n, j.k, j.rows, j.b, j.ldb, j.a, j.lda, j.c, CUDA_R_32F, j.n);
   }
 
+  /// A new cuBLAS handle, kept in handles_ (destroyed with the device).
+  cublasHandle_t new_handle() {
+    cublasHandle_t h = nullptr;
+    MOEV_CUBLAS_CHECK(blas().create(&h));
+    // The contract's GEMMs accumulate in fp32 (docs/contract.md section 15).
+    // By default cuBLAS may reduce split-K partial sums in the output type
+    // (bf16, fp16), an extra rounding per partial: seen on an H200 as a
+    // one-ulp error in the SwiGLU backward's dX (compute_dtype bf16).
+    const cublasStatus_t st =
+        blas().set_math_mode(h, cublasMath_t(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION));
+    if (st != CUBLAS_STATUS_SUCCESS) {
+      blas().destroy(h);
+      throw std::runtime_error("cublasSetMathMode: cuBLAS status " + std::to_string(int(st)));
+    }
+    std::lock_guard<std::mutex> lk(blas_m_);
+    handles_.push_back(h);
+    return h;
+  }
+
   /// A cuBLAS handle for the calling thread's call, from a pool: a handle
   /// serves one thread at a time, and in-process ranks each hold their own
   /// while their GEMMs run side by side (one shared handle under a lock
@@ -614,21 +672,7 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
           d.free_.pop_back();
         }
       }
-      if (!h) {
-        MOEV_CUBLAS_CHECK(blas().create(&h));
-        // The contract's GEMMs accumulate in fp32 (docs/contract.md section 15).
-        // By default cuBLAS may reduce split-K partial sums in the output type
-        // (bf16, fp16), an extra rounding per partial: seen on an H200 as a
-        // one-ulp error in the SwiGLU backward's dX (compute_dtype bf16).
-        const cublasStatus_t st = blas().set_math_mode(
-            h, cublasMath_t(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION));
-        if (st != CUBLAS_STATUS_SUCCESS) {
-          blas().destroy(h);
-          throw std::runtime_error("cublasSetMathMode: cuBLAS status " + std::to_string(int(st)));
-        }
-        std::lock_guard<std::mutex> lk(d.blas_m_);
-        d.handles_.push_back(h);
-      }
+      if (!h) h = d.new_handle();
       MOEV_CUBLAS_CHECK(blas().set_stream(h, thread_stream()));  // the calling thread's stream
     }
     ~Lease() {
@@ -638,6 +682,87 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
     Lease(const Lease&) = delete;
     Lease& operator=(const Lease&) = delete;
   };
+
+  /// gemm_group's fan (GroupMode::streams): gemm_streams() non-blocking
+  /// streams, each with a cuBLAS handle of its own bound to it (a handle's
+  /// workspace serves one stream at a time) and an event that joins it back;
+  /// `fork` lets each wait for the caller's stream. Its handles are in
+  /// handles_, destroyed before the fan.
+  struct Fan {
+    std::vector<cudaStream_t> streams;
+    std::vector<cublasHandle_t> handles;
+    std::vector<cudaEvent_t> done;
+    cudaEvent_t fork = nullptr;
+    ~Fan() {
+      for (cudaEvent_t e : done) cudaEventDestroy(e);
+      if (fork) cudaEventDestroy(fork);
+      for (cudaStream_t s : streams) cudaStreamDestroy(s);
+    }
+  };
+  /// A fan for the calling thread's gemm_group, from a pool like Lease's.
+  struct FanLease {
+    CudaDevice& d;
+    Fan* fan = nullptr;
+    explicit FanLease(CudaDevice& dev) : d(dev) {
+      d.bind();
+      {
+        std::lock_guard<std::mutex> lk(d.blas_m_);
+        if (!d.free_fans_.empty()) {
+          fan = d.free_fans_.back();
+          d.free_fans_.pop_back();
+        }
+      }
+      if (fan) return;
+      auto f = std::make_unique<Fan>();
+      MOEV_CUDA_CHECK(cudaEventCreateWithFlags(&f->fork, cudaEventDisableTiming));
+      for (int i = 0; i < gemm_streams(); ++i) {
+        f->streams.push_back(nullptr);
+        MOEV_CUDA_CHECK(cudaStreamCreateWithFlags(&f->streams.back(), cudaStreamNonBlocking));
+        f->done.push_back(nullptr);
+        MOEV_CUDA_CHECK(cudaEventCreateWithFlags(&f->done.back(), cudaEventDisableTiming));
+        f->handles.push_back(d.new_handle());
+        MOEV_CUBLAS_CHECK(blas().set_stream(f->handles.back(), f->streams.back()));
+      }
+      fan = f.get();
+      std::lock_guard<std::mutex> lk(d.blas_m_);
+      d.fans_.push_back(std::move(f));
+    }
+    ~FanLease() {
+      std::lock_guard<std::mutex> lk(d.blas_m_);
+      d.free_fans_.push_back(fan);
+    }
+    FanLease(const FanLease&) = delete;
+    FanLease& operator=(const FanLease&) = delete;
+  };
+
+  /// Enqueues the calls as single GEMMs over the fan's streams: in order of
+  /// decreasing FLOPs, each on the stream with the fewest FLOPs so far
+  /// (longest processing time first), after a fork from the calling
+  /// thread's stream, which then waits for every stream used. Without
+  /// waiting.
+  static void enqueue_fanned(Fan& f, const std::vector<Call>& calls) {
+    const auto flops = [](const Call& c) { return double(c.m) * double(c.n) * double(c.k); };
+    std::vector<size_t> order(calls.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return flops(calls[a]) > flops(calls[b]); });
+    const size_t S = f.streams.size();
+    std::vector<double> load(S, 0);
+    std::vector<bool> used(S, false);
+    MOEV_CUDA_CHECK(cudaEventRecord(f.fork, thread_stream()));
+    for (size_t i : order) {
+      const size_t s = size_t(std::min_element(load.begin(), load.end()) - load.begin());
+      if (!used[s]) MOEV_CUDA_CHECK(cudaStreamWaitEvent(f.streams[s], f.fork, 0));
+      used[s] = true;
+      enqueue_gemm(f.handles[s], calls[i]);
+      load[s] += flops(calls[i]);
+    }
+    for (size_t s = 0; s < S; ++s)
+      if (used[s]) {
+        MOEV_CUDA_CHECK(cudaEventRecord(f.done[s], f.streams[s]));
+        MOEV_CUDA_CHECK(cudaStreamWaitEvent(thread_stream(), f.done[s], 0));
+      }
+  }
 
   /// Enqueues one GEMM on the handle's stream, without waiting.
   static void enqueue_gemm(cublasHandle_t h, const Call& c) {
@@ -779,6 +904,8 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   mutable std::mutex blas_m_;            // guards the handle pool and group_calls_
   std::vector<cublasHandle_t> handles_;  // every handle made (destroyed with the device)
   std::vector<cublasHandle_t> free_;     // those no call holds now
+  std::vector<std::unique_ptr<Fan>> fans_;  // every fan made (after handles_: destroyed after them)
+  std::vector<Fan*> free_fans_;             // those no call holds now
   GroupCalls group_calls_;
 };
 

@@ -46,7 +46,9 @@ if [ "${results[1]}" = SKIPPED ]; then
   echo "kit_run: no usable CUDA device: every GPU check SKIPPED"
   exit 77
 fi
-# gpu_check's grouped GEMMs again with gemm_group's batched calls
+# gpu_check's grouped GEMMs again with gemm_group's other ways of
+# enqueueing (the default, streams, ran above)
+check bodies.gemm_grouped env MOEVERIFY_CUDA_GEMM_GROUP=grouped "$bin/gpu_check"
 check bodies.gemm_batched env MOEVERIFY_CUDA_GEMM_GROUP=batched "$bin/gpu_check"
 # KIT_COMBINE_AB=1: the combine at each cap of its threads a token
 # (MOEVERIFY_CUDA_COMBINE_LANES; kernels/cuda_exec.cu combine_lanes_cap),
@@ -60,14 +62,15 @@ if [ -n "${KIT_COMBINE_AB:-}" ]; then
     grep -E "^  combine " "$out/$name.log" | tail -2 | sed "s/^/$name: /"
   done
 fi
-# KIT_GEMM_AB=1: DeepSeek-V3's expert shapes with gemm_group's two ways of
-# enqueueing (MOEVERIFY_CUDA_GEMM_GROUP: grouped, the default, or batched),
-# each against one device GEMM of the same FLOPs in the same run.
+# KIT_GEMM_AB=1: DeepSeek-V3's expert shapes with each of gemm_group's ways
+# of enqueueing (kernels/cuda_exec.cu gemm_group_mode: streams, the default,
+# at 2, 4 and 8 streams; grouped; batched), each against one device GEMM of
+# the same FLOPs in the same run.
 if [ -n "${KIT_GEMM_AB:-}" ]; then
-  for mode in grouped batched; do
+  for mode in streams.2 streams.4 streams.8 grouped.4 batched.4; do
     name="gemm_ab.$mode"
-    check "$name" env MOEVERIFY_CUDA_GEMM_GROUP="$mode" timeout 120 "$bin/moeverify" bench \
-      "$root/cases/slow/swiglu_deepseek_experts.yaml" --backend cuda --repeat 3
+    check "$name" env MOEVERIFY_CUDA_GEMM_GROUP="${mode%%.*}" MOEVERIFY_CUDA_GEMM_STREAMS="${mode#*.}" \
+      timeout 120 "$bin/moeverify" bench "$root/cases/slow/swiglu_deepseek_experts.yaml" --backend cuda --repeat 3
     grep -E "^  GEMM experts/" "$out/$name.log" | sed "s/^/$name: /"
   done
 fi
