@@ -398,30 +398,32 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
     std::lock_guard<std::mutex> lk(window_m_);
     MOEV_CUDA_CHECK(cudaEventRecord(window_ref_.e, thread_stream()));
     MOEV_CUDA_CHECK(cudaEventSynchronize(window_ref_.e));
-    window_ = BusyUnion{};
-    window_open_ = true;
+    window_.begin();
   }
   double window_end() override {
     std::lock_guard<std::mutex> lk(window_m_);
-    window_open_ = false;
-    return window_.seconds();
+    return window_.end();
+  }
+  std::vector<WindowPart> window_parts() override {
+    std::lock_guard<std::mutex> lk(window_m_);
+    return window_.parts();
   }
   double timed_copy(void* d, const void* s, size_t n) override {
-    return timed([&] { MOEV_CUDA_CHECK(cudaMemcpyAsync(d, s, n, cudaMemcpyDeviceToDevice, thread_stream())); }, false);
+    return timed("copy", [&] { MOEV_CUDA_CHECK(cudaMemcpyAsync(d, s, n, cudaMemcpyDeviceToDevice, thread_stream())); }, false);
   }
   using BodyDevice::run;
   /// A body over [0, n) on the calling thread's stream, timed (BodyDevice's
   /// run overrides call it).
   template <class Body>
   void body(const Body& b, int64_t n) {
-    timed([&] { enqueue(b, n, lanes_of(b)); });
+    timed(part_name<Body>(), [&] { enqueue(b, n, lanes_of(b)); });
   }
   // Counts are integers: atomics give the same counts in any order, where
   // the body (one thread an expert walking every assignment) took one
   // thread 262,144 loads per expert at DeepSeek-V3 size.
   void run(const HistogramBody& b, int64_t n) override {
     if (n == 0) return;
-    timed([&] {
+    timed(part_name<HistogramBody>(), [&] {
       MOEV_CUDA_CHECK(cudaMemsetAsync(b.counts, 0, size_t(n) * 8, thread_stream()));
       if (b.N == 0) return;
       const int E = int(n);
@@ -437,7 +439,7 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   // descending under the planted fault unstable_sort.
   void sort(const int32_t* ids, int64_t N, int E, int32_t* perm, bool descending_within) override {
     if (N == 0) return;
-    timed([&] { sort_pairs(ids, N, E, perm, descending_within); });
+    timed("sort", [&] { sort_pairs(ids, N, E, perm, descending_within); });
   }
 
   // logits (T, E) row-major = x (T, D) wg^T: column-major, logits^T (E x T) =
@@ -504,10 +506,10 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
       path += "; " + std::to_string(alone.size()) + " GEMM(s) with operands not 16-byte aligned one cublasGemmEx each";
     if (fanned) {
       FanLease f(*this);
-      timed([&] { enqueue_fanned(*f.fan, calls); });
+      timed("gemm_group", [&] { enqueue_fanned(*f.fan, calls); });
     } else {
       Lease h(*this);
-      timed([&] {
+      timed("gemm_group", [&] {
         for (const Call& c : alone) enqueue_gemm(h.h, c);
         if (batched) return enqueue_batched(h.h, calls);
         if (!grouped) {
@@ -855,7 +857,7 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   /// One GEMM (the single entry points), synchronised and timed.
   void gemm_ex(const Call& c) {
     Lease h(*this);
-    timed([&] { enqueue_gemm(h.h, c); });
+    timed("gemm", [&] { enqueue_gemm(h.h, c); });
   }
 
   /// Runs f (which enqueues work on the calling thread's stream) between
@@ -864,7 +866,7 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   /// ranks running side by side each add their own) and, inside a window,
   /// as an interval to the window's union.
   template <class F>
-  double timed(F&& f, bool busy = true) {
+  double timed(const std::string& part, F&& f, bool busy = true) {
     bind();
     Event start, stop;
     MOEV_CUDA_CHECK(cudaEventRecord(start.e, thread_stream()));
@@ -875,11 +877,11 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
     MOEV_CUDA_CHECK(cudaEventElapsedTime(&ms, start.e, stop.e));
     if (busy) busy_ns_ += int64_t(double(ms) * 1e6);
     std::lock_guard<std::mutex> lk(window_m_);
-    if (window_open_) {
+    if (window_.open()) {
       float a = 0, b = 0;  // offsets from the window's reference event: a few seconds, float ms resolve 1 us
       MOEV_CUDA_CHECK(cudaEventElapsedTime(&a, window_ref_.e, start.e));
       MOEV_CUDA_CHECK(cudaEventElapsedTime(&b, window_ref_.e, stop.e));
-      window_.add(double(a) * 1e-3, double(b) * 1e-3);
+      window_.add(part, double(a) * 1e-3, double(b) * 1e-3);
     }
     return double(ms) * 1e-3;
   }
@@ -899,8 +901,7 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   std::atomic<int64_t> busy_ns_{0};
   std::mutex window_m_;
   Event window_ref_;
-  BusyUnion window_;
-  bool window_open_ = false;
+  BusyWindow window_;
   mutable std::mutex blas_m_;            // guards the handle pool and group_calls_
   std::vector<cublasHandle_t> handles_;  // every handle made (destroyed with the device)
   std::vector<cublasHandle_t> free_;     // those no call holds now

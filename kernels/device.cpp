@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <cxxabi.h>
 #include <stdexcept>
 #include <vector>
 
@@ -195,6 +197,42 @@ double BusyUnion::seconds() const {
   return s;
 }
 
+void BusyWindow::begin() {
+  all_ = BusyUnion{};
+  parts_.clear();
+  open_ = true;
+}
+
+void BusyWindow::add(const std::string& part, double a, double b) {
+  if (!open_) return;
+  all_.add(a, b);
+  auto& [u, n] = parts_[part];
+  u.add(a, b);
+  ++n;
+}
+
+double BusyWindow::end() {
+  open_ = false;
+  return all_.seconds();
+}
+
+std::vector<WindowPart> BusyWindow::parts() const {
+  std::vector<WindowPart> v;
+  for (const auto& [name, p] : parts_) v.push_back({name, p.first.seconds(), p.second});
+  std::stable_sort(v.begin(), v.end(), [](const WindowPart& a, const WindowPart& b) { return a.seconds > b.seconds; });
+  return v;
+}
+
+std::string short_type_name(const std::type_info& t) {
+  int status = 0;
+  char* d = abi::__cxa_demangle(t.name(), nullptr, nullptr, &status);
+  std::string n = status == 0 && d ? d : t.name();
+  std::free(d);
+  n = n.substr(0, n.find('<'));
+  const size_t colon = n.rfind("::");
+  return colon == std::string::npos ? n : n.substr(colon + 2);
+}
+
 // --- the emulated device ------------------------------------------------------
 
 namespace {
@@ -229,42 +267,44 @@ class EmulatedDevice final : public BodyDevice<EmulatedDevice> {
   }
   double busy_seconds() const override { return double(busy_ns_.load()) * 1e-9; }
   double timed_copy(void* d, const void* s, size_t n) override {
-    return timed([&] { std::memmove(d, s, n); }, false);
+    return timed("copy", [&] { std::memmove(d, s, n); }, false);
   }
   void window_begin() override {
     std::lock_guard<std::mutex> lk(window_m_);
-    window_ = BusyUnion{};
+    window_.begin();
     window_t0_ = Clock::now();
-    window_open_ = true;
   }
   double window_end() override {
     std::lock_guard<std::mutex> lk(window_m_);
-    window_open_ = false;
-    return window_.seconds();
+    return window_.end();
+  }
+  std::vector<WindowPart> window_parts() override {
+    std::lock_guard<std::mutex> lk(window_m_);
+    return window_.parts();
   }
   void sort(const int32_t* ids, int64_t N, int E, int32_t* perm, bool descending_within) override {
     FaultSet f;
     if (descending_within) f.bits |= uint64_t(Fault::unstable_sort);
-    timed([&] { expert_sort(ExecCtx{ctx_.threads, f}, ids, N, E, perm); });
+    timed("sort", [&] { expert_sort(ExecCtx{ctx_.threads, f}, ids, N, E, perm); });
   }
   void gemm_logits(DType dt, const void* x, const void* wg, int64_t T, int64_t D, int E, float* logits) override {
-    timed([&] { router_logits(ExecCtx{ctx_.threads, {}}, dt, x, wg, T, D, E, logits); });
+    timed("gemm", [&] { router_logits(ExecCtx{ctx_.threads, {}}, dt, x, wg, T, D, E, logits); });
   }
   void gemm_nt(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n, void* Y,
                int64_t ldy) override {
-    timed([&] { moev::gemm_nt(ExecCtx{ctx_.threads, {}}, dt, X, rows, k, ldx, W, n, Y, ldy); });
+    timed("gemm", [&] { moev::gemm_nt(ExecCtx{ctx_.threads, {}}, dt, X, rows, k, ldx, W, n, Y, ldy); });
   }
   void gemm_nn(DType dt, const void* X, int64_t rows, int64_t k, int64_t ldx, const void* W, int64_t n, void* Y,
                int64_t ldy) override {
-    timed([&] { moev::gemm_nn(ExecCtx{ctx_.threads, {}}, dt, X, rows, k, ldx, W, n, Y, ldy); });
+    timed("gemm", [&] { moev::gemm_nn(ExecCtx{ctx_.threads, {}}, dt, X, rows, k, ldx, W, n, Y, ldy); });
   }
   void gemm_tn_f32(DType dt, const void* A, int64_t rows, int64_t m, int64_t lda, const void* B, int64_t n,
                    int64_t ldb, float* C) override {
-    timed([&] { moev::gemm_tn_f32(ExecCtx{ctx_.threads, {}}, dt, A, rows, m, lda, B, n, ldb, C); });
+    timed("gemm", [&] { moev::gemm_tn_f32(ExecCtx{ctx_.threads, {}}, dt, A, rows, m, lda, B, n, ldb, C); });
   }
   void gemm_group(DType dt, const std::vector<GemmJob>& jobs) override {
     const ExecCtx host{ctx_.threads, {}};
-    timed([&] { moev::gemm_group(host, dt, jobs, {}, {}); });
+    timed("gemm_group", [&] { moev::gemm_group(host, dt, jobs, {}, {}); });
     ++group_calls_;
   }
   GroupCalls gemm_group_calls() const override { return {group_calls_.load(), "host Eigen GEMMs, one job after another"}; }
@@ -272,17 +312,17 @@ class EmulatedDevice final : public BodyDevice<EmulatedDevice> {
  private:
   using Clock = std::chrono::steady_clock;
   /// Runs f on the host clock and returns its seconds, also added to
-  /// busy_ns_ where `busy`, and inside a window to its union (as the CUDA
-  /// device's events).
+  /// busy_ns_ where `busy`, and inside a window to its union under `part`
+  /// (as the CUDA device's events).
   template <class F>
-  double timed(F&& f, bool busy = true) {
+  double timed(const std::string& part, F&& f, bool busy = true) {
     const auto t0 = Clock::now();
     f();
     const auto t1 = Clock::now();
     if (busy) busy_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
     std::lock_guard<std::mutex> lk(window_m_);
-    if (window_open_)
-      window_.add(std::chrono::duration<double>(t0 - window_t0_).count(),
+    if (window_.open())
+      window_.add(part, std::chrono::duration<double>(t0 - window_t0_).count(),
                   std::chrono::duration<double>(t1 - window_t0_).count());
     return std::chrono::duration<double>(t1 - t0).count();
   }
@@ -294,15 +334,14 @@ class EmulatedDevice final : public BodyDevice<EmulatedDevice> {
   friend class BodyDevice<EmulatedDevice>;  // its run() overrides call body()
   template <class Body>
   void body(const Body& b, int64_t n) {
-    timed([&] { host_run(ctx_, n, b, kLanes); });
+    timed(part_name<Body>(), [&] { host_run(ctx_, n, b, kLanes); });
   }
 
   ExecCtx ctx_;
   std::atomic<int64_t> busy_ns_{0}, group_calls_{0};
   std::mutex window_m_;
-  BusyUnion window_;
+  BusyWindow window_;
   Clock::time_point window_t0_;
-  bool window_open_ = false;
 };
 
 }  // namespace

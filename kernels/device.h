@@ -22,6 +22,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <typeinfo>
 #include <vector>
 
 #include "backward_bodies.h"
@@ -106,6 +107,40 @@ class BusyUnion {
   std::map<double, double> iv_;  // disjoint intervals, start -> end
 };
 
+/// One part of a busy window (Device::window_parts): the union of the
+/// intervals of one kind of device work and how many there were.
+struct WindowPart {
+  std::string name;  // a body's class name ("ScatterRowsBody"), or sort, histogram, gemm, gemm_group, copy
+  double seconds = 0;
+  int64_t calls = 0;
+};
+
+/// A device's busy window (Device::window_begin ... window_end): the union
+/// of every interval added while open, and a union per part name. Not
+/// thread-safe: a device holds it under its own lock.
+class BusyWindow {
+ public:
+  void begin();
+  bool open() const { return open_; }
+  void add(const std::string& part, double a, double b);  // while open
+  double end();                                           // closes; the whole union's seconds
+  std::vector<WindowPart> parts() const;                  // of the last window, longest first
+
+ private:
+  bool open_ = false;
+  BusyUnion all_;
+  std::map<std::string, std::pair<BusyUnion, int64_t>> parts_;
+};
+
+/// A body's part name in a busy window: its class name without namespace
+/// or template arguments (k::ScatterRowsBody<bf16> gives "ScatterRowsBody").
+std::string short_type_name(const std::type_info& t);
+template <class Body>
+const std::string& part_name() {
+  static const std::string n = short_type_name(typeid(Body));
+  return n;
+}
+
 /// Every call is complete when it returns (its writes have landed): callers
 /// on other threads, and NCCL's own stream, may use the memory next.
 class Device {
@@ -141,6 +176,9 @@ class Device {
   /// many ranks' streams overlapped. `bench --backend` times each stage by it.
   virtual void window_begin() = 0;
   virtual double window_end() = 0;
+  /// The last window's parts (BusyWindow): where its seconds went, by kind
+  /// of work, longest first. Parts overlap where ranks ran side by side.
+  virtual std::vector<WindowPart> window_parts() = 0;
 
   // The bodies of bodies.h over items [0, n) (item = block, lane = thread on a GPU).
   virtual void run(const k::RouterBody& b, int64_t n) = 0;

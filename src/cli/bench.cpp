@@ -132,6 +132,7 @@ std::pair<double, std::string> bytes_formula(const Stage& s, const Case& c, cons
 /// 2026-11-27, kept for comparison).
 struct FastSeconds {
   double wall = 0, device = 0, device_summed = 0;
+  std::vector<WindowPart> parts;  // the device window's (Device::window_parts)
 };
 
 /// Runs a stage's fast function on every rank of `in` (in-process ranks as
@@ -177,6 +178,7 @@ FastSeconds time_fast_once(const Stage& s, const Case& c, const Board& in, std::
   sec.wall = seconds_since(t0);
   if (mirror) {
     sec.device = mirror->device().window_end();
+    sec.parts = mirror->device().window_parts();
     sec.device_summed = mirror->device().busy_seconds() - busy0 + double(copy_ns.load()) * 1e-9;
     sync_device_outputs(*mirror, out);
     mirror->end_call();
@@ -328,6 +330,7 @@ StageBench bench_stage(const Stage& s, const VariantDecision& vd, double slot_re
       }
   std::vector<RankBoard> out(static_cast<size_t>(R));
   std::vector<double> times, device_times, device_summed;
+  std::vector<std::vector<WindowPart>> device_parts;
   const int64_t group_calls = mirror ? mirror->device().gemm_group_calls().calls : 0;
   for (int i = 0; i < opt.warmup + opt.repeat; ++i) {
     std::string skipped, error;
@@ -338,7 +341,10 @@ StageBench bench_stage(const Stage& s, const VariantDecision& vd, double slot_re
       b.note = !error.empty() ? "fast stage failed: " + error : "skipped: " + skipped;
       return b;
     }
-    if (i >= opt.warmup) times.push_back(sec.wall), device_times.push_back(sec.device), device_summed.push_back(sec.device_summed);
+    if (i >= opt.warmup) {
+      times.push_back(sec.wall), device_times.push_back(sec.device), device_summed.push_back(sec.device_summed);
+      device_parts.push_back(std::move(sec.parts));
+    }
   }
   b.ran = true;
   b.seconds_min = *std::min_element(times.begin(), times.end());
@@ -350,7 +356,9 @@ StageBench bench_stage(const Stage& s, const VariantDecision& vd, double slot_re
   b.roof_gbps = b.roof_seconds > 0 ? b.bytes / b.roof_seconds / 1e9 : 0;
   b.ratio_to_roof = b.seconds_min > 0 ? b.roof_seconds / b.seconds_min : 0;
   if (mirror) {
-    b.device_seconds_min = *std::min_element(device_times.begin(), device_times.end());
+    const auto fastest = std::min_element(device_times.begin(), device_times.end());
+    b.device_seconds_min = *fastest;
+    b.device_parts = device_parts[size_t(fastest - device_times.begin())];
     b.device_seconds_median = median(device_times);
     b.device_summed_seconds_min = *std::min_element(device_summed.begin(), device_summed.end());
     b.device_gbps = b.device_seconds_min > 0 ? b.bytes / b.device_seconds_min / 1e9 : 0;
@@ -619,7 +627,7 @@ void print_bench(const CaseBench& b, std::ostream& os) {
     os << "  on the device (" << enum_name(backend_table(), c.backend)
        << "): its own clock, the time it was busy with the stage's kernels, sorts, GEMMs and all-to-all copies (their "
           "intervals' union across ranks); roof: a device-to-device copy of half the bytes, timed in the same run (min ms and GB/s above: wall, with the write-back to the "
-          "host)\n";
+          "host); parts: that time by kind of work (kernel body, sort, histogram, GEMMs, copies), each its intervals' union (they overlap where ranks ran side by side)\n";
     os << "  " << std::left << std::setw(16) << "slot" << std::setw(24) << "variant" << std::right << std::setw(10)
        << "dev ms" << std::setw(10) << "med ms" << std::setw(10) << "GB/s" << std::setw(11) << "copy GB/s"
        << std::setw(8) << "%copy" << "\n";
@@ -633,6 +641,15 @@ void print_bench(const CaseBench& b, std::ostream& os) {
       os << std::setw(10) << fmt(s.device_seconds_min * 1e3, 4) << std::setw(10) << fmt(s.device_seconds_median * 1e3, 4)
          << std::setw(10) << fmt(s.device_gbps, 1) << std::setw(11) << fmt(s.device_copy_gbps, 1) << std::setw(8)
          << fmt(100 * s.ratio_to_device_copy, 1) << "\n";
+      if (s.device_parts.size() > 1) {  // where the fastest call's device time went
+        os << "  " << std::setw(40) << "" << "parts:";
+        for (size_t i = 0; i < s.device_parts.size(); ++i) {
+          const WindowPart& p = s.device_parts[i];
+          os << (i ? ", " : " ") << p.name << " " << fmt(p.seconds * 1e3, 4) << " ms"
+             << (p.calls > 1 ? " (" + std::to_string(p.calls) + " calls)" : "");
+        }
+        os << "\n";
+      }
     }
   }
   for (const auto& s : b.stages)
@@ -763,7 +780,11 @@ std::string bench_json(const std::vector<CaseBench>& all, const BenchOptions& op
                      {"device_gemm_ratio", s.device_gemm_ratio},
                      {"gemm_path", s.gemm_path}});
         if (is_all_to_all(s.slot)) js.update({{"algbw_gbps", s.algbw_gbps}, {"busbw_gbps", s.busbw_gbps}});
-        if (c.backend != Backend::host)
+        if (c.backend != Backend::host) {
+          nlohmann::json parts = nlohmann::json::array();
+          for (const WindowPart& p : s.device_parts)
+            parts.push_back({{"part", p.name}, {"seconds", p.seconds}, {"calls", p.calls}});
+          js["device_parts"] = parts;
           js.update({{"device_seconds_min", s.device_seconds_min},
                      {"device_summed_seconds_min", s.device_summed_seconds_min},
                      {"device_seconds_median", s.device_seconds_median},
@@ -771,6 +792,7 @@ std::string bench_json(const std::vector<CaseBench>& all, const BenchOptions& op
                      {"device_copy_seconds", s.device_copy_seconds},
                      {"device_copy_gbps", s.device_copy_gbps},
                      {"ratio_to_device_copy", s.ratio_to_device_copy}});
+        }
       }
       stages.push_back(js);
     }

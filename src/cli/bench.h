@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "case.h"
+#include "device.h"
 #include "diff.h"
 
 namespace moev {
@@ -68,6 +69,11 @@ struct StageBench {
   /// The fast call's device intervals summed over the ranks' streams, not
   /// their union (overlapping in-process ranks count once each).
   double device_summed_seconds_min = 0;
+  /// Where the fastest call's device seconds went (Device::window_parts):
+  /// each kind of device work (a kernel body by class name, sort, histogram,
+  /// gemm, gemm_group, copy), the union of its intervals and their count,
+  /// longest first.
+  std::vector<WindowPart> device_parts;
   double device_copy_seconds = 0, device_copy_gbps = 0, ratio_to_device_copy = 0;
   /// The verification's own cost in the run that built the board.
   double ref_seconds = 0, compare_seconds = 0;

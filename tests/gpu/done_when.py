@@ -58,8 +58,12 @@ def main(argv):
         for s in case["stages"]:
             if s["slot"] in ROW_MOVES and s.get("timed") and s.get("ratio_to_device_copy") is not None:
                 r = s["ratio_to_device_copy"]
+                parts = s.get("device_parts") or []
+                where = ""  # where a stage that misses spent its time
+                if r < 0.85 and len(parts) > 1:
+                    where = " [" + ", ".join(f"{p['part']} {1e3 * p['seconds']:.3f} ms" for p in parts) + "]"
                 print(f"row move{at} {s['slot']}/{s['variant']}: {100 * r:.1f}% of the device copy "
-                      f"(>= 85%): {verdict(r >= 0.85)}")
+                      f"(>= 85%): {verdict(r >= 0.85)}{where}")
         peers = [p for p in case.get("peer", {}).get("stages", []) if p["slot"] == "routing"]
         if not peers:
             note = case.get("peer", {}).get("note") or "no peer in this run"
