@@ -600,6 +600,38 @@ void print_peer(const CaseBench& b, std::ostream& os) {
   }
 }
 
+/// The device table of print_bench: each stage variant's seconds by the
+/// device's clock against a device copy of its bytes, and where they went.
+void print_device_table(const CaseBench& b, std::ostream& os) {
+  os << "  on the device (" << enum_name(backend_table(), b.c.backend)
+     << "): its own clock, the time it was busy with the stage's kernels, sorts, GEMMs and all-to-all copies (their "
+        "intervals' union across ranks); roof: a device-to-device copy of half the bytes, timed in the same run (min ms and GB/s above: wall, with the write-back to the "
+        "host); parts: that time by kind of work (kernel body, sort, histogram, GEMMs, copies), each its intervals' union (they overlap where ranks ran side by side)\n";
+  os << "  " << std::left << std::setw(16) << "slot" << std::setw(24) << "variant" << std::right << std::setw(10)
+     << "dev ms" << std::setw(10) << "med ms" << std::setw(10) << "GB/s" << std::setw(11) << "copy GB/s"
+     << std::setw(8) << "%copy" << "\n";
+  for (const auto& s : b.stages) {
+    if (!s.ran) continue;
+    os << "  " << std::left << std::setw(16) << s.slot << std::setw(24) << s.variant << std::right;
+    if (s.device_seconds_median == 0) {
+      os << "  no device work timed (no kernel, GEMM or all-to-all copy)\n";
+      continue;
+    }
+    os << std::setw(10) << fmt(s.device_seconds_min * 1e3, 4) << std::setw(10) << fmt(s.device_seconds_median * 1e3, 4)
+       << std::setw(10) << fmt(s.device_gbps, 1) << std::setw(11) << fmt(s.device_copy_gbps, 1) << std::setw(8)
+       << fmt(100 * s.ratio_to_device_copy, 1) << "\n";
+    if (s.device_parts.size() > 1) {  // where the fastest call's device time went
+      os << "  " << std::setw(40) << "" << "parts:";
+      for (size_t i = 0; i < s.device_parts.size(); ++i) {
+        const WindowPart& p = s.device_parts[i];
+        os << (i ? ", " : " ") << p.name << " " << fmt(p.seconds * 1e3, 4) << " ms"
+           << (p.calls > 1 ? " (" + std::to_string(p.calls) + " calls)" : "");
+      }
+      os << "\n";
+    }
+  }
+}
+
 void print_bench(const CaseBench& b, std::ostream& os) {
   const Case& c = b.c;
   os << "\ncase " << c.name << ": " << c.summary() << "\n";
@@ -623,35 +655,7 @@ void print_bench(const CaseBench& b, std::ostream& os) {
        << "\n";
   }
   const bool on_device = c.backend != Backend::host;
-  if (on_device) {
-    os << "  on the device (" << enum_name(backend_table(), c.backend)
-       << "): its own clock, the time it was busy with the stage's kernels, sorts, GEMMs and all-to-all copies (their "
-          "intervals' union across ranks); roof: a device-to-device copy of half the bytes, timed in the same run (min ms and GB/s above: wall, with the write-back to the "
-          "host); parts: that time by kind of work (kernel body, sort, histogram, GEMMs, copies), each its intervals' union (they overlap where ranks ran side by side)\n";
-    os << "  " << std::left << std::setw(16) << "slot" << std::setw(24) << "variant" << std::right << std::setw(10)
-       << "dev ms" << std::setw(10) << "med ms" << std::setw(10) << "GB/s" << std::setw(11) << "copy GB/s"
-       << std::setw(8) << "%copy" << "\n";
-    for (const auto& s : b.stages) {
-      if (!s.ran) continue;
-      os << "  " << std::left << std::setw(16) << s.slot << std::setw(24) << s.variant << std::right;
-      if (s.device_seconds_median == 0) {
-        os << "  no device work timed (no kernel, GEMM or all-to-all copy)\n";
-        continue;
-      }
-      os << std::setw(10) << fmt(s.device_seconds_min * 1e3, 4) << std::setw(10) << fmt(s.device_seconds_median * 1e3, 4)
-         << std::setw(10) << fmt(s.device_gbps, 1) << std::setw(11) << fmt(s.device_copy_gbps, 1) << std::setw(8)
-         << fmt(100 * s.ratio_to_device_copy, 1) << "\n";
-      if (s.device_parts.size() > 1) {  // where the fastest call's device time went
-        os << "  " << std::setw(40) << "" << "parts:";
-        for (size_t i = 0; i < s.device_parts.size(); ++i) {
-          const WindowPart& p = s.device_parts[i];
-          os << (i ? ", " : " ") << p.name << " " << fmt(p.seconds * 1e3, 4) << " ms"
-             << (p.calls > 1 ? " (" + std::to_string(p.calls) + " calls)" : "");
-        }
-        os << "\n";
-      }
-    }
-  }
+  if (on_device) print_device_table(b, os);
   for (const auto& s : b.stages)
     if (s.ran && s.flops > 0)
       os << "  GEMM " << s.slot << "/" << s.variant << ": " << fmt(s.flops / 1e9, 3) << " GFLOP, " << fmt(s.gflops, 2)
