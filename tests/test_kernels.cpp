@@ -261,3 +261,30 @@ TEST_CASE("BusyUnion counts overlapping intervals once", "[cpu][bench]") {
   u.add(5.0, 6.0);  // touches the end: [0, 6)
   CHECK(u.seconds() == Approx(6.0));
 }
+
+TEST_CASE("BusyWindow splits a window's union by part, each part's intervals counted once", "[cpu][bench]") {
+  BusyWindow w;
+  w.add("sort", 0.0, 1.0);  // closed: not counted
+  w.begin();
+  w.add("ScatterRowsBody", 1.0, 3.0);
+  w.add("ScatterRowsBody", 2.0, 4.0);  // a second rank's, overlapping: [1, 4)
+  w.add("sort", 0.5, 1.5);             // overlaps the scatter's by 0.5
+  w.add("copy", 6.0, 6.5);
+  CHECK(w.end() == Approx(4.0));       // [0.5, 4) and [6, 6.5)
+  w.add("copy", 7.0, 9.0);             // after the window: not counted
+  const std::vector<WindowPart> p = w.parts();
+  REQUIRE(p.size() == 3);
+  CHECK(p[0].name == "ScatterRowsBody");  // longest first
+  CHECK(p[0].seconds == Approx(3.0));
+  CHECK(p[0].calls == 2);
+  CHECK(p[1].name == "sort");
+  CHECK(p[1].seconds == Approx(1.0));
+  CHECK(p[2].name == "copy");
+  CHECK(p[2].seconds == Approx(0.5));
+  CHECK(p[2].calls == 1);
+  w.begin();  // a new window starts empty
+  CHECK(w.parts().empty());
+  CHECK(w.end() == 0);
+  CHECK(short_type_name(typeid(k::ScatterRowsBody<bf16>)) == "ScatterRowsBody");
+  CHECK(short_type_name(typeid(int)) == "int");
+}
