@@ -658,6 +658,22 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
     return h;
   }
 
+  /// The pools of handles and fans: the last one given back (null where
+  /// the pool is empty), and one given back.
+  template <class X>
+  X take(std::vector<X>& pool) {
+    std::lock_guard<std::mutex> lk(blas_m_);
+    if (pool.empty()) return nullptr;
+    X x = pool.back();
+    pool.pop_back();
+    return x;
+  }
+  template <class X>
+  void give(std::vector<X>& pool, X x) {
+    std::lock_guard<std::mutex> lk(blas_m_);
+    pool.push_back(x);
+  }
+
   /// A cuBLAS handle for the calling thread's call, from a pool: a handle
   /// serves one thread at a time, and in-process ranks each hold their own
   /// while their GEMMs run side by side (one shared handle under a lock
@@ -665,22 +681,12 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   struct Lease {
     CudaDevice& d;
     cublasHandle_t h = nullptr;
-    explicit Lease(CudaDevice& dev) : d(dev) {
+    explicit Lease(CudaDevice& dev) : d(dev), h(dev.take(dev.free_)) {
       d.bind();
-      {
-        std::lock_guard<std::mutex> lk(d.blas_m_);
-        if (!d.free_.empty()) {
-          h = d.free_.back();
-          d.free_.pop_back();
-        }
-      }
       if (!h) h = d.new_handle();
       MOEV_CUBLAS_CHECK(blas().set_stream(h, thread_stream()));  // the calling thread's stream
     }
-    ~Lease() {
-      std::lock_guard<std::mutex> lk(d.blas_m_);
-      d.free_.push_back(h);
-    }
+    ~Lease() { d.give(d.free_, h); }
     Lease(const Lease&) = delete;
     Lease& operator=(const Lease&) = delete;
   };
@@ -705,15 +711,8 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   struct FanLease {
     CudaDevice& d;
     Fan* fan = nullptr;
-    explicit FanLease(CudaDevice& dev) : d(dev) {
+    explicit FanLease(CudaDevice& dev) : d(dev), fan(dev.take(dev.free_fans_)) {
       d.bind();
-      {
-        std::lock_guard<std::mutex> lk(d.blas_m_);
-        if (!d.free_fans_.empty()) {
-          fan = d.free_fans_.back();
-          d.free_fans_.pop_back();
-        }
-      }
       if (fan) return;
       auto f = std::make_unique<Fan>();
       MOEV_CUDA_CHECK(cudaEventCreateWithFlags(&f->fork, cudaEventDisableTiming));
@@ -729,10 +728,7 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
       std::lock_guard<std::mutex> lk(d.blas_m_);
       d.fans_.push_back(std::move(f));
     }
-    ~FanLease() {
-      std::lock_guard<std::mutex> lk(d.blas_m_);
-      d.free_fans_.push_back(fan);
-    }
+    ~FanLease() { d.give(d.free_fans_, fan); }
     FanLease(const FanLease&) = delete;
     FanLease& operator=(const FanLease&) = delete;
   };
