@@ -187,9 +187,8 @@ namespace {
 
 /// The combine as a device runs it (kDeviceSpan<T> columns a lane, `lanes`
 /// lanes, lanes in descending order) against the host executor's body
-/// (kCombineSpan columns, one lane), bitwise, over every mode. Tokens of at
-/// most 8 rows take the device's register path where the rows are 16-byte
-/// aligned, the others the general one. Returns the configurations that differ.
+/// (kCombineSpan columns, one lane), bitwise, over every mode. Returns the
+/// configurations that differ.
 template <class T>
 int device_combine_differs(int64_t D, int K, int lanes) {
   const int64_t tokens = 23, N = tokens * K;
@@ -236,8 +235,10 @@ int device_combine_differs(int64_t D, int K, int lanes) {
 TEST_CASE("the device combine gives the host executor's bits in every mode", "[cpu][bodies]") {
   // D * sizeof(T) a multiple of 16: the pieces (four rows' loads in flight,
   // pairs rounded together; K = 9 and 12 in three batches); D = 70:
-  // elements. D = 264 in bf16 is 33 pieces: some lanes have two.
-  for (int64_t D : {int64_t(64), int64_t(70), int64_t(264)})
+  // elements. D = 264 in bf16 is 33 pieces: some lanes have two; D = 68 in
+  // fp32 17 pieces (lanes with 6, 5 or no pieces); D = 260 in bf16 rows of
+  // 520 bytes, not 16-byte aligned: by elements.
+  for (int64_t D : {int64_t(64), int64_t(70), int64_t(264), int64_t(260), int64_t(68)})
     for (int K : {1, 2, 8, 9, 12})
       for (int lanes : {1, 3, 32, 64, 128}) {
         INFO("D " << D << " K " << K << " lanes " << lanes);
