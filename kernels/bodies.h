@@ -312,6 +312,30 @@ MOEV_HD inline void store_piece(void* p, const Piece& r) {
   memcpy(p, &r, 16);
 #endif
 }
+/// Asynchronous 16-byte copies from global to shared memory, as a GPU
+/// thread's staging of row pieces (CombineBody::lane_staged): on a GPU
+/// cp.async (into `dst` in shared memory), committed as a group, and a wait
+/// until at most `pending` of the thread's groups are in flight; on the
+/// host a plain copy, and the commit and wait do nothing.
+MOEV_HD inline void copy_piece_async(Piece* dst, const void* src) {
+#ifdef __CUDA_ARCH__
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src));
+#else
+  memcpy(dst, src, 16);
+#endif
+}
+MOEV_HD inline void commit_pieces() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int pending>
+MOEV_HD inline void wait_pieces() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(pending) : "memory");
+#endif
+}
 template <class T>
 MOEV_HD inline float piece_get(const Piece& r, int i) {
   T e;
@@ -614,7 +638,16 @@ struct CombineBody {
 
   MOEV_HD void operator()(int64_t t, int lane, int lanes) const {
     int32_t rows[kMaxTopK];
-    int n = 0;  // an assignment dropped by capacity (row -1, docs/contract.md §11) adds nothing
+    const int n = sorted_rows(t, rows);
+    for (int64_t c0 = int64_t(lane) * W; c0 < D; c0 += int64_t(lanes) * W)
+      span(t, rows, n, c0, D - c0 < W ? int(D - c0) : W);
+  }
+
+  /// Token t's routed rows in the order they are added (`order`), those
+  /// dropped by capacity (row -1, docs/contract.md §11) left out: adds
+  /// nothing. Returns their count.
+  MOEV_HD int sorted_rows(int64_t t, int32_t (&rows)[kMaxTopK]) const {
+    int n = 0;
     for (int k = 0; k < K; ++k) {
       const int32_t r = row_of[t * K + k];
       if (r < 0) continue;
@@ -625,8 +658,7 @@ struct CombineBody {
       }
       rows[j] = r;
     }
-    for (int64_t c0 = int64_t(lane) * W; c0 < D; c0 += int64_t(lanes) * W)
-      span(t, rows, n, c0, D - c0 < W ? int(D - c0) : W);
+    return n;
   }
 
   /// The device span's steps, on W columns = one 16-byte piece a buffer
@@ -639,12 +671,11 @@ struct CombineBody {
   }
   /// v = token t's scatter target at columns [c0, c0 + W).
   MOEV_HD void init_piece(float (&v)[W], int64_t t, int64_t c0) const {
-    if (init_from == CombineInit::zeros) {
-      for (int i = 0; i < W; ++i) v[i] = 0.f;
-      return;
-    }
-    const Piece in = load_piece(init + t * D + c0);
-    for (int i = 0; i < W; ++i) v[i] = piece_get<T>(in, i);
+    init_from_piece(v, init_from == CombineInit::zeros ? Piece{} : load_piece(init + t * D + c0));
+  }
+  /// v = the scatter target from its piece `in` (unread under CombineInit::zeros).
+  MOEV_HD void init_from_piece(float (&v)[W], const Piece& in) const {
+    for (int i = 0; i < W; ++i) v[i] = init_from == CombineInit::zeros ? 0.f : piece_get<T>(in, i);
   }
   /// v (+)= one routed row's piece p with its multiplier m (row_multiplier):
   /// the contribution round(y * m) under after_experts, y under
@@ -727,12 +758,13 @@ struct CombineBody {
            (shared_add != SharedAdd::add_after || aligned16(shared + t * D + c0, 0));
   }
 
+  /// Routed-row pieces a device lane loads before it adds the first of them.
+  static constexpr int kBatch = 4;
   /// The device span: the same additions as span() on W columns read as
-  /// 16-byte pieces held in registers, four rows' pieces loaded before the
+  /// 16-byte pieces held in registers, kBatch rows' pieces loaded before the
   /// first of them is added (four loads in flight a thread), and the result
   /// stored as one piece.
   MOEV_HD void span_pieces(int64_t t, const int32_t* rows, int nrows, int64_t c0) const {
-    constexpr int kBatch = 4;
     float v[W];
     init_piece(v, t, c0);
     for (int k0 = 0; k0 < nrows; k0 += kBatch) {
@@ -753,6 +785,61 @@ struct CombineBody {
         if (k0 + j < nrows) add_piece(v, pc[j], m[j]);
     }
     finish_piece(v, t, c0);
+  }
+
+  /// A lane's staging area for lane_staged, in pieces: two slots of kBatch
+  /// row pieces and an init piece, and one of padding (on a GPU, 8
+  /// neighbouring threads' areas, 176 bytes apart, put their 16-byte pieces
+  /// in distinct shared-memory banks).
+  static constexpr int kStagedPieces = 2 * (kBatch + 1) + 1;
+  /// Token t on one lane whose rows are aligned (pieces_aligned: D a
+  /// multiple of W, every span full): its spans c0 = first, first + step,
+  /// ... < D, each in span_pieces' steps and order (the same bits), the
+  /// pieces of the next step (kBatch routed rows; after a span's last, the
+  /// next span's first with its init piece) copied asynchronously into the
+  /// lane's other slot of `area` (kStagedPieces) before the current step's
+  /// are added: up to two steps of loads in flight a thread without holding
+  /// registers. A lane reads only the slots it filled, after the wait. In
+  /// place, the next span's init piece is read before this span's store:
+  /// other columns, which no other lane touches.
+  MOEV_HD void lane_staged(int64_t t, const int32_t* rows, int nr, int64_t first, int64_t step, Piece* area) const {
+    constexpr int P = kBatch + 1;  // a slot: kBatch pieces, then the init piece
+    if (first >= D) return;
+    const int nb = nr > 0 ? (nr + kBatch - 1) / kBatch : 1;  // a span without rows: one empty step
+    const auto issue = [&](int slot, int64_t c0, int j) {
+      Piece* p = area + slot * P;
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+      for (int i = 0; i < kBatch; ++i)
+        if (j * kBatch + i < nr) copy_piece_async(p + i, routed_out + int64_t(rows[j * kBatch + i]) * D + c0);
+      if (j == 0 && init_from == CombineInit::buffer) copy_piece_async(p + kBatch, init + t * D + c0);
+      commit_pieces();
+    };
+    int slot = 0;
+    issue(slot, first, 0);
+    float v[W];
+    for (int64_t c0 = first;; c0 += step)
+      for (int j = 0; j < nb; ++j, slot ^= 1) {
+        const bool last = j + 1 == nb;
+        const int64_t nc0 = last ? c0 + step : c0;
+        const bool more = nc0 < D;
+        if (more) {  // the next step's copies, then wait for every earlier step's
+          issue(slot ^ 1, nc0, last ? 0 : j + 1);
+          wait_pieces<1>();
+        } else {
+          wait_pieces<0>();
+        }
+        const Piece* p = area + slot * P;
+        if (j == 0) init_from_piece(v, p[kBatch]);
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+        for (int i = 0; i < kBatch; ++i)
+          if (j * kBatch + i < nr) add_piece(v, p[i], row_multiplier(rows[j * kBatch + i]));
+        if (last) finish_piece(v, t, c0);
+        if (!more) return;
+      }
   }
 };
 

@@ -50,6 +50,32 @@ __global__ void thread_items_kernel(Body body, int64_t n) {
     body(i, 0, 1);
 }
 
+// The combine with its row pieces staged in shared memory (CudaDevice::body
+// under MOEVERIFY_CUDA_COMBINE_STAGED=on): items and lanes as items_kernel,
+// each thread with k::CombineBody::kStagedPieces pieces of shared memory; a
+// token whose rows are aligned goes through the body's lane_staged (cp.async
+// copies of the next step's pieces in flight while the current step's are
+// added; the same bits), another through the body itself.
+template <class T, int W>
+__global__ void combine_staged_kernel(k::CombineBody<T, W> b, int64_t n, int lanes) {
+  static_assert(W * sizeof(T) == 16, "a staged piece is 16 bytes");
+  extern __shared__ k::Piece staged[];
+  k::Piece* area = staged + threadIdx.x * k::CombineBody<T, W>::kStagedPieces;
+  const int per_block = int(blockDim.x) / lanes;
+  const int lane = int(threadIdx.x) % lanes;
+  for (int64_t t = int64_t(blockIdx.x) * per_block + int(threadIdx.x) / lanes; t < n;
+       t += int64_t(gridDim.x) * per_block) {
+    const int64_t first = int64_t(lane) * W;
+    if (!b.pieces_aligned(t, first)) {
+      b(t, lane, lanes);
+      continue;
+    }
+    int32_t rows[k::kMaxTopK];
+    const int nr = b.sorted_rows(t, rows);
+    b.lane_staged(t, rows, nr, first, int64_t(lanes) * W, area);
+  }
+}
+
 // Device work goes on the calling host thread's own stream
 // (cudaStreamPerThread): in-process EP ranks are threads, each with its own
 // stream. Every call waits for its work before it returns (kernels/device.h).
@@ -123,6 +149,34 @@ int combine_lanes_cap() {
 }
 template <class T, int W> int lanes_of(const k::CombineBody<T, W>& b) {
   return std::min(k::row_lanes(b.D * int64_t(sizeof(T))), combine_lanes_cap());
+}
+/// Whether the combine runs as combine_staged_kernel (its row pieces
+/// staged in shared memory by cp.async; the same bits):
+/// MOEVERIFY_CUDA_COMBINE_STAGED=on, for timing the two on a GPU (the kit's
+/// KIT_COMBINE_AB). Off by default: never yet run on a device.
+bool combine_staged() {
+  static const bool on = env_choice("MOEVERIFY_CUDA_COMBINE_STAGED", {"off", "on"}) == "on";
+  return on;
+}
+
+/// Enqueues combine_staged_kernel over tokens [0, n) as enqueue() would the
+/// body: `lanes` threads a token, 128-thread blocks (or `lanes`), each
+/// thread with k::CombineBody::kStagedPieces pieces of shared memory.
+template <class T, int W>
+void enqueue_combine_staged(const k::CombineBody<T, W>& body, int64_t n, int lanes) {
+  if (n == 0) return;
+  const int threads = lanes >= 128 ? lanes : lanes * (128 / lanes);
+  const size_t smem = size_t(threads) * k::CombineBody<T, W>::kStagedPieces * sizeof(k::Piece);
+  static const bool carved = [] {  // as much shared memory an SM as the blocks that fit want
+    MOEV_CUDA_CHECK(cudaFuncSetAttribute(combine_staged_kernel<T, W>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                         int(cudaSharedmemCarveoutMaxShared)));
+    return true;
+  }();
+  (void)carved;
+  const int64_t blocks = (n + threads / lanes - 1) / (threads / lanes);
+  combine_staged_kernel<T, W><<<unsigned(blocks < 65535 ? blocks : 65535), unsigned(threads), smem, thread_stream()>>>(
+      body, n, lanes);
+  MOEV_CUDA_CHECK(cudaGetLastError());
 }
 template <class T> int lanes_of(const k::RowMapBody<T>& b) { return k::row_lanes(b.D * int64_t(sizeof(T))); }
 template <class T, class M> int lanes_of(const k::FnRowMapBody<T, M>& b) { return k::row_lanes(b.D * int64_t(sizeof(T))); }
@@ -417,6 +471,15 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   template <class Body>
   void body(const Body& b, int64_t n) {
     timed(part_name<Body>(), [&] { enqueue(b, n, lanes_of(b)); });
+  }
+  template <class T, int W>
+  void body(const k::CombineBody<T, W>& b, int64_t n) {
+    timed(part_name<k::CombineBody<T, W>>(), [&] {
+      if constexpr (W * sizeof(T) == 16) {
+        if (combine_staged()) return enqueue_combine_staged(b, n, lanes_of(b));
+      }
+      enqueue(b, n, lanes_of(b));
+    });
   }
   // Counts are integers: atomics give the same counts in any order, where
   // the body (one thread an expert walking every assignment) took one

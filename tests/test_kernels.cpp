@@ -187,8 +187,10 @@ namespace {
 
 /// The combine as a device runs it (kDeviceSpan<T> columns a lane, `lanes`
 /// lanes, lanes in descending order) against the host executor's body
-/// (kCombineSpan columns, one lane), bitwise, over every mode. Returns the
-/// configurations that differ.
+/// (kCombineSpan columns, one lane), bitwise, over every mode, span by span
+/// and staged (CombineBody::lane_staged, as combine_staged_kernel runs it
+/// on a GPU: the next step's pieces copied before the current step's are
+/// added; here the copies are plain). Returns the configurations that differ.
 template <class T>
 int device_combine_differs(int64_t D, int K, int lanes) {
   const int64_t tokens = 23, N = tokens * K;
@@ -215,17 +217,36 @@ int device_combine_differs(int64_t D, int K, int lanes) {
           for (auto from : {k::CombineInit::buffer, k::CombineInit::zeros})
             for (auto smul : {k::ScoreMultiply::fp32, k::ScoreMultiply::act})
               for (bool in_place : {false, true}) {
-                auto run = [&](auto w, int n_lanes) {
+                auto run = [&](auto w, int n_lanes, bool staged) {
+                  constexpr int W = decltype(w)::value;
                   std::vector<T> out = in_place ? init : std::vector<T>(size_t(tokens * D), from_float<T>(-1.f));
-                  const k::CombineBody<T, decltype(w)::value> body{
+                  const k::CombineBody<T, W> body{
                       rows.data(), sc.data(), row_of.data(), in_place ? out.data() : init.data(), shared.data(),
                       out.data(), D, K, apply, acc, sh, order, smul, from};
-                  for (int64_t t = 0; t < tokens; ++t) block_item(body, t, n_lanes, n_lanes > 1);
+                  for (int64_t t = 0; t < tokens; ++t) {
+                    if (!staged) {
+                      block_item(body, t, n_lanes, n_lanes > 1);
+                      continue;
+                    }
+                    if constexpr (W * sizeof(T) == 16)
+                      for (int lane = n_lanes - 1; lane >= 0; --lane) {  // combine_staged_kernel's steps
+                        if (!body.pieces_aligned(t, int64_t(lane) * W)) {
+                          body(t, lane, n_lanes);
+                          continue;
+                        }
+                        int32_t r[k::kMaxTopK];
+                        k::Piece area[k::CombineBody<T, W>::kStagedPieces];
+                        const int nr = body.sorted_rows(t, r);
+                        body.lane_staged(t, r, nr, int64_t(lane) * W, int64_t(n_lanes) * W, area);
+                      }
+                  }
                   return out;
                 };
-                const std::vector<T> want = run(std::integral_constant<int, k::kCombineSpan>{}, 1);
-                const std::vector<T> got = run(std::integral_constant<int, k::kDeviceSpan<T>>{}, lanes);
-                differ += std::memcmp(want.data(), got.data(), want.size() * sizeof(T)) != 0;
+                const std::vector<T> want = run(std::integral_constant<int, k::kCombineSpan>{}, 1, false);
+                for (bool staged : {false, true}) {
+                  const std::vector<T> got = run(std::integral_constant<int, k::kDeviceSpan<T>>{}, lanes, staged);
+                  differ += std::memcmp(want.data(), got.data(), want.size() * sizeof(T)) != 0;
+                }
               }
   return differ;
 }

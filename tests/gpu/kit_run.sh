@@ -52,13 +52,19 @@ check bodies.gemm_grouped env MOEVERIFY_CUDA_GEMM_GROUP=grouped "$bin/gpu_check"
 check bodies.gemm_batched env MOEVERIFY_CUDA_GEMM_GROUP=batched "$bin/gpu_check"
 # KIT_COMBINE_AB=1: the combine at each cap of its threads a token
 # (MOEVERIFY_CUDA_COMBINE_LANES; kernels/cuda_exec.cu combine_lanes_cap),
-# timed at DeepSeek-V3's shape on one rank (T = 4096, D = 7168, K = 8:
-# 470 MB of routed rows) against a device copy of its bytes in the same run.
+# and staged through shared memory (MOEVERIFY_CUDA_COMBINE_STAGED=on:
+# combine_staged_kernel, never run before; first gpu_check and every case
+# file with it), timed at DeepSeek-V3's shape on one rank (T = 4096, D =
+# 7168, K = 8: 470 MB of routed rows) against a device copy of its bytes in
+# the same run, each verified first.
 if [ -n "${KIT_COMBINE_AB:-}" ]; then
-  for lanes in 256 128 64 32; do
-    name="combine_ab.lanes$lanes"
-    check "$name" env MOEVERIFY_CUDA_COMBINE_LANES="$lanes" timeout 60 "$bin/moeverify" bench \
-      "$root/cases/slow/deepseek_v3.yaml" --set ep=1 --backend cuda --repeat 3
+  check bodies.combine_staged env MOEVERIFY_CUDA_COMBINE_STAGED=on "$bin/gpu_check"
+  check cases.combine_staged env MOEVERIFY_CUDA_COMBINE_STAGED=on "$bin/moeverify" run "$root"/cases/*.yaml \
+    --backend cuda --threads 8
+  for mode in off.256 off.128 off.64 off.32 on.128 on.64 on.32; do
+    name="combine_ab.staged_${mode%%.*}.lanes${mode#*.}"
+    check "$name" env MOEVERIFY_CUDA_COMBINE_STAGED="${mode%%.*}" MOEVERIFY_CUDA_COMBINE_LANES="${mode#*.}" \
+      timeout 60 "$bin/moeverify" bench "$root/cases/slow/deepseek_v3.yaml" --set ep=1 --backend cuda --repeat 3
     grep -E "^  combine " "$out/$name.log" | tail -2 | sed "s/^/$name: /"
   done
 fi
