@@ -830,13 +830,13 @@ struct CombineBody {
         } else {
           wait_pieces<0>();
         }
-        const Piece* p = area + slot * P;
-        if (j == 0) init_from_piece(v, p[kBatch]);
+        const Piece* p = area + slot * P;  // read as 16-byte loads (load_piece)
+        if (j == 0) init_from_piece(v, init_from == CombineInit::buffer ? load_piece(p + kBatch) : Piece{});
 #ifdef __CUDA_ARCH__
 #pragma unroll
 #endif
         for (int i = 0; i < kBatch; ++i)
-          if (j * kBatch + i < nr) add_piece(v, p[i], row_multiplier(rows[j * kBatch + i]));
+          if (j * kBatch + i < nr) add_piece(v, load_piece(p + i), row_multiplier(rows[j * kBatch + i]));
         if (last) finish_piece(v, t, c0);
         if (!more) return;
       }

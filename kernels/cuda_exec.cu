@@ -59,7 +59,7 @@ __global__ void thread_items_kernel(Body body, int64_t n) {
 template <class T, int W>
 __global__ void combine_staged_kernel(k::CombineBody<T, W> b, int64_t n, int lanes) {
   static_assert(W * sizeof(T) == 16, "a staged piece is 16 bytes");
-  extern __shared__ k::Piece staged[];
+  extern __shared__ __align__(16) k::Piece staged[];  // cp.async's 16-byte copies need 16-byte slots
   k::Piece* area = staged + threadIdx.x * k::CombineBody<T, W>::kStagedPieces;
   const int per_block = int(blockDim.x) / lanes;
   const int lane = int(threadIdx.x) % lanes;
