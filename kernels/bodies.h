@@ -316,18 +316,20 @@ MOEV_HD inline void store_piece(void* p, const Piece& r) {
 /// thread's staging of row pieces (CombineBody::lane_staged): on a GPU
 /// cp.async (into `dst` in shared memory), committed as a group, and a wait
 /// until at most `pending` of the thread's groups are in flight; on the
-/// host a plain copy, and the commit and wait do nothing.
+/// host a plain copy, and the commit and wait do nothing. Each is a memory
+/// clobber on a GPU: the compiler keeps a thread's reads of a slot before
+/// the copies that refill it, and after the wait that completes them.
 MOEV_HD inline void copy_piece_async(Piece* dst, const void* src) {
 #ifdef __CUDA_ARCH__
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src) : "memory");
 #else
   memcpy(dst, src, 16);
 #endif
 }
 MOEV_HD inline void commit_pieces() {
 #ifdef __CUDA_ARCH__
-  asm volatile("cp.async.commit_group;\n" ::);
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
 #endif
 }
 template <int pending>
