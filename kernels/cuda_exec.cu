@@ -91,6 +91,18 @@ int sm_count() {
   return n;
 }
 
+/// The launch of items [0, n) at `lanes` threads an item (items_kernel and
+/// combine_staged_kernel): blocks of 128 threads (of `lanes` where that is
+/// more), at most 65,535 of them (the kernels stride over the rest).
+struct ItemsGrid {
+  unsigned blocks, threads;
+};
+inline ItemsGrid items_grid(int64_t n, int lanes) {
+  const int threads = lanes >= 128 ? lanes : lanes * (128 / lanes);
+  const int64_t blocks = (n + threads / lanes - 1) / (threads / lanes);
+  return {unsigned(blocks < 65535 ? blocks : 65535), unsigned(threads)};
+}
+
 /// Enqueues body over items [0, n) on the calling thread's stream, `lanes`
 /// threads an item (a multiple of 32, or a divisor of 128), without waiting.
 template <class Body>
@@ -104,9 +116,8 @@ void enqueue(const Body& body, int64_t n, int lanes = 128) {
     const int64_t blocks = (n + threads - 1) / threads;
     thread_items_kernel<<<unsigned(blocks < 65535 ? blocks : 65535), unsigned(threads), 0, thread_stream()>>>(body, n);
   } else {
-    const int threads = lanes >= 128 ? lanes : lanes * (128 / lanes);
-    const int64_t blocks = (n + threads / lanes - 1) / (threads / lanes);
-    items_kernel<<<unsigned(blocks < 65535 ? blocks : 65535), unsigned(threads), 0, thread_stream()>>>(body, n, lanes);
+    const ItemsGrid g = items_grid(n, lanes);
+    items_kernel<<<g.blocks, g.threads, 0, thread_stream()>>>(body, n, lanes);
   }
   MOEV_CUDA_CHECK(cudaGetLastError());
 }
@@ -165,17 +176,15 @@ bool combine_staged() {
 template <class T, int W>
 void enqueue_combine_staged(const k::CombineBody<T, W>& body, int64_t n, int lanes) {
   if (n == 0) return;
-  const int threads = lanes >= 128 ? lanes : lanes * (128 / lanes);
-  const size_t smem = size_t(threads) * k::CombineBody<T, W>::kStagedPieces * sizeof(k::Piece);
+  const ItemsGrid g = items_grid(n, lanes);
+  const size_t smem = size_t(g.threads) * k::CombineBody<T, W>::kStagedPieces * sizeof(k::Piece);
   static const bool carved = [] {  // as much shared memory an SM as the blocks that fit want
     MOEV_CUDA_CHECK(cudaFuncSetAttribute(combine_staged_kernel<T, W>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                          int(cudaSharedmemCarveoutMaxShared)));
     return true;
   }();
   (void)carved;
-  const int64_t blocks = (n + threads / lanes - 1) / (threads / lanes);
-  combine_staged_kernel<T, W><<<unsigned(blocks < 65535 ? blocks : 65535), unsigned(threads), smem, thread_stream()>>>(
-      body, n, lanes);
+  combine_staged_kernel<T, W><<<g.blocks, g.threads, smem, thread_stream()>>>(body, n, lanes);
   MOEV_CUDA_CHECK(cudaGetLastError());
 }
 template <class T> int lanes_of(const k::RowMapBody<T>& b) { return k::row_lanes(b.D * int64_t(sizeof(T))); }
@@ -543,39 +552,43 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   // single call gets right.
   void gemm_group(DType dt, const std::vector<GemmJob>& jobs) override {
     if (jobs.empty()) return;
+    // how this group runs: the mode chosen, where this dt and cuBLAS allow it
+    enum class Way { fanned, grouped, batched, singles };
     const GroupMode mode = gemm_group_mode();
-    const bool fanned = mode == GroupMode::streams && jobs.size() > 1;
-    const bool batched = mode == GroupMode::batched && dt != DType::fp32 && blas().gemm_batched != nullptr;
-    const bool grouped = mode == GroupMode::grouped && dt != DType::fp32 && blas().gemm_grouped != nullptr;
+    const bool dt_taken = dt != DType::fp32;  // fp32's pedantic compute type: neither grouped nor batched
+    const Way way = mode == GroupMode::streams ? (jobs.size() > 1 ? Way::fanned : Way::singles)
+                    : mode == GroupMode::grouped && dt_taken && blas().gemm_grouped ? Way::grouped
+                    : mode == GroupMode::batched && dt_taken && blas().gemm_batched ? Way::batched
+                                                                                    : Way::singles;
+    const bool one_call = way == Way::grouped || way == Way::batched;
     std::vector<Call> calls, alone;
     for (const GemmJob& j : jobs) {
       const Call c = call_of(dt, j);
-      ((!grouped && !batched) || operands_aligned16(c) ? calls : alone).push_back(c);
+      (!one_call || operands_aligned16(c) ? calls : alone).push_back(c);
     }
     std::string path;
-    if (fanned)
-      path = "one cublasGemmEx per job over " + std::to_string(gemm_streams()) + " streams, longest first";
-    else if (batched)
-      path = "one cublasGemmBatchedEx per run of equal shapes (MOEVERIFY_CUDA_GEMM_GROUP=batched)";
-    else if (grouped)
-      path = "one cublasGemmGroupedBatchedEx per output type (MOEVERIFY_CUDA_GEMM_GROUP=grouped)";
-    else
-      path = std::string("one cublasGemmEx per job, back to back (") +
-             (mode == GroupMode::streams ? "a single job"
-              : dt == DType::fp32        ? "fp32: the pedantic compute type"
-                                         : "this cuBLAS lacks the grouped or batched call") +
-             ")";
+    switch (way) {
+      case Way::fanned: path = "one cublasGemmEx per job over " + std::to_string(gemm_streams()) + " streams, longest first"; break;
+      case Way::batched: path = "one cublasGemmBatchedEx per run of equal shapes (MOEVERIFY_CUDA_GEMM_GROUP=batched)"; break;
+      case Way::grouped: path = "one cublasGemmGroupedBatchedEx per output type (MOEVERIFY_CUDA_GEMM_GROUP=grouped)"; break;
+      case Way::singles:
+        path = std::string("one cublasGemmEx per job, back to back (") +
+               (mode == GroupMode::streams ? "a single job"
+                : !dt_taken                ? "fp32: the pedantic compute type"
+                                           : "this cuBLAS lacks the grouped or batched call") +
+               ")";
+    }
     if (!alone.empty())
       path += "; " + std::to_string(alone.size()) + " GEMM(s) with operands not 16-byte aligned one cublasGemmEx each";
-    if (fanned) {
+    if (way == Way::fanned) {
       FanLease f(*this);
       timed("gemm_group", [&] { enqueue_fanned(*f.fan, calls); });
     } else {
       Lease h(*this);
       timed("gemm_group", [&] {
         for (const Call& c : alone) enqueue_gemm(h.h, c);
-        if (batched) return enqueue_batched(h.h, calls);
-        if (!grouped) {
+        if (way == Way::batched) return enqueue_batched(h.h, calls);
+        if (way == Way::singles) {
           for (const Call& c : calls) enqueue_gemm(h.h, c);
           return;
         }
