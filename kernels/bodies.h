@@ -445,6 +445,15 @@ MOEV_HD inline int row_lanes(int64_t bytes) {
   return int(warps < 1 ? 32 : warps > 8 ? 256 : warps * 32);
 }
 
+/// The radix bits that hold every key below `keys`: the least b >= 1 with
+/// 2^b >= keys (the device's expert sort: 8 for the ids of E = 256
+/// experts, one 8-bit pass, where 9 took two).
+MOEV_HD constexpr int radix_key_bits(uint64_t keys) {
+  int b = 1;
+  while (b < 64 && (uint64_t(1) << b) < keys) ++b;
+  return b;
+}
+
 /// The multiplier of a score s under score_multiply (docs/contract.md §14):
 /// the fp32 score, or the score rounded to T first.
 template <class T>

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <climits>
 #include <cmath>
 #include <cstdlib>
@@ -408,7 +409,7 @@ struct Event {
 
 class CudaDevice final : public BodyDevice<CudaDevice> {
  public:
-  CudaDevice(int ordinal, std::string name) : ordinal_(ordinal), name_(std::move(name)) {}
+  CudaDevice(int ordinal, std::string name) : ordinal_(ordinal), name_(std::move(name)) { keep_pool_memory(); }
   ~CudaDevice() override {
     for (cublasHandle_t h : handles_) blas().destroy(h);
   }
@@ -628,15 +629,15 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   };
 
   /// The expert sort: CUB's radix sort is stable, so sorting the expert ids
-  /// (ceil(log2 E) bits: one 8-bit pass at E = 256) with the values a in
-  /// ascending order keeps ascending a within an expert. The planted fault
-  /// sorts packed (expert, N-1-a) keys instead, descending a within one.
+  /// (k::radix_key_bits(E) bits) with the values a in ascending order keeps
+  /// ascending a within an expert. The planted fault sorts packed
+  /// (expert, N-1-a) keys instead, descending a within one.
   void sort_pairs(const int32_t* ids, int64_t N, int E, int32_t* perm, bool descending_within) {
     const unsigned blocks = unsigned(std::min<int64_t>((N + 255) / 256, 65535));
     StreamBuffer vals(size_t(N) * 4);
     size_t temp_bytes = 0;
     if (descending_within) {
-      const int bits = std::max(1, int(std::ceil(std::log2(double(E) * double(N) + 1))));
+      const int bits = k::radix_key_bits(uint64_t(E) * uint64_t(N));
       StreamBuffer keys(size_t(N) * 8), keys_out(size_t(N) * 8);
       sort_keys_kernel<<<blocks, 256, 0, thread_stream()>>>(ids, N, keys.as<uint64_t>(), vals.as<int32_t>());
       MOEV_CUDA_CHECK(cudaGetLastError());
@@ -647,7 +648,7 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
                                                       vals.as<int32_t>(), perm, N, 0, bits, thread_stream()));
       return;
     }
-    const int bits = std::max(1, int(std::ceil(std::log2(double(E) + 1))));
+    const int bits = k::radix_key_bits(uint64_t(E));
     StreamBuffer keys_out(size_t(N) * 4);
     iota_kernel<<<blocks, 256, 0, thread_stream()>>>(N, vals.as<int32_t>());
     MOEV_CUDA_CHECK(cudaGetLastError());
@@ -936,13 +937,17 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   /// two events, waits for the second and returns the seconds between them,
   /// also added to busy_ns_ where `busy` (only that stream's work counts;
   /// ranks running side by side each add their own) and, inside a window,
-  /// as an interval to the window's union.
+  /// as an interval to the window's union, with the host's seconds inside
+  /// f: the start event completes as soon as the stream reaches it, so an
+  /// interval includes the host's enqueuing where the device outran it.
   template <class F>
   double timed(const std::string& part, F&& f, bool busy = true) {
     bind();
     Event start, stop;
     MOEV_CUDA_CHECK(cudaEventRecord(start.e, thread_stream()));
+    const auto h0 = std::chrono::steady_clock::now();
     f();
+    const double host = std::chrono::duration<double>(std::chrono::steady_clock::now() - h0).count();
     MOEV_CUDA_CHECK(cudaEventRecord(stop.e, thread_stream()));
     MOEV_CUDA_CHECK(cudaEventSynchronize(stop.e));
     float ms = 0;
@@ -953,7 +958,7 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
       float a = 0, b = 0;  // offsets from the window's reference event: a few seconds, float ms resolve 1 us
       MOEV_CUDA_CHECK(cudaEventElapsedTime(&a, window_ref_.e, start.e));
       MOEV_CUDA_CHECK(cudaEventElapsedTime(&b, window_ref_.e, stop.e));
-      window_.add(part, double(a) * 1e-3, double(b) * 1e-3);
+      window_.add(part, double(a) * 1e-3, double(b) * 1e-3, host);
     }
     return double(ms) * 1e-3;
   }
@@ -961,6 +966,21 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   /// The CUDA device is per host thread: in-process ranks call in from
   /// threads of their own.
   void bind() const { MOEV_CUDA_CHECK(cudaSetDevice(ordinal_)); }
+
+  /// The stream-ordered scratch (StreamBuffer: the sort's keys, values and
+  /// CUB temp, the grouped GEMMs' pointer arrays) comes from the device's
+  /// default memory pool, which by default hands every unused byte back to
+  /// the driver at each synchronisation: timed() synchronises after every
+  /// call, so each sort mapped its scratch anew, with the GPU idle inside
+  /// the sort's timed interval. The pool now keeps up to kPoolKeep bytes
+  /// it no longer uses (scratch only: the Mirror's buffers are cudaMalloc'd).
+  static constexpr uint64_t kPoolKeep = uint64_t(256) << 20;
+  void keep_pool_memory() {
+    cudaMemPool_t pool = nullptr;
+    uint64_t keep = kPoolKeep;
+    MOEV_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, ordinal_));
+    MOEV_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+  }
 
   void transfer(void* d, const void* s, size_t n, cudaMemcpyKind kind) {
     bind();

@@ -203,12 +203,14 @@ void BusyWindow::begin() {
   open_ = true;
 }
 
-void BusyWindow::add(const std::string& part, double a, double b) {
+void BusyWindow::add(const std::string& part, double a, double b, double host_seconds) {
   if (!open_) return;
   all_.add(a, b);
-  auto& [u, n] = parts_[part];
-  u.add(a, b);
-  ++n;
+  Part& p = parts_[part];
+  p.all.add(a, b);
+  ++p.calls;
+  p.interval_seconds += b - a;
+  p.host_seconds += host_seconds;
 }
 
 double BusyWindow::end() {
@@ -218,7 +220,7 @@ double BusyWindow::end() {
 
 std::vector<WindowPart> BusyWindow::parts() const {
   std::vector<WindowPart> v;
-  for (const auto& [name, p] : parts_) v.push_back({name, p.first.seconds(), p.second});
+  for (const auto& [name, p] : parts_) v.push_back({name, p.all.seconds(), p.calls, p.interval_seconds, p.host_seconds});
   std::stable_sort(v.begin(), v.end(), [](const WindowPart& a, const WindowPart& b) { return a.seconds > b.seconds; });
   return v;
 }
@@ -321,9 +323,9 @@ class EmulatedDevice final : public BodyDevice<EmulatedDevice> {
     const auto t1 = Clock::now();
     if (busy) busy_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
     std::lock_guard<std::mutex> lk(window_m_);
-    if (window_.open())
+    if (window_.open())  // the host does the work: all of the interval is the host's
       window_.add(part, std::chrono::duration<double>(t0 - window_t0_).count(),
-                  std::chrono::duration<double>(t1 - window_t0_).count());
+                  std::chrono::duration<double>(t1 - window_t0_).count(), std::chrono::duration<double>(t1 - t0).count());
     return std::chrono::duration<double>(t1 - t0).count();
   }
   /// Each item as an emulated GPU block of kLanes lanes (block_item): the

@@ -108,11 +108,18 @@ class BusyUnion {
 };
 
 /// One part of a busy window (Device::window_parts): the union of the
-/// intervals of one kind of device work and how many there were.
+/// intervals of one kind of device work, how many there were, and two sums
+/// over its calls: their intervals, and the host's time inside them (the
+/// time the calling thread spent enqueuing the work on a GPU). A part whose
+/// calls' intervals are mostly host time was launch-bound: the device
+/// waited for the host (on the emulated device the host does the work, so
+/// the two agree).
 struct WindowPart {
   std::string name;  // a body's class name ("ScatterRowsBody"), or sort, histogram, gemm, gemm_group, copy
   double seconds = 0;
   int64_t calls = 0;
+  double interval_seconds = 0;  // the sum of the calls' intervals (>= seconds, their union)
+  double host_seconds = 0;      // the sum of the host's seconds inside the calls
 };
 
 /// A device's busy window (Device::window_begin ... window_end): the union
@@ -122,14 +129,20 @@ class BusyWindow {
  public:
   void begin();
   bool open() const { return open_; }
-  void add(const std::string& part, double a, double b);  // while open
+  /// A call's interval [a, b) and the host's seconds inside it; while open.
+  void add(const std::string& part, double a, double b, double host_seconds);
   double end();                                           // closes; the whole union's seconds
   std::vector<WindowPart> parts() const;                  // of the last window, longest first
 
  private:
   bool open_ = false;
   BusyUnion all_;
-  std::map<std::string, std::pair<BusyUnion, int64_t>> parts_;
+  struct Part {
+    BusyUnion all;
+    int64_t calls = 0;
+    double interval_seconds = 0, host_seconds = 0;
+  };
+  std::map<std::string, Part> parts_;
 };
 
 /// A body's part name in a busy window: its class name without namespace

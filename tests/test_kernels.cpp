@@ -284,26 +284,43 @@ TEST_CASE("BusyUnion counts overlapping intervals once", "[cpu][bench]") {
   CHECK(u.seconds() == Approx(6.0));
 }
 
+TEST_CASE("radix_key_bits: the fewest radix bits that hold every key below a bound", "[cpu][kernels]") {
+  CHECK(k::radix_key_bits(1) == 1);  // one expert: keys all 0, one bit still sorted
+  CHECK(k::radix_key_bits(256) == 8);  // ids 0..255 of DeepSeek-V3's 256 experts: one 8-bit pass
+  CHECK(k::radix_key_bits(257) == 9);
+  for (uint64_t keys = 2; keys < 5000; ++keys) {
+    const int b = k::radix_key_bits(keys);
+    CHECK(((keys - 1) >> b) == 0);        // the largest key fits
+    CHECK(((keys - 1) >> (b - 1)) == 1);  // and one bit fewer would not
+  }
+  CHECK(k::radix_key_bits(uint64_t(256) * 262144) == 26);  // the planted fault's packed keys, E N
+}
+
 TEST_CASE("BusyWindow splits a window's union by part, each part's intervals counted once", "[cpu][bench]") {
   BusyWindow w;
-  w.add("sort", 0.0, 1.0);  // closed: not counted
+  w.add("sort", 0.0, 1.0, 1.0);  // closed: not counted
   w.begin();
-  w.add("ScatterRowsBody", 1.0, 3.0);
-  w.add("ScatterRowsBody", 2.0, 4.0);  // a second rank's, overlapping: [1, 4)
-  w.add("sort", 0.5, 1.5);             // overlaps the scatter's by 0.5
-  w.add("copy", 6.0, 6.5);
-  CHECK(w.end() == Approx(4.0));       // [0.5, 4) and [6, 6.5)
-  w.add("copy", 7.0, 9.0);             // after the window: not counted
+  w.add("ScatterRowsBody", 1.0, 3.0, 0.25);
+  w.add("ScatterRowsBody", 2.0, 4.0, 0.5);  // a second rank's, overlapping: [1, 4)
+  w.add("sort", 0.5, 1.5, 0.75);            // overlaps the scatter's by 0.5
+  w.add("copy", 6.0, 6.5, 0.125);
+  CHECK(w.end() == Approx(4.0));            // [0.5, 4) and [6, 6.5)
+  w.add("copy", 7.0, 9.0, 2.0);             // after the window: not counted
   const std::vector<WindowPart> p = w.parts();
   REQUIRE(p.size() == 3);
   CHECK(p[0].name == "ScatterRowsBody");  // longest first
   CHECK(p[0].seconds == Approx(3.0));
   CHECK(p[0].calls == 2);
+  CHECK(p[0].interval_seconds == Approx(4.0));  // the sum of its calls', beside their union's 3
+  CHECK(p[0].host_seconds == Approx(0.75));
   CHECK(p[1].name == "sort");
   CHECK(p[1].seconds == Approx(1.0));
+  CHECK(p[1].host_seconds == Approx(0.75));  // the closed window's call not counted
   CHECK(p[2].name == "copy");
   CHECK(p[2].seconds == Approx(0.5));
   CHECK(p[2].calls == 1);
+  CHECK(p[2].interval_seconds == Approx(0.5));
+  CHECK(p[2].host_seconds == Approx(0.125));
   w.begin();  // a new window starts empty
   CHECK(w.parts().empty());
   CHECK(w.end() == 0);

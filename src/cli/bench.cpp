@@ -606,7 +606,9 @@ void print_device_table(const CaseBench& b, std::ostream& os) {
   os << "  on the device (" << enum_name(backend_table(), b.c.backend)
      << "): its own clock, the time it was busy with the stage's kernels, sorts, GEMMs and all-to-all copies (their "
         "intervals' union across ranks); roof: a device-to-device copy of half the bytes, timed in the same run (min ms and GB/s above: wall, with the write-back to the "
-        "host); parts: that time by kind of work (kernel body, sort, histogram, GEMMs, copies), each its intervals' union (they overlap where ranks ran side by side)\n";
+        "host); parts: that time by kind of work (kernel body, sort, histogram, GEMMs, copies), each its intervals' union (they overlap where ranks ran side by side), "
+        "and the share of its calls' intervals the host spent inside them (on a GPU enqueuing: near 100% the device waited for the host; on the emulated device "
+        "the host does the work)\n";
   os << "  " << std::left << std::setw(16) << "slot" << std::setw(24) << "variant" << std::right << std::setw(10)
      << "dev ms" << std::setw(10) << "med ms" << std::setw(10) << "GB/s" << std::setw(11) << "copy GB/s"
      << std::setw(8) << "%copy" << "\n";
@@ -624,8 +626,11 @@ void print_device_table(const CaseBench& b, std::ostream& os) {
       os << "  " << std::setw(40) << "" << "parts:";
       for (size_t i = 0; i < s.device_parts.size(); ++i) {
         const WindowPart& p = s.device_parts[i];
-        os << (i ? ", " : " ") << p.name << " " << fmt(p.seconds * 1e3, 4) << " ms"
-           << (p.calls > 1 ? " (" + std::to_string(p.calls) + " calls)" : "");
+        os << (i ? ", " : " ") << p.name << " " << fmt(p.seconds * 1e3, 4) << " ms ("
+           << (p.calls > 1 ? std::to_string(p.calls) + " calls, " + fmt(p.interval_seconds / double(p.calls) * 1e6, 1) +
+                                 " us each, "
+                           : "")
+           << "host " << fmt(p.interval_seconds > 0 ? 100 * p.host_seconds / p.interval_seconds : 0, 0) << "%)";
       }
       os << "\n";
     }
@@ -787,7 +792,11 @@ std::string bench_json(const std::vector<CaseBench>& all, const BenchOptions& op
         if (c.backend != Backend::host) {
           nlohmann::json parts = nlohmann::json::array();
           for (const WindowPart& p : s.device_parts)
-            parts.push_back({{"part", p.name}, {"seconds", p.seconds}, {"calls", p.calls}});
+            parts.push_back({{"part", p.name},
+                             {"seconds", p.seconds},
+                             {"calls", p.calls},
+                             {"interval_seconds", p.interval_seconds},
+                             {"host_seconds", p.host_seconds}});
           js["device_parts"] = parts;
           js.update({{"device_seconds_min", s.device_seconds_min},
                      {"device_summed_seconds_min", s.device_summed_seconds_min},

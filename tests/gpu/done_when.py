@@ -40,6 +40,15 @@ def load(out, name):
         return json.load(f)
 
 
+def part_text(p):
+    """A part of a stage's device time, with the host's share of its calls'
+    intervals where the bench recorded it (near 100%: launch-bound)."""
+    text = f"{p['part']} {1e3 * p['seconds']:.3f} ms"
+    if p.get("interval_seconds"):
+        text += f" (host {100 * p['host_seconds'] / p['interval_seconds']:.0f}%)"
+    return text
+
+
 def verdict(ok):
     return "met" if ok else "NOT MET"
 
@@ -61,7 +70,7 @@ def main(argv):
                 parts = s.get("device_parts") or []
                 where = ""  # where a stage that misses spent its time
                 if r < 0.85 and len(parts) > 1:
-                    where = " [" + ", ".join(f"{p['part']} {1e3 * p['seconds']:.3f} ms" for p in parts) + "]"
+                    where = " [" + ", ".join(part_text(p) for p in parts) + "]"
                 print(f"row move{at} {s['slot']}/{s['variant']}: {100 * r:.1f}% of the device copy "
                       f"(>= 85%): {verdict(r >= 0.85)}{where}")
         peers = [p for p in case.get("peer", {}).get("stages", []) if p["slot"] == "routing"]
