@@ -14,6 +14,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -414,15 +415,40 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
     for (cublasHandle_t h : handles_) blas().destroy(h);
   }
   std::string name() const override { return name_; }
+  // Device memory below kPooledBytes (the Mirror's temporaries, small
+  // outputs, the hash's word) comes from the stream-ordered pool, larger
+  // buffers from cudaMalloc. cudaMalloc and cudaFree synchronise every
+  // stream of the device: in-process ranks allocate and free at every entry
+  // point, so each one's small buffers stalled the kernels of the ranks
+  // beside it. A pooled allocation is waited for before it is returned, so
+  // that any stream may use it (alloc's contract).
+  static constexpr size_t kPooledBytes = size_t(64) << 20;
   void* alloc(size_t bytes) override {
     bind();
     void* p = nullptr;
-    MOEV_CUDA_CHECK(cudaMalloc(&p, bytes));
+    if (bytes >= kPooledBytes) {
+      MOEV_CUDA_CHECK(cudaMalloc(&p, bytes));
+      return p;
+    }
+    MOEV_CUDA_CHECK(cudaMallocAsync(&p, bytes, thread_stream()));
+    MOEV_CUDA_CHECK(cudaStreamSynchronize(thread_stream()));
+    std::lock_guard<std::mutex> lk(pooled_m_);
+    pooled_.insert(p);
     return p;
   }
+  // Every call is complete when the Mirror frees a buffer: no stream still
+  // reads it, so a pooled one goes back to the pool in this thread's stream.
   void release(void* p) override {
     bind();
-    cudaFree(p);
+    bool pooled = false;
+    {
+      std::lock_guard<std::mutex> lk(pooled_m_);
+      pooled = pooled_.erase(p) > 0;
+    }
+    if (pooled)
+      cudaFreeAsync(p, thread_stream());
+    else
+      cudaFree(p);
   }
   // Every call is complete on return: the next call may come from another
   // rank's thread (another stream), or be NCCL's own stream. The local
@@ -973,7 +999,8 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   /// the driver at each synchronisation: timed() synchronises after every
   /// call, so each sort mapped its scratch anew, with the GPU idle inside
   /// the sort's timed interval. The pool now keeps up to kPoolKeep bytes
-  /// it no longer uses (scratch only: the Mirror's buffers are cudaMalloc'd).
+  /// it no longer uses (small buffers only: alloc's from kPooledBytes up
+  /// are cudaMalloc'd).
   static constexpr uint64_t kPoolKeep = uint64_t(256) << 20;
   void keep_pool_memory() {
     cudaMemPool_t pool = nullptr;
@@ -990,6 +1017,8 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
 
   int ordinal_;
   std::string name_;
+  std::mutex pooled_m_;
+  std::unordered_set<void*> pooled_;  // alloc's buffers from the stream-ordered pool
   std::atomic<int64_t> busy_ns_{0};
   std::mutex window_m_;
   Event window_ref_;
