@@ -647,11 +647,20 @@ struct CombineBody {
   ScoreMultiply smul = ScoreMultiply::fp32;
   CombineInit init_from = CombineInit::buffer;
 
-  MOEV_HD void operator()(int64_t t, int lane, int lanes) const {
+  /// Routed-row pieces a device lane loads before it adds the first of them
+  /// (span_pieces; CombineBatchBody times others).
+  static constexpr int kBatch = 4;
+
+  MOEV_HD void operator()(int64_t t, int lane, int lanes) const { token<kBatch>(t, lane, lanes); }
+
+  /// Token t's spans of one lane, B routed rows' pieces loaded at a time on
+  /// a device (span_pieces<B>; CombineBatchBody sets B).
+  template <int B>
+  MOEV_HD void token(int64_t t, int lane, int lanes) const {
     int32_t rows[kMaxTopK];
     const int n = sorted_rows(t, rows);
     for (int64_t c0 = int64_t(lane) * W; c0 < D; c0 += int64_t(lanes) * W)
-      span(t, rows, n, c0, D - c0 < W ? int(D - c0) : W);
+      span<B>(t, rows, n, c0, D - c0 < W ? int(D - c0) : W);
   }
 
   /// Token t's routed rows in the order they are added (`order`), those
@@ -716,9 +725,10 @@ struct CombineBody {
   /// Columns [c0, c0 + n) of token t, n <= W, from its nrows rows. v holds the running value:
   /// representable in T under per_add (rounded after every addition), the
   /// fp32 sum under fp32_accumulate (rounded once at the end).
+  template <int B = kBatch>
   MOEV_HD void span(int64_t t, const int32_t* rows, int nrows, int64_t c0, int n) const {
     if constexpr (W * sizeof(T) == 16) {
-      if (n == W && pieces_aligned(t, c0)) return span_pieces(t, rows, nrows, c0);
+      if (n == W && pieces_aligned(t, c0)) return span_pieces<B>(t, rows, nrows, c0);
     }
     float v[W];
     if (init_from == CombineInit::zeros) {
@@ -769,22 +779,22 @@ struct CombineBody {
            (shared_add != SharedAdd::add_after || aligned16(shared + t * D + c0, 0));
   }
 
-  /// Routed-row pieces a device lane loads before it adds the first of them.
-  static constexpr int kBatch = 4;
   /// The device span: the same additions as span() on W columns read as
-  /// 16-byte pieces held in registers, kBatch rows' pieces loaded before the
-  /// first of them is added (four loads in flight a thread), and the result
-  /// stored as one piece.
+  /// 16-byte pieces held in registers, B rows' pieces loaded before the
+  /// first of them is added (B loads in flight a thread), and the result
+  /// stored as one piece. B changes when loads are issued, never the order
+  /// of the additions: the bits do not depend on it.
+  template <int B = kBatch>
   MOEV_HD void span_pieces(int64_t t, const int32_t* rows, int nrows, int64_t c0) const {
     float v[W];
     init_piece(v, t, c0);
-    for (int k0 = 0; k0 < nrows; k0 += kBatch) {
-      Piece pc[kBatch];
-      float m[kBatch] = {};  // read only where set (k0 + j < nrows)
+    for (int k0 = 0; k0 < nrows; k0 += B) {
+      Piece pc[B];
+      float m[B] = {};  // read only where set (k0 + j < nrows)
 #ifdef __CUDA_ARCH__
 #pragma unroll
 #endif
-      for (int j = 0; j < kBatch; ++j)
+      for (int j = 0; j < B; ++j)
         if (k0 + j < nrows) {
           pc[j] = load_piece(routed_out + int64_t(rows[k0 + j]) * D + c0);
           m[j] = row_multiplier(rows[k0 + j]);
@@ -792,7 +802,7 @@ struct CombineBody {
 #ifdef __CUDA_ARCH__
 #pragma unroll
 #endif
-      for (int j = 0; j < kBatch; ++j)
+      for (int j = 0; j < B; ++j)
         if (k0 + j < nrows) add_piece(v, pc[j], m[j]);
     }
     finish_piece(v, t, c0);
@@ -852,6 +862,16 @@ struct CombineBody {
         if (!more) return;
       }
   }
+};
+
+/// The combine with B routed rows' pieces loaded before the first is added
+/// (CombineBody::span_pieces<B>) where CombineBody loads kBatch: more loads
+/// in flight a thread for more registers (on sm_90, bf16: 64 registers at
+/// 4, 91 at 8), the same bits. A device times it against the default
+/// (kernels/cuda_exec.cu combine_batch).
+template <class T, int W, int B>
+struct CombineBatchBody : CombineBody<T, W> {
+  MOEV_HD void operator()(int64_t t, int lane, int lanes) const { this->template token<B>(t, lane, lanes); }
 };
 
 /// The combine's span width on a device: 16 bytes of T per lane.

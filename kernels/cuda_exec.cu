@@ -172,6 +172,17 @@ bool combine_staged() {
   return on;
 }
 
+/// Routed rows' pieces a combine lane loads before adding the first
+/// (k::CombineBatchBody): MOEVERIFY_CUDA_COMBINE_BATCH 4 (the default,
+/// k::CombineBody::kBatch) or 8, for timing the two on a GPU (the kit's
+/// KIT_COMBINE_AB); the same bits. The staged combine, when on, takes
+/// precedence.
+static_assert(k::CombineBody<bf16, 8>::kBatch == 4, "combine_batch's default names CombineBody's batch");
+int combine_batch() {
+  static const int b = std::stoi(env_choice("MOEVERIFY_CUDA_COMBINE_BATCH", {"4", "8"}));
+  return b;
+}
+
 /// Enqueues combine_staged_kernel over tokens [0, n) as enqueue() would the
 /// body: `lanes` threads a token, 128-thread blocks (or `lanes`), each
 /// thread with k::CombineBody::kStagedPieces pieces of shared memory.
@@ -513,6 +524,7 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
     timed(part_name<k::CombineBody<T, W>>(), [&] {
       if constexpr (W * sizeof(T) == 16) {
         if (combine_staged()) return enqueue_combine_staged(b, n, lanes_of(b));
+        if (combine_batch() == 8) return enqueue(k::CombineBatchBody<T, W, 8>{b}, n, lanes_of(b));
       }
       enqueue(b, n, lanes_of(b));
     });

@@ -187,10 +187,12 @@ namespace {
 
 /// The combine as a device runs it (kDeviceSpan<T> columns a lane, `lanes`
 /// lanes, lanes in descending order) against the host executor's body
-/// (kCombineSpan columns, one lane), bitwise, over every mode, span by span
-/// and staged (CombineBody::lane_staged, as combine_staged_kernel runs it
-/// on a GPU: the next step's pieces copied before the current step's are
-/// added; here the copies are plain). Returns the configurations that differ.
+/// (kCombineSpan columns, one lane), bitwise, over every mode: span by span
+/// (CombineBody, four rows' pieces loaded at a time, and CombineBatchBody
+/// at eight) and staged (CombineBody::lane_staged, as combine_staged_kernel
+/// runs it on a GPU: the next step's pieces copied before the current
+/// step's are added; here the copies are plain). Returns the configurations
+/// that differ.
 template <class T>
 int device_combine_differs(int64_t D, int K, int lanes) {
   const int64_t tokens = 23, N = tokens * K;
@@ -217,15 +219,20 @@ int device_combine_differs(int64_t D, int K, int lanes) {
           for (auto from : {k::CombineInit::buffer, k::CombineInit::zeros})
             for (auto smul : {k::ScoreMultiply::fp32, k::ScoreMultiply::act})
               for (bool in_place : {false, true}) {
-                auto run = [&](auto w, int n_lanes, bool staged) {
+                enum class Way { spans, batch8, staged };
+                auto run = [&](auto w, int n_lanes, Way way) {
                   constexpr int W = decltype(w)::value;
                   std::vector<T> out = in_place ? init : std::vector<T>(size_t(tokens * D), from_float<T>(-1.f));
                   const k::CombineBody<T, W> body{
                       rows.data(), sc.data(), row_of.data(), in_place ? out.data() : init.data(), shared.data(),
                       out.data(), D, K, apply, acc, sh, order, smul, from};
                   for (int64_t t = 0; t < tokens; ++t) {
-                    if (!staged) {
+                    if (way == Way::spans) {
                       block_item(body, t, n_lanes, n_lanes > 1);
+                      continue;
+                    }
+                    if (way == Way::batch8) {
+                      block_item(k::CombineBatchBody<T, W, 8>{body}, t, n_lanes, n_lanes > 1);
                       continue;
                     }
                     if constexpr (W * sizeof(T) == 16)
@@ -242,9 +249,9 @@ int device_combine_differs(int64_t D, int K, int lanes) {
                   }
                   return out;
                 };
-                const std::vector<T> want = run(std::integral_constant<int, k::kCombineSpan>{}, 1, false);
-                for (bool staged : {false, true}) {
-                  const std::vector<T> got = run(std::integral_constant<int, k::kDeviceSpan<T>>{}, lanes, staged);
+                const std::vector<T> want = run(std::integral_constant<int, k::kCombineSpan>{}, 1, Way::spans);
+                for (Way way : {Way::spans, Way::batch8, Way::staged}) {
+                  const std::vector<T> got = run(std::integral_constant<int, k::kDeviceSpan<T>>{}, lanes, way);
                   differ += std::memcmp(want.data(), got.data(), want.size() * sizeof(T)) != 0;
                 }
               }

@@ -52,20 +52,27 @@ check bodies.gemm_grouped env MOEVERIFY_CUDA_GEMM_GROUP=grouped "$bin/gpu_check"
 check bodies.gemm_batched env MOEVERIFY_CUDA_GEMM_GROUP=batched "$bin/gpu_check"
 # KIT_COMBINE_AB=1: the combine at each cap of its threads a token
 # (MOEVERIFY_CUDA_COMBINE_LANES; kernels/cuda_exec.cu combine_lanes_cap),
-# and staged through shared memory (MOEVERIFY_CUDA_COMBINE_STAGED=on:
-# combine_staged_kernel, never run before; first gpu_check and every case
-# file with it), timed at DeepSeek-V3's shape on one rank (T = 4096, D =
-# 7168, K = 8: 470 MB of routed rows) against a device copy of its bytes in
-# the same run, each verified first.
+# with eight routed rows' pieces loaded at a time instead of four
+# (MOEVERIFY_CUDA_COMBINE_BATCH=8: more loads in flight for more
+# registers), and staged through shared memory
+# (MOEVERIFY_CUDA_COMBINE_STAGED=on: combine_staged_kernel), neither run on
+# a GPU before (first gpu_check with each, and every case file staged),
+# timed at DeepSeek-V3's shape on one rank (T = 4096, D = 7168, K = 8: 470
+# MB of routed rows) against a device copy of its bytes in the same run,
+# each verified first. Each run's dispatch rows and parts come along.
 if [ -n "${KIT_COMBINE_AB:-}" ]; then
   check bodies.combine_staged env MOEVERIFY_CUDA_COMBINE_STAGED=on "$bin/gpu_check"
+  check bodies.combine_batch8 env MOEVERIFY_CUDA_COMBINE_BATCH=8 "$bin/gpu_check"
   check cases.combine_staged env MOEVERIFY_CUDA_COMBINE_STAGED=on "$bin/moeverify" run "$root"/cases/*.yaml \
     --backend cuda --threads 8
-  for mode in off.256 off.128 off.64 off.32 on.128 on.64 on.32; do
-    name="combine_ab.staged_${mode%%.*}.lanes${mode#*.}"
-    check "$name" env MOEVERIFY_CUDA_COMBINE_STAGED="${mode%%.*}" MOEVERIFY_CUDA_COMBINE_LANES="${mode#*.}" \
+  # staged.lanes.batch
+  for mode in off.256.4 off.128.4 off.64.4 off.32.4 off.128.8 off.64.8 on.128.4 on.64.4 on.32.4; do
+    staged=${mode%%.*} rest=${mode#*.}
+    name="combine_ab.staged_$staged.lanes${rest%.*}.batch${rest#*.}"
+    check "$name" env MOEVERIFY_CUDA_COMBINE_STAGED="$staged" MOEVERIFY_CUDA_COMBINE_LANES="${rest%.*}" \
+      MOEVERIFY_CUDA_COMBINE_BATCH="${rest#*.}" \
       timeout 60 "$bin/moeverify" bench "$root/cases/slow/deepseek_v3.yaml" --set ep=1 --backend cuda --repeat 3
-    grep -E "^  combine " "$out/$name.log" | tail -2 | sed "s/^/$name: /"
+    grep -A1 -E "^  (combine|dispatch) " "$out/$name.log" | grep -v "^--" | tail -6 | sed "s/^/$name: /"
   done
 fi
 # KIT_GEMM_AB=1: DeepSeek-V3's expert shapes with each of gemm_group's ways
