@@ -731,6 +731,18 @@ nlohmann::json peer_json(const CaseBench& b, const std::string& command) {
   return jp;
 }
 
+/// Where a stage's device seconds went (Device::window_parts), for the JSON.
+nlohmann::json parts_json(const std::vector<WindowPart>& parts) {
+  nlohmann::json js = nlohmann::json::array();
+  for (const WindowPart& p : parts)
+    js.push_back({{"part", p.name},
+                  {"seconds", p.seconds},
+                  {"calls", p.calls},
+                  {"interval_seconds", p.interval_seconds},
+                  {"host_seconds", p.host_seconds}});
+  return js;
+}
+
 std::string bench_json(const std::vector<CaseBench>& all, const BenchOptions& opt) {
   using nlohmann::json;
   json doc;
@@ -790,14 +802,7 @@ std::string bench_json(const std::vector<CaseBench>& all, const BenchOptions& op
                      {"gemm_path", s.gemm_path}});
         if (is_all_to_all(s.slot)) js.update({{"algbw_gbps", s.algbw_gbps}, {"busbw_gbps", s.busbw_gbps}});
         if (c.backend != Backend::host) {
-          nlohmann::json parts = nlohmann::json::array();
-          for (const WindowPart& p : s.device_parts)
-            parts.push_back({{"part", p.name},
-                             {"seconds", p.seconds},
-                             {"calls", p.calls},
-                             {"interval_seconds", p.interval_seconds},
-                             {"host_seconds", p.host_seconds}});
-          js["device_parts"] = parts;
+          js["device_parts"] = parts_json(s.device_parts);
           js.update({{"device_seconds_min", s.device_seconds_min},
                      {"device_summed_seconds_min", s.device_summed_seconds_min},
                      {"device_seconds_median", s.device_seconds_median},
