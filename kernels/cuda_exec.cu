@@ -423,22 +423,28 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
  public:
   CudaDevice(int ordinal, std::string name) : ordinal_(ordinal), name_(std::move(name)) { keep_pool_memory(); }
   ~CudaDevice() override {
+    bind();  // big_ frees its kept blocks after this
     for (cublasHandle_t h : handles_) blas().destroy(h);
   }
   std::string name() const override { return name_; }
-  // Device memory below kPooledBytes (the Mirror's temporaries, small
-  // outputs, the hash's word) comes from the stream-ordered pool, larger
-  // buffers from cudaMalloc. cudaMalloc and cudaFree synchronise every
-  // stream of the device: in-process ranks allocate and free at every entry
-  // point, so each one's small buffers stalled the kernels of the ranks
-  // beside it. A pooled allocation is waited for before it is returned, so
-  // that any stream may use it (alloc's contract).
+  // cudaMalloc and cudaFree synchronise every stream of the device, and
+  // in-process ranks allocate and free at every entry point (temporaries,
+  // each call's outputs), so each rank's allocations stalled the kernels of
+  // the ranks beside it. Device memory below kPooledBytes (temporaries,
+  // small outputs, the hash's word) comes from the stream-ordered pool,
+  // waited for before it is returned so that any stream may use it (alloc's
+  // contract); larger blocks from cudaMalloc, and once freed they are kept
+  // for the next allocation of the same size, up to kKeptBytes (BlockCache:
+  // a bench repeats each stage's calls with the same shapes).
   static constexpr size_t kPooledBytes = size_t(64) << 20;
+  static constexpr size_t kKeptBytes = size_t(16) << 30;
   void* alloc(size_t bytes) override {
     bind();
     void* p = nullptr;
     if (bytes >= kPooledBytes) {
-      MOEV_CUDA_CHECK(cudaMalloc(&p, bytes));
+      p = big_.take(bytes);
+      if (!p)
+        throw std::runtime_error("cudaMalloc(" + std::to_string(bytes) + " bytes): out of device memory");
       return p;
     }
     MOEV_CUDA_CHECK(cudaMallocAsync(&p, bytes, thread_stream()));
@@ -459,7 +465,7 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
     if (pooled)
       cudaFreeAsync(p, thread_stream());
     else
-      cudaFree(p);
+      big_.give(p);
   }
   // Every call is complete on return: the next call may come from another
   // rank's thread (another stream), or be NCCL's own stream. The local
@@ -1031,6 +1037,17 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   std::string name_;
   std::mutex pooled_m_;
   std::unordered_set<void*> pooled_;  // alloc's buffers from the stream-ordered pool
+  BlockCache big_{[](size_t n) -> void* {  // the others, from cudaMalloc; null when out of memory
+                     void* p = nullptr;
+                     const cudaError_t e = cudaMalloc(&p, n);
+                     if (e == cudaErrorMemoryAllocation) {
+                       cudaGetLastError();  // cleared: the cache may flush and try again
+                       return nullptr;
+                     }
+                     MOEV_CUDA_CHECK(e);
+                     return p;
+                   },
+                   [](void* p) { cudaFree(p); }, kKeptBytes};
   std::atomic<int64_t> busy_ns_{0};
   std::mutex window_m_;
   Event window_ref_;

@@ -225,6 +225,69 @@ std::vector<WindowPart> BusyWindow::parts() const {
   return v;
 }
 
+// --- BlockCache ----------------------------------------------------------------
+
+void* BlockCache::take(size_t bytes) {
+  {
+    std::lock_guard<std::mutex> lk(m_);
+    auto it = kept_.find(bytes);
+    if (it != kept_.end()) {
+      void* p = it->second;
+      kept_.erase(it);
+      kept_bytes_ -= bytes;
+      size_[p] = bytes;
+      return p;
+    }
+  }
+  void* p = alloc_(bytes);
+  if (!p) {
+    flush();
+    p = alloc_(bytes);
+    if (!p) return nullptr;
+  }
+  std::lock_guard<std::mutex> lk(m_);
+  size_[p] = bytes;
+  return p;
+}
+
+void BlockCache::give(void* p) {
+  std::vector<void*> drop;
+  {
+    std::lock_guard<std::mutex> lk(m_);
+    auto it = size_.find(p);
+    if (it == size_.end()) {
+      drop.push_back(p);
+    } else {
+      kept_.emplace(it->second, p);
+      kept_bytes_ += it->second;
+      size_.erase(it);
+      while (kept_bytes_ > keep_) {  // the largest first
+        auto big = std::prev(kept_.end());
+        kept_bytes_ -= big->first;
+        drop.push_back(big->second);
+        kept_.erase(big);
+      }
+    }
+  }
+  for (void* d : drop) free_(d);
+}
+
+void BlockCache::flush() {
+  std::vector<void*> drop;
+  {
+    std::lock_guard<std::mutex> lk(m_);
+    for (const auto& kv : kept_) drop.push_back(kv.second);
+    kept_.clear();
+    kept_bytes_ = 0;
+  }
+  for (void* d : drop) free_(d);
+}
+
+size_t BlockCache::kept_bytes() const {
+  std::lock_guard<std::mutex> lk(m_);
+  return kept_bytes_;
+}
+
 std::string short_type_name(const std::type_info& t) {
   int status = 0;
   char* d = abi::__cxa_demangle(t.name(), nullptr, nullptr, &status);

@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -143,6 +144,36 @@ class BusyWindow {
     double interval_seconds = 0, host_seconds = 0;
   };
   std::map<std::string, Part> parts_;
+};
+
+/// Blocks of device memory, each one given back kept for the next request
+/// of its exact size, up to `keep` bytes kept in all (the largest dropped
+/// first beyond it); where the allocator fails, every kept block is dropped
+/// and the request tried once more. The CUDA device keeps its large blocks
+/// in one: cudaMalloc and cudaFree synchronise every stream of the device,
+/// and a bench repeats each stage's calls with the same shapes.
+/// Thread-safe.
+class BlockCache {
+ public:
+  using Alloc = std::function<void*(size_t)>;  // null when out of memory
+  using Free = std::function<void(void*)>;
+  BlockCache(Alloc alloc, Free free, size_t keep) : alloc_(std::move(alloc)), free_(std::move(free)), keep_(keep) {}
+  ~BlockCache() { flush(); }  // the kept blocks (those taken are the taker's)
+  BlockCache(const BlockCache&) = delete;
+  BlockCache& operator=(const BlockCache&) = delete;
+  void* take(size_t bytes);  // null when out of memory with nothing kept
+  void give(void* p);        // a block take() returned (anything else is freed at once)
+  void flush();              // frees every kept block
+  size_t kept_bytes() const;
+
+ private:
+  Alloc alloc_;
+  Free free_;
+  size_t keep_;
+  mutable std::mutex m_;
+  std::map<void*, size_t> size_;       // every block taken and not given back: its size
+  std::multimap<size_t, void*> kept_;  // those given back and kept, by size
+  size_t kept_bytes_ = 0;
 };
 
 /// A body's part name in a busy window: its class name without namespace

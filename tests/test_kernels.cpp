@@ -4,7 +4,9 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <map>
 #include <random>
 #include <tuple>
 #include <vector>
@@ -301,6 +303,61 @@ TEST_CASE("radix_key_bits: the fewest radix bits that hold every key below a bou
     CHECK(((keys - 1) >> (b - 1)) == 1);  // and one bit fewer would not
   }
   CHECK(k::radix_key_bits(uint64_t(256) * 262144) == 26);  // the planted fault's packed keys, E N
+}
+
+TEST_CASE("BlockCache gives a freed block back for its exact size, keeps a bounded amount, flushes when out of memory",
+          "[cpu][device]") {
+  // a device of 1000 bytes: the allocator fails past it
+  size_t used = 0, allocs = 0, frees = 0;
+  std::map<void*, size_t> live;
+  auto alloc = [&](size_t n) -> void* {
+    if (used + n > 1000) return nullptr;
+    used += n;
+    ++allocs;
+    void* p = std::malloc(n);
+    live[p] = n;
+    return p;
+  };
+  auto release = [&](void* p) {
+    used -= live.at(p);
+    live.erase(p);
+    ++frees;
+    std::free(p);
+  };
+  {
+    BlockCache c(alloc, release, 500);
+    void* a = c.take(300);
+    void* b = c.take(200);
+    REQUIRE((a && b));
+    c.give(a);
+    CHECK(c.kept_bytes() == 300);
+    CHECK(c.take(300) == a);  // the same size: the kept block, no new allocation
+    CHECK(allocs == 2);
+    CHECK(c.kept_bytes() == 0);
+    c.give(a);
+    void* d = c.take(100);  // another size: a new block
+    CHECK((d && d != a));
+    CHECK(allocs == 3);
+    c.give(b);  // 300 + 200 kept: at the bound, nothing dropped
+    CHECK(c.kept_bytes() == 500);
+    CHECK(frees == 0);
+    c.give(d);  // 600 kept: the largest (a, 300) freed
+    CHECK(c.kept_bytes() == 300);
+    CHECK(frees == 1);
+    CHECK(live.count(a) == 0);
+    void* e = c.take(900);  // 300 kept + 900 > 1000: the kept ones flushed, then it fits
+    CHECK(e != nullptr);
+    CHECK(c.kept_bytes() == 0);
+    CHECK(used == 900);
+    CHECK(c.take(200) == nullptr);  // out of memory with nothing kept
+    c.give(e);
+    CHECK(c.kept_bytes() == 0);  // over the bound alone: freed at once
+    CHECK(used == 0);
+    void* f = c.take(50);
+    c.give(f);
+  }
+  CHECK(live.empty());  // the destructor frees what was kept
+  CHECK(used == 0);
 }
 
 TEST_CASE("BusyWindow splits a window's union by part, each part's intervals counted once", "[cpu][bench]") {
