@@ -183,6 +183,16 @@ int combine_batch() {
   return b;
 }
 
+/// Whether device memory comes as it did before the pool and the block
+/// cache (CudaDevice::alloc): MOEVERIFY_CUDA_ALLOC=plain, every buffer by
+/// cudaMalloc and cudaFree and the pool handing back all it does not use at
+/// each synchronisation, for timing the two on a GPU (the kit's
+/// KIT_ALLOC_AB); `cached`, the default, otherwise.
+bool alloc_plain() {
+  static const bool plain = env_choice("MOEVERIFY_CUDA_ALLOC", {"cached", "plain"}) == "plain";
+  return plain;
+}
+
 /// Enqueues combine_staged_kernel over tokens [0, n) as enqueue() would the
 /// body: `lanes` threads a token, 128-thread blocks (or `lanes`), each
 /// thread with k::CombineBody::kStagedPieces pieces of shared memory.
@@ -443,6 +453,10 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   void* alloc(size_t bytes) override {
     bind();
     void* p = nullptr;
+    if (alloc_plain()) {
+      MOEV_CUDA_CHECK(cudaMalloc(&p, bytes));
+      return p;
+    }
     if (bytes >= kPooledBytes) {
       p = big_.take(bytes);
       if (!p)
@@ -466,6 +480,8 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
     }
     if (pooled)
       cudaFreeAsync(p, thread_stream());
+    else if (alloc_plain())
+      cudaFree(p);
     else
       big_.give(p);
   }
@@ -1023,6 +1039,7 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   /// are cudaMalloc'd).
   static constexpr uint64_t kPoolKeep = uint64_t(256) << 20;
   void keep_pool_memory() {
+    if (alloc_plain()) return;
     cudaMemPool_t pool = nullptr;
     uint64_t keep = kPoolKeep;
     MOEV_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, ordinal_));

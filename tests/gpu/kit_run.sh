@@ -75,6 +75,15 @@ if [ -n "${KIT_COMBINE_AB:-}" ]; then
     grep -A1 -E "^  (combine|dispatch) " "$out/$name.log" | grep -v "^--" | tail -6 | sed "s/^/$name: /"
   done
 fi
+# KIT_ALLOC_AB=1: DeepSeek-V3 EP 8 again with device memory allocated as
+# before the pool and the block cache (MOEVERIFY_CUDA_ALLOC=plain:
+# cudaMalloc and cudaFree, which wait for every rank's stream), so that
+# the device table beside the default run's shows what they changed.
+if [ -n "${KIT_ALLOC_AB:-}" ]; then
+  check alloc_ab.plain env MOEVERIFY_CUDA_ALLOC=plain "$bin/moeverify" bench "$root/cases/slow/deepseek_v3.yaml" \
+    --backend cuda --repeat 3 --json "$out/bench.deepseek_v3.alloc_plain.json"
+  grep -A1 -E "^  (dispatch|combine|routing|ep_permute) " "$out/alloc_ab.plain.log" | grep -v "^--" | tail -12 | sed "s/^/alloc_ab.plain: /"
+fi
 # KIT_GEMM_AB=1: DeepSeek-V3's expert shapes with each of gemm_group's ways
 # of enqueueing (kernels/cuda_exec.cu gemm_group_mode: streams, the default,
 # at 2, 4 and 8 streams; grouped; batched), each against one device GEMM of
