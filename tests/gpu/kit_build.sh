@@ -12,11 +12,11 @@ set -euo pipefail
 build="$(cd "$1" && pwd)"
 kit="${2:-$build/gpu-kit}"
 # gpu_check exists only in a tree configured with the CUDA executor.
-cmake --build "$build" -j"${KIT_JOBS:-2}" --target moeverify gpu_check ||
-  { echo "kit_build: cannot build moeverify and gpu_check in $build (configured without nvcc on the PATH?)" >&2; exit 2; }
+cmake --build "$build" -j"${KIT_JOBS:-2}" --target moeverify gpu_check combine_probe ||
+  { echo "kit_build: cannot build moeverify, gpu_check and combine_probe in $build (configured without nvcc on the PATH?)" >&2; exit 2; }
 rm -rf "$kit"
 mkdir -p "$kit/bin" "$kit/lib"
-cp "$build/moeverify" "$build/tests/gpu_check" "$kit/bin/"
+cp "$build/moeverify" "$build/tests/gpu_check" "$build/tests/combine_probe" "$kit/bin/"
 # The loader's closure of both binaries, less what the GPU machine provides
 # (glibc's own libraries, the driver, cuBLAS, NCCL).
 ldd "$kit/bin/"* | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}' | sort -u | while read -r name path; do

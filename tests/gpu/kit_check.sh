@@ -18,9 +18,11 @@ done
 "$kit/bin/moeverify" list > /dev/null || { echo "FAIL the kit's moeverify list"; exit 1; }
 out=$("$kit/bin/moeverify" run "$src/cases/edge.yaml" --backend cuda 2>/dev/null)
 rc=$?
+"$kit/bin/combine_probe" --tokens 64 > /dev/null 2>&1
+probe_rc=$?
 "$kit/bin/gpu_check" > /dev/null 2>&1
 case $? in
-  77) ;;
+  77) [ "$probe_rc" = 77 ] || { echo "FAIL the kit's combine_probe without a device: exit $probe_rc, expected 77"; exit 1; } ;;
   0) echo "kit.build: a CUDA device is usable here; the no-device checks do not apply (gpu.kit_run runs the GPU checks)"
      exit 0 ;;
   *) echo "FAIL the kit's gpu_check failed on a usable device"; exit 1 ;;

@@ -50,6 +50,10 @@ fi
 # enqueueing (the default, streams, ran above)
 check bodies.gemm_grouped env MOEVERIFY_CUDA_GEMM_GROUP=grouped "$bin/gpu_check"
 check bodies.gemm_batched env MOEVERIFY_CUDA_GEMM_GROUP=batched "$bin/gpu_check"
+# The combine's traffic on this GPU without moeverify's kernel
+# (tests/gpu/combine_probe.cu): whether 85% of the copy is in reach of the
+# access pattern itself. A few seconds.
+check combine_probe "$bin/combine_probe"
 # KIT_COMBINE_AB=1: the combine at each cap of its threads a token
 # (MOEVERIFY_CUDA_COMBINE_LANES; kernels/cuda_exec.cu combine_lanes_cap),
 # with eight routed rows' pieces loaded at a time instead of four
