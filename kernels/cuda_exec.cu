@@ -1035,9 +1035,11 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   /// the driver at each synchronisation: timed() synchronises after every
   /// call, so each sort mapped its scratch anew, with the GPU idle inside
   /// the sort's timed interval. The pool now keeps up to kPoolKeep bytes
-  /// it no longer uses (small buffers only: alloc's from kPooledBytes up
-  /// are cudaMalloc'd).
-  static constexpr uint64_t kPoolKeep = uint64_t(256) << 20;
+  /// it no longer uses: its buffers are small (alloc's from kPooledBytes up
+  /// are cudaMalloc'd), and 1 GiB holds a call's worth of them for 8
+  /// in-process ranks (DeepSeek-V3's combine outputs, 59 MB each), so a
+  /// bench's repeats map nothing new.
+  static constexpr uint64_t kPoolKeep = uint64_t(1) << 30;
   void keep_pool_memory() {
     if (alloc_plain()) return;
     cudaMemPool_t pool = nullptr;
