@@ -163,31 +163,30 @@ int combine_lanes_cap() {
 template <class T, int W> int lanes_of(const k::CombineBody<T, W>& b) {
   return std::min(k::row_lanes(b.D * int64_t(sizeof(T))), combine_lanes_cap());
 }
-/// Whether the combine runs as combine_staged_kernel (its row pieces
-/// staged in shared memory by cp.async; the same bits):
-/// MOEVERIFY_CUDA_COMBINE_STAGED=on, for timing the two on a GPU (the kit's
-/// KIT_COMBINE_AB). Off by default: never yet run on a device.
-bool combine_staged() {
-  static const bool on = env_choice("MOEVERIFY_CUDA_COMBINE_STAGED", {"off", "on"}) == "on";
-  return on;
-}
-
-/// Routed rows' pieces a combine lane loads before adding the first
-/// (k::CombineBatchBody): MOEVERIFY_CUDA_COMBINE_BATCH 4 (the default,
-/// k::CombineBody::kBatch) or 8, for timing the two on a GPU (the kit's
-/// KIT_COMBINE_AB); the same bits. The staged combine, when on, takes
-/// precedence.
-static_assert(k::CombineBody<bf16, 8>::kBatch == 4, "combine_batch's default names CombineBody's batch");
-int combine_batch() {
-  static const int b = std::stoi(env_choice("MOEVERIFY_CUDA_COMBINE_BATCH", {"4", "8"}));
-  return b;
+/// How the combine's aligned rows run on the device, all with the same
+/// bits, for timing them on a GPU (the kit's KIT_COMBINE_AB):
+/// - spans: k::CombineBody, k::CombineBody::kBatch (4) routed rows' pieces
+///   loaded before the first is added (the default);
+/// - spans8: k::CombineBatchBody, eight at a time
+///   (MOEVERIFY_CUDA_COMBINE_BATCH=8);
+/// - staged: combine_staged_kernel, the pieces staged in shared memory by
+///   cp.async (MOEVERIFY_CUDA_COMBINE_STAGED=on, which takes precedence;
+///   off by default: never yet run on a device).
+enum class CombineWay { spans, spans8, staged };
+static_assert(k::CombineBody<bf16, 8>::kBatch == 4, "MOEVERIFY_CUDA_COMBINE_BATCH's default names CombineBody's batch");
+CombineWay combine_way() {
+  static const CombineWay w = [] {
+    if (env_choice("MOEVERIFY_CUDA_COMBINE_STAGED", {"off", "on"}) == "on") return CombineWay::staged;
+    return env_choice("MOEVERIFY_CUDA_COMBINE_BATCH", {"4", "8"}) == "8" ? CombineWay::spans8 : CombineWay::spans;
+  }();
+  return w;
 }
 
 /// Whether device memory comes as it did before the pool and the block
 /// cache (CudaDevice::alloc): MOEVERIFY_CUDA_ALLOC=plain, every buffer by
-/// cudaMalloc and cudaFree and the pool handing back all it does not use at
-/// each synchronisation, for timing the two on a GPU (the kit's
-/// KIT_ALLOC_AB); `cached`, the default, otherwise.
+/// cudaMalloc and cudaFree (the block cache keeping nothing) and the pool
+/// handing back all it does not use at each synchronisation, for timing the
+/// two on a GPU (the kit's KIT_ALLOC_AB); `cached`, the default, otherwise.
 bool alloc_plain() {
   static const bool plain = env_choice("MOEVERIFY_CUDA_ALLOC", {"cached", "plain"}) == "plain";
   return plain;
@@ -453,11 +452,7 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   void* alloc(size_t bytes) override {
     bind();
     void* p = nullptr;
-    if (alloc_plain()) {
-      MOEV_CUDA_CHECK(cudaMalloc(&p, bytes));
-      return p;
-    }
-    if (bytes >= kPooledBytes) {
+    if (bytes >= kPooledBytes || alloc_plain()) {
       p = big_.take(bytes);
       if (!p)
         throw std::runtime_error("cudaMalloc(" + std::to_string(bytes) + " bytes): out of device memory");
@@ -480,8 +475,6 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
     }
     if (pooled)
       cudaFreeAsync(p, thread_stream());
-    else if (alloc_plain())
-      cudaFree(p);
     else
       big_.give(p);
   }
@@ -547,8 +540,8 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   void body(const k::CombineBody<T, W>& b, int64_t n) {
     timed(part_name<k::CombineBody<T, W>>(), [&] {
       if constexpr (W * sizeof(T) == 16) {
-        if (combine_staged()) return enqueue_combine_staged(b, n, lanes_of(b));
-        if (combine_batch() == 8) return enqueue(k::CombineBatchBody<T, W, 8>{b}, n, lanes_of(b));
+        if (combine_way() == CombineWay::staged) return enqueue_combine_staged(b, n, lanes_of(b));
+        if (combine_way() == CombineWay::spans8) return enqueue(k::CombineBatchBody<T, W, 8>{b}, n, lanes_of(b));
       }
       enqueue(b, n, lanes_of(b));
     });
@@ -1068,7 +1061,7 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
                      MOEV_CUDA_CHECK(e);
                      return p;
                    },
-                   [](void* p) { cudaFree(p); }, kKeptBytes};
+                   [](void* p) { cudaFree(p); }, alloc_plain() ? 0 : kKeptBytes};
   std::atomic<int64_t> busy_ns_{0};
   std::mutex window_m_;
   Event window_ref_;

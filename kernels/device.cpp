@@ -384,12 +384,13 @@ class EmulatedDevice final : public BodyDevice<EmulatedDevice> {
     const auto t0 = Clock::now();
     f();
     const auto t1 = Clock::now();
+    const double seconds = std::chrono::duration<double>(t1 - t0).count();
     if (busy) busy_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
     std::lock_guard<std::mutex> lk(window_m_);
     if (window_.open())  // the host does the work: all of the interval is the host's
       window_.add(part, std::chrono::duration<double>(t0 - window_t0_).count(),
-                  std::chrono::duration<double>(t1 - window_t0_).count(), std::chrono::duration<double>(t1 - t0).count());
-    return std::chrono::duration<double>(t1 - t0).count();
+                  std::chrono::duration<double>(t1 - window_t0_).count(), seconds);
+    return seconds;
   }
   /// Each item as an emulated GPU block of kLanes lanes (block_item): the
   /// bodies' multi-lane index math, which the host executor (one lane) never
