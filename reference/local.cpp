@@ -4,6 +4,8 @@
 #include <cmath>
 #include <exception>
 #include <limits>
+#include <stdexcept>
+#include <string>
 #include <thread>
 
 #include "blocked.h"
@@ -340,9 +342,21 @@ namespace {
 struct TokenRows {
   std::vector<int64_t> start;
   std::vector<int64_t> rows;
-  TokenRows(const Ids& token_sorted, int64_t T) : start(size_t(T + 1), 0) {
-    for (int32_t t : token_sorted)
+  /// Throws std::invalid_argument where a token id is T or more, or where
+  /// `rows` (the routed rows given) or `scores` is shorter than
+  /// token_sorted: inputs that contradict each other (a check fed a wrong
+  /// stage's outputs) are refused, never read past.
+  TokenRows(const Ids& token_sorted, int64_t T, int64_t routed_rows, size_t scores) : start(size_t(T + 1), 0) {
+    if (int64_t(token_sorted.size()) > routed_rows || token_sorted.size() > scores)
+      throw std::invalid_argument("combine: " + std::to_string(token_sorted.size()) + " entries of token_sorted for " +
+                                  std::to_string(routed_rows) + " routed rows and " + std::to_string(scores) +
+                                  " scores");
+    for (int32_t t : token_sorted) {
+      if (t >= T)
+        throw std::invalid_argument("combine: token_sorted holds token " + std::to_string(t) + " of " +
+                                    std::to_string(T));
       if (t >= 0) ++start[size_t(t) + 1];
+    }
     for (int64_t t = 0; t < T; ++t) start[size_t(t + 1)] += start[size_t(t)];
     rows.resize(size_t(start[size_t(T)]));
     std::vector<int64_t> next(start.begin(), start.end() - 1);
@@ -380,7 +394,7 @@ void over_tokens(int64_t T, int threads, Body body) {
 Vec combine_magnitude(const CombineSpec& s, RowsRef rows_magnitude, Act rows_act, const Ids& token_sorted,
                       const Vec& score_sorted, const Vec& init_magnitude, const Vec& shared_magnitude, int64_t T,
                       int64_t D, int threads) {
-  const TokenRows tr(token_sorted, T);
+  const TokenRows tr(token_sorted, T, rows_magnitude.rows, score_sorted.size());
   Vec out(size_t(T * D));
   over_tokens(T, threads, [&](int64_t t0, int64_t t1) {
     std::vector<double> m(static_cast<size_t>(D));
@@ -444,7 +458,7 @@ void combine_tokens(const CombineSpec& s, RowsRef routed_out, const TokenRows& t
 Vec combine(const CombineSpec& s, RowsRef routed_out, const Ids& token_sorted,
             const Vec& score_sorted, const Vec& init, const Vec& shared, int64_t T, int64_t D, int threads) {
   Vec out = init;
-  const TokenRows tr(token_sorted, T);
+  const TokenRows tr(token_sorted, T, routed_out.rows, score_sorted.size());
   over_tokens(T, threads, [&](int64_t t0, int64_t t1) {
     switch (s.act) {
       case Act::fp32: return combine_tokens<Act::fp32>(s, routed_out, tr, score_sorted, shared, D, out, t0, t1);

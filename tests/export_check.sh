@@ -216,7 +216,16 @@ expect_rc 0 "$tmp/b2.log" -- "$bin" check "$ed"
 expect_rc 2 "$tmp/b3.log" -- "$bin" check "$ed" && one_line "$tmp/b3.log" "ids with a column less" "columns"
 "$py" -c "import numpy as np; np.save('$ed/actual/$ids', np.load('$ed/$ids').astype(np.float32))"
 expect_rc 2 "$tmp/b3f.log" -- "$bin" check "$ed" && one_line "$tmp/b3f.log" "float ids" "int32"
-cp "$ed/$ids" "$ed/actual/$ids"
+# every id out of range, written alone (the counts then come from the ids fed
+# on): INCORRECT at routing/ids, exit 1; it once left counts of zero beside
+# the reference's ids and the reference combine read past its rows (SIGSEGV)
+for bad in -1 8 2147483647; do
+  rm -rf "$ed/actual" && mkdir -p "$ed/actual"
+  "$py" -c "import numpy as np; a = np.load('$ed/$ids'); np.save('$ed/actual/$ids', np.full_like(a, $bad))"
+  expect_rc 1 "$tmp/oor.log" -- "$bin" check "$ed" && grep -q -E 'routing +actual +ids .*INCORRECT' "$tmp/oor.log" ||
+    fail "ids all $bad: not INCORRECT at routing/ids"
+done
+copy_expected "$ed"
 # rows missing or extra: INCORRECT at the stage (exit 1), with rows per segment
 ri=dispatch.routed_input.rank0.npy
 "$py" -c "import numpy as np; a = np.load('$ed/$ri'); np.save('$ed/actual/$ri', np.concatenate([a, a[:3]]))"

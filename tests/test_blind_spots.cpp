@@ -318,3 +318,22 @@ TEST_CASE("a fast output with the right bytes under another shape is INCORRECT",
   const Tensor flat = ref.view(ElemType::f32, {24}, 0);
   CHECK(check_output(c, "combine", "fast", o, &flat, &ref, {}, 0, 1, "reference").outcome == Outcome::INCORRECT);
 }
+
+// The reference combine refuses inputs that contradict each other instead of
+// reading past them (a check feeds it an implementation's earlier outputs):
+// a token id of T or more, more token_sorted entries than routed rows or
+// scores. Consistent inputs of the same sizes still combine.
+TEST_CASE("the reference combine refuses token ids and row counts that do not fit", "[cpu][reference]") {
+  const int64_t T = 3, D = 2;
+  const std::vector<float> rows = {1, 2, 3, 4, 5, 6};  // 3 routed rows of D fp32
+  const ref::RowsRef r{reinterpret_cast<const uint8_t*>(rows.data()), 3, D * sizeof(float)};
+  const ref::Vec init(size_t(T * D), 0.f), scores = {1, 1, 1};
+  const ref::CombineSpec spec;
+  const ref::Vec ok = ref::combine(spec, r, {0, 2, 2}, scores, init, {}, T, D);
+  CHECK(ok == ref::Vec{1, 2, 0, 0, 8, 10});
+  CHECK_THROWS_WITH(ref::combine(spec, r, {0, 3, 2}, scores, init, {}, T, D), Catch::Contains("token 3 of 3"));
+  CHECK_THROWS_WITH(ref::combine(spec, r, {0, 1, 2, 2}, {1, 1, 1, 1}, init, {}, T, D),
+                    Catch::Contains("4 entries of token_sorted for 3 routed rows"));
+  CHECK_THROWS_WITH(ref::combine(spec, r, {0, 1, 2}, {1, 1}, init, {}, T, D), Catch::Contains("and 2 scores"));
+  CHECK_THROWS(ref::combine_magnitude(spec, r, ref::Act::fp32, {0, 1, 5}, scores, init, {}, T, D, 1));
+}

@@ -599,14 +599,19 @@ void ExternalEntry::feed_next(const Stage& s, size_t first_check, const Board& f
 }
 
 /// Routing that wrote its ids but not its counts: the counts fed on are the
-/// histogram of its ids, not the reference's (whose ids may be another valid
-/// choice among tied scores, docs/contract.md §15), so the next stages see
-/// one routing, the implementation's.
-void counts_from_given_ids(const std::vector<std::map<std::string, Tensor>>& given, Board& merged) {
+/// histogram of the ids fed on (called after feed_next): the
+/// implementation's where they were accepted, not the reference's (whose
+/// ids may be another valid choice among tied scores, docs/contract.md §15),
+/// so the next stages see one routing, the implementation's; the
+/// reference's where its ids were wrong and replaced, so that ids and
+/// counts fed on never disagree (ids all out of range once left counts of
+/// zero beside the reference's ids, and the combine's reference read past
+/// its rows).
+void counts_from_fed_ids(const std::vector<std::map<std::string, Tensor>>& given, Board& merged) {
   for (size_t r = 0; r < given.size(); ++r) {
     if (!given[r].count("ids") || given[r].count("counts") || !merged.ranks[r].count("counts")) continue;
     std::vector<int64_t> hist(size_t(merged.ranks[r].at("counts").numel()), 0);
-    for (int64_t e : to_ints(given[r].at("ids")))
+    for (int64_t e : to_ints(merged.ranks[r].at("ids")))
       if (e >= 0 && e < int64_t(hist.size())) ++hist[size_t(e)];
     merged.ranks[r]["counts"] = from_ints(hist, ElemType::i64, {int64_t(hist.size())});
   }
@@ -666,7 +671,6 @@ bool ExternalEntry::stage(const Stage& s, Board& board) {
     rep.notes.push_back("the check stopped at stage " + prefix + s.slot + ": a file of the implementation cannot be read");
     return false;
   }
-  if (s.slot == "routing") counts_from_given_ids(given, merged);
   if (s.slot == "capacity" && !opt.strict_ties)
     for (int r = 0; r < R; ++r)
       if (adopt_capacity_ties(c, board.ranks[size_t(r)], given[size_t(r)], expected[size_t(r)]))
@@ -690,6 +694,7 @@ bool ExternalEntry::stage(const Stage& s, Board& board) {
       }
   }
   feed_next(s, first_check, fed, given, expected, merged);
+  if (s.slot == "routing") counts_from_fed_ids(given, merged);
   board = std::move(merged);
   return true;
 }
