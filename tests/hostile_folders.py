@@ -13,6 +13,10 @@ before and after). The three data-loss repros first:
                             path, ../manifest.json: GoldenError, nothing outside written
   partial_link              a symbolic link planted at actual/<file>.partial: written
                             without following it
+  cross_kind                --dump over a golden folder, export over a --dump folder: exit 2,
+                            nothing touched
+  output_onto_input         --json, --plot or --emit naming a file the command reads (its case
+                            file, profile, a golden folder's manifest): exit 2, the input intact
 
     hostile_folders.py MOEVERIFY SOURCE_DIR
 """
@@ -113,6 +117,39 @@ def export_cases(tmp):
     before = hashes(d)
     p = tool_run("run", case, "--case", "exact_fp32", "--dump", d)
     expect(p.returncode == 2 and hashes(d) == before, "--dump over a foreign manifest: exit %d, nothing touched" % p.returncode)
+    # 5. --dump over an exported golden folder, export over a --dump folder:
+    # each replaces only its own kind (a dump once replaced a golden folder's
+    # expected tensors and manifest, and check refused it after)
+    d = os.path.join(tmp, "t5")
+    expect(tool_run("export", case, d, "--case", "exact_fp32").returncode == 0, "export for the cross-kind folders")
+    before = hashes(d)
+    p = tool_run("run", case, "--case", "exact_fp32", "--dump", d)
+    expect(p.returncode == 2 and "is a golden folder written by `moeverify export`" in p.stderr and hashes(d) == before,
+           "--dump over a golden folder: exit %d, nothing touched: %s" % (p.returncode, p.stderr.strip()[-160:]))
+    d = os.path.join(tmp, "t3")  # the dump of entry 3, its manifest restored by a second dump
+    shutil.rmtree(d)
+    expect(tool_run("run", case, "--case", "exact_fp32", "--dump", d).returncode == 0, "a dump for the cross-kind folders")
+    before = hashes(d)
+    p = tool_run("export", case, d, "--case", "exact_fp32")
+    expect(p.returncode == 2 and "is a --dump folder written by `moeverify run`" in p.stderr and hashes(d) == before,
+           "export over a --dump folder: exit %d, nothing touched: %s" % (p.returncode, p.stderr.strip()[-160:]))
+    # 6. an output path onto what the command reads: exit 2, the input intact
+    # (--json once replaced the case file, and a golden folder's manifest)
+    mine = os.path.join(tmp, "t6.yaml")
+    shutil.copy(case, mine)
+    prof = os.path.join(tmp, "t6.profile.yaml")
+    shutil.copy(os.path.join(src, "examples/numpy_moe.profile.yaml"), prof)
+    g = os.path.join(tmp, "t5", "exact_fp32")
+    for what, args, victim in [
+            ("run --json onto its case file", ["run", mine, "--case", "exact_fp32", "--json", mine], mine),
+            ("bench --plot onto its case file", ["bench", mine, "--case", "exact_fp32", "--plot", mine], mine),
+            ("check --json onto the manifest", ["check", g, "--json", os.path.join(g, "manifest.json")],
+             os.path.join(g, "manifest.json")),
+            ("fuzz --emit onto its profile", ["fuzz", "--profile", prof, "--iterations", "2", "--emit", prof], prof)]:
+        before = hashes(os.path.dirname(victim))
+        p = tool_run(*args)
+        expect(p.returncode == 2 and "would overwrite an input" in p.stderr and hashes(os.path.dirname(victim)) == before,
+               "%s: exit %d, the input intact: %s" % (what, p.returncode, p.stderr.strip()[-160:]))
     # 4. a message keeps its § as written (UTF-8, not escaped bytes)
     p = tool_run("run", case, "--set", "sp=2", "--set", "router.force_load_balance=on", "--case", "exact_fp32")
     expect(p.returncode == 2 and "§1 step 6" in p.stderr and "\\xc2" not in p.stderr,

@@ -918,7 +918,11 @@ int cmd_check(const CheckArgs& a) {
   if (folders.empty())
     bad_input(printable(dir, 200) + ": holds no manifest.json (nor folders that do); valid: a folder written by "
               "`moeverify export`");
-  if (a.want_json) check_output_file("--json", a.json);
+  if (a.want_json) {
+    std::vector<std::string> reads;
+    for (const auto& [g, act] : folders) reads.insert(reads.end(), {g, act});
+    check_output_file("--json", a.json, reads);
+  }
   std::vector<CaseReport> reports;
   Outcome all = Outcome::PASSED;
   std::cout << "moeverify check: the reference fed the implementation's own previous-stage outputs "

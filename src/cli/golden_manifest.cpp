@@ -272,7 +272,7 @@ size_t export_case_folder(const Case& c, const std::string& folder) {
   if (rep.outcome != Outcome::PASSED)
     runtime_error("export: the reference failed on case " + c.name + ": " +
                   (rep.checks.empty() ? std::string("?") : rep.checks.back().note));
-  note_left_in_place(folder, prepare_case_folder(folder, "export DIR"), "export");
+  note_left_in_place(folder, prepare_case_folder(folder, "export DIR", FolderKind::golden), "export");
   write_manifest(folder, c, golden);
   return golden.size();
 }

@@ -321,7 +321,7 @@ int cmd_run(const CLI::App* cmd, const RunArgs& a) {
   for (const auto& [file, cases] : all)
     for (const auto& c : cases)
       if (selected(c)) check_case_memory(c, threads, limit.bytes, limit.origin);
-  if (writer && want_json) check_output_file("--json", a.json);
+  if (writer && want_json) check_output_file("--json", a.json, a.files);
   if (writer && want_dump) prepare_dump_root(a.dump);
   if (writer) opt.dump_dir = a.dump;
 
@@ -519,8 +519,10 @@ int cmd_bench(const CLI::App* cmd, const BenchArgs& a) {
     }
   a.cases.check_each_used(names, "the given files");
   for (const auto& [f, c] : selected) check_case_memory(c, o.threads, limit.bytes, limit.origin);
-  if (want_json) check_output_file("--json", a.json);
-  if (want_plot) check_output_file("--plot", a.plot);
+  if (want_json) check_output_file("--json", a.json, a.files);
+  if (want_plot) check_output_file("--plot", a.plot, a.files);
+  if (want_json && want_plot && a.json == a.plot)
+    bad_input("--json and --plot name the same file " + printable(a.json, 200) + "; valid: two paths");
   std::cout << "moeverify " << MOEVERIFY_VERSION << " bench  threads=" << o.threads << "  repeat=" << o.repeat
             << "  warmup=" << o.warmup << "  backend=" << a.backend << "\n";
   std::vector<CaseBench> all;
@@ -597,19 +599,20 @@ int cmd_fuzz(const CLI::App* cmd, const FuzzArgs& a) {
   o.out_dir = a.out;
   o.shrink = !a.no_shrink;
   o.shrink_budget = parse_int_option("--shrink-budget", a.shrink_budget, 1, 1000000);
-  if (cmd->count("--json")) {
-    if (a.json.empty()) bad_input("--json: the path is empty; valid: a file path such as fuzz.json");
-    check_output_file("--json", a.json);
-  }
   if (a.out.empty()) bad_input("--out: the path is empty; valid: a folder for the shrunk failures");
   std::unique_ptr<Profile> profile;
   if (cmd->count("--profile")) {
     profile = std::make_unique<Profile>(load_profile(a.profile));
     o.profile = profile.get();
   }
+  const std::vector<std::string> reads = profile ? std::vector<std::string>{profile->file} : std::vector<std::string>{};
+  if (cmd->count("--json")) {
+    if (a.json.empty()) bad_input("--json: the path is empty; valid: a file path such as fuzz.json");
+    check_output_file("--json", a.json, reads);
+  }
   if (emit) {
     if (a.emit.empty()) bad_input("--emit: the path is empty; valid: a case file path such as soak.yaml");
-    check_output_file("--emit", a.emit);
+    check_output_file("--emit", a.emit, reads);
     const std::string replay = "moeverify fuzz --seed " + std::to_string(o.seed) + " --iterations " +
                                std::to_string(o.iterations) + (profile ? " --profile " + shell_word(profile->file) : "") +
                                (a.backend == "host" ? "" : " --backend " + a.backend);

@@ -112,7 +112,7 @@ void Dumper::open(const std::string& root, const std::string& case_name) {
   const std::string base = root + "/" + dump_folder_name(case_name);
   dir = base;
   for (int n = 2; !used.insert(dir).second; ++n) dir = base + "-" + std::to_string(n);
-  note_left_in_place(dir, prepare_case_folder(dir, "--dump"), "--dump");
+  note_left_in_place(dir, prepare_case_folder(dir, "--dump", FolderKind::dump), "--dump");
   manifest_.clear();
 }
 
@@ -165,9 +165,50 @@ void prepare_dump_root(const std::string& dir, const std::string& flag) {
   ::unlink(probe.c_str());
 }
 
-void check_output_file(const std::string& flag, const std::string& path) {
+namespace {
+
+/// Whether `path` lies inside `dir` (both made absolute, `.` and `..` and
+/// links of what exists resolved).
+bool inside(const std::string& path, const std::string& dir) {
+  std::error_code ec;
+  const std::filesystem::path p = std::filesystem::weakly_canonical(path, ec);
+  if (ec) return false;
+  const std::filesystem::path d = std::filesystem::weakly_canonical(dir, ec);
+  if (ec) return false;
+  auto pi = p.begin();
+  for (auto di = d.begin(); di != d.end(); ++di, ++pi)
+    if (pi == p.end() || *pi != *di) return false;
+  return pi != p.end();
+}
+
+/// Refuses an output path that would overwrite what the command reads: the
+/// same file as one of `reads`, or a manifest.json or .npy inside a folder
+/// among them (a golden or dump folder's own files).
+void refuse_overwriting_input(const std::string& flag, const std::string& path, const std::vector<std::string>& reads,
+                              const std::string& valid) {
+  struct stat out {};
+  const bool exists = stat(path.c_str(), &out) == 0;
+  const std::string name = std::filesystem::path(path).filename().string();
+  const bool folder_file = name == "manifest.json" ||
+                           (name.size() > 4 && name.compare(name.size() - 4, 4, ".npy") == 0);
+  for (const std::string& r : reads) {
+    struct stat in {};
+    if (stat(r.c_str(), &in) != 0) continue;
+    const bool same = exists && S_ISREG(in.st_mode) && in.st_dev == out.st_dev && in.st_ino == out.st_ino;
+    if (same || (S_ISDIR(in.st_mode) && folder_file && inside(path, r)))
+      bad_input(flag + " " + printable(path, 200) + ": " +
+                (same ? std::string("is ") + printable(r, 200) + ", which this command reads"
+                      : "lies in " + printable(r, 200) + ", a folder this command reads, among its own files") +
+                ": writing it would overwrite an input; " + valid);
+  }
+}
+
+}  // namespace
+
+void check_output_file(const std::string& flag, const std::string& path, const std::vector<std::string>& reads) {
   const std::string valid = "valid: a writable file path such as report.json";
   if (path.empty()) bad_input(flag + ": the path is empty; " + valid);
+  refuse_overwriting_input(flag, path, reads, valid);
   const std::string shown = printable(path, 200);
   struct stat st {};
   if (lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode))
@@ -195,11 +236,17 @@ void check_output_file(const std::string& flag, const std::string& path) {
 
 namespace {
 
-/// The files a manifest.json lists when moeverify wrote it (a JSON object
-/// whose "format" is one of moeverify's and whose "tool" names moeverify);
+/// A manifest.json moeverify wrote: its "format" and the files it lists.
+struct OwnManifest {
+  std::string format;
+  std::set<std::string> files;
+};
+
+/// The manifest at `path` when moeverify wrote it (a JSON object whose
+/// "format" is one of moeverify's and whose "tool" names moeverify);
 /// nullopt for anyone else's. Only plain names count: a listed path with a
 /// separator or "..", or an absolute one, is never removed.
-std::optional<std::set<std::string>> own_manifest_files(const std::string& path) {
+std::optional<OwnManifest> own_manifest(const std::string& path) {
   nlohmann::json m;
   try {
     std::ifstream f(path);
@@ -211,21 +258,22 @@ std::optional<std::set<std::string>> own_manifest_files(const std::string& path)
   if (!m.is_object() || !m.contains("format") || !m["format"].is_string() || !formats.count(m["format"]) ||
       !m.contains("tool") || !m["tool"].is_string() || m["tool"].get<std::string>().rfind("moeverify", 0) != 0)
     return std::nullopt;
-  std::set<std::string> files;
+  OwnManifest own{m["format"].get<std::string>(), {}};
   if (m.contains("tensors") && m["tensors"].is_array())
     for (const auto& t : m["tensors"])
       if (t.is_object() && t.contains("file") && t["file"].is_string()) {
         const std::string f = t["file"];
-        if (!f.empty() && f.find('/') == std::string::npos && f != "." && f != "..") files.insert(f);
+        if (!f.empty() && f.find('/') == std::string::npos && f != "." && f != "..") own.files.insert(f);
       }
-  return files;
+  return own;
 }
 
 }  // namespace
 
-std::vector<std::string> prepare_case_folder(const std::string& dir, const std::string& flag) {
+std::vector<std::string> prepare_case_folder(const std::string& dir, const std::string& flag, FolderKind kind) {
   const std::string shown = printable(dir, 200);
-  const std::string valid = "valid: a new or empty folder, or one that moeverify wrote (its manifest.json)";
+  const char* own = kind == FolderKind::golden ? "an earlier `moeverify export`" : "an earlier --dump";
+  const std::string valid = std::string("valid: a new or empty folder, or one that ") + own + " wrote (its manifest.json)";
   struct stat st {};
   if (lstat(dir.c_str(), &st) != 0) {
     if (errno != ENOENT) bad_input(flag + ": " + shown + ": " + errno_text(errno) + "; " + valid);
@@ -244,10 +292,19 @@ std::vector<std::string> prepare_case_folder(const std::string& dir, const std::
   if (lstat(manifest.c_str(), &ms) != 0 || !S_ISREG(ms.st_mode))
     bad_input(flag + ": " + shown + " holds files that moeverify did not write (no manifest.json), e.g. " +
               printable(entries[0], 100) + "; " + valid);
-  const std::optional<std::set<std::string>> listed = own_manifest_files(manifest);
-  if (!listed)
+  const std::optional<OwnManifest> m = own_manifest(manifest);
+  if (!m)
     bad_input(flag + ": " + printable(manifest, 200) + " is not a manifest moeverify wrote (no moeverify \"format\" "
               "and \"tool\"): nothing in " + shown + " is replaced; " + valid);
+  // A golden folder is never turned into a dump, nor a dump into a golden
+  // folder: the one holds expected tensors (and perhaps a user's actual/),
+  // the other a run's tensors, and neither is the other's to replace.
+  const bool is_golden = m->format.rfind("moeverify-golden/", 0) == 0;
+  if (is_golden != (kind == FolderKind::golden))
+    bad_input(flag + ": " + shown + " is " +
+              (is_golden ? "a golden folder written by `moeverify export`" : "a --dump folder written by `moeverify run`") +
+              " (format " + m->format + "), not " + own + "'s: nothing in it is replaced; " + valid);
+  const std::set<std::string>* listed = &m->files;
   // Only what that manifest lists (and the manifest) is replaced.
   std::vector<std::string> left;
   for (const std::string& n : entries) {

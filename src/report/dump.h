@@ -52,9 +52,11 @@ void prepare_dump_root(const std::string& dir, const std::string& flag = "--dump
 /// --json-style preflight of an output file: a non-empty path, not a
 /// symbolic link, to an existing regular file (or FIFO) that opens for writing, or a new file that can be
 /// created in an existing folder, not on a kernel pseudo file system (where
-/// writes vanish). Creates nothing it does not remove. Throws
-/// Error(bad_input) naming `flag`.
-void check_output_file(const std::string& flag, const std::string& path);
+/// writes vanish), and not one of the files the command reads: the same
+/// file as one of `reads` (case files, a profile), nor a manifest.json or
+/// .npy inside a folder among them (a golden folder). Creates nothing it
+/// does not remove. Throws Error(bad_input) naming `flag`.
+void check_output_file(const std::string& flag, const std::string& path, const std::vector<std::string>& reads = {});
 
 /// Writes `parts` in order to `path` (created or truncated) and closes it.
 /// Returns "" on success, else what failed with strerror: every write and the
@@ -65,14 +67,19 @@ std::string write_file(const std::string& path, const std::vector<std::string_vi
 /// The "format" of a --dump folder's manifest.json.
 inline constexpr const char* kDumpFormat = "moeverify-dump/1";
 
+/// Which of moeverify's case folders prepare_case_folder makes: a golden
+/// folder (`export`) or a --dump folder (`run --dump`).
+enum class FolderKind { golden, dump };
+
 /// Makes `dir` a case folder that this run may fill: created when missing;
 /// when it exists it must be a real folder (not a link) that is empty or
-/// holds a manifest.json moeverify wrote ("format" one of moeverify's and
-/// "tool" naming it). Then that manifest and the files it lists are removed
-/// and every other entry is left in place: their names are returned. A
-/// folder with anyone else's manifest.json, or with files and no manifest,
-/// is bad input (exit 2) and nothing in it is touched.
-std::vector<std::string> prepare_case_folder(const std::string& dir, const std::string& flag);
+/// holds a manifest.json moeverify wrote for the same kind of folder
+/// ("format" moeverify-golden/* or moeverify-dump/*, and "tool" naming
+/// moeverify). Then that manifest and the files it lists are removed and
+/// every other entry is left in place: their names are returned. A folder
+/// with anyone else's manifest.json, with the other kind's, or with files
+/// and no manifest, is bad input (exit 2) and nothing in it is touched.
+std::vector<std::string> prepare_case_folder(const std::string& dir, const std::string& flag, FolderKind kind);
 /// One line on stderr naming what prepare_case_folder left in place (nothing when none).
 void note_left_in_place(const std::string& dir, const std::vector<std::string>& left, const std::string& flag);
 
