@@ -122,6 +122,29 @@ EOF
   --out "$work/out3" --json "$work/s3f.json" >"$work/o3f.txt" 2>&1
 [ "$(field "$work/s3f.json" crashed)" -ge 1 ] && [ "$(field "$work/s3f.json" passed)" -ge 3 ] ||
   { cat "$work/o3f.txt"; fail "a dying worker: not reported as crashed, or not restarted"; }
+# a worker that answers twice per folder: the second answer once stood for the
+# next folder, judged before it was written (NOT_VERIFIED, exit 0)
+cat >"$work/twice.py" <<EOF
+import subprocess, sys
+for line in sys.stdin:
+    subprocess.run(["$py", "$src/examples/numpy_moe.py", line.strip()], stdout=subprocess.DEVNULL)
+    print("done\\ndone", flush=True)
+EOF
+"$bin" fuzz --impl "$py $work/twice.py" --worker --profile "$profile" --iterations 4 --seed 5 --no-shrink \
+  --out "$work/out3" --json "$work/s3d.json" >"$work/o3d.txt" 2>&1
+rc=$?
+[ "$rc" -eq 1 ] && [ "$(field "$work/s3d.json" not_verified)" -eq 0 ] && grep -q "beyond its one answer line" "$work/o3d.txt" ||
+  { cat "$work/o3d.txt"; fail "a worker answering twice: exit $rc, not a protocol error"; }
+# an implementation that rewrites the manifest (its conventions changed to fit
+# its outputs) is not judged on the rewritten one
+cat >"$work/tamper.sh" <<EOF
+$numpy "\$1" >/dev/null && sed -i 's/"seed": /"seed": 1/' "\$1/manifest.json"
+EOF
+"$bin" fuzz --impl "bash $work/tamper.sh {case}" --profile "$profile" --iterations 2 --seed 1 --no-shrink \
+  --out "$work/out3" >"$work/o3m.txt" 2>&1
+rc=$?
+[ "$rc" -eq 1 ] && grep -q "ERROR at impl/manifest" "$work/o3m.txt" ||
+  { cat "$work/o3m.txt"; fail "a rewritten manifest: exit $rc, not reported"; }
 
 echo "== 4. bad input: exit 2 with what would be valid"
 expect2() {

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <iomanip>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -54,6 +55,16 @@ struct ImplRun {
   std::map<std::string, std::pair<bool, bool>> stages;  // judged: slot -> (judged, INCORRECT)
 };
 
+/// A file's bytes; for a file that cannot be read, a text no file holds
+/// (a NUL first), so that it differs from any file's bytes.
+std::string file_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return std::string("\0unreadable", 11);
+  std::ostringstream b;
+  b << f.rdbuf();
+  return b.str();
+}
+
 /// One job: runs the implementation (its own worker process in worker mode)
 /// on exported case folders under `root`.
 class ImplJob {
@@ -81,12 +92,22 @@ class ImplJob {
   ImplRun run_in(const std::string& yaml, const std::string& folder) {
     ImplRun r;
     export_case_folder(load_one_case(yaml, "fuzz"), folder);
+    // The configuration is judged from the folder's manifest: one the
+    // implementation rewrote (its conventions changed to fit its outputs)
+    // would judge it on another contract. The inputs need no such guard:
+    // check generates them anew from the manifest.
+    const std::string manifest = folder + "/manifest.json", drawn = file_bytes(manifest);
     std::string answer;
     ProcEnd end;
     bool ok = false;
     if (impl_.worker) {
       ok = worker_.request(folder, impl_.timeout_s, answer, end);
       r.err_tail = end.err_tail;
+      if (!worker_.unrequested().empty())
+        return crashed(r, "impl/protocol", "the worker wrote '" + printable(worker_.unrequested(), 200) +
+                                               "' on stdout beyond its one answer line per folder (a second answer?): "
+                                               "each folder gets exactly one line, done, skip REASON or error REASON, "
+                                               "and nothing else on stdout (docs/guide.md); the worker was restarted");
       if (ok && answer.rfind("skip", 0) == 0) return skipped(r, answer.size() > 5 ? answer.substr(5) : "");
       if (ok && answer.rfind("error", 0) == 0)
         return crashed(r, "impl/error", "the implementation raised: " + (answer.size() > 6 ? answer.substr(6) : ""));
@@ -106,6 +127,10 @@ class ImplJob {
       return crashed(r, end.how == ProcEnd::How::timed_out ? "impl/timeout" : "impl/crash",
                      "the implementation crashed: " + end.describe(impl_.timeout_s) +
                          (end.err_tail.empty() ? "" : "; its last stderr line: " + last_lines(end.err_tail, 1)));
+    if (file_bytes(manifest) != drawn)
+      return crashed(r, "impl/manifest", "the implementation changed or removed " + manifest +
+                                             ", the configuration it is judged on; an implementation writes under "
+                                             "actual/ only (docs/guide.md)");
     judge(folder, r);
     return r;
   }
@@ -386,7 +411,7 @@ void print_impl_result(const FuzzResult& r, std::ostream& os) {
   for (const auto& f : r.failures) {
     if (f.same_as >= 0) {
       os << "\n   FAIL configuration " << f.index << ": " << outcome_name(f.outcome) << " at " << f.check
-         << " (the check configuration " << f.same_as << " failed; shrunk there)\n";
+         << " (the same check failed at configuration " << f.same_as << ", whose case stands for both)\n";
       continue;
     }
     os << "\n   FAIL configuration " << f.index << ": " << outcome_name(f.outcome) << " at " << f.check << "\n";

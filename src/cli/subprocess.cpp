@@ -185,6 +185,16 @@ bool Worker::start(ProcEnd& end) {
 bool Worker::request(const std::string& folder, double timeout_s, std::string& answer, ProcEnd& e) {
   e = ProcEnd{};
   const auto t0 = Clock::now();
+  unrequested_.clear();
+  // Output since the last answer line (a second answer, noise) came
+  // unasked: taken as the answer for this folder it would have this folder
+  // judged before it is written. It is kept for the caller, and the worker
+  // started afresh.
+  if (pid_ >= 0 && out_ >= 0) drain(out_, pending_, false);
+  if (!pending_.empty()) {
+    unrequested_ = pending_;
+    stop(0);
+  }
   if (pid_ < 0 && !start(e)) return false;
   const std::string line = folder + "\n";
   const bool sent = ::write(in_, line.data(), line.size()) == ssize_t(line.size());
@@ -194,6 +204,10 @@ bool Worker::request(const std::string& folder, double timeout_s, std::string& a
     if (nl != std::string::npos) {
       answer = pending_.substr(0, nl);
       pending_.erase(0, nl + 1);
+      if (!pending_.empty()) {  // more than one line for one folder
+        unrequested_ = pending_;
+        stop(0);
+      }
       e.seconds = since(t0);
       return true;
     }

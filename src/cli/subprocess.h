@@ -46,6 +46,11 @@ class Worker {
   /// a new one, and `end` says how it ended, with the stderr it wrote since
   /// this request.
   bool request(const std::string& folder, double timeout_s, std::string& answer, ProcEnd& end);
+  /// What the worker wrote on stdout beyond one answer line per folder,
+  /// seen by the last request (before it sent its folder, or after the
+  /// answer line); "" when nothing. Where it is not empty the worker was
+  /// stopped, and the next request starts a new one.
+  const std::string& unrequested() const { return unrequested_; }
   /// Closes stdin, waits up to `grace_s` for the worker to exit, then kills
   /// its process group.
   void stop(double grace_s = 2.0);
@@ -56,6 +61,7 @@ class Worker {
   pid_t pid_ = -1;
   int in_ = -1, out_ = -1, err_ = -1;
   std::string pending_;  // stdout bytes after the last answer line
+  std::string unrequested_;
 };
 
 /// `s` quoted for /bin/sh: '...' with every ' written as '\''.
