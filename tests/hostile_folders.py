@@ -15,6 +15,8 @@ before and after). The three data-loss repros first:
                             without following it
   cross_kind                --dump over a golden folder, export over a --dump folder: exit 2,
                             nothing touched
+  export_stale_outputs      export again over a folder the implementation wrote to: its earlier
+                            outputs removed and said, its other files kept
   output_onto_input         --json, --plot or --emit naming a file the command reads (its case
                             file, profile, a golden folder's manifest): exit 2, the input intact
 
@@ -150,6 +152,24 @@ def export_cases(tmp):
         p = tool_run(*args)
         expect(p.returncode == 2 and "would overwrite an input" in p.stderr and hashes(os.path.dirname(victim)) == before,
                "%s: exit %d, the input intact: %s" % (what, p.returncode, p.stderr.strip()[-160:]))
+    # 7. export again over a folder the implementation wrote to: its outputs
+    # of the earlier export are removed (they once passed check against the
+    # new export unrun), its other files kept
+    d = os.path.join(tmp, "t7")
+    expect(tool_run("export", case, d, "--case", "exact_fp32").returncode == 0, "export for the stale outputs")
+    g = os.path.join(d, "exact_fp32")
+    subprocess.run([sys.executable, os.path.join(src, "examples/numpy_moe.py"), g], check=True, capture_output=True)
+    mine = os.path.join(g, "actual", "my_notes.txt")
+    open(mine, "w").write("mine")
+    outputs = len(os.listdir(os.path.join(g, "actual"))) - 1
+    p = tool_run("export", case, d, "--case", "exact_fp32")
+    left = sorted(os.listdir(os.path.join(g, "actual")))
+    expect(p.returncode == 0 and outputs > 0 and left == ["my_notes.txt"]
+           and ("removed %d output file(s) of the earlier export" % outputs) in p.stderr,
+           "export_stale_outputs: exit %d, left %s: %s" % (p.returncode, left, p.stderr.strip()[-200:]))
+    os.remove(mine)
+    p = tool_run("check", g)
+    expect(p.returncode == 4, "check after the new export, nothing written again: exit %d (NOT_VERIFIED)" % p.returncode)
     # 4. a message keeps its § as written (UTF-8, not escaped bytes)
     p = tool_run("run", case, "--set", "sp=2", "--set", "router.force_load_balance=on", "--case", "exact_fp32")
     expect(p.returncode == 2 and "§1 step 6" in p.stderr and "\\xc2" not in p.stderr,

@@ -268,6 +268,29 @@ std::optional<OwnManifest> own_manifest(const std::string& path) {
   return own;
 }
 
+/// An implementation's outputs in `dir`/actual/ named as the earlier
+/// export's tensors: computed from that export's inputs, they would be
+/// judged against the new one's (a stale PASSED where the implementation
+/// no longer runs, a false INCORRECT where the inputs changed). They are
+/// removed, and said on stderr; anything else in actual/ stays, and an
+/// actual/ left empty is removed.
+void remove_stale_outputs(const std::string& dir, const std::set<std::string>& listed, const std::string& flag) {
+  const std::string actual = dir + "/actual";
+  struct stat st {};
+  if (lstat(actual.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) return;
+  int removed = 0;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(actual, ec)) {
+    const std::string n = e.path().filename().string();
+    if (listed.count(n) && !e.is_directory() && ::unlink(e.path().c_str()) == 0) ++removed;
+  }
+  if (removed == 0) return;
+  const bool empty = std::filesystem::is_empty(actual, ec);
+  if (empty) ::rmdir(actual.c_str());
+  std::cerr << flag << ": removed " << removed << " output file(s) of the earlier export from " << printable(actual, 200)
+            << (empty ? " (and the folder)" : "") << ": they were computed from its inputs, not this export's\n";
+}
+
 }  // namespace
 
 std::vector<std::string> prepare_case_folder(const std::string& dir, const std::string& flag, FolderKind kind) {
@@ -305,6 +328,7 @@ std::vector<std::string> prepare_case_folder(const std::string& dir, const std::
               (is_golden ? "a golden folder written by `moeverify export`" : "a --dump folder written by `moeverify run`") +
               " (format " + m->format + "), not " + own + "'s: nothing in it is replaced; " + valid);
   const std::set<std::string>* listed = &m->files;
+  if (kind == FolderKind::golden) remove_stale_outputs(dir, *listed, flag);
   // Only what that manifest lists (and the manifest) is replaced.
   std::vector<std::string> left;
   for (const std::string& n : entries) {
