@@ -101,6 +101,16 @@ grep -q "PLANTED FAULT NOT CAUGHT: unordered_combine" "$tmp/out" &&
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); assert d['faults_uncaught']==['unordered_combine'] and d['faults']==['unordered_combine']" "$tmp/fu.json" ||
   { echo "FAIL fault-uncaught"; fails=$((fails + 1)); }
 # outputs never through a link, never a chain of new folders (issue 21 §4)
+# --iterations 0 is refused (it once ran without end); a planted fault the
+# fuzz never finds is exit 4, as run's; the replay line carries what shaped
+# the draw (--profile, --fault)
+expect fuzz-iterations-0 2 "$bin" fuzz --iterations 0 --out "$tmp/ff"
+grep -q "^moeverify: --iterations 0: no configuration to draw" "$tmp/err" || { echo "FAIL iterations 0 line"; fails=$((fails + 1)); }
+expect fuzz-fault-missed 4 "$bin" fuzz --iterations 2 --seed 7 --fault group_tie_higher --out "$tmp/ff" \
+  --profile "$src/examples/numpy_moe.profile.yaml"
+grep -q "^PLANTED FAULT NOT CAUGHT: --fault group_tie_higher found by none of 2 configurations" "$tmp/out" &&
+  grep -q "(replay: moeverify fuzz --seed 7 --profile .*numpy_moe.profile.yaml --fault group_tie_higher)" "$tmp/err" ||
+  { echo "FAIL fuzz-fault-missed lines"; cat "$tmp/out" "$tmp/err"; fails=$((fails + 1)); }
 expect fuzz-out-deep 2 "$bin" fuzz --iterations 1 --out "$tmp/no/such/folder"
 [ ! -e "$tmp/no" ] || { echo "FAIL fuzz --out created parent folders"; fails=$((fails + 1)); }
 echo precious >"$tmp/precious.txt" && ln -s "$tmp/precious.txt" "$tmp/link.json"

@@ -25,6 +25,7 @@
 #include "fuzz_shrink.h"
 #include "profile.h"
 #include "runner.h"
+#include "subprocess.h"
 
 namespace moev {
 namespace {
@@ -231,7 +232,8 @@ FuzzResult fuzz(const FuzzOptions& o, std::ostream& progress) {
   res.seed = o.seed;
   res.fault_flags = o.fault_flags;
   progress << "fuzz: seed " << o.seed << " (replay: moeverify fuzz --seed " << o.seed
-           << (o.backend == "host" ? "" : " --backend " + o.backend) << ")" << std::endl;
+           << (o.profile ? " --profile " + shell_word(o.profile->file) : "")
+           << (o.backend == "host" ? "" : " --backend " + o.backend) << o.fault_flags << ")" << std::endl;
   const auto t0 = Clock::now();
   std::atomic<uint64_t> next{0}, done{0}, passed{0}, uninformative{0};
   std::atomic<bool> stop{false};

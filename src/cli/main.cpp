@@ -591,6 +591,8 @@ int cmd_fuzz(const CLI::App* cmd, const FuzzArgs& a) {
   o.backend = a.backend;
   if (cmd->count("--seconds")) o.seconds = parse_real_option("--seconds", a.seconds, 0.1, 1e7);
   if (cmd->count("--iterations")) o.iterations = parse_u64_option("--iterations", a.iterations);
+  if (cmd->count("--iterations") && o.iterations == 0)
+    bad_input("--iterations 0: no configuration to draw (0 once meant no limit); valid: 1 or more, or --seconds S");
   if (o.seconds <= 0 && o.iterations == 0) o.seconds = 60;
   o.seed = cmd->count("--seed") ? parse_u64_option("--seed", a.seed)
                                 : uint64_t(std::chrono::system_clock::now().time_since_epoch().count()) % 1000000007u;
@@ -637,6 +639,12 @@ int cmd_fuzz(const CLI::App* cmd, const FuzzArgs& a) {
   if (cmd->count("--json")) {
     const std::string err = write_file(a.json, {fuzz_json(r)});
     if (!err.empty()) bad_input("--json: " + err);
+  }
+  // A planted fault the fuzz never found: as `run --fault`, exit 4.
+  if (!o.fault_flags.empty() && r.failures.empty()) {
+    std::cout << "PLANTED FAULT NOT CAUGHT:" << o.fault_flags << " found by none of " << r.configurations
+              << " configurations (exit 4)\n";
+    return 4;
   }
   return r.failures.empty() ? 0 : 1;
 }
@@ -780,7 +788,7 @@ void add_fuzz_selftest_bench(CLI::App& app, Commands& c) {
   c.fz->add_option("--jobs", c.fa.jobs, "configurations run at once (default 1)")->type_name("N");
   c.fz->add_option("--backend", c.fa.backend,
                  "host (default), cuda or emulated: the case key `backend` of every drawn configuration");
-  c.fz->add_option("--fault", c.fa.faults, "turn on a planted fault: the fuzz must then find it");
+  c.fz->add_option("--fault", c.fa.faults, "turn on a planted fault: the fuzz must then find it (found by no configuration: exit 4)");
   c.fz->add_option("--out", c.fa.out, "folder for the shrunk failing cases (default fuzz-failures, made on the first)");
   c.fz->add_option("--json", c.fa.json, "also write the result as JSON");
   c.fz->add_flag("--no-shrink", c.fa.no_shrink, "write failures as drawn");
