@@ -122,6 +122,14 @@ EOF
   --out "$work/out3" --json "$work/s3f.json" >"$work/o3f.txt" 2>&1
 [ "$(field "$work/s3f.json" crashed)" -ge 1 ] && [ "$(field "$work/s3f.json" passed)" -ge 3 ] ||
   { cat "$work/o3f.txt"; fail "a dying worker: not reported as crashed, or not restarted"; }
+# control sequences on the implementation's stderr reach the report escaped
+# (they once cleared the terminal), and --keep names the folder it keeps
+"$bin" fuzz --impl "printf 'boom\\033[2J\\007\\n' >&2; exit 1; : {case}" --iterations 1 --seed 1 --no-shrink --keep \
+  --out "$work/out3" >"$work/o3e.txt" 2>"$work/o3e.err"
+kept=$(sed -n 's/^fuzz --impl: --keep: the case folders stay in //p' "$work/o3e.err")
+! grep -q $'\033' "$work/o3e.txt" && grep -q 'boom\\x1b\[2J\\x07' "$work/o3e.txt" && [ -n "$kept" ] && [ -d "$kept" ] ||
+  { cat "$work/o3e.txt" "$work/o3e.err"; fail "stderr control sequences not escaped, or --keep's folder not named"; }
+rm -rf "$kept"
 # a worker that answers twice per folder: the second answer once stood for the
 # next folder, judged before it was written (NOT_VERIFIED, exit 0)
 cat >"$work/twice.py" <<EOF

@@ -146,10 +146,15 @@ Verdict verdict_of(const CaseReport& r, const char* mine) {
     v.check = ch.slot + "/" + ch.variant + "/" + without_rank(ch.tensor);
     v.key = ch.slot + "/" + without_rank(ch.tensor);
     std::ostringstream o;
-    if (!ch.diff.first.empty())
-      o << ch.diff.mismatches << " mismatch(es), first " << ch.diff.first[0].coords << ": " << mine << " "
-        << ch.diff.first[0].fast << " vs " << ch.diff.first[0].ref << " (" << ch.against << ")"
-        << (ch.note.empty() ? "" : "; ");
+    // Every digit and the bit patterns (value_text): two values that differ
+    // in the last place of the type must not print alike.
+    if (!ch.diff.first.empty()) {
+      const Mismatch& m = ch.diff.first[0];
+      const int64_t u = ulp_distance(m.fast, m.ref, ch.diff.type);
+      o << ch.diff.mismatches << " mismatch(es), first " << m.coords << ": " << mine << " "
+        << value_text(m.fast, ch.diff.type) << " vs " << value_text(m.ref, ch.diff.type) << " (" << ch.against << ")"
+        << (u > 0 ? ", " + std::to_string(u) + " ulp apart" : "") << (ch.note.empty() ? "" : "; ");
+    }
     o << ch.note;
     v.note = o.str();
     break;

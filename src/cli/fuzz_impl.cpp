@@ -126,7 +126,7 @@ class ImplJob {
     if (!ok)
       return crashed(r, end.how == ProcEnd::How::timed_out ? "impl/timeout" : "impl/crash",
                      "the implementation crashed: " + end.describe(impl_.timeout_s) +
-                         (end.err_tail.empty() ? "" : "; its last stderr line: " + last_lines(end.err_tail, 1)));
+                         (end.err_tail.empty() ? "" : "; its last stderr line: " + printable(last_lines(end.err_tail, 1), 300)));
     if (file_bytes(manifest) != drawn)
       return crashed(r, "impl/manifest", "the implementation changed or removed " + manifest +
                                              ", the configuration it is judged on; an implementation writes under "
@@ -264,6 +264,7 @@ class ImplFuzz {
     progress_ << "fuzz --impl: seed " << o_.seed << " (replay: moeverify fuzz --seed " << o_.seed << " --impl "
               << shell_quote(impl_.cmd) << (impl_.worker ? " --worker" : "")
               << (o_.profile ? " --profile " + shell_quote(o_.profile->file) : "") << ")" << std::endl;
+    if (impl_.keep) progress_ << "fuzz --impl: --keep: the case folders stay in " << res_.work_dir << std::endl;
     t0_ = Clock::now();
     running_ = std::max(1, o_.jobs);
     std::vector<std::thread> pool;
@@ -416,11 +417,13 @@ void print_impl_result(const FuzzResult& r, std::ostream& os) {
     }
     os << "\n   FAIL configuration " << f.index << ": " << outcome_name(f.outcome) << " at " << f.check << "\n";
     if (!f.note.empty()) os << "      " << f.note.substr(0, 400) << "\n";
-    if (!f.stderr_tail.empty()) os << "      stderr (last lines):\n         " << [&] {
-      std::string t = f.stderr_tail;
-      for (size_t p = 0; (p = t.find('\n', p)) != std::string::npos; p += 10) t.replace(p, 1, "\n         ");
-      return t;
-    }() << "\n";
+    // The implementation's own bytes: each line shown through printable(), so
+    // that its control sequences (a clear screen, a title) reach no terminal.
+    if (!f.stderr_tail.empty()) {
+      os << "      stderr (last lines):\n";
+      std::istringstream lines(f.stderr_tail);
+      for (std::string l; std::getline(lines, l);) os << "         " << printable(l, 300) << "\n";
+    }
     os << "      drawn:  " << f.yaml << "\n      shrunk: " << f.shrunk << "  (" << f.shrunk_tokens << " tokens per rank, "
        << f.shrink_runs << " configurations run to shrink it)\n";
     if (!f.file.empty()) os << "      case:   " << f.file << "\n      repro:  " << f.repro << "\n";
