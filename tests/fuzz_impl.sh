@@ -130,6 +130,16 @@ kept=$(sed -n 's/^fuzz --impl: --keep: the case folders stay in //p' "$work/o3e.
 ! grep -q $'\033' "$work/o3e.txt" && grep -q 'boom\\x1b\[2J\\x07' "$work/o3e.txt" && [ -n "$kept" ] && [ -d "$kept" ] ||
   { cat "$work/o3e.txt" "$work/o3e.err"; fail "stderr control sequences not escaped, or --keep's folder not named"; }
 rm -rf "$kept"
+# a second interrupt ends a hung implementation now (its process group is its
+# own: the terminal's Ctrl-C never reaches it), instead of at --impl-timeout
+"$bin" fuzz --impl "sleep 600; : {case}" --seconds 600 --seed 1 --out "$work/out3" >"$work/o3i.txt" 2>&1 &
+fz=$!
+sleep 2; kill -INT $fz; sleep 1; kill -INT $fz
+for _ in $(seq 100); do kill -0 $fz 2>/dev/null || break; sleep 0.2; done
+if kill -0 $fz 2>/dev/null; then kill -KILL $fz; fail "two interrupts did not end a hung implementation within 20 s"; fi
+wait $fz
+grep -q "interrupted again; ending the implementation's processes" "$work/o3i.txt" && ! pgrep -f "^sleep 600" >/dev/null ||
+  { cat "$work/o3i.txt"; fail "second interrupt: not said, or the implementation left running"; }
 # a worker that answers twice per folder: the second answer once stood for the
 # next folder, judged before it was written (NOT_VERIFIED, exit 0)
 cat >"$work/twice.py" <<EOF

@@ -237,7 +237,10 @@ void tally(FuzzResult& res, const ImplRun& r) {
 /// Set by SIGINT or SIGTERM: the jobs finish the configuration they run,
 /// shrinking stops, and the summary is printed (temporary folders removed).
 std::atomic<bool> g_interrupted{false};
-extern "C" void on_interrupt(int) { g_interrupted = true; }
+extern "C" void on_interrupt(int) {
+  if (g_interrupted) g_stop_commands = true;  // the second: the implementations under way end now
+  g_interrupted = true;
+}
 
 }  // namespace
 
@@ -292,6 +295,7 @@ class ImplFuzz {
       const std::optional<std::string> yaml = draw_configuration(&profile_, o_.seed, i, why_not);
       if (!yaml) continue;  // no draw fits (index 0 did, checked in run): not counted
       const ImplRun r = j.run(*yaml, "c" + std::to_string(i));
+      if (g_stop_commands) break;  // ended by the interrupt, not judged
       const bool failed = r.kind == ImplRun::Kind::crashed ||
                           (r.kind == ImplRun::Kind::judged && r.v.outcome != Outcome::PASSED &&
                            r.v.outcome != Outcome::NOT_VERIFIED);
@@ -348,12 +352,17 @@ class ImplFuzz {
   /// shrinking a failure after the time is up).
   void report_progress() {
     auto last = Clock::now();
-    bool told = false;
+    bool told = false, told_stop = false;
     while (running_ > 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
       if (g_interrupted && !told) {
-        progress_ << "fuzz --impl: interrupted; finishing the configurations under way" << std::endl;
+        progress_ << "fuzz --impl: interrupted; finishing the configurations under way (interrupt again to end "
+                     "them now)" << std::endl;
         told = true;
+      }
+      if (g_stop_commands && !told_stop) {
+        progress_ << "fuzz --impl: interrupted again; ending the implementation's processes" << std::endl;
+        told_stop = true;
       }
       if (since(last) < 2.0) continue;
       last = Clock::now();
@@ -386,6 +395,7 @@ FuzzResult fuzz_impl(const FuzzOptions& o, const ImplOptions& impl, std::ostream
   if (o.seconds <= 0 && o.iterations == 0) bad_input("fuzz: give --seconds or --iterations");
   signal(SIGPIPE, SIG_IGN);  // a worker that died is seen at its pipe's EPIPE, not by a signal
   g_interrupted = false;
+  g_stop_commands = false;
   struct sigaction sa {}, old_int {}, old_term {};
   sa.sa_handler = on_interrupt;
   sigaction(SIGINT, &sa, &old_int);

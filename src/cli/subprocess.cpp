@@ -12,6 +12,8 @@
 #include <sstream>
 
 namespace moev {
+
+std::atomic<bool> g_stop_commands{false};
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -114,6 +116,7 @@ std::string ProcEnd::describe(double timeout_s) const {
     case How::signalled: o << "killed by signal " << code << " (" << strsignal(code) << ")"; break;
     case How::timed_out: o << "timed out after " << timeout_s << " s (--impl-timeout)"; break;
     case How::not_started: o << "could not be started"; break;
+    case How::stopped: o << "stopped by an interrupt"; break;
   }
   return o.str();
 }
@@ -150,10 +153,10 @@ ProcEnd run_command(const std::string& cmd, double timeout_s) {
     // left in the background may hold the pipes: it is ended below).
     if (exited && (out < 0 && err < 0)) break;
     if (exited && since(t0) > timeout_s) break;
-    if (!exited && since(t0) > timeout_s) {
+    if (!exited && (since(t0) > timeout_s || g_stop_commands)) {
       kill_group(pid);
       waitpid(pid, &status, 0);
-      e.how = ProcEnd::How::timed_out;
+      e.how = g_stop_commands ? ProcEnd::How::stopped : ProcEnd::How::timed_out;
       break;
     }
     if (exited) {  // give its output a moment, then stop waiting for a background holder
@@ -163,7 +166,7 @@ ProcEnd run_command(const std::string& cmd, double timeout_s) {
       break;
     }
   }
-  if (e.how != ProcEnd::How::timed_out) set_end(e, status);
+  if (e.how != ProcEnd::How::timed_out && e.how != ProcEnd::How::stopped) set_end(e, status);
   kill_group(pid);  // anything the command left running in its group
   close_fd(out);
   close_fd(err);
@@ -222,8 +225,8 @@ bool Worker::request(const std::string& folder, double timeout_s, std::string& a
       e.seconds = since(t0);
       return false;
     }
-    if (since(t0) > timeout_s) {
-      e.how = ProcEnd::How::timed_out;
+    if (since(t0) > timeout_s || g_stop_commands) {
+      e.how = g_stop_commands ? ProcEnd::How::stopped : ProcEnd::How::timed_out;
       kill_group(pid_);
       waitpid(pid_, &status, 0);
       if (err_ >= 0) drain(err_, e.err_tail, true);

@@ -10,6 +10,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <string>
 
 namespace moev {
@@ -18,7 +19,7 @@ constexpr size_t kTailBytes = 4096;
 
 /// How one run of a command ended.
 struct ProcEnd {
-  enum class How { exited, signalled, timed_out, not_started } how = How::not_started;
+  enum class How { exited, signalled, timed_out, not_started, stopped } how = How::not_started;
   int code = 0;    // exited: the exit status; signalled: the signal
   double seconds = 0;
   std::string out_tail, err_tail;  // the last kTailBytes of stdout and stderr
@@ -26,8 +27,15 @@ struct ProcEnd {
   std::string describe(double timeout_s) const;
 };
 
+/// Set (from a signal handler too) when the commands under way must end
+/// now, not when they finish (a second Ctrl-C): run_command and
+/// Worker::request then end the command's process group within 50 ms, as
+/// How::stopped. Its process group is its own, so the terminal's Ctrl-C
+/// never reaches it.
+extern std::atomic<bool> g_stop_commands;
+
 /// Runs `cmd` through /bin/sh -c with stdin from /dev/null; kills its process
-/// group after `timeout_s` seconds.
+/// group after `timeout_s` seconds, or at g_stop_commands.
 ProcEnd run_command(const std::string& cmd, double timeout_s);
 
 /// A worker: `cmd` started once, sent one case folder per line on stdin,
