@@ -193,6 +193,15 @@ bd="$tmp/g/realistic_bf16"
 rm -rf "$bd/actual"
 "$py" "$src/examples/numpy_moe.py" "$bd" >/dev/null || fail "numpy_moe.py"
 expect_rc 0 "$tmp/np.log" -- "$bin" check "$bd"
+# --require: a written stage passes, an unwritten one is INCORRECT, a stage this
+# case does not run is NOT_VERIFIED (it once passed silently), a name that is
+# no stage is exit 2
+expect_rc 0 "$tmp/rq1.log" -- "$bin" check "$bd" --require dispatch,combine
+expect_rc 1 "$tmp/rq2.log" -- "$bin" check "$bd" --require routing &&
+  grep -q "required by --require" "$tmp/rq2.log" || fail "--require routing, unwritten: not INCORRECT"
+expect_rc 4 "$tmp/rq3.log" -- "$bin" check "$bd" --require dispatch,experts_bwd &&
+  grep -q "this case has no stage experts_bwd" "$tmp/rq3.log" || fail "--require of a stage the case lacks: not NOT_VERIFIED"
+expect_rc 2 "$tmp/rq4.log" -- "$bin" check "$bd" --require dispatch,nosuch
 "$py" "$src/examples/numpy_moe.py" "$bd" --bug unstable_order >/dev/null
 expect_rc 1 "$tmp/order.log" -- "$bin" check "$bd" &&
   grep -q -E 'dispatch +actual +routed_input .*INCORRECT' "$tmp/order.log" ||

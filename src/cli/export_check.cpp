@@ -806,6 +806,19 @@ CaseReport run_external(const Case& given, const ActualFn* actual, std::vector<G
       ch.note = "no actual output file matches a stage output of the manifest: nothing was checked";
       rep.checks.push_back(ch);
     }
+    // A stage --require names that this case does not run: what the
+    // requirement asks for was not checked, so the case cannot pass.
+    for (const std::string& slot : opt.require_named ? opt.require : std::vector<std::string>{}) {
+      if (stage_for(c, slot)) continue;
+      Check ch;
+      ch.slot = slot;
+      ch.variant = "actual";
+      ch.tensor = "-";
+      ch.outcome = Outcome::NOT_VERIFIED;
+      ch.note = "required by --require, but this case has no stage " + slot +
+                " (its configuration does not run it: see `moeverify list`); nothing of it was checked";
+      rep.checks.push_back(ch);
+    }
   }
   for (const auto& ch : rep.checks) rep.outcome = worst(rep.outcome, ch.outcome);
   rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -891,6 +904,7 @@ void parse_require(const std::string& text, ExternalOptions& o) {
     }
     o.require.push_back(st);
   }
+  o.require_named = true;
 }
 
 int cmd_check(const CheckArgs& a) {

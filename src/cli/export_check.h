@@ -81,6 +81,9 @@ struct ExternalOptions {
   /// `check --require`: stages whose outputs must be written (on every
   /// rank); a missing one is INCORRECT ("all": every slot of slot_order()).
   std::vector<std::string> require;
+  /// --require named its stages (not "all"): a named stage that this case
+  /// does not have is NOT_VERIFIED, never a silent pass.
+  bool require_named = false;
 };
 
 /// The reference pipeline of `run` without fast stages, for every layer
