@@ -132,13 +132,14 @@ kept=$(sed -n 's/^fuzz --impl: --keep: the case folders stay in //p' "$work/o3e.
 rm -rf "$kept"
 # a second interrupt ends a hung implementation now (its process group is its
 # own: the terminal's Ctrl-C never reaches it), instead of at --impl-timeout
-"$bin" fuzz --impl "sleep 600; : {case}" --seconds 600 --seed 1 --out "$work/out3" >"$work/o3i.txt" 2>&1 &
+"$bin" fuzz --impl "sleep 600; : {case}" --seconds 600 --seed 1 --no-shrink --out "$work/out3" >"$work/o3i.txt" 2>&1 &
 fz=$!
 sleep 2; kill -INT $fz; sleep 1; kill -INT $fz
 for _ in $(seq 100); do kill -0 $fz 2>/dev/null || break; sleep 0.2; done
 if kill -0 $fz 2>/dev/null; then kill -KILL $fz; fail "two interrupts did not end a hung implementation within 20 s"; fi
 wait $fz
-grep -q "interrupted again; ending the implementation's processes" "$work/o3i.txt" && ! pgrep -f "^sleep 600" >/dev/null ||
+# (its command line names its case folder, under this test's TMPDIR)
+grep -q "interrupted again; ending the implementation's processes" "$work/o3i.txt" && ! pgrep -f "sleep 600; : .*$TMPDIR" >/dev/null ||
   { cat "$work/o3i.txt"; fail "second interrupt: not said, or the implementation left running"; }
 # a worker that answers twice per folder: the second answer once stood for the
 # next folder, judged before it was written (NOT_VERIFIED, exit 0)
@@ -200,4 +201,11 @@ expect2 "a profile with a bad value" "p.yaml:3:11: allow dtype: .*valid: fp32 | 
 printf 'allow:\n  sp: [2]\n  router.force_load_balance: ["on"]\n' >"$work/p.yaml"
 expect2 "a profile nothing fits" "no configuration in 200 draws lies inside it" \
   "$bin" fuzz --impl "x {case}" --profile "$work/p.yaml" --iterations 1
+# the same refused by validate and by fuzz without --impl (which once wrote
+# "ERROR at generator" failures with empty cases)
+printf 'allow:\n  shape.experts: [3]\n  ep: [2]\n' >"$work/p.yaml"
+expect2 "validate: a profile nothing fits" "no configuration in 200 draws lies inside it" \
+  "$bin" validate --profile "$work/p.yaml"
+expect2 "fuzz: a profile nothing fits" "no configuration in 200 draws lies inside it" \
+  "$bin" fuzz --profile "$work/p.yaml" --iterations 2 --out "$work/out4"
 echo "fuzz --impl: every check passed"

@@ -232,6 +232,7 @@ FuzzResult fuzz(const FuzzOptions& o, std::ostream& progress) {
   if (o.seconds <= 0 && o.iterations == 0) bad_input("fuzz: give --seconds or --iterations");
   // --out is a folder that exists or can be made in an existing one (never
   // a chain of folders anywhere), checked now, not at the first failure.
+  require_profile_fits(o.profile, o.seed);
   if (!o.out_dir.empty()) prepare_dump_root(o.out_dir, "fuzz --out");
   FuzzResult res;
   res.seed = o.seed;
@@ -249,10 +250,10 @@ FuzzResult fuzz(const FuzzOptions& o, std::ostream& progress) {
       if ((o.iterations && i >= o.iterations) || (o.seconds > 0 && since(t0) >= o.seconds)) break;
       std::string why;
       const std::optional<std::string> drawn = draw_configuration(o.profile, o.seed, i, why);
-      const std::string yaml = drawn ? on_backend(*drawn, o.backend) : "{}";
+      if (!drawn) continue;  // no draw fits (index 0 did, checked before): not counted
+      const std::string yaml = on_backend(*drawn, o.backend);
       Verdict v;
       try {
-        if (!drawn) bad_input("no configuration inside the profile: " + why);
         v = run_yaml(yaml, o, threads_of(i));
       } catch (const std::exception& e) {  // the generator drew a configuration the loader refuses
         v = Verdict{Outcome::ERROR, "generator/-/-", "generator/-", e.what()};

@@ -254,10 +254,7 @@ class ImplFuzz {
       : o_(o), impl_(impl), profile_(impl_profile(o)), progress_(progress) {}
 
   FuzzResult run() {
-    std::string why;
-    if (!draw_configuration(&profile_, o_.seed, 0, why))
-      bad_input("--profile " + profile_.file + ": no configuration in 200 draws lies inside it; the last refused: " +
-                why + "; valid: a profile whose allowed values make valid cases together");
+    require_profile_fits(&profile_, o_.seed);
     if (!o_.out_dir.empty()) prepare_dump_root(o_.out_dir, "fuzz --out");
     res_.impl = true;
     res_.seed = o_.seed;
@@ -353,8 +350,9 @@ class ImplFuzz {
   void report_progress() {
     auto last = Clock::now();
     bool told = false, told_stop = false;
-    while (running_ > 0) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    // The interrupts said once each, also where the jobs ended before the
+    // next look (the loop's last pass).
+    auto tell = [&] {
       if (g_interrupted && !told) {
         progress_ << "fuzz --impl: interrupted; finishing the configurations under way (interrupt again to end "
                      "them now)" << std::endl;
@@ -364,7 +362,12 @@ class ImplFuzz {
         progress_ << "fuzz --impl: interrupted again; ending the implementation's processes" << std::endl;
         told_stop = true;
       }
-      if (since(last) < 2.0) continue;
+    };
+    for (bool last_pass = false; !last_pass;) {
+      last_pass = running_ == 0;
+      if (!last_pass) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      tell();
+      if (last_pass || since(last) < 2.0) continue;
       last = Clock::now();
       std::lock_guard<std::mutex> lk(m_);
       progress_ << "fuzz --impl: " << res_.drawn << " drawn, " << res_.judged << " judged (" << res_.passed

@@ -389,6 +389,7 @@ int cmd_validate(const CLI::App* cmd, const std::vector<std::string>& files, con
 int cmd_validate_profile(const std::string& name, const std::vector<std::string>& files,
                          const std::vector<std::string>& sets) {
   const Profile p = load_profile(name);
+  require_profile_fits(&p, 1);
   std::cout << p.file << ": profile " << p.name << " valid" << (p.about.empty() ? "" : ": " + p.about) << "\n";
   for (const auto& f : p.fix) std::cout << "  fix    " << f.key << " = " << f.value << "\n";
   for (const auto& a : p.allow) std::cout << "  allow  " << a.key << " in " << a.text() << "\n";

@@ -371,4 +371,11 @@ Profile load_profile(const std::string& name_or_file) {
   return p;
 }
 
+void require_profile_fits(const Profile* p, uint64_t seed) {
+  std::string why;
+  if (p && !draw_configuration(p, seed, 0, why))
+    bad_input("--profile " + p->file + ": no configuration in 200 draws lies inside it; the last refused: " + why +
+              "; valid: a profile whose allowed values make valid cases together");
+}
+
 }  // namespace moev

@@ -66,6 +66,11 @@ struct Profile {
 /// of other seeds; nullopt (and `why`, the last refusal) after 200 tries.
 std::optional<std::string> draw_configuration(const Profile* p, uint64_t seed, uint64_t i, std::string& why);
 
+/// Refuses (bad_input, exit 2) a profile that configuration 0 of `seed`
+/// cannot be drawn inside: its allowed values make no valid case together
+/// (experts 3 beside ep 2). Null: nothing to check.
+void require_profile_fits(const Profile* p, uint64_t seed);
+
 /// Loads and validates a profile: NAME or FILE (see above). Throws
 /// Error(bad_input) naming the file, the line and what would be valid.
 Profile load_profile(const std::string& name_or_file);
