@@ -15,6 +15,13 @@ trap 'rm -rf "$tmp"' EXIT
 "$bin" bench "$src/cases/basic.yaml" --case exact_fp32 --threads 2 --repeat 2 --warmup 1 \
   --json "$tmp/b.json" --plot "$tmp/b.svg" --sweep > "$tmp/out.txt" 2> "$tmp/err.txt" \
   || { cat "$tmp/out.txt" "$tmp/err.txt"; echo "bench failed"; exit 1; }
+# --sweep of a case beside another whose tokens_per_rank does not fit the
+# point's ep: every point of this case runs (the other case once made the R
+# points "not run")
+"$bin" bench "$src/cases/ep4.yaml" --case mixtral_like --threads 2 --repeat 1 --sweep > "$tmp/sw.txt" 2>&1 \
+  || { cat "$tmp/sw.txt"; echo "bench --sweep of mixtral_like failed"; exit 1; }
+[ "$(grep -cE '^    [TDR] x [0-9.]+ +T=[0-9]+ D=[0-9]+ R=[0-9]+: [0-9.]+ s' "$tmp/sw.txt")" -eq 9 ] \
+  || { cat "$tmp/sw.txt"; echo "bench --sweep: not every point of mixtral_like ran"; exit 1; }
 "$bin" bench "$src/cases/ep.yaml" --case 'ep2_basic[experts.kind=identity]' --threads 2 --repeat 2 --json "$tmp/ep.json" > "$tmp/ep.txt" 2>&1 \
   || { cat "$tmp/ep.txt"; echo "bench of an EP case failed"; exit 1; }
 "$bin" bench "$src/cases/ep.yaml" --case 'ep2_basic[experts.kind=identity]' --threads 2 --repeat 2 --backend emulated \

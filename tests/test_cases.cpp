@@ -76,6 +76,26 @@ TEST_CASE("set overrides from the command line apply to every case", "[cpu][case
   CHECK(cases[0].dtype == DType::fp16);
 }
 
+// shape.tokens_per_rank stands in place of shape.tokens: --set shape.tokens
+// leaves such a case out with a note instead of running it unchanged.
+TEST_CASE("set shape.tokens leaves a case with tokens_per_rank out, said", "[cpu][cases]") {
+  const std::string f = write_tmp(
+      "cases:\n  - name: a\n    ep: 2\n    shape: {tokens_per_rank: [3, 0]}\n  - name: b\n    ep: 2\n");
+  std::vector<std::string> left;
+  const auto cases = load_cases(f, {"shape.tokens=5"}, &left);
+  REQUIRE(cases.size() == 1);
+  CHECK(cases[0].name == "b");
+  CHECK(cases[0].tokens == 5);
+  REQUIRE(left.size() == 1);
+  CHECK(left[0].find("case a left out") == 0);
+  CHECK(left[0].find("does not apply to a case with shape.tokens_per_rank [3,0]") != std::string::npos);
+  // both set on the command line: the per-rank counts win, nothing left out
+  left.clear();
+  const auto both = load_cases(f, {"shape.tokens=5", "shape.tokens_per_rank=[1,2]"}, &left);
+  CHECK(both.size() == 2);
+  CHECK(left.empty());
+}
+
 TEST_CASE("bad input names file, line, column, the key and what is valid", "[cpu][cases]") {
   struct Bad {
     const char* text;

@@ -409,15 +409,23 @@ std::vector<SweepPoint> run_sweep(const Case& c, const BenchOptions& opt, std::o
       bool duplicate = false;  // R = 1 scales to 1 three times: run it once
       for (const auto& q : pts) duplicate = duplicate || (q.axis == p.axis && q.tokens == p.tokens && q.hidden == p.hidden && q.ep == p.ep);
       if (duplicate) continue;
+      // Only the axis's key is set: the others stay as the case has them
+      // (tokens_per_rank in place of shape.tokens).
       std::vector<std::string> sets = opt.sets;
-      sets.push_back("shape.tokens=" + std::to_string(p.tokens));
-      sets.push_back("shape.hidden=" + std::to_string(p.hidden));
-      sets.push_back("ep=" + std::to_string(p.ep));
+      if (a == "T") sets.push_back("shape.tokens=" + std::to_string(p.tokens));
+      if (a == "D") sets.push_back("shape.hidden=" + std::to_string(p.hidden));
+      if (a == "R") sets.push_back("ep=" + std::to_string(p.ep));
       try {
+        // The file's other cases may not fit the point (tokens_per_rank of
+        // another ep): left out, as they are not this case.
         const Case* found = nullptr;
-        const std::vector<Case> cases = load_cases(opt.file, sets);
+        std::vector<std::string> left_out;
+        const std::vector<Case> cases = load_cases(opt.file, sets, &left_out);
         for (const auto& k : cases)
           if (k.name == c.name) found = &k;
+        const std::string mine = "case " + printable(c.name, 200) + " left out";
+        for (const auto& why : left_out)
+          if (!found && why.rfind(mine, 0) == 0) throw Error(ErrorKind::bad_input, why);
         if (!found) throw Error(ErrorKind::bad_input, "the case is not in the re-loaded file");
         log << "  sweep " << axis << " x " << scale << ": T=" << p.tokens << " D=" << p.hidden << " R=" << p.ep << "\n";
         RunOptions ro;

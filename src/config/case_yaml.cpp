@@ -347,6 +347,13 @@ void expand_entry(const YAML::Node& entry, const std::string& path, const Flat& 
     for (auto& [k, v] : cli) f[k] = v;
     std::optional<Case> c;
     try {
+      // shape.tokens_per_rank stands in place of shape.tokens: a --set of the
+      // tokens alone would change nothing in such a case, silently.
+      if (cli.count("shape.tokens") && !cli.count("shape.tokens_per_rank") && own_point.count("shape.tokens_per_rank"))
+        throw Error(ErrorKind::bad_input,
+                    source + ": shape.tokens: --set shape.tokens does not apply to a case with shape.tokens_per_rank " +
+                        render(own_point.at("shape.tokens_per_rank").node) +
+                        " (its tokens per rank); valid: --set shape.tokens_per_rank=[...] for it");
       c = build_case(f, source);
     } catch (const Error& e) {
       // Valid alone, invalid with the overrides: they do not fit this case.
