@@ -235,6 +235,30 @@ for bad in -1 8 2147483647; do
     fail "ids all $bad: not INCORRECT at routing/ids"
 done
 copy_expected "$ed"
+# a padded expert buffer longer than the layout (GroupedExperts' max_len rows):
+# judged on the layout's rows, the rest never read: a NaN tail passes, and a
+# 4 GiB (sparse) tail is not read into memory (it once was, whole)
+pe=align_pad.expert_input.rank0.npy
+"$py" - "$ed/$pe" "$ed/actual/$pe" <<'PY'
+import sys, numpy as np
+a = np.load(sys.argv[1])
+np.save(sys.argv[2], np.concatenate([a, np.full((5,) + a.shape[1:], np.nan, a.dtype)]))
+PY
+expect_rc 0 "$tmp/pad1.log" -- "$bin" check "$ed" && grep -q "5 rows past its" "$tmp/pad1.log" ||
+  fail "a padded buffer with 5 NaN rows past the layout: not PASSED with a note"
+"$py" - "$ed/$pe" "$ed/actual/$pe" <<'PY'
+import os, sys, numpy as np
+a = np.load(sys.argv[1])
+rows = (1 << 32) // (a.shape[1] * a.itemsize)  # 4 GiB of rows
+with open(sys.argv[2], "wb") as f:
+    np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(a.dtype), "fortran_order": False,
+                                             "shape": (rows,) + a.shape[1:]})
+    f.write(np.ascontiguousarray(a).tobytes())
+    f.truncate(f.tell() - a.nbytes + rows * a.shape[1] * a.itemsize)
+PY
+(ulimit -v 1500000; "$bin" check "$ed" >"$tmp/pad2.log" 2>&1) && grep -q "rows past its" "$tmp/pad2.log" ||
+  { tail -3 "$tmp/pad2.log"; fail "a 4 GiB padded buffer: not PASSED within 1.5 GB of address space"; }
+cp "$ed/$pe" "$ed/actual/$pe"
 # rows missing or extra: INCORRECT at the stage (exit 1), with rows per segment
 ri=dispatch.routed_input.rank0.npy
 "$py" -c "import numpy as np; a = np.load('$ed/$ri'); np.save('$ed/actual/$ri', np.concatenate([a, a[:3]]))"

@@ -48,8 +48,10 @@ inline constexpr const char* kGoldenFormat = "moeverify-golden/2";
 /// Error(bad_input) naming the file and what would be valid. Another row
 /// count (first dimension) throws too, unless `rows_differ` is given: then
 /// the file's shape is stored there and an empty Tensor returned, no data read.
+/// With `first_rows` >= 0 (at most want_shape[0]) only that many leading rows
+/// are read (a padded buffer's layout rows; the rest is never read).
 Tensor read_npy(const std::string& path, ElemType want, const std::vector<int64_t>& want_shape,
-                std::vector<int64_t>* rows_differ = nullptr);
+                std::vector<int64_t>* rows_differ = nullptr, int64_t first_rows = -1);
 
 /// The manifest file name of tensor `name` of `stage` on `rank` (see above;
 /// stage "inputs" or "layerL/inputs" for inputs).

@@ -42,7 +42,7 @@ class NpyReader {
       : shown_(printable(path, 200)), want_(want), want_shape_(want_shape), f_(path, std::ios::binary) {}
 
   /// See read_npy in export_check.h.
-  Tensor read(std::vector<int64_t>* rows_differ) {
+  Tensor read(std::vector<int64_t>* rows_differ, int64_t first_rows) {
     if (!f_) broken("cannot be opened");
     f_.seekg(0, std::ios::end);
     file_size_ = uint64_t(std::max<std::streamoff>(f_.tellg(), 0));
@@ -64,6 +64,12 @@ class NpyReader {
       if (!rows_differ) broken("shape " + shape_shown + " is wrong");
       *rows_differ = shape_;
       return Tensor{want_, shape_, nullptr, 0};
+    }
+    if (first_rows >= 0 && !shape_.empty() && first_rows < shape_[0]) {
+      // the leading rows only: the shape as read, the bytes scaled to it
+      const uint64_t row = shape_[0] ? need / uint64_t(shape_[0]) : 0;
+      shape_[0] = first_rows;
+      return read_data(item, row * uint64_t(first_rows));
     }
     return read_data(item, need);
   }
@@ -105,15 +111,18 @@ class NpyReader {
     descr_ = field("descr");
     if (descr_.size() >= 2) descr_ = descr_.substr(1, descr_.size() - 2);
     const std::string fortran = field("fortran_order"), shape_text = field("shape");
-    if (fortran != "False") broken("Fortran order; write C-contiguous arrays (np.ascontiguousarray)");
+    if (fortran == "True") broken("Fortran order; write C-contiguous arrays (np.ascontiguousarray)");
+    if (fortran != "False") broken("fortran_order " + printable(fortran, 40) + " is not a Python bool (True or False)");
     shape_ = parse_shape(shape_text);
   }
 
   /// The value of `key` in the header's Python dict literal, as written
-  /// ('...' and (...) with their delimiters).
+  /// ('...', "..." and (...) with their delimiters). A Python literal may
+  /// quote with either mark; NumPy writes single ones.
   std::string field(const std::string& key) const {
     const std::string& h = header_;
-    const size_t k = h.find("'" + key + "'");
+    size_t k = h.find("'" + key + "'");
+    if (k == std::string::npos) k = h.find("\"" + key + "\"");
     if (k == std::string::npos) broken("header has no '" + key + "'");
     size_t v = h.find(':', k);
     if (v == std::string::npos) broken("malformed header");
@@ -121,12 +130,13 @@ class NpyReader {
     while (v < h.size() && h[v] == ' ') ++v;
     if (v >= h.size()) broken("malformed header");
     size_t e = v;
-    if (h[v] == '\'') e = h.find('\'', v + 1);
+    const bool quoted = h[v] == '\'' || h[v] == '"';
+    if (quoted) e = h.find(h[v], v + 1);
     else if (h[v] == '(') e = h.find(')', v);
     else
       while (e < h.size() && h[e] != ',' && h[e] != '}') ++e;
     if (e == std::string::npos) broken("malformed header");
-    if (h[v] == '\'' || h[v] == '(') ++e;
+    if (quoted || h[v] == '(') ++e;
     return h.substr(v, e - v);
   }
 
@@ -224,8 +234,8 @@ std::string nearest(const std::string& name, const std::set<std::string>& valid)
 }  // namespace
 
 Tensor read_npy(const std::string& path, ElemType want, const std::vector<int64_t>& want_shape,
-                std::vector<int64_t>* rows_differ) {
-  return NpyReader(path, want, want_shape).read(rows_differ);
+                std::vector<int64_t>* rows_differ, int64_t first_rows) {
+  return NpyReader(path, want, want_shape).read(rows_differ, first_rows);
 }
 
 namespace golden {
