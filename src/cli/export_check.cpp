@@ -928,6 +928,8 @@ int cmd_check(const CheckArgs& a) {
     for (const auto& s : subs)
       folders.push_back({dir + "/" + s, a.has_actual ? a.actual_dir + "/" + s : dir + "/" + s + "/actual"});
   }
+  if (folders.empty() && !golden::is_dir(dir))
+    bad_input(printable(dir, 200) + ": no such folder; valid: a folder written by `moeverify export`");
   if (folders.empty())
     bad_input(printable(dir, 200) + ": holds no manifest.json (nor folders that do); valid: a folder written by "
               "`moeverify export`");

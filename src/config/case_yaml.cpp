@@ -249,8 +249,14 @@ YAML::Node parse_root(const std::string& text, const std::string& path) {
     if (k != "cases" && k != "defaults")
       fail_at({kv.first, path}, k, "unknown top-level key", "valid: cases, defaults");
   }
+  if (root["cases"] && !root["cases"].IsNull() && !root["cases"].IsSequence())
+    fail_at({root["cases"], path}, "cases", root["cases"].IsMap() ? "a mapping, not a list" : "not a list",
+            "valid: a list of case mappings, each item starting with '- ', or cases: [{name: a}]");
   if (!root["cases"] || !root["cases"].IsSequence() || root["cases"].size() == 0)
     fail_at(rootsrc, "cases", "missing or empty", "valid: a non-empty list of case mappings");
+  if (root["defaults"] && !root["defaults"].IsMap())
+    fail_at({root["defaults"], path}, "defaults", "expected a mapping of case keys, got " +
+            scalar_text({root["defaults"], path}), "valid: defaults: {dtype: bf16, ...}");
   return root;
 }
 
