@@ -239,6 +239,9 @@ std::string Case::summary() const {
   if (grad_accumulate != GradAccumulate::as_combine)
     o << " grad_accumulate=" << enum_name(grad_accumulate_table(), grad_accumulate);
   if (layers > 1) o << " layers=" << layers;
+  if (router.hot_expert >= 0) o << " hot_expert=" << router.hot_expert;
+  if (sp > 1) o << " sp=" << sp << "/" << enum_name(sp_padding_table(), sp_padding);
+  if (batch > 1) o << " batch=" << batch;
   if (capacity.factor > 0)
     o << " capacity=" << capacity.factor << "/" << enum_name(capacity_policy_table(), capacity.policy)
       << (capacity.pad_to_capacity == Switch::on ? "/pad" : "");
