@@ -56,6 +56,7 @@ item folder_as_case_file "is a folder, not a case file" run "$dir"
 # the wrong shape of cases or defaults is named as such (they once read
 # "cases: missing or empty" and "case: expected a mapping")
 v cases_a_mapping "cases_a_mapping.yaml:1:8: cases: a mapping, not a list"
+v name_not_utf8 "name_not_utf8.yaml:2:11: name: the name 'a\\xff\\xfe' is not valid UTF-8 text"
 v defaults_a_scalar "defaults_a_scalar.yaml:1:11: defaults: expected a mapping of case keys, got '5'"
 item check_no_folder "$tmp/nonexist: no such folder" check "$tmp/nonexist"
 item set_unclosed_list "--set shape.tokens:1:1: YAML syntax error" validate "$ok_file" --set 'shape.tokens=[1,'

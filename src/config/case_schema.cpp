@@ -106,6 +106,12 @@ void add_case_keys(std::vector<Field>& v) {
                    if (static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f)
                      fail_at(s, k, "the name '" + printable(n) + "' contains a control character",
                              "valid: printable characters (a report shows the name on one line)");
+                 // printable() keeps well-formed UTF-8 and escapes the rest: a
+                 // name it changes holds bytes that are no text (a JSON report
+                 // would show them replaced, the text report raw).
+                 if (printable(n, n.size()) != n)
+                   fail_at(s, k, "the name '" + printable(n) + "' is not valid UTF-8 text",
+                           "valid: UTF-8 text (a JSON report carries the name as written)");
                  c.name = n;
                }});
   v.push_back(int_field("shape.tokens", 0, 1 << 24, [](Case& c, int64_t x) { c.tokens = x; }));
