@@ -230,9 +230,9 @@ std::string write_shrunk_case(const FuzzOptions& o, FuzzFailure& f, const Header
 
 FuzzResult fuzz(const FuzzOptions& o, std::ostream& progress) {
   if (o.seconds <= 0 && o.iterations == 0) bad_input("fuzz: give --seconds or --iterations");
+  require_profile_fits(o.profile, o.seed);
   // --out is a folder that exists or can be made in an existing one (never
   // a chain of folders anywhere), checked now, not at the first failure.
-  require_profile_fits(o.profile, o.seed);
   if (!o.out_dir.empty()) prepare_dump_root(o.out_dir, "fuzz --out");
   FuzzResult res;
   res.seed = o.seed;

@@ -236,6 +236,8 @@ void tally(FuzzResult& res, const ImplRun& r) {
 
 /// Set by SIGINT or SIGTERM: the jobs finish the configuration they run,
 /// shrinking stops, and the summary is printed (temporary folders removed).
+/// A second one sets g_stop_commands: the implementations under way are
+/// ended at once and their configurations not counted.
 std::atomic<bool> g_interrupted{false};
 extern "C" void on_interrupt(int) {
   if (g_interrupted) g_stop_commands = true;  // the second: the implementations under way end now
