@@ -106,7 +106,8 @@ std::string case_keys_markdown() {
        "| key | valid values | default | meaning |\n|---|---|---|---|\n";
   for (const auto& [key, valid] : case_keys()) {
     std::string def = "-";
-    if (defaults.contains(key)) def = defaults[key].dump();
+    if (key == "name") def = "(required)";  // every case names itself: no default
+    else if (defaults.contains(key)) def = defaults[key].dump();
     std::string v = valid;
     for (size_t p = 0; (p = v.find('|', p)) != std::string::npos; p += 2) v.replace(p, 1, "\\|");
     o << "| `" << key << "` | " << v << " | " << def << " | " << case_key_meaning(key) << " |\n";
