@@ -91,7 +91,9 @@ def encode(values, dtype, what):
         if a.dtype.kind not in "iu":
             raise TypeError("%s holds integers (%s), not %s" % (what, dtype, dtype_text(a)))
         want = np.dtype(dtype)
-        if a.size and (a.min() < np.iinfo(want).min or a.max() > np.iinfo(want).max):
+        # as Python integers: NumPy compares uint64 with int64 in float64,
+        # where 2**63 equals int64's largest value
+        if a.size and (int(a.min()) < int(np.iinfo(want).min) or int(a.max()) > int(np.iinfo(want).max)):
             raise ValueError("%s: values outside %s" % (what, dtype))
         return a.astype(want)
     raise ValueError("%s: unknown manifest dtype %r" % (what, dtype))

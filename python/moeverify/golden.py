@@ -133,8 +133,8 @@ class Golden:
 
     def entry(self, name, role="expected", rank=0, stage=None, layer=1):
         """The manifest entry `name` ("name" or "stage.name") of `role`."""
-        if not 0 <= rank < self.ranks:
-            raise GoldenError("%s: rank %d; valid: 0..%d" % (self.name, rank, self.ranks - 1))
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.ranks:
+            raise GoldenError("%s: rank %r; valid: 0..%d (an integer)" % (self.name, rank, self.ranks - 1))
         if not 1 <= layer <= self.layers:
             raise GoldenError("%s: layer %d; valid: 1..%d" % (self.name, layer, self.layers))
         if stage is None and "." in name:
@@ -188,7 +188,10 @@ class Golden:
         stage); the other dimensions may not. Returns the path written."""
         e = self.entry(name, "expected", rank, stage, layer)
         what = "%s %s rank %d" % (self.name, e.qualified, rank)
-        a = codec.encode(_from_torch(array), e.dtype, what)
+        try:
+            a = codec.encode(_from_torch(array), e.dtype, what)
+        except (TypeError, ValueError) as err:  # every refusal of an array is a GoldenError
+            raise GoldenError(str(err)) from err
         if a.ndim != len(e.shape) or tuple(a.shape[1:]) != e.shape[1:]:
             raise GoldenError("%s: shape %s; valid: %s with any number of rows, layout %s" % (
                 what, list(a.shape), ["rows"] + list(e.shape[1:]), e.layout))

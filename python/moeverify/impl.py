@@ -151,7 +151,7 @@ def export(case_file, out_dir, profile=None, cases=(), sets=()):
     cmd = [binary(), "export", os.fspath(case_file), os.fspath(out_dir)]
     if profile:
         cmd += ["--profile", os.fspath(profile)]
-    for c in cases:
+    for c in (cases,) if isinstance(cases, str) else cases:  # one name, or several
         cmd += ["--case", c]
     for s in sets:
         cmd += ["--set", s]
@@ -173,7 +173,7 @@ def _call(fn, folder):
         fn(open_golden(folder))
         return "done"
     except Unsupported as e:
-        return "skip " + _one_line(e or "unsupported")
+        return "skip " + _one_line(str(e) or "unsupported")
     except SystemExit as e:  # sys.exit(77) inside fn means unsupported too
         if e.code == EXIT_UNSUPPORTED:
             return "skip exit 77"

@@ -150,6 +150,14 @@ def run(tool, src, tmp):
     expect(p.returncode == 77 and "not supported: no fp32" in p.stderr, "main: Unsupported exits 77 with the reason")
     p = subprocess.run([sys.executable, script, os.path.join(tmp, "nowhere")], capture_output=True, text=True)
     expect(p.returncode == 1 and "GoldenError" in p.stderr, "main: an exception exits 1 naming it")
+    # Unsupported() without a reason: the default reason (it once sent "skip " and nothing)
+    bare = os.path.join(tmp, "bare.py")
+    with open(bare, "w") as f:
+        f.write("import sys\nsys.path.insert(0, %r)\nimport moeverify\n"
+                "def fn(g):\n    raise moeverify.Unsupported()\nmoeverify.main(fn)\n" % os.path.dirname(HERE))
+    p = subprocess.run([sys.executable, bare, folders[0]], capture_output=True, text=True)
+    expect(p.returncode == 77 and "not supported: unsupported" in p.stderr,
+           "main: Unsupported() without a reason says 'unsupported': %r" % p.stderr.strip())
     p = subprocess.run([sys.executable, script, "--bogus"], capture_output=True, text=True)
     expect(p.returncode == 2 and "usage" in p.stderr, "main: an unknown option exits 2 with the usage")
 
@@ -179,6 +187,10 @@ def run(tool, src, tmp):
     params = moeverify.testing.cases(os.path.join(src, "cases/basic.yaml"), only=["exact_*"])
     names = [getattr(p, "values", [p])[0].name for p in params]
     expect(names and all(n.startswith("exact_") for n in names), "testing.cases: one per exported case: %s" % names)
+    # one name as a string (it was taken letter by letter)
+    params = moeverify.testing.cases(os.path.join(src, "cases/basic.yaml"), only="exact_fp32")
+    names = [getattr(p, "values", [p])[0].name for p in params]
+    expect(names == ["exact_fp32"], "testing.cases: only= one name as a string: %s" % names)
 
     # fuzz: a correct function passes, a planted bug is found and shrunk
     out = os.path.join(tmp, "fuzz-out")

@@ -162,8 +162,15 @@ def run(tool, src, tmp, use_torch):
     expect(raises(lambda: g.input("x", rank=g.ranks), moeverify.GoldenError, "valid: 0.."), "a rank out of range")
     h = first(lambda c: c.entry("x", "input").dtype == "bfloat16")
     e = h.entry("dispatch.routed_input")
-    expect(raises(lambda: h.write(e.qualified, np.zeros(e.shape, np.float64)), TypeError, "float64", "float32"),
-           "float64 for a bf16 tensor is refused (no silent double rounding)")
+    expect(raises(lambda: h.write(e.qualified, np.zeros(e.shape, np.float64)), moeverify.GoldenError, "float64",
+                  "float32"), "float64 for a bf16 tensor is refused (no silent double rounding), as a GoldenError")
+    for bad in ("0", 0.5, True):  # once a bare TypeError, a misleading entry error, rank 1
+        expect(raises(lambda: h.write(e.qualified, np.zeros(e.shape, np.float32), rank=bad), moeverify.GoldenError,
+                      "valid: 0.."), "rank %r is refused" % (bad,))
+    c = next(e for e in h.entries if e.role == "expected" and e.dtype == "int64")
+    # uint64 2**63 once wrapped to int64's least value, silently
+    expect(raises(lambda: h.write(c.qualified, np.full(c.shape, 2**63, np.uint64), rank=c.rank),
+                  moeverify.GoldenError, "values outside int64"), "uint64 2**63 into an int64 tensor is refused")
     x = h.input("x")
     bits = h.input("x", raw=True)
     expect(x.dtype == np.float32 and bits.dtype == np.uint16 and
