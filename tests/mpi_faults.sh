@@ -187,6 +187,19 @@ planted)
   echo "ok   planted unswapped_combine_splits under mpirun: exit 3, $(grep -m1 -o "send splits sum to [0-9]* rows but the send buffer holds [0-9]* rows" "$tmp/run.log")"
   ;;
 
-*) echo "usage: $0 MPIEXEC MOEVERIFY disagree|signal|stop_at|stop_inside|planted ARG"; exit 2 ;;
+notes_once)
+  # what every rank would say alike (a case --set leaves out) is said once,
+  # by rank 0, not once a rank
+  printf 'cases:\n  - name: per_rank\n    ep: 2\n    shape: {tokens_per_rank: [3, 0]}\n  - name: plain\n    ep: 2\n' \
+    >"$tmp/n.yaml"
+  timeout -k 5 120 "$mpiexec" -np 2 "$bin" run "$tmp/n.yaml" --threads 1 --set shape.tokens=4 >"$tmp/run.log" 2>&1
+  rc=$?
+  [ "$rc" = 0 ] || fail "exit $rc, expected 0"
+  [ "$(grep -c "note: case per_rank left out" "$tmp/run.log")" = 1 ] ||
+    { cat "$tmp/run.log"; fail "the left-out note is not said exactly once"; }
+  echo "ok   a left-out case noted once under mpirun -np 2"
+  ;;
+
+*) echo "usage: $0 MPIEXEC MOEVERIFY disagree|signal|stop_at|stop_inside|planted|notes_once ARG"; exit 2 ;;
 esac
 exit 0

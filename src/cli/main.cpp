@@ -47,7 +47,10 @@ namespace {
 std::vector<Case> load_noting_left_out(const std::string& file, const std::vector<std::string>& sets) {
   std::vector<std::string> left_out;
   std::vector<Case> cases = load_cases(file, sets, &left_out);
-  for (const auto& n : left_out) std::cerr << "moeverify: note: " << n << "\n";
+  // Every rank under mpirun loads the same files alike: rank 0 says it, in
+  // one write a note (ranks share stderr).
+  if (launched_rank() == 0)
+    for (const auto& n : left_out) std::cerr << ("moeverify: note: " + n + "\n");
   return cases;
 }
 

@@ -100,6 +100,9 @@ void nccl_finalize_if_started();
 
 /// Whether this process was started by mpirun with more than one rank.
 bool launched_under_mpi();
+/// This process's rank as the launcher's environment gives it, before MPI
+/// is initialised (0 outside mpirun): for what every rank would print alike.
+int launched_rank();
 /// The MPI world as a Comm (initialises MPI on first use, with
 /// MPI_ERRORS_RETURN so that moeverify reports MPI errors itself). Throws
 /// when this build has no MPI.

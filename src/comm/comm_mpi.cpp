@@ -38,6 +38,13 @@ bool launched_under_mpi() {
   return false;
 }
 
+int launched_rank() {
+  if (!launched_under_mpi()) return 0;
+  for (const char* v : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"})
+    if (const char* s = std::getenv(v)) return std::atoi(s);
+  return 0;
+}
+
 namespace {
 
 std::chrono::milliseconds g_timeout{30000};
