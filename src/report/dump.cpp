@@ -327,12 +327,11 @@ std::vector<std::string> prepare_case_folder(const std::string& dir, const std::
     bad_input(flag + ": " + shown + " is " +
               (is_golden ? "a golden folder written by `moeverify export`" : "a --dump folder written by `moeverify run`") +
               " (format " + m->format + "), not " + own + "'s: nothing in it is replaced; " + valid);
-  const std::set<std::string>* listed = &m->files;
-  if (kind == FolderKind::golden) remove_stale_outputs(dir, *listed, flag);
+  if (kind == FolderKind::golden) remove_stale_outputs(dir, m->files, flag);
   // Only what that manifest lists (and the manifest) is replaced.
   std::vector<std::string> left;
   for (const std::string& n : entries) {
-    if (n != "manifest.json" && !listed->count(n)) {
+    if (n != "manifest.json" && !m->files.count(n)) {
       left.push_back(n);
       continue;
     }
