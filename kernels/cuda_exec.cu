@@ -20,6 +20,7 @@
 
 #include "bodies.h"
 #include "cuda_exec.h"
+#include "gemm_plan.h"
 #include "host_exec.h"
 
 namespace moev::cuda {
@@ -355,7 +356,7 @@ struct Blas {
   /// cublasGemmGroupedBatchedEx (cuBLAS 12.5 and later); null where the
   /// library lacks it, and gemm_group then enqueues the single GEMMs.
   decltype(&cublasGemmGroupedBatchedEx) gemm_grouped = nullptr;
-  /// cublasGemmBatchedEx: gemm_group's calls under MOEVERIFY_CUDA_GEMM_GROUP=batched.
+  /// cublasGemmBatchedEx: gemm_group's GEMMs of one shape (GroupMode).
   cublasStatus_t (*gemm_batched)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int, const void*,
                                  const void* const*, cudaDataType, int, const void* const*, cudaDataType, int,
                                  const void*, void* const*, cudaDataType, int, int, cublasComputeType_t,
@@ -363,32 +364,40 @@ struct Blas {
 };
 
 /// How gemm_group enqueues its jobs (MOEVERIFY_CUDA_GEMM_GROUP):
-/// - `streams` (the default): one cublasGemmEx a job, spread over
-///   gemm_streams() streams of their own (each its own cuBLAS handle),
-///   forked from and joined back to the calling thread's stream. On an H200
-///   one DeepSeek-V3 expert GEMM of 512 rows (512 x 2048 x 7168) alone keeps
-///   about a quarter of the SMs busy: 48 of them back to back ran at 30% of
-///   one GEMM of the same FLOPs, and the grouped call at 29% (2026-11-27).
-///   Side by side they fill the GPU, the way TransformerEngine's grouped
-///   linear layers run on several streams.
-/// - `grouped`: one cublasGemmGroupedBatchedEx per output type;
-/// - `batched`: one cublasGemmBatchedEx per run of consecutive jobs of one
-///   shape (a single job as cublasGemmEx).
+/// - `auto` (the default): the jobs of one shape as one cublasGemmBatchedEx
+///   and every other job as one cublasGemmEx (k::plan_gemm_units), these
+///   calls spread over gemm_streams() streams of their own, largest first.
+///   On an H100 (2026-11-28, a52630d) DeepSeek-V3's grouped SwiGLU forward
+///   (16 experts of 512 rows, D 7168, F 2048) ran at 61.6% of one GEMM of
+///   the same FLOPs as batched calls, at 45-50% as single GEMMs over 2-8
+///   streams and at 31% as one grouped call. Experts of unequal counts have
+///   shapes of their own, so there the single GEMMs fill the GPU side by
+///   side, the way TransformerEngine's grouped linear layers run on several
+///   streams.
+/// - `streams`: every job as one cublasGemmEx over those streams;
+/// - `batched`: auto's calls, all on the calling thread's stream;
+/// - `grouped`: one cublasGemmGroupedBatchedEx per output type.
 /// The kit's KIT_GEMM_AB times each on a GPU. Every way gives each GEMM's
-/// sums in fp32 and one rounding; which stream runs a job never changes its
-/// bits (a job's algorithm does not depend on its stream).
-enum class GroupMode { streams, grouped, batched };
+/// sums in fp32 and one rounding (outputs compared with the `gemm`
+/// tolerance, docs/contract.md); which stream or call runs a job may change
+/// its last bits, never from one run to the next.
+enum class GroupMode { automatic, streams, grouped, batched };
 GroupMode gemm_group_mode() {
   static const GroupMode m = [] {
-    const std::string v = env_choice("MOEVERIFY_CUDA_GEMM_GROUP", {"streams", "grouped", "batched"});
-    return v == "grouped" ? GroupMode::grouped : v == "batched" ? GroupMode::batched : GroupMode::streams;
+    const std::string v = env_choice("MOEVERIFY_CUDA_GEMM_GROUP", {"auto", "streams", "grouped", "batched"});
+    return v == "grouped"   ? GroupMode::grouped
+           : v == "batched" ? GroupMode::batched
+           : v == "streams" ? GroupMode::streams
+                            : GroupMode::automatic;
   }();
   return m;
 }
-/// The streams of gemm_group's `streams` mode (MOEVERIFY_CUDA_GEMM_STREAMS:
-/// 2, 4, 8 or 16). The default 4 is not yet timed: four GEMMs of 512 x 2048
-/// x 7168 in 128 x 256 tiles are 128 blocks, about an H100's or H200's 132
-/// SMs.
+/// The streams of gemm_group's fan (MOEVERIFY_CUDA_GEMM_STREAMS: 2, 4, 8 or
+/// 16). Four GEMMs of 512 x 2048 x 7168 in 128 x 256 tiles are 128 blocks,
+/// about an H100's or H200's 132 SMs. On an H100 (2026-11-28) DeepSeek-V3's
+/// forward as single GEMMs ran at 50.2%, 46.4% and 45.1% of one same-FLOP
+/// GEMM on 2, 4 and 8 streams: equal shapes, where `auto` now batches them;
+/// unequal counts, smaller GEMMs, want more side by side (not yet timed).
 int gemm_streams() {
   static const int n = std::stoi(env_choice("MOEVERIFY_CUDA_GEMM_STREAMS", {"4", "2", "8", "16"}));
   return n;
@@ -595,72 +604,44 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
 
   // The jobs as column-major calls (call_of), enqueued as gemm_group_mode()
   // says, one wait in all:
-  // - streams: single GEMMs over a fan of streams (enqueue_fanned);
+  // - auto, streams, batched: the plan's calls (k::plan_gemm_units,
+  //   enqueue_planned), over the fan's streams or on the caller's;
   // - grouped: one cublasGemmGroupedBatchedEx per output type (act, fp32),
-  //   consecutive jobs of equal shape sharing a group;
-  // - batched: enqueue_batched.
-  // The grouped and batched calls need dt other than fp32 (fp32 GEMMs use
+  //   consecutive jobs of equal shape sharing a group.
+  // The batched and grouped calls need dt other than fp32 (fp32 GEMMs use
   // the pedantic compute type, which they do not take) and a cuBLAS that has
-  // them; else the single GEMMs run back to back. Under them a job whose
-  // operands are not all 16-byte aligned (operands_aligned16) goes alone
-  // through cublasGemmEx: on an H200 (cuBLAS 13) the grouped call gave wrong
-  // sums for the SwiGLU experts at hidden = 1 (rows of 2 bytes), which the
-  // single call gets right.
+  // them; else a job is a single GEMM. A job whose operands are not all
+  // 16-byte aligned (operands_aligned16) goes alone through cublasGemmEx:
+  // on an H200 (cuBLAS 13) the grouped call gave wrong sums for the SwiGLU
+  // experts at hidden = 1 (rows of 2 bytes), which the single call gets right.
   void gemm_group(DType dt, const std::vector<GemmJob>& jobs) override {
     if (jobs.empty()) return;
-    // how this group runs: the mode chosen, where this dt and cuBLAS allow it
-    enum class Way { fanned, grouped, batched, singles };
     const GroupMode mode = gemm_group_mode();
     const bool dt_taken = dt != DType::fp32;  // fp32's pedantic compute type: neither grouped nor batched
-    const Way way = mode == GroupMode::streams ? (jobs.size() > 1 ? Way::fanned : Way::singles)
-                    : mode == GroupMode::grouped && dt_taken && blas().gemm_grouped ? Way::grouped
-                    : mode == GroupMode::batched && dt_taken && blas().gemm_batched ? Way::batched
-                                                                                    : Way::singles;
-    const bool one_call = way == Way::grouped || way == Way::batched;
-    std::vector<Call> calls, alone;
-    for (const GemmJob& j : jobs) {
-      const Call c = call_of(dt, j);
-      (!one_call || operands_aligned16(c) ? calls : alone).push_back(c);
-    }
+    std::vector<Call> calls;
+    for (const GemmJob& j : jobs) calls.push_back(call_of(dt, j));
     std::string path;
-    switch (way) {
-      case Way::fanned: path = "one cublasGemmEx per job over " + std::to_string(gemm_streams()) + " streams, longest first"; break;
-      case Way::batched: path = "one cublasGemmBatchedEx per run of equal shapes (MOEVERIFY_CUDA_GEMM_GROUP=batched)"; break;
-      case Way::grouped: path = "one cublasGemmGroupedBatchedEx per output type (MOEVERIFY_CUDA_GEMM_GROUP=grouped)"; break;
-      case Way::singles:
-        path = std::string("one cublasGemmEx per job, back to back (") +
-               (mode == GroupMode::streams ? "a single job"
-                : !dt_taken                ? "fp32: the pedantic compute type"
-                                           : "this cuBLAS lacks the grouped or batched call") +
-               ")";
-    }
-    if (!alone.empty())
-      path += "; " + std::to_string(alone.size()) + " GEMM(s) with operands not 16-byte aligned one cublasGemmEx each";
-    if (way == Way::fanned) {
-      FanLease f(*this);
-      timed("gemm_group", [&] { enqueue_fanned(*f.fan, calls); });
+    if (mode == GroupMode::grouped && dt_taken && blas().gemm_grouped) {
+      path = enqueue_grouped_calls(dt, calls);
     } else {
-      Lease h(*this);
-      timed("gemm_group", [&] {
-        for (const Call& c : alone) enqueue_gemm(h.h, c);
-        if (way == Way::batched) return enqueue_batched(h.h, calls);
-        if (way == Way::singles) {
-          for (const Call& c : calls) enqueue_gemm(h.h, c);
-          return;
-        }
-        for (cudaDataType ct : {data_type(dt), CUDA_R_32F}) {
-          const cublasStatus_t st = enqueue_grouped(h.h, calls, ct);
-          if (st == CUBLAS_STATUS_SUCCESS) continue;
-          if (st != CUBLAS_STATUS_NOT_SUPPORTED)
-            throw std::runtime_error("cublasGemmGroupedBatchedEx: cuBLAS status " + std::to_string(int(st)));
-          // a type combination the grouped call does not take: that output
-          // type's GEMMs one by one (the same results, one call each)
-          path += std::string("; its ") + (ct == CUDA_R_32F ? "fp32" : "activation") +
-                  "-output GEMMs one cublasGemmEx each (the grouped call said not supported)";
-          for (const Call& c : calls)
-            if (c.c_type == ct) enqueue_gemm(h.h, c);
-        }
-      });
+      const bool wants_batch = mode == GroupMode::automatic || mode == GroupMode::batched;
+      const bool batch = wants_batch && dt_taken && blas().gemm_batched;
+      std::vector<bool> batchable(calls.size());
+      for (size_t i = 0; i < calls.size(); ++i) batchable[i] = batch && operands_aligned16(calls[i]);
+      const int streams = mode == GroupMode::batched ? 1 : gemm_streams();
+      const std::vector<k::GemmUnit> units = k::plan_gemm_units(
+          calls.size(), batchable, [&](size_t a, size_t b) { return same_shape(calls[a], calls[b]); },
+          [&](size_t i) { return flops(calls[i]); }, streams);
+      if (units.size() > 1 && streams > 1) {
+        FanLease f(*this);
+        timed("gemm_group", [&] { path = enqueue_planned(f.fan, f.fan->handles, calls, units); });
+      } else {
+        Lease h(*this);
+        timed("gemm_group", [&] { path = enqueue_planned(nullptr, {h.h}, calls, units); });
+      }
+      if (mode == GroupMode::grouped || (wants_batch && !batch))
+        path += std::string(" (no ") + (mode == GroupMode::grouped ? "grouped" : "batched") + " call: " +
+                (!dt_taken ? "fp32's pedantic compute type" : "this cuBLAS lacks it") + ")";
     }
     std::lock_guard<std::mutex> lk(blas_m_);
     ++group_calls_.calls;
@@ -823,7 +804,7 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
     Lease& operator=(const Lease&) = delete;
   };
 
-  /// gemm_group's fan (GroupMode::streams): gemm_streams() non-blocking
+  /// gemm_group's fan (GroupMode auto and streams): gemm_streams() non-blocking
   /// streams, each with a cuBLAS handle of its own bound to it (a handle's
   /// workspace serves one stream at a time) and an event that joins it back;
   /// `fork` lets each wait for the caller's stream. Its handles are in
@@ -865,33 +846,77 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
     FanLease& operator=(const FanLease&) = delete;
   };
 
-  /// Enqueues the calls as single GEMMs over the fan's streams: in order of
-  /// decreasing FLOPs, each on the stream with the fewest FLOPs so far
-  /// (longest processing time first), after a fork from the calling
-  /// thread's stream, which then waits for every stream used. Without
-  /// waiting.
-  static void enqueue_fanned(Fan& f, const std::vector<Call>& calls) {
-    const auto flops = [](const Call& c) { return double(c.m) * double(c.n) * double(c.k); };
-    std::vector<size_t> order(calls.size());
-    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-    std::stable_sort(order.begin(), order.end(),
-                     [&](size_t a, size_t b) { return flops(calls[a]) > flops(calls[b]); });
-    const size_t S = f.streams.size();
-    std::vector<double> load(S, 0);
-    std::vector<bool> used(S, false);
-    MOEV_CUDA_CHECK(cudaEventRecord(f.fork, thread_stream()));
-    for (size_t i : order) {
-      const size_t s = size_t(std::min_element(load.begin(), load.end()) - load.begin());
-      if (!used[s]) MOEV_CUDA_CHECK(cudaStreamWaitEvent(f.streams[s], f.fork, 0));
-      used[s] = true;
-      enqueue_gemm(f.handles[s], calls[i]);
-      load[s] += flops(calls[i]);
+  static double flops(const Call& c) { return 2.0 * double(c.m) * double(c.n) * double(c.k); }
+
+  /// Enqueues the plan's units (k::plan_gemm_units over calls): unit u on
+  /// handles[u.stream], several jobs as one cublasGemmBatchedEx (where the
+  /// batched call refuses the type combination, as single GEMMs), one as
+  /// cublasGemmEx. With a fan, its streams first wait for the calling
+  /// thread's stream (a fork), which then waits for every stream used; the
+  /// batched calls' pointer arrays go to the device in one copy before the
+  /// fork and are freed in the calling stream's order after the join.
+  /// Without waiting. Returns how the calls ran, for bench.
+  std::string enqueue_planned(Fan* fan, const std::vector<cublasHandle_t>& handles, const std::vector<Call>& calls,
+                              const std::vector<k::GemmUnit>& units) {
+    std::vector<const void*> ptrs;  // per batched unit: its A's, B's, C's
+    std::vector<size_t> first(units.size(), 0);
+    for (size_t u = 0; u < units.size(); ++u) {
+      if (units[u].jobs.size() < 2) continue;
+      first[u] = ptrs.size();
+      for (int which = 0; which < 3; ++which)
+        for (size_t j : units[u].jobs)
+          ptrs.push_back(which == 0 ? calls[j].A : which == 1 ? calls[j].B : static_cast<const void*>(calls[j].C));
     }
-    for (size_t s = 0; s < S; ++s)
-      if (used[s]) {
-        MOEV_CUDA_CHECK(cudaEventRecord(f.done[s], f.streams[s]));
-        MOEV_CUDA_CHECK(cudaStreamWaitEvent(thread_stream(), f.done[s], 0));
+    std::unique_ptr<StreamBuffer> dptrs;
+    if (!ptrs.empty()) {
+      dptrs = std::make_unique<StreamBuffer>(ptrs.size() * sizeof(void*));
+      MOEV_CUDA_CHECK(cudaMemcpyAsync(dptrs->d, ptrs.data(), ptrs.size() * sizeof(void*), cudaMemcpyHostToDevice,
+                                      thread_stream()));
+    }
+    std::vector<bool> used(handles.size(), false);
+    if (fan) MOEV_CUDA_CHECK(cudaEventRecord(fan->fork, thread_stream()));
+    int batched = 0, refused = 0, singles = 0;
+    std::string sizes;
+    for (size_t u = 0; u < units.size(); ++u) {
+      const size_t s = size_t(units[u].stream);
+      if (fan && !used[s]) MOEV_CUDA_CHECK(cudaStreamWaitEvent(fan->streams[s], fan->fork, 0));
+      used[s] = true;
+      const std::vector<size_t>& js = units[u].jobs;
+      if (js.size() < 2) {
+        enqueue_gemm(handles[s], calls[js[0]]);
+        ++singles;
+        continue;
       }
+      const Call& c = calls[js[0]];
+      void** dp = static_cast<void**>(dptrs->d) + first[u];
+      const size_t np = js.size();
+      const float alpha = 1.f, beta = 0.f;
+      const cublasStatus_t st =
+          blas().gemm_batched(handles[s], c.op_a, c.op_b, c.m, c.n, c.k, &alpha, dp, c.t, c.lda, dp + np, c.t,
+                              c.ldb, &beta, dp + 2 * np, c.c_type, c.ldc, int(np), c.compute, CUBLAS_GEMM_DEFAULT);
+      if (st == CUBLAS_STATUS_NOT_SUPPORTED) {  // a type combination the batched call does not take
+        for (size_t j : js) enqueue_gemm(handles[s], calls[j]);
+        refused += int(np);
+      } else if (st != CUBLAS_STATUS_SUCCESS) {
+        throw std::runtime_error("cublasGemmBatchedEx: cuBLAS status " + std::to_string(int(st)));
+      } else {
+        ++batched;
+        sizes += (sizes.empty() ? "" : ", ") + std::to_string(np);
+      }
+    }
+    if (fan)
+      for (size_t s = 0; s < handles.size(); ++s)
+        if (used[s]) {
+          MOEV_CUDA_CHECK(cudaEventRecord(fan->done[s], fan->streams[s]));
+          MOEV_CUDA_CHECK(cudaStreamWaitEvent(thread_stream(), fan->done[s], 0));
+        }
+    std::string path;
+    if (batched) path = std::to_string(batched) + " cublasGemmBatchedEx of " + sizes + " GEMMs";
+    if (singles + refused)
+      path += (path.empty() ? "" : " and ") + std::to_string(singles + refused) + " cublasGemmEx" +
+              (refused ? " (" + std::to_string(refused) + " refused by the batched call)" : "");
+    path += fan ? " over " + std::to_string(handles.size()) + " streams, largest first" : " on one stream";
+    return path;
   }
 
   /// Enqueues one GEMM on the handle's stream, without waiting.
@@ -908,37 +933,33 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
            a.ldb == b.ldb && a.ldc == b.ldc && a.t == b.t && a.c_type == b.c_type && a.compute == b.compute;
   }
 
-  /// Enqueues the calls as one cublasGemmBatchedEx per run of consecutive
-  /// calls of one shape (same_shape), a run of one, or of a type combination
-  /// the batched call refuses, as cublasGemmEx calls. Each run's pointer
-  /// arrays go to the device first, freed in stream order.
-  static void enqueue_batched(cublasHandle_t h, const std::vector<Call>& calls) {
-    for (size_t i = 0; i < calls.size();) {
-      size_t j = i + 1;
-      while (j < calls.size() && same_shape(calls[i], calls[j])) ++j;
-      const Call& c = calls[i];
-      if (j - i == 1) {
-        enqueue_gemm(h, c);
-      } else {
-        const size_t np = j - i;
-        std::vector<const void*> ptrs(3 * np);  // A's, B's, C's
-        for (size_t q = 0; q < np; ++q)
-          ptrs[q] = calls[i + q].A, ptrs[np + q] = calls[i + q].B, ptrs[2 * np + q] = calls[i + q].C;
-        StreamBuffer dptrs(ptrs.size() * sizeof(void*));
-        MOEV_CUDA_CHECK(cudaMemcpyAsync(dptrs.d, ptrs.data(), ptrs.size() * sizeof(void*), cudaMemcpyHostToDevice,
-                                        thread_stream()));
-        void** dp = static_cast<void**>(dptrs.d);
-        const float alpha = 1.f, beta = 0.f;
-        const cublasStatus_t st = blas().gemm_batched(h, c.op_a, c.op_b, c.m, c.n, c.k, &alpha, dp, c.t, c.lda,
-                                                      dp + np, c.t, c.ldb, &beta, dp + 2 * np, c.c_type, c.ldc,
-                                                      int(np), c.compute, CUBLAS_GEMM_DEFAULT);
-        if (st == CUBLAS_STATUS_NOT_SUPPORTED)  // a type combination the batched call does not take
-          for (size_t q = i; q < j; ++q) enqueue_gemm(h, calls[q]);
-        else if (st != CUBLAS_STATUS_SUCCESS)
-          throw std::runtime_error("cublasGemmBatchedEx: cuBLAS status " + std::to_string(int(st)));
+  /// gemm_group's grouped mode: the calls whose operands are 16-byte
+  /// aligned as one cublasGemmGroupedBatchedEx per output type (an output
+  /// type it refuses as single GEMMs), the rest as single GEMMs, on the
+  /// calling thread's stream. Returns how they ran, for bench.
+  std::string enqueue_grouped_calls(DType dt, const std::vector<Call>& all) {
+    std::vector<Call> calls, alone;
+    for (const Call& c : all) (operands_aligned16(c) ? calls : alone).push_back(c);
+    std::string path = "one cublasGemmGroupedBatchedEx per output type (MOEVERIFY_CUDA_GEMM_GROUP=grouped)";
+    if (!alone.empty())
+      path += "; " + std::to_string(alone.size()) + " GEMM(s) with operands not 16-byte aligned one cublasGemmEx each";
+    Lease h(*this);
+    timed("gemm_group", [&] {
+      for (const Call& c : alone) enqueue_gemm(h.h, c);
+      for (cudaDataType ct : {data_type(dt), CUDA_R_32F}) {
+        const cublasStatus_t st = enqueue_grouped(h.h, calls, ct);
+        if (st == CUBLAS_STATUS_SUCCESS) continue;
+        if (st != CUBLAS_STATUS_NOT_SUPPORTED)
+          throw std::runtime_error("cublasGemmGroupedBatchedEx: cuBLAS status " + std::to_string(int(st)));
+        // a type combination the grouped call does not take: that output
+        // type's GEMMs one by one (the same results, one call each)
+        path += std::string("; its ") + (ct == CUDA_R_32F ? "fp32" : "activation") +
+                "-output GEMMs one cublasGemmEx each (the grouped call said not supported)";
+        for (const Call& c : calls)
+          if (c.c_type == ct) enqueue_gemm(h.h, c);
       }
-      i = j;
-    }
+    });
+    return path;
   }
 
   /// Enqueues the calls whose output type is c_type as one

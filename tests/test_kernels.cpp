@@ -13,6 +13,7 @@
 
 #include "../kernels/backward_bodies.h"
 #include "../kernels/device.h"
+#include "../kernels/gemm_plan.h"
 #include "../kernels/host_exec.h"
 #include "case.h"
 #include "runner.h"
@@ -303,6 +304,90 @@ TEST_CASE("radix_key_bits: the fewest radix bits that hold every key below a bou
     CHECK(((keys - 1) >> (b - 1)) == 1);  // and one bit fewer would not
   }
   CHECK(k::radix_key_bits(uint64_t(256) * 262144) == 26);  // the planted fault's packed keys, E N
+}
+
+namespace {
+// A job of a plan test: its shape (jobs of one shape may batch) and FLOPs.
+struct PlanJob {
+  int shape;
+  double flops;
+  bool batchable;
+};
+std::vector<k::GemmUnit> plan_of(const std::vector<PlanJob>& jobs, int streams) {
+  std::vector<bool> b;
+  for (const PlanJob& j : jobs) b.push_back(j.batchable);
+  return k::plan_gemm_units(
+      jobs.size(), b, [&](size_t x, size_t y) { return jobs[x].shape == jobs[y].shape; },
+      [&](size_t i) { return jobs[i].flops; }, streams);
+}
+}  // namespace
+
+TEST_CASE("plan_gemm_units: one batched call per shape, every other GEMM alone, largest first on the least loaded stream",
+          "[cpu][kernels]") {
+  using J = std::vector<size_t>;
+  SECTION("DeepSeek-V3's forward at equal counts: W1's and W3's GEMMs of 16 experts as one call") {
+    std::vector<PlanJob> up(32, PlanJob{0, 1.0, true});
+    const auto u = plan_of(up, 4);
+    REQUIRE(u.size() == 1);
+    CHECK(u[0].jobs.size() == 32);
+    CHECK(u[0].flops == 32.0);
+  }
+  SECTION("a backward's jobs listed expert by expert (W1, W3, W2): one call per shape, not per neighbours") {
+    std::vector<PlanJob> jobs;
+    for (int e = 0; e < 4; ++e) jobs.insert(jobs.end(), {{0, 2.0, true}, {0, 2.0, true}, {1, 3.0, true}});
+    const auto u = plan_of(jobs, 4);
+    REQUIRE(u.size() == 2);
+    CHECK(u[0].jobs == J{0, 1, 3, 4, 6, 7, 9, 10});
+    CHECK(u[1].jobs == J{2, 5, 8, 11});
+    CHECK(u[0].stream == 0);  // 16 FLOPs, the larger: first, on stream 0
+    CHECK(u[1].stream == 1);
+  }
+  SECTION("a job that may not batch (fp32, unaligned operands) runs alone beside its shape's call") {
+    const auto u = plan_of({{0, 1.0, true}, {0, 1.0, false}, {0, 1.0, true}}, 2);
+    REQUIRE(u.size() == 2);
+    CHECK(u[0].jobs == J{0, 2});
+    CHECK(u[1].jobs == J{1});
+  }
+  SECTION("unequal counts: single GEMMs, longest processing time first") {
+    const auto u = plan_of({{0, 5, true}, {1, 3, true}, {2, 3, true}, {3, 2, true}, {4, 2, true}}, 2);
+    REQUIRE(u.size() == 5);
+    // 5 -> s0; 3 -> s1; 3 -> s1 (3 < 5); 2 -> s0 (5 < 6); 2 -> s1 (6 < 7)
+    std::vector<int> s;
+    for (const auto& x : u) s.push_back(x.stream);
+    CHECK(s == std::vector<int>{0, 1, 1, 0, 1});
+  }
+  SECTION("random groups: every job once, a unit's jobs ascending, of one shape and batchable, one unit per shape") {
+    std::mt19937 rng(36);
+    for (int trial = 0; trial < 2000; ++trial) {
+      std::vector<PlanJob> jobs(rng() % 24);
+      for (auto& j : jobs) j = {int(rng() % 4), double(1 + rng() % 9), rng() % 4 != 0};
+      const int streams = 1 + int(rng() % 5);
+      const auto u = plan_of(jobs, streams);
+      std::vector<int> seen(jobs.size(), 0);
+      std::map<int, int> batched_units_of_shape;
+      std::vector<double> load(streams, 0);
+      for (const auto& x : u) {
+        REQUIRE(!x.jobs.empty());
+        CHECK(std::is_sorted(x.jobs.begin(), x.jobs.end()));
+        double f = 0;
+        for (size_t j : x.jobs) {
+          ++seen[j];
+          f += jobs[j].flops;
+          if (x.jobs.size() > 1) CHECK((jobs[j].batchable && jobs[j].shape == jobs[x.jobs[0]].shape));
+        }
+        CHECK(x.flops == f);
+        CHECK((x.stream >= 0 && x.stream < streams));
+        load[size_t(x.stream)] += f;
+        if (jobs[x.jobs[0]].batchable) ++batched_units_of_shape[jobs[x.jobs[0]].shape];
+      }
+      for (int n : seen) CHECK(n == 1);
+      for (const auto& kv : batched_units_of_shape) CHECK(kv.second == 1);
+      // LPT's bound: no stream carries more than the mean plus the largest unit
+      double total = 0, largest = 0;
+      for (const auto& x : u) total += x.flops, largest = std::max(largest, x.flops);
+      for (double l : load) CHECK(l <= total / streams + largest + 1e-9);
+    }
+  }
 }
 
 TEST_CASE("BlockCache gives a freed block back for its exact size, keeps a bounded amount, flushes when out of memory",

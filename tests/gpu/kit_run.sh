@@ -47,7 +47,8 @@ if [ "${results[1]}" = SKIPPED ]; then
   exit 77
 fi
 # gpu_check's grouped GEMMs again with gemm_group's other ways of
-# enqueueing (the default, streams, ran above)
+# enqueueing (the default, auto, ran above)
+check bodies.gemm_streams env MOEVERIFY_CUDA_GEMM_GROUP=streams "$bin/gpu_check"
 check bodies.gemm_grouped env MOEVERIFY_CUDA_GEMM_GROUP=grouped "$bin/gpu_check"
 check bodies.gemm_batched env MOEVERIFY_CUDA_GEMM_GROUP=batched "$bin/gpu_check"
 # The combine's traffic on this GPU without moeverify's kernel
@@ -89,11 +90,11 @@ if [ -n "${KIT_ALLOC_AB:-}" ]; then
   grep -A1 -E "^  (dispatch|combine|routing|ep_permute) " "$out/alloc_ab.plain.log" | grep -v "^--" | tail -12 | sed "s/^/alloc_ab.plain: /"
 fi
 # KIT_GEMM_AB=1: DeepSeek-V3's expert shapes with each of gemm_group's ways
-# of enqueueing (kernels/cuda_exec.cu gemm_group_mode: streams, the default,
-# at 2, 4 and 8 streams; grouped; batched), each against one device GEMM of
-# the same FLOPs in the same run.
+# of enqueueing (kernels/cuda_exec.cu gemm_group_mode: auto, the default, at
+# 2 and 4 streams; single GEMMs on streams; batched on one stream; grouped),
+# each against one device GEMM of the same FLOPs in the same run.
 if [ -n "${KIT_GEMM_AB:-}" ]; then
-  for mode in streams.2 streams.4 streams.8 grouped.4 batched.4; do
+  for mode in auto.4 auto.2 streams.2 streams.4 batched.4 grouped.4; do
     name="gemm_ab.$mode"
     check "$name" env MOEVERIFY_CUDA_GEMM_GROUP="${mode%%.*}" MOEVERIFY_CUDA_GEMM_STREAMS="${mode#*.}" \
       timeout 120 "$bin/moeverify" bench "$root/cases/slow/swiglu_deepseek_experts.yaml" --backend cuda --repeat 3
