@@ -36,6 +36,7 @@ def positive(v, what):
     if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
         sys.exit(f"{what} = {v!r}: expected a finite positive number")
 a2a = 0
+combined = 0  # cases whose two combines' bytes were compared
 for path in sys.argv[1:3]:
     d = json.load(open(path))
     if d.get("schema") != "moeverify-bench/1": sys.exit(f"{path}: schema {d.get('schema')!r}")
@@ -63,6 +64,16 @@ for path in sys.argv[1:3]:
                 if ranks > 1 and not math.isclose(s["busbw_gbps"], s["algbw_gbps"] * (ranks - 1) / ranks, rel_tol=1e-9):
                     sys.exit(f"{where}: busbw is not algbw x (R-1)/R")
         if "dispatch_combine" in c: positive(c["dispatch_combine"]["roof_ratio"], f"{path}: roof_ratio")
+        # the in-place combine reads its target's rows before it adds: one
+        # (T, D) tensor a rank more than the out-of-place one, which starts
+        # at zeros here
+        comb = {s["variant"]: s["bytes"] for s in timed if s["slot"] == "combine"}
+        if set(comb) == {"out_of_place", "in_place"}:
+            cfg = c["config"]
+            target = cfg["ep"] * cfg["tokens"] * cfg["hidden"] * {"fp32": 4, "bf16": 2, "fp16": 2}[cfg["dtype"]]
+            if comb["in_place"] != comb["out_of_place"] + target:
+                sys.exit(f"{path}: combine bytes {comb}: in_place should read {target} bytes of its target more")
+            combined += 1
 e = json.load(open(sys.argv[4]))
 c = e["cases"][0]
 if c["backend"] != "emulated" or c["outcome"] != "PASSED": sys.exit(f"emulated: backend {c['backend']}, {c['outcome']}")
@@ -109,6 +120,7 @@ if not b["cases"][0]["sweep"]: sys.exit("--sweep recorded no points")
 for p in b["cases"][0]["sweep"]:
     if p["ran"]: positive(p["verify_seconds"], "sweep verify_seconds"); positive(p["peak_rss_bytes"], "sweep peak_rss_bytes")
 if a2a == 0: sys.exit("no all-to-all stage reported algbw")
+if combined == 0: sys.exit("no case timed both combines")
 root = ET.parse(sys.argv[3]).getroot()
 if not root.tag.endswith("svg") or not list(root.iter("{http://www.w3.org/2000/svg}rect")):
     sys.exit("the plot is not an SVG with bars")

@@ -116,7 +116,19 @@ std::pair<double, std::string> bytes_formula(const Stage& s, const Case& c, cons
     return {2 * written_rows, "2 x rows written"};
   if (s.slot == "combine") {
     for (size_t r = 0; r < in.ranks.size(); ++r) read += row_bytes(in.at("routed_output", int(r)), c.hidden);
-    return {read + written_rows, "routed rows read + output rows written"};
+    // The target's rows the kernel reads before it adds (stages_local.cpp:
+    // in place always the caller's buffer; out of place a buffer unless it
+    // starts at zeros) and the shared experts' rows added after: each a
+    // (T, D) tensor as the output.
+    const bool shared = c.shared.kind != SharedKind::none;
+    const bool init = s.variant == "in_place" || c.combine.buffer != OutBuffer::fresh ||
+                      (shared && c.shared.order == SharedOrder::init_with_shared);
+    const bool add_after = shared && c.shared.order == SharedOrder::add_after;
+    if (!init && !add_after) return {read + written_rows, "routed rows read + output rows written"};
+    const int extra = int(init) + int(add_after);
+    return {read + double(1 + extra) * written_rows,
+            std::string("routed rows read + ") + (init ? "the target's rows read + " : "") +
+                (add_after ? "shared rows read + " : "") + "output rows written"};
   }
   for (size_t r = 0; r < in.ranks.size(); ++r)
     for (const auto& n : s.inputs(c)) read += double(in.at(n, int(r)).bytes());
