@@ -195,7 +195,7 @@ dw="$tmp/dw"
 mkdir -p "$dw"
 /usr/bin/python3 "$src/tests/gpu/done_when.py" "$dw" > "$tmp/dw0.txt"
 for want in "row-moving stages, router: not run" "expert GEMMs: not run" "expert GEMMs, backward: not run" \
-            "full DeepSeek-V3 SwiGLU layer: not run"; do
+            "full DeepSeek-V3 SwiGLU layer: not run" "capacity and SP row moves: not run"; do
   grep -qF "$want" "$tmp/dw0.txt" || { cat "$tmp/dw0.txt"; echo "done_when.py: no '$want'"; exit 1; }
 done
 cp "$tmp/emu.json" "$dw/bench.deepseek_v3.json"
@@ -222,8 +222,11 @@ gemm = {"cases": [{"name": "g", "stages": [stage("experts", "swiglu_grouped", de
                                                  gemm_path="streams"),
                                            stage("experts", "swiglu_loop", device_gemm_ratio=0.30)]}]}
 layer = {"cases": [{"name": "full", "outcome": "PASSED", "seconds": 601.0}]}
+moves = {"cases": [{"name": "m", "stages": [stage("capacity", "c", ratio_to_device_copy=0.9),
+                                            stage("sp_gather", "s", ratio_to_device_copy=0.5),
+                                            stage("routing", "r", ratio_to_device_copy=0.1)]}]}
 for name, doc in [("bench.deepseek_v3.json", bench), ("bench.swiglu_deepseek_experts.json", gemm),
-                  ("full_layer.json", layer)]:
+                  ("full_layer.json", layer), ("bench.deepseek_v3_moves.json", moves)]:
     json.dump(doc, open(os.path.join(dw, name), "w"))
 PY
 /usr/bin/python3 "$src/tests/gpu/done_when.py" "$dw" > "$tmp/dw2.txt"
@@ -233,6 +236,9 @@ for want in "row move dispatch/a: 86.0% of the device copy (>= 85%): met" \
             "GEMMs experts/swiglu_grouped: 61.0% of one same-FLOP GEMM [grouped] (>= 60%): met" \
             "GEMMs experts/swiglu_batched: 59.0% of one same-FLOP GEMM [streams] (>= 60%): NOT MET" \
             "GEMMs experts/swiglu_loop: 30.0% of one same-FLOP GEMM [one call a GEMM, back to back]: not a target" \
-            "full layer full: PASSED in 601 s (PASSED, < 600 s): NOT MET"; do
+            "full layer full: PASSED in 601 s (PASSED, < 600 s): NOT MET" \
+            "row move [m] capacity/c: 90.0% of the device copy (>= 85%): met" \
+            "row move [m] sp_gather/s: 50.0% of the device copy (>= 85%): NOT MET"; do
   grep -qxF "$want" "$tmp/dw2.txt" || { cat "$tmp/dw2.txt"; echo "done_when.py: no line '$want'"; exit 1; }
 done
+! grep -q "routing/r" "$tmp/dw2.txt" || { cat "$tmp/dw2.txt"; echo "done_when.py: routing is not a row move"; exit 1; }

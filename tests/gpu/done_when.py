@@ -8,7 +8,8 @@ meets the target; a target whose input file is missing reads "not run". The
 figures are the bench JSON's own (device seconds, one run, the roof and the
 peer in the same run); nothing is computed here but the comparison:
 
-- every row-moving stage variant of bench.deepseek_v3.json: its
+- every row-moving stage variant of bench.deepseek_v3.json and
+  bench.deepseek_v3_moves.json (capacity and SP, KIT_MOVES=1): its
   ratio_to_device_copy >= 0.85 (bytes as the bench's formula counts them);
 - the router (slot routing) against PyTorch's in the same JSON: peer ratio
   (moeverify / torch device time) <= 2;
@@ -53,6 +54,22 @@ def verdict(ok):
     return "met" if ok else "NOT MET"
 
 
+def row_moves(bench, always_tag=False):
+    """One line per row-moving stage variant of a bench JSON: its share of the
+    device copy against 85%, and where a stage that misses spent its time."""
+    for case in (bench or {}).get("cases", []):
+        at = f" [{case['name']}]" if always_tag or len(bench["cases"]) > 1 else ""
+        for s in case["stages"]:
+            if s["slot"] in ROW_MOVES and s.get("timed") and s.get("ratio_to_device_copy") is not None:
+                r = s["ratio_to_device_copy"]
+                parts = s.get("device_parts") or []
+                where = ""
+                if r < 0.85 and len(parts) > 1:
+                    where = " [" + ", ".join(part_text(p) for p in parts) + "]"
+                print(f"row move{at} {s['slot']}/{s['variant']}: {100 * r:.1f}% of the device copy "
+                      f"(>= 85%): {verdict(r >= 0.85)}{where}")
+
+
 def main(argv):
     if len(argv) != 2:
         print(__doc__.strip().splitlines()[2], file=sys.stderr)
@@ -62,17 +79,9 @@ def main(argv):
     bench = load(out, "bench.deepseek_v3.json")
     if bench is None:
         print("row-moving stages, router: not run (no bench.deepseek_v3.json)")
+    row_moves(bench)
     for case in (bench or {}).get("cases", []):
         at = f" [{case['name']}]" if len(bench["cases"]) > 1 else ""
-        for s in case["stages"]:
-            if s["slot"] in ROW_MOVES and s.get("timed") and s.get("ratio_to_device_copy") is not None:
-                r = s["ratio_to_device_copy"]
-                parts = s.get("device_parts") or []
-                where = ""  # where a stage that misses spent its time
-                if r < 0.85 and len(parts) > 1:
-                    where = " [" + ", ".join(part_text(p) for p in parts) + "]"
-                print(f"row move{at} {s['slot']}/{s['variant']}: {100 * r:.1f}% of the device copy "
-                      f"(>= 85%): {verdict(r >= 0.85)}{where}")
         peers = [p for p in case.get("peer", {}).get("stages", []) if p["slot"] == "routing"]
         if not peers:
             note = case.get("peer", {}).get("note") or "no peer in this run"
@@ -80,6 +89,10 @@ def main(argv):
         for p in peers:
             print(f"router{at} {p['variant']}: {p['ratio']:.2f}x PyTorch's {p['what']} (<= 2x): "
                   f"{verdict(0 < p['ratio'] <= 2.0)}")
+    moves = load(out, "bench.deepseek_v3_moves.json")
+    if moves is None:
+        print("capacity and SP row moves: not run (no bench.deepseek_v3_moves.json; KIT_MOVES=1)")
+    row_moves(moves, always_tag=True)
     for name, what in [("bench.swiglu_deepseek_experts.json", "expert GEMMs"),
                        ("bench.swiglu_deepseek_experts_bwd.json", "expert GEMMs, backward")]:
         gemm = load(out, name)

@@ -137,6 +137,13 @@ fi
 if [ -z "${KIT_FAST:-}" ]; then
   check bench.deepseek_v3 "$bin/moeverify" bench "$root/cases/slow/deepseek_v3.yaml" --backend cuda --repeat 3 "${peer[@]}" --json "$out/bench.deepseek_v3.json"
 fi
+# KIT_MOVES=1: DeepSeek-V3's capacity dropping (EP 8) and SP (4 ranks of
+# 8,192 tokens) row moves, which bench.deepseek_v3 does not take, against the
+# device copy (cases/slow/deepseek_v3_moves.yaml; never run on a GPU yet).
+if [ -n "${KIT_MOVES:-}" ]; then
+  check bench.deepseek_v3_moves "$bin/moeverify" bench "$root/cases/slow/deepseek_v3_moves.yaml" --backend cuda \
+    --repeat 3 --json "$out/bench.deepseek_v3_moves.json"
+fi
 # every case file, the planted faults and a fuzz budget on the GPU (the same
 # script that runs them on the emulated device in CI); its log has a line per
 # file. Before the expert-shape benches, whose host verification is the
