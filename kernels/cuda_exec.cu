@@ -444,7 +444,7 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   ~CudaDevice() override {
     bind();  // big_ frees its kept blocks after this
     for (cublasHandle_t h : handles_) blas().destroy(h);
-    for (void* p : iotas_) cudaFree(p);
+    for (void* p : iotas_) big_.give(p);
   }
   std::string name() const override { return name_; }
   // cudaMalloc and cudaFree synchronise every stream of the device, and
@@ -727,14 +727,20 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
   const int32_t* iota(int64_t n) {
     std::lock_guard<std::mutex> lk(sort_m_);
     if (iota_n_ < n) {
-      void* p = nullptr;
-      MOEV_CUDA_CHECK(cudaMalloc(&p, size_t(std::max<int64_t>(n, 1)) * 4));
+      int64_t len = 1 << 16;  // grown by doubling: a sweep of growing N allocates a few times
+      while (len < n) len *= 2;
+      void* p = big_.take(size_t(len) * 4);
+      if (!p) throw std::runtime_error("out of device memory for the sort's " + std::to_string(len) + " values");
+      const unsigned blocks = unsigned(std::min<int64_t>((len + 255) / 256, 65535));
+      iota_kernel<<<blocks, 256, 0, thread_stream()>>>(len, static_cast<int32_t*>(p));
+      cudaError_t e = cudaGetLastError();
+      if (e == cudaSuccess) e = cudaStreamSynchronize(thread_stream());
+      if (e != cudaSuccess) {
+        big_.give(p);
+        MOEV_CUDA_CHECK(e);
+      }
       iotas_.push_back(p);
-      const unsigned blocks = unsigned(std::min<int64_t>((n + 255) / 256, 65535));
-      iota_kernel<<<blocks, 256, 0, thread_stream()>>>(n, static_cast<int32_t*>(p));
-      MOEV_CUDA_CHECK(cudaGetLastError());
-      MOEV_CUDA_CHECK(cudaStreamSynchronize(thread_stream()));
-      iota_n_ = n;
+      iota_n_ = len;
     }
     return static_cast<const int32_t*>(iotas_.back());
   }
@@ -915,11 +921,25 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
       MOEV_CUDA_CHECK(cudaMemcpyAsync(dptrs->d, ptrs.data(), ptrs.size() * sizeof(void*), cudaMemcpyHostToDevice,
                                       thread_stream()));
     }
-    std::vector<bool> used(handles.size(), false);
+    // The join: the calling stream waits for every fan stream used, also
+    // when an enqueue throws (declared after dptrs, so it runs before
+    // dptrs is freed in the calling stream's order; errors are not thrown
+    // from a destructor, the first one already is)
+    struct Join {
+      Fan* fan;
+      std::vector<bool> used;
+      ~Join() {
+        if (!fan) return;
+        for (size_t s = 0; s < used.size(); ++s)
+          if (used[s] && cudaEventRecord(fan->done[s], fan->streams[s]) == cudaSuccess)
+            cudaStreamWaitEvent(thread_stream(), fan->done[s], 0);
+      }
+    } join{fan, std::vector<bool>(handles.size(), false)};
+    std::vector<bool>& used = join.used;
     if (fan) MOEV_CUDA_CHECK(cudaEventRecord(fan->fork, thread_stream()));
     int batched = 0, refused = 0, singles = 0;
     std::string sizes;
-    for (size_t u = 0; u < units.size(); ++u) {
+    for (size_t u = 0; u < units.size(); ++u) {  // largest first (the plan's order)
       const size_t s = size_t(units[u].stream);
       if (fan && !used[s]) MOEV_CUDA_CHECK(cudaStreamWaitEvent(fan->streams[s], fan->fork, 0));
       used[s] = true;
@@ -946,18 +966,15 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
         sizes += (sizes.empty() ? "" : ", ") + std::to_string(np);
       }
     }
-    if (fan)
-      for (size_t s = 0; s < handles.size(); ++s)
-        if (used[s]) {
-          MOEV_CUDA_CHECK(cudaEventRecord(fan->done[s], fan->streams[s]));
-          MOEV_CUDA_CHECK(cudaStreamWaitEvent(thread_stream(), fan->done[s], 0));
-        }
+    const long streams_used = std::count(used.begin(), used.end(), true);
     std::string path;
     if (batched) path = std::to_string(batched) + " cublasGemmBatchedEx of " + sizes + " GEMMs";
     if (singles + refused)
       path += (path.empty() ? "" : " and ") + std::to_string(singles + refused) + " cublasGemmEx" +
               (refused ? " (" + std::to_string(refused) + " refused by the batched call)" : "");
-    path += fan ? " over " + std::to_string(handles.size()) + " streams, largest first" : " on one stream";
+    path += fan ? " over " + std::to_string(streams_used) + " of " + std::to_string(handles.size()) +
+                      " streams, largest first"
+                : " on one stream";
     return path;
   }
 

@@ -23,10 +23,10 @@ struct GemmUnit {
 /// - units: the batchable jobs (batchable[i]) of one shape (same(i, j)) as
 ///   one unit, whether or not they are neighbours in the group (a SwiGLU
 ///   backward lists W1's, W3's and W2's GEMMs expert by expert); every other
-///   job a unit of its own. Units in order of their first job.
-/// - streams: in order of decreasing FLOPs (ties in unit order), each unit on
-///   the stream with the fewest FLOPs so far, the lowest such stream on a tie
-///   (longest processing time first).
+///   job a unit of its own.
+/// - order: decreasing FLOPs, ties by first job: the order to enqueue them.
+/// - streams: in that order each unit on the stream with the fewest FLOPs so
+///   far, the lowest such stream on a tie (longest processing time first).
 /// flops(i) is job i's FLOPs; `same` must be an equivalence.
 template <class Same, class Flops>
 std::vector<GemmUnit> plan_gemm_units(size_t n, const std::vector<bool>& batchable, Same same, Flops flops,
@@ -46,14 +46,13 @@ std::vector<GemmUnit> plan_gemm_units(size_t n, const std::vector<bool>& batchab
     u->jobs.push_back(i);
     u->flops += flops(i);
   }
-  std::vector<size_t> order(units.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return units[a].flops > units[b].flops; });
+  std::stable_sort(units.begin(), units.end(),
+                   [](const GemmUnit& a, const GemmUnit& b) { return a.flops > b.flops; });
   std::vector<double> load(size_t(std::max(streams, 1)), 0.0);
-  for (size_t i : order) {
+  for (GemmUnit& u : units) {
     const size_t s = size_t(std::min_element(load.begin(), load.end()) - load.begin());
-    units[i].stream = int(s);
-    load[s] += units[i].flops;
+    u.stream = int(s);
+    load[s] += u.flops;
   }
   return units;
 }

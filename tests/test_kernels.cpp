@@ -349,11 +349,13 @@ TEST_CASE("plan_gemm_units: one batched call per shape, every other GEMM alone, 
     CHECK(u[1].jobs == J{1});
   }
   SECTION("unequal counts: single GEMMs, longest processing time first") {
-    const auto u = plan_of({{0, 5, true}, {1, 3, true}, {2, 3, true}, {3, 2, true}, {4, 2, true}}, 2);
+    const auto u = plan_of({{0, 2, true}, {1, 3, true}, {2, 5, true}, {3, 3, true}, {4, 2, true}}, 2);
     REQUIRE(u.size() == 5);
-    // 5 -> s0; 3 -> s1; 3 -> s1 (3 < 5); 2 -> s0 (5 < 6); 2 -> s1 (6 < 7)
+    // largest first: 5 -> s0; 3 -> s1; 3 -> s1 (3 < 5); 2 -> s0 (5 < 6); 2 -> s1 (6 < 7)
+    std::vector<size_t> first;
     std::vector<int> s;
-    for (const auto& x : u) s.push_back(x.stream);
+    for (const auto& x : u) first.push_back(x.jobs[0]), s.push_back(x.stream);
+    CHECK(first == J{2, 1, 3, 0, 4});
     CHECK(s == std::vector<int>{0, 1, 1, 0, 1});
   }
   SECTION("random groups: every job once, a unit's jobs ascending, of one shape and batchable, one unit per shape") {
@@ -379,6 +381,10 @@ TEST_CASE("plan_gemm_units: one batched call per shape, every other GEMM alone, 
         CHECK((x.stream >= 0 && x.stream < streams));
         load[size_t(x.stream)] += f;
         if (jobs[x.jobs[0]].batchable) ++batched_units_of_shape[jobs[x.jobs[0]].shape];
+      }
+      for (size_t i = 1; i < u.size(); ++i) {  // enqueue order: decreasing FLOPs, ties by first job
+        CHECK(u[i - 1].flops >= u[i].flops);
+        if (u[i - 1].flops == u[i].flops) CHECK(u[i - 1].jobs[0] < u[i].jobs[0]);
       }
       for (int n : seen) CHECK(n == 1);
       for (const auto& kv : batched_units_of_shape) CHECK(kv.second == 1);
