@@ -230,8 +230,9 @@ int conversions() {
 }
 
 /// Device::gemm_group against the same jobs one GEMM at a time on the same
-/// device (grouped cuBLAS, or the single GEMMs where it falls back): nt, nn
-/// and tn_f32 jobs of random expert row counts, empty experts included, in
+/// device (batched or grouped cuBLAS, or the single GEMMs): nt, nn and tn_f32
+/// jobs of random expert row counts, empty experts included, and of equal
+/// ones, in
 /// every dtype, bitwise (the sums are exact, see below); nn_f32 jobs, which
 /// have no single entry point, against the exact sums computed here. A
 /// wrong pointer, size or leading dimension gives other values or leaves the
@@ -245,121 +246,126 @@ int grouped_gemms() {
   // D = 96, F = 40: every operand 16-byte aligned (the grouped call); D = 1
   // and D = 7, F = 3: rows of 2 and 14 bytes, which cuBLAS's grouped call
   // got wrong on an H200 (gemm_group sends them alone)
-  for (DType dt : {DType::bf16, DType::fp16, DType::fp32})
-    for (const auto& [D, F] : std::vector<std::pair<int64_t, int64_t>>{{96, 40}, {1, 8}, {7, 3}}) {
-      const int E = 6;
-      std::vector<int64_t> counts(E);
-      int64_t rows = 0;
-      for (auto& c : counts) rows += c = (g() % 3 == 0) ? 0 : int64_t(g() % 70);
-      const size_t eb = dtype_bytes(dt);
-      auto fill = [&](size_t elems) {
-        std::vector<uint8_t> b(elems * eb);
-        for (size_t i = 0; i < elems; ++i) {
-          const float v = float(int(g() % 257) - 128) / 64.f;
-          if (dt == DType::fp32) std::memcpy(&b[i * 4], &v, 4);
-          else {
-            const uint16_t u = dt == DType::bf16 ? from_float<bf16>(v).bits : from_float<fp16>(v).bits;
-            std::memcpy(&b[i * 2], &u, 2);
+  // Random counts give GEMMs of distinct shapes (single calls side by side);
+  // equal counts give every kind of job one shape, which gemm_group's
+  // default batches into one call (kernels/gemm_plan.h).
+  for (const bool equal : {false, true}) {
+    for (DType dt : {DType::bf16, DType::fp16, DType::fp32})
+      for (const auto& [D, F] : std::vector<std::pair<int64_t, int64_t>>{{96, 40}, {1, 8}, {7, 3}}) {
+        const int E = 6;
+        std::vector<int64_t> counts(E);
+        int64_t rows = 0;
+        for (auto& c : counts) rows += c = equal ? 33 : (g() % 3 == 0) ? 0 : int64_t(g() % 70);
+        const size_t eb = dtype_bytes(dt);
+        auto fill = [&](size_t elems) {
+          std::vector<uint8_t> b(elems * eb);
+          for (size_t i = 0; i < elems; ++i) {
+            const float v = float(int(g() % 257) - 128) / 64.f;
+            if (dt == DType::fp32) std::memcpy(&b[i * 4], &v, 4);
+            else {
+              const uint16_t u = dt == DType::bf16 ? from_float<bf16>(v).bits : from_float<fp16>(v).bits;
+              std::memcpy(&b[i * 2], &u, 2);
+            }
+          }
+          void* p = dev->alloc(std::max<size_t>(b.size(), 1));
+          dev->upload(p, b.data(), b.size());
+          return static_cast<uint8_t*>(p);
+        };
+        uint8_t* x = fill(size_t(rows * D));
+        uint8_t* w = fill(size_t(E * F * D));
+        const size_t yb = size_t(rows * 2 * F) * eb, gb = size_t(E) * size_t(F * D) * 4;
+        uint8_t* y1 = static_cast<uint8_t*>(dev->alloc(std::max<size_t>(yb, 1)));
+        uint8_t* y2 = static_cast<uint8_t*>(dev->alloc(std::max<size_t>(yb, 1)));
+        uint8_t* w1 = static_cast<uint8_t*>(dev->alloc(gb));
+        uint8_t* w2 = static_cast<uint8_t*>(dev->alloc(gb));
+        const size_t fb = size_t(rows * F) * 4;  // the nn_f32 jobs' outputs (rows, F)
+        uint8_t* yf = static_cast<uint8_t*>(dev->alloc(std::max<size_t>(fb, 1)));
+        for (uint8_t* p : {y1, y2}) dev->fill(p, 0xff, yb);
+        for (uint8_t* p : {w1, w2}) dev->fill(p, 0xff, gb);
+        dev->fill(yf, 0xff, fb);
+        std::vector<GemmJob> jobs;
+        int64_t r0 = 0;
+        for (int j = 0; j < E; r0 += counts[size_t(j)], ++j) {
+          const int64_t n = counts[size_t(j)];
+          const uint8_t* wj = w + size_t(j) * size_t(F * D) * eb;
+          if (n > 0) {
+            jobs.push_back({GemmOp::nt, x + size_t(r0 * D) * eb, wj, nullptr, n, D, F, D, 0, 2 * F});  // (n, F) into cols [0, F)
+            jobs.push_back({GemmOp::nn, x + size_t(r0 * D) * eb, wj, nullptr, n, D, F, D, 0, 2 * F});  // W as (D, F): cols [F, 2F)
+            jobs.push_back({GemmOp::tn_f32, x + size_t(r0 * D) * eb, x + size_t(r0 * D) * eb, nullptr, n, std::min<int64_t>(D, F), D, D, D, 0});
+            jobs.push_back({GemmOp::nn_f32, x + size_t(r0 * D) * eb, wj, yf + size_t(r0 * F) * 4, n, D, F, D, 0, F});
           }
         }
-        void* p = dev->alloc(std::max<size_t>(b.size(), 1));
-        dev->upload(p, b.data(), b.size());
-        return static_cast<uint8_t*>(p);
-      };
-      uint8_t* x = fill(size_t(rows * D));
-      uint8_t* w = fill(size_t(E * F * D));
-      const size_t yb = size_t(rows * 2 * F) * eb, gb = size_t(E) * size_t(F * D) * 4;
-      uint8_t* y1 = static_cast<uint8_t*>(dev->alloc(std::max<size_t>(yb, 1)));
-      uint8_t* y2 = static_cast<uint8_t*>(dev->alloc(std::max<size_t>(yb, 1)));
-      uint8_t* w1 = static_cast<uint8_t*>(dev->alloc(gb));
-      uint8_t* w2 = static_cast<uint8_t*>(dev->alloc(gb));
-      const size_t fb = size_t(rows * F) * 4;  // the nn_f32 jobs' outputs (rows, F)
-      uint8_t* yf = static_cast<uint8_t*>(dev->alloc(std::max<size_t>(fb, 1)));
-      for (uint8_t* p : {y1, y2}) dev->fill(p, 0xff, yb);
-      for (uint8_t* p : {w1, w2}) dev->fill(p, 0xff, gb);
-      dev->fill(yf, 0xff, fb);
-      std::vector<GemmJob> jobs;
-      int64_t r0 = 0;
-      for (int j = 0; j < E; r0 += counts[size_t(j)], ++j) {
-        const int64_t n = counts[size_t(j)];
-        const uint8_t* wj = w + size_t(j) * size_t(F * D) * eb;
-        if (n > 0) {
-          jobs.push_back({GemmOp::nt, x + size_t(r0 * D) * eb, wj, nullptr, n, D, F, D, 0, 2 * F});  // (n, F) into cols [0, F)
-          jobs.push_back({GemmOp::nn, x + size_t(r0 * D) * eb, wj, nullptr, n, D, F, D, 0, 2 * F});  // W as (D, F): cols [F, 2F)
-          jobs.push_back({GemmOp::tn_f32, x + size_t(r0 * D) * eb, x + size_t(r0 * D) * eb, nullptr, n, std::min<int64_t>(D, F), D, D, D, 0});
-          jobs.push_back({GemmOp::nn_f32, x + size_t(r0 * D) * eb, wj, yf + size_t(r0 * F) * 4, n, D, F, D, 0, F});
+        auto place = [&](uint8_t* y, uint8_t* wg) {
+          std::vector<GemmJob> out = jobs;
+          int64_t r = 0, t = 0;
+          for (size_t i = 0; i < out.size(); i += 4) {
+            while (counts[size_t(t)] == 0) ++t;
+            out[i].c = y + size_t(r * 2 * F) * eb;
+            out[i + 1].c = y + size_t(r * 2 * F + F) * eb;
+            out[i + 2].c = wg + size_t(t) * size_t(F * D) * 4;
+            r += counts[size_t(t)], ++t;
+          }
+          return out;
+        };
+        dev->gemm_group(dt, place(y1, w1));
+        for (const GemmJob& j : place(y2, w2)) {
+          if (j.op == GemmOp::nt) dev->gemm_nt(dt, j.a, j.rows, j.k, j.lda, j.b, j.n, j.c, j.ldc);
+          else if (j.op == GemmOp::nn) dev->gemm_nn(dt, j.a, j.rows, j.k, j.lda, j.b, j.n, j.c, j.ldc);
+          else if (j.op == GemmOp::tn_f32) dev->gemm_tn_f32(dt, j.a, j.rows, j.k, j.lda, j.b, j.n, j.ldb, static_cast<float*>(j.c));
         }
+        // every operand is a multiple of 1/64 of magnitude at most 2, so every
+        // product and sum is exact in fp32 and the results agree bit for bit
+        // whatever order a kernel sums in
+        auto bytes_of = [&](const uint8_t* p, size_t n) {
+          std::vector<uint8_t> h(n);
+          dev->download(h.data(), p, n);
+          return h;
+        };
+        const bool y_ok = bytes_of(y1, yb) == bytes_of(y2, yb), w_ok = bytes_of(w1, gb) == bytes_of(w2, gb);
+        // nn_f32: yf (r, f) = sum_d x (r, d) w_j (d, f), exact, for expert j's rows r
+        auto values = [&](const uint8_t* p, size_t n) {
+          const std::vector<uint8_t> b = bytes_of(p, n * eb);
+          std::vector<float> v(n);
+          for (size_t i = 0; i < n; ++i) {
+            uint16_t u = 0;
+            if (dt == DType::fp32) std::memcpy(&v[i], &b[i * 4], 4);
+            else std::memcpy(&u, &b[i * 2], 2), v[i] = dt == DType::bf16 ? to_float(bf16{u}) : to_float(fp16{u});
+          }
+          return v;
+        };
+        const std::vector<float> xv = values(x, size_t(rows * D)), wv = values(w, size_t(E * F * D));
+        std::vector<float> want(size_t(rows * F)), got(want.size());
+        for (int64_t j = 0, r0 = 0; j < E; r0 += counts[size_t(j)], ++j)
+          for (int64_t r = r0; r < r0 + counts[size_t(j)]; ++r)
+            for (int64_t f = 0; f < F; ++f) {
+              float s = 0.f;
+              for (int64_t d = 0; d < D; ++d) s += xv[size_t(r * D + d)] * wv[size_t(j * F * D + d * F + f)];
+              want[size_t(r * F + f)] = s;
+            }
+        dev->download(got.data(), yf, fb);
+        const bool f_ok = std::memcmp(want.data(), got.data(), fb) == 0;
+        // nt: y1 (r, f) = x (r, :) . w_j (f, :), the exact sum rounded once to dt
+        // (both sides, so a wrong grouped call cannot pass by matching the single)
+        const std::vector<float> yv = values(y1, size_t(rows * 2 * F));
+        bool nt_ok = true;
+        for (int64_t j = 0, r0 = 0; j < E; r0 += counts[size_t(j)], ++j)
+          for (int64_t r = r0; r < r0 + counts[size_t(j)]; ++r)
+            for (int64_t f = 0; f < F; ++f) {
+              float s = 0.f;
+              for (int64_t d = 0; d < D; ++d) s += xv[size_t(r * D + d)] * wv[size_t(j * F * D + f * D + d)];
+              const float want_nt = dt == DType::bf16 ? to_float(from_float<bf16>(s))
+                                    : dt == DType::fp16 ? to_float(from_float<fp16>(s)) : s;
+              nt_ok = nt_ok && std::memcmp(&want_nt, &yv[size_t(r * 2 * F + f)], 4) == 0;
+            }
+        std::printf("grouped GEMMs %s D=%lld F=%lld (%s): %zu jobs, %lld rows: outputs %s (nt %s), weight gradients %s, "
+                    "fp32 outputs %s\n",
+                    dtype_name(dt), (long long)D, (long long)F, dev->gemm_group_calls().path.c_str(), jobs.size(),
+                    (long long)rows, y_ok ? "equal" : "DIFFER", nt_ok ? "exact" : "WRONG", w_ok ? "equal" : "DIFFER",
+                    f_ok ? "exact" : "DIFFER");
+        failures += !y_ok || !nt_ok || !w_ok || !f_ok;
+        for (uint8_t* p : {x, w, y1, y2, w1, w2, yf}) dev->release(p);
       }
-      auto place = [&](uint8_t* y, uint8_t* wg) {
-        std::vector<GemmJob> out = jobs;
-        int64_t r = 0, t = 0;
-        for (size_t i = 0; i < out.size(); i += 4) {
-          while (counts[size_t(t)] == 0) ++t;
-          out[i].c = y + size_t(r * 2 * F) * eb;
-          out[i + 1].c = y + size_t(r * 2 * F + F) * eb;
-          out[i + 2].c = wg + size_t(t) * size_t(F * D) * 4;
-          r += counts[size_t(t)], ++t;
-        }
-        return out;
-      };
-      dev->gemm_group(dt, place(y1, w1));
-      for (const GemmJob& j : place(y2, w2)) {
-        if (j.op == GemmOp::nt) dev->gemm_nt(dt, j.a, j.rows, j.k, j.lda, j.b, j.n, j.c, j.ldc);
-        else if (j.op == GemmOp::nn) dev->gemm_nn(dt, j.a, j.rows, j.k, j.lda, j.b, j.n, j.c, j.ldc);
-        else if (j.op == GemmOp::tn_f32) dev->gemm_tn_f32(dt, j.a, j.rows, j.k, j.lda, j.b, j.n, j.ldb, static_cast<float*>(j.c));
-      }
-      // every operand is a multiple of 1/64 of magnitude at most 2, so every
-      // product and sum is exact in fp32 and the results agree bit for bit
-      // whatever order a kernel sums in
-      auto bytes_of = [&](const uint8_t* p, size_t n) {
-        std::vector<uint8_t> h(n);
-        dev->download(h.data(), p, n);
-        return h;
-      };
-      const bool y_ok = bytes_of(y1, yb) == bytes_of(y2, yb), w_ok = bytes_of(w1, gb) == bytes_of(w2, gb);
-      // nn_f32: yf (r, f) = sum_d x (r, d) w_j (d, f), exact, for expert j's rows r
-      auto values = [&](const uint8_t* p, size_t n) {
-        const std::vector<uint8_t> b = bytes_of(p, n * eb);
-        std::vector<float> v(n);
-        for (size_t i = 0; i < n; ++i) {
-          uint16_t u = 0;
-          if (dt == DType::fp32) std::memcpy(&v[i], &b[i * 4], 4);
-          else std::memcpy(&u, &b[i * 2], 2), v[i] = dt == DType::bf16 ? to_float(bf16{u}) : to_float(fp16{u});
-        }
-        return v;
-      };
-      const std::vector<float> xv = values(x, size_t(rows * D)), wv = values(w, size_t(E * F * D));
-      std::vector<float> want(size_t(rows * F)), got(want.size());
-      for (int64_t j = 0, r0 = 0; j < E; r0 += counts[size_t(j)], ++j)
-        for (int64_t r = r0; r < r0 + counts[size_t(j)]; ++r)
-          for (int64_t f = 0; f < F; ++f) {
-            float s = 0.f;
-            for (int64_t d = 0; d < D; ++d) s += xv[size_t(r * D + d)] * wv[size_t(j * F * D + d * F + f)];
-            want[size_t(r * F + f)] = s;
-          }
-      dev->download(got.data(), yf, fb);
-      const bool f_ok = std::memcmp(want.data(), got.data(), fb) == 0;
-      // nt: y1 (r, f) = x (r, :) . w_j (f, :), the exact sum rounded once to dt
-      // (both sides, so a wrong grouped call cannot pass by matching the single)
-      const std::vector<float> yv = values(y1, size_t(rows * 2 * F));
-      bool nt_ok = true;
-      for (int64_t j = 0, r0 = 0; j < E; r0 += counts[size_t(j)], ++j)
-        for (int64_t r = r0; r < r0 + counts[size_t(j)]; ++r)
-          for (int64_t f = 0; f < F; ++f) {
-            float s = 0.f;
-            for (int64_t d = 0; d < D; ++d) s += xv[size_t(r * D + d)] * wv[size_t(j * F * D + f * D + d)];
-            const float want_nt = dt == DType::bf16 ? to_float(from_float<bf16>(s))
-                                  : dt == DType::fp16 ? to_float(from_float<fp16>(s)) : s;
-            nt_ok = nt_ok && std::memcmp(&want_nt, &yv[size_t(r * 2 * F + f)], 4) == 0;
-          }
-      std::printf("grouped GEMMs %s D=%lld F=%lld (%s): %zu jobs, %lld rows: outputs %s (nt %s), weight gradients %s, "
-                  "fp32 outputs %s\n",
-                  dtype_name(dt), (long long)D, (long long)F, dev->gemm_group_calls().path.c_str(), jobs.size(),
-                  (long long)rows, y_ok ? "equal" : "DIFFER", nt_ok ? "exact" : "WRONG", w_ok ? "equal" : "DIFFER",
-                  f_ok ? "exact" : "DIFFER");
-      failures += !y_ok || !nt_ok || !w_ok || !f_ok;
-      for (uint8_t* p : {x, w, y1, y2, w1, w2, yf}) dev->release(p);
-    }
+  }
   return failures;
 }
 
