@@ -7,15 +7,30 @@
 # (every stage variant has a device form), the planted faults must be caught
 # there, and a fuzz budget drawn on the backend must find no failure.
 # Usage: device_cases.sh MOEVERIFY SOURCE_DIR [BACKEND [FUZZ_ITERATIONS]]
+# DEVICE_CASES_JOBS=N runs N case files at a time (default 1; the kit sets 4
+# on a GPU machine's 16 cores: the files are small, so one process leaves
+# the GPU mostly idle); the report keeps the files' order.
 set -u
 bin=$1 src=$2 backend=${3:-emulated} iterations=${4:-300}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 fails=0 passed=0
-for f in "$src"/cases/*.yaml "$src"/cases/regressions/*.yaml; do
-  n=$(basename "$f" .yaml) t0=$SECONDS
-  "$bin" run "$f" --backend "$backend" --threads 2 --json "$tmp/$n.json" > "$tmp/$n.log" 2>&1
-  rc=$?
+files=("$src"/cases/*.yaml "$src"/cases/regressions/*.yaml)
+# one file: its log, JSON and "exit seconds" in $tmp, named by the file
+run_file() {
+  local n t0=$SECONDS
+  n=$(basename "$1" .yaml)
+  "$bin" run "$1" --backend "$backend" --threads 2 --json "$tmp/$n.json" > "$tmp/$n.log" 2>&1
+  local rc=$?
+  echo "$rc $((SECONDS - t0))" > "$tmp/$n.rc"
+  [ "${DEVICE_CASES_JOBS:-1}" = 1 ] || echo "ran  $n (exit $rc, $((SECONDS - t0)) s)"  # progress, in finishing order
+}
+export -f run_file
+export bin backend tmp
+printf '%s\0' "${files[@]}" | xargs -0 -P "${DEVICE_CASES_JOBS:-1}" -I{} bash -c 'run_file "$1"' _ {}
+for f in "${files[@]}"; do
+  n=$(basename "$f" .yaml)
+  read -r rc secs < "$tmp/$n.rc" || { rc=missing secs=0; }
   out=$(python3 - "$tmp/$n.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
@@ -27,7 +42,7 @@ PY
   if [ "$rc" != 0 ] || [ -n "$bad" ]; then
     echo "FAIL $n (exit $rc): $bad"; tail -20 "$tmp/$n.log"; fails=$((fails + 1))
   else
-    echo "ok   $n: $ok case(s) PASSED on $backend ($((SECONDS - t0)) s)"
+    echo "ok   $n: $ok case(s) PASSED on $backend ($secs s)"
   fi
   passed=$((passed + ok))
 done

@@ -149,7 +149,9 @@ fi
 # file. Before the expert-shape benches, whose host verification is the
 # longest step, so that a run cut by its time limit still has them.
 # KIT_CASES=0 skips them (a second call of a session that ran them).
-[ "${KIT_CASES:-1}" = 0 ] || check cases bash "$root/tests/device_cases.sh" "$bin/moeverify" "$root" cuda "${KIT_FUZZ:-200}"
+# Four files at a time (the machine's 16 cores; KIT_CASES_JOBS sets it).
+[ "${KIT_CASES:-1}" = 0 ] || check cases env DEVICE_CASES_JOBS="${KIT_CASES_JOBS:-4}" \
+  bash "$root/tests/device_cases.sh" "$bin/moeverify" "$root" cuda "${KIT_FUZZ:-200}"
 if [ -z "${KIT_FAST:-}" ]; then
   # DeepSeek-V3's expert shapes: the grouped SwiGLU's GEMMs against one
   # device GEMM of the same FLOPs, and PyTorch's torch._grouped_mm
