@@ -185,6 +185,30 @@ item set_unknown_key "unknown key 'shape.tokenz'" validate "$ok_file" --set shap
 item set_no_equals "--set dtype: expected key=value" validate "$ok_file" --set dtype
 item validate_nothing "validate: give case files, or --keys" validate
 item backend_flag "--backend: unknown backend 'gpu'; valid: host | cuda | emulated" run "$ok_file" --backend gpu
+# Input once read silently otherwise (a review's finds, 2026-11-28): a token
+# count beside the per-rank one, integers YAML 1.1 read as octal or hex, a
+# near miss of a sweep point's name (a glob would select x2 and xe), profile
+# files with an unclosed quote, a repeated key, a second document, a range
+# over an enum key or past a key's range, and no end
+printf 'cases:\n  - {name: a, ep: 2, shape: {tokens: 100, tokens_per_rank: [3, 5]}}\n' > "$tmp/tok2.yaml"
+item tokens_beside_per_rank "shape.tokens: set beside shape.tokens_per_rank" validate "$tmp/tok2.yaml"
+printf 'cases:\n  - {name: a, shape: {top_k: 010}}\n' > "$tmp/octal.yaml"
+item leading_zero_not_octal "shape.top_k: top_k 10 exceeds experts 8" validate "$tmp/octal.yaml" --set shape.experts=8
+printf 'cases:\n  - {name: a, seed: 0x10}\n' > "$tmp/hex.yaml"
+item hex_integer "expected an integer, got '0x10'; valid: an integer in" validate "$tmp/hex.yaml"
+printf 'cases:\n  - {name: x, shape: {tokens: 4}, sweep: {ep: [1, 2]}}\n  - {name: x2, shape: {tokens: 4}}\n' > "$tmp/sel.yaml"
+item sweep_point_near_miss "--case x[ep = 2]: no case of that name" run "$tmp/sel.yaml" --case 'x[ep = 2]'
+printf 'profile: x\nabout: "our impl\nfix:\n  dtype: bf16\n' > "$tmp/p_quote.yaml"
+item profile_unclosed_quote "p_quote.yaml:2:8: unclosed quote" validate --profile "$tmp/p_quote.yaml" "$ok_file"
+printf 'profile: x\nfix: {dtype: bf16}\nfix: {dtype: fp32}\n' > "$tmp/p_dup.yaml"
+item profile_duplicate_key "p_dup.yaml:3:1: fix: duplicate key (first at line 2)" validate --profile "$tmp/p_dup.yaml" "$ok_file"
+printf 'profile: x\nfix: {dtype: bf16}\n---\nfix: {dtype: fp32}\n' > "$tmp/p_docs.yaml"
+item profile_second_document "p_docs.yaml:4:1: a second YAML document" validate --profile "$tmp/p_docs.yaml" "$ok_file"
+printf 'profile: x\nallow:\n  dtype: {min: 0, max: 3}\n' > "$tmp/p_enum_range.yaml"
+item profile_range_over_enum "p_enum_range.yaml:3:16: allow dtype: min 0:" validate --profile "$tmp/p_enum_range.yaml" "$ok_file"
+printf 'profile: x\nallow:\n  shape.tokens: [8, -5]\n' > "$tmp/p_tokens.yaml"
+item profile_bad_tokens "p_tokens.yaml:3:21: allow shape.tokens:" validate --profile "$tmp/p_tokens.yaml" "$ok_file"
+item profile_endless "the profile file is larger than 1 MiB" validate --profile /dev/zero "$ok_file"
 
 echo "bad-input corpus: $passed passed, $failed failed"
 [ "$failed" = 0 ] && [ "$passed" -ge 60 ]

@@ -154,6 +154,23 @@ for ps in p["stages"]:
         sys.exit(f"peer {ps['slot']}: ratio {ps['ratio']} for {ps['seconds']} s against 0.5 s")
 print("bench --peer ok")
 PY
+# a peer whose answer is not a time of a known slot, or times nothing, is
+# refused by name (its figures once printed as a "-500 ms" peer, a slot
+# named 0, or no peer section at all)
+for bad in '{"stages": {"routing": {"seconds": -0.5}}}|not a positive time' \
+           '{"stages": {"no_slot": {"seconds": 0.5}}}|no_slot: no such slot' \
+           '{"stages": {}}|no stage timed' '{"stages": [1]}|is not an object of slots'; do
+  printf '%s\n' "${bad%%|*}" > "$tmp/bad_peer.json"
+  "$bin" bench "$src/cases/basic.yaml" --case exact_fp32 --threads 2 --repeat 1 \
+    --peer "cat $tmp/bad_peer.json; true {spec}" > "$tmp/peer_bad.txt" 2>&1 \
+    || { cat "$tmp/peer_bad.txt"; echo "bench with a bad peer answer failed"; exit 1; }
+  grep -qF "${bad#*|}" "$tmp/peer_bad.txt" || { cat "$tmp/peer_bad.txt"; echo "bad peer answer not named: ${bad#*|}"; exit 1; }
+done
+# the spec gives every rank's tokens, per-rank counts included (20+0+7+1)
+printf 'import json, sys\nt = json.load(open(sys.argv[1]))["tokens"]\nsys.exit(0 if t == 28 else f"tokens {t}, expected 28")\n' > "$tmp/peer_t.py"
+"$bin" bench "$src/cases/ep4.yaml" --case ep4_zero_token_rank --threads 2 --repeat 1 \
+  --peer "/usr/bin/python3 $tmp/peer_t.py {spec}" > "$tmp/peer_t.txt" 2>&1
+grep -q "expected 28" "$tmp/peer_t.txt" && { cat "$tmp/peer_t.txt"; echo "peer spec tokens wrong"; exit 1; }
 # a peer that fails is reported under the case, the bench still runs
 "$bin" bench "$src/cases/basic.yaml" --case exact_fp32 --threads 2 --repeat 1 \
   --peer "echo no torch here >&2; exit 3" > "$tmp/peer_fail.txt" 2>&1 \

@@ -167,3 +167,50 @@ TEST_CASE("report notes are capped in the table and in the JSON, and NaN is null
   CHECK(jc["notes"].size() == 101);
   CHECK(jc["paths"][0]["notes"][0].get<std::string>().find("... (3000 more chars)") != std::string::npos);
 }
+
+TEST_CASE("the case language reads what the file says (a review's finds)", "[cpu][bad_input]") {
+  SECTION("--set of a swept key replaces the sweep: one case, named without the stale value") {
+    const std::string text = "cases:\n  - {name: a, shape: {tokens: 8}, sweep: {dtype: [fp32, fp16], seed: [1, 2]}}\n";
+    const std::vector<Case> cs = load_cases_text(text, "t.yaml", {"dtype=bf16"});
+    REQUIRE(cs.size() == 2);
+    CHECK(cs[0].name == "a[seed=1]");
+    CHECK(cs[1].name == "a[seed=2]");
+    for (const Case& c : cs) CHECK(c.dtype == DType::bf16);
+  }
+  SECTION("a case's own way of giving the tokens replaces the defaults'") {
+    const std::string text =
+        "defaults: {shape: {tokens: 64}}\ncases:\n  - {name: a, shape: {batch: 2, seq_len: 8}}\n"
+        "  - {name: b, ep: 2, shape: {tokens_per_rank: [3, 5]}}\n  - {name: c}\n";
+    const std::vector<Case> cs = load_cases_text(text, "t.yaml", {});
+    REQUIRE(cs.size() == 3);
+    CHECK(cs[0].tokens == 16);
+    CHECK((cs[1].tokens_on(0) == 3 && cs[1].tokens_on(1) == 5));
+    CHECK(cs[2].tokens == 64);
+    // --set of the per-rank tokens replaces a case's count
+    const std::vector<Case> t = load_cases_text("cases:\n  - {name: a, ep: 2, shape: {tokens: 9}}\n", "t.yaml",
+                                                {"shape.tokens_per_rank=[1, 2]"});
+    CHECK((t.at(0).tokens_on(0) == 1 && t.at(0).tokens_on(1) == 2));
+  }
+  SECTION("integers in decimal, leading zeros included (YAML 1.2), never octal") {
+    CHECK(load_cases_text("cases:\n  - {name: a, seed: 010}\n", "t.yaml", {}).at(0).seed == 10);
+    CHECK(load_cases_text("cases:\n  - {name: a, seed: 08}\n", "t.yaml", {}).at(0).seed == 8);
+  }
+  SECTION("combine.alias_offset is held to the smallest rank's tokens, per-rank counts included") {
+    const std::string text =
+        "cases:\n  - {name: a, ep: 2, shape: {hidden: 32, tokens_per_rank: [100, 100]}, shared_experts: {kind: identity, "
+        "order: init_with_shared}, combine: {buffer: alias_x_offset, alias_offset: 1000}}\n";
+    CHECK(load_cases_text(text, "t.yaml", {}).size() == 1);
+  }
+  SECTION("two long sweep values that differ past the name's cut name two cases") {
+    std::string a = "[", b;
+    for (int i = 0; i < 64; ++i) a += std::to_string(1000 + i) + (i < 63 ? ", " : "");
+    b = a + ", 7]";
+    a += ", 8]";
+    const std::string text = "cases:\n  - name: a\n    ep: 65\n    shape: {experts: 65}\n    sweep: {shape.tokens_per_rank: [" +
+                             a + ", " + b + "]}\n";
+    const std::vector<Case> cs = load_cases_text(text, "t.yaml", {});
+    REQUIRE(cs.size() == 2);
+    CHECK(cs[0].name != cs[1].name);
+    CHECK(cs[0].name.size() < 260);
+  }
+}

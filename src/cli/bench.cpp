@@ -90,9 +90,13 @@ double device_copy_seconds(Device& dev, double bytes, int repeat) {
   return best;
 }
 
-/// Bytes of a (rows, D) activation tensor: the rows a data-movement stage moves.
+/// Bytes of a (rows, D) activation tensor: the rows a data-movement stage
+/// moves (not an integer tensor that happens to have D columns: row_of is
+/// (T, K) and K may equal D).
 double row_bytes(const Tensor& t, int64_t D) {
-  return t.shape.size() == 2 && t.shape[1] == D ? double(t.bytes()) : 0.0;
+  const bool rows = t.type == ElemType::f32 || t.type == ElemType::bf16 || t.type == ElemType::f16 ||
+                    t.type == ElemType::e4m3;
+  return rows && t.shape.size() == 2 && t.shape[1] == D ? double(t.bytes()) : 0.0;
 }
 
 bool is_all_to_all(const std::string& slot) { return slot == "ep_dispatch" || slot == "ep_combine"; }
@@ -344,16 +348,19 @@ StageBench bench_stage(const Stage& s, const VariantDecision& vd, double slot_re
   std::vector<double> times, device_times, device_summed;
   std::vector<std::vector<WindowPart>> device_parts;
   const int64_t group_calls = mirror ? mirror->device().gemm_group_calls().calls : 0;
-  for (int i = 0; i < opt.warmup + opt.repeat; ++i) {
+  // The first call allocates (and poisons) the outputs; later calls reuse
+  // them. It is never timed, so --warmup 0 still times the fast path, not
+  // the allocator.
+  const int warmup = std::max(opt.warmup, 1);
+  for (int i = 0; i < warmup + opt.repeat; ++i) {
     std::string skipped, error;
-    // The first call allocates (and poisons) the outputs; later calls reuse them.
     const FastSeconds sec = time_fast_once(s, c, board, out, opt.threads, mirror,
                                            i == 0 ? OutputBuffers::fresh : OutputBuffers::reuse, skipped, error);
     if (!error.empty() || !skipped.empty()) {
       b.note = !error.empty() ? "fast stage failed: " + error : "skipped: " + skipped;
       return b;
     }
-    if (i >= opt.warmup) {
+    if (i >= warmup) {
       times.push_back(sec.wall), device_times.push_back(sec.device), device_summed.push_back(sec.device_summed);
       device_parts.push_back(std::move(sec.parts));
     }
@@ -364,7 +371,9 @@ StageBench bench_stage(const Stage& s, const VariantDecision& vd, double slot_re
   b.spread = spread_of(times);
   std::tie(b.bytes, b.bytes_formula) = bytes_formula(s, c, board, out);
   b.gbps = b.seconds_min > 0 ? b.bytes / b.seconds_min / 1e9 : 0;
-  b.roof_seconds = memcpy_seconds(b.bytes / 2, opt.threads, opt.repeat);
+  // at least 5 samples: the best of one or two copies was often far off on a
+  // shared machine (a roof 10x too slow gave "%roof" past 1000)
+  b.roof_seconds = memcpy_seconds(b.bytes / 2, opt.threads, std::max(opt.repeat, 5));
   b.roof_gbps = b.roof_seconds > 0 ? b.bytes / b.roof_seconds / 1e9 : 0;
   b.ratio_to_roof = b.seconds_min > 0 ? b.roof_seconds / b.seconds_min : 0;
   if (mirror) {
@@ -494,7 +503,9 @@ std::string xml_escape(const std::string& s) {
 /// records its stage seconds, or why there are none, in cb.
 void run_peer(CaseBench& cb, const BenchOptions& opt, std::ostream& log) {
   const Case& c = cb.c;
-  nlohmann::json spec = {{"tokens", c.tokens * c.ep},
+  int64_t tokens = 0;  // every rank's, per-rank counts included
+  for (int r = 0; r < c.ep; ++r) tokens += c.tokens_on(r);
+  nlohmann::json spec = {{"tokens", tokens},
                          {"ep", c.ep},
                          {"hidden", c.hidden},
                          {"ffn", c.ffn},
@@ -535,12 +546,23 @@ void run_peer(CaseBench& cb, const BenchOptions& opt, std::ostream& log) {
   }
   try {
     const nlohmann::json j = nlohmann::json::parse(end.out_tail);
+    const nlohmann::json& st = j.at("stages");
+    if (!st.is_object()) throw std::runtime_error("\"stages\" is not an object of slots");
+    for (const auto& [slot, v] : st.items()) {
+      const double sec = v.at("seconds").get<double>();
+      if (!std::isfinite(sec) || sec <= 0)
+        throw std::runtime_error("stage " + slot + ": seconds " + std::to_string(sec) + ", not a positive time");
+      const auto& reg = registry();
+      if (std::none_of(reg.begin(), reg.end(), [&](const Stage& x) { return x.slot == slot; }))
+        throw std::runtime_error("stage " + slot + ": no such slot");
+      cb.peer.push_back({slot, v.value("what", std::string()), sec});
+    }
+    if (cb.peer.empty()) throw std::runtime_error("no stage timed");
     cb.peer_name = "torch " + j.value("torch", std::string("?")) + " on " + j.value("device", std::string("?"));
-    for (const auto& [slot, v] : j.at("stages").items())
-      cb.peer.push_back({slot, v.value("what", std::string()), v.at("seconds").get<double>()});
   } catch (const std::exception& e) {
     cb.peer.clear();
-    cb.peer_note = std::string("the peer's output is not its JSON (") + e.what() + ")";
+    cb.peer_name.clear();
+    cb.peer_note = std::string("the peer's output is not its JSON (") + printable(e.what(), 300) + ")";
   }
 }
 

@@ -77,6 +77,13 @@ std::vector<nlohmann::ordered_json> values_of(const Case& c, const nlohmann::ord
     return v;
   }
   if (k == "dispatch.dtype" && !j.contains(k)) return {"act"};
+  // keys the case's JSON leaves out at their default: the default's value
+  if (k == "grad_accumulate" && !j.contains(k)) return {"as_combine"};
+  if (k == "shape.tokens_per_rank" && !j.contains(k)) {
+    std::vector<int64_t> t;
+    for (int r = 0; r < c.ep; ++r) t.push_back(c.tokens_on(r));
+    return {nlohmann::ordered_json(t)};
+  }
   if (!j.contains(k)) return {};
   return {j[k]};
 }
@@ -192,7 +199,8 @@ Profile::Allow read_allow_rule(const Profile& p, const YAML::Node& key, const YA
     if (f.key == k) bad_input(where + "also fixed (line " + std::to_string(f.line) + "); valid: fix it or allow values, not both");
   if (v.IsSequence() && v.size() > 0) {
     for (const auto& e : v) {
-      const std::string err = k == "shape.tokens" ? "" : probe_profile(p, pins, k, emit_flow(e));
+      // shape.tokens alone: the profile's other keys may give the tokens per rank
+      const std::string err = k == "shape.tokens" ? probe({k + "=" + emit_flow(e)}) : probe_profile(p, pins, k, emit_flow(e));
       if (!err.empty()) bad_input(at(p.file, e) + ": allow " + k + ": " + err);
       a.values.push_back(emit_flow(e));
     }
@@ -207,6 +215,13 @@ Profile::Allow read_allow_rule(const Profile& p, const YAML::Node& key, const YA
     }
     if (!(a.min <= a.max)) bad_input(where + "min is above max; valid: {min: a, max: b} with a <= b");
     a.integer = a.min == std::floor(a.min) && a.max == std::floor(a.max) && std::fabs(a.max) < 1e15;
+    // both ends must be values of the key (a range over an enum key, or
+    // past the key's range, would refuse every draw far from this line)
+    for (const char* end : {"min", "max"}) {
+      const std::string text = a.integer ? std::to_string(int64_t(end[1] == 'i' ? a.min : a.max)) : emit_flow(v[end]);
+      const std::string err = k == "shape.tokens" ? probe({k + "=" + text}) : probe_profile(p, pins, k, text);
+      if (!err.empty()) bad_input(at(p.file, v[end]) + ": allow " + k + ": " + end + " " + text + ": " + err);
+    }
     return a;
   }
   bad_input(where + "expected a non-empty list of values or {min: a, max: b}; valid: e.g. [1, 2, 4] or {min: 0, max: 32}");
@@ -341,14 +356,16 @@ Profile load_profile(const std::string& name_or_file) {
   if (!in || std::filesystem::is_directory(file))
     bad_input("--profile " + printable(file, 200) + ": cannot open the profile file; valid: a shipped profile name or a "
               "readable YAML file");
-  std::stringstream text;
-  text << in.rdbuf();
-  YAML::Node root;
-  try {
-    root = YAML::Load(text.str());
-  } catch (const YAML::Exception& e) {
-    bad_input(case_detail::at_line_col(file, e.mark) + ": YAML syntax error: " + printable(e.msg) + "; " + kValid);
+  std::string text;
+  std::vector<char> buf(size_t(1) << 16);
+  constexpr size_t kMaxProfileBytes = size_t(1) << 20;  // a profile is a few dozen lines
+  while (in) {  // at most one buffer past the cap: /dev/zero is not read whole
+    in.read(buf.data(), std::streamsize(buf.size()));
+    text.append(buf.data(), size_t(in.gcount()));
+    if (text.size() > kMaxProfileBytes)
+      bad_input("--profile " + printable(file, 200) + ": the profile file is larger than 1 MiB; " + kValid);
   }
+  const YAML::Node root = case_detail::parse_checked(text, file, kValid);
   Profile p;
   p.file = file;
   p.name = std::filesystem::path(file).stem().string();

@@ -13,7 +13,8 @@ namespace moev {
 
 /// A pattern selects a name it equals (so a sweep name's own brackets need
 /// no escaping), every point of a sweep it names, or a name it matches as a
-/// shell glob (`*`, `?`, `[...]`). No
+/// shell glob (`*`, `?`, `[...]`; a pattern ending in `[key=value,...]`
+/// keeps those brackets literal). No
 /// pattern: every case. An empty pattern, or one that selects nothing in the
 /// files given, is bad input naming it.
 struct CaseFilter {
@@ -27,8 +28,18 @@ struct CaseFilter {
   }
   /// A swept case's base name selects every point: `fp8_local` selects
   /// `fp8_local[dispatch.scale=fp32]` and the others.
+  /// A pattern that names a sweep point (`BASE[key=value,...]`) takes its
+  /// brackets literally, only BASE as a pattern: as a glob, `x[ep=2]` would
+  /// also select `x2` and `xe`, and a near miss would select those silently.
   static bool matches(const std::string& p, const std::string& name) {
-    return p == name || fnmatch(p.c_str(), name.c_str(), 0) == 0 ||
+    if (p == name) return true;
+    const size_t b = p.find('[');
+    if (b != std::string::npos && p.back() == ']' && p.find('=', b) != std::string::npos) {
+      const size_t nb = name.find('[');
+      return nb != std::string::npos && name.compare(nb, std::string::npos, p, b, std::string::npos) == 0 &&
+             fnmatch(p.substr(0, b).c_str(), name.substr(0, nb).c_str(), 0) == 0;
+    }
+    return fnmatch(p.c_str(), name.c_str(), 0) == 0 ||
            (name.size() > p.size() && name[p.size()] == '[' && name.compare(0, p.size(), p) == 0);
   }
   void check_not_empty() const {

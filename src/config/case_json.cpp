@@ -1,6 +1,8 @@
 // A case as JSON and back (see case_json.h).
 #include "case_json.h"
 
+#include <algorithm>
+
 #include "error.h"
 
 namespace moev {
@@ -85,7 +87,22 @@ nlohmann::ordered_json case_to_json(const Case& c) {
 Case case_from_json(const nlohmann::json& j, const std::string& where) {
   if (!j.is_object()) bad_input(where + ": \"case\" is not an object; valid: the resolved case as `moeverify export` writes it");
   // JSON is YAML: the case loader validates it like any case file entry.
-  const std::string text = "cases:\n  - " + j.dump(-1, ' ', true) + "\n";
+  // case_to_json writes the tokens every way for readers of the manifest
+  // (shape.tokens and seq_len beside the per-rank list at ep > 1): one way
+  // is read back, the count where every rank holds it, else the list.
+  nlohmann::json k = j;
+  if (k.contains("shape.tokens_per_rank")) {
+    const nlohmann::json& l = k["shape.tokens_per_rank"];
+    const bool even = k.contains("shape.tokens") && l.is_array() &&
+                      std::all_of(l.begin(), l.end(), [&](const nlohmann::json& t) { return t == k["shape.tokens"]; });
+    if (even) {
+      k.erase("shape.tokens_per_rank");
+    } else {
+      k.erase("shape.tokens");
+      k.erase("shape.seq_len");
+    }
+  }
+  const std::string text = "cases:\n  - " + k.dump(-1, ' ', true) + "\n";
   std::vector<Case> cs = load_cases_text(text, where, {});
   if (cs.size() != 1) bad_input(where + ": \"case\" must describe exactly one case (no sweep)");
   return cs[0];

@@ -2,6 +2,7 @@
 // key with its help text and setter, grouped by section in the order
 // `validate --keys` lists them (docs/case-keys.md), and the value readers
 // the setters share.
+#include <algorithm>
 #include "case_schema.h"
 
 #include <cmath>
@@ -39,12 +40,15 @@ std::string scalar_text(const Src& s) {
 int64_t as_int(const Src& s, const std::string& key, int64_t lo, int64_t hi) {
   const std::string valid = "valid: an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
   if (!s.node.IsScalar()) fail_at(s, key, "expected an integer, got " + scalar_text(s), valid);
-  int64_t v = 0;
-  try {
-    v = s.node.as<int64_t>();
-  } catch (const YAML::Exception&) {
-    fail_at(s, key, "expected an integer, got " + scalar_text(s), valid);
-  }
+  // Decimal digits only, as YAML 1.2 reads them: yaml-cpp alone would take
+  // 010 as octal 8 (and 08 as no integer) and 0x10 as 16, so a sweep's name
+  // would say one value while the case ran another.
+  const std::string& t = s.node.Scalar();
+  const size_t d0 = !t.empty() && (t[0] == '-' || t[0] == '+') ? 1 : 0;
+  const bool digits = t.size() > d0 && t.size() - d0 <= 18 &&
+                      std::all_of(t.begin() + long(d0), t.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+  if (!digits) fail_at(s, key, "expected an integer, got " + scalar_text(s), valid + " in decimal digits");
+  const int64_t v = std::stoll(t);
   if (v < lo || v > hi) fail_at(s, key, "value " + std::to_string(v) + " is out of range", valid);
   return v;
 }

@@ -35,6 +35,11 @@ struct Src {
   }
 };
 
+/// One YAML document checked as a case file is (no control bytes, no second
+/// document, every quote closed, every mapping's keys plain and given once),
+/// for YAML files that are not case files (profiles); errors name FILE:LINE.
+YAML::Node parse_checked(const std::string& text, const std::string& file, const std::string& valid);
+
 /// FILE:LINE:COLUMN of a YAML mark (FILE alone where the mark has no line).
 std::string at_line_col(const std::string& file, const YAML::Mark& m);
 /// Where a value came from: FILE:LINE:COLUMN.

@@ -135,8 +135,8 @@ void validate(const Case& c, const Flat& flat) {
       if (c.tokens_on(r) == 0)
         fail("combine.buffer", "an aliasing buffer needs tokens > 0 on every rank", "valid: buffer: fresh when a rank has no tokens");
   }
-  int64_t min_tokens = c.tokens;
-  for (int r = 0; r < c.ep; ++r) min_tokens = std::min(min_tokens, c.tokens_on(r));
+  int64_t min_tokens = c.tokens_on(0);
+  for (int r = 1; r < c.ep; ++r) min_tokens = std::min(min_tokens, c.tokens_on(r));
   if (c.combine.buffer == OutBuffer::alias_x_offset && c.combine.alias_offset >= min_tokens * c.hidden)
     fail("combine.alias_offset", "offset " + std::to_string(c.combine.alias_offset) + " leaves no overlap with x",
          "valid: 1 <= alias_offset < tokens*hidden = " + std::to_string(min_tokens * c.hidden));
@@ -188,6 +188,14 @@ Case build_case(const Flat& flat, const std::string& source) {
     auto it = flat.find(f.path);
     if (it != flat.end()) f.set(c, it->second, f.path);
   }
+  // shape.tokens_per_rank gives every rank's tokens: a token count beside it
+  // would be read by nothing.
+  if (flat.count("shape.tokens_per_rank"))
+    for (const char* k : {"shape.tokens", "shape.seq_len"})
+      if (flat.count(k))
+        bad_input(where(flat.at(k)) + ": " + k + ": set beside shape.tokens_per_rank (" +
+                  where(flat.at("shape.tokens_per_rank")) +
+                  "), which gives each rank's tokens; valid: one way of giving the tokens");
   // shape.seq_len gives the tokens: T = batch * seq_len (docs/contract.md §10).
   if (flat.count("shape.seq_len")) {
     if (flat.count("shape.tokens") && c.tokens != c.batch * c.seq_len)

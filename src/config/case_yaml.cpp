@@ -13,9 +13,11 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <set>
 
@@ -222,12 +224,19 @@ void render(const YAML::Node& n, std::string& out, size_t budget) {
   }
 }
 
+/// A value as a sweep name shows it: at most 200 characters, a longer one
+/// cut there and followed by a hash of the whole, so that two long values
+/// that differ past the cut still name two cases.
 std::string render(const YAML::Node& n) {
   constexpr size_t kBudget = 200;
   std::string s;
-  render(n, s, kBudget);
-  if (s.size() > kBudget) s = s.substr(0, kBudget) + "...";
-  return s;
+  render(n, s, size_t(1) << 24);  // a case file is at most 16 MiB; aliases may multiply a value past it
+  if (s.size() <= kBudget) return s;
+  uint32_t h = 2166136261u;  // FNV-1a
+  for (unsigned char ch : s) h = (h ^ ch) * 16777619u;
+  char tag[16];
+  std::snprintf(tag, sizeof tag, "...#%08x", h);
+  return s.substr(0, kBudget) + tag;
 }
 
 /// The document of a case file, checked at the top: a mapping with `cases`
@@ -336,7 +345,21 @@ void expand_entry(const YAML::Node& entry, const std::string& path, const Flat& 
   for (auto& [k, v] : own) flat[k] = v;
   if (!own.count("name")) fail_at(esrc, "name", "every case needs a name", "valid: name: <word>");
   size_t count = 1;
-  const Axes axes = sweep_axes(entry, path, own, out.size(), count);
+  Axes axes = sweep_axes(entry, path, own, out.size(), count);
+  // The tokens come one way (shape.tokens; shape.seq_len with shape.batch;
+  // shape.tokens_per_rank): where the case or its sweep gives them, the
+  // defaults' other ways give way.
+  const auto gives = [&](const std::string& k) {
+    return own.count(k) || std::any_of(axes.begin(), axes.end(), [&](const auto& a) { return a.first == k; });
+  };
+  const std::vector<std::string> token_keys = {"shape.tokens", "shape.seq_len", "shape.tokens_per_rank"};
+  if (std::any_of(token_keys.begin(), token_keys.end(), gives))
+    for (const std::string& k : token_keys)
+      if (!gives(k)) flat.erase(k);
+  // A --set of a swept key replaces the sweep over it: its points would
+  // otherwise be named by values they no longer have.
+  axes.erase(std::remove_if(axes.begin(), axes.end(), [&](const auto& a) { return cli.count(a.first) > 0; }),
+             axes.end());
   if (out.size() + count > kMaxCasesPerFile)
     fail_at(esrc, "cases", "the file has more than " + std::to_string(kMaxCasesPerFile) + " cases",
             "valid: at most " + std::to_string(kMaxCasesPerFile) + " cases per file after expansion");
@@ -351,6 +374,8 @@ void expand_entry(const YAML::Node& entry, const std::string& path, const Flat& 
     if (!suffix.empty()) suffix += "]";
     const Flat own_point = f;
     for (auto& [k, v] : cli) f[k] = v;
+    if (cli.count("shape.tokens_per_rank"))  // per rank, in place of any count (--set shape.tokens beside it too)
+      for (const char* k : {"shape.tokens", "shape.seq_len"}) f.erase(k);
     std::optional<Case> c;
     try {
       // shape.tokens_per_rank stands in place of shape.tokens: a --set of the
@@ -380,6 +405,27 @@ void expand_entry(const YAML::Node& entry, const std::string& path, const Flat& 
 }
 
 }  // namespace
+
+namespace case_detail {
+YAML::Node parse_checked(const std::string& text, const std::string& file, const std::string& valid) {
+  const YAML::Node root = parse_one(text, file, valid);
+  std::set<int> seen;
+  check_quotes(root, text, file, seen);
+  // every mapping's keys plain and once (aliases share nodes: each visited once)
+  std::set<int> visited;
+  const std::function<void(const YAML::Node&)> keys = [&](const YAML::Node& n) {
+    if (n.Mark().pos >= 0 && !visited.insert(n.Mark().pos).second) return;
+    if (n.IsMap()) {
+      check_keys(n, file, "", valid);
+      for (const auto& kv : n) keys(kv.second);
+    } else if (n.IsSequence()) {
+      for (const auto& e : n) keys(e);
+    }
+  };
+  keys(root);
+  return root;
+}
+}  // namespace case_detail
 
 std::vector<Case> load_cases(const std::string& path, const std::vector<std::string>& overrides,
                              std::vector<std::string>* left_out) {
