@@ -22,6 +22,12 @@ trap 'rm -rf "$tmp"' EXIT
   || { cat "$tmp/sw.txt"; echo "bench --sweep of mixtral_like failed"; exit 1; }
 [ "$(grep -cE '^    [TDR] x [0-9.]+ +T=[0-9]+ D=[0-9]+ R=[0-9]+: [0-9.]+ s' "$tmp/sw.txt")" -eq 9 ] \
   || { cat "$tmp/sw.txt"; echo "bench --sweep: not every point of mixtral_like ran"; exit 1; }
+# the T axis of a case with per-rank token counts scales every rank's count
+# (it once set shape.tokens, and no T point ran)
+"$bin" bench "$src/cases/ep4.yaml" --case ep4_zero_token_rank --threads 2 --repeat 1 --sweep > "$tmp/swr.txt" 2>&1 \
+  || { cat "$tmp/swr.txt"; echo "bench --sweep of ep4_zero_token_rank failed"; exit 1; }
+[ "$(grep -cE '^    T x [0-9.]+ +T=(5|10|20) D=16 R=4: [0-9.]+ s' "$tmp/swr.txt")" -eq 3 ] \
+  || { cat "$tmp/swr.txt"; echo "bench --sweep: the T points of a per-rank case did not run"; exit 1; }
 "$bin" bench "$src/cases/ep.yaml" --case 'ep2_basic[experts.kind=identity]' --threads 2 --repeat 2 --json "$tmp/ep.json" > "$tmp/ep.txt" 2>&1 \
   || { cat "$tmp/ep.txt"; echo "bench of an EP case failed"; exit 1; }
 "$bin" bench "$src/cases/ep.yaml" --case 'ep2_basic[experts.kind=identity]' --threads 2 --repeat 2 --backend emulated \

@@ -425,6 +425,11 @@ std::vector<SweepPoint> run_sweep(const Case& c, const BenchOptions& opt, std::o
       p.ep = c.ep;
       const std::string a = axis;
       if (a == "T") p.tokens = std::max<int64_t>(1, int64_t(double(c.tokens) * scale));
+      if (!c.tokens_per_rank.empty() || c.tokens_uniform_lo >= 0) {  // T shows the largest rank's count
+        p.tokens = 0;
+        for (int r = 0; r < c.ep; ++r)
+          p.tokens = std::max<int64_t>(p.tokens, int64_t(double(c.tokens_on(r)) * (a == "T" ? scale : 1.0)));
+      }
       if (a == "D") p.hidden = std::max<int64_t>(1, int64_t(double(c.hidden) * scale));
       if (a == "R") p.ep = std::max(1, int(double(c.ep) * scale));
       bool duplicate = false;  // R = 1 scales to 1 three times: run it once
@@ -433,7 +438,17 @@ std::vector<SweepPoint> run_sweep(const Case& c, const BenchOptions& opt, std::o
       // Only the axis's key is set: the others stay as the case has them
       // (tokens_per_rank in place of shape.tokens).
       std::vector<std::string> sets = opt.sets;
-      if (a == "T") sets.push_back("shape.tokens=" + std::to_string(p.tokens));
+      const auto scaled = [&](int64_t t) { return std::to_string(std::max<int64_t>(0, int64_t(double(t) * scale))); };
+      if (a == "T" && !c.tokens_per_rank.empty()) {  // every rank's count scaled
+        std::string l;
+        for (int64_t t : c.tokens_per_rank) l += (l.empty() ? "[" : ",") + scaled(t);
+        sets.push_back("shape.tokens_per_rank=" + l + "]");
+      } else if (a == "T" && c.tokens_uniform_lo >= 0) {
+        sets.push_back("shape.tokens_per_rank={uniform: [" + scaled(c.tokens_uniform_lo) + ", " +
+                       scaled(c.tokens_uniform_hi) + "]}");
+      } else if (a == "T") {
+        sets.push_back("shape.tokens=" + std::to_string(p.tokens));
+      }
       if (a == "D") sets.push_back("shape.hidden=" + std::to_string(p.hidden));
       if (a == "R") sets.push_back("ep=" + std::to_string(p.ep));
       try {
