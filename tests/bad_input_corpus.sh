@@ -209,6 +209,9 @@ item profile_range_over_enum "p_enum_range.yaml:3:16: allow dtype: min 0:" valid
 printf 'profile: x\nallow:\n  shape.tokens: [8, -5]\n' > "$tmp/p_tokens.yaml"
 item profile_bad_tokens "p_tokens.yaml:3:21: allow shape.tokens:" validate --profile "$tmp/p_tokens.yaml" "$ok_file"
 item profile_endless "the profile file is larger than 1 MiB" validate --profile /dev/zero "$ok_file"
+printf 'defaults: {name: x}\ncases:\n  - {name: a}\n' > "$tmp/default_name.yaml"
+item defaults_name "default_name.yaml:1:18: defaults.name:" validate "$tmp/default_name.yaml"
+item set_name "--set name: a case's name is its file's" validate "$ok_file" --set name=b
 
 echo "bad-input corpus: $passed passed, $failed failed"
 [ "$failed" = 0 ] && [ "$passed" -ge 60 ]

@@ -281,6 +281,9 @@ Flat parse_overrides(const std::vector<std::string>& overrides) {
     if (!is_leaf(key))
       bad_input("--set " + printable(o) + ": unknown key '" + printable(key) +
                 "'; valid keys: see `moeverify validate --keys`");
+    if (key == "name")
+      bad_input("--set name: a case's name is its file's (every case would take one name); valid: select cases "
+                "with --case NAME");
     if (cli.count(key))
       bad_input("--set " + printable(key) + ": given twice; valid: each key once (the last would silently win)");
     const std::string value = o.substr(eq + 1);
@@ -437,6 +440,9 @@ std::vector<Case> load_cases_text(const std::string& text, const std::string& pa
   const YAML::Node root = parse_root(text, path);
   Flat defaults;
   if (root["defaults"]) flatten(root["defaults"], "", path, defaults, {});
+  if (defaults.count("name"))
+    fail_at(defaults.at("name"), "defaults.name", "a name under defaults would name every case alike",
+            "valid: name in each case");
   const Flat cli = parse_overrides(overrides);
   std::vector<Case> out;
   std::set<std::string> names;
