@@ -359,10 +359,14 @@ void expand_entry(const YAML::Node& entry, const std::string& path, const Flat& 
   if (std::any_of(token_keys.begin(), token_keys.end(), gives))
     for (const std::string& k : token_keys)
       if (!gives(k)) flat.erase(k);
-  // A --set of a swept key replaces the sweep over it: its points would
-  // otherwise be named by values they no longer have.
-  axes.erase(std::remove_if(axes.begin(), axes.end(), [&](const auto& a) { return cli.count(a.first) > 0; }),
-             axes.end());
+  // A --set of a swept key replaces the sweep over it (--set of the per-rank
+  // tokens a sweep of the count): its points would otherwise be named by
+  // values they no longer have.
+  const auto replaced = [&](const auto& a) {
+    return cli.count(a.first) > 0 ||
+           (cli.count("shape.tokens_per_rank") && (a.first == "shape.tokens" || a.first == "shape.seq_len"));
+  };
+  axes.erase(std::remove_if(axes.begin(), axes.end(), replaced), axes.end());
   if (out.size() + count > kMaxCasesPerFile)
     fail_at(esrc, "cases", "the file has more than " + std::to_string(kMaxCasesPerFile) + " cases",
             "valid: at most " + std::to_string(kMaxCasesPerFile) + " cases per file after expansion");
