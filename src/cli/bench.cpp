@@ -24,6 +24,7 @@
 #include "memory_estimate.h"
 #include "registry.h"
 #include "runner.h"
+#include "stages.h"
 #include "subprocess.h"
 #include "version.h"
 
@@ -124,11 +125,8 @@ std::pair<double, std::string> bytes_formula(const Stage& s, const Case& c, cons
     // in place always the caller's buffer; out of place a buffer unless it
     // starts at zeros) and the shared experts' rows added after: each a
     // (T, D) tensor as the output.
-    const bool shared = c.shared.kind != SharedKind::none;
-    const bool init = s.variant == "in_place" || c.combine.buffer != OutBuffer::fresh ||
-                      (shared && c.shared.order == SharedOrder::init_with_shared);
-    const bool add_after = shared && c.shared.order == SharedOrder::add_after;
-    if (!init && !add_after) return {read + written_rows, "routed rows read + output rows written"};
+    const bool init = s.variant == "in_place" || !combine_starts_at_zeros(c);
+    const bool add_after = c.shared.kind != SharedKind::none && c.shared.order == SharedOrder::add_after;
     const int extra = int(init) + int(add_after);
     return {read + double(1 + extra) * written_rows,
             std::string("routed rows read + ") + (init ? "the target's rows read + " : "") +

@@ -76,16 +76,10 @@ std::vector<nlohmann::ordered_json> values_of(const Case& c, const nlohmann::ord
     for (int r = 0; r < c.ep; ++r) v.push_back(c.tokens_on(r));
     return v;
   }
-  if (k == "dispatch.dtype" && !j.contains(k)) return {"act"};
-  // keys the case's JSON leaves out at their default: the default's value
-  if (k == "grad_accumulate" && !j.contains(k)) return {"as_combine"};
-  if (k == "shape.tokens_per_rank" && !j.contains(k)) {
-    std::vector<int64_t> t;
-    for (int r = 0; r < c.ep; ++r) t.push_back(c.tokens_on(r));
-    return {nlohmann::ordered_json(t)};
-  }
-  if (!j.contains(k)) return {};
-  return {j[k]};
+  if (j.contains(k)) return {j[k]};
+  const nlohmann::ordered_json left = keys_left_out(c);  // at their defaults: still the case's values
+  if (left.contains(k)) return {left[k]};
+  return {};
 }
 
 bool allowed(const Profile::Allow& a, const nlohmann::ordered_json& j) {
@@ -357,14 +351,8 @@ Profile load_profile(const std::string& name_or_file) {
     bad_input("--profile " + printable(file, 200) + ": cannot open the profile file; valid: a shipped profile name or a "
               "readable YAML file");
   std::string text;
-  std::vector<char> buf(size_t(1) << 16);
-  constexpr size_t kMaxProfileBytes = size_t(1) << 20;  // a profile is a few dozen lines
-  while (in) {  // at most one buffer past the cap: /dev/zero is not read whole
-    in.read(buf.data(), std::streamsize(buf.size()));
-    text.append(buf.data(), size_t(in.gcount()));
-    if (text.size() > kMaxProfileBytes)
-      bad_input("--profile " + printable(file, 200) + ": the profile file is larger than 1 MiB; " + kValid);
-  }
+  if (!case_detail::read_at_most(in, size_t(1) << 20, text))  // a profile is a few dozen lines
+    bad_input("--profile " + printable(file, 200) + ": the profile file is larger than 1 MiB; " + kValid);
   const YAML::Node root = case_detail::parse_checked(text, file, kValid);
   Profile p;
   p.file = file;

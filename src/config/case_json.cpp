@@ -84,6 +84,19 @@ nlohmann::ordered_json case_to_json(const Case& c) {
   return j;
 }
 
+nlohmann::ordered_json keys_left_out(const Case& c) {
+  const nlohmann::ordered_json j = case_to_json(c);
+  nlohmann::ordered_json o;
+  if (!j.contains("grad_accumulate")) o["grad_accumulate"] = enum_name(grad_accumulate_table(), c.grad_accumulate);
+  if (!j.contains("dispatch.dtype")) o["dispatch.dtype"] = "act";
+  if (!j.contains("shape.tokens_per_rank")) {
+    std::vector<int64_t> t;
+    for (int r = 0; r < c.ep; ++r) t.push_back(c.tokens_on(r));
+    o["shape.tokens_per_rank"] = t;
+  }
+  return o;
+}
+
 Case case_from_json(const nlohmann::json& j, const std::string& where) {
   if (!j.is_object()) bad_input(where + ": \"case\" is not an object; valid: the resolved case as `moeverify export` writes it");
   // JSON is YAML: the case loader validates it like any case file entry.

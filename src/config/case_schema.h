@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <istream>
 #include <map>
 #include <string>
 #include <vector>
@@ -35,6 +36,9 @@ struct Src {
   }
 };
 
+/// Reads `in` to its end into `text`; false as soon as more than `cap`
+/// bytes came (the rest unread).
+bool read_at_most(std::istream& in, size_t cap, std::string& text);
 /// One YAML document checked as a case file is (no control bytes, no second
 /// document, every quote closed, every mapping's keys plain and given once),
 /// for YAML files that are not case files (profiles); errors name FILE:LINE.

@@ -91,15 +91,10 @@ std::string read_case_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) bad_input(shown + ": cannot open the case file (" + std::strerror(errno) + "); " + valid);
   std::string text;
-  std::vector<char> buf(size_t(1) << 16);
-  while (in) {  // read at most one byte past the cap: a huge file (or /dev/zero) is not read whole
-    in.read(buf.data(), std::streamsize(buf.size()));
-    text.append(buf.data(), size_t(in.gcount()));
-    if (text.size() > kMaxCaseFileBytes)
-      bad_input(shown + ": the case file is larger than " + std::to_string(kMaxCaseFileBytes >> 20) +
-                " MiB; valid: a case file of at most " + std::to_string(kMaxCaseFileBytes >> 20) +
-                " MiB (use sweeps for many cases)");
-  }
+  if (!read_at_most(in, kMaxCaseFileBytes, text))
+    bad_input(shown + ": the case file is larger than " + std::to_string(kMaxCaseFileBytes >> 20) +
+              " MiB; valid: a case file of at most " + std::to_string(kMaxCaseFileBytes >> 20) +
+              " MiB (use sweeps for many cases)");
   if (in.bad()) bad_input(shown + ": cannot read the case file (" + std::strerror(errno) + "); " + valid);
   return text;
 }
@@ -414,6 +409,16 @@ void expand_entry(const YAML::Node& entry, const std::string& path, const Flat& 
 }  // namespace
 
 namespace case_detail {
+bool read_at_most(std::istream& in, size_t cap, std::string& text) {
+  std::vector<char> buf(size_t(1) << 16);
+  while (in) {  // one buffer past the cap at most: a huge file (or /dev/zero) is not read whole
+    in.read(buf.data(), std::streamsize(buf.size()));
+    text.append(buf.data(), size_t(in.gcount()));
+    if (text.size() > cap) return false;
+  }
+  return true;
+}
+
 YAML::Node parse_checked(const std::string& text, const std::string& file, const std::string& valid) {
   const YAML::Node root = parse_one(text, file, valid);
   std::set<int> seen;

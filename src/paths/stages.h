@@ -30,6 +30,9 @@ ref::RouterSpec ref_router_spec(const Case& c);
 ref::SpPadding ref_padding(const Case& c);
 /// Initial value of the combine's scatter target for this rank (docs/contract.md §2, §9).
 std::vector<float> combine_init(const Case& c, const RankBoard& in);
+/// Whether that target is all zeros (a fresh buffer, no shared output to
+/// start from): the out-of-place combine then reads no target rows.
+bool combine_starts_at_zeros(const Case& c);
 
 /// c when every entry equals the same c > 0, else 0 (the equal-count
 /// precondition of docs/contract.md §7 and of the batched experts, §8).

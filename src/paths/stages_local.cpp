@@ -88,6 +88,11 @@ ref::RouterSpec ref_router_spec(const Case& c) {
   return spec;
 }
 
+bool combine_starts_at_zeros(const Case& c) {
+  return c.combine.buffer == OutBuffer::fresh &&
+         !(c.shared.kind != SharedKind::none && c.shared.order == SharedOrder::init_with_shared);
+}
+
 std::vector<float> combine_init(const Case& c, const RankBoard& in) {
   const Tensor& x = in.at("x");
   const int64_t n = x.numel();
@@ -995,9 +1000,7 @@ Stage combine_out_of_place() {
     const Tensor& x = ctx.input("x");
     Tensor& out = ctx.output("out", x.type, x.shape);
     // The default target starts at zeros: no init buffer to build or read.
-    const bool zeros = c.combine.buffer == OutBuffer::fresh &&
-                       !(c.shared.kind != SharedKind::none && c.shared.order == SharedOrder::init_with_shared);
-    if (zeros) {
+    if (combine_starts_at_zeros(c)) {
       combine_from_zeros(ctx.exec, combine_args(ctx), out.data());
     } else {
       const Tensor init = from_floats(combine_init(c, ctx.in), x.type, x.shape);
