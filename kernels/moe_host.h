@@ -203,11 +203,24 @@ struct InPlaceResult {
   std::string reason;  // which input the buffer overlapped, when it fell back
 };
 
+/// What an in-place combine's buffer holds before the add (combine_in_place):
+/// - as_is: the caller's values, as they stand;
+/// - zeros: it is set to zeros first;
+/// - copy: it is set to a copy of `from` (T x D, overlapping no byte of it) first.
+/// zeros and copy write the buffer where the combine runs (on a mirror's
+/// device, with the device's own fill or copy), so a buffer that is a new
+/// device output is never built on the host and uploaded.
+struct BufferStart {
+  enum class Kind : uint8_t { as_is, zeros, copy } kind = Kind::as_is;
+  const void* from = nullptr;
+};
+
 /// In-place combine (docs/contract.md §9): adds into `buf` (which holds the initial
-/// value) when buf overlaps none of `protected_inputs` by any byte; otherwise
-/// writes init(=buf contents) + scatter into `fallback` and leaves buf alone.
+/// value, after `start`) when buf overlaps none of `protected_inputs` by any byte;
+/// otherwise writes init(=buf contents) + scatter into `fallback` and leaves
+/// buf's contents alone.
 InPlaceResult combine_in_place(const ExecCtx& ctx, const CombineArgs& a, void* buf,
                                void* fallback, const ByteRange* protected_inputs,
-                               const char* const* input_names, int num_inputs);
+                               const char* const* input_names, int num_inputs, BufferStart start = {});
 
 }  // namespace moev

@@ -52,6 +52,7 @@ basic=$src/cases/basic.yaml
 v complex_key_top "complex_key_top.yaml:1:3: key: expected a plain key"
 v complex_key_sweep "complex_key_sweep.yaml:3:15: sweep: expected a plain key"
 v complex_key_case "complex YAML key"
+v merge_key "merge_key.yaml:5:5: key: a YAML merge key (<<: *anchor), which case files do not expand"
 item folder_as_case_file "is a folder, not a case file" run "$dir"
 # the wrong shape of cases or defaults is named as such (they once read
 # "cases: missing or empty" and "case: expected a mapping")

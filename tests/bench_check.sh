@@ -167,22 +167,41 @@ for bad in '{"stages": {"routing": {"seconds": -0.5}}}|not a positive time' \
            '{"stages": {"no_slot": {"seconds": 0.5}}}|no_slot: no such slot' \
            '{"stages": {}}|no stage timed' '{"stages": [1]}|is not an object of slots'; do
   printf '%s\n' "${bad%%|*}" > "$tmp/bad_peer.json"
+  set +e
   "$bin" bench "$src/cases/basic.yaml" --case exact_fp32 --threads 2 --repeat 1 \
-    --peer "cat $tmp/bad_peer.json; true {spec}" > "$tmp/peer_bad.txt" 2>&1 \
-    || { cat "$tmp/peer_bad.txt"; echo "bench with a bad peer answer failed"; exit 1; }
+    --peer "cat $tmp/bad_peer.json; true {spec}" > "$tmp/peer_bad.txt" 2>&1
+  rc=$?
+  set -e
+  [ "$rc" = 3 ] || { cat "$tmp/peer_bad.txt"; echo "bench with a bad peer answer: exit $rc, expected 3"; exit 1; }
   grep -qF "${bad#*|}" "$tmp/peer_bad.txt" || { cat "$tmp/peer_bad.txt"; echo "bad peer answer not named: ${bad#*|}"; exit 1; }
 done
 # the spec gives every rank's tokens, per-rank counts included (20+0+7+1)
-printf 'import json, sys\nt = json.load(open(sys.argv[1]))["tokens"]\nsys.exit(0 if t == 28 else f"tokens {t}, expected 28")\n' > "$tmp/peer_t.py"
+printf 'import json, sys\nt = json.load(open(sys.argv[1]))["tokens"]\nsys.exit(f"tokens {t}, expected 28") if t != 28 else print(json.dumps({"stages": {"routing": {"seconds": 0.5}}}))\n' > "$tmp/peer_t.py"
 "$bin" bench "$src/cases/ep4.yaml" --case ep4_zero_token_rank --threads 2 --repeat 1 \
-  --peer "/usr/bin/python3 $tmp/peer_t.py {spec}" > "$tmp/peer_t.txt" 2>&1
-grep -q "expected 28" "$tmp/peer_t.txt" && { cat "$tmp/peer_t.txt"; echo "peer spec tokens wrong"; exit 1; }
-# a peer that fails is reported under the case, the bench still runs
-"$bin" bench "$src/cases/basic.yaml" --case exact_fp32 --threads 2 --repeat 1 \
-  --peer "echo no torch here >&2; exit 3" > "$tmp/peer_fail.txt" 2>&1 \
-  || { cat "$tmp/peer_fail.txt"; echo "bench with a failing peer failed"; exit 1; }
-grep -q "not run: the peer exit status 3: no torch here" "$tmp/peer_fail.txt" \
-  || { cat "$tmp/peer_fail.txt"; echo "the failing peer is not reported"; exit 1; }
+  --peer "/usr/bin/python3 $tmp/peer_t.py {spec}" > "$tmp/peer_t.txt" 2>&1 \
+  || { cat "$tmp/peer_t.txt"; echo "peer spec tokens wrong"; exit 1; }
+# a peer that fails, or runs past --peer-timeout, is reported under the case;
+# the bench still times every case, then exits 3 (ERROR): a CI job asking for
+# the peer must not pass without its figures
+for p in 'echo no torch here >&2; exit 3|not run: the peer exit status 3: no torch here|' \
+         'sleep 30; true {spec}|not run: the peer timed out after 1 s (--peer-timeout)|--peer-timeout 1'; do
+  set +e
+  # shellcheck disable=SC2086  # the options field is split on purpose
+  "$bin" bench "$src/cases/basic.yaml" --case 'exact_fp32*' --threads 2 --repeat 1 \
+    --peer "${p%%|*}" ${p##*|} > "$tmp/peer_fail.txt" 2>&1
+  rc=$?
+  set -e
+  want=${p#*|}; want=${want%|*}
+  [ "$rc" = 3 ] && grep -qF "$want" "$tmp/peer_fail.txt" && grep -q "ERROR: the peer gave no figures for" "$tmp/peer_fail.txt" \
+    && grep -q "^case exact_fp32: " "$tmp/peer_fail.txt" \
+    || { cat "$tmp/peer_fail.txt"; echo "failing peer (${p%%|*}): exit $rc, expected 3, '$want' and the cases' tables"; exit 1; }
+done
+set +e
+"$bin" bench "$src/cases/basic.yaml" --case exact_fp32 --peer-timeout 5 > /dev/null 2> "$tmp/peer_to.txt"
+rc=$?
+set -e
+[ "$rc" = 2 ] && grep -q -- "--peer-timeout goes with --peer" "$tmp/peer_to.txt" \
+  || { cat "$tmp/peer_to.txt"; echo "--peer-timeout without --peer: exit $rc, expected 2"; exit 1; }
 set +e
 "$bin" bench "$src/cases/basic.yaml" --case exact_fp32 --peer " " > /dev/null 2> "$tmp/peer_empty.txt"
 rc=$?

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The JSON reports against docs/json-schema.md (issue 24): real output of
-# `run --json` and `check --json` holds every key the tables list, and no key
-# the tables do not list, at each level (document, case, path, check).
+# `run --json`, `check --json` and `bench --json` (on the host with --sweep and
+# a peer, and on the emulated device) holds every key the tables list, and no
+# key the tables do not list, at each level (document, case, path, check; the
+# bench's document, case, stage, part, sweep point, peer and peer stage).
 # Usage: json_schema.sh MOEVERIFY SOURCE_DIR
 set -u
 bin=$1
@@ -17,14 +19,19 @@ import numpy as np, sys
 a = np.load('$d/dispatch.routed_input.rank1.npy'); np.save('$d/actual/dispatch.routed_input.rank1.npy', a[:-1])"
 "$bin" check "$d" --json "$tmp/check.json" >/dev/null
 [ $? -eq 1 ] || { echo "check of a short tensor did not exit 1"; exit 1; }
-/usr/bin/python3 - "$src/docs/json-schema.md" "$tmp/run.json" "$tmp/check.json" <<'PY'
+printf '%s\n' 'import json' 'print(json.dumps({"torch": "fake", "device": "cpu", "stages": {"routing": {"seconds": 0.5, "what": "x"}}}))' > "$tmp/peer.py"
+"$bin" bench "$src/cases/ep4.yaml" --case ep4_hot_expert --threads 2 --repeat 1 --sweep \
+  --peer "/usr/bin/python3 $tmp/peer.py {spec}" --json "$tmp/bench_host.json" >/dev/null 2>&1 || { echo "bench on the host failed"; exit 1; }
+"$bin" bench "$src/cases/ep4.yaml" --case ep4_hot_expert --threads 2 --repeat 1 --backend emulated \
+  --json "$tmp/bench_emulated.json" >/dev/null 2>&1 || { echo "bench on the emulated device failed"; exit 1; }
+/usr/bin/python3 - "$src/docs/json-schema.md" "$tmp/run.json" "$tmp/check.json" "$tmp/bench_host.json" "$tmp/bench_emulated.json" <<'PY'
 import json, re, sys
 doc = open(sys.argv[1]).read()
 tables, current = {}, None
 for line in doc.splitlines():
-    h = re.match(r"^## (.*)", line)
+    h = re.match(r"^## ([^(`]*)", line)  # "Path (`paths[]`)" is table path, "Bench peer stage ..." bench_peer_stage
     if h:
-        current = h.group(1).split(" ")[0].lower()
+        current = "_".join(h.group(1).split()).lower()
         tables[current] = {}
         continue
     if current and line.startswith("| `"):
@@ -50,9 +57,27 @@ for path, schema in [(sys.argv[2], "moeverify-run/1"), (sys.argv[3], "moeverify-
         for ch in c["checks"]: bad += check(ch, "check", path)
     if schema == "moeverify-check/1" and not any("rows" in ch for c in j["cases"] for ch in c["checks"]):
         bad.append("check: no rows object for the short tensor")
+seen = set()  # the optional bench keys the runs wrote: each must show up somewhere
+for path in sys.argv[4:]:
+    j = json.load(open(path))
+    if j["schema"] != "moeverify-bench/1": bad.append(f"{path}: schema {j['schema']}")
+    bad += check(j, "bench_document", path)
+    for c in j["cases"]:
+        bad += check(c, "bench_case", path); seen |= set(c)
+        for s in c["stages"]:
+            bad += check(s, "bench_stage", path); seen |= set(s)
+            for p in s.get("device_parts", []): bad += check(p, "bench_part", path)
+        for p in c["sweep"]:
+            bad += check(p, "bench_sweep_point", path); seen |= set(p)
+        if "peer" in c:
+            bad += check(c["peer"], "bench_peer", path)
+            for p in c["peer"]["stages"]: bad += check(p, "bench_peer_stage", path)
+for t in ("bench_case", "bench_stage", "bench_sweep_point"):
+    for k, optional in tables[t].items():
+        if optional and k not in seen and k not in ("note",): bad.append(f"bench: optional key {k} ({t}) never written")
 for b in sorted(set(bad)): print("FAIL", b)
 sys.exit(1 if bad else 0)
 PY
 rc=$?
-[ $rc -eq 0 ] && echo "json schema: run and check reports match docs/json-schema.md"
+[ $rc -eq 0 ] && echo "json schema: run, check and bench reports match docs/json-schema.md"
 exit $rc

@@ -553,7 +553,7 @@ void run_peer(CaseBench& cb, const BenchOptions& opt, std::ostream& log) {
     std::string err = end.err_tail;
     while (!err.empty() && (err.back() == '\n' || err.back() == ' ')) err.pop_back();
     const size_t nl = err.rfind('\n');
-    cb.peer_note = "the peer " + end.describe(opt.peer_timeout_s) +
+    cb.peer_note = "the peer " + end.describe(opt.peer_timeout_s, "--peer-timeout") +
                    (err.empty() ? "" : ": " + (nl == std::string::npos ? err : err.substr(nl + 1)));
     return;
   }
@@ -851,8 +851,9 @@ std::string bench_json(const std::vector<CaseBench>& all, const BenchOptions& op
           js.update({{"gemm_flops", s.flops},
                      {"gflops", s.gflops},
                      {"eigen_seconds", s.eigen_seconds},
-                     {"eigen_ratio", s.eigen_ratio},
-                     {"device_gemm_seconds", s.device_gemm_seconds},
+                     {"eigen_ratio", s.eigen_ratio}});
+        if (s.flops > 0 && c.backend != Backend::host)  // a device's own GEMM, and the way its groups ran
+          js.update({{"device_gemm_seconds", s.device_gemm_seconds},
                      {"device_gemm_ratio", s.device_gemm_ratio},
                      {"gemm_path", s.gemm_path}});
         if (is_all_to_all(s.slot)) js.update({{"algbw_gbps", s.algbw_gbps}, {"busbw_gbps", s.busbw_gbps}});

@@ -125,7 +125,7 @@ class ImplJob {
     }
     if (!ok)
       return crashed(r, end.how == ProcEnd::How::timed_out ? "impl/timeout" : "impl/crash",
-                     "the implementation crashed: " + end.describe(impl_.timeout_s) +
+                     "the implementation crashed: " + end.describe(impl_.timeout_s, "--impl-timeout") +
                          (end.err_tail.empty() ? "" : "; its last stderr line: " + printable(last_lines(end.err_tail, 1), 300)));
     if (file_bytes(manifest) != drawn)
       return crashed(r, "impl/manifest", "the implementation changed or removed " + manifest +

@@ -487,7 +487,8 @@ FaultSet parse_faults(const std::vector<std::string>& names, std::string* flags 
 
 struct BenchArgs {
   std::vector<std::string> files, sets;
-  std::string threads, repeat = "5", warmup = "1", json, plot, backend = "host", max_memory, peer;
+  std::string threads, repeat = "5", warmup = "1", json, plot, backend = "host", max_memory, peer,
+      peer_timeout = "600";
   CaseFilter cases;
   bool sweep = false;
 };
@@ -508,6 +509,9 @@ int cmd_bench(const CLI::App* cmd, const BenchArgs& a) {
   if (cmd->count("--peer") && a.peer.find_first_not_of(" \t") == std::string::npos)
     bad_input("--peer: the command is empty; valid: a command such as \"python3 -m moeverify.peer {spec}\"");
   o.peer = a.peer;
+  o.peer_timeout_s = parse_real_option("--peer-timeout", a.peer_timeout, 1, 86400);
+  if (cmd->count("--peer-timeout") && !cmd->count("--peer"))
+    bad_input("bench: --peer-timeout goes with --peer CMD; valid: add --peer, or drop it");
   if (cmd->count("--backend")) o.sets.push_back("backend=" + a.backend);
   const MemoryLimit limit = memory_limit(cmd, a.max_memory);
   a.cases.check_not_empty();
@@ -531,16 +535,25 @@ int cmd_bench(const CLI::App* cmd, const BenchArgs& a) {
             << "  warmup=" << o.warmup << "  backend=" << a.backend << "\n";
   std::vector<CaseBench> all;
   Outcome worst_all = Outcome::PASSED;
+  int peer_failed = 0;
   for (size_t i = 0; i < selected.size(); ++i) {
     std::cerr << "[" << i + 1 << "/" << selected.size() << "] " << selected[i].second.name << "\n";
     o.file = selected[i].first;
     all.push_back(bench_case(selected[i].second, o, std::cerr));
     print_bench(all.back(), std::cout);
     worst_all = worst(worst_all, all.back().outcome);
+    peer_failed += !all.back().peer_note.empty();
   }
   if (worst_all != Outcome::PASSED)
     std::cout << "\nWARNING: a verifying run was " << outcome_name(worst_all)
               << ": the timings are of a fast path that is not verified\n";
+  // A peer asked for and not run is an ERROR (exit 3) once every case has
+  // been timed: a CI job comparing against it must not pass without it.
+  if (peer_failed) {
+    std::cout << "\nERROR: the peer gave no figures for " << peer_failed << " of " << all.size()
+              << " case(s) (each case's \"not run\" line says why)\n";
+    worst_all = worst(worst_all, Outcome::ERROR);
+  }
   if (want_json) {
     const std::string err = write_file(a.json, {bench_json(all, o)});
     if (!err.empty()) bad_input("--json: " + err + "; valid: a writable file path such as bench.json");
@@ -843,6 +856,9 @@ void add_fuzz_selftest_bench(CLI::App& app, Commands& c) {
                    "ratios: CMD gets {spec}, a JSON file of the shape, and prints its seconds as JSON "
                    "(PyTorch's: \"python3 -m moeverify.peer {spec}\"; docs/guide.md, Benchmarks)")
       ->type_name("CMD");
+  c.bn->add_option("--peer-timeout", c.ba.peer_timeout,
+                   "with --peer: seconds the peer may take on one case before it is ended (default 600)")
+      ->type_name("SECONDS");
 }
 
 /// Runs the parsed subcommand; its exit status.

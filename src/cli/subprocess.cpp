@@ -109,12 +109,12 @@ void kill_group(pid_t pid) {
 
 }  // namespace
 
-std::string ProcEnd::describe(double timeout_s) const {
+std::string ProcEnd::describe(double timeout_s, const char* timeout_flag) const {
   std::ostringstream o;
   switch (how) {
     case How::exited: o << "exit status " << code; break;
     case How::signalled: o << "killed by signal " << code << " (" << strsignal(code) << ")"; break;
-    case How::timed_out: o << "timed out after " << timeout_s << " s (--impl-timeout)"; break;
+    case How::timed_out: o << "timed out after " << timeout_s << " s (" << timeout_flag << ")"; break;
     case How::not_started: o << "could not be started"; break;
     case How::stopped: o << "stopped by an interrupt"; break;
   }

@@ -24,7 +24,8 @@ struct ProcEnd {
   double seconds = 0;
   std::string out_tail, err_tail;  // the last kTailBytes of stdout and stderr
   /// "exit status 3", "killed by signal 11 (Segmentation fault)", "timed out after 60 s", ...
-  std::string describe(double timeout_s) const;
+  /// timeout_flag: the option that set timeout_s, named beside a timeout.
+  std::string describe(double timeout_s, const char* timeout_flag) const;
 };
 
 /// Set (from a signal handler too) when the commands under way must end

@@ -39,6 +39,9 @@ void check_keys(const YAML::Node& map, const std::string& file, const std::strin
     const std::string here = prefix.empty() ? "key" : prefix;
     if (!kv.first.IsScalar())
       fail_at(key, here, "expected a plain key, got " + scalar_text(key) + " (a complex YAML key)", valid);
+    if (kv.first.Scalar() == "<<")  // yaml-cpp keeps a merge key as a plain key named <<
+      fail_at(key, here, "a YAML merge key (<<: *anchor), which case files do not expand",
+              "valid: the keys written out; keys every case shares go under defaults:, values per case in a sweep");
     const auto [it, fresh] = seen.emplace(kv.first.Scalar(), kv.first.Mark());
     if (!fresh)
       fail_at(key, (prefix.empty() ? "" : prefix + ".") + kv.first.Scalar(),

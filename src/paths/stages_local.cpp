@@ -1025,8 +1025,17 @@ Stage combine_in_place() {
     const Case& c = ctx.c;
     const Tensor& x = ctx.input("x");
     Tensor buf;
+    BufferStart start;  // a fresh buffer is the stage's output, its start written where the combine runs
     switch (c.combine.buffer) {
-      case OutBuffer::fresh: buf = from_floats(combine_init(c, ctx.in), x.type, x.shape); break;
+      case OutBuffer::fresh:
+        buf = ctx.output("out", x.type, x.shape);
+        start.kind = combine_starts_at_zeros(c) ? BufferStart::Kind::zeros : BufferStart::Kind::copy;
+        if (start.kind == BufferStart::Kind::copy) {
+          const Tensor& init = ctx.input("shared_out");  // init_with_shared (combine_init)
+          if (init.bytes() != buf.bytes()) throw std::logic_error("combine in_place: shared_out is not x's size");
+          start.from = init.data();
+        }
+        break;
       case OutBuffer::alias_x: buf = x; break;
       case OutBuffer::alias_x_offset:
         buf = x.view(x.type, x.shape, x.offset_bytes + size_t(c.combine.alias_offset) * elem_bytes(x.type));
@@ -1041,7 +1050,8 @@ Stage combine_in_place() {
       names.push_back(ctx.in.find(n)->first.c_str());
     }
     const InPlaceResult res =
-        combine_in_place(ctx.exec, combine_args(ctx), buf.data(), fallback.data(), ranges.data(), names.data(), int(ranges.size()));
+        combine_in_place(ctx.exec, combine_args(ctx), buf.data(), fallback.data(), ranges.data(), names.data(),
+                         int(ranges.size()), start);
     ctx.out["out"] = res.placement == Placement::in_place ? buf : fallback;
     ctx.notes.push_back(res.placement == Placement::in_place
                             ? "in_place: taken (buffer " + std::string(enum_name(out_buffer_table(), c.combine.buffer)) +
