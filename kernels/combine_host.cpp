@@ -18,9 +18,9 @@ namespace {
 const void* device_start(Mirror& m, void* buf, size_t td, const BufferStart& start) {
   void* d = m.out(buf, td);
   if (start.kind == BufferStart::Kind::zeros)
-    m.device().fill(d, 0, td);
+    m.device().fill_timed(d, 0, td);
   else
-    m.device().copy(d, m.in(start.from, td), td);
+    m.device().copy_timed(d, m.in(start.from, td), td);
   return d;
 }
 

@@ -501,6 +501,13 @@ class CudaDevice final : public BodyDevice<CudaDevice> {
     MOEV_CUDA_CHECK(cudaMemsetAsync(d, b, n, thread_stream()));
     MOEV_CUDA_CHECK(cudaStreamSynchronize(thread_stream()));
   }
+  // timed() waits for its stop event: complete on return, as every call is.
+  void fill_timed(void* d, uint8_t b, size_t n) override {
+    timed("fill", [&] { MOEV_CUDA_CHECK(cudaMemsetAsync(d, b, n, thread_stream())); });
+  }
+  void copy_timed(void* d, const void* s, size_t n) override {
+    timed("copy", [&] { MOEV_CUDA_CHECK(cudaMemcpyAsync(d, s, n, cudaMemcpyDeviceToDevice, thread_stream())); });
+  }
   uint64_t hash(const void* p, size_t n) override {
     if (n == 0) return 0;
     bind();

@@ -318,6 +318,12 @@ class EmulatedDevice final : public BodyDevice<EmulatedDevice> {
   void download(void* d, const void* s, size_t n) override { std::memcpy(d, s, n); }
   void fill(void* d, uint8_t b, size_t n) override { std::memset(d, b, n); }
   void copy(void* d, const void* s, size_t n) override { std::memmove(d, s, n); }
+  void fill_timed(void* d, uint8_t b, size_t n) override {
+    timed("fill", [&] { std::memset(d, b, n); });
+  }
+  void copy_timed(void* d, const void* s, size_t n) override {
+    timed("copy", [&] { std::memmove(d, s, n); });
+  }
   // The same function as the CUDA device's hash kernel: the sum over 8-byte
   // words (zero-padded tail) of mix64(word ^ mix64(index)).
   uint64_t hash(const void* p, size_t n) override {

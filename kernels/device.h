@@ -116,7 +116,7 @@ class BusyUnion {
 /// waited for the host (on the emulated device the host does the work, so
 /// the two agree).
 struct WindowPart {
-  std::string name;  // a body's class name ("ScatterRowsBody"), or sort, histogram, gemm, gemm_group, copy
+  std::string name;  // a body's class name ("ScatterRowsBody"), or sort, histogram, gemm, gemm_group, fill, copy
   double seconds = 0;
   int64_t calls = 0;
   double interval_seconds = 0;  // the sum of the calls' intervals (>= seconds, their union)
@@ -195,14 +195,23 @@ class Device {
   virtual void release(void* p) = 0;
   virtual void upload(void* dst, const void* src, size_t bytes) = 0;
   virtual void download(void* dst, const void* src, size_t bytes) = 0;
+  /// dst = `byte` everywhere, and dst = src, on the device: the harness's
+  /// (an output's poison, the in-process all-to-all's copies under `run`),
+  /// untimed.
   virtual void fill(void* dst, uint8_t byte, size_t bytes) = 0;
-  /// dst = src on the device.
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  /// The same as part of a stage's own work (an in-place combine's start,
+  /// identity experts' rows, an empty expert's zero gradient): timed as a
+  /// body is, into busy_seconds() and the busy window (parts "fill" and
+  /// "copy"), so the stage's device time holds it.
+  virtual void fill_timed(void* dst, uint8_t byte, size_t bytes) = 0;
+  virtual void copy_timed(void* dst, const void* src, size_t bytes) = 0;
   /// A hash of the bytes computed on the device (the input-unchanged check
   /// without bringing the input back).
   virtual uint64_t hash(const void* p, size_t bytes) = 0;
-  /// Seconds the device has spent running bodies, sorts and GEMMs since it
-  /// was made (copies, uploads and hashes excluded): CUDA events around each
+  /// Seconds the device has spent running bodies, sorts, GEMMs and the timed
+  /// fills and copies since it was made (fill, copy, uploads and hashes
+  /// excluded): CUDA events around each
   /// launch on a GPU, the host clock on the emulated device. A stage's device
   /// time is the difference across its fast call; calls of in-process ranks
   /// that overlap count once each.
@@ -214,7 +223,7 @@ class Device {
   /// in-process all-to-all's copies.
   virtual double timed_copy(void* dst, const void* src, size_t bytes) = 0;
   /// A busy window: from window_begin() to window_end(), every timed body,
-  /// sort, GEMM and timed_copy adds its interval (CUDA events on a GPU, the
+  /// sort, GEMM, fill_timed, copy_timed and timed_copy adds its interval (CUDA events on a GPU, the
   /// host clock on the emulated device) to a union; window_end() returns the
   /// union's length, the seconds the device was busy with that work, however
   /// many ranks' streams overlapped. `bench --backend` times each stage by it.

@@ -295,7 +295,7 @@ void gemm_group(const ExecCtx& ctx, DType dt, const std::vector<GemmJob>& jobs, 
     if (j.op == GemmOp::tn_f32) {
       const size_t cb = size_t(j.k * j.n) * 4;
       if (j.rows == 0) {
-        m.device().fill(dev(j.c, cb), 0, cb);  // fp32 0 is all-zero bytes
+        m.device().fill_timed(dev(j.c, cb), 0, cb);  // fp32 0 is all-zero bytes
         continue;
       }
       on_device.push_back({j.op, dev(j.a, size_t((j.rows - 1) * j.lda + j.k) * eb),
@@ -318,7 +318,7 @@ void copy_bytes(const ExecCtx& ctx, void* dst, const void* src, size_t bytes) {
   if (ctx.mirror) {
     Mirror& m = *ctx.mirror;
     Mirror::Scope scope{m};
-    m.device().copy(m.out(dst, bytes), m.in(src, bytes), bytes);
+    m.device().copy_timed(m.out(dst, bytes), m.in(src, bytes), bytes);
     m.wrote(dst, bytes);
     return;
   }

@@ -365,7 +365,7 @@ void gemm_tn_f32(const ExecCtx& ctx, DType dt, const void* A, int64_t rows, int6
     Mirror::Scope scope{mi};
     void* c = mi.out(C, cb);
     if (rows == 0) {
-      mi.device().fill(c, 0, cb);  // fp32 0 is all-zero bytes
+      mi.device().fill_timed(c, 0, cb);  // fp32 0 is all-zero bytes
     } else {
       const size_t eb = dtype_bytes(dt);
       // the byte extents of the strided blocks: the last row ends at its last column

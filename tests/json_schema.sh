@@ -39,6 +39,7 @@ for line in doc.splitlines():
         optional = "optional" in cells[2]
         for key in re.findall(r"`([a-z_]+)`", cells[1]):
             tables[current][key] = optional
+            tables.setdefault(current + "_where", {})[key] = cells[2]  # the type cell: when a key is written
 def check(obj, table, where):
     bad = []
     for k, optional in tables[table].items():
@@ -57,24 +58,30 @@ for path, schema in [(sys.argv[2], "moeverify-run/1"), (sys.argv[3], "moeverify-
         for ch in c["checks"]: bad += check(ch, "check", path)
     if schema == "moeverify-check/1" and not any("rows" in ch for c in j["cases"] for ch in c["checks"]):
         bad.append("check: no rows object for the short tensor")
-seen = set()  # the optional bench keys the runs wrote: each must show up somewhere
+seen = {t: set() for t in tables}  # the keys the bench runs wrote, per table
+def bench_check(obj, table, where):
+    seen[table] |= set(obj)
+    return check(obj, table, where)
 for path in sys.argv[4:]:
     j = json.load(open(path))
     if j["schema"] != "moeverify-bench/1": bad.append(f"{path}: schema {j['schema']}")
-    bad += check(j, "bench_document", path)
+    bad += bench_check(j, "bench_document", path)
     for c in j["cases"]:
-        bad += check(c, "bench_case", path); seen |= set(c)
+        bad += bench_check(c, "bench_case", path)
         for s in c["stages"]:
-            bad += check(s, "bench_stage", path); seen |= set(s)
-            for p in s.get("device_parts", []): bad += check(p, "bench_part", path)
-        for p in c["sweep"]:
-            bad += check(p, "bench_sweep_point", path); seen |= set(p)
+            bad += bench_check(s, "bench_stage", path)
+            # the keys a table marks "on a device" are never written on the host
+            if c["backend"] == "host":
+                for k in s:
+                    if "on a device" in tables["bench_stage_where"].get(k, ""): bad.append(f"{path}: host stage has {k}")
+            for p in s.get("device_parts", []): bad += bench_check(p, "bench_part", path)
+        for p in c["sweep"]: bad += bench_check(p, "bench_sweep_point", path)
         if "peer" in c:
-            bad += check(c["peer"], "bench_peer", path)
-            for p in c["peer"]["stages"]: bad += check(p, "bench_peer_stage", path)
-for t in ("bench_case", "bench_stage", "bench_sweep_point"):
+            bad += bench_check(c["peer"], "bench_peer", path)
+            for p in c["peer"]["stages"]: bad += bench_check(p, "bench_peer_stage", path)
+for t in [t for t in tables if t.startswith("bench") and not t.endswith("_where")]:
     for k, optional in tables[t].items():
-        if optional and k not in seen and k not in ("note",): bad.append(f"bench: optional key {k} ({t}) never written")
+        if optional and k not in seen[t] and k != "note": bad.append(f"bench: optional key {k} ({t}) never written")
 for b in sorted(set(bad)): print("FAIL", b)
 sys.exit(1 if bad else 0)
 PY

@@ -5,6 +5,7 @@
 // into an input. The entry points then give the host executor's bytes.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <numeric>
@@ -170,7 +171,8 @@ TEST_CASE("entry points on the emulated device give the host executor's bytes", 
 // An in-place combine into a new device output (the `in_place` variant with
 // buffer fresh) writes its start on the device: nothing is built on the host
 // and uploaded, so in-process ranks' combines are not held up behind their
-// uploads (a bench at EP 8 once timed them one after another for that).
+// uploads (a bench at EP 8 once timed them one after another for that); the
+// start's fill or copy is timed as the stage's own work.
 TEST_CASE("an in-place combine's start is written on the device, its buffer never uploaded", "[cpu][device]") {
   auto dev = make_emulated_device(2);
   Mirror m(*dev);
@@ -217,8 +219,16 @@ TEST_CASE("an in-place combine's start is written on the device, its buffer neve
     const int64_t uploads = m.uploads();
     const ByteRange in[] = {{routed->data(), routed->size()}, {shared->data(), shared->size()}};
     const char* names[] = {"routed", "shared"};
+    dev->window_begin();
     const InPlaceResult r = combine_in_place(device, a, buf->data(), fallback.data(), in, names, 2, start);
+    dev->window_end();
     CHECK(r.placement == Placement::in_place);
+    // the start is the stage's own device work, in its device time: a part of the busy window
+    const std::vector<WindowPart> parts = dev->window_parts();
+    const std::string start_part = kind == BufferStart::Kind::zeros ? "fill" : "copy";
+    CHECK(std::count_if(parts.begin(), parts.end(), [&](const WindowPart& p) {
+            return p.name == start_part && p.calls == 1;
+          }) == 1);
     CHECK(m.uploads() == uploads);  // the inputs were held; the buffer's start never crossed from the host
     CHECK(std::memcmp(buf->data(), want.data(), td) == 0);
     CHECK(fallback == std::vector<float>(size_t(T * D), -1.f));

@@ -671,7 +671,7 @@ void print_device_table(const CaseBench& b, std::ostream& os) {
     if (!s.ran) continue;
     os << "  " << std::left << std::setw(16) << s.slot << std::setw(24) << s.variant << std::right;
     if (s.device_seconds_median == 0) {
-      os << "  no device work timed (no kernel, GEMM or all-to-all copy)\n";
+      os << "  no device work timed (no kernel, GEMM, fill or copy)\n";
       continue;
     }
     os << std::setw(10) << fmt(s.device_seconds_min * 1e3, 4) << std::setw(10) << fmt(s.device_seconds_median * 1e3, 4)

@@ -548,11 +548,12 @@ int cmd_bench(const CLI::App* cmd, const BenchArgs& a) {
     std::cout << "\nWARNING: a verifying run was " << outcome_name(worst_all)
               << ": the timings are of a fast path that is not verified\n";
   // A peer asked for and not run is an ERROR (exit 3) once every case has
-  // been timed: a CI job comparing against it must not pass without it.
+  // been timed: a CI job comparing against it must not pass without it. A
+  // wrong fast path (INCORRECT, exit 1) stays the verdict.
   if (peer_failed) {
     std::cout << "\nERROR: the peer gave no figures for " << peer_failed << " of " << all.size()
               << " case(s) (each case's \"not run\" line says why)\n";
-    worst_all = worst(worst_all, Outcome::ERROR);
+    if (worst_all != Outcome::INCORRECT) worst_all = worst(worst_all, Outcome::ERROR);
   }
   if (want_json) {
     const std::string err = write_file(a.json, {bench_json(all, o)});

@@ -39,7 +39,7 @@ void check_keys(const YAML::Node& map, const std::string& file, const std::strin
     const std::string here = prefix.empty() ? "key" : prefix;
     if (!kv.first.IsScalar())
       fail_at(key, here, "expected a plain key, got " + scalar_text(key) + " (a complex YAML key)", valid);
-    if (kv.first.Scalar() == "<<")  // yaml-cpp keeps a merge key as a plain key named <<
+    if (kv.first.Scalar() == "<<" && kv.first.Tag() == "?")  // a plain << (yaml-cpp keeps merge keys as such); "<<" is a key
       fail_at(key, here, "a YAML merge key (<<: *anchor), which case files do not expand",
               "valid: the keys written out; keys every case shares go under defaults:, values per case in a sweep");
     const auto [it, fresh] = seen.emplace(kv.first.Scalar(), kv.first.Mark());

@@ -107,6 +107,21 @@ std::vector<float> combine_init(const Case& c, const RankBoard& in) {
   return std::vector<float>(size_t(n), 0.f);
 }
 
+const void* combine_init_bytes(const Case& c, const RankBoard& in) {
+  const Tensor& x = in.at("x");
+  switch (c.combine.buffer) {
+    case OutBuffer::alias_x: return x.data();
+    case OutBuffer::alias_x_offset:
+      return static_cast<const uint8_t*>(x.data()) + size_t(c.combine.alias_offset) * elem_bytes(x.type);
+    case OutBuffer::fresh: break;
+  }
+  if (combine_starts_at_zeros(c)) return nullptr;
+  const Tensor& shared = in.at("shared_out");
+  if (shared.type != x.type || shared.bytes() != x.bytes())
+    throw std::logic_error("combine: shared_out is not of x's type and size");
+  return shared.data();
+}
+
 ref::Vec routed_row_scores(const Case& c, const RankBoard& b) {
   ref::Vec s = to_floats(b.at("score_sorted"));
   if (c.score_multiply == k::ScoreMultiply::act)
@@ -999,13 +1014,12 @@ Stage combine_out_of_place() {
     const Case& c = ctx.c;
     const Tensor& x = ctx.input("x");
     Tensor& out = ctx.output("out", x.type, x.shape);
-    // The default target starts at zeros: no init buffer to build or read.
-    if (combine_starts_at_zeros(c)) {
+    // The default target starts at zeros: no init buffer to read. Any other
+    // is read where the board holds it (on a device: already there).
+    if (const void* init = combine_init_bytes(c, ctx.in))
+      combine(ctx.exec, combine_args(ctx), init, out.data());
+    else
       combine_from_zeros(ctx.exec, combine_args(ctx), out.data());
-    } else {
-      const Tensor init = from_floats(combine_init(c, ctx.in), x.type, x.shape);
-      combine(ctx.exec, combine_args(ctx), init.data(), out.data());
-    }
   };
   s.ref = ref_combine;
   s.backends = kHostAndDevice;
@@ -1029,12 +1043,8 @@ Stage combine_in_place() {
     switch (c.combine.buffer) {
       case OutBuffer::fresh:
         buf = ctx.output("out", x.type, x.shape);
-        start.kind = combine_starts_at_zeros(c) ? BufferStart::Kind::zeros : BufferStart::Kind::copy;
-        if (start.kind == BufferStart::Kind::copy) {
-          const Tensor& init = ctx.input("shared_out");  // init_with_shared (combine_init)
-          if (init.bytes() != buf.bytes()) throw std::logic_error("combine in_place: shared_out is not x's size");
-          start.from = init.data();
-        }
+        start.from = combine_init_bytes(c, ctx.in);
+        start.kind = start.from ? BufferStart::Kind::copy : BufferStart::Kind::zeros;
         break;
       case OutBuffer::alias_x: buf = x; break;
       case OutBuffer::alias_x_offset:
