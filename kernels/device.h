@@ -211,8 +211,8 @@ class Device {
   virtual uint64_t hash(const void* p, size_t bytes) = 0;
   /// Seconds the device has spent running bodies, sorts, GEMMs and the timed
   /// fills and copies since it was made (fill, copy, uploads and hashes
-  /// excluded): CUDA events around each
-  /// launch on a GPU, the host clock on the emulated device. A stage's device
+  /// excluded): CUDA events around each launch on a GPU, the host clock on
+  /// the emulated device. A stage's device
   /// time is the difference across its fast call; calls of in-process ranks
   /// that overlap count once each.
   virtual double busy_seconds() const = 0;
@@ -223,8 +223,9 @@ class Device {
   /// in-process all-to-all's copies.
   virtual double timed_copy(void* dst, const void* src, size_t bytes) = 0;
   /// A busy window: from window_begin() to window_end(), every timed body,
-  /// sort, GEMM, fill_timed, copy_timed and timed_copy adds its interval (CUDA events on a GPU, the
-  /// host clock on the emulated device) to a union; window_end() returns the
+  /// sort, GEMM, fill_timed, copy_timed and timed_copy adds its interval
+  /// (CUDA events on a GPU, the host clock on the emulated device) to a
+  /// union; window_end() returns the
   /// union's length, the seconds the device was busy with that work, however
   /// many ranks' streams overlapped. `bench --backend` times each stage by it.
   virtual void window_begin() = 0;

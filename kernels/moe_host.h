@@ -216,9 +216,9 @@ struct BufferStart {
 };
 
 /// In-place combine (docs/contract.md §9): adds into `buf` (which holds the initial
-/// value, after `start`) when buf overlaps none of `protected_inputs` by any byte;
-/// otherwise writes init(=buf contents) + scatter into `fallback` and leaves
-/// buf's contents alone.
+/// value, once `start` is written) when buf overlaps none of `protected_inputs` by
+/// any byte; otherwise writes the initial value (buf's contents as they are, or
+/// the start) + scatter into `fallback` and writes nothing into buf.
 InPlaceResult combine_in_place(const ExecCtx& ctx, const CombineArgs& a, void* buf,
                                void* fallback, const ByteRange* protected_inputs,
                                const char* const* input_names, int num_inputs, BufferStart start = {});
