@@ -196,12 +196,12 @@ class Device {
   virtual void upload(void* dst, const void* src, size_t bytes) = 0;
   virtual void download(void* dst, const void* src, size_t bytes) = 0;
   /// dst = `byte` everywhere, and dst = src, on the device: the harness's
-  /// (an output's poison, the in-process all-to-all's copies under `run`),
-  /// untimed.
+  /// (an output's poison), untimed.
   virtual void fill(void* dst, uint8_t byte, size_t bytes) = 0;
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
   /// The same as part of a stage's own work (an in-place combine's start,
-  /// identity experts' rows, an empty expert's zero gradient): timed as a
+  /// identity experts' rows, an empty expert's zero gradient, the in-process
+  /// all-to-all's copies under `run`): timed as a
   /// body is, into busy_seconds() and the busy window (parts "fill" and
   /// "copy"), so the stage's device time holds it.
   virtual void fill_timed(void* dst, uint8_t byte, size_t bytes) = 0;

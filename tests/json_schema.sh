@@ -11,6 +11,18 @@ src=$2
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 "$bin" run "$src/cases/ep4.yaml" --case ep4_hot_expert --json "$tmp/run.json" >/dev/null || { echo "run failed"; exit 1; }
+# device_seconds: null on the host; on a device every taken variant's own
+# device work, the in-process all-to-all's copies included
+"$bin" run "$src/cases/ep4.yaml" --case ep4_hot_expert --backend emulated --json "$tmp/run_emulated.json" >/dev/null \
+  || { echo "run on the emulated device failed"; exit 1; }
+/usr/bin/python3 - "$tmp/run.json" "$tmp/run_emulated.json" <<'PY' || exit 1
+import json, sys
+host, emu = (json.load(open(p))["cases"][0]["paths"] for p in sys.argv[1:])
+if any(p["device_seconds"] is not None for p in host): sys.exit("a host path has device_seconds")
+a2a = [p for p in emu if p["taken"] and p["slot"] in ("ep_dispatch", "ep_combine")]
+if len(a2a) < 2 or any(not p["device_seconds"] or p["device_seconds"] <= 0 for p in a2a):
+    sys.exit(f"the emulated all-to-all's device_seconds: {[(p['slot'], p['variant'], p['device_seconds']) for p in a2a]}")
+PY
 "$bin" export "$src/cases/ep4.yaml" "$tmp/g" --case ep4_hot_expert >/dev/null || { echo "export failed"; exit 1; }
 d="$tmp/g/ep4_hot_expert"
 mkdir "$d/actual"

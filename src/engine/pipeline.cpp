@@ -91,9 +91,11 @@ std::string run_fast(const Stage& s, const Case& c, const RunOptions& opt, const
   };
   if (!use_mpi) {
     // On a device the ranks are threads on it, exchanging device buffers
-    // with device-to-device copies (issue 12 item 4).
+    // with device-to-device copies (issue 12 item 4), timed as the
+    // all-to-all stage's own device work (its device_seconds).
     DeviceCopy copy;
-    if (opt.mirror) copy = [dev = &opt.mirror->device()](void* d, const void* s, size_t n) { dev->copy(d, s, n); };
+    if (opt.mirror)
+      copy = [dev = &opt.mirror->device()](void* d, const void* s, size_t n) { dev->copy_timed(d, s, n); };
     auto comms = make_local_comms(R, std::chrono::milliseconds(opt.collective_timeout_ms), std::move(copy));
     if (R == 1) {
       one(0, comms[0].get());
