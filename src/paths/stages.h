@@ -33,10 +33,10 @@ std::vector<float> combine_init(const Case& c, const RankBoard& in);
 /// Whether that target is all zeros (a fresh buffer, no shared output to
 /// start from): the out-of-place combine then reads no target rows.
 bool combine_starts_at_zeros(const Case& c);
-/// The same initial value as the bytes on the board that hold it (x's type,
-/// T x D: x, x's storage at the alias offset, or shared_out), which the fast
-/// combines read in place of a copy; nullptr when it is all zeros.
-const void* combine_init_bytes(const Case& c, const RankBoard& in);
+/// The same initial value as the board tensor that holds it (x's type and
+/// shape: x, a view of x's storage at the alias offset, or shared_out), which
+/// the fast combines read in place of a copy; no storage when it is all zeros.
+Tensor combine_init_tensor(const Case& c, const RankBoard& in);
 
 /// c when every entry equals the same c > 0, else 0 (the equal-count
 /// precondition of docs/contract.md §7 and of the batched experts, §8).

@@ -93,33 +93,24 @@ bool combine_starts_at_zeros(const Case& c) {
          !(c.shared.kind != SharedKind::none && c.shared.order == SharedOrder::init_with_shared);
 }
 
-std::vector<float> combine_init(const Case& c, const RankBoard& in) {
-  const Tensor& x = in.at("x");
-  const int64_t n = x.numel();
-  switch (c.combine.buffer) {
-    case OutBuffer::alias_x: return to_floats(x);
-    case OutBuffer::alias_x_offset:
-      return to_floats(x.view(x.type, {n}, x.offset_bytes + size_t(c.combine.alias_offset) * elem_bytes(x.type)));
-    case OutBuffer::fresh: break;
-  }
-  if (c.shared.kind != SharedKind::none && c.shared.order == SharedOrder::init_with_shared)
-    return to_floats(in.at("shared_out"));
-  return std::vector<float>(size_t(n), 0.f);
-}
-
-const void* combine_init_bytes(const Case& c, const RankBoard& in) {
+Tensor combine_init_tensor(const Case& c, const RankBoard& in) {
   const Tensor& x = in.at("x");
   switch (c.combine.buffer) {
-    case OutBuffer::alias_x: return x.data();
+    case OutBuffer::alias_x: return x;
     case OutBuffer::alias_x_offset:
-      return static_cast<const uint8_t*>(x.data()) + size_t(c.combine.alias_offset) * elem_bytes(x.type);
+      return x.view(x.type, x.shape, x.offset_bytes + size_t(c.combine.alias_offset) * elem_bytes(x.type));
     case OutBuffer::fresh: break;
   }
-  if (combine_starts_at_zeros(c)) return nullptr;
+  if (combine_starts_at_zeros(c)) return Tensor{};
   const Tensor& shared = in.at("shared_out");
   if (shared.type != x.type || shared.bytes() != x.bytes())
     throw std::logic_error("combine: shared_out is not of x's type and size");
-  return shared.data();
+  return shared;
+}
+
+std::vector<float> combine_init(const Case& c, const RankBoard& in) {
+  const Tensor t = combine_init_tensor(c, in);
+  return t.storage ? to_floats(t) : std::vector<float>(size_t(in.at("x").numel()), 0.f);
 }
 
 ref::Vec routed_row_scores(const Case& c, const RankBoard& b) {
@@ -1016,8 +1007,8 @@ Stage combine_out_of_place() {
     Tensor& out = ctx.output("out", x.type, x.shape);
     // The default target starts at zeros: no init buffer to read. Any other
     // is read where the board holds it (on a device: already there).
-    if (const void* init = combine_init_bytes(c, ctx.in))
-      combine(ctx.exec, combine_args(ctx), init, out.data());
+    if (const Tensor init = combine_init_tensor(c, ctx.in); init.storage)
+      combine(ctx.exec, combine_args(ctx), init.data(), out.data());
     else
       combine_from_zeros(ctx.exec, combine_args(ctx), out.data());
   };
@@ -1038,18 +1029,15 @@ Stage combine_in_place() {
   s.fast = [](FastCtx& ctx) {
     const Case& c = ctx.c;
     const Tensor& x = ctx.input("x");
-    Tensor buf;
-    BufferStart start;  // a fresh buffer is the stage's output, its start written where the combine runs
-    switch (c.combine.buffer) {
-      case OutBuffer::fresh:
-        buf = ctx.output("out", x.type, x.shape);
-        start.from = combine_init_bytes(c, ctx.in);
-        start.kind = start.from ? BufferStart::Kind::copy : BufferStart::Kind::zeros;
-        break;
-      case OutBuffer::alias_x: buf = x; break;
-      case OutBuffer::alias_x_offset:
-        buf = x.view(x.type, x.shape, x.offset_bytes + size_t(c.combine.alias_offset) * elem_bytes(x.type));
-        break;
+    // An aliasing buffer is the initial value itself (x, or x's storage at
+    // the offset); a fresh one is the stage's output, its start (zeros or a
+    // copy of shared_out) written where the combine runs.
+    const Tensor init = combine_init_tensor(c, ctx.in);
+    Tensor buf = init;
+    BufferStart start;
+    if (c.combine.buffer == OutBuffer::fresh) {
+      buf = ctx.output("out", x.type, x.shape);
+      start = init.storage ? BufferStart{BufferStart::Kind::copy, init.data()} : BufferStart{BufferStart::Kind::zeros};
     }
     Tensor fallback = Tensor::alloc(x.type, x.shape);
     std::vector<ByteRange> ranges;
