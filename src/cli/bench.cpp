@@ -176,6 +176,7 @@ FastSeconds time_fast_once(const Stage& s, const Case& c, const Board& in, std::
       err[size_t(r)] = e.what();
       comms[size_t(r)]->abort(e.what());
     }
+    comms[size_t(r)]->leave();
   };
   if (mirror) begin_device_call(*mirror, in, s.inputs(c));
   const double busy0 = mirror ? mirror->device().busy_seconds() : 0;

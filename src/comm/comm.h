@@ -65,6 +65,13 @@ class Comm {
   /// or the failure is printed at once with the rank (MPI, where peers waiting
   /// for this rank reach their deadline).
   virtual void abort(const std::string& why) = 0;
+  /// Called when this rank's code returned: it joins no further collective.
+  /// Local: a peer waiting in a collective that every other rank has left
+  /// fails at once, naming the collective and the ranks that left, instead
+  /// of waiting out the timeout (ranks that disagree on which collectives
+  /// run, e.g. on a branch decided per rank). MPI and NCCL: nothing (a peer
+  /// left behind reaches its deadline).
+  virtual void leave() {}
 };
 
 /// Copies `bytes` bytes from src to dst on one device (no overlap).
@@ -72,7 +79,10 @@ using DeviceCopy = std::function<void(void* dst, const void* src, size_t bytes)>
 
 /// R in-process ranks. make_local_comms(R)[r] is rank r's endpoint; each
 /// must be used from its own thread. A collective that not every rank joins
-/// within `timeout` throws on the ranks that did. With `device_copy`, the
+/// within `timeout` throws on the ranks that did; so does one that every
+/// other rank has left (leave()) without joining, at once, and a meeting of
+/// ranks in collectives of different names (`what`: every rank passes the
+/// same name to the same collective). With `device_copy`, the
 /// ranks are threads on one device with alltoallv_device: each receiver
 /// copies its rows from the senders' device buffers with it.
 std::vector<std::unique_ptr<Comm>> make_local_comms(int R, std::chrono::milliseconds timeout,

@@ -2,8 +2,11 @@
 // steps under one protocol:
 //   1. post: each rank publishes its pointers and arguments in the hub;
 //   2. meet (bounded by the timeout): every rank has posted; each rank now
-//      checks *every* rank's arguments, so all ranks reach the same verdict
-//      from the same data without a further exchange;
+//      checks *every* rank's arguments (first: that all are in the same
+//      collective, by name), so all ranks reach the same verdict from the
+//      same data without a further exchange. A rank whose peers have all
+//      either arrived or left (Comm::leave) waits no longer: the ones that
+//      left will never come;
 //   3. either all copy from the peers' buffers, or none does and all throw;
 //      in both cases they meet once more (drain) before returning, so no rank
 //      frees or reuses a buffer, or reposts, while a peer may still read it.
@@ -153,6 +156,7 @@ using comm_detail::A2aVerdict;
 
 /// What one rank publishes for a collective.
 struct Post {
+  const char* what = "";  // the collective's name: the same on every rank
   const void* ptr = nullptr;
   comm_detail::A2aArgs a2a;  // all-to-all-v
   size_t width = 0;  // bytes (all-gather), elements (reduce)
@@ -167,6 +171,8 @@ struct Hub {
   uint64_t generation = 0;
   std::string failure;  // a rank failed outside a collective, or a collective timed out
   std::vector<Post> post;
+  std::vector<char> left;  // left[r]: rank r returned and joins no further collective
+  int left_count = 0;
   DeviceCopy device_copy;  // set: alltoallv rows are device buffers, moved with it
 };
 
@@ -197,7 +203,7 @@ class LocalComm final : public Comm {
     Post mine;
     mine.ptr = send;
     mine.width = bytes;
-    post(std::move(mine));
+    post(std::move(mine), what);
     meet(what);
     if (const int p = first_width_mismatch(); p >= 0) {
       drain();
@@ -210,7 +216,22 @@ class LocalComm final : public Comm {
     drain();
   }
 
-  void barrier(const char* what) override { meet(what); }
+  void barrier(const char* what) override {
+    post(Post{}, what);
+    meet(what);
+    drain();  // the peers read this rank's post (its name) until here
+  }
+
+  void leave() override {
+    {
+      std::lock_guard<std::mutex> lk(hub_->m);
+      if (!hub_->left[size_t(r_)]) {
+        hub_->left[size_t(r_)] = 1;
+        ++hub_->left_count;
+      }
+    }
+    hub_->cv.notify_all();
+  }
 
   void abort(const std::string& why) override {
     {
@@ -223,9 +244,34 @@ class LocalComm final : public Comm {
  private:
   enum class Op { max, sum };
 
-  void post(Post p) {
+  void post(Post p, const char* what) {
+    p.what = what;
     std::lock_guard<std::mutex> lk(hub_->m);
     hub_->post[size_t(r_)] = std::move(p);
+  }
+
+  /// After meet: ranks that met in collectives of different names disagree
+  /// on the program's order; all throw alike, nothing moves.
+  void check_same_collective(const char* what) {
+    for (int p = 1; p < hub_->R; ++p)
+      if (std::strcmp(hub_->post[size_t(p)].what, hub_->post[0].what) != 0) {
+        const std::string msg = "the ranks are in different collectives (rank 0: " +
+                                std::string(hub_->post[0].what) + ", rank " + std::to_string(p) + ": " +
+                                hub_->post[size_t(p)].what + "); nothing was exchanged";
+        drain();
+        fail_agreed(what, msg);
+      }
+  }
+
+  /// The ranks that left, as "0, 2 and 3".
+  std::string left_ranks() const {
+    std::vector<int> l;
+    for (int p = 0; p < hub_->R; ++p)
+      if (hub_->left[size_t(p)]) l.push_back(p);
+    std::string s;
+    for (size_t i = 0; i < l.size(); ++i)
+      s += (i == 0 ? "" : i + 1 == l.size() ? " and " : ", ") + std::to_string(l[i]);
+    return s;
   }
 
   int first_width_mismatch() const {
@@ -239,7 +285,7 @@ class LocalComm final : public Comm {
     Post pst;
     pst.ptr = mine.data();
     pst.width = size_t(std::max(n, 0));
-    post(std::move(pst));
+    post(std::move(pst), what);
     meet(what);
     if (const int p = first_width_mismatch(); p >= 0) {
       drain();
@@ -268,11 +314,24 @@ class LocalComm final : public Comm {
       hub_->arrived = 0;
       ++hub_->generation;
       hub_->cv.notify_all();
+      lk.unlock();  // the posts stay put until drain(), which locks
+      check_same_collective(what);
       return;
     }
-    const bool ok = hub_->cv.wait_for(lk, hub_->timeout,
-                                      [&] { return hub_->generation != gen || !hub_->failure.empty(); });
-    if (hub_->generation != gen) return;  // everyone arrived (a failure set since concerns later collectives)
+    auto deserted = [&] { return hub_->arrived + hub_->left_count == hub_->R; };
+    const bool ok = hub_->cv.wait_for(lk, hub_->timeout, [&] {
+      return hub_->generation != gen || !hub_->failure.empty() || deserted();
+    });
+    if (hub_->generation != gen) {  // everyone arrived (a failure set since concerns later collectives)
+      lk.unlock();
+      check_same_collective(what);
+      return;
+    }
+    if (hub_->failure.empty() && deserted()) {
+      hub_->failure = std::string("collective ") + what + " on rank " + std::to_string(r_) + ": rank(s) " +
+                      left_ranks() + " returned without joining it (the ranks disagree on which collectives run)";
+      hub_->cv.notify_all();
+    }
     --hub_->arrived;  // leaving unmatched: this rank no longer counts as arrived
     if (!hub_->failure.empty()) runtime_error(hub_->failure);
     if (!ok) {
@@ -311,7 +370,7 @@ class LocalComm final : public Comm {
     Post mine;
     mine.ptr = send;
     mine.a2a = {send_rows, recv_rows, send_capacity_rows, recv_capacity_rows, row_bytes};
-    post(std::move(mine));
+    post(std::move(mine), what);
     meet(what);
     // Every rank's verdict, computed identically on every rank.
     std::vector<comm_detail::A2aArgs> args;
@@ -349,6 +408,7 @@ std::vector<std::unique_ptr<Comm>> make_local_comms(int R, std::chrono::millisec
   hub->device_copy = std::move(device_copy);
   hub->timeout = timeout;
   hub->post.resize(size_t(R));
+  hub->left.resize(size_t(R));
   std::vector<std::unique_ptr<Comm>> v;
   for (int r = 0; r < R; ++r) v.push_back(std::make_unique<LocalComm>(hub, r));
   return v;

@@ -84,6 +84,7 @@ std::string run_fast(const Stage& s, const Case& c, const RunOptions& opt, const
       err[size_t(r)] = e.what();
       comm->abort(e.what());
     }
+    comm->leave();  // a peer still waiting in a collective fails now, naming this rank
   };
   auto rethrow_oom = [&] {
     for (const auto& e : oom)
