@@ -805,13 +805,12 @@ std::string bench_json(const std::vector<CaseBench>& all, const BenchOptions& op
   doc["schema"] = "moeverify-bench/1";
   char host[256] = {0};
   gethostname(host, sizeof host - 1);
-  const char* wait = std::getenv("OMP_WAIT_POLICY");
   doc["machine"] = {{"hostname", host},
                     {"cpu", cpu_model()},
                     {"logical_cpus", int(std::thread::hardware_concurrency())},
                     {"memory_bytes", double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE))},
                     {"threads", opt.threads},
-                    {"omp_wait_policy", wait ? wait : ""},
+                    {"omp_wait_policy", opt.omp_wait_policy},
                     {"compiler", __VERSION__},
                     {"moeverify", MOEVERIFY_VERSION}};
   doc["repeat"] = opt.repeat;

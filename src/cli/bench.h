@@ -32,6 +32,7 @@ struct BenchOptions {
   /// (python/moeverify/peer.py is PyTorch's). Empty: no peer.
   std::string peer;
   double peer_timeout_s = 600;
+  std::string omp_wait_policy;  // as in effect (the JSON's machine.omp_wait_policy)
 };
 
 /// Repeats whose slowest is more than this times the fastest: the machine
