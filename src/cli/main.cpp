@@ -501,10 +501,8 @@ std::string g_omp_wait_policy;
 /// sleep. moeverify runs more threads than cores as a rule: in-process ranks
 /// are threads, `fuzz`/`selftest --jobs` run configurations at once, and CI
 /// or mpirun run several processes on the same cores; spinning threads then
-/// take the cores from the ones with work. Measured on 2 cores: `selftest
-/// --quick` 26 s spinning vs 11 s passive alone, 158 s vs 21 s beside one
-/// other test; cases/ep4.yaml 0.25 s vs 0.09 s; one large single-rank case
-/// the same either way. libgomp reads the policy once, when it loads (before
+/// take the cores from the ones with work (measured: docs/guide.md, "Threads
+/// and the OpenMP wait policy"). libgomp reads the policy once, when it loads (before
 /// main), so when the user has not chosen one this sets OMP_WAIT_POLICY=passive
 /// and re-executes the binary. Afterwards both variables are removed again,
 /// so the commands moeverify starts (`--impl`, `--peer`) see the user's
