@@ -20,6 +20,16 @@ spincount() { grep -E "^ *GOMP_SPINCOUNT = " "$1" | tail -n 1 | sed -E "s/.*= '(
 env -u OMP_WAIT_POLICY OMP_DISPLAY_ENV=verbose "$bin" list > /dev/null 2> "$tmp/default.txt"
 [ "$(spincount "$tmp/default.txt")" = 0 ] || { cat "$tmp/default.txt"; fail "no OMP_WAIT_POLICY: libgomp did not run passive"; }
 
+OMP_WAIT_POLICY= OMP_DISPLAY_ENV=verbose "$bin" list > /dev/null 2> "$tmp/empty.txt"
+[ "$(spincount "$tmp/empty.txt")" = 0 ] || { cat "$tmp/empty.txt"; fail "empty OMP_WAIT_POLICY: libgomp did not run passive"; }
+
+# Started through the loader, a re-exec of /proc/self/exe (the loader) would
+# lose the program: moeverify runs on with libgomp's default instead.
+for ld in /lib64/ld-linux-x86-64.so.2 /lib/ld-linux-aarch64.so.1; do
+  [ -x "$ld" ] || continue
+  env -u OMP_WAIT_POLICY "$ld" "$bin" list > "$tmp/ld.txt" 2>&1 || { cat "$tmp/ld.txt"; fail "run through $ld failed"; }
+done
+
 OMP_WAIT_POLICY=active OMP_DISPLAY_ENV=verbose "$bin" list > /dev/null 2> "$tmp/active.txt"
 [ "$(grep -c "GOMP_SPINCOUNT" "$tmp/active.txt")" -eq 1 ] || { cat "$tmp/active.txt"; fail "OMP_WAIT_POLICY=active: re-executed"; }
 [ "$(spincount "$tmp/active.txt")" -gt 300000 ] || { cat "$tmp/active.txt"; fail "OMP_WAIT_POLICY=active was not kept"; }
@@ -31,9 +41,11 @@ grep -q '"omp_wait_policy": "passive (moeverify'"'"'s default)"' "$tmp/b.json" |
 
 # A command moeverify starts sees the user's environment: no OMP_WAIT_POLICY
 # (and no marker) when the user set none, the user's value when they did.
-impl="env > $tmp/env.txt; echo {case} > /dev/null; exit 77"
+# The re-executed process keeps its name (pgrep, top, core files).
+impl="env > $tmp/env.txt; cat /proc/\$PPID/comm > $tmp/comm.txt; echo {case} > /dev/null; exit 77"
 env -u OMP_WAIT_POLICY "$bin" fuzz --impl "$impl" --iterations 1 --seed 1 > /dev/null 2>&1 || true
 [ -s "$tmp/env.txt" ] || fail "the --impl command did not run"
+grep -qx "$(basename "$bin")" "$tmp/comm.txt" || fail "the process is named $(cat "$tmp/comm.txt")"
 ! grep -qE "^(OMP_WAIT_POLICY|MOEVERIFY_SET_OMP_WAIT_POLICY)=" "$tmp/env.txt" || fail "--impl inherited moeverify's default: $(grep OMP "$tmp/env.txt")"
 OMP_WAIT_POLICY=active "$bin" fuzz --impl "$impl" --iterations 1 --seed 1 > /dev/null 2>&1 || true
 grep -qx "OMP_WAIT_POLICY=active" "$tmp/env.txt" || fail "--impl lost the user's OMP_WAIT_POLICY"

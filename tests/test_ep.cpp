@@ -118,6 +118,35 @@ bool has(const std::string& s, const std::string& part) { return s.find(part) !=
 
 }  // namespace
 
+TEST_CASE("a device copy that fails on one rank ends its all-to-all on every rank, with no peer left waiting",
+          "[cpu][comm][device]") {
+  // Rank 1's receive fails inside the exchange (after the ranks met): it must
+  // still reach the exchange's closing meeting, or rank 0 waits there for
+  // ever (that meeting has no deadline; ctest's timeout would end the test).
+  std::vector<std::vector<int32_t>> recv(2, std::vector<int32_t>(2, -1));
+  auto comms = make_local_comms(2, std::chrono::minutes(1), [&](void* d, const void* s, size_t n) {
+    if (d >= static_cast<void*>(recv[1].data()) && d < static_cast<void*>(recv[1].data() + 2))
+      throw std::runtime_error("device copy failed");
+    std::memcpy(d, s, n);
+  });
+  std::vector<std::string> msg(2);
+  std::vector<std::thread> th;
+  for (int r = 0; r < 2; ++r)
+    th.emplace_back([&, r] {
+      const std::vector<int32_t> send = {10 * r, 10 * r + 1};
+      try {
+        comms[size_t(r)]->alltoallv_device(send.data(), 2, {1, 1}, recv[size_t(r)].data(), 2, {1, 1}, 4, "rows");
+      } catch (const std::exception& e) {
+        msg[size_t(r)] = e.what();
+      }
+      comms[size_t(r)]->leave();
+    });
+  for (auto& t : th) t.join();
+  CHECK(msg[0].empty());
+  CHECK(recv[0] == std::vector<int32_t>{0, 10});
+  CHECK(msg[1] == "device copy failed");
+}
+
 TEST_CASE("local ranks on a device move token rows with the device copy, metadata on the host", "[cpu][comm][device]") {
   // The copy stands in for a device-to-device copy: it records what it moved.
   std::mutex m;

@@ -10,6 +10,8 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <sstream>
@@ -18,6 +20,7 @@
 #include <mutex>
 #include <thread>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "bench.h"
@@ -497,34 +500,69 @@ struct BenchArgs {
 /// moeverify's default (set by adopt_passive_openmp_wait).
 std::string g_omp_wait_policy;
 
+/// Whether re-executing `self` (the resolved /proc/self/exe) runs this same
+/// program as it was started: the file that holds this function's code must
+/// be `self`, which it is not when a loader was run explicitly (ld.so
+/// moeverify ...: `self` is the loader); and not under valgrind, which
+/// preloads its core and would be left, silently, by the exec.
+bool reexec_keeps_program(const char* self) {
+  const char* preload = std::getenv("LD_PRELOAD");
+  if (preload && std::strstr(preload, "vgpreload")) return false;
+  const auto here = reinterpret_cast<uintptr_t>(&reexec_keeps_program);
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  while (std::getline(maps, line)) {  // "lo-hi perms offset dev inode path"
+    unsigned long lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx", &lo, &hi) != 2 || here < lo || here >= hi) continue;
+    const size_t slash = line.find('/');
+    struct stat a {}, b {};
+    return slash != std::string::npos && stat(line.c_str() + slash, &a) == 0 && stat(self, &b) == 0 &&
+           a.st_dev == b.st_dev && a.st_ino == b.st_ino;
+  }
+  return false;
+}
+
 /// libgomp's idle threads spin (hundreds of thousands of polls) before they
 /// sleep. moeverify runs more threads than cores as a rule: in-process ranks
 /// are threads, `fuzz`/`selftest --jobs` run configurations at once, and CI
 /// or mpirun run several processes on the same cores; spinning threads then
 /// take the cores from the ones with work (measured: docs/guide.md, "Threads
-/// and the OpenMP wait policy"). libgomp reads the policy once, when it loads (before
-/// main), so when the user has not chosen one this sets OMP_WAIT_POLICY=passive
-/// and re-executes the binary. Afterwards both variables are removed again,
-/// so the commands moeverify starts (`--impl`, `--peer`) see the user's
-/// environment. A failed exec runs on with libgomp's default.
+/// and the OpenMP wait policy"). libgomp reads OMP_WAIT_POLICY once, in its
+/// initializer, before main; glibc's own start-up resets the environment
+/// after the executable's earliest hook (.preinit_array), so it cannot be set
+/// in-process. When the user has not chosen a policy (unset or empty, which
+/// libgomp ignores) this sets OMP_WAIT_POLICY=passive and re-executes the
+/// binary, by its resolved path, so the process keeps its name. The
+/// re-executed process removes both variables again, so the commands
+/// moeverify starts (`--impl`, `--peer`) see the user's environment. Where a
+/// re-exec would not run the same program, or it fails, libgomp keeps its
+/// default.
 void adopt_passive_openmp_wait(char** argv) {
   static const char kMarker[] = "MOEVERIFY_SET_OMP_WAIT_POLICY";
-  if (std::getenv(kMarker)) {  // the re-executed process
+  const char* marker = std::getenv(kMarker);
+  const char* v = std::getenv("OMP_WAIT_POLICY");
+  if (marker && v && std::strcmp(v, "passive") == 0) {  // the re-executed process
     unsetenv(kMarker);
     unsetenv("OMP_WAIT_POLICY");
     g_omp_wait_policy = "passive (moeverify's default)";
     return;
   }
-  if (const char* v = std::getenv("OMP_WAIT_POLICY"); v && *v) {  // empty: libgomp ignores it
+  if (marker) unsetenv(kMarker);  // not ours: inherited from elsewhere
+  if (v && *v) {
     g_omp_wait_policy = v;
     return;
   }
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+  if (n <= 0) return;
+  self[n] = '\0';
+  if (!reexec_keeps_program(self)) return;
   setenv("OMP_WAIT_POLICY", "passive", 1);
   setenv(kMarker, "1", 1);
-  execv("/proc/self/exe", argv);
-  unsetenv(kMarker);  // no /proc: libgomp keeps its default
-  unsetenv("OMP_WAIT_POLICY");
-  g_omp_wait_policy = "libgomp's default (re-executing with passive failed)";
+  execv(self, argv);
+  unsetenv(kMarker);  // the exec failed: run on with libgomp's default
+  if (v) setenv("OMP_WAIT_POLICY", v, 1);
+  else unsetenv("OMP_WAIT_POLICY");
 }
 
 int cmd_bench(const CLI::App* cmd, const BenchArgs& a) {

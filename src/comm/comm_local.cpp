@@ -205,12 +205,7 @@ class LocalComm final : public Comm {
     mine.width = bytes;
     post(std::move(mine), what);
     meet(what);
-    if (const int p = first_width_mismatch(); p >= 0) {
-      drain();
-      fail_agreed(what, "ranks contribute different sizes (rank " + std::to_string(p) + ": " +
-                            std::to_string(hub_->post[size_t(p)].width) + " bytes, rank 0: " +
-                            std::to_string(hub_->post[0].width) + ")");
-    }
+    check_same_width(what, "ranks contribute different sizes", " bytes");
     for (int p = 0; p < hub_->R; ++p)
       if (bytes) std::memcpy(static_cast<uint8_t*>(recv) + size_t(p) * bytes, hub_->post[size_t(p)].ptr, bytes);
     drain();
@@ -274,10 +269,18 @@ class LocalComm final : public Comm {
     return s;
   }
 
-  int first_width_mismatch() const {
+  /// After meet: every rank posted the same width, or all throw alike. The
+  /// message is read from the posts before drain(): past it a peer may post
+  /// its next collective.
+  void check_same_width(const char* what, const char* differ, const char* unit) {
     for (int p = 1; p < hub_->R; ++p)
-      if (hub_->post[size_t(p)].width != hub_->post[0].width) return p;
-    return -1;
+      if (hub_->post[size_t(p)].width != hub_->post[0].width) {
+        const std::string msg = std::string(differ) + " (rank " + std::to_string(p) + ": " +
+                                std::to_string(hub_->post[size_t(p)].width) + unit + ", rank 0: " +
+                                std::to_string(hub_->post[0].width) + unit + ")";
+        drain();
+        fail_agreed(what, msg);
+      }
   }
 
   void reduce(int64_t* v, int n, const char* what, Op op) {
@@ -287,12 +290,7 @@ class LocalComm final : public Comm {
     pst.width = size_t(std::max(n, 0));
     post(std::move(pst), what);
     meet(what);
-    if (const int p = first_width_mismatch(); p >= 0) {
-      drain();
-      fail_agreed(what, "ranks reduce different lengths (rank " + std::to_string(p) + ": " +
-                            std::to_string(hub_->post[size_t(p)].width) + ", rank 0: " +
-                            std::to_string(hub_->post[0].width) + ")");
-    }
+    check_same_width(what, "ranks reduce different lengths", "");
     for (int p = 0; p < hub_->R; ++p) {
       const int64_t* o = static_cast<const int64_t*>(hub_->post[size_t(p)].ptr);
       for (int i = 0; i < n; ++i) v[i] = p == 0 ? o[i] : op == Op::max ? std::max(v[i], o[i]) : v[i] + o[i];
@@ -382,15 +380,20 @@ class LocalComm final : public Comm {
       runtime_error(failure);
     }
     uint8_t* out = static_cast<uint8_t*>(recv);
-    for (int p = 0; p < R; ++p) {
-      const Post& pp = hub_->post[size_t(p)];
-      int64_t src_row = 0;
-      for (int q = 0; q < r_; ++q) src_row += pp.a2a.send_rows[size_t(q)];
-      const size_t n = size_t(recv_rows[size_t(p)]) * row_bytes;
-      const uint8_t* from = static_cast<const uint8_t*>(pp.ptr) + size_t(src_row) * row_bytes;
-      if (n && on_device) hub_->device_copy(out, from, n);
-      else if (n) std::memcpy(out, from, n);
-      out += n;
+    try {
+      for (int p = 0; p < R; ++p) {
+        const Post& pp = hub_->post[size_t(p)];
+        int64_t src_row = 0;
+        for (int q = 0; q < r_; ++q) src_row += pp.a2a.send_rows[size_t(q)];
+        const size_t n = size_t(recv_rows[size_t(p)]) * row_bytes;
+        const uint8_t* from = static_cast<const uint8_t*>(pp.ptr) + size_t(src_row) * row_bytes;
+        if (n && on_device) hub_->device_copy(out, from, n);
+        else if (n) std::memcpy(out, from, n);
+        out += n;
+      }
+    } catch (...) {  // a failed device copy: the peers wait in drain() for this rank
+      drain();
+      throw;
     }
     drain();
   }
