@@ -528,9 +528,9 @@ bool reexec_keeps_program(const char* self) {
 /// or mpirun run several processes on the same cores; spinning threads then
 /// take the cores from the ones with work (measured: docs/guide.md, "Threads
 /// and the OpenMP wait policy"). libgomp reads OMP_WAIT_POLICY once, in its
-/// initializer, before main; glibc's own start-up resets the environment
-/// after the executable's earliest hook (.preinit_array), so it cannot be set
-/// in-process. When the user has not chosen a policy (unset or empty, which
+/// initializer, before main; a setenv in the executable's earliest hook
+/// (.preinit_array) did not reach it (glibc's start-up resets the
+/// environment pointer after that hook), so it cannot be set in-process. When the user has not chosen a policy (unset or empty, which
 /// libgomp ignores) this sets OMP_WAIT_POLICY=passive and re-executes the
 /// binary, by its resolved path, so the process keeps its name. The
 /// re-executed process removes both variables again, so the commands

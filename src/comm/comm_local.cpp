@@ -245,17 +245,29 @@ class LocalComm final : public Comm {
     hub_->post[size_t(r_)] = std::move(p);
   }
 
-  /// After meet: ranks that met in collectives of different names disagree
-  /// on the program's order; all throw alike, nothing moves.
-  void check_same_collective(const char* what) {
+  /// After meet: every rank's post is like rank 0's (same(p)), or every rank
+  /// throws alike with describe(p) of the first that is not. The message is
+  /// read from the posts before drain(): past it a peer may post its next
+  /// collective.
+  template <class Same, class Describe>
+  void require_alike(const char* what, Same same, Describe describe) {
     for (int p = 1; p < hub_->R; ++p)
-      if (std::strcmp(hub_->post[size_t(p)].what, hub_->post[0].what) != 0) {
-        const std::string msg = "the ranks are in different collectives (rank 0: " +
-                                std::string(hub_->post[0].what) + ", rank " + std::to_string(p) + ": " +
-                                hub_->post[size_t(p)].what + "); nothing was exchanged";
+      if (!same(hub_->post[size_t(p)], hub_->post[0])) {
+        const std::string msg = describe(p);
         drain();
         fail_agreed(what, msg);
       }
+  }
+
+  /// Ranks that met in collectives of different names disagree on the
+  /// program's order: all throw alike, nothing moves.
+  void check_same_collective(const char* what) {
+    require_alike(
+        what, [](const Post& a, const Post& b) { return std::strcmp(a.what, b.what) == 0; },
+        [&](int p) {
+          return "the ranks are in different collectives (rank 0: " + std::string(hub_->post[0].what) + ", rank " +
+                 std::to_string(p) + ": " + hub_->post[size_t(p)].what + "); nothing was exchanged";
+        });
   }
 
   /// The ranks that left, as "0, 2 and 3".
@@ -269,18 +281,14 @@ class LocalComm final : public Comm {
     return s;
   }
 
-  /// After meet: every rank posted the same width, or all throw alike. The
-  /// message is read from the posts before drain(): past it a peer may post
-  /// its next collective.
   void check_same_width(const char* what, const char* differ, const char* unit) {
-    for (int p = 1; p < hub_->R; ++p)
-      if (hub_->post[size_t(p)].width != hub_->post[0].width) {
-        const std::string msg = std::string(differ) + " (rank " + std::to_string(p) + ": " +
-                                std::to_string(hub_->post[size_t(p)].width) + unit + ", rank 0: " +
-                                std::to_string(hub_->post[0].width) + unit + ")";
-        drain();
-        fail_agreed(what, msg);
-      }
+    require_alike(
+        what, [](const Post& a, const Post& b) { return a.width == b.width; },
+        [&](int p) {
+          return std::string(differ) + " (rank " + std::to_string(p) + ": " +
+                 std::to_string(hub_->post[size_t(p)].width) + unit + ", rank 0: " +
+                 std::to_string(hub_->post[0].width) + unit + ")";
+        });
   }
 
   void reduce(int64_t* v, int n, const char* what, Op op) {
