@@ -13,6 +13,9 @@
 #       3 ranks; rank 1 stops itself inside the dispatch all-to-all, after
 #       its arrival notice: a live rank must name rank 1 (fallen silent),
 #       and none the other live rank (it waits and beats).
+#   mpi_faults.sh MPIEXEC MOEVERIFY branch CASEFILE (cases/equal_split.yaml)
+#       --fault local_equal_split_decision on 4 ranks: ranks in different
+#       collectives end the job at once, naming both (exit 3).
 #   mpi_faults.sh MPIEXEC MOEVERIFY planted CASEFILE
 #       --fault unswapped_combine_splits on 2 ranks: the split check against
 #       the buffer sizes turns it into a clean ERROR naming the collective.
@@ -187,6 +190,24 @@ planted)
   echo "ok   planted unswapped_combine_splits under mpirun: exit 3, $(grep -m1 -o "send splits sum to [0-9]* rows but the send buffer holds [0-9]* rows" "$tmp/run.log")"
   ;;
 
+branch)
+  # --fault local_equal_split_decision: ranks decide the equal-split padding
+  # each for itself, so rank 1 enters the padded all-to-all while the others
+  # go on to the board exchange. MPI matched those two collectives and the
+  # run used what they moved (it said "out of memory"); the arrival notices'
+  # names now end the job at once, each rank naming both collectives.
+  timeout -k 5 120 "$mpiexec" -np 4 "$bin" run "$arg" --case 'equal_split_adaptive[equal_split.threshold=0.5]' \
+    --threads 1 --fault local_equal_split_decision --collective-timeout 20 >"$tmp/run.log" 2>&1
+  rc=$?
+  [ "$rc" = 3 ] || fail "exit $rc, expected 3 (the job aborted)"
+  grep -q "rank 1 reached its collective number [0-9]* as equal-split all-to-all (dispatch); the ranks disagree on which collectives run; aborting the job" \
+    "$tmp/run.log" || fail "no rank names rank 1's collective"
+  grep -q "moeverify: rank 1 (.*): collective equal-split all-to-all (dispatch) (.*): rank [023] reached its collective number [0-9]* as board sizes; the ranks disagree" \
+    "$tmp/run.log" || fail "rank 1 does not name its peers' collective"
+  grep -q "out of memory\|not complete after" "$tmp/run.log" && fail "a misleading or late diagnosis"
+  echo "ok   ranks on different branches under mpirun -np 4: exit 3, both collectives named"
+  ;;
+
 notes_once)
   # what every rank would say alike (a case --set leaves out) is said once,
   # by rank 0, not once a rank
@@ -200,6 +221,6 @@ notes_once)
   echo "ok   a left-out case noted once under mpirun -np 2"
   ;;
 
-*) echo "usage: $0 MPIEXEC MOEVERIFY disagree|signal|stop_at|stop_inside|planted|notes_once ARG"; exit 2 ;;
+*) echo "usage: $0 MPIEXEC MOEVERIFY disagree|signal|stop_at|stop_inside|planted|branch|notes_once ARG"; exit 2 ;;
 esac
 exit 0

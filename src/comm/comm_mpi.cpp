@@ -8,6 +8,10 @@
 //    all-gathers every rank's verdict on its arguments (splits against the
 //    buffer capacities included), so every rank throws the same failure, or
 //    every rank moves data; no rank's buffer is overrun.
+//  - Ranks that reach different collectives (a branch taken per rank) end
+//    the job at once, both names printed: MPI matches collectives by order,
+//    not kind, so what such a pair moved is garbage (the arrival notices
+//    carry each collective's name).
 //  - MPI_COMM_WORLD uses MPI_ERRORS_RETURN: MPI errors become moeverify
 //    errors with the collective named, not an abort inside the library.
 #include <signal.h>
@@ -236,36 +240,46 @@ class MpiComm final : public Comm {
   }
 
   /// Arrival notices: on reaching the wait of its k-th collective, a rank
-  /// sends k to every peer (tag kArriveTag) and posts a receive from each.
-  /// Messages between two ranks do not overtake one another, so the k-th
-  /// receive from peer p completes exactly when p has reached its k-th
-  /// collective. A rank that times out names the peers whose notice has not
-  /// come: the ones that never reached the collective (stopped, dead, or
-  /// still at an earlier step), in the same line as its own wait.
+  /// sends k and the collective's name to every peer (tag kArriveTag) and
+  /// posts a receive from each. Messages between two ranks do not overtake
+  /// one another, so the k-th receive from peer p completes exactly when p
+  /// has reached its k-th collective. A rank that times out names the peers
+  /// whose notice has not come: the ones that never reached the collective
+  /// (stopped, dead, or still at an earlier step), in the same line as its
+  /// own wait. A notice of another name means the ranks disagree on which
+  /// collectives run: MPI may have matched two different collectives, and
+  /// what they moved is not to be used (abort_if_disagreeing).
+  struct Notice {
+    int64_t k = 0;
+    char name[56] = {0};  // the name's first 55 characters
+  };
   struct Arrivals {
-    int64_t sent = 0;
-    std::vector<int64_t> got;
+    Notice sent;
+    std::vector<Notice> got;
     std::vector<MPI_Request> reqs;  // receives of the peers, then sends
     std::vector<int> peer;          // the peer of each receive
   };
   static constexpr int kArriveTag = 7321;
 
   void announce(Arrivals& a, const char* what) {
-    a.sent = ++collectives_;
-    if (a.sent == stall_at_ && !stall_inside_) std::raise(SIGSTOP);  // the test hook below
-    a.got.assign(size_t(size_), 0);
+    a.sent.k = ++collectives_;
+    std::strncpy(a.sent.name, what, sizeof a.sent.name - 1);
+    if (a.sent.k == stall_at_ && !stall_inside_) std::raise(SIGSTOP);  // the test hook below
+    a.got.assign(size_t(size_), Notice{});
     for (int p = 0; p < size_; ++p) {
       if (p == rank_) continue;
       a.reqs.emplace_back();
       a.peer.push_back(p);
-      check(MPI_Irecv(&a.got[size_t(p)], 1, MPI_INT64_T, p, kArriveTag, MPI_COMM_WORLD, &a.reqs.back()), what);
+      check(MPI_Irecv(&a.got[size_t(p)], int(sizeof(Notice)), MPI_BYTE, p, kArriveTag, MPI_COMM_WORLD,
+                      &a.reqs.back()),
+            what);
     }
     for (int p = 0; p < size_; ++p) {
       if (p == rank_) continue;
       a.reqs.emplace_back();
-      check(MPI_Isend(&a.sent, 1, MPI_INT64_T, p, kArriveTag, MPI_COMM_WORLD, &a.reqs.back()), what);
+      check(MPI_Isend(&a.sent, int(sizeof(Notice)), MPI_BYTE, p, kArriveTag, MPI_COMM_WORLD, &a.reqs.back()), what);
     }
-    if (a.sent == stall_at_ && stall_inside_) std::raise(SIGSTOP);  // inside: the peers have its notice
+    if (a.sent.k == stall_at_ && stall_inside_) std::raise(SIGSTOP);  // inside: the peers have its notice
   }
 
   /// Heartbeats: a rank waiting inside its k-th collective sends k to every
@@ -339,6 +353,37 @@ class MpiComm final : public Comm {
     return out;
   }
 
+  /// Waits for the peers' notices of this collective until `until` (each
+  /// one has come when the collective completed), and when one names
+  /// another collective, prints both names and aborts the job: the ranks
+  /// have left lockstep, and the collective may have matched another one's
+  /// buffers (a stage's all-to-all against the board exchange's all-gather),
+  /// so nothing it moved can be used.
+  void abort_if_disagreeing(Arrivals& a, const char* what, const char* call,
+                            std::chrono::steady_clock::time_point until) {
+    for (;;) {
+      int all = 0;
+      if (MPI_Testall(int(a.peer.size()), a.reqs.data(), &all, MPI_STATUSES_IGNORE) != MPI_SUCCESS) return;
+      for (size_t i = 0; i < a.peer.size(); ++i) {
+        int in = 0;
+        MPI_Test(&a.reqs[i], &in, MPI_STATUS_IGNORE);
+        const Notice& n = a.got[size_t(a.peer[i])];
+        if (!in || std::strncmp(n.name, a.sent.name, sizeof n.name) == 0) continue;
+        std::fprintf(stderr,
+                     "moeverify: rank %d (%s, pid %d): collective %s (%s, number %lld): rank %d reached its "
+                     "collective number %lld as %.55s; the ranks disagree on which collectives run; aborting the "
+                     "job\n",
+                     rank_, host_name().c_str(), int(getpid()), what, call, (long long)a.sent.k, a.peer[i],
+                     (long long)n.k, n.name);
+        std::fflush(stderr);
+        MPI_Abort(MPI_COMM_WORLD, 3);
+        std::_Exit(3);
+      }
+      if (all || std::chrono::steady_clock::now() >= until) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+
   /// Polls `req`, then this collective's arrival notices, until they
   /// complete; past the deadline, names this rank, the collective and the
   /// peers that never reached it on stderr and aborts the whole job (a
@@ -355,18 +400,25 @@ class MpiComm final : public Comm {
     bool collective_done = false;
     for (long polls = 0;; ++polls) {
       int done = 0;
-      if (!collective_done) check(MPI_Test(&req, &done, MPI_STATUS_IGNORE), what);
+      if (!collective_done) {
+        const int rc = MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+        if (rc != MPI_SUCCESS) abort_if_disagreeing(a, what, call, t0 + g_timeout);  // the likelier cause
+        check(rc, what);
+      }
       collective_done = collective_done || done;
       if (collective_done) {  // every peer entered it: their notices are on the way
         int all = 0;
         check(MPI_Testall(int(a.reqs.size()), a.reqs.data(), &all, MPI_STATUSES_IGNORE), what);
-        if (all) return;
+        if (all) {
+          abort_if_disagreeing(a, what, call, t0);
+          return;
+        }
       }
       const auto waited = std::chrono::steady_clock::now() - t0;
       if (waited > g_timeout) {
         const std::string missing = missing_peers(a, what);
         const auto quiet = std::max<std::chrono::steady_clock::duration>(g_timeout / 2, 3 * interval);
-        const std::string silent = silent_peers(a, a.sent, quiet);
+        const std::string silent = silent_peers(a, a.sent.k, quiet);
         std::string why;
         if (!missing.empty())
           why = "rank(s) " + missing + " never reached it: stopped, dead, or stuck at an earlier step";
@@ -377,14 +429,14 @@ class MpiComm final : public Comm {
         std::fprintf(stderr,
                      "moeverify: rank %d (%s, pid %d): collective %s (%s, number %lld) not complete after %.3g s "
                      "(--collective-timeout); %s; aborting the job\n",
-                     rank_, host_name().c_str(), int(getpid()), what, call, (long long)a.sent,
+                     rank_, host_name().c_str(), int(getpid()), what, call, (long long)a.sent.k,
                      std::chrono::duration<double>(waited).count(), why.c_str());
         std::fflush(stderr);
         MPI_Abort(MPI_COMM_WORLD, 3);
         std::_Exit(3);
       }
       if (t0 + waited >= next_beat) {
-        beat(a.sent, true);
+        beat(a.sent.k, true);
         next_beat = t0 + waited + interval;
       }
       // Spin briefly (collectives between running ranks finish in
