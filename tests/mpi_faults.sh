@@ -2,7 +2,7 @@
 # MPI fault tests (issue 11 §6), each bounded in time; a hang is a failure.
 #   mpi_faults.sh MPIEXEC MOEVERIFY disagree seed|hidden|top_k|fewer_cases
 #       MPMD launch, one rank per file; the second file differs from the
-#       first in one way: every rank must refuse with exit 2 and say so.
+#       first in one way: every rank must refuse with exit 2, said once.
 #   mpi_faults.sh MPIEXEC MOEVERIFY signal KILL|STOP
 #       a 2-rank run; once rank 0 is past its first case, rank 1 gets the
 #       signal: the job must end non-zero within the deadline, with mpirun's
@@ -16,6 +16,9 @@
 #   mpi_faults.sh MPIEXEC MOEVERIFY branch CASEFILE (cases/equal_split.yaml)
 #       --fault local_equal_split_decision on 4 ranks: ranks in different
 #       collectives end the job at once, naming both (exit 3).
+#   mpi_faults.sh MPIEXEC MOEVERIFY errors_once
+#       a bad case file on 4 ranks is reported once (exit 2); a file missing
+#       for rank 1 alone is reported by rank 1.
 #   mpi_faults.sh MPIEXEC MOEVERIFY planted CASEFILE
 #       --fault unswapped_combine_splits on 2 ranks: the split check against
 #       the buffer sizes turns it into a clean ERROR naming the collective.
@@ -71,10 +74,10 @@ disagree)
   [ "$rc" = 2 ] || fail "exit $rc, expected 2 (bad input on every rank)"
   [ "$arg" = fewer_cases ] || want2="ranks disagree on the configuration of case 'c1': rank 0: config hash"
   n=$(grep -o -F "$want" "$tmp/run.log" | wc -l)  # ranks share stderr: lines may join
-  [ "$n" = 2 ] || fail "expected '$want' from both ranks, found it $n time(s)"
+  [ "$n" = 1 ] || fail "expected '$want' once (every rank fails alike: rank 0 says it), found it $n time(s)"
   [ -z "${want2:-}" ] || grep -q -F "$want2" "$tmp/run.log" || fail "no '$want2'"
   grep -q "PASSED\|INCORRECT\|internal error" "$tmp/run.log" && fail "a case ran although the ranks disagree"
-  echo "ok   disagree $arg: exit 2, both ranks: $want"
+  echo "ok   disagree $arg: exit 2, said once: $want"
   ;;
 
 signal)
@@ -221,6 +224,26 @@ notes_once)
   echo "ok   a left-out case noted once under mpirun -np 2"
   ;;
 
-*) echo "usage: $0 MPIEXEC MOEVERIFY disagree|signal|stop_at|stop_inside|planted|branch|notes_once ARG"; exit 2 ;;
+errors_once)
+  # a failure every rank meets alike (a bad case file) is said once, by rank
+  # 0; a rank that fails alone (its file missing) says it, its rank named
+  printf 'name: bad\ncases: []\n' >"$tmp/bad.yaml"
+  timeout -k 5 60 "$mpiexec" -np 4 "$bin" run "$tmp/bad.yaml" >"$tmp/run.log" 2>&1
+  rc=$?
+  [ "$rc" = 2 ] || fail "exit $rc, expected 2 (bad input)"
+  n=$(grep -o "bad.yaml:1:1: name: unknown top-level key" "$tmp/run.log" | wc -l)
+  [ "$n" = 1 ] || fail "a bad case file on 4 ranks: the line came $n time(s), expected once"
+  printf 'cases:\n  - name: c1\n    ep: 2\n' >"$tmp/good.yaml"
+  timeout -k 5 60 "$mpiexec" -np 1 "$bin" run "$tmp/good.yaml" --threads 1 : \
+    -np 1 "$bin" run "$tmp/missing.yaml" --threads 1 >"$tmp/run2.log" 2>&1
+  rc=$?
+  [ "$rc" = 124 ] || [ "$rc" = 137 ] && fail "hang: killed by timeout"
+  [ "$rc" = 0 ] && fail "exit 0 with rank 1's case file missing"
+  grep -q "moeverify: rank 1: .*missing.yaml" "$tmp/run2.log" ||
+    { cat "$tmp/run2.log"; fail "rank 1, failing alone, did not say why"; }
+  echo "ok   a failure of every rank said once; of one rank, by that rank"
+  ;;
+
+*) echo "usage: $0 MPIEXEC MOEVERIFY disagree|signal|stop_at|stop_inside|planted|branch|notes_once|errors_once ARG"; exit 2 ;;
 esac
 exit 0
