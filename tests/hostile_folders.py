@@ -170,6 +170,13 @@ def export_cases(tmp):
     os.remove(mine)
     p = tool_run("check", g)
     expect(p.returncode == 4, "check after the new export, nothing written again: exit %d (NOT_VERIFIED)" % p.returncode)
+    # ... and an actual/ holding only such outputs goes with them, not named
+    # as left in place
+    subprocess.run([sys.executable, os.path.join(src, "examples/numpy_moe.py"), g], check=True, capture_output=True)
+    p = tool_run("export", case, d, "--case", "exact_fp32")
+    expect(p.returncode == 0 and "(and the folder)" in p.stderr and "left in place" not in p.stderr
+           and not os.path.exists(os.path.join(g, "actual")),
+           "export_stale_outputs, actual/ emptied: exit %d: %s" % (p.returncode, p.stderr.strip()[-300:]))
     # 4. a message keeps its § as written (UTF-8, not escaped bytes)
     p = tool_run("run", case, "--set", "sp=2", "--set", "router.force_load_balance=on", "--case", "exact_fp32")
     expect(p.returncode == 2 and "§1 step 6" in p.stderr and "\\xc2" not in p.stderr,

@@ -327,7 +327,16 @@ std::vector<std::string> prepare_case_folder(const std::string& dir, const std::
     bad_input(flag + ": " + shown + " is " +
               (is_golden ? "a golden folder written by `moeverify export`" : "a --dump folder written by `moeverify run`") +
               " (format " + m->format + "), not " + own + "'s: nothing in it is replaced; " + valid);
-  if (kind == FolderKind::golden) remove_stale_outputs(dir, m->files, flag);
+  if (kind == FolderKind::golden) {
+    remove_stale_outputs(dir, m->files, flag);
+    // an actual/ it emptied is gone, not left in place
+    entries.erase(std::remove_if(entries.begin(), entries.end(),
+                                 [&](const std::string& n) {
+                                   struct stat gone {};
+                                   return lstat((dir + "/" + n).c_str(), &gone) != 0 && errno == ENOENT;
+                                 }),
+                  entries.end());
+  }
   // Only what that manifest lists (and the manifest) is replaced.
   std::vector<std::string> left;
   for (const std::string& n : entries) {
