@@ -155,7 +155,8 @@ item dev_null_case_file "the case file is empty" validate /dev/null
 v top_level_list "top_level_list.yaml:1:1: file: expected a mapping at the top"
 v unknown_top_key "unknown_top_key.yaml:1:1: case: unknown top-level key"
 v no_cases "cases: missing or empty"
-v unknown_case_key "unknown_case_key.yaml:3:25: shape.topk: unknown key"
+v unknown_case_key "unknown_case_key.yaml:3:25: shape.topk: unknown key (did you mean top_k?)"
+v sweep_misspelt "sweep_misspelt.yaml:4:5: sweeep: unknown key (did you mean sweep?); valid keys here: align,"
 v out_of_range "shape.tokens: value -1 is out of range"
 v duplicate_name_after_sweep "duplicate case name 'a[seed=1]'"
 v name_with_newline "the name 'a\\x0ab' contains a control character"
@@ -182,7 +183,7 @@ item file_over_16mib "the case file is larger than 16 MiB" validate "$tmp/big.ya
 item missing_file "cannot open the case file" validate "$tmp/none.yaml"
 item no_such_case "--case nope: no case of that name" run "$ok_file" --case nope
 item bad_fault "--fault" run "$ok_file" --fault no_such_fault
-item set_unknown_key "unknown key 'shape.tokenz'" validate "$ok_file" --set shape.tokenz=3
+item set_unknown_key "unknown key 'shape.tokenz' (did you mean shape.tokens?)" validate "$ok_file" --set shape.tokenz=3
 item set_no_equals "--set dtype: expected key=value" validate "$ok_file" --set dtype
 item validate_nothing "validate: give case files, or --keys" validate
 item backend_flag "--backend: unknown backend 'gpu'; valid: host | cuda | emulated" run "$ok_file" --backend gpu

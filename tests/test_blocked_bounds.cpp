@@ -1,5 +1,5 @@
 // The reference's blocked GEMMs (reference/blocked.h, issue 23): the sums of
-// |terms| behind the error bounds (docs/contract.md §15) now come from fp32
+// |terms| behind the error bounds (docs/contract.md, comparison classes) now come from fp32
 // GEMMs of absolute values, inflated to upper bounds. These tests hold them
 // to that: never below the exact sum (so no bound got tighter than the
 // contract's), and the SwiGLU half-widths and error scales at least the

@@ -1,4 +1,4 @@
-// The GEMM error bound of docs/contract.md §15 (issue 9 §2): element (i, j) passes
+// The GEMM error bound of docs/contract.md (comparison classes and tolerances) (issue 9 §2): element (i, j) passes
 // when |fast - ref| <= atol + c * u_act * sum_k |x_ik w_jk| (rtol = c * u_act,
 // src/engine/diff.cpp). Under cancellation a flat rtol * |ref| raises a false alarm
 // that the bound does not; a wrong operand fails both.
@@ -87,7 +87,7 @@ TEST_CASE("gemm bound and flat rtol both fail a wrong operand", "[cpu]") {
 }
 
 TEST_CASE("gemm bound constant c is rtol over the unit roundoff", "[cpu]") {
-  // The constant printed in the tolerance table (docs/contract.md §15).
+  // The constant printed in the tolerance table (docs/contract.md, comparison classes).
   CHECK(gemm_bound_constant(DType::bf16) == Approx(default_tolerance(CompareClass::gemm, DType::bf16).rtol / std::ldexp(1.0, -8)));
   CHECK(gemm_bound_constant(DType::fp16) == Approx(default_tolerance(CompareClass::gemm, DType::fp16).rtol / std::ldexp(1.0, -11)));
   CHECK(gemm_bound_constant(DType::fp32) == Approx(default_tolerance(CompareClass::gemm, DType::fp32).rtol / std::ldexp(1.0, -24)));

@@ -1,7 +1,7 @@
 // SwiGLU expert gradients (reference/swiglu_bwd.cpp, kernels/swiglu_bwd_host.cpp):
 // the reference against central finite differences of the forward reference,
 // the fast path against the reference within the GEMM error bound of
-// docs/contract.md §15 (fp32 and bf16, random counts with empty experts), bitwise
+// docs/contract.md, comparison classes (fp32 and bf16, random counts with empty experts), bitwise
 // determinism across thread counts, and the planted fault
 // swiglu_bwd_silu_grad outside the bound. Under experts.rounding torchtitan and
 // experts.compute_dtype bf16 (autograd's rounding points, docs/contract.md §13): the
@@ -111,7 +111,7 @@ FastGrads run_fast(const Problem& p, int threads, FaultSet faults = {}, Device* 
 }
 
 /// Elements outside |fast - ref| <= atol + rtol * max(|ref|, scale) (the gemm
-/// class of src/engine/diff.h with the error scale of docs/contract.md §15); NaN in both agrees.
+/// class of src/engine/diff.h with the error scale of docs/contract.md (comparison classes)); NaN in both agrees.
 int64_t outside(const ref::Vec& fast, const ref::Vec& ref, const ref::Vec& scale, Tolerance tol, double* ratio) {
   int64_t bad = 0;
   for (size_t i = 0; i < ref.size(); ++i) {

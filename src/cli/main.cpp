@@ -804,7 +804,8 @@ struct Commands {
 
 /// The help text of --max-memory (run, validate, bench).
 const char* const kMemHelp = "refuse a case whose estimated peak memory exceeds this (512M, 8G, 1.5GiB; "
-                             "default 80% of physical memory)";
+                             "default 80% of the tightest of physical memory, the cgroup limit and ulimit -v, shared among the "
+                             "ranks on a node)";
 
 /// run, validate and list.
 void add_run_validate_list(CLI::App& app, Commands& c) {
@@ -910,7 +911,7 @@ void add_fuzz_selftest_bench(CLI::App& app, Commands& c) {
   c.st->add_flag("--quick", c.sa.quick,
                  "shipped cases and probes first, the fuzz only for a fault no case catches (not shrunk)");
 
-  c.bn = app.add_subcommand("bench", "time every stage variant against a memcpy of the same bytes (README: Benchmarks)");
+  c.bn = app.add_subcommand("bench", "time every stage variant against a memcpy of the same bytes (docs/guide.md: Benchmarks)");
   c.bn->add_option("files", c.ba.files, "case files (YAML)")->required();
   c.bn->add_option("--set", c.ba.sets, "override a case key, as for run");
   c.bn->add_option("--case", c.ba.cases.patterns, "bench only these cases: names or shell patterns (repeatable)")

@@ -208,29 +208,6 @@ class NpyReader {
   std::vector<int64_t> shape_;
 };
 
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diag = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diag = up;
-    }
-  }
-  return row[b.size()];
-}
-
-std::string nearest(const std::string& name, const std::set<std::string>& valid) {
-  std::string best;
-  size_t d = SIZE_MAX;
-  for (const auto& v : valid)
-    if (const size_t e = edit_distance(name, v); e < d) d = e, best = v;
-  return best;
-}
-
 }  // namespace
 
 Tensor read_npy(const std::string& path, ElemType want, const std::vector<int64_t>& want_shape,
@@ -266,7 +243,7 @@ std::set<std::string> actual_files(const std::string& actual_dir, const std::set
         ignored.push_back(n);
         continue;
       }
-      const std::string near = nearest(n, expected);
+      const std::string near = nearest_name(n, expected);
       bad_input(printable(p, 200) + ": no expected tensor of the manifest has this file name" +
                 (near.empty() ? std::string(" (the manifest expects no tensor at all)")
                               : " (did you mean " + near + "?)") +

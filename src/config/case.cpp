@@ -6,6 +6,7 @@
 #include "case.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <sstream>
 
 #include "datagen.h"
@@ -294,6 +295,29 @@ std::string printable(const std::string& s, size_t max_chars) {
     ++shown;
   }
   return o;
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string nearest_name(const std::string& name, const std::set<std::string>& valid) {
+  std::string best;
+  size_t d = SIZE_MAX;
+  for (const auto& v : valid)
+    if (const size_t e = edit_distance(name, v); e < d) d = e, best = v;
+  return best;
 }
 
 }  // namespace moev

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -236,6 +237,13 @@ std::vector<Case> load_cases_text(const std::string& text, const std::string& pa
 /// a newline cannot split it), and more than `max_chars` characters are cut
 /// with "..." (a 1 MiB value is not echoed whole).
 std::string printable(const std::string& s, size_t max_chars = 80);
+
+/// The member of `valid` nearest to `name` by edit distance (the first in
+/// order on a tie; empty when `valid` is), for a "did you mean" in an error.
+std::string nearest_name(const std::string& name, const std::set<std::string>& valid);
+
+/// The edit (Levenshtein) distance between two names.
+size_t edit_distance(const std::string& a, const std::string& b);
 
 /// Every settable key with its type and valid values, for `moeverify validate --keys`
 /// and the README.

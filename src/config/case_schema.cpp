@@ -274,15 +274,19 @@ bool is_section(const std::string& p) {
   return false;
 }
 
-std::string keys_under(const std::string& prefix) {
-  std::set<std::string> keys;
+std::set<std::string> key_set_under(const std::string& prefix, const std::set<std::string>& extra) {
+  std::set<std::string> keys = extra;
   for (const auto& f : schema()) {
     if (!prefix.empty() && f.path.rfind(prefix + ".", 0) != 0) continue;
     const std::string rest = prefix.empty() ? f.path : f.path.substr(prefix.size() + 1);
     keys.insert(rest.substr(0, rest.find('.')));
   }
+  return keys;
+}
+
+std::string keys_under(const std::string& prefix) {
   std::string s;
-  for (const auto& k : keys) s += (s.empty() ? "" : ", ") + k;
+  for (const auto& k : key_set_under(prefix)) s += (s.empty() ? "" : ", ") + k;
   return s;
 }
 

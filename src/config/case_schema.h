@@ -12,6 +12,7 @@
 #include <functional>
 #include <istream>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -78,7 +79,10 @@ const std::vector<Field>& schema();
 bool is_leaf(const std::string& path);
 /// A prefix of keys (a section such as shape).
 bool is_section(const std::string& path);
-/// The key names one level under `prefix` ("" for the top), comma-separated.
+/// The key names one level under `prefix` ("" for the top) and `extra`,
+/// sorted.
+std::set<std::string> key_set_under(const std::string& prefix, const std::set<std::string>& extra = {});
+/// The key names one level under `prefix`, comma-separated.
 std::string keys_under(const std::string& prefix);
 
 /// Case keys by dotted path, each with the YAML value and file it came from.

@@ -59,7 +59,10 @@ void flatten(const YAML::Node& map, const std::string& prefix, const std::string
     fail_at({map, file}, prefix.empty() ? "case" : prefix, "expected a mapping, got " + scalar_text({map, file}),
             "valid keys: " + keys_under(prefix));
   }
-  check_keys(map, file, prefix, "valid keys here: " + keys_under(prefix));
+  const std::set<std::string> here = key_set_under(prefix, prefix.empty() ? extra_ok : std::set<std::string>{});
+  std::string valid = "valid keys here: ";
+  for (const auto& k : here) valid += (k == *here.begin() ? "" : ", ") + k;
+  check_keys(map, file, prefix, valid);
   for (const auto& kv : map) {
     const Src key{kv.first, file};
     const std::string path = (prefix.empty() ? "" : prefix + ".") + kv.first.Scalar();
@@ -75,7 +78,10 @@ void flatten(const YAML::Node& map, const std::string& prefix, const std::string
     } else if (is_section(path)) {
       fail_at({kv.second, file}, path, "expected a mapping of " + keys_under(path), "valid keys: " + keys_under(path));
     } else {
-      fail_at(key, path, "unknown key", "valid keys here: " + keys_under(prefix));
+      // a near miss (edit distance at most 2: a typo, not another word) is named
+      const std::string near = nearest_name(kv.first.Scalar(), here);
+      const bool typo = !near.empty() && edit_distance(kv.first.Scalar(), near) <= 2;
+      fail_at(key, path, typo ? "unknown key (did you mean " + near + "?)" : "unknown key", valid);
     }
   }
 }
@@ -276,9 +282,14 @@ Flat parse_overrides(const std::vector<std::string>& overrides) {
     if (eq == std::string::npos || eq == 0)
       bad_input("--set " + printable(o) + ": expected key=value; valid keys: see `moeverify validate --keys`");
     const std::string key = o.substr(0, eq);
-    if (!is_leaf(key))
-      bad_input("--set " + printable(o) + ": unknown key '" + printable(key) +
-                "'; valid keys: see `moeverify validate --keys`");
+    if (!is_leaf(key)) {
+      std::set<std::string> leaves;
+      for (const auto& f : schema()) leaves.insert(f.path);
+      const std::string near = nearest_name(key, leaves);
+      const bool typo = !near.empty() && edit_distance(key, near) <= 2;
+      bad_input("--set " + printable(o) + ": unknown key '" + printable(key) + "'" +
+                (typo ? " (did you mean " + near + "?)" : "") + "; valid keys: see `moeverify validate --keys`");
+    }
     if (key == "name")
       bad_input("--set name: a case's name is its file's (every case would take one name); valid: select cases "
                 "with --case NAME");

@@ -673,7 +673,7 @@ void ref_shared_swiglu_bwd(RefCtx& r) {
   }
 }
 
-/// End-to-end error scales (docs/contract.md §15) of grad_x and grad_topk_scores
+/// End-to-end error scales (docs/contract.md, comparison classes and tolerances) of grad_x and grad_topk_scores
 /// with SwiGLU experts, from the tokens, the forward metadata and the
 /// weights of one rank: each dispatch row i (token t, expert e by the counts,
 /// score s) is the expert's input x[t] (times s before the experts) with the
@@ -794,7 +794,7 @@ void ref_dispatch_bwd(RefCtx& r) {
       swiglu_end_to_end_scales(c, in, out, r.threads);
       continue;
     }
-    // The end-to-end error scale (docs/contract.md §15) of grad_x: the sum of the
+    // The end-to-end error scale (docs/contract.md, comparison classes) of grad_x: the sum of the
     // absolute values of the terms behind each element. The chain's routing
     // scores may differ from the fast path's in the last fp32 bits (a routing
     // tolerance), and every gradient row carries its score.

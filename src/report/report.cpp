@@ -308,7 +308,7 @@ void print_tolerance_table(const std::vector<CaseReport>& reports, std::ostream&
   std::set<DType> dts;
   for (const auto& r : reports) dts.insert(r.c.dtype);
   os << "\ntolerance table (pass: |fast - ref| <= atol + rtol * |ref|; logits: atol + rtol * max(|ref|, sum of |terms|); "
-        "gemm and end_to_end: the same with rtol = c * u_act (docs/contract.md §15); rounding: one act rounding; exact "
+        "gemm and end_to_end: the same with rtol = c * u_act (docs/contract.md, comparison classes); rounding: one act rounding; exact "
         "classes are bitwise):\n";
   for (const auto& [name, cls] : compare_class_table()) {
     if (cls == CompareClass::exact) continue;
