@@ -118,10 +118,10 @@ PY
     [ "$rc" -eq 1 ] && [ "$first" = dispatch_bwd ] || { echo "expected exit 1 and INCORRECT at dispatch_bwd"; exit 1; }
     # check ends with the failure list and a repro line, and shows the user's values as "yours"
     grep -q "^failures:" "$tmp/ga.txt" && grep -q "^   ga_default: INCORRECT at dispatch_bwd / grad_x" "$tmp/ga.txt" &&
-      grep -q "repro: moeverify check .*ga_default" "$tmp/ga.txt" && grep -q "mismatch .*: yours " "$tmp/ga.txt" ||
+      grep -q "repro: .*moeverify check .*ga_default" "$tmp/ga.txt" && grep -q "mismatch .*: yours " "$tmp/ga.txt" ||
       { echo "check's failure list, repro line or 'yours' is missing"; exit 1; }
-    repro=$(grep -m1 "repro: moeverify check" "$tmp/ga.txt" | sed "s|.*repro: moeverify ||")
-    eval "\"\$bin\" $repro" >/dev/null
+    repro=$(grep -m1 "repro: .*moeverify check" "$tmp/ga.txt" | sed "s|.*repro: ||")  # as printed: this binary
+    eval "$repro" >/dev/null
     [ $? -eq 1 ] || { echo "the repro line does not reproduce the failure: $repro"; exit 1; }
     ;;
   torch)

@@ -78,9 +78,11 @@ expect case-unmatched 2 "$bin" run "$src"/cases/ep4.yaml --case ep4_hot_expert -
 grep -q "^moeverify: --case 'nothing\*'\|--case nothing\*" "$tmp/err" || { echo "FAIL case-unmatched names the pattern"; cat "$tmp/err"; fails=$((fails + 1)); }
 # a failing run ends with its failures and a repro line that runs the case alone
 expect failures-list 1 "$bin" run "$src"/cases/edge.yaml --case 'router_ties*' --fault highest_id_tiebreak
-repro=$(grep -m1 'repro: ' "$tmp/out" | sed 's/.*repro: moeverify //')
+# (run as printed: it names this binary by the path it was started by)
+repro=$(grep -m1 'repro: ' "$tmp/out" | sed 's/.*repro: //')
 grep -q '^failures:' "$tmp/out" && [ -n "$repro" ] || { echo "FAIL failures-list: no list"; fails=$((fails + 1)); }
-(cd "$src" && eval "\"$bin\" $repro") >"$tmp/repro.out" 2>&1
+case $repro in "$bin "*) ;; *) echo "FAIL the repro line does not name the binary as started ($bin): $repro"; fails=$((fails + 1)) ;; esac
+(cd "$src" && eval "$repro") >"$tmp/repro.out" 2>&1
 [ $? -eq 1 ] && [ "$(grep -c '^== case' "$tmp/repro.out")" -eq 1 ] || { echo "FAIL the repro line does not rerun one failing case: $repro"; fails=$((fails + 1)); }
 # run's checks carry the same diagnosing hints as check's (issue 34 item 6):
 # an unstable expert sort shows "is the sort stable?" at dispatch
@@ -109,7 +111,7 @@ grep -q "^moeverify: --iterations 0: no configuration to draw" "$tmp/err" || { e
 expect fuzz-fault-missed 4 "$bin" fuzz --iterations 2 --seed 7 --fault group_tie_higher --out "$tmp/ff" \
   --profile "$src/examples/numpy_moe.profile.yaml"
 grep -q "^PLANTED FAULT NOT CAUGHT: --fault group_tie_higher found by none of 2 configurations" "$tmp/out" &&
-  grep -q "(replay: moeverify fuzz --seed 7 --profile .*numpy_moe.profile.yaml --fault group_tie_higher)" "$tmp/err" ||
+  grep -q "(replay: $bin fuzz --seed 7 --profile .*numpy_moe.profile.yaml --fault group_tie_higher)" "$tmp/err" ||
   { echo "FAIL fuzz-fault-missed lines"; cat "$tmp/out" "$tmp/err"; fails=$((fails + 1)); }
 expect fuzz-out-deep 2 "$bin" fuzz --iterations 1 --out "$tmp/no/such/folder"
 [ ! -e "$tmp/no" ] || { echo "FAIL fuzz --out created parent folders"; fails=$((fails + 1)); }

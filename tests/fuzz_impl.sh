@@ -61,7 +61,7 @@ for spec in "unstable_order dispatch" "skip_last_source ep_dispatch"; do
 import json, sys
 d = json.load(open(sys.argv[1]))
 f = [f for f in d['failures'] if f['same_as'] is None][0]
-print(f['check'], f['shrunk_tokens'], f['file'], f['repro'].replace('moeverify ', sys.argv[2] + ' '))" "$work/s2.json" "$bin")
+print(f['check'], f['shrunk_tokens'], f['file'], f['repro'])" "$work/s2.json")
   echo "--bug $1: exit $rc, first failure at $check, shrunk to $tokens token(s) per rank"
   [ "$rc" -eq 1 ] || fail "--bug $1: exit $rc, not 1"
   [ "${check%%/*}" = "$2" ] || fail "--bug $1: failure at $check, not at stage $2"
@@ -82,6 +82,39 @@ rc=$?
   { cat "$work/o3.txt"; fail "crash: exit $rc"; }
 grep -q "exit status 3" "$work/o3.txt" && grep -q "boom: the kernel fell over" "$work/o3.txt" ||
   fail "crash: the exit status or the stderr tail is missing from the report"
+# two different crashes are two failures, each shrunk and saved (they were
+# one: the second was only in the JSON, with no case file), and the later
+# failures of each kind are one line under it
+"$bin" fuzz --impl "if grep -q '\"dtype\": \"bf16\"' {case}/manifest.json; then echo 'ValueError: bf16 path' >&2; \
+else echo 'KeyError: 7' >&2; fi; exit 1" --iterations 16 --seed 1 --shrink-budget 5 --out "$work/out3k" \
+  --json "$work/s3k.json" >"$work/o3k.txt" 2>&1
+rc=$?
+kinds=$("$py" -c "
+import json, sys
+d = json.load(open(sys.argv[1]))
+firsts = [f for f in d['failures'] if f['same_as'] is None]
+print(len(firsts), sum(1 for f in firsts if f['file']), '|'.join(sorted(f['note'].split('line: ')[-1] for f in firsts)))" "$work/s3k.json")
+[ "$rc" -eq 1 ] && [ "$kinds" = "2 2 KeyError: 7|ValueError: bf16 path" ] && grep -q "failed the same way: [0-9]* more" "$work/o3k.txt" &&
+  [ "$(grep -c '^   FAIL' "$work/o3k.txt")" -eq 2 ] || { cat "$work/o3k.txt"; fail "two crash kinds: exit $rc, first failures: $kinds"; }
+# a crash after writing a wrong stage names that stage, and its repro line
+# still runs check, which judges what was written
+"$bin" fuzz --impl "$numpy {case} --bug unstable_order; exit 1" --profile "$profile" --iterations 2 --seed 1 \
+  --shrink-budget 5 --out "$work/out3w" --json "$work/s3w.json" >"$work/o3w.txt" 2>&1
+rc=$?
+grep -q "before it ended, it wrote INCORRECT outputs: dispatch/actual/" "$work/o3w.txt" ||
+  { cat "$work/o3w.txt"; fail "a crash after a wrong stage: the stage is not named"; }
+repro=$("$py" -c "import json, sys; print(json.load(open(sys.argv[1]))['failures'][0]['repro'])" "$work/s3w.json")
+(eval "$repro") >"$work/repro3w.txt" 2>&1
+[ $? -eq 1 ] && grep -qE "^   dispatch +actual\*? +INCORRECT" "$work/repro3w.txt" ||
+  { tail -n 20 "$work/repro3w.txt"; fail "a crash's repro line does not judge what was written: $repro"; }
+# --require and --strict-ties reach every judgement and the repro line: an
+# implementation that writes nothing fails a required stage (it was
+# NOT_VERIFIED, exit 4, without --require)
+"$bin" fuzz --impl "true {case}" --require routing --strict-ties --iterations 2 --seed 1 --no-shrink \
+  --out "$work/out3r" --json "$work/s3r.json" >"$work/o3r.txt" 2>&1
+rc=$?
+[ "$rc" -eq 1 ] && grep -q "INCORRECT at routing/actual/" "$work/o3r.txt" && grep -q "check .* --require routing --strict-ties; }" "$work/o3r.txt" ||
+  { cat "$work/o3r.txt"; fail "--require/--strict-ties: exit $rc"; }
 # a signal
 "$bin" fuzz --impl "kill -SEGV \$\$; : {case}" --iterations 1 --seed 1 --no-shrink --out "$work/out3" >"$work/o3s.txt" 2>&1
 [ $? -eq 1 ] && grep -q "killed by signal 11" "$work/o3s.txt" || { cat "$work/o3s.txt"; fail "signal not reported"; }
@@ -90,6 +123,8 @@ grep -q "exit status 3" "$work/o3.txt" && grep -q "boom: the kernel fell over" "
   --out "$work/out3" --json "$work/s3t.json" >"$work/o3t.txt" 2>&1
 rc=$?
 [ "$rc" -eq 1 ] && grep -q "timed out after 0.5 s" "$work/o3t.txt" || { cat "$work/o3t.txt"; fail "timeout: exit $rc"; }
+grep -q "repro: .* && { (timeout 0.5 sh -c 'sleep 30; : " "$work/o3t.txt" ||
+  { cat "$work/o3t.txt"; fail "a hang's repro line does not bound it by --impl-timeout"; }
 pgrep -f "^sleep 30$" >/dev/null && fail "the timed-out command's process was left running"
 # exit 77 on everything: counted skipped, nothing PASSED: NOT_VERIFIED (exit 4)
 "$bin" fuzz --impl "echo 'no EP here' >&2; exit 77; : {case}" --iterations 4 --seed 1 --json "$work/s3u.json" \
@@ -175,6 +210,8 @@ expect2() {
 expect2 "no {case}" "no {case} in the command" "$bin" fuzz --impl "$numpy" --iterations 1
 expect2 "{case} with --worker" "the worker reads case folders on stdin" "$bin" fuzz --impl "x {case}" --worker --iterations 1
 expect2 "--worker without --impl" "go with --impl" "$bin" fuzz --worker --iterations 1
+expect2 "--strict-ties without --impl" "go with --impl" "$bin" fuzz --strict-ties --iterations 1
+expect2 "--require: no such stage" "'routng' is not a stage; valid: all, or" "$bin" fuzz --impl "x {case}" --require routng --iterations 1
 expect2 "--emit without --iterations" "writes --iterations N configurations" "$bin" fuzz --emit "$work/e.yaml" --seconds 1
 # A profile whose fixed keys need its one-value allow rules (megatron-0.16's
 # score_on_hidden needs the swiglu experts it allows alone): every seed finds

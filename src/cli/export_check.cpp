@@ -99,14 +99,14 @@ void check_routing_external(const Case& c, const Board& ref, const Board& merged
         const int32_t* a = &ids_used[size_t(t * K)];
         const int32_t* s = &sel[size_t(t * K)];
         const std::set<int32_t> aset(a, a + K), sset(s, s + K), rset(&ref_sel[size_t(t * K)], &ref_sel[size_t(t * K)] + K);
-        bool ok = aset == sset && int64_t(aset.size()) == K, is_near = false;
+        bool ok = aset == sset && int64_t(aset.size()) == K, is_near = false, is_tie = false;
         if (!ok && !force_lb && !opt.strict_ties) {
           // The selection values before any group mask.
           for (int64_t e = 0; e < E; ++e) raw[size_t(e)] = float(double(judged[size_t(t * E + e)]) + double(bias[size_t(e)]));
           SelectionRule rule{int(E), int(K), spec.groups, spec.limited_groups, 0.0};
           if (!spec.bias) rule.group_held = spec.held;
           const SelectionVerdict exact = judge_selection(rule, raw.data(), a);
-          ok = exact.valid;
+          ok = is_tie = exact.valid;
           if (ok) {
             ++ties;
           } else if (!own_scores) {
@@ -119,8 +119,20 @@ void check_routing_external(const Case& c, const Board& ref, const Board& merged
           }
           if (!ok && first_why.empty()) first_why = "token " + std::to_string(t) + ": " + exact.why;
         }
-        if (ok && !is_near && aset != rset) ++differs_from_ref;
-        for (int64_t k = 0; k < K; ++k) expect[size_t(t * K + k)] = ok ? a[k] : s[k];
+        if (ok && !is_near && !is_tie && aset != rset) ++differs_from_ref;  // a tie is counted once, above
+        // Where the selection is wrong, the expected row keeps the
+        // implementation's order for the members it got right, so that only
+        // the wrong members mismatch (a selection is a set, docs/contract.md §15).
+        std::set<int32_t> left(s, s + K);
+        std::vector<int64_t> wrong;
+        for (int64_t k = 0; k < K; ++k) {
+          if (ok || left.erase(a[k])) expect[size_t(t * K + k)] = a[k];
+          else wrong.push_back(k);
+        }
+        for (size_t w = 0; w < wrong.size() && !left.empty(); ++w) {
+          expect[size_t(t * K + wrong[w])] = *left.begin();
+          left.erase(left.begin());
+        }
       }
       std::ostringstream note;
       note << "ids judged as a selection per token on the " << (own_scores ? "implementation's" : "reference's")
@@ -464,6 +476,7 @@ Check missing_check(const std::string& slot, const std::string& name, const std:
   ch.variant = "actual";
   ch.tensor = name;
   ch.outcome = Outcome::INCORRECT;
+  ch.absent = true;
   ch.note = "missing on " + ranks_text(absent_on) +
             (written_on.empty() ? " (required by --require)"
                                 : ", written on " + ranks_text(written_on) + ": a partial run (a rank that crashed or "
@@ -547,6 +560,9 @@ void ExternalEntry::feed_reference_metadata(size_t first_check, const std::vecto
       continue;
     }
     metadata_replaced = metadata_replaced || !rows;
+    // The implementation's top-K scores belong to its own ids, slot by
+    // slot: beside the reference's ids they are a pair no stage computes.
+    if (name == "ids" && given[size_t(r)].count("topk_scores")) wrong_rows_kept = true;
     merged.ranks[size_t(r)][name] = e->second;
     rep.notes.push_back("stage " + prefix + slot + ": the implementation's " + ch.tensor + " is wrong; later stages are fed the reference's" +
                         (rows ? " (its rows differ)" : " (index metadata)"));
@@ -828,7 +844,10 @@ CaseReport run_external(const Case& given, const ActualFn* actual, std::vector<G
 CaseReport check_case_folder(const std::string& folder, const std::string& actual_dir, const CheckArgs& a) {
   const golden::Manifest manifest = golden::read_manifest(folder);
   const Case& c = manifest.c;
-  if (!golden::is_dir(actual_dir)) {
+  // No folder: nothing written, nothing to judge; under --require it is
+  // judged as an empty folder (each required stage missing).
+  const bool none = !golden::is_dir(actual_dir);
+  if (none && a.external.require.empty()) {
     CaseReport rep;
     rep.c = c;
     Check ch;
@@ -843,7 +862,8 @@ CaseReport check_case_folder(const std::string& folder, const std::string& actua
   }
   const std::set<std::string> expected_files = golden::expected_files(manifest.tensors);
   std::vector<std::string> ignored;
-  const std::set<std::string> present = golden::actual_files(actual_dir, expected_files, a.allow_unknown, ignored);
+  const std::set<std::string> present =
+      none ? std::set<std::string>{} : golden::actual_files(actual_dir, expected_files, a.allow_unknown, ignored);
   std::map<std::string, Tensor> loaded;
   const ActualFn fn = [&](const std::string& f, const Tensor& expected) {
     ActualTensor r;
@@ -878,7 +898,7 @@ void print_check_failures(const std::vector<CaseReport>& reports,
     if (consequences)
       out << "\n      then " << consequences << " later check(s) off by the same rows: consequences of the first, "
           << "marked in the report";
-    out << "\n      repro: moeverify check " << shell_word(folders[i].first);
+    out << "\n      repro: " << self_command() << " check " << shell_word(folders[i].first);
     if (a.has_actual) out << " --actual " << shell_word(folders[i].second);
     if (!a.require.empty()) out << " --require " << shell_word(a.require);
     if (a.external.strict_ties) out << " --strict-ties";
@@ -886,7 +906,6 @@ void print_check_failures(const std::vector<CaseReport>& reports,
   }, out);
 }
 
-/// --require all|STAGE,STAGE: the stage names checked against the registry.
 void parse_require(const std::string& text, ExternalOptions& o) {
   if (text == "all") {
     o.require = slot_order();

@@ -111,6 +111,10 @@ int cmd_export(const std::string& file, const std::string& dir, const CaseFilter
 /// tensor. Returns the number of tensors.
 size_t export_case_folder(const Case& c, const std::string& folder);
 
+/// --require all|STAGE,STAGE into `o`: the stage names checked against the
+/// registry (a name that is no stage is bad input).
+void parse_require(const std::string& text, ExternalOptions& o);
+
 struct CheckArgs {
   std::string dir, actual_dir, json;
   bool has_actual = false, want_json = false;

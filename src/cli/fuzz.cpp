@@ -85,19 +85,28 @@ std::vector<YAML::Node> shrink_candidates(const YAML::Node& n) {
           with([&](YAML::Node& c) { c["shape"]["tokens_per_rank"][i] = tpr[i].as<int64_t>() / 2; });
   }
   const int ep = n["ep"] ? n["ep"].as<int>() : 1;
+  const auto to_ranks = [](YAML::Node& c, int r) {  // the first r ranks' token counts kept
+    c["ep"] = r;
+    YAML::Node tpr = c["shape"]["tokens_per_rank"];
+    if (!tpr || !tpr.IsSequence()) return;
+    YAML::Node cut(YAML::NodeType::Sequence);
+    for (int i = 0; i < r; ++i) cut.push_back(tpr[i]);
+    c["shape"]["tokens_per_rank"] = cut;
+  };
   for (int r = 1; r < ep; r *= 2)
-    if (ep % r == 0)
-      with([&](YAML::Node& c) {
-        c["ep"] = r;
-        if (c["shape"]["tokens_per_rank"]) {
-          YAML::Node tpr = c["shape"]["tokens_per_rank"];
-          if (tpr.IsSequence()) {
-            YAML::Node cut(YAML::NodeType::Sequence);
-            for (int i = 0; i < r; ++i) cut.push_back(tpr[i]);
-            c["shape"]["tokens_per_rank"] = cut;
-          }
-        }
-      });
+    if (ep % r == 0) with([&](YAML::Node& c) { to_ranks(c, r); });
+  // Fewer ranks where the rank count has no power-of-two divisor below it
+  // (EP 7 shrank to EP 1 alone): the local expert count kept, E and K cut
+  // to fit.
+  const int64_t experts = int_at(n, "shape", "experts", -1), top_k = int_at(n, "shape", "top_k", -1);
+  if (experts > 0 && experts % ep == 0)
+    for (int r = 2; r < ep; r *= 2)
+      if (ep % r != 0)
+        with([&](YAML::Node& c) {
+          to_ranks(c, r);
+          c["shape"]["experts"] = experts / ep * r;
+          if (top_k > experts / ep * r) c["shape"]["top_k"] = experts / ep * r;
+        });
   const struct { const char* key; int64_t floor; } dims[] = {
       {"tokens", 0}, {"seq_len", 0}, {"batch", 1}, {"experts", 1}, {"top_k", 1}, {"hidden", 1}, {"ffn", 1}};
   for (const auto& d : dims) {
@@ -237,7 +246,7 @@ FuzzResult fuzz(const FuzzOptions& o, std::ostream& progress) {
   FuzzResult res;
   res.seed = o.seed;
   res.fault_flags = o.fault_flags;
-  progress << "fuzz: seed " << o.seed << " (replay: moeverify fuzz --seed " << o.seed
+  progress << "fuzz: seed " << o.seed << " (replay: " << self_command() << " fuzz --seed " << o.seed
            << (o.profile ? " --profile " + shell_word(o.profile->file) : "")
            << (o.backend == "host" ? "" : " --backend " + o.backend) << o.fault_flags << ")" << std::endl;
   const auto t0 = Clock::now();
@@ -286,7 +295,7 @@ FuzzResult fuzz(const FuzzOptions& o, std::ostream& progress) {
           f.file = write_shrunk_case(o, f, [&](const std::string& path, const std::string&) {
             std::ostringstream h;
             h << "# moeverify fuzz: seed " << o.seed << ", configuration " << f.index << ", " << outcome_name(f.outcome)
-              << " at " << f.check << "\n# drawn: " << f.yaml << "\n# repro: moeverify run " << path << " --threads "
+              << " at " << f.check << "\n# drawn: " << f.yaml << "\n# repro: " << self_command() << " run " << shell_word(path) << " --threads "
               << threads_of(f.index) << o.fault_flags << "\n";
             return h.str();
           });
@@ -357,7 +366,7 @@ void print_fuzz_result(const FuzzResult& r, std::ostream& os) {
     os << "      drawn:  " << f.yaml << "\n      shrunk: " << f.shrunk << "  (" << f.shrunk_tokens << " tokens per rank, "
        << f.shrink_runs << " configurations run to shrink it)\n";
     if (!f.file.empty())
-      os << "      repro:  moeverify run " << f.file << " --threads " << threads_of(f.index) << r.fault_flags << "\n";
+      os << "      repro:  " << self_command() << " run " << shell_word(f.file) << " --threads " << threads_of(f.index) << r.fault_flags << "\n";
   }
   os << std::right;
 }

@@ -44,6 +44,8 @@ struct ImplOptions {
   bool worker = false;      // CMD started once per job, fed one folder per line (docs/guide.md)
   double timeout_s = 60;    // per configuration; past it the implementation counts as crashed
   bool keep = false;        // keep the temporary case folders (printed)
+  std::string require;      // check's --require ("all" or STAGE,STAGE), passed on to every judgement
+  bool strict_ties = false; // check's --strict-ties
 };
 
 /// A failure: the first check that did not pass, named without its rank.

@@ -23,6 +23,7 @@
 #include "export_check.h"
 #include "fuzz.h"
 #include "fuzz_shrink.h"
+#include "golden.h"
 #include "profile.h"
 #include "random_case.h"
 #include "subprocess.h"
@@ -44,6 +45,21 @@ std::string last_lines(const std::string& text, int n) {
   for (size_t i = lines.size() > size_t(n) ? lines.size() - size_t(n) : 0; i < lines.size(); ++i)
     out += (out.empty() ? "" : "\n") + lines[i];
   return out;
+}
+
+/// What kind of failure an implementation's last words name, so that two
+/// different crashes are two failures (each shrunk and saved), not one: the
+/// leading name of its last line where it has one (Python's "ValueError: ...",
+/// "error: ..."), else that line with its digits blanked (indices, sizes and
+/// addresses vary from one configuration to the next), at most 80 characters.
+std::string crash_kind(const std::string& last_line) {
+  const size_t colon = last_line.find(':');
+  if (colon != std::string::npos && colon > 0 && colon <= 60 &&
+      last_line.find_first_of(" \t") > colon)
+    return last_line.substr(0, colon);
+  std::string k;
+  for (char ch : last_line.substr(0, 80)) k += std::isdigit(static_cast<unsigned char>(ch)) ? '#' : ch;
+  return k;
 }
 
 /// What one run of the implementation on one configuration gave.
@@ -109,8 +125,10 @@ class ImplJob {
                                                "each folder gets exactly one line, done, skip REASON or error REASON, "
                                                "and nothing else on stdout (docs/guide.md); the worker was restarted");
       if (ok && answer.rfind("skip", 0) == 0) return skipped(r, answer.size() > 5 ? answer.substr(5) : "");
-      if (ok && answer.rfind("error", 0) == 0)
-        return crashed(r, "impl/error", "the implementation raised: " + (answer.size() > 6 ? answer.substr(6) : ""));
+      if (ok && answer.rfind("error", 0) == 0) {
+        const std::string why = answer.size() > 6 ? answer.substr(6) : "";
+        return crashed(r, "impl/error", "the implementation raised: " + why, crash_kind(why), folder);
+      }
       if (ok && answer != "done")
         return crashed(r, "impl/protocol", "the worker answered '" + printable(answer, 200) +
                                                "'; valid answers: done, skip REASON, error REASON (docs/guide.md)");
@@ -123,10 +141,17 @@ class ImplJob {
       if (end.how == ProcEnd::How::exited && end.code == 77)
         return skipped(r, last_lines(end.err_tail.empty() ? end.out_tail : end.err_tail, 1));
     }
-    if (!ok)
-      return crashed(r, end.how == ProcEnd::How::timed_out ? "impl/timeout" : "impl/crash",
+    if (!ok) {
+      const bool hung = end.how == ProcEnd::How::timed_out;
+      const std::string last = last_lines(end.err_tail, 1);
+      // a timeout is one kind whatever it printed; a crash is told apart by
+      // its last words, or else by how it ended (an exit status, a signal)
+      const std::string kind = hung ? "" : !last.empty() ? crash_kind(last) : end.describe(impl_.timeout_s, "--impl-timeout");
+      return crashed(r, hung ? "impl/timeout" : "impl/crash",
                      "the implementation crashed: " + end.describe(impl_.timeout_s, "--impl-timeout") +
-                         (end.err_tail.empty() ? "" : "; its last stderr line: " + printable(last_lines(end.err_tail, 1), 300)));
+                         (last.empty() ? "" : "; its last stderr line: " + printable(last, 300)),
+                     kind, folder);
+    }
     if (file_bytes(manifest) != drawn)
       return crashed(r, "impl/manifest", "the implementation changed or removed " + manifest +
                                              ", the configuration it is judged on; an implementation writes under "
@@ -141,14 +166,53 @@ class ImplJob {
     return r;
   }
 
-  static ImplRun& crashed(ImplRun& r, const std::string& key, const std::string& note) {
+  /// A crash, `kind` telling it from other crashes of the same check. With
+  /// `folder`, what the implementation wrote before it ended is judged, and
+  /// the first stage already wrong is added to the note: often the crash's
+  /// cause (a wrong offset, then an index past a buffer). Shrinking keeps to
+  /// the kind and that stage (a smaller configuration that crashes alike
+  /// but writes nothing wrong first would lose the cause).
+  ImplRun& crashed(ImplRun& r, const std::string& check, const std::string& note, const std::string& kind = "",
+                   const std::string& folder = "") {
     r.kind = ImplRun::Kind::crashed;
-    r.v = Verdict{Outcome::ERROR, key, key, note};
+    r.v = Verdict{Outcome::ERROR, check, kind.empty() ? check : check + ": " + printable(kind, 80), note};
+    if (folder.empty()) return r;
+    const Verdict before = wrong_before_crash(folder);
+    if (before.check.empty()) return r;
+    r.v.key += "; after " + before.key;
+    r.v.note += "; before it ended, it wrote INCORRECT outputs: " + before.check + ": " + before.note.substr(0, 400);
     return r;
   }
 
-  static void judge(const std::string& folder, ImplRun& r) {
+  /// The verdict on the first written tensor that is wrong (its check
+  /// empty when there is none: an unwritten one is the crash itself, not
+  /// its cause).
+  Verdict wrong_before_crash(const std::string& folder) const {
+    try {
+      if (!golden::is_dir(folder + "/actual")) return {};
+      const CaseReport rep = check_case_folder(folder, folder + "/actual", check_args());
+      for (const Check& ch : rep.checks) {
+        if (ch.variant != "actual" || ch.outcome != Outcome::INCORRECT || ch.absent || !ch.consequence_of.empty())
+          continue;
+        CaseReport one;
+        one.outcome = Outcome::INCORRECT;
+        one.checks.push_back(ch);
+        return verdict_of(one, "yours");
+      }
+    } catch (const std::exception&) {  // files check refuses: the crash says enough
+    }
+    return {};
+  }
+
+  CheckArgs check_args() const {
     CheckArgs a;
+    a.external.strict_ties = impl_.strict_ties;
+    if (!impl_.require.empty()) parse_require(impl_.require, a.external);
+    return a;
+  }
+
+  void judge(const std::string& folder, ImplRun& r) const {
+    const CheckArgs a = check_args();
     try {
       const CaseReport rep = check_case_folder(folder, folder + "/actual", a);
       r.v = verdict_of(rep, "yours");
@@ -177,23 +241,32 @@ std::string make_work_dir() {
   return tmpl;
 }
 
-/// The command line that reproduces a failure from its case file.
-std::string repro_line(const ImplOptions& impl, const std::string& file, const std::string& name) {
+/// The command line that reproduces a failure from its case file: export,
+/// the implementation (under `timeout` where it hung), then check, which
+/// runs whatever the implementation's exit status (after a crash it judges
+/// what was written before it); the line's exit status is check's.
+std::string repro_line(const ImplOptions& impl, const std::string& file, const std::string& name, bool hung) {
   const std::string dir = file.substr(0, file.size() - 5) + ".golden", folder = dir + "/" + dump_folder_name(name);
+  std::ostringstream limit;
+  limit << "timeout " << impl.timeout_s << " ";
   std::string run;
   if (impl.worker) {
-    run = "echo " + shell_quote(folder) + " | " + impl.cmd;
+    run = "echo " + shell_quote(folder) + " | " + (hung ? limit.str() : "") + impl.cmd;
   } else {
     run = impl.cmd;
     for (size_t p; (p = run.find("{case}")) != std::string::npos;) run.replace(p, 6, shell_quote(folder));
+    if (hung) run = limit.str() + "sh -c " + shell_quote(run);
   }
-  return "moeverify export " + shell_quote(file) + " " + shell_quote(dir) + " && " + run + " && moeverify check " +
-         shell_quote(folder);
+  const std::string& self = self_command();
+  // the command in a subshell of its own: an `exit` in it ends that, not the line
+  return self + " export " + shell_quote(file) + " " + shell_quote(dir) + " && { (" + run + "); " + self + " check " +
+         shell_quote(folder) + (impl.require.empty() ? "" : " --require " + shell_word(impl.require)) +
+         (impl.strict_ties ? " --strict-ties" : "") + "; }";
 }
 
 void write_impl_failure(const FuzzOptions& o, const ImplOptions& impl, FuzzFailure& f) {
   f.file = write_shrunk_case(o, f, [&](const std::string& path, const std::string& name) {
-    f.repro = repro_line(impl, path, name);
+    f.repro = repro_line(impl, path, name, f.check == "impl/timeout");
     std::ostringstream h;
     h << "# moeverify fuzz --impl: seed " << o.seed << ", configuration " << f.index << ", " << outcome_name(f.outcome)
       << " at " << f.check << "\n# implementation: " << impl.cmd << (impl.worker ? " (worker)" : "")
@@ -248,6 +321,9 @@ extern "C" void on_interrupt(int) {
 
 namespace {
 
+/// The time one failure's shrinking may take.
+constexpr int kShrinkSeconds = 300;
+
 /// One --impl run: the jobs' shared state, each job's loop, the failure
 /// handling (shrink, case file) and the progress lines.
 class ImplFuzz {
@@ -263,9 +339,11 @@ class ImplFuzz {
     res_.impl_cmd = impl_.cmd;
     res_.profile = o_.profile ? o_.profile->name : "";
     res_.work_dir = make_work_dir();
-    progress_ << "fuzz --impl: seed " << o_.seed << " (replay: moeverify fuzz --seed " << o_.seed << " --impl "
-              << shell_quote(impl_.cmd) << (impl_.worker ? " --worker" : "")
-              << (o_.profile ? " --profile " + shell_quote(o_.profile->file) : "") << ")" << std::endl;
+    progress_ << "fuzz --impl: seed " << o_.seed << " (replay: " << self_command() << " fuzz --seed " << o_.seed
+              << " --impl " << shell_quote(impl_.cmd) << (impl_.worker ? " --worker" : "")
+              << (o_.profile ? " --profile " + shell_quote(o_.profile->file) : "")
+              << (impl_.require.empty() ? "" : " --require " + shell_word(impl_.require))
+              << (impl_.strict_ties ? " --strict-ties" : "") << ")" << std::endl;
     if (impl_.keep) progress_ << "fuzz --impl: --keep: the case folders stay in " << res_.work_dir << std::endl;
     t0_ = Clock::now();
     running_ = std::max(1, o_.jobs);
@@ -327,7 +405,16 @@ class ImplFuzz {
       if (!fresh) f.same_as = int64_t(it->second);
     }
     int n = 0;
+    // Shrinking one failure ends after kShrinkSeconds: a hang costs the whole
+    // --impl-timeout per candidate that still hangs (25 minutes at the
+    // default 60 s before this limit), and --seconds bounds the draws only.
+    const auto shrink_end = Clock::now() + std::chrono::seconds(kShrinkSeconds);
+    bool out_of_time = false;
     const JudgeFn judge = [&](const std::string& y) {
+      if (Clock::now() >= shrink_end) {
+        out_of_time = true;
+        return Verdict{Outcome::NOT_SUPPORTED, "", "", ""};  // not the failure: the shrink keeps what it has
+      }
       const ImplRun s = j.run(y, "c" + std::to_string(i) + ".s" + std::to_string(++n));
       return s.kind == ImplRun::Kind::skipped ? Verdict{Outcome::NOT_SUPPORTED, "", "", ""} : s.v;
     };
@@ -338,6 +425,7 @@ class ImplFuzz {
       return profile_.refit(y, w);
     };
     f.shrunk = o_.shrink && f.same_as < 0 ? shrink(yaml, r.v, judge, fit, o_.shrink_budget, f.shrink_runs) : yaml;
+    if (out_of_time) f.note += "; shrinking stopped at its limit of " + std::to_string(kShrinkSeconds) + " s";
     f.shrunk_tokens = tokens_of(f.shrunk);
     std::lock_guard<std::mutex> lk(m_);
     ++res_.drawn;
@@ -424,12 +512,13 @@ void print_impl_result(const FuzzResult& r, std::ostream& os) {
   for (const auto& [why, n] : r.skip_reasons) os << "      skipped " << n << ": " << why << "\n";
   if (!r.stages.empty()) os << "   per stage (configurations judged / INCORRECT):\n";
   for (const auto& [slot, s] : r.stages) os << "      " << std::setw(20) << slot << " " << s.judged << " / " << s.failed << "\n";
+  // A later failure of the same kind is one line under the failure whose
+  // case stands for it (the JSON lists each).
+  std::map<uint64_t, std::vector<uint64_t>> alike;
+  for (const auto& f : r.failures)
+    if (f.same_as >= 0) alike[uint64_t(f.same_as)].push_back(f.index);
   for (const auto& f : r.failures) {
-    if (f.same_as >= 0) {
-      os << "\n   FAIL configuration " << f.index << ": " << outcome_name(f.outcome) << " at " << f.check
-         << " (the same check failed at configuration " << f.same_as << ", whose case stands for both)\n";
-      continue;
-    }
+    if (f.same_as >= 0) continue;
     os << "\n   FAIL configuration " << f.index << ": " << outcome_name(f.outcome) << " at " << f.check << "\n";
     if (!f.note.empty()) os << "      " << f.note.substr(0, 400) << "\n";
     // The implementation's own bytes: each line shown through printable(), so
@@ -442,6 +531,11 @@ void print_impl_result(const FuzzResult& r, std::ostream& os) {
     os << "      drawn:  " << f.yaml << "\n      shrunk: " << f.shrunk << "  (" << f.shrunk_tokens << " tokens per rank, "
        << f.shrink_runs << " configurations run to shrink it)\n";
     if (!f.file.empty()) os << "      case:   " << f.file << "\n      repro:  " << f.repro << "\n";
+    if (const auto a = alike.find(f.index); a != alike.end()) {
+      os << "      failed the same way: " << a->second.size() << " more configuration(s): ";
+      for (size_t k = 0; k < a->second.size() && k < 12; ++k) os << (k ? ", " : "") << a->second[k];
+      os << (a->second.size() > 12 ? ", ..." : "") << " (the JSON lists each)\n";
+    }
   }
   if (r.failures.empty() && r.passed == 0)
     os << "\nNOT_VERIFIED: no configuration was judged PASSED (every one skipped, crashed or with nothing checked)\n";

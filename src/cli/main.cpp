@@ -147,7 +147,7 @@ void print_failures(const std::vector<CaseReport>& reports, const RunArgs& a, st
   print_failure_list(reports, [&](size_t, const CaseReport& r, const Check* first, std::ostream& out) {
     if (first) out << " at " << first->slot << " / " << first->variant << " / " << first->tensor;
     std::string file = r.c.source.substr(0, r.c.source.rfind(':'));
-    out << "\n      repro: moeverify run " << shell_word(file) << " --case " << shell_word(r.c.name);
+    out << "\n      repro: " << self_command() << " run " << shell_word(file) << " --case " << shell_word(r.c.name);
     for (const auto& st : a.sets) out << " --set " << shell_word(st);
     for (const auto& f : a.faults) out << " --fault " << shell_word(f);
     if (!a.backend.empty()) out << " --backend " << shell_word(a.backend);
@@ -643,8 +643,8 @@ struct FuzzArgs {
   std::string seconds, iterations, seed, jobs = "1", backend = "host", out = "fuzz-failures", json;
   std::vector<std::string> faults;
   bool no_shrink = false;
-  std::string impl, impl_timeout = "60", profile, shrink_budget = "400", emit;
-  bool worker = false, keep = false;
+  std::string impl, impl_timeout = "60", profile, shrink_budget = "400", emit, require;
+  bool worker = false, keep = false, strict_ties = false;
 };
 
 /// fuzz --impl's options, checked: CMD's {case} (or --worker).
@@ -654,6 +654,12 @@ ImplOptions impl_options(const CLI::App* cmd, const FuzzArgs& a) {
   impl.worker = a.worker;
   impl.keep = a.keep;
   impl.timeout_s = parse_real_option("--impl-timeout", a.impl_timeout, 0.1, 86400);
+  impl.strict_ties = a.strict_ties;
+  impl.require = a.require;
+  if (cmd->count("--require")) {
+    ExternalOptions parsed;  // refused here, before anything is drawn
+    parse_require(a.require, parsed);
+  }
   if (a.impl.empty()) bad_input("--impl: the command is empty; valid: e.g. --impl \"python3 my_moe.py {case}\"");
   const bool has_case = a.impl.find("{case}") != std::string::npos;
   if (!a.worker && !has_case)
@@ -669,8 +675,9 @@ ImplOptions impl_options(const CLI::App* cmd, const FuzzArgs& a) {
 
 int cmd_fuzz(const CLI::App* cmd, const FuzzArgs& a) {
   const bool impl = cmd->count("--impl") > 0, emit = cmd->count("--emit") > 0;
-  if (!impl && (a.worker || a.keep || cmd->count("--impl-timeout")))
-    bad_input("fuzz: --worker, --keep and --impl-timeout go with --impl CMD; valid: add --impl, or drop them");
+  if (!impl && (a.worker || a.keep || a.strict_ties || cmd->count("--impl-timeout") || cmd->count("--require")))
+    bad_input("fuzz: --worker, --keep, --impl-timeout, --require and --strict-ties go with --impl CMD; valid: add "
+              "--impl, or drop them");
   if (emit && (impl || cmd->count("--seconds") || !cmd->count("--iterations")))
     bad_input("fuzz --emit FILE writes --iterations N configurations and runs none; valid: --emit FILE --iterations N "
               "[--seed S] [--profile P] [--backend B], without --impl or --seconds");
@@ -712,7 +719,7 @@ int cmd_fuzz(const CLI::App* cmd, const FuzzArgs& a) {
     const std::string err = write_file(a.emit, {emit_case_file(o, replay)});
     if (!err.empty()) bad_input("--emit: " + err);
     std::cout << a.emit << ": " << o.iterations << " configurations of seed " << o.seed
-              << (profile ? " inside profile " + profile->name : "") << " (run them: moeverify run " << a.emit << ")\n";
+              << (profile ? " inside profile " + profile->name : "") << " (run them: " << self_command() << " run " << shell_word(a.emit) << ")\n";
     return 0;
   }
   if (impl) {
@@ -901,6 +908,10 @@ void add_fuzz_selftest_bench(CLI::App& app, Commands& c) {
   c.fz->add_option("--emit", c.fa.emit, "write the --iterations N configurations (inside --profile) as a case file, "
                    "run none: e.g. to run them under mpirun")->type_name("FILE");
   c.fz->add_flag("--keep", c.fa.keep, "with --impl: keep the temporary case folders (their folder is printed)");
+  c.fz->add_option("--require", c.fa.require, "with --impl: as check --require, for every configuration: stages "
+                   "whose outputs must be written (all, or STAGE,STAGE)")->type_name("all|STAGES");
+  c.fz->add_flag("--strict-ties", c.fa.strict_ties, "with --impl: as check --strict-ties, hold routing to the lowest "
+                 "expert id among exact ties");
 
   c.st = app.add_subcommand("selftest", "show that every planted fault is caught by a case, the fuzz or a probe");
   c.st->add_option("--cases", c.sa.cases, "the shipped case files (default: this build's source cases/)");
@@ -979,6 +990,7 @@ void say_failure(const std::string& text) {
 
 int main(int argc, char** argv) {
   adopt_passive_openmp_wait(argv);
+  set_self_command(argv[0]);
   // Every tensor comes from glibc's heaps, and freed memory stays there for
   // the next stage's tensors of the same sizes. With glibc's defaults each
   // tensor of more than 32 MiB is an mmap of its own and goes back to the OS

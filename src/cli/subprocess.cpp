@@ -121,6 +121,16 @@ std::string ProcEnd::describe(double timeout_s, const char* timeout_flag) const 
   return o.str();
 }
 
+namespace {
+std::string g_self = "moeverify";
+}  // namespace
+
+void set_self_command(const char* argv0) {
+  if (argv0 && std::strchr(argv0, '/')) g_self = shell_word(argv0);
+}
+
+const std::string& self_command() { return g_self; }
+
 std::string shell_quote(const std::string& s) {
   std::string q = "'";
   for (char ch : s) q += ch == '\'' ? std::string("'\\''") : std::string(1, ch);

@@ -73,6 +73,12 @@ class Worker {
   std::string unrequested_;
 };
 
+/// How a printed command line (a repro line) names this program: the path
+/// it was started by where that has a '/' (`./build/moeverify`, as the user
+/// typed it), else `moeverify` (found on the PATH). main sets it once.
+void set_self_command(const char* argv0);
+const std::string& self_command();
+
 /// `s` quoted for /bin/sh: '...' with every ' written as '\''.
 std::string shell_quote(const std::string& s);
 /// A shell word for a printed command line: as it is when plain, else shell_quote'd.

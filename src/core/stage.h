@@ -154,6 +154,8 @@ struct Check {
   /// check only: the earlier stage whose wrong rows this failure follows
   /// from (the same row count off on the same rank); "" for a first cause.
   std::string consequence_of;
+  /// check only: INCORRECT because the tensor was not written (on some rank).
+  bool absent = false;
 };
 
 struct CheckCtx {
