@@ -165,11 +165,36 @@ np.save(d + "/actual/routing.ids.rank0.npy", new)
 np.save(d + "/actual/routing.topk_scores.rank0.npy", np.take_along_axis(s, new.astype(np.int64), 1).astype(np.float32))
 np.save(d + "/actual/routing.counts.rank0.npy", np.bincount(new.reshape(-1), minlength=E).astype(np.int64))
 PY
-expect_rc 0 "$tmp/tie.log" -- "$bin" check "$td" && grep -q "another member of an exact tie" "$tmp/tie.log" ||
+expect_rc 0 "$tmp/tie.log" -- "$bin" check "$td" && grep -q "1 token(s) pick another member of an exact tie" "$tmp/tie.log" ||
   fail "an exact-tie alternative was not accepted and reported"
+# (the tie token is counted once: not also as a near-tie)
+grep -q "near-tie token(s): the selection differs" "$tmp/tie.log" && fail "an exact tie was also counted as a near-tie"
 grep -q "stages not written" "$tmp/tie.log" || fail "stages without actual files are not listed as not written"
+# strict: the one wrong member is the one mismatch (the row's other order is
+# the implementation's to choose), and a dispatch right for its own ids is
+# not failed beside the reference's ids (inputs inconsistent)
+"$py" - "$td" <<'PY' || fail "writing a dispatch of the tie alternative"
+import sys, numpy as np
+d = sys.argv[1]
+x = np.load(d + "/input.x.rank0.npy")
+ids = np.load(d + "/actual/routing.ids.rank0.npy").astype(np.int64)
+topk = np.load(d + "/actual/routing.topk_scores.rank0.npy")
+T, K = ids.shape
+perm = np.argsort(ids.reshape(-1), kind="stable")
+row_of = np.empty(T * K, np.int32)
+row_of[perm] = np.arange(T * K, dtype=np.int32)
+np.save(d + "/actual/dispatch.routed_input.rank0.npy", x[perm // K])
+np.save(d + "/actual/dispatch.token_sorted.rank0.npy", (perm // K).astype(np.int32))
+np.save(d + "/actual/dispatch.score_sorted.rank0.npy", topk.reshape(-1)[perm].astype(np.float32))
+np.save(d + "/actual/dispatch.row_of.rank0.npy", row_of.reshape(T, K))
+PY
 expect_rc 1 "$tmp/strict.log" -- "$bin" check "$td" --strict-ties ||
   fail "--strict-ties accepted another member of an exact tie"
+grep -qE "^   routing +actual +ids +.* INCORRECT +1/" "$tmp/strict.log" ||
+  { grep -E "routing +actual +ids" "$tmp/strict.log"; fail "--strict-ties: the ids mismatches are not the one wrong member"; }
+grep -qE "^   dispatch +actual\*? +INCORRECT" "$tmp/strict.log" && fail "--strict-ties: the dispatch of the implementation's own ids failed as a knock-on"
+grep -q "not judged: inputs inconsistent with stage routing" "$tmp/strict.log" ||
+  fail "--strict-ties: the dispatch after replaced ids is not marked as not judged"
 rm -rf "$td/actual" && mkdir -p "$td/actual"
 "$py" - "$td" notie <<'PY' || fail "router_ties: no non-tied alternative"
 import sys, numpy as np
