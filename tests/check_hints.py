@@ -90,6 +90,12 @@ with tempfile.TemporaryDirectory() as tmp:
     out[0, 0] += 1  # one bf16 ulp
     h.write("combine.out", out.view(np.uint16))
     expect("rounding", h, "combine.out one ulp off", "a convention? see combine.accumulate")
+    # ... and a few ulps off: the order of the additions named too (a
+    # reversed order moved sums by up to 4 ulps and was hinted as a rounding
+    # convention, or not at all)
+    out[0, 0] += 2
+    h.write("combine.out", out.view(np.uint16))
+    expect("order", h, "combine.out three ulps off", "within 3 ulp: a convention? see combine.accumulate, score_multiply (docs/contract.md §14); or the order of the additions")
 
     # 5. the phantom combine: an unstable sort at dispatch, a correct combine.
     # Judged in the implementation's own row order, dispatch alone fails.
