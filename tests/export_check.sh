@@ -249,7 +249,7 @@ expect_rc 0 "$tmp/b2.log" -- "$bin" check "$ed"
 "$py" -c "import numpy as np; np.save('$ed/actual/$ids', np.load('$ed/$ids')[:, :-1])"
 expect_rc 2 "$tmp/b3.log" -- "$bin" check "$ed" && one_line "$tmp/b3.log" "ids with a column less" "columns"
 "$py" -c "import numpy as np; np.save('$ed/actual/$ids', np.load('$ed/$ids').astype(np.float32))"
-expect_rc 2 "$tmp/b3f.log" -- "$bin" check "$ed" && one_line "$tmp/b3f.log" "float ids" "int32"
+expect_rc 2 "$tmp/b3f.log" -- "$bin" check "$ed" && one_line "$tmp/b3f.log" "float ids" "valid: a NumPy .npy file (np.save) of dtype int32 or int64"
 # every id out of range, written alone (the counts then come from the ids fed
 # on): INCORRECT at routing/ids, exit 1; it once left counts of zero beside
 # the reference's ids and the reference combine read past its rows (SIGSEGV)

@@ -76,8 +76,13 @@ class NpyReader {
 
  private:
   [[noreturn]] void broken(const std::string& what) const {
-    bad_input(shown_ + ": " + what + "; valid: a NumPy .npy file (np.save) of dtype " + real_dtype(want_) +
-              (want_ == ElemType::bf16 || want_ == ElemType::f16 ? " stored as uint16 bit patterns" : "") + ", shape " +
+    // every dtype descr_accepted() takes
+    const char* dtypes = want_ == ElemType::i32 || want_ == ElemType::i64 ? "int32 or int64"
+                         : want_ == ElemType::f16                         ? "float16, or its uint16 bit patterns"
+                         : want_ == ElemType::bf16                        ? "bfloat16 stored as uint16 bit patterns"
+                                                                          : nullptr;
+    bad_input(shown_ + ": " + what + "; valid: a NumPy .npy file (np.save) of dtype " +
+              (dtypes ? std::string(dtypes) : real_dtype(want_)) + ", shape " +
               Tensor{want_, want_shape_, nullptr, 0}.shape_str() +
               (want_shape_.empty() ? "" : " (the row count may differ: that is judged, not refused)"));
   }
