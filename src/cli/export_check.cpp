@@ -52,6 +52,23 @@ const Stage* stage_for(const Case& c, const std::string& slot) {
 /// counts against the histogram of its ids. Under router.score_dtype act
 /// (docs/contract.md §14) scores and topk_scores are class rounding, the
 /// latter the chain on the judged scores (see check_routing).
+/// A token's expected ids against which its ids `a` are compared: the valid
+/// selection `s` (a set, docs/contract.md §15) in the implementation's own
+/// order for the members it got right, its wrong members' places taken by
+/// the members it missed, so that only the wrong members mismatch.
+void expected_ids_row(const int32_t* a, const int32_t* s, int64_t K, int32_t* out) {
+  std::set<int32_t> left(s, s + K);
+  std::vector<int64_t> wrong;
+  for (int64_t k = 0; k < K; ++k) {
+    if (left.erase(a[k])) out[k] = a[k];
+    else wrong.push_back(k);
+  }
+  for (int64_t k : wrong) {
+    out[k] = left.empty() ? s[k] : *left.begin();
+    if (!left.empty()) left.erase(left.begin());
+  }
+}
+
 void check_routing_external(const Case& c, const Board& ref, const Board& merged,
                             const std::vector<std::map<std::string, Tensor>>& given, const ExternalOptions& opt,
                             CaseReport& rep) {
@@ -120,19 +137,7 @@ void check_routing_external(const Case& c, const Board& ref, const Board& merged
           if (!ok && first_why.empty()) first_why = "token " + std::to_string(t) + ": " + exact.why;
         }
         if (ok && !is_near && !is_tie && aset != rset) ++differs_from_ref;  // a tie is counted once, above
-        // Where the selection is wrong, the expected row keeps the
-        // implementation's order for the members it got right, so that only
-        // the wrong members mismatch (a selection is a set, docs/contract.md §15).
-        std::set<int32_t> left(s, s + K);
-        std::vector<int64_t> wrong;
-        for (int64_t k = 0; k < K; ++k) {
-          if (ok || left.erase(a[k])) expect[size_t(t * K + k)] = a[k];
-          else wrong.push_back(k);
-        }
-        for (size_t w = 0; w < wrong.size() && !left.empty(); ++w) {
-          expect[size_t(t * K + wrong[w])] = *left.begin();
-          left.erase(left.begin());
-        }
+        expected_ids_row(a, ok ? a : s, K, &expect[size_t(t * K)]);
       }
       std::ostringstream note;
       note << "ids judged as a selection per token on the " << (own_scores ? "implementation's" : "reference's")
