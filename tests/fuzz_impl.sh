@@ -84,16 +84,18 @@ grep -q "exit status 3" "$work/o3.txt" && grep -q "boom: the kernel fell over" "
   fail "crash: the exit status or the stderr tail is missing from the report"
 # two different crashes are two failures, each shrunk and saved (they were
 # one: the second was only in the JSON, with no case file), and the later
-# failures of each kind are one line under it
-"$bin" fuzz --impl "if grep -q '\"dtype\": \"bf16\"' {case}/manifest.json; then echo 'ValueError: bf16 path' >&2; \
-else echo 'KeyError: 7' >&2; fi; exit 1" --iterations 16 --seed 1 --shrink-budget 5 --out "$work/out3k" \
+# failures of each kind are one line under it. The lines are as
+# moeverify.main writes them: "PROG: FOLDER: KeyError: ..." (the program's
+# name first, the folder, which differs per configuration, next).
+"$bin" fuzz --impl "if grep -q '\"dtype\": \"bf16\"' {case}/manifest.json; then echo \"impl.py: {case}: ValueError: bf16 path\" >&2; \
+else echo \"impl.py: {case}: KeyError: 7\" >&2; fi; exit 1" --iterations 16 --seed 1 --shrink-budget 5 --out "$work/out3k" \
   --json "$work/s3k.json" >"$work/o3k.txt" 2>&1
 rc=$?
 kinds=$("$py" -c "
 import json, sys
 d = json.load(open(sys.argv[1]))
 firsts = [f for f in d['failures'] if f['same_as'] is None]
-print(len(firsts), sum(1 for f in firsts if f['file']), '|'.join(sorted(f['note'].split('line: ')[-1] for f in firsts)))" "$work/s3k.json")
+print(len(firsts), sum(1 for f in firsts if f['file']), '|'.join(k for k in ('KeyError: 7', 'ValueError: bf16 path') if any(f['note'].endswith(k) for f in firsts)))" "$work/s3k.json")
 [ "$rc" -eq 1 ] && [ "$kinds" = "2 2 KeyError: 7|ValueError: bf16 path" ] && grep -q "failed the same way: [0-9]* more" "$work/o3k.txt" &&
   [ "$(grep -c '^   FAIL' "$work/o3k.txt")" -eq 2 ] || { cat "$work/o3k.txt"; fail "two crash kinds: exit $rc, first failures: $kinds"; }
 # a crash after writing a wrong stage names that stage, and its repro line
@@ -123,8 +125,26 @@ rc=$?
   --out "$work/out3" --json "$work/s3t.json" >"$work/o3t.txt" 2>&1
 rc=$?
 [ "$rc" -eq 1 ] && grep -q "timed out after 0.5 s" "$work/o3t.txt" || { cat "$work/o3t.txt"; fail "timeout: exit $rc"; }
-grep -q "repro: .* && { (timeout 0.5 sh -c 'sleep 30; : " "$work/o3t.txt" ||
+grep -q "repro: .* && { timeout 0.5 sh -c 'sleep 30; : " "$work/o3t.txt" ||
   { cat "$work/o3t.txt"; fail "a hang's repro line does not bound it by --impl-timeout"; }
+# ... a worker's too, its command run as the fuzz ran it (sh -c: VAR=value,
+# a leading parenthesis or a # stay inside it), and the line runs as printed
+"$bin" fuzz --impl "X=1 sleep 30 # a worker" --worker --impl-timeout 0.5 --iterations 1 --seed 1 --no-shrink \
+  --out "$work/out3h" --json "$work/s3h.json" >"$work/o3h.txt" 2>&1
+repro=$("$py" -c "import json, sys; print(json.load(open(sys.argv[1]))['failures'][0]['repro'])" "$work/s3h.json")
+case $repro in *"| timeout 0.5 sh -c 'X=1 sleep 30 # a worker'; "*) ;; *) fail "a hung worker's repro line: $repro" ;; esac
+(eval "$repro") >"$work/repro3h.txt" 2>&1
+rc=$?
+[ "$rc" -eq 4 ] && ! grep -q "failed to run command\|syntax error" "$work/repro3h.txt" ||
+  { cat "$work/repro3h.txt"; fail "a hung worker's repro line does not run as printed: exit $rc"; }
+# shrinking a hang stops at --shrink-seconds (each candidate that still hangs
+# costs the whole --impl-timeout)
+start=$(date +%s)
+"$bin" fuzz --impl "sleep 30; : {case}" --impl-timeout 0.3 --shrink-seconds 1 --iterations 1 --seed 1 \
+  --out "$work/out3l" --json "$work/s3l.json" >"$work/o3l.txt" 2>&1
+took=$(( $(date +%s) - start ))
+grep -q "shrinking stopped at --shrink-seconds 1" "$work/o3l.txt" && [ "$took" -le 10 ] ||
+  { cat "$work/o3l.txt"; fail "--shrink-seconds 1: took $took s, or the stop is not said"; }
 pgrep -f "^sleep 30$" >/dev/null && fail "the timed-out command's process was left running"
 # exit 77 on everything: counted skipped, nothing PASSED: NOT_VERIFIED (exit 4)
 "$bin" fuzz --impl "echo 'no EP here' >&2; exit 77; : {case}" --iterations 4 --seed 1 --json "$work/s3u.json" \

@@ -74,7 +74,9 @@ disagree)
   [ "$rc" = 2 ] || fail "exit $rc, expected 2 (bad input on every rank)"
   [ "$arg" = fewer_cases ] || want2="ranks disagree on the configuration of case 'c1': rank 0: config hash"
   n=$(grep -o -F "$want" "$tmp/run.log" | wc -l)  # ranks share stderr: lines may join
-  [ "$n" = 1 ] || fail "expected '$want' once (every rank fails alike: rank 0 says it), found it $n time(s)"
+  # (said once when mpirun ends the job within say_failure's 3 s; a loaded
+  # machine may let rank 1 say it too)
+  [ "$n" -ge 1 ] && [ "$n" -le 2 ] || fail "expected '$want' once or twice, found it $n time(s)"
   [ -z "${want2:-}" ] || grep -q -F "$want2" "$tmp/run.log" || fail "no '$want2'"
   grep -q "PASSED\|INCORRECT\|internal error" "$tmp/run.log" && fail "a case ran although the ranks disagree"
   echo "ok   disagree $arg: exit 2, said once: $want"
@@ -232,7 +234,9 @@ errors_once)
   rc=$?
   [ "$rc" = 2 ] || fail "exit $rc, expected 2 (bad input)"
   n=$(grep -o "bad.yaml:1:1: name: unknown top-level key" "$tmp/run.log" | wc -l)
-  [ "$n" = 1 ] || fail "a bad case file on 4 ranks: the line came $n time(s), expected once"
+  # once when mpirun ends the job within say_failure's 3 s (about 1 s here);
+  # fewer than once per rank however loaded the machine
+  [ "$n" -ge 1 ] && [ "$n" -lt 4 ] || fail "a bad case file on 4 ranks: the line came $n time(s), expected once"
   printf 'cases:\n  - name: c1\n    ep: 2\n' >"$tmp/good.yaml"
   timeout -k 5 60 "$mpiexec" -np 1 "$bin" run "$tmp/good.yaml" --threads 1 : \
     -np 1 "$bin" run "$tmp/missing.yaml" --threads 1 >"$tmp/run2.log" 2>&1

@@ -41,17 +41,6 @@ const Stage* stage_for(const Case& c, const std::string& slot) {
   return first;
 }
 
-/// Routing of an implementation (docs/contract.md §15):
-/// `scores` against the reference; `ids` per token as a selection, judged on
-/// the implementation's own scores (the reference's when it wrote none) by
-/// judge_selection: any member of an exact tie, at the K-th expert or at the
-/// group boundary, is accepted. Judged on the reference's scores, a selection
-/// valid only within the scores tolerance is a near-tie: reported, not
-/// failed. With strict_ties the set must be the lowest-index one. topk_scores
-/// against the reference's scores at the implementation's ids (in its order),
-/// counts against the histogram of its ids. Under router.score_dtype act
-/// (docs/contract.md §14) scores and topk_scores are class rounding, the
-/// latter the chain on the judged scores (see check_routing).
 /// A token's expected ids against which its ids `a` are compared: the valid
 /// selection `s` (a set, docs/contract.md §15) in the implementation's own
 /// order for the members it got right, its wrong members' places taken by
@@ -69,6 +58,17 @@ void expected_ids_row(const int32_t* a, const int32_t* s, int64_t K, int32_t* ou
   }
 }
 
+/// Routing of an implementation (docs/contract.md §15):
+/// `scores` against the reference; `ids` per token as a selection, judged on
+/// the implementation's own scores (the reference's when it wrote none) by
+/// judge_selection: any member of an exact tie, at the K-th expert or at the
+/// group boundary, is accepted. Judged on the reference's scores, a selection
+/// valid only within the scores tolerance is a near-tie: reported, not
+/// failed. With strict_ties the set must be the lowest-index one. topk_scores
+/// against the reference's scores at the implementation's ids (in its order),
+/// counts against the histogram of its ids. Under router.score_dtype act
+/// (docs/contract.md §14) scores and topk_scores are class rounding, the
+/// latter the chain on the judged scores (see check_routing).
 void check_routing_external(const Case& c, const Board& ref, const Board& merged,
                             const std::vector<std::map<std::string, Tensor>>& given, const ExternalOptions& opt,
                             CaseReport& rep) {
@@ -415,6 +415,7 @@ struct ExternalEntry {
   /// with the implementation's wrong rows ("" while consistent): later
   /// verdicts of the implementation's values are not judged.
   std::string inconsistent_since;
+  std::string inconsistent_why;  // what is paired with what, for the notes
 };
 
 bool ExternalEntry::run_reference(const Stage& s, const Board& board, Board& refout) {
@@ -547,7 +548,7 @@ void ExternalEntry::feed_reference_metadata(size_t first_check, const std::vecto
                                             const std::string& slot, const std::vector<std::set<std::string>>& own_order,
                                             Board& merged) {
   const int R = c.ep;
-  bool metadata_replaced = false, wrong_rows_kept = false;
+  bool metadata_replaced = false, wrong_rows_kept = false, ids_beside_own_scores = false;
   for (size_t i = first_check; i < rep.checks.size(); ++i) {
     const Check& ch = rep.checks[i];
     if (ch.outcome == Outcome::PASSED) continue;
@@ -567,15 +568,17 @@ void ExternalEntry::feed_reference_metadata(size_t first_check, const std::vecto
     metadata_replaced = metadata_replaced || !rows;
     // The implementation's top-K scores belong to its own ids, slot by
     // slot: beside the reference's ids they are a pair no stage computes.
-    if (name == "ids" && given[size_t(r)].count("topk_scores")) wrong_rows_kept = true;
+    if (name == "ids" && given[size_t(r)].count("topk_scores")) ids_beside_own_scores = true;
     merged.ranks[size_t(r)][name] = e->second;
     rep.notes.push_back("stage " + prefix + slot + ": the implementation's " + ch.tensor + " is wrong; later stages are fed the reference's" +
                         (rows ? " (its rows differ)" : " (index metadata)"));
   }
-  if (metadata_replaced && wrong_rows_kept && inconsistent_since.empty()) {
+  if (metadata_replaced && (wrong_rows_kept || ids_beside_own_scores) && inconsistent_since.empty()) {
     inconsistent_since = prefix + slot;
-    rep.notes.push_back("stage " + prefix + slot + ": its index metadata fed on is the reference's, its wrong values "
-                        "the implementation's: later stages that disagree are not judged (inputs inconsistent)");
+    inconsistent_why = wrong_rows_kept ? "its index metadata fed on is the reference's, its wrong values yours"
+                                       : "its ids fed on are the reference's, its top-K scores yours, of its own ids";
+    rep.notes.push_back("stage " + prefix + slot + ": " + inconsistent_why +
+                        ": later stages that disagree are not judged (inputs inconsistent)");
   }
 }
 
@@ -593,10 +596,9 @@ void ExternalEntry::feed_next(const Stage& s, size_t first_check, const Board& f
   if (!inconsistent_since.empty())
     for (size_t i = first_check; i < rep.checks.size(); ++i) {
       Check& ch = rep.checks[i];
-      if (ch.outcome != Outcome::INCORRECT || ch.rows.expected >= 0 || ch.note.rfind("missing on ", 0) == 0) continue;
+      if (ch.outcome != Outcome::INCORRECT || ch.rows.expected >= 0 || ch.absent) continue;
       ch.outcome = Outcome::NOT_VERIFIED;
-      ch.note = "not judged: inputs inconsistent with stage " + inconsistent_since +
-                " (its index metadata fed on is the reference's, its wrong values yours)" +
+      ch.note = "not judged: inputs inconsistent with stage " + inconsistent_since + " (" + inconsistent_why + ")" +
                 (ch.note.empty() ? "" : "; " + ch.note);
     }
   std::vector<std::set<std::string>> own_order(static_cast<size_t>(R));
@@ -792,7 +794,7 @@ CaseReport run_external(const Case& given, const ActualFn* actual, std::vector<G
     if (golden) golden_inputs(cl, prefix, board, l > 0 ? &first : nullptr, *golden);
     if (l == 0) first = board;
     CaseReport rl;
-    ExternalEntry entry{cl, prefix, actual, golden, opt, rl, 0, 0, {}, {}, {}};
+    ExternalEntry entry{cl, prefix, actual, golden, opt, rl, 0, 0, {}, {}, {}, {}};
     entry.run(board);
     for (auto& ch : rl.checks) ch.slot = prefix + ch.slot, rep.checks.push_back(std::move(ch));
     for (auto& d : rl.decisions) d.slot = prefix + d.slot, rep.decisions.push_back(std::move(d));

@@ -295,7 +295,7 @@ FuzzResult fuzz(const FuzzOptions& o, std::ostream& progress) {
           f.file = write_shrunk_case(o, f, [&](const std::string& path, const std::string&) {
             std::ostringstream h;
             h << "# moeverify fuzz: seed " << o.seed << ", configuration " << f.index << ", " << outcome_name(f.outcome)
-              << " at " << f.check << "\n# drawn: " << f.yaml << "\n# repro: " << self_command() << " run " << shell_word(path) << " --threads "
+              << " at " << f.check << "\n# drawn: " << f.yaml << "\n# repro: " << printable(self_command() + " run " + shell_word(path), 4000) << " --threads "
               << threads_of(f.index) << o.fault_flags << "\n";
             return h.str();
           });

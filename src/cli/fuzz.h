@@ -31,6 +31,7 @@ struct FuzzOptions {
   std::string fault_flags;  // the --fault flags, for the repro line
   bool shrink = true;
   int shrink_budget = 400;  // configurations run at most while shrinking one failure
+  double shrink_seconds = 300;  // fuzz --impl: seconds at most spent shrinking one failure
   bool stop_at_first = false;  // selftest: stop at the first failure
   int collective_timeout_ms = 5000;
   std::string backend = "host";  // the case key `backend` of every drawn configuration

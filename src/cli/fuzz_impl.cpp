@@ -13,6 +13,7 @@
 #include <fstream>
 #include <iomanip>
 #include <mutex>
+#include <regex>
 #include <nlohmann/json.hpp>
 #include <ostream>
 #include <sstream>
@@ -49,16 +50,21 @@ std::string last_lines(const std::string& text, int n) {
 
 /// What kind of failure an implementation's last words name, so that two
 /// different crashes are two failures (each shrunk and saved), not one: the
-/// leading name of its last line where it has one (Python's "ValueError: ...",
-/// "error: ..."), else that line with its digits blanked (indices, sizes and
-/// addresses vary from one configuration to the next), at most 80 characters.
-std::string crash_kind(const std::string& last_line) {
-  const size_t colon = last_line.find(':');
-  if (colon != std::string::npos && colon > 0 && colon <= 60 &&
-      last_line.find_first_of(" \t") > colon)
-    return last_line.substr(0, colon);
+/// last exception name in its last line ("ValueError", "KeyError" in
+/// Python's "my_moe.py: FOLDER: KeyError: 7"), else that line with its case
+/// folder written {case} and its digits blanked (indices, sizes and
+/// addresses vary from one configuration to the next), at most 80
+/// characters.
+std::string crash_kind(const std::string& last_line, const std::string& folder) {
+  static const std::regex exception_name(R"([A-Za-z_][A-Za-z0-9_.]*(Error|Exception|Exit|Interrupt|Fault)\b)");
+  std::string name;
+  for (auto m = std::sregex_iterator(last_line.begin(), last_line.end(), exception_name); m != std::sregex_iterator(); ++m)
+    name = m->str();
+  if (!name.empty()) return name;
+  std::string line = last_line;
+  for (size_t p; !folder.empty() && (p = line.find(folder)) != std::string::npos;) line.replace(p, folder.size(), "{case}");
   std::string k;
-  for (char ch : last_line.substr(0, 80)) k += std::isdigit(static_cast<unsigned char>(ch)) ? '#' : ch;
+  for (char ch : line.substr(0, 80)) k += std::isdigit(static_cast<unsigned char>(ch)) ? '#' : ch;
   return k;
 }
 
@@ -127,7 +133,7 @@ class ImplJob {
       if (ok && answer.rfind("skip", 0) == 0) return skipped(r, answer.size() > 5 ? answer.substr(5) : "");
       if (ok && answer.rfind("error", 0) == 0) {
         const std::string why = answer.size() > 6 ? answer.substr(6) : "";
-        return crashed(r, "impl/error", "the implementation raised: " + why, crash_kind(why), folder);
+        return crashed(r, "impl/error", "the implementation raised: " + why, crash_kind(why, folder), folder);
       }
       if (ok && answer != "done")
         return crashed(r, "impl/protocol", "the worker answered '" + printable(answer, 200) +
@@ -146,7 +152,8 @@ class ImplJob {
       const std::string last = last_lines(end.err_tail, 1);
       // a timeout is one kind whatever it printed; a crash is told apart by
       // its last words, or else by how it ended (an exit status, a signal)
-      const std::string kind = hung ? "" : !last.empty() ? crash_kind(last) : end.describe(impl_.timeout_s, "--impl-timeout");
+      const std::string kind =
+          hung ? "" : !last.empty() ? crash_kind(last, folder) : end.describe(impl_.timeout_s, "--impl-timeout");
       return crashed(r, hung ? "impl/timeout" : "impl/crash",
                      "the implementation crashed: " + end.describe(impl_.timeout_s, "--impl-timeout") +
                          (last.empty() ? "" : "; its last stderr line: " + printable(last, 300)),
@@ -249,17 +256,14 @@ std::string repro_line(const ImplOptions& impl, const std::string& file, const s
   const std::string dir = file.substr(0, file.size() - 5) + ".golden", folder = dir + "/" + dump_folder_name(name);
   std::ostringstream limit;
   limit << "timeout " << impl.timeout_s << " ";
-  std::string run;
-  if (impl.worker) {
-    run = "echo " + shell_quote(folder) + " | " + (hung ? limit.str() : "") + impl.cmd;
-  } else {
-    run = impl.cmd;
-    for (size_t p; (p = run.find("{case}")) != std::string::npos;) run.replace(p, 6, shell_quote(folder));
-    if (hung) run = limit.str() + "sh -c " + shell_quote(run);
-  }
+  // The command as the fuzz ran it, `sh -c CMD`: whatever it holds (an
+  // `exit`, a `#`, a leading `(`, VAR=value) stays inside it.
+  std::string cmd = impl.cmd;
+  for (size_t p; !impl.worker && (p = cmd.find("{case}")) != std::string::npos;) cmd.replace(p, 6, shell_quote(folder));
+  const std::string run = (impl.worker ? "echo " + shell_quote(folder) + " | " : std::string()) +
+                          (hung ? limit.str() : std::string()) + "sh -c " + shell_quote(cmd);
   const std::string& self = self_command();
-  // the command in a subshell of its own: an `exit` in it ends that, not the line
-  return self + " export " + shell_quote(file) + " " + shell_quote(dir) + " && { (" + run + "); " + self + " check " +
+  return self + " export " + shell_quote(file) + " " + shell_quote(dir) + " && { " + run + "; " + self + " check " +
          shell_quote(folder) + (impl.require.empty() ? "" : " --require " + shell_word(impl.require)) +
          (impl.strict_ties ? " --strict-ties" : "") + "; }";
 }
@@ -269,8 +273,9 @@ void write_impl_failure(const FuzzOptions& o, const ImplOptions& impl, FuzzFailu
     f.repro = repro_line(impl, path, name, f.check == "impl/timeout");
     std::ostringstream h;
     h << "# moeverify fuzz --impl: seed " << o.seed << ", configuration " << f.index << ", " << outcome_name(f.outcome)
-      << " at " << f.check << "\n# implementation: " << impl.cmd << (impl.worker ? " (worker)" : "")
-      << "\n# drawn: " << f.yaml << "\n# repro: " << f.repro << "\n";
+      << " at " << f.check << "\n# implementation: " << printable(impl.cmd, 4000) << (impl.worker ? " (worker)" : "")
+      << "\n# drawn: " << f.yaml << "\n# repro: " << printable(f.repro, 8000) << "\n";  // one line each: a newline
+                                                                                       // in them would end the comment
     return h.str();
   });
   if (f.file.empty()) f.repro.clear();
@@ -320,9 +325,6 @@ extern "C" void on_interrupt(int) {
 }  // namespace
 
 namespace {
-
-/// The time one failure's shrinking may take.
-constexpr int kShrinkSeconds = 300;
 
 /// One --impl run: the jobs' shared state, each job's loop, the failure
 /// handling (shrink, case file) and the progress lines.
@@ -405,27 +407,30 @@ class ImplFuzz {
       if (!fresh) f.same_as = int64_t(it->second);
     }
     int n = 0;
-    // Shrinking one failure ends after kShrinkSeconds: a hang costs the whole
-    // --impl-timeout per candidate that still hangs (25 minutes at the
-    // default 60 s before this limit), and --seconds bounds the draws only.
-    const auto shrink_end = Clock::now() + std::chrono::seconds(kShrinkSeconds);
+    // Shrinking one failure ends after --shrink-seconds (default 300): a hang
+    // costs the whole --impl-timeout per candidate that still hangs (25
+    // minutes at the default 60 s before this limit), and --seconds bounds
+    // the draws only.
+    const auto shrink_end = Clock::now() + std::chrono::milliseconds(int64_t(o_.shrink_seconds * 1000));
     bool out_of_time = false;
     const JudgeFn judge = [&](const std::string& y) {
-      if (Clock::now() >= shrink_end) {
-        out_of_time = true;
-        return Verdict{Outcome::NOT_SUPPORTED, "", "", ""};  // not the failure: the shrink keeps what it has
-      }
       const ImplRun s = j.run(y, "c" + std::to_string(i) + ".s" + std::to_string(++n));
       return s.kind == ImplRun::Kind::skipped ? Verdict{Outcome::NOT_SUPPORTED, "", "", ""} : s.v;
     };
     const FitFn fit = [&](const std::string& y) -> std::optional<std::string> {
       std::string w;
       if (g_interrupted) return std::nullopt;
+      // past the limit no candidate is tried (one under way finishes)
+      if (Clock::now() >= shrink_end) return out_of_time = true, std::nullopt;
       ++shrinking_;
       return profile_.refit(y, w);
     };
     f.shrunk = o_.shrink && f.same_as < 0 ? shrink(yaml, r.v, judge, fit, o_.shrink_budget, f.shrink_runs) : yaml;
-    if (out_of_time) f.note += "; shrinking stopped at its limit of " + std::to_string(kShrinkSeconds) + " s";
+    if (out_of_time) {
+      std::ostringstream t;
+      t << "; shrinking stopped at --shrink-seconds " << o_.shrink_seconds;
+      f.note += t.str();
+    }
     f.shrunk_tokens = tokens_of(f.shrunk);
     std::lock_guard<std::mutex> lk(m_);
     ++res_.drawn;

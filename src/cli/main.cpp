@@ -44,6 +44,12 @@ using namespace moev;
 
 namespace {
 
+/// How long a rank other than 0 of an mpirun job waits before it says why
+/// it failed (say_failure): 3 s for `run`, at most half its collective
+/// timeout, so that rank 0, waiting for it in a collective, does not end
+/// the job first; 0 for every other command (not an MPI job).
+std::chrono::milliseconds g_failure_delay{0};
+
 /// The cases of a file with the `--set` overrides, those the overrides do
 /// not fit left out (load_cases) and each named on stderr as it is loaded,
 /// before anything runs.
@@ -297,6 +303,7 @@ int cmd_run(const CLI::App* cmd, const RunArgs& a) {
   opt.threads = threads;
   opt.collective_timeout_ms = int(parse_real_option("--collective-timeout", a.timeout, 0.05, 3600.0) * 1000);
   set_mpi_collective_timeout(std::chrono::milliseconds(opt.collective_timeout_ms));  // MPI collectives too
+  g_failure_delay = std::min(g_failure_delay, std::chrono::milliseconds(opt.collective_timeout_ms / 2));
   const MemoryLimit limit = memory_limit(cmd, a.max_memory);
   a.cases.check_not_empty();
   const bool want_json = cmd->count("--json") > 0, want_dump = cmd->count("--dump") > 0;
@@ -643,7 +650,7 @@ struct FuzzArgs {
   std::string seconds, iterations, seed, jobs = "1", backend = "host", out = "fuzz-failures", json;
   std::vector<std::string> faults;
   bool no_shrink = false;
-  std::string impl, impl_timeout = "60", profile, shrink_budget = "400", emit, require;
+  std::string impl, impl_timeout = "60", profile, shrink_budget = "400", shrink_seconds = "300", emit, require;
   bool worker = false, keep = false, strict_ties = false;
 };
 
@@ -675,9 +682,10 @@ ImplOptions impl_options(const CLI::App* cmd, const FuzzArgs& a) {
 
 int cmd_fuzz(const CLI::App* cmd, const FuzzArgs& a) {
   const bool impl = cmd->count("--impl") > 0, emit = cmd->count("--emit") > 0;
-  if (!impl && (a.worker || a.keep || a.strict_ties || cmd->count("--impl-timeout") || cmd->count("--require")))
-    bad_input("fuzz: --worker, --keep, --impl-timeout, --require and --strict-ties go with --impl CMD; valid: add "
-              "--impl, or drop them");
+  if (!impl && (a.worker || a.keep || a.strict_ties || cmd->count("--impl-timeout") || cmd->count("--require") ||
+                cmd->count("--shrink-seconds")))
+    bad_input("fuzz: --worker, --keep, --impl-timeout, --shrink-seconds, --require and --strict-ties go with --impl "
+              "CMD; valid: add --impl, or drop them");
   if (emit && (impl || cmd->count("--seconds") || !cmd->count("--iterations")))
     bad_input("fuzz --emit FILE writes --iterations N configurations and runs none; valid: --emit FILE --iterations N "
               "[--seed S] [--profile P] [--backend B], without --impl or --seconds");
@@ -699,6 +707,7 @@ int cmd_fuzz(const CLI::App* cmd, const FuzzArgs& a) {
   o.out_dir = a.out;
   o.shrink = !a.no_shrink;
   o.shrink_budget = parse_int_option("--shrink-budget", a.shrink_budget, 1, 1000000);
+  o.shrink_seconds = parse_real_option("--shrink-seconds", a.shrink_seconds, 0, 86400);
   if (a.out.empty()) bad_input("--out: the path is empty; valid: a folder for the shrunk failures");
   std::unique_ptr<Profile> profile;
   if (cmd->count("--profile")) {
@@ -891,6 +900,9 @@ void add_fuzz_selftest_bench(CLI::App& app, Commands& c) {
   c.fz->add_option("--out", c.fa.out, "folder for the shrunk failing cases (default fuzz-failures, made on the first)");
   c.fz->add_option("--json", c.fa.json, "also write the result as JSON");
   c.fz->add_flag("--no-shrink", c.fa.no_shrink, "write failures as drawn");
+  c.fz->add_option("--shrink-seconds", c.fa.shrink_seconds,
+                   "with --impl: seconds at most spent shrinking one failure (default 300; a candidate under way "
+                   "finishes)")->type_name("SECONDS");
   c.fz->add_option("--shrink-budget", c.fa.shrink_budget,
                    "configurations run at most to shrink one failure (default 400)")->type_name("N");
   c.fz->add_option("--impl", c.fa.impl,
@@ -976,13 +988,14 @@ int dispatch(Commands& c) {
 /// Writes a failure line on stderr in one write (ranks share stderr).
 /// Under mpirun the ranks mostly fail alike (the same files, the same
 /// flags), and the job printed the line once per rank. Rank 0 says it at
-/// once; any other rank 3 s later, by when mpirun has ended the job for
-/// rank 0's exit status (OpenMPI 4.1 here took about 1 s to kill the other
-/// ranks), so the line comes once. A rank that failed alone (a file missing
-/// on its node, a device of its own) still says it, its rank named.
+/// once; any other rank g_failure_delay later, by when mpirun has ended the
+/// job for rank 0's exit status (OpenMPI 4.1 here took about 1 s to kill
+/// the other ranks), so the line comes once. A rank that failed alone (a
+/// file missing on its node, a device of its own) still says it, its rank
+/// named.
 void say_failure(const std::string& text) {
   const int rank = launched_rank();
-  if (rank > 0) std::this_thread::sleep_for(std::chrono::seconds(3));
+  if (rank > 0) std::this_thread::sleep_for(g_failure_delay);
   std::cerr << ("moeverify: " + (rank > 0 ? "rank " + std::to_string(rank) + ": " : std::string()) + text + "\n");
 }
 
@@ -991,6 +1004,7 @@ void say_failure(const std::string& text) {
 int main(int argc, char** argv) {
   adopt_passive_openmp_wait(argv);
   set_self_command(argv[0]);
+  if (launched_under_mpi() && argc > 1 && std::strcmp(argv[1], "run") == 0) g_failure_delay = std::chrono::seconds(3);
   // Every tensor comes from glibc's heaps, and freed memory stays there for
   // the next stage's tensors of the same sizes. With glibc's defaults each
   // tensor of more than 32 MiB is an mmap of its own and goes back to the OS

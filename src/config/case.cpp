@@ -297,6 +297,7 @@ std::string printable(const std::string& s, size_t max_chars) {
   return o;
 }
 
+namespace {
 size_t edit_distance(const std::string& a, const std::string& b) {
   std::vector<size_t> row(b.size() + 1);
   for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
@@ -312,12 +313,22 @@ size_t edit_distance(const std::string& a, const std::string& b) {
   return row[b.size()];
 }
 
+}  // namespace
+
 std::string nearest_name(const std::string& name, const std::set<std::string>& valid) {
   std::string best;
   size_t d = SIZE_MAX;
   for (const auto& v : valid)
     if (const size_t e = edit_distance(name, v); e < d) d = e, best = v;
   return best;
+}
+
+std::string did_you_mean(const std::string& name, const std::set<std::string>& valid) {
+  const std::string near = nearest_name(name, valid);
+  if (near.empty()) return "";
+  const size_t d = edit_distance(name, near);
+  const bool typo = d <= (name.size() < 5 ? 1u : 2u) && 2 * d < name.size();
+  return typo ? " (did you mean " + near + "?)" : "";
 }
 
 }  // namespace moev

@@ -242,8 +242,10 @@ std::string printable(const std::string& s, size_t max_chars = 80);
 /// order on a tie; empty when `valid` is), for a "did you mean" in an error.
 std::string nearest_name(const std::string& name, const std::set<std::string>& valid);
 
-/// The edit (Levenshtein) distance between two names.
-size_t edit_distance(const std::string& a, const std::string& b);
+/// " (did you mean X?)" where X in `valid` is a near miss of `name` (a typo,
+/// not another word: edit distance 1 for names under 5 characters, else at
+/// most 2, and under half the name's length); "" otherwise.
+std::string did_you_mean(const std::string& name, const std::set<std::string>& valid);
 
 /// Every settable key with its type and valid values, for `moeverify validate --keys`
 /// and the README.

@@ -284,6 +284,15 @@ std::set<std::string> key_set_under(const std::string& prefix, const std::set<st
   return keys;
 }
 
+const std::set<std::string>& leaf_paths() {
+  static const std::set<std::string> paths = [] {
+    std::set<std::string> p;
+    for (const auto& f : schema()) p.insert(f.path);
+    return p;
+  }();
+  return paths;
+}
+
 std::string keys_under(const std::string& prefix) {
   std::string s;
   for (const auto& k : key_set_under(prefix)) s += (s.empty() ? "" : ", ") + k;

@@ -82,6 +82,8 @@ bool is_section(const std::string& path);
 /// The key names one level under `prefix` ("" for the top) and `extra`,
 /// sorted.
 std::set<std::string> key_set_under(const std::string& prefix, const std::set<std::string>& extra = {});
+/// Every settable key's full dotted path.
+const std::set<std::string>& leaf_paths();
 /// The key names one level under `prefix`, comma-separated.
 std::string keys_under(const std::string& prefix);
 

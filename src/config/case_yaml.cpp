@@ -78,10 +78,11 @@ void flatten(const YAML::Node& map, const std::string& prefix, const std::string
     } else if (is_section(path)) {
       fail_at({kv.second, file}, path, "expected a mapping of " + keys_under(path), "valid keys: " + keys_under(path));
     } else {
-      // a near miss (edit distance at most 2: a typo, not another word) is named
-      const std::string near = nearest_name(kv.first.Scalar(), here);
-      const bool typo = !near.empty() && edit_distance(kv.first.Scalar(), near) <= 2;
-      fail_at(key, path, typo ? "unknown key (did you mean " + near + "?)" : "unknown key", valid);
+      // a near miss is named: a dotted key among every key's full path
+      const std::string hint = path.find('.', prefix.empty() ? 0 : prefix.size() + 1) != std::string::npos
+                                   ? did_you_mean(path, leaf_paths())
+                                   : did_you_mean(kv.first.Scalar(), here);
+      fail_at(key, path, "unknown key" + hint, valid);
     }
   }
 }
@@ -282,14 +283,9 @@ Flat parse_overrides(const std::vector<std::string>& overrides) {
     if (eq == std::string::npos || eq == 0)
       bad_input("--set " + printable(o) + ": expected key=value; valid keys: see `moeverify validate --keys`");
     const std::string key = o.substr(0, eq);
-    if (!is_leaf(key)) {
-      std::set<std::string> leaves;
-      for (const auto& f : schema()) leaves.insert(f.path);
-      const std::string near = nearest_name(key, leaves);
-      const bool typo = !near.empty() && edit_distance(key, near) <= 2;
-      bad_input("--set " + printable(o) + ": unknown key '" + printable(key) + "'" +
-                (typo ? " (did you mean " + near + "?)" : "") + "; valid keys: see `moeverify validate --keys`");
-    }
+    if (!is_leaf(key))
+      bad_input("--set " + printable(o) + ": unknown key '" + printable(key) + "'" + did_you_mean(key, leaf_paths()) +
+                "; valid keys: see `moeverify validate --keys`");
     if (key == "name")
       bad_input("--set name: a case's name is its file's (every case would take one name); valid: select cases "
                 "with --case NAME");

@@ -59,8 +59,8 @@ void add_hints(Check& ch, const std::string& slot, const Tensor& yours, const Te
       // A sum of K rounded terms: another order of the additions moves it by
       // a few units as surely as another rounding convention does.
       hints.push_back("every mismatch is within " + std::to_string(int64_t(ch.diff.max_ulp)) +
-                      " ulp: a convention? see combine.accumulate, score_multiply (docs/contract.md §14); or the "
-                      "order of the additions: a token's rows are added in dispatch row order, ascending expert id "
+                      " ulp: a convention? see " + rounding_keys(slot) + " (docs/contract.md §14); or the order of "
+                      "the additions: a token's rows are added in dispatch row order, ascending expert id "
                       "(docs/contract.md §2)");
     else if (ch.diff.max_ulp <= 1 && ch.diff.mismatches > 0 && rounding_keys(slot))
       hints.push_back(std::string("every mismatch is one rounding apart: a convention? see ") + rounding_keys(slot) +

@@ -273,22 +273,22 @@ std::optional<OwnManifest> own_manifest(const std::string& path) {
 /// judged against the new one's (a stale PASSED where the implementation
 /// no longer runs, a false INCORRECT where the inputs changed). They are
 /// removed, and said on stderr; anything else in actual/ stays, and an
-/// actual/ left empty is removed.
-void remove_stale_outputs(const std::string& dir, const std::set<std::string>& listed, const std::string& flag) {
+/// actual/ left empty is removed (then true is returned).
+bool remove_stale_outputs(const std::string& dir, const std::set<std::string>& listed, const std::string& flag) {
   const std::string actual = dir + "/actual";
   struct stat st {};
-  if (lstat(actual.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) return;
+  if (lstat(actual.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) return false;
   int removed = 0;
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(actual, ec)) {
     const std::string n = e.path().filename().string();
     if (listed.count(n) && !e.is_directory() && ::unlink(e.path().c_str()) == 0) ++removed;
   }
-  if (removed == 0) return;
-  const bool empty = std::filesystem::is_empty(actual, ec);
-  if (empty) ::rmdir(actual.c_str());
+  if (removed == 0) return false;
+  const bool empty = std::filesystem::is_empty(actual, ec) && ::rmdir(actual.c_str()) == 0;
   std::cerr << flag << ": removed " << removed << " output file(s) of the earlier export from " << printable(actual, 200)
             << (empty ? " (and the folder)" : "") << ": they were computed from its inputs, not this export's\n";
+  return empty;
 }
 
 }  // namespace
@@ -327,16 +327,9 @@ std::vector<std::string> prepare_case_folder(const std::string& dir, const std::
     bad_input(flag + ": " + shown + " is " +
               (is_golden ? "a golden folder written by `moeverify export`" : "a --dump folder written by `moeverify run`") +
               " (format " + m->format + "), not " + own + "'s: nothing in it is replaced; " + valid);
-  if (kind == FolderKind::golden) {
-    remove_stale_outputs(dir, m->files, flag);
-    // an actual/ it emptied is gone, not left in place
-    entries.erase(std::remove_if(entries.begin(), entries.end(),
-                                 [&](const std::string& n) {
-                                   struct stat gone {};
-                                   return lstat((dir + "/" + n).c_str(), &gone) != 0 && errno == ENOENT;
-                                 }),
-                  entries.end());
-  }
+  // an actual/ emptied of stale outputs is gone, not left in place
+  if (kind == FolderKind::golden && remove_stale_outputs(dir, m->files, flag))
+    entries.erase(std::remove(entries.begin(), entries.end(), "actual"), entries.end());
   // Only what that manifest lists (and the manifest) is replaced.
   std::vector<std::string> left;
   for (const std::string& n : entries) {
