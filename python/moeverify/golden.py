@@ -111,6 +111,10 @@ class Golden:
         self.layers = man.get("layers", 1)
         self.entries = [Entry(t, "%s: tensors[%d]" % (mpath, i)) for i, t in enumerate(man["tensors"])]
         self.actual_dir = os.path.abspath(actual) if actual else os.path.join(self.path, "actual")
+        if os.path.realpath(self.actual_dir) == os.path.realpath(self.path):
+            # write() would replace the expected files that check compares with
+            raise GoldenError("actual=%s is the case folder itself; valid: another folder (default %s)"
+                              % (actual, os.path.join(self.path, "actual")))
         self._by_key = {(e.role, e.stage, e.name, e.rank, e.layer): e for e in self.entries}
 
     def __repr__(self):
@@ -238,7 +242,10 @@ class Golden:
         """`moeverify check` on this folder and its actual outputs: the Verdict;
         AssertionError with the failing rows unless it PASSED."""
         from .impl import check
-        return check(self.path, actual=self.actual_dir, strict_ties=strict_ties,
+        default = self.actual_dir == os.path.join(self.path, "actual")
+        # nothing written to the default folder: check's own NOT_VERIFIED
+        # ("the implementation wrote no outputs"), not an error about --actual
+        return check(self.path, actual=None if default else self.actual_dir, strict_ties=strict_ties,
                      raise_on_failure=raise_on_failure)
 
 

@@ -231,14 +231,29 @@ def main(fn, argv=None, call=None, stdin=None, speak=True):
     if not args or any(a.startswith("-") for a in args):
         say(USAGE % {"prog": prog})
         sys.exit(2)
-    for folder in args:
+    # The folder given to `moeverify export` stands for its case folders.
+    folders = []
+    for a in args:
+        inner = [] if os.path.isfile(os.path.join(a, "manifest.json")) or not os.path.isdir(a) else sorted(
+            os.path.join(a, d) for d in os.listdir(a) if os.path.isfile(os.path.join(a, d, "manifest.json")))
+        folders.extend(inner or [a])
+    # Every folder runs; the exit status is the worst: 1 when one raised,
+    # else 77 when one was not supported (said per folder), else 0.
+    failed = unsupported = False
+    for folder in folders:
         answer = call(fn, folder)
         if answer.startswith("skip"):
-            say("%s: not supported: %s" % (prog, answer[5:]))
-            sys.exit(EXIT_UNSUPPORTED)
-        if answer.startswith("error"):
+            # (one folder, as fuzz --impl runs it: the reason alone, which
+            # fuzz groups its skips by)
+            say("%s: not supported: %s" % (prog, answer[5:]) + ("" if len(folders) == 1 else " (%s)" % folder))
+            unsupported = True
+        elif answer.startswith("error"):
             say("%s: %s: %s" % (prog, folder, answer[6:]))
-            sys.exit(1)
+            failed = True
+    if failed:
+        sys.exit(1)
+    if unsupported:
+        sys.exit(EXIT_UNSUPPORTED)
     return 0
 
 
@@ -268,12 +283,15 @@ def fuzz(fn, profile=None, seconds=60, iterations=None, jobs=1, seed=None, out="
     pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    worker = "%s -m moeverify.worker %s" % (shlex.quote(sys.executable), shlex.quote(target))
+    # PYTHONPATH in the command itself, so that the repro lines of its
+    # failures run as printed
+    worker = "env PYTHONPATH=%s %s -m moeverify.worker %s" % (
+        shlex.quote(env["PYTHONPATH"]), shlex.quote(sys.executable), shlex.quote(target))
     with tempfile.TemporaryDirectory(prefix="moeverify-fuzz-") as tmp:
         summary = os.path.join(tmp, "fuzz.json")
         cmd = [binary(), "fuzz", "--impl", worker, "--worker", "--jobs", str(jobs), "--out", os.fspath(out),
                "--impl-timeout", str(timeout), "--json", summary]
-        cmd += ["--iterations", str(iterations)] if iterations else ["--seconds", str(seconds)]
+        cmd += ["--iterations", str(iterations)] if iterations is not None else ["--seconds", str(seconds)]
         if seed is not None:
             cmd += ["--seed", str(seed)]
         if profile:

@@ -91,6 +91,11 @@ def main():
     return 1 if failures else 0
 
 
+def _unused_fn(g):
+    """A module-level function for fuzz(); never called (refused before)."""
+    raise AssertionError("fuzz(iterations=0) ran a configuration")
+
+
 def run(tool, src, tmp):
     golden = os.path.join(tmp, "golden")
     folders = moeverify.export(os.path.join(src, "cases/basic.yaml"), golden, cases=["exact_fp32"])
@@ -160,6 +165,41 @@ def run(tool, src, tmp):
            "main: Unsupported() without a reason says 'unsupported': %r" % p.stderr.strip())
     p = subprocess.run([sys.executable, script, "--bogus"], capture_output=True, text=True)
     expect(p.returncode == 2 and "usage" in p.stderr, "main: an unknown option exits 2 with the usage")
+    # main on the folder given to export: every case folder runs, the ones
+    # after an unsupported one too (it once stopped at the first), exit 77
+    root = os.path.join(tmp, "root")
+    cases = moeverify.export(os.path.join(src, "cases/basic.yaml"), root, cases=["exact_fp32", "realistic_bf16"])
+    marks = os.path.join(tmp, "marks")
+    os.makedirs(marks)
+    each = os.path.join(tmp, "each.py")
+    with open(each, "w") as f:
+        f.write("import os, sys\nsys.path.insert(0, %r)\nimport moeverify\n"
+                "def fn(g):\n    open(os.path.join(%r, g.name), 'w').close()\n"
+                "    if g.case['dtype'] == 'fp32': raise moeverify.Unsupported('no fp32')\n"
+                "moeverify.main(fn)\n" % (os.path.dirname(HERE), marks))
+    p = subprocess.run([sys.executable, each, root], capture_output=True, text=True)
+    expect(p.returncode == 77 and sorted(os.listdir(marks)) == sorted(os.path.basename(c) for c in cases)
+           and p.stderr.count("not supported: no fp32") == 1,
+           "main on the export folder: every case folder ran (%s), exit %d" % (os.listdir(marks), p.returncode))
+    # open(folder, actual=folder) would write over the expected files
+    try:
+        moeverify.open(folders[0], actual=folders[0])
+        expect(False, "open(folder, actual=folder) refused")
+    except moeverify.GoldenError as e:
+        expect("is the case folder itself" in str(e), "open(folder, actual=folder) refused: %s" % e)
+    # Golden.check with nothing written: check's NOT_VERIFIED, not an error about --actual
+    fresh = moeverify.open(cases[0])
+    fresh.clear_actual()
+    if os.path.isdir(fresh.actual_dir):
+        os.rmdir(fresh.actual_dir)
+    v = fresh.check(raise_on_failure=False)
+    expect(v.outcome == "NOT_VERIFIED", "Golden.check with no actual/: %s" % v.outcome)
+    # fuzz(iterations=0) is refused as the command line refuses it (it ran 60 s)
+    try:
+        moeverify.fuzz(_unused_fn, iterations=0)
+        expect(False, "fuzz(iterations=0) refused")
+    except moeverify.GoldenError as e:
+        expect("--iterations 0" in str(e), "fuzz(iterations=0) refused: %s" % str(e)[-120:])
 
     # serve: one answer line per folder, whatever fn prints
     def chatty(gg):
@@ -209,6 +249,14 @@ def run(tool, src, tmp):
     expect(first and first[0]["check"].startswith("dispatch/") and first[0]["shrunk_tokens"] <= 4,
            "fuzz(fn): the unstable order found at dispatch and shrunk: %s" %
            [(f["check"], f["shrunk_tokens"]) for f in first])
+    # its repro line runs as printed, with no PYTHONPATH of the caller's
+    # (the package's was the fuzz's alone, and the worker found no moeverify)
+    if first:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        p = subprocess.run(["bash", "-c", first[0]["repro"]], env=env,
+                           capture_output=True, text=True)
+        expect(p.returncode == 1 and "No module named" not in p.stderr,
+               "fuzz(fn)'s repro line without PYTHONPATH: exit %d %s" % (p.returncode, p.stderr.strip()[-200:]))
     expect(raises(lambda: moeverify.fuzz(unstable_dispatch, iterations=4, seed=3, out=out), AssertionError,
                   "dispatch"), "fuzz(fn) raises AssertionError on a failure")
     expect(raises(lambda: moeverify.fuzz(lambda gg: None, iterations=1), moeverify.GoldenError, "module-level"),
