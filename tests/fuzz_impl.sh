@@ -154,9 +154,13 @@ rc=$?
   { cat "$work/o3u.txt"; fail "exit 77: exit $rc"; }
 grep -q "skipped 4: no EP here" "$work/o3u.txt" || fail "exit 77: the reason is not shown"
 # exit 0 without writing anything: NOT_VERIFIED, not PASSED
-"$bin" fuzz --impl "true {case}" --iterations 2 --seed 1 --json "$work/s3n.json" --out "$work/out3" >/dev/null 2>&1
+"$bin" fuzz --impl "true {case}" --iterations 2 --seed 1 --json "$work/s3n.json" --out "$work/out3" >"$work/o3n.txt" 2>&1
 rc=$?
 [ "$rc" -eq 4 ] && [ "$(field "$work/s3n.json" not_verified)" -eq 2 ] || fail "nothing written: exit $rc"
+# ... and what they checked nothing of is listed (text and JSON)
+grep -q "NOT_VERIFIED 2: no actual/ folder: nothing written" "$work/o3n.txt" &&
+  "$py" -c "import json, sys; assert json.load(open(sys.argv[1]))['not_verified_checks'] == {'-/actual/-': 2}" "$work/s3n.json" ||
+  { cat "$work/o3n.txt"; fail "nothing written: the NOT_VERIFIED reasons are not listed"; }
 # a worker that answers nonsense, and one that dies on its second request
 "$bin" fuzz --impl "while read d; do echo maybe; done" --worker --iterations 2 --seed 1 --no-shrink \
   --out "$work/out3" >"$work/o3p.txt" 2>&1
@@ -194,7 +198,8 @@ for _ in $(seq 100); do kill -0 $fz 2>/dev/null || break; sleep 0.2; done
 if kill -0 $fz 2>/dev/null; then kill -KILL $fz; fail "two interrupts did not end a hung implementation within 20 s"; fi
 wait $fz
 # (its command line names its case folder, under this test's TMPDIR)
-grep -q "interrupted again; ending the implementation's processes" "$work/o3i.txt" && ! pgrep -f "sleep 600; : .*$TMPDIR" >/dev/null ||
+grep -q "interrupted again; ending the implementation's processes" "$work/o3i.txt" &&
+  grep -q "^   interrupted: the draws (and any shrinking) ended early" "$work/o3i.txt" && ! pgrep -f "sleep 600; : .*$TMPDIR" >/dev/null ||
   { cat "$work/o3i.txt"; fail "second interrupt: not said, or the implementation left running"; }
 # a worker that answers twice per folder: the second answer once stood for the
 # next folder, judged before it was written (NOT_VERIFIED, exit 0)

@@ -83,6 +83,7 @@ struct FuzzResult {
   uint64_t drawn = 0, judged = 0, skipped = 0, crashed = 0, failed = 0;
   std::map<std::string, StageCount> stages;
   std::map<std::string, int> skip_reasons;  // first line of the implementation's reason -> count
+  bool interrupted = false;                 // SIGINT or SIGTERM ended the draws (and shrinking) early
 };
 
 /// Runs the fuzz loop; prints the seed first and a progress line every few

@@ -357,6 +357,7 @@ class ImplFuzz {
               [](const FuzzFailure& a, const FuzzFailure& b) { return a.index < b.index; });
     res_.configurations = res_.drawn;
     res_.seconds = since(t0_);
+    res_.interrupted = g_interrupted;
     if (!impl_.keep) {
       std::error_code ec;
       std::filesystem::remove_all(res_.work_dir, ec);
@@ -515,6 +516,16 @@ void print_impl_result(const FuzzResult& r, std::ostream& os) {
      << "   " << std::setw(14) << "skipped" << r.skipped << "  (not supported by the implementation: exit 77 or skip)\n"
      << "   " << std::setw(14) << "crashed" << r.crashed << "  (another exit status, a signal, an exception or a timeout)\n";
   for (const auto& [why, n] : r.skip_reasons) os << "      skipped " << n << ": " << why << "\n";
+  // What the NOT_VERIFIED ones checked nothing of, so that exit 0 beside
+  // many of them is seen (a stage written for EP 1 only, say)
+  for (const auto& [check, n] : r.uninformative_checks)
+    os << "      NOT_VERIFIED " << n << ": " << (check == "-/actual/-" ? "no actual/ folder: nothing written" : check)
+       << "\n";
+  if (r.uninformative > 0 && r.uninformative >= r.passed)
+    os << "      (as many configurations checked nothing as PASSED: --require all makes an unwritten stage "
+          "INCORRECT)\n";
+  if (r.interrupted)
+    os << "   interrupted: the draws (and any shrinking) ended early on SIGINT or SIGTERM\n";
   if (!r.stages.empty()) os << "   per stage (configurations judged / INCORRECT):\n";
   for (const auto& [slot, s] : r.stages) os << "      " << std::setw(20) << slot << " " << s.judged << " / " << s.failed << "\n";
   // A later failure of the same kind is one line under the failure whose
@@ -561,6 +572,8 @@ std::string impl_json(const FuzzResult& r) {
   j["stages"] = nlohmann::json::object();
   for (const auto& [slot, s] : r.stages) j["stages"][slot] = {{"judged", s.judged}, {"failed", s.failed}};
   j["skip_reasons"] = r.skip_reasons;
+  j["not_verified_checks"] = r.uninformative_checks;
+  j["interrupted"] = r.interrupted;
   j["failures"] = nlohmann::json::array();
   for (const auto& f : r.failures)
     j["failures"].push_back({{"index", f.index},
