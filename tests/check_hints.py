@@ -127,6 +127,27 @@ with tempfile.TemporaryDirectory() as tmp:
         failures.append("inconsistent inputs")
         print("\n".join(comb))
 
+    # 8. a dispatch written without the routing: its score_sorted, gathered
+    # from its own top-K scores (one ulp off the reference's here), is judged
+    # within the scores tolerance (bitwise, a correct dispatch failed); with
+    # its top-K scores written, the gather is bitwise again
+    g.clear_actual()
+    for n in ("token_sorted", "routed_input", "row_of"):
+        g.write("dispatch." + n, g.expected("dispatch." + n))
+    ss = g.expected("dispatch.score_sorted")
+    g.write("dispatch.score_sorted", np.nextafter(ss, np.float32(np.inf)).astype(np.float32))
+    rc, out = check(g)
+    ok = rc == 0 and "judged within the scores tolerance" in out
+    print(("ok   " if ok else "FAIL ") + "dispatch alone, scores one ulp off: PASSED within the scores tolerance (exit %d)" % rc)
+    if not ok:
+        failures.append("dispatch alone")
+    g.write("routing.topk_scores", g.expected("routing.topk_scores"))
+    rc, out = check(g)
+    ok = rc == 1 and any(l.split()[:1] == ["dispatch"] and "score_sorted" in l and "INCORRECT" in l for l in out.splitlines())
+    print(("ok   " if ok else "FAIL ") + "the same beside its own top-K scores: INCORRECT at dispatch (exit %d)" % rc)
+    if not ok:
+        failures.append("dispatch beside its top-K scores")
+
     # 7. a row short at align_pad and, built on it, at the experts: the later
     # failure is marked a consequence of the first, which the failure list names
     fresh(g)
