@@ -94,6 +94,14 @@ PY
       first=$(grep -m1 -E '^   [a-z_]+ +actual\*? +INCORRECT' "$tmp/bug.txt" | awk '{print $1}')
       echo "--bug $1 on $2: check exit $rc, first INCORRECT stage: ${first:-none}"
       [ "$rc" -eq 1 ] && [ "$first" = "$3" ] || { echo "expected exit 1 and INCORRECT first at $3"; exit 1; }
+      # source_major's own unpermute undoes its permute: its combine output is
+      # the exported one, INCORRECT only on the wrong rows fed on, so marked a
+      # consequence of ep_permute (it was a second failure of its own)
+      if [ "$1" = source_major ]; then
+        grep -q "later check(s) INCORRECT only on the wrong inputs fed on" "$tmp/bug.txt" &&
+          grep -q "a consequence of stage ep_permute: yours equals the exported expected output" "$tmp/bug.txt" ||
+          { grep -E "INCORRECT|consequence" "$tmp/bug.txt" | head; echo "source_major: the combine is not marked a consequence"; exit 1; }
+      fi
     done
     # grad_accumulate (docs/contract.md §14): a bf16 K = 8 backward whose
     # forward combine sums in fp32 once and whose grad_x adds per row (as

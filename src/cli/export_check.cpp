@@ -5,6 +5,8 @@
 // are golden_manifest.cpp, reading the implementation's files npy_read.cpp.
 #include "export_check.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -400,6 +402,8 @@ struct ExternalEntry {
 
  private:
   void mark_row_consequences();
+  void mark_right_on_right_inputs(const Stage& s, size_t first_check,
+                                  const std::vector<std::map<std::string, Tensor>>& given);
   bool run_reference(const Stage& s, const Board& board, Board& refout);
   void read_given(const Stage& s, const std::vector<std::map<std::string, Tensor>>& expected, const Board& fed,
                   Board& merged, std::vector<std::map<std::string, Tensor>>& given);
@@ -732,10 +736,40 @@ bool ExternalEntry::stage(const Stage& s, Board& board) {
   }
   for (int r = 0; r < R; ++r)
     for (const auto& [n, t] : given[size_t(r)]) written[size_t(r)].insert(n);
+  mark_right_on_right_inputs(s, first_check, given);
   feed_next(s, first_check, fed, given, expected, merged);
   if (s.slot == "routing") counts_from_fed_ids(given, merged);
   board = std::move(merged);
   return true;
+}
+
+/// After a stage that failed, a later one is judged on the inputs fed on,
+/// the implementation's wrong ones included. Where its output is, bit for
+/// bit, the exported expected one (the reference's own chain), it is right
+/// on right inputs: it undid the earlier stage's layout (a source-major
+/// permute, then its own unpermute). Such a check stays INCORRECT, marked a
+/// consequence of the first failing stage.
+void ExternalEntry::mark_right_on_right_inputs(const Stage& s, size_t first_check,
+                                               const std::vector<std::map<std::string, Tensor>>& given) {
+  if (!opt.equals_exported) return;
+  std::string cause;
+  for (size_t i = 0; i < first_check && cause.empty(); ++i)
+    if (rep.checks[i].outcome == Outcome::INCORRECT) cause = rep.checks[i].slot;
+  if (cause.empty()) return;
+  for (size_t i = first_check; i < rep.checks.size(); ++i) {
+    Check& ch = rep.checks[i];
+    if (ch.outcome != Outcome::INCORRECT || ch.absent || ch.rows.expected >= 0 || !ch.consequence_of.empty()) continue;
+    const size_t at = ch.tensor.find('@');
+    const std::string name = ch.tensor.substr(0, at);
+    const int r = at == std::string::npos ? 0 : std::atoi(ch.tensor.c_str() + at + 1);
+    const auto g = r >= 0 && r < int(given.size()) ? given[size_t(r)].find(name) : given[0].end();
+    if (r < 0 || r >= int(given.size()) || g == given[size_t(r)].end()) continue;
+    if (!opt.equals_exported(golden_file(prefix + s.slot, name, r), g->second)) continue;
+    ch.consequence_of = prefix + cause;
+    ch.note += std::string(ch.note.empty() ? "" : "; ") + "a consequence of stage " + ch.consequence_of +
+               ": yours equals the exported expected output bit for bit (right on right inputs), and differs "
+               "only from the reference fed stage " + ch.consequence_of + "'s wrong outputs";
+  }
 }
 
 void ExternalEntry::run(Board& board) {
@@ -899,7 +933,19 @@ CaseReport check_case_folder(const std::string& folder, const std::string& actua
     if (!rows.empty() && padded_buffer(f) && rows[0] > expected.shape[0]) trim_padded(actual_dir + "/" + f, expected, r);
     return r;
   };
-  CaseReport rep = run_external(c, &fn, nullptr, a.external);
+  ExternalOptions opt = a.external;
+  opt.equals_exported = [&](const std::string& f, const Tensor& yours) {
+    const std::string p = folder + "/" + f;
+    struct stat st {};
+    if (stat(p.c_str(), &st) != 0) return false;
+    try {
+      const Tensor t = read_npy(p, yours.type, yours.shape);
+      return t.bytes() == yours.bytes() && std::memcmp(t.data(), yours.data(), size_t(t.bytes())) == 0;
+    } catch (const Error&) {  // the exported file unreadable: no claim either way
+      return false;
+    }
+  };
+  CaseReport rep = run_external(c, &fn, nullptr, opt);
   if (!ignored.empty()) {
     std::string l;
     for (const auto& n : ignored) l += (l.empty() ? "" : ", ") + n;
@@ -917,11 +963,15 @@ void print_check_failures(const std::vector<CaseReport>& reports,
   print_failure_list(reports, [&](size_t i, const CaseReport& r, const Check* first, std::ostream& out) {
     if (first) out << " at " << first->slot << " / " << first->tensor;
     if (first && !first->note.empty()) out << " (" << printable(first->note, 160) << ")";
-    int64_t consequences = 0;
-    for (const Check& ch : r.checks) consequences += !ch.consequence_of.empty();
-    if (consequences)
-      out << "\n      then " << consequences << " later check(s) off by the same rows: consequences of the first, "
+    int64_t by_rows = 0, right = 0;  // the two kinds of consequence (mark_row_consequences, mark_right_on_right_inputs)
+    for (const Check& ch : r.checks)
+      if (!ch.consequence_of.empty()) (ch.rows.expected >= 0 ? by_rows : right) += 1;
+    if (by_rows)
+      out << "\n      then " << by_rows << " later check(s) off by the same rows: consequences of the first, "
           << "marked in the report";
+    if (right)
+      out << "\n      then " << right << " later check(s) INCORRECT only on the wrong inputs fed on: their outputs "
+          << "equal the exported expected ones (consequences of the first, marked in the report)";
     out << "\n      repro: " << self_command() << " check " << shell_word(folders[i].first);
     if (a.has_actual) out << " --actual " << shell_word(folders[i].second);
     if (!a.require.empty()) out << " --require " << shell_word(a.require);

@@ -22,6 +22,8 @@
 // refused with the command that re-exports it.
 #pragma once
 
+#include <functional>
+
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -86,6 +88,10 @@ struct ExternalOptions {
   /// --require named its stages (not "all"): a named stage that this case
   /// does not have is NOT_VERIFIED, never a silent pass.
   bool require_named = false;
+  /// check: whether the implementation's tensor `yours` for a golden file
+  /// name equals, bit for bit, the expected one exported in the folder (the
+  /// reference's own chain); null where there is no folder.
+  std::function<bool(const std::string& file, const Tensor& yours)> equals_exported;
 };
 
 /// The reference pipeline of `run` without fast stages, for every layer

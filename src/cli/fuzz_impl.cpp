@@ -228,7 +228,8 @@ class ImplJob {
         if (ch.variant != "actual" || ch.tensor == "-") continue;
         auto& s = r.stages[ch.slot];
         s.first = true;
-        s.second = s.second || ch.outcome == Outcome::INCORRECT;
+        // a consequence of an earlier stage's failure is not this stage's
+        s.second = s.second || (ch.outcome == Outcome::INCORRECT && ch.consequence_of.empty());
       }
     } catch (const Error& e) {  // a file check refuses (unknown name, wrong dtype or columns)
       r.v = Verdict{Outcome::ERROR, "check/files", "check/files", e.what()};
