@@ -4,6 +4,7 @@
 
     @pytest.mark.parametrize("golden", moeverify.testing.cases("cases/ep4.yaml", profile="torchtitan"))
     def test_my_moe(golden):
+        golden.clear_actual() # another test's outputs in this folder would be judged as yours
         my_moe(golden)        # writes golden/<case>/actual/*.npy
         golden.check()        # AssertionError naming the failing stages
 
