@@ -384,6 +384,12 @@ void golden_inputs(const Case& c, const std::string& prefix, const Board& board,
     }
 }
 
+/// A check's tensor "name@rank" (or "name": rank 0) as its name and rank.
+std::pair<std::string, int> tensor_and_rank(const Check& ch) {
+  const size_t at = ch.tensor.find('@');
+  return {ch.tensor.substr(0, at), at == std::string::npos ? 0 : std::atoi(ch.tensor.c_str() + at + 1)};
+}
+
 /// The pipeline of one layer entry (see run_external), its stages labelled
 /// prefix + slot.
 struct ExternalEntry {
@@ -558,9 +564,7 @@ void ExternalEntry::feed_reference_metadata(size_t first_check, const std::vecto
   for (size_t i = first_check; i < rep.checks.size(); ++i) {
     const Check& ch = rep.checks[i];
     if (ch.outcome == Outcome::PASSED) continue;
-    const size_t at = ch.tensor.find('@');
-    const std::string name = ch.tensor.substr(0, at);
-    const int r = at == std::string::npos ? 0 : std::atoi(ch.tensor.c_str() + at + 1);
+    const auto [name, r] = tensor_and_rank(ch);
     if (r < 0 || r >= R || own_order[size_t(r)].count(name)) continue;
     auto e = expected[size_t(r)].find(name);
     if (e == expected[size_t(r)].end()) continue;
@@ -759,11 +763,10 @@ void ExternalEntry::mark_right_on_right_inputs(const Stage& s, size_t first_chec
   for (size_t i = first_check; i < rep.checks.size(); ++i) {
     Check& ch = rep.checks[i];
     if (ch.outcome != Outcome::INCORRECT || ch.absent || ch.rows.expected >= 0 || !ch.consequence_of.empty()) continue;
-    const size_t at = ch.tensor.find('@');
-    const std::string name = ch.tensor.substr(0, at);
-    const int r = at == std::string::npos ? 0 : std::atoi(ch.tensor.c_str() + at + 1);
-    const auto g = r >= 0 && r < int(given.size()) ? given[size_t(r)].find(name) : given[0].end();
-    if (r < 0 || r >= int(given.size()) || g == given[size_t(r)].end()) continue;
+    const auto [name, r] = tensor_and_rank(ch);
+    if (r < 0 || r >= int(given.size())) continue;
+    const auto g = given[size_t(r)].find(name);
+    if (g == given[size_t(r)].end()) continue;
     if (!opt.equals_exported(golden_file(prefix + s.slot, name, r), g->second)) continue;
     ch.consequence_of = prefix + cause;
     ch.note += std::string(ch.note.empty() ? "" : "; ") + "a consequence of stage " + ch.consequence_of +
@@ -773,6 +776,7 @@ void ExternalEntry::mark_right_on_right_inputs(const Stage& s, size_t first_chec
 }
 
 void ExternalEntry::run(Board& board) {
+  written.assign(size_t(c.ep), {});
   for (const std::string& slot : slot_order()) {
     const Stage* s = stage_for(c, slot);
     if (s && !stage(*s, board)) break;
@@ -788,8 +792,7 @@ void ExternalEntry::mark_row_consequences() {
   std::map<int, std::pair<int64_t, std::string>> first;  // rank -> (rows off, stage)
   for (Check& ch : rep.checks) {
     if (ch.outcome != Outcome::INCORRECT || ch.rows.expected < 0) continue;
-    const size_t at = ch.tensor.find('@');
-    const int r = at == std::string::npos ? 0 : std::atoi(ch.tensor.c_str() + at + 1);
+    const int r = tensor_and_rank(ch).second;
     const int64_t off = ch.rows.actual - ch.rows.expected;
     auto f = first.find(r);
     if (f == first.end()) {
@@ -845,7 +848,7 @@ CaseReport run_external(const Case& given, const ActualFn* actual, std::vector<G
     if (golden) golden_inputs(cl, prefix, board, l > 0 ? &first : nullptr, *golden);
     if (l == 0) first = board;
     CaseReport rl;
-    ExternalEntry entry{cl, prefix, actual, golden, opt, rl, 0, 0, {}, {}, {}, {}, std::vector<std::set<std::string>>(size_t(R))};
+    ExternalEntry entry{cl, prefix, actual, golden, opt, rl, 0, 0, {}, {}, {}, {}, {}};
     entry.run(board);
     for (auto& ch : rl.checks) ch.slot = prefix + ch.slot, rep.checks.push_back(std::move(ch));
     for (auto& d : rl.decisions) d.slot = prefix + d.slot, rep.decisions.push_back(std::move(d));

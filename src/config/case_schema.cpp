@@ -293,11 +293,13 @@ const std::set<std::string>& leaf_paths() {
   return paths;
 }
 
-std::string keys_under(const std::string& prefix) {
+std::string join_keys(const std::set<std::string>& keys) {
   std::string s;
-  for (const auto& k : key_set_under(prefix)) s += (s.empty() ? "" : ", ") + k;
+  for (const auto& k : keys) s += (s.empty() ? "" : ", ") + k;
   return s;
 }
+
+std::string keys_under(const std::string& prefix) { return join_keys(key_set_under(prefix)); }
 
 
 }  // namespace case_detail

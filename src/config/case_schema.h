@@ -84,6 +84,8 @@ bool is_section(const std::string& path);
 std::set<std::string> key_set_under(const std::string& prefix, const std::set<std::string>& extra = {});
 /// Every settable key's full dotted path.
 const std::set<std::string>& leaf_paths();
+/// Key names comma-separated, in order.
+std::string join_keys(const std::set<std::string>& keys);
 /// The key names one level under `prefix`, comma-separated.
 std::string keys_under(const std::string& prefix);
 

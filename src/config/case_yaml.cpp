@@ -60,8 +60,7 @@ void flatten(const YAML::Node& map, const std::string& prefix, const std::string
             "valid keys: " + keys_under(prefix));
   }
   const std::set<std::string> here = key_set_under(prefix, prefix.empty() ? extra_ok : std::set<std::string>{});
-  std::string valid = "valid keys here: ";
-  for (const auto& k : here) valid += (k == *here.begin() ? "" : ", ") + k;
+  const std::string valid = "valid keys here: " + join_keys(here);
   check_keys(map, file, prefix, valid);
   for (const auto& kv : map) {
     const Src key{kv.first, file};
