@@ -28,7 +28,7 @@ case "$mode" in
     "$bin" export "$src/cases/ep4.yaml" "$tmp/golden" >/dev/null || exit 1
     cp -r "$tmp/golden" "$tmp/pristine"
     for d in "$tmp"/golden/*/; do "$py" "$src/examples/numpy_moe.py" "$d" >/dev/null || exit 1; done
-    "$bin" check "$tmp/golden" >"$tmp/report.txt"
+    "$bin" check "$tmp/golden" --verbose >"$tmp/report.txt"
     rc=$?
     tail -3 "$tmp/report.txt"
     [ "$rc" -eq 0 ] || { grep -E "INCORRECT|ERROR" "$tmp/report.txt" | head; exit 1; }
@@ -114,7 +114,7 @@ PY
       "  - name: ga_default" >"$tmp/ga.yaml"
     "$bin" export "$tmp/ga.yaml" "$tmp/ga" >/dev/null || exit 1
     "$py" "$src/examples/numpy_moe.py" "$tmp/ga/ga_per_add" >/dev/null || exit 1
-    "$bin" check "$tmp/ga/ga_per_add" >"$tmp/ga.txt" ||
+    "$bin" check "$tmp/ga/ga_per_add" --verbose >"$tmp/ga.txt" ||
       { grep -E "INCORRECT|ERROR" "$tmp/ga.txt"; echo "grad_accumulate per_add: check failed"; exit 1; }
     grep -q -E '^   dispatch_bwd +actual\* +PASSED' "$tmp/ga.txt" || { echo "dispatch_bwd was not judged"; exit 1; }
     mkdir -p "$tmp/ga/ga_default/actual"
@@ -151,7 +151,7 @@ PY
         *) "$py" "$src/examples/torch_check.py" "$d" "${device_args[@]}" || exit 1 ;;
       esac
     done
-    "$bin" check "$tmp/golden" >"$tmp/report.txt"
+    "$bin" check "$tmp/golden" --verbose >"$tmp/report.txt"
     rc=$?
     tail -3 "$tmp/report.txt"
     [ "$rc" -eq 0 ] || { grep -E "INCORRECT|ERROR" "$tmp/report.txt" | head; exit 1; }
@@ -178,7 +178,7 @@ PY
     for d in "$tmp"/golden/*/; do
       "$py" "$src/examples/torch_swiglu_bwd.py" "$d" "${device_args[@]}" || exit 1
     done
-    "$bin" check "$tmp/golden" >"$tmp/report.txt"
+    "$bin" check "$tmp/golden" --verbose >"$tmp/report.txt"
     rc=$?
     tail -1 "$tmp/report.txt"
     [ "$rc" -eq 0 ] || { grep -E "INCORRECT|ERROR" "$tmp/report.txt" | head; exit 1; }

@@ -35,8 +35,8 @@ import moeverify  # noqa: E402
 failures = []
 
 
-def check(g):
-    p = subprocess.run([binary, "check", g.path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def check(g, *flags):
+    p = subprocess.run([binary, "check", g.path, *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return p.returncode, p.stdout
 
 
@@ -51,7 +51,7 @@ def exported(tmp, name, yaml):
 
 
 def expect(g, what, rc_want, text):
-    rc, out = check(g)
+    rc, out = check(g, "--verbose")  # the per-tensor rows
     ids_lines = [l for l in out.splitlines() if " ids " in l or "routing" in l]
     ok = rc == rc_want and any(text in l for l in ids_lines)
     print(("ok   " if ok else "FAIL ") + "%s: exit %d (want %d)" % (what, rc, rc_want))
@@ -85,6 +85,15 @@ with tempfile.TemporaryDirectory() as tmp:
     g.write("routing.scores", scores)
     g.write("routing.ids", own)
     expect(g, "own scores, the tie exact: the other member accepted", 0, "PASSED")
+    # The summary (no --verbose) has no per-tensor rows, but keeps the note.
+    rc, out = check(g)
+    said = [l for l in out.splitlines() if l.startswith("   passed, with a note: routing ids: ")]
+    ok = rc == 0 and len(said) == 1 and "1 token(s) pick another member of an exact tie (accepted)" in said[0] \
+        and not any(l.startswith("   routing ") for l in out.splitlines())
+    print(("ok   " if ok else "FAIL ") + "the summary of a passing check keeps the accepted tie's note, one line")
+    if not ok:
+        failures.append("summary note")
+        print(out[:3000])
     lowered = scores.copy()
     lowered[t, e_next] = np.nextafter(lowered[t, e_next], np.float32(0))
     g.write("routing.scores", lowered)

@@ -1041,8 +1041,7 @@ int cmd_check(const CheckArgs& a) {
   for (const auto& [golden, act] : folders) {
     reports.push_back(check_case_folder(golden, act, args));
     std::cout << "actual outputs: " << act << "\n";
-    // Someone else's outputs are judged tensor by tensor: every row is shown.
-    print_report(reports.back(), std::cout, ReportDetail::every_check);
+    print_report(reports.back(), std::cout, a.verbose ? ReportDetail::every_check : ReportDetail::summary);
     all = worst(all, reports.back().outcome);
   }
   print_tolerance_table(reports, std::cout);

@@ -124,6 +124,7 @@ void parse_require(const std::string& text, ExternalOptions& o);
 struct CheckArgs {
   std::string dir, actual_dir, json;
   bool has_actual = false, want_json = false;
+  bool verbose = false;        // every check's row, as `run --verbose`
   bool allow_unknown = false;  // files under actual/ that no manifest entry names are ignored, and listed
   std::string require;         // --require: "all" or STAGE,STAGE (parsed into external)
   ExternalOptions external;

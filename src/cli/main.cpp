@@ -883,6 +883,9 @@ void add_export_check(CLI::App& app, Commands& c) {
       ->type_name("all|STAGES");
   c.chk->add_flag("--strict-ties", c.ck.external.strict_ties,
                 "hold routing to the lowest expert id among exact ties (for implementations that promise it)");
+  c.chk->add_flag("--verbose", c.ck.verbose,
+                  "show every check of every tensor and rank (default: a passing case in a few lines with the notes "
+                  "of its checks; a failing one as a table of stages and the checks that did not pass)");
 }
 
 /// fuzz, selftest and bench.

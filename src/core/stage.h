@@ -134,6 +134,11 @@ struct Decision {
 };
 
 /// A report line about one comparison.
+/// How a check in the logits, gemm and end_to_end classes opens the part of
+/// its note that states its bound and the largest share of it used; the
+/// summary report, which gives the case's largest share, leaves that part out.
+inline constexpr const char* kScaledBoundNote = "bound atol + rtol * max(|ref|, sum of |terms|)";
+
 struct Check {
   std::string slot, variant, tensor, against = "reference";
   CompareClass cls = CompareClass::exact;

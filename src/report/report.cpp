@@ -149,9 +149,59 @@ void print_overload(const CaseReport& r, std::ostream& os, bool every) {
   os << "\n";
 }
 
+/// Distinct notes of passed checks that the summary shows.
+constexpr size_t kSummaryCheckNotes = 4;
+
+/// "0-3,5" for ranks {0,1,2,3,5}.
+std::string rank_ranges(const std::set<int>& ranks) {
+  std::string s;
+  for (auto it = ranks.begin(); it != ranks.end();) {
+    const int lo = *it;
+    int hi = lo;
+    for (++it; it != ranks.end() && *it == hi + 1; ++it) hi = *it;
+    s += (s.empty() ? "" : ",") + std::to_string(lo) + (hi > lo ? "-" + std::to_string(hi) : "");
+  }
+  return s;
+}
+
+/// The notes of PASSED checks, which the summary's rows do not show (an
+/// exact tie accepted, a tolerance chosen and why): each distinct note once,
+/// after the stage and tensors it was said of, ranks folded ("recv@0-3").
+void print_passed_check_notes(const CaseReport& r, std::ostream& os) {
+  struct Said { std::string note; std::vector<std::pair<std::string, std::set<int>>> tensors; };  // "slot tensor" -> ranks
+  std::vector<Said> said;
+  for (const Check& ch : r.checks) {
+    if (ch.outcome != Outcome::PASSED) continue;
+    std::string note = ch.note;  // without its bound part, which the summary line gives for the case
+    const size_t bound_at = note.find(kScaledBoundNote);
+    if (bound_at != std::string::npos) note.resize(bound_at >= 2 && note.compare(bound_at - 2, 2, "; ") == 0 ? bound_at - 2 : bound_at);
+    if (note.empty()) continue;
+    const size_t at = ch.tensor.rfind('@');
+    const bool ranked = at != std::string::npos && at + 1 < ch.tensor.size() &&
+                        ch.tensor.find_first_not_of("0123456789", at + 1) == std::string::npos;
+    const std::string where = ch.slot + " " + (ranked ? ch.tensor.substr(0, at) : ch.tensor);
+    auto s = std::find_if(said.begin(), said.end(), [&](const Said& e) { return e.note == note; });
+    if (s == said.end()) s = said.insert(said.end(), Said{note, {}});
+    auto t = std::find_if(s->tensors.begin(), s->tensors.end(), [&](const auto& e) { return e.first == where; });
+    if (t == s->tensors.end()) t = s->tensors.insert(s->tensors.end(), {where, {}});
+    if (ranked) t->second.insert(std::stoi(ch.tensor.substr(at + 1)));
+  }
+  std::vector<std::string> lines;
+  for (const Said& s : said) {
+    std::string on;
+    for (const auto& [where, ranks] : s.tensors)
+      on += (on.empty() ? "" : ", ") + where + (ranks.empty() ? "" : "@" + rank_ranges(ranks));
+    lines.push_back(on + ": " + s.note);
+  }
+  const size_t shown = std::min(lines.size(), kSummaryCheckNotes);
+  for (size_t i = 0; i < shown; ++i) os << "   passed, with a note: " << capped(lines[i]) << "\n";
+  if (shown < lines.size())
+    os << "   ... (" << lines.size() - shown << " more notes of passed checks with --verbose)\n";
+}
+
 /// A case whose every check passed, in a few lines: what was compared, the
-/// largest share of a tolerance bound used, the case's notes. --verbose
-/// gives the full table.
+/// largest share of a tolerance bound used, the notes of its checks and of
+/// the case. --verbose gives the full table.
 void print_passed(const CaseReport& r, std::ostream& os) {
   std::set<std::string> slots;
   int64_t variants = 0, elements = 0;
@@ -165,8 +215,11 @@ void print_passed(const CaseReport& r, std::ostream& os) {
       if (ch->cls != CompareClass::exact) bound = std::max(bound, ch->diff.max_bound_ratio);
     }
   }
-  os << "   " << slots.size() << " stages, " << variants << " variants, " << r.checks.size() << " checks over "
-     << elements << " elements; largest error/bound " << num(bound) << " (--verbose: every stage and variant)\n";
+  os << "   " << slots.size() << " stages, ";
+  if (variants > int64_t(slots.size())) os << variants << " variants, ";
+  os << r.checks.size() << " checks over " << elements << " elements; largest error/bound " << num(bound)
+     << " (--verbose: every stage, variant and check)\n";
+  print_passed_check_notes(r, os);
   for (const auto& n : capped(r.notes)) os << "   note: " << n << "\n";
   print_overload(r, os, false);
   os << "   => " << outcome_name(r.outcome) << "  (" << std::fixed << std::setprecision(3) << r.seconds << " s)\n";
@@ -298,6 +351,7 @@ void print_report(const CaseReport& r, std::ostream& os, ReportDetail detail) {
     os << (every ? "   every check:\n" : "   checks not PASSED:\n");
     print_checks(shown, os);
   }
+  if (!every) print_passed_check_notes(r, os);
   for (const auto& n : capped(r.notes)) os << "   note: " << n << "\n";
   print_overload(r, os, every);
   os << "   => " << outcome_name(r.outcome) << "  (" << std::fixed << std::setprecision(3) << r.seconds << " s)\n";
