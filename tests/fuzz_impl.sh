@@ -197,10 +197,23 @@ sleep 2; kill -INT $fz; sleep 1; kill -INT $fz
 for _ in $(seq 100); do kill -0 $fz 2>/dev/null || break; sleep 0.2; done
 if kill -0 $fz 2>/dev/null; then kill -KILL $fz; fail "two interrupts did not end a hung implementation within 20 s"; fi
 wait $fz
+echo $? >"$work/o3i.rc"
 # (its command line names its case folder, under this test's TMPDIR)
 grep -q "interrupted again; ending the implementation's processes" "$work/o3i.txt" &&
-  grep -q "^   interrupted: the draws (and any shrinking) ended early" "$work/o3i.txt" && ! pgrep -f "sleep 600; : .*$TMPDIR" >/dev/null ||
+  grep -q "^   interrupted: the draws (and any shrinking) ended early on SIGINT (exit 130: a run cut short is not a pass)" "$work/o3i.txt" && ! pgrep -f "sleep 600; : .*$TMPDIR" >/dev/null ||
   { cat "$work/o3i.txt"; fail "second interrupt: not said, or the implementation left running"; }
+[ "$(cat "$work/o3i.rc")" -eq 130 ] || { cat "$work/o3i.txt"; fail "interrupted: exit $(cat "$work/o3i.rc"), not 130"; }
+# a run cut short by SIGTERM (a CI step's timeout) after some configurations
+# PASSED is not a pass: exit 143
+"$bin" fuzz --impl "$numpy --serve" --worker --profile "$profile" --seconds 600 --seed 9 \
+  --out "$work/out3" --json "$work/s3t.json" >"$work/o3t.txt" 2>&1 &
+fz=$!
+for _ in $(seq 150); do grep -q "PASSED" "$work/o3t.txt" 2>/dev/null && break; sleep 0.2; done
+kill -TERM $fz
+wait $fz
+rc=$?
+[ "$rc" -eq 143 ] && [ "$(field "$work/s3t.json" passed)" -ge 1 ] && [ "$(field "$work/s3t.json" interrupted)" = True ] ||
+  { cat "$work/o3t.txt"; fail "SIGTERM after PASSED configurations: exit $rc, not 143 (or nothing PASSED first)"; }
 # a worker that answers twice per folder: the second answer once stood for the
 # next folder, judged before it was written (NOT_VERIFIED, exit 0)
 cat >"$work/twice.py" <<EOF

@@ -84,6 +84,7 @@ struct FuzzResult {
   std::map<std::string, StageCount> stages;
   std::map<std::string, int> skip_reasons;  // first line of the implementation's reason -> count
   bool interrupted = false;                 // SIGINT or SIGTERM ended the draws (and shrinking) early
+  int interrupt_signal = 0;                 // which (fuzz --impl exits 128 + it unless something failed)
 };
 
 /// Runs the fuzz loop; prints the seed first and a progress line every few

@@ -318,8 +318,10 @@ void tally(FuzzResult& res, const ImplRun& r) {
 /// A second one sets g_stop_commands: the implementations under way are
 /// ended at once and their configurations not counted.
 std::atomic<bool> g_interrupted{false};
-extern "C" void on_interrupt(int) {
+std::atomic<int> g_interrupt_signal{0};  // the first one's number
+extern "C" void on_interrupt(int sig) {
   if (g_interrupted) g_stop_commands = true;  // the second: the implementations under way end now
+  if (!g_interrupted) g_interrupt_signal = sig;
   g_interrupted = true;
 }
 
@@ -359,6 +361,7 @@ class ImplFuzz {
     res_.configurations = res_.drawn;
     res_.seconds = since(t0_);
     res_.interrupted = g_interrupted;
+    res_.interrupt_signal = g_interrupt_signal;
     if (!impl_.keep) {
       std::error_code ec;
       std::filesystem::remove_all(res_.work_dir, ec);
@@ -526,7 +529,9 @@ void print_impl_result(const FuzzResult& r, std::ostream& os) {
     os << "      (as many configurations checked nothing as PASSED: --require all makes an unwritten stage "
           "INCORRECT)\n";
   if (r.interrupted)
-    os << "   interrupted: the draws (and any shrinking) ended early on SIGINT or SIGTERM\n";
+    os << "   interrupted: the draws (and any shrinking) ended early on "
+       << (r.interrupt_signal == SIGTERM ? "SIGTERM" : "SIGINT") << " (exit " << fuzz_impl_status(r)
+       << (r.failures.empty() ? ": a run cut short is not a pass" : "") << ")\n";
   if (!r.stages.empty()) os << "   per stage (configurations judged / INCORRECT):\n";
   for (const auto& [slot, s] : r.stages) os << "      " << std::setw(20) << slot << " " << s.judged << " / " << s.failed << "\n";
   // A later failure of the same kind is one line under the failure whose
@@ -594,6 +599,10 @@ std::string impl_json(const FuzzResult& r) {
 
 int fuzz_impl_status(const FuzzResult& r) {
   if (!r.failures.empty()) return exit_status(Outcome::INCORRECT);
+  // A run cut short has not done what was asked of it: a CI job that ends
+  // it (a step's timeout sends SIGTERM) must not read it as passed. The
+  // shell's convention for a process ended by a signal: 128 + its number.
+  if (r.interrupted) return 128 + (r.interrupt_signal > 0 ? r.interrupt_signal : SIGINT);
   if (r.passed == 0) return exit_status(Outcome::NOT_VERIFIED);
   return 0;
 }
