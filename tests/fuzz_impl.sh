@@ -127,6 +127,9 @@ rc=$?
 [ "$rc" -eq 1 ] && grep -q "timed out after 0.5 s" "$work/o3t.txt" || { cat "$work/o3t.txt"; fail "timeout: exit $rc"; }
 grep -q "repro: .* && { timeout 0.5 sh -c 'sleep 30; : " "$work/o3t.txt" ||
   { cat "$work/o3t.txt"; fail "a hang's repro line does not bound it by --impl-timeout"; }
+# (out3 held the signal run's case file: said, and kept)
+grep -q "^fuzz: --out $work/out3 already holds 1 case file(s) of earlier runs (fuzz_1_0.yaml), kept; this run's are named fuzz_1_N.yaml" "$work/o3t.txt" ||
+  { cat "$work/o3t.txt"; ls "$work/out3"; fail "--out: an earlier run's case file not said"; }
 # ... a worker's too, its command run as the fuzz ran it (sh -c: VAR=value,
 # a leading parenthesis or a # stay inside it), and the line runs as printed
 "$bin" fuzz --impl "X=1 sleep 30 # a worker" --worker --impl-timeout 0.5 --iterations 1 --seed 1 --no-shrink \
@@ -206,14 +209,14 @@ grep -q "interrupted again; ending the implementation's processes" "$work/o3i.tx
 # a run cut short by SIGTERM (a CI step's timeout) after some configurations
 # PASSED is not a pass: exit 143
 "$bin" fuzz --impl "$numpy --serve" --worker --profile "$profile" --seconds 600 --seed 9 \
-  --out "$work/out3" --json "$work/s3t.json" >"$work/o3t.txt" 2>&1 &
+  --out "$work/out3" --json "$work/s3g.json" >"$work/o3g.txt" 2>&1 &
 fz=$!
-for _ in $(seq 150); do grep -q "PASSED" "$work/o3t.txt" 2>/dev/null && break; sleep 0.2; done
+for _ in $(seq 150); do grep -q "PASSED" "$work/o3g.txt" 2>/dev/null && break; sleep 0.2; done
 kill -TERM $fz
 wait $fz
 rc=$?
-[ "$rc" -eq 143 ] && [ "$(field "$work/s3t.json" passed)" -ge 1 ] && [ "$(field "$work/s3t.json" interrupted)" = True ] ||
-  { cat "$work/o3t.txt"; fail "SIGTERM after PASSED configurations: exit $rc, not 143 (or nothing PASSED first)"; }
+[ "$rc" -eq 143 ] && [ "$(field "$work/s3g.json" passed)" -ge 1 ] && [ "$(field "$work/s3g.json" interrupted)" = True ] ||
+  { cat "$work/o3g.txt"; fail "SIGTERM after PASSED configurations: exit $rc, not 143 (or nothing PASSED first)"; }
 # a worker that answers twice per folder: the second answer once stood for the
 # next folder, judged before it was written (NOT_VERIFIED, exit 0)
 cat >"$work/twice.py" <<EOF

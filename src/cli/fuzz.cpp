@@ -237,12 +237,30 @@ std::string write_shrunk_case(const FuzzOptions& o, FuzzFailure& f, const Header
   return path;
 }
 
+void prepare_out_dir(const FuzzOptions& o, std::ostream& progress) {
+  if (o.out_dir.empty()) return;
+  // --out is a folder that exists or can be made in an existing one (never
+  // a chain of folders anywhere), checked now, not at the first failure.
+  prepare_dump_root(o.out_dir, "fuzz --out");
+  std::vector<std::string> earlier;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(o.out_dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind("fuzz_", 0) == 0 && e.path().extension() == ".yaml") earlier.push_back(n);
+  }
+  if (earlier.empty()) return;
+  std::sort(earlier.begin(), earlier.end());
+  std::string names;
+  for (size_t i = 0; i < earlier.size() && i < 3; ++i) names += (i ? ", " : "") + printable(earlier[i], 80);
+  progress << "fuzz: --out " << printable(o.out_dir, 200) << " already holds " << earlier.size()
+           << " case file(s) of earlier runs (" << names << (earlier.size() > 3 ? ", ..." : "")
+           << "), kept; this run's are named fuzz_" << o.seed << "_N.yaml" << std::endl;
+}
+
 FuzzResult fuzz(const FuzzOptions& o, std::ostream& progress) {
   if (o.seconds <= 0 && o.iterations == 0) bad_input("fuzz: give --seconds or --iterations");
   require_profile_fits(o.profile, o.seed);
-  // --out is a folder that exists or can be made in an existing one (never
-  // a chain of folders anywhere), checked now, not at the first failure.
-  if (!o.out_dir.empty()) prepare_dump_root(o.out_dir, "fuzz --out");
+  prepare_out_dir(o, progress);
   FuzzResult res;
   res.seed = o.seed;
   res.fault_flags = o.fault_flags;

@@ -338,7 +338,7 @@ class ImplFuzz {
 
   FuzzResult run() {
     require_profile_fits(&profile_, o_.seed);
-    if (!o_.out_dir.empty()) prepare_dump_root(o_.out_dir, "fuzz --out");
+    prepare_out_dir(o_, progress_);
     res_.impl = true;
     res_.seed = o_.seed;
     res_.impl_cmd = impl_.cmd;

@@ -53,4 +53,10 @@ using HeaderFn = std::function<std::string(const std::string& path, const std::s
 /// not followed). Returns the path, or "" with the reason added to f.note.
 std::string write_shrunk_case(const FuzzOptions& o, FuzzFailure& f, const HeaderFn& header);
 
+/// Checks --out (made when missing) before the first draw and says, in one
+/// line on `progress`, which case files of earlier runs it already holds
+/// (kept, never removed: they may be someone's), so that they are not taken
+/// for this run's failures.
+void prepare_out_dir(const FuzzOptions& o, std::ostream& progress);
+
 }  // namespace moev
