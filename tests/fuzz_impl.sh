@@ -168,6 +168,14 @@ grep -q "NOT_VERIFIED 2: no actual/ folder: nothing written" "$work/o3n.txt" &&
 "$bin" fuzz --impl "while read d; do echo maybe; done" --worker --iterations 2 --seed 1 --no-shrink \
   --out "$work/out3" >"$work/o3p.txt" 2>&1
 [ $? -eq 1 ] && grep -q "answered 'maybe'" "$work/o3p.txt" || { cat "$work/o3p.txt"; fail "protocol error"; }
+# a worker that prints a banner on stdout at start-up: said so, and not shrunk
+# (no configuration causes it; it once cost some 30 runs)
+"$bin" fuzz --impl "echo loading my_moe; while read d; do $numpy \"\$d\" >/dev/null; echo done; done" --worker \
+  --profile "$profile" --iterations 2 --seed 1 --out "$work/out3" --json "$work/s3b.json" >"$work/o3b.txt" 2>&1
+[ $? -eq 1 ] && grep -q "answered 'loading my_moe'.*it was the new worker's first line: printed at start-up?" "$work/o3b.txt" &&
+  grep -q "not shrunk: a protocol error is not the configuration's" "$work/o3b.txt" &&
+  "$py" -c "import json, sys; f = json.load(open(sys.argv[1]))['failures']; assert f and all(x['shrunk'] == x['drawn'] for x in f)" "$work/s3b.json" ||
+  { cat "$work/o3b.txt"; fail "a start-up banner: not said, or shrunk"; }
 cat >"$work/flaky.py" <<EOF
 import os, sys
 sys.path.insert(0, "$src/examples")

@@ -136,8 +136,13 @@ class ImplJob {
         return crashed(r, "impl/error", "the implementation raised: " + why, crash_kind(why, folder), folder);
       }
       if (ok && answer != "done")
-        return crashed(r, "impl/protocol", "the worker answered '" + printable(answer, 200) +
-                                               "'; valid answers: done, skip REASON, error REASON (docs/guide.md)");
+        return crashed(r, "impl/protocol",
+                       "the worker answered '" + printable(answer, 200) +
+                           "'; valid answers: done, skip REASON, error REASON (docs/guide.md)" +
+                           (worker_.started_by_last_request()
+                                ? "; it was the new worker's first line: printed at start-up? a worker writes only "
+                                  "its answer lines on stdout, anything else on stderr"
+                                : ""));
     } else {
       std::string cmd = impl_.cmd;
       for (size_t p; (p = cmd.find("{case}")) != std::string::npos;) cmd.replace(p, 6, shell_quote(folder));
@@ -430,7 +435,11 @@ class ImplFuzz {
       ++shrinking_;
       return profile_.refit(y, w);
     };
-    f.shrunk = o_.shrink && f.same_as < 0 ? shrink(yaml, r.v, judge, fit, o_.shrink_budget, f.shrink_runs) : yaml;
+    // A protocol error is what the worker writes on stdout, not what the
+    // configuration makes it compute: no smaller configuration explains it.
+    const bool shrinkable = o_.shrink && f.same_as < 0 && r.v.check != "impl/protocol";
+    f.shrunk = shrinkable ? shrink(yaml, r.v, judge, fit, o_.shrink_budget, f.shrink_runs) : yaml;
+    if (o_.shrink && f.same_as < 0 && !shrinkable) f.note += "; not shrunk: a protocol error is not the configuration's";
     if (out_of_time) {
       std::ostringstream t;
       t << "; shrinking stopped at --shrink-seconds " << o_.shrink_seconds;

@@ -208,6 +208,7 @@ bool Worker::request(const std::string& folder, double timeout_s, std::string& a
     unrequested_ = pending_;
     stop(0);
   }
+  started_now_ = pid_ < 0;
   if (pid_ < 0 && !start(e)) return false;
   const std::string line = folder + "\n";
   const bool sent = ::write(in_, line.data(), line.size()) == ssize_t(line.size());

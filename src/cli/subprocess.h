@@ -60,6 +60,9 @@ class Worker {
   /// answer line); "" when nothing. Where it is not empty the worker was
   /// stopped, and the next request starts a new one.
   const std::string& unrequested() const { return unrequested_; }
+  /// Whether the last request started the worker: its answer is the first
+  /// line the new process wrote (where a start-up banner would be).
+  bool started_by_last_request() const { return started_now_; }
   /// Closes stdin, waits up to `grace_s` for the worker to exit, then kills
   /// its process group.
   void stop(double grace_s = 2.0);
@@ -71,6 +74,7 @@ class Worker {
   int in_ = -1, out_ = -1, err_ = -1;
   std::string pending_;  // stdout bytes after the last answer line
   std::string unrequested_;
+  bool started_now_ = false;
 };
 
 /// How a printed command line (a repro line) names this program: the path
