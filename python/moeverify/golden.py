@@ -26,6 +26,34 @@ class GoldenError(ValueError):
     """A golden folder, a name or an array that moeverify check would refuse."""
 
 
+# actual/ folder (real path) -> (the pytest test, {file: (inode, mtime_ns,
+# size)} of the expected entries' files there) when Golden.check last judged
+# it in this process.
+_judged = {}
+
+
+def _current_test():
+    """The pytest test running now ("tests/test_moe.py::test_a[case]"), or ""
+    outside pytest."""
+    return os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+
+
+def _snapshot(golden):
+    """The expected entries' files under golden's actual/ with what tells a
+    rewritten one from the same one (a write through this package is a new
+    inode; np.save over it a new mtime)."""
+    snap = {}
+    for e in golden.entries:
+        if e.role != "expected":
+            continue
+        try:
+            st = os.stat(os.path.join(golden.actual_dir, e.file), follow_symlinks=False)
+        except OSError:
+            continue
+        snap[e.file] = (st.st_ino, st.st_mtime_ns, st.st_size)
+    return snap
+
+
 def _plain_name(name, where):
     """A manifest's file name, accepted only as `check` accepts it: a plain
     name inside the case folder (no separator, not . or .., not absolute)."""
@@ -238,15 +266,36 @@ class Golden:
 
     # ---- judging ----------------------------------------------------------
 
-    def check(self, strict_ties=False, raise_on_failure=True):
+    def check(self, strict_ties=False, raise_on_failure=True, stale_ok=False):
         """`moeverify check` on this folder and its actual outputs: the Verdict;
-        AssertionError with the failing rows unless it PASSED."""
+        AssertionError with the failing rows unless it PASSED.
+
+        Under pytest, outputs that another test's check() judged and that
+        were not written since are that test's leftovers in a folder both
+        share (one case list parametrizing two tests): judged here they
+        would pass this test on the other's work, so this raises
+        AssertionError naming them, unless stale_ok. Call clear_actual()
+        before writing. Outside pytest, and within one test, checking again
+        after rewriting some outputs is as intended."""
         from .impl import check
+        key, test = os.path.realpath(self.actual_dir), _current_test()
+        now = _snapshot(self)
+        by, before = _judged.get(key, ("", {}))
+        stale = sorted(f for f, st in now.items() if before.get(f) == st) if test and by and by != test else []
+        if stale and not stale_ok:
+            raise AssertionError(
+                "%s: %d of the %d output file(s) under %s were judged in test %s and not written since (%s%s): its "
+                "outputs, left in a folder the two tests share; call golden.clear_actual() before writing (or "
+                "check(stale_ok=True))" % (self.name, len(stale), len(now), self.actual_dir, by,
+                                           ", ".join(stale[:3]), ", ..." if len(stale) > 3 else ""))
         default = self.actual_dir == os.path.join(self.path, "actual")
         # nothing written to the default folder: check's own NOT_VERIFIED
         # ("the implementation wrote no outputs"), not an error about --actual
-        return check(self.path, actual=None if default else self.actual_dir, strict_ties=strict_ties,
-                     raise_on_failure=raise_on_failure)
+        try:
+            return check(self.path, actual=None if default else self.actual_dir, strict_ties=strict_ties,
+                         raise_on_failure=raise_on_failure)
+        finally:
+            _judged[key] = (test, _snapshot(self))
 
 
 def open(path, actual=None):  # noqa: A001 (the package's verb, as in moeverify.open)

@@ -194,6 +194,27 @@ def run(tool, src, tmp):
         os.rmdir(fresh.actual_dir)
     v = fresh.check(raise_on_failure=False)
     expect(v.outcome == "NOT_VERIFIED", "Golden.check with no actual/: %s" % v.outcome)
+    # Under pytest, outputs another test judged and nothing rewrote since are
+    # refused (two tests sharing one case list once passed the second on the
+    # first's outputs); within one test a rewrite and a second check is fine.
+    shared = moeverify.open(folders[0])
+    shared.clear_actual()
+    os.environ["PYTEST_CURRENT_TEST"] = "tests/test_a.py::test_dispatch[exact_fp32] (call)"
+    local_dispatch(shared)
+    expect(shared.check().passed, "test a: its dispatch PASSED")
+    shared.write("dispatch.token_sorted", shared.expected("dispatch.token_sorted"))
+    expect(shared.check().passed, "test a: one output rewritten, checked again: PASSED")
+    os.environ["PYTEST_CURRENT_TEST"] = "tests/test_b.py::test_sort[exact_fp32] (call)"
+    shared.write("dispatch.token_sorted", shared.expected("dispatch.token_sorted"))
+    expect(raises(shared.check, AssertionError, "1 of the 2 output file(s)", "dispatch.routed_input.rank0.npy",
+                  "judged in test tests/test_a.py::test_dispatch[exact_fp32]", "clear_actual()"),
+           "test b, which wrote one output: test a's other output is refused")
+    expect(shared.check(stale_ok=True).passed, "test b: check(stale_ok=True) judges them")
+    os.environ["PYTEST_CURRENT_TEST"] = "tests/test_c.py::test_all[exact_fp32] (call)"
+    shared.clear_actual()
+    local_dispatch(shared)
+    expect(shared.check().passed, "test c, after clear_actual() and its own writes: PASSED")
+    del os.environ["PYTEST_CURRENT_TEST"]
     # fuzz(iterations=0) is refused as the command line refuses it (it ran 60 s)
     try:
         moeverify.fuzz(_unused_fn, iterations=0)
