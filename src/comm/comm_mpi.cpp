@@ -251,8 +251,14 @@ class MpiComm final : public Comm {
   /// what they moved is not to be used (abort_if_disagreeing).
   struct Notice {
     int64_t k = 0;
-    char name[56] = {0};  // the name's first 55 characters
+    uint64_t name_hash = 0;  // FNV-1a of the whole name: names alike in their first 55 characters still differ
+    char name[56] = {0};     // the name's first 55 characters, to print
   };
+  static uint64_t fnv1a(const char* s) {
+    uint64_t h = 1469598103934665603ull;
+    for (; *s; ++s) h = (h ^ uint8_t(*s)) * 1099511628211ull;
+    return h;
+  }
   struct Arrivals {
     Notice sent;
     std::vector<Notice> got;
@@ -264,6 +270,7 @@ class MpiComm final : public Comm {
   void announce(Arrivals& a, const char* what) {
     a.sent.k = ++collectives_;
     std::strncpy(a.sent.name, what, sizeof a.sent.name - 1);
+    a.sent.name_hash = fnv1a(what);
     if (a.sent.k == stall_at_ && !stall_inside_) std::raise(SIGSTOP);  // the test hook below
     a.got.assign(size_t(size_), Notice{});
     for (int p = 0; p < size_; ++p) {
@@ -368,13 +375,13 @@ class MpiComm final : public Comm {
         if (MPI_Test(&a.reqs[i], &in, MPI_STATUS_IGNORE) != MPI_SUCCESS) return;
         all = all && in;
         const Notice& n = a.got[size_t(a.peer[i])];
-        if (!in || std::strncmp(n.name, a.sent.name, sizeof n.name) == 0) continue;
+        if (!in || n.name_hash == a.sent.name_hash) continue;
         std::fprintf(stderr,
                      "moeverify: rank %d (%s, pid %d): collective %s (%s, number %lld): rank %d reached its "
-                     "collective number %lld as %.55s; the ranks disagree on which collectives run; aborting the "
+                     "collective number %lld as %.55s%s; the ranks disagree on which collectives run; aborting the "
                      "job\n",
                      rank_, host_name().c_str(), int(getpid()), what, call, (long long)a.sent.k, a.peer[i],
-                     (long long)n.k, n.name);
+                     (long long)n.k, n.name, std::strlen(n.name) == sizeof n.name - 1 ? "..." : "");
         std::fflush(stderr);
         MPI_Abort(MPI_COMM_WORLD, 3);
         std::_Exit(3);
