@@ -168,9 +168,15 @@ def _one_line(text):
 
 
 def _call(fn, folder):
-    """Runs fn on one case folder: "done", "skip REASON" or "error REASON"."""
+    """Runs fn on one case folder: "done", "skip REASON" or "error REASON"
+    (with the traceback on stderr where fn raised; a folder that is no case
+    folder is one line: the traceback would be the package's, not fn's)."""
     try:
-        fn(open_golden(folder))
+        golden = open_golden(folder)
+    except GoldenError as e:
+        return "error " + _one_line("GoldenError: %s" % e)
+    try:
+        fn(golden)
         return "done"
     except Unsupported as e:
         return "skip " + _one_line(str(e) or "unsupported")

@@ -181,6 +181,11 @@ def run(tool, src, tmp):
     expect(p.returncode == 77 and sorted(os.listdir(marks)) == sorted(os.path.basename(c) for c in cases)
            and p.stderr.count("not supported: no fp32") == 1,
            "main on the export folder: every case folder ran (%s), exit %d" % (os.listdir(marks), p.returncode))
+    # a folder that is no case folder (a typo): one line naming it, no traceback
+    p = subprocess.run([sys.executable, each, os.path.join(tmp, "no_such_case")], capture_output=True, text=True)
+    expect(p.returncode == 1 and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
+           and "no_such_case" in p.stderr and "moeverify export" in p.stderr,
+           "main on a missing folder: one line, no traceback (exit %d): %s" % (p.returncode, p.stderr[-300:]))
     # open(folder, actual=folder) would write over the expected files
     try:
         moeverify.open(folders[0], actual=folders[0])
