@@ -7,6 +7,7 @@
 #include <cstring>
 #include <iomanip>
 #include <map>
+#include <regex>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -164,6 +165,31 @@ std::string rank_ranges(const std::set<int>& ranks) {
   return s;
 }
 
+/// Notes that differ only in one rank ("recv@0 is wrong", "recv@1 is
+/// wrong") as one ("recv@0-1 is wrong"), in the order of their first; a note
+/// naming no rank, or more than one, stays as it is.
+std::vector<std::string> fold_ranks(const std::vector<std::string>& notes) {
+  static const std::regex at_rank(R"(([A-Za-z0-9_])@([0-9]+)\b)");
+  std::vector<std::pair<std::string, std::set<int>>> folded;  // note with "@\x01" -> ranks
+  for (const auto& n : notes) {
+    std::smatch m;
+    const bool one = std::regex_search(n, m, at_rank) &&
+                     !std::regex_search(m.suffix().first, n.end(), at_rank);
+    const std::string key = one ? m.prefix().str() + m[1].str() + "@\x01" + m.suffix().str() : n;
+    auto f = std::find_if(folded.begin(), folded.end(), [&](const auto& e) { return e.first == key; });
+    if (f == folded.end()) f = folded.insert(folded.end(), {key, {}});
+    if (one) f->second.insert(std::stoi(m[2].str()));
+  }
+  std::vector<std::string> out;
+  for (auto& [key, ranks] : folded) {
+    std::string n = key;
+    const size_t at = n.find("@\x01");
+    if (at != std::string::npos) n.replace(at, 2, "@" + rank_ranges(ranks));
+    out.push_back(n);
+  }
+  return out;
+}
+
 /// The notes of PASSED checks, which the summary's rows do not show (an
 /// exact tie accepted, a tolerance chosen and why): each distinct note once,
 /// after the stage and tensors it was said of, ranks folded ("recv@0-3").
@@ -220,7 +246,7 @@ void print_passed(const CaseReport& r, std::ostream& os) {
   os << r.checks.size() << " checks over " << elements << " elements; largest error/bound " << num(bound)
      << " (--verbose: every stage, variant and check)\n";
   print_passed_check_notes(r, os);
-  for (const auto& n : capped(r.notes)) os << "   note: " << n << "\n";
+  for (const auto& n : capped(fold_ranks(r.notes))) os << "   note: " << n << "\n";
   print_overload(r, os, false);
   os << "   => " << outcome_name(r.outcome) << "  (" << std::fixed << std::setprecision(3) << r.seconds << " s)\n";
   os.unsetf(std::ios::fixed);
@@ -317,7 +343,7 @@ void print_report(const CaseReport& r, std::ostream& os, ReportDetail detail) {
     if (idle && std::find(rs.begin(), rs.end(), row.decision->reason) == rs.end()) rs.push_back(row.decision->reason);
   }
   std::vector<std::pair<std::string, std::vector<std::string>>> idle_groups;  // reasons -> slots, in slot order
-  std::string slot;
+  std::string slot, unchecked;
   for (const VariantRow& row : rows) {
     if (!every && slot_idle[row.slot]) {
       if (row.slot == slot) continue;
@@ -329,11 +355,16 @@ void print_report(const CaseReport& r, std::ostream& os, ReportDetail detail) {
       else g->second.push_back(row.slot);
       continue;
     }
+    if (!every && row.decision && row.decision->ran && row.checks.empty() && row.decision->notes.empty()) {
+      unchecked += (unchecked.empty() ? "" : ", ") + row.slot + (row.variant == "actual" ? "" : "/" + row.variant);
+      continue;  // ran with nothing to compare (check: a stage not written): one line after the table
+    }
     const bool first = row.slot != slot;
     slot = row.slot;
     print_variant_row(row, first, on_device, os);
     if (row.decision) print_variant_notes(*row.decision, every, os);
   }
+  if (!unchecked.empty()) os << "   no checks (--verbose: their rows): " << unchecked << "\n";
   if (!idle_groups.empty()) {
     os << "   stages not taken (--verbose lists each variant):\n";
     for (const auto& [why, slots] : idle_groups) {
@@ -352,7 +383,7 @@ void print_report(const CaseReport& r, std::ostream& os, ReportDetail detail) {
     print_checks(shown, os);
   }
   if (!every) print_passed_check_notes(r, os);
-  for (const auto& n : capped(r.notes)) os << "   note: " << n << "\n";
+  for (const auto& n : capped(every ? r.notes : fold_ranks(r.notes))) os << "   note: " << n << "\n";
   print_overload(r, os, every);
   os << "   => " << outcome_name(r.outcome) << "  (" << std::fixed << std::setprecision(3) << r.seconds << " s)\n";
   os.unsetf(std::ios::fixed);
