@@ -55,6 +55,14 @@ grep -Eq "^moeverify: NOT_SUPPORTED: fuzz --backend cuda: (no usable CUDA device
 expect fuzz-emulated 0 "$bin" fuzz --backend emulated --iterations 4 --seed 5 --out "$tmp/ff"
 grep -q "4 configurations" "$tmp/out" || { echo "FAIL fuzz-emulated summary"; cat "$tmp/out"; fails=$((fails + 1)); }
 expect validate 0 "$bin" validate "$src"/cases/basic.yaml
+# a repeatable option takes one value: before the file, with an option after
+# it, it once swallowed the file ("files is required"; validate: "give case files")
+expect set-before-file-run 0 "$bin" run --set dtype=fp16 "$src"/cases/basic.yaml --case exact_fp32
+grep -q "^   T=64 .* fp16 " "$tmp/out" || { echo "FAIL run --set before the file: not applied"; fails=$((fails + 1)); }
+expect set-before-file-validate 0 "$bin" validate --set dtype=fp16 "$src"/cases/basic.yaml --max-memory 4G
+expect set-before-file-export 0 "$bin" export --set dtype=fp16 "$src"/cases/basic.yaml "$tmp/sbf" --case exact_fp32
+expect set-before-file-bench 0 "$bin" bench --set dtype=fp16 "$src"/cases/basic.yaml --case exact_fp32 --repeat 1
+expect case-before-file-run 0 "$bin" run --case exact_fp32 "$src"/cases/basic.yaml --set dtype=fp16
 # a passing case takes a few lines (issue 24): equal_split.yaml's whole report within 100
 expect short-report 0 "$bin" run "$src"/cases/equal_split.yaml
 [ "$(wc -l <"$tmp/out")" -le 100 ] && [ "$(grep -c '^   => PASSED' "$tmp/out")" -eq 5 ] ||

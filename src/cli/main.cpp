@@ -823,20 +823,24 @@ const char* const kMemHelp = "refuse a case whose estimated peak memory exceeds 
                              "default 80% of the tightest of physical memory, the cgroup limit and ulimit -v, shared among the "
                              "ranks on a node)";
 
+/// A repeatable option takes one value per occurrence: left to take many,
+/// `--set KEY=V FILE` would swallow the case file as a second value.
+CLI::Option* repeatable(CLI::Option* o) {
+  return o->expected(1)->allow_extra_args(false)->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+}
+
 /// run, validate and list.
 void add_run_validate_list(CLI::App& app, Commands& c) {
   c.run = app.add_subcommand("run", "run every case of the files: reference vs fast, stage by stage");
   c.run->add_option("files", c.ra.files, "case files (YAML)")->required();
-  c.run->add_option("--set", c.ra.sets, "override a case key for every case, e.g. --set shape.tokens=128");
+  repeatable(c.run->add_option("--set", c.ra.sets, "override a case key for every case, e.g. --set shape.tokens=128 (repeatable)"));
   c.run->add_option("--threads", c.ra.threads, "host executor threads, 1 to 256 (default: the core count)")
       ->type_name("INT");
   c.run->add_option("--json", c.ra.json, "also write the report as JSON to this file");
   c.run->add_option("--dump", c.ra.dump, "write every stage's inputs and outputs as .npy under this folder");
-  c.run->add_option("--fault", c.ra.faults, "turn on a planted fault (see `moeverify list`); the run must then fail (every case PASSED: exit 4, the fault not caught)");
-  c.run->add_option("--case", c.ra.cases.patterns,
-                  "run only these cases: names or shell patterns over the expanded sweep names (repeatable)")
-      ->expected(1)
-      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  repeatable(c.run->add_option("--fault", c.ra.faults, "turn on a planted fault (see `moeverify list`); the run must then fail (every case PASSED: exit 4, the fault not caught; repeatable)"));
+  repeatable(c.run->add_option("--case", c.ra.cases.patterns,
+                  "run only these cases: names or shell patterns over the expanded sweep names (repeatable)"));
   c.run->add_option("--backend", c.ra.backend,
                   "host (default) | cuda | emulated (the device plumbing on host memory, for testing): where the "
                   "fast path runs (the case key `backend`)");
@@ -850,7 +854,7 @@ void add_run_validate_list(CLI::App& app, Commands& c) {
 
   c.val = app.add_subcommand("validate", "check case files without running them");
   c.val->add_option("files", c.vfiles, "case files (YAML)");
-  c.val->add_option("--set", c.vsets, "override a case key, as for run");
+  repeatable(c.val->add_option("--set", c.vsets, "override a case key, as for run"));
   c.val->add_flag("--keys", c.keys, "list every case key with its valid values");
   c.val->add_flag("--markdown", c.keys_markdown, "with --keys: as the Markdown table of docs/case-keys.md");
   c.val->add_option("--max-memory", c.vmax_memory, kMemHelp)->type_name("SIZE");
@@ -866,10 +870,8 @@ void add_export_check(CLI::App& app, Commands& c) {
   c.exp = app.add_subcommand("export", "write a case's inputs and expected stage outputs as .npy + manifest.json");
   c.exp->add_option("file", c.ex_file, "case file (YAML)")->required();
   c.exp->add_option("dir", c.ex_dir, "output folder (one folder per case inside)")->required();
-  c.exp->add_option("--case", c.ex_cases.patterns, "export only these cases: names or shell patterns (repeatable)")
-      ->expected(1)
-      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  c.exp->add_option("--set", c.ex_sets, "override a case key, as for run");
+  repeatable(c.exp->add_option("--case", c.ex_cases.patterns, "export only these cases: names or shell patterns (repeatable)"));
+  repeatable(c.exp->add_option("--set", c.ex_sets, "override a case key, as for run"));
   c.exp->add_option("--profile", c.ex_profile, "set the profile's fixed keys on every case and leave out the cases "
                     "outside it (a shipped name such as torchtitan, or a profile file)")->type_name("NAME|FILE");
   c.chk = app.add_subcommand("check", "check an implementation's outputs against the reference, stage by stage");
@@ -899,7 +901,7 @@ void add_fuzz_selftest_bench(CLI::App& app, Commands& c) {
   c.fz->add_option("--jobs", c.fa.jobs, "configurations run at once (default 1)")->type_name("N");
   c.fz->add_option("--backend", c.fa.backend,
                  "host (default), cuda or emulated: the case key `backend` of every drawn configuration");
-  c.fz->add_option("--fault", c.fa.faults, "turn on a planted fault: the fuzz must then find it (found by no configuration: exit 4)");
+  repeatable(c.fz->add_option("--fault", c.fa.faults, "turn on a planted fault: the fuzz must then find it (found by no configuration: exit 4; repeatable)"));
   c.fz->add_option("--out", c.fa.out, "folder for the shrunk failing cases (default fuzz-failures, made on the first)");
   c.fz->add_option("--json", c.fa.json, "also write the result as JSON");
   c.fz->add_flag("--no-shrink", c.fa.no_shrink, "write failures as drawn");
@@ -939,10 +941,8 @@ void add_fuzz_selftest_bench(CLI::App& app, Commands& c) {
 
   c.bn = app.add_subcommand("bench", "time every stage variant against a memcpy of the same bytes (docs/guide.md: Benchmarks)");
   c.bn->add_option("files", c.ba.files, "case files (YAML)")->required();
-  c.bn->add_option("--set", c.ba.sets, "override a case key, as for run");
-  c.bn->add_option("--case", c.ba.cases.patterns, "bench only these cases: names or shell patterns (repeatable)")
-      ->expected(1)
-      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  repeatable(c.bn->add_option("--set", c.ba.sets, "override a case key, as for run"));
+  repeatable(c.bn->add_option("--case", c.ba.cases.patterns, "bench only these cases: names or shell patterns (repeatable)"));
   c.bn->add_option("--threads", c.ba.threads, "host executor threads, 1 to 256 (default: the core count)")->type_name("INT");
   c.bn->add_option("--repeat", c.ba.repeat, "timed calls of each fast function (default 5)")->type_name("N");
   c.bn->add_option("--warmup", c.ba.warmup, "untimed calls before them (default 1)")->type_name("N");
