@@ -63,6 +63,13 @@ expect set-before-file-validate 0 "$bin" validate --set dtype=fp16 "$src"/cases/
 expect set-before-file-export 0 "$bin" export --set dtype=fp16 "$src"/cases/basic.yaml "$tmp/sbf" --case exact_fp32
 expect set-before-file-bench 0 "$bin" bench --set dtype=fp16 "$src"/cases/basic.yaml --case exact_fp32 --repeat 1
 expect case-before-file-run 0 "$bin" run --case exact_fp32 "$src"/cases/basic.yaml --set dtype=fp16
+# export and check take --max-memory, as their refusal says (they had none)
+expect export-max-memory 2 "$bin" export "$src"/cases/basic.yaml "$tmp/mm" --case exact_fp32 --max-memory 1M
+grep -q "exceeds the limit 1.0 MiB (--max-memory 1M)" "$tmp/err" || { echo "FAIL export --max-memory not applied"; fails=$((fails + 1)); }
+expect export-max-memory-ok 0 "$bin" export "$src"/cases/basic.yaml "$tmp/mm" --case exact_fp32 --max-memory 64G
+expect check-max-memory 2 "$bin" check "$tmp/mm/exact_fp32" --max-memory 1M
+grep -q "manifest.json: case 'exact_fp32': .*exceeds the limit 1.0 MiB (--max-memory 1M)" "$tmp/err" ||
+  { echo "FAIL check --max-memory not applied"; fails=$((fails + 1)); }
 # a passing case takes a few lines (issue 24): equal_split.yaml's whole report within 100
 expect short-report 0 "$bin" run "$src"/cases/equal_split.yaml
 [ "$(wc -l <"$tmp/out")" -le 100 ] && [ "$(grep -c '^   => PASSED' "$tmp/out")" -eq 5 ] ||

@@ -88,12 +88,6 @@ double parse_real_option(const std::string& flag, const std::string& text, doubl
   return v;
 }
 
-/// The memory limit and where it came from, for the refusal message.
-struct MemoryLimit {
-  uint64_t bytes = 0;
-  std::string origin;
-};
-
 MemoryLimit memory_limit(const CLI::App* cmd, const std::string& text) {
   if (cmd->count("--max-memory")) return {parse_memory_size(text, "--max-memory"), "--max-memory " + printable(text)};
   return {default_memory_limit(), default_memory_limit_origin() + "; set it with --max-memory"};
@@ -808,7 +802,7 @@ struct Commands {
   RunArgs ra;
   bool keys = false, keys_markdown = false, list_json = false;
   std::vector<std::string> vfiles, vsets, ex_sets;
-  std::string vmax_memory, ex_file, ex_dir, ex_profile, vprofile;
+  std::string vmax_memory, ex_file, ex_dir, ex_profile, vprofile, ex_max_memory, ck_max_memory;
   CaseFilter ex_cases;
   CheckArgs ck;
   FuzzArgs fa;
@@ -818,7 +812,7 @@ struct Commands {
            *st = nullptr, *bn = nullptr;
 };
 
-/// The help text of --max-memory (run, validate, bench).
+/// The help text of --max-memory (run, validate, bench, export, check).
 const char* const kMemHelp = "refuse a case whose estimated peak memory exceeds this (512M, 8G, 1.5GiB; "
                              "default 80% of the tightest of physical memory, the cgroup limit and ulimit -v, shared among the "
                              "ranks on a node)";
@@ -872,6 +866,7 @@ void add_export_check(CLI::App& app, Commands& c) {
   c.exp->add_option("dir", c.ex_dir, "output folder (one folder per case inside)")->required();
   repeatable(c.exp->add_option("--case", c.ex_cases.patterns, "export only these cases: names or shell patterns (repeatable)"));
   repeatable(c.exp->add_option("--set", c.ex_sets, "override a case key, as for run"));
+  c.exp->add_option("--max-memory", c.ex_max_memory, kMemHelp)->type_name("SIZE");
   c.exp->add_option("--profile", c.ex_profile, "set the profile's fixed keys on every case and leave out the cases "
                     "outside it (a shipped name such as torchtitan, or a profile file)")->type_name("NAME|FILE");
   c.chk = app.add_subcommand("check", "check an implementation's outputs against the reference, stage by stage");
@@ -885,6 +880,7 @@ void add_export_check(CLI::App& app, Commands& c) {
       ->type_name("all|STAGES");
   c.chk->add_flag("--strict-ties", c.ck.external.strict_ties,
                 "hold routing to the lowest expert id among exact ties (for implementations that promise it)");
+  c.chk->add_option("--max-memory", c.ck_max_memory, kMemHelp)->type_name("SIZE");
   c.chk->add_flag("--verbose", c.ck.verbose,
                   "show every check of every tensor and rank (default: a passing case in a few lines with the notes "
                   "of its checks; a failing one as a table of stages and the checks that did not pass)");
@@ -978,11 +974,13 @@ int dispatch(Commands& c) {
   if (c.exp->parsed()) {
     std::unique_ptr<Profile> p;
     if (c.exp->count("--profile")) p = std::make_unique<Profile>(load_profile(c.ex_profile));
+    set_command_memory_limit(memory_limit(c.exp, c.ex_max_memory));
     return cmd_export(c.ex_file, c.ex_dir, c.ex_cases, c.ex_sets, p.get());
   }
   if (c.chk->parsed()) {
     c.ck.has_actual = c.chk->count("--actual") > 0;
     c.ck.want_json = c.chk->count("--json") > 0;
+    set_command_memory_limit(memory_limit(c.chk, c.ck_max_memory));
     return cmd_check(c.ck);
   }
   return cmd_list(c.list_json);

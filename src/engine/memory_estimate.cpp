@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <optional>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -297,6 +298,17 @@ std::string default_memory_limit_origin() {
   std::string origin;
   memory_limit_from(memory_sources(), &origin);
   return origin;
+}
+
+namespace {
+std::optional<MemoryLimit> g_command_limit;
+}
+
+void set_command_memory_limit(const MemoryLimit& limit) { g_command_limit = limit; }
+
+MemoryLimit command_memory_limit() {
+  if (g_command_limit) return *g_command_limit;
+  return {default_memory_limit(), default_memory_limit_origin()};
 }
 
 uint64_t parse_memory_size(const std::string& text, const std::string& flag) {

@@ -40,6 +40,17 @@ uint64_t default_memory_limit();
 /// 2 ranks on this node".
 std::string default_memory_limit_origin();
 
+/// A memory limit and where it came from, for the refusal message.
+struct MemoryLimit {
+  uint64_t bytes = 0;
+  std::string origin;
+};
+/// The limit that cases read by export and check (and fuzz --impl's
+/// exports) are held to: the default until main sets the command's
+/// --max-memory.
+void set_command_memory_limit(const MemoryLimit& limit);
+MemoryLimit command_memory_limit();
+
 /// Parses a --max-memory value: a positive number with an optional unit,
 /// B, K, M, G or T, each optionally followed by "iB" or "B" (512M, 8G,
 /// 1.5GiB, 4096); units are powers of 1024, case-insensitive. Throws
