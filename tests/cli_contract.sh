@@ -63,6 +63,13 @@ expect set-before-file-validate 0 "$bin" validate --set dtype=fp16 "$src"/cases/
 expect set-before-file-export 0 "$bin" export --set dtype=fp16 "$src"/cases/basic.yaml "$tmp/sbf" --case exact_fp32
 expect set-before-file-bench 0 "$bin" bench --set dtype=fp16 "$src"/cases/basic.yaml --case exact_fp32 --repeat 1
 expect case-before-file-run 0 "$bin" run --case exact_fp32 "$src"/cases/basic.yaml --set dtype=fp16
+# a variant the case names itself that skips on its data is said in the
+# passing summary (it once said only PASSED, the variant never run)
+printf 'cases:\n  - name: eq\n    ep: 2\n    permute: equal_count\n  - name: batched\n    experts: {kind: swiglu, impl: batched}\n' >"$tmp/asked.yaml"
+expect asked-not-run 0 "$bin" run "$tmp/asked.yaml"
+grep -q "note: stage ep_permute: equal_count, which the case asks for, did not run (received segment counts are not all equal" "$tmp/out" &&
+  grep -q "note: stage experts: swiglu_batched, which the case asks for, did not run (local expert counts are not all equal" "$tmp/out" ||
+  { echo "FAIL a variant the case asks for and that did not run is not said"; fails=$((fails + 1)); }
 # export and check take --max-memory, as their refusal says (they had none)
 expect export-max-memory 2 "$bin" export "$src"/cases/basic.yaml "$tmp/mm" --case exact_fp32 --max-memory 1M
 grep -q "exceeds the limit 1.0 MiB (--max-memory 1M)" "$tmp/err" || { echo "FAIL export --max-memory not applied"; fails=$((fails + 1)); }

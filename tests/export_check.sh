@@ -250,6 +250,12 @@ expect_rc 0 "$tmp/b2.log" -- "$bin" check "$ed"
 expect_rc 2 "$tmp/b3.log" -- "$bin" check "$ed" && one_line "$tmp/b3.log" "ids with a column less" "columns"
 "$py" -c "import numpy as np; np.save('$ed/actual/$ids', np.load('$ed/$ids').astype(np.float32))"
 expect_rc 2 "$tmp/b3f.log" -- "$bin" check "$ed" && one_line "$tmp/b3f.log" "float ids" "valid: a NumPy .npy file (np.save) of dtype int32 or int64"
+# big-endian ids: refused, naming the byte order; the report says refused (not unreadable) and exit 2
+"$py" -c "import numpy as np; np.save('$ed/actual/$ids', np.load('$ed/$ids').astype('>i4'))"
+expect_rc 2 "$tmp/b3e.log" -- "$bin" check "$ed" && one_line "$tmp/b3e.log" "big-endian ids" "in big-endian byte order: write it little-endian, e.g. a.astype('<i4')" &&
+  grep -q "overall ERROR (a file was refused: exit 2, as for any bad input)" "$tmp/b3e.log" &&
+  grep -q "a file of the implementation was refused (its line ends the output; exit 2)" "$tmp/b3e.log" ||
+  fail "big-endian ids: the report does not say the file was refused, exit 2"
 # every id out of range, written alone (the counts then come from the ids fed
 # on): INCORRECT at routing/ids, exit 1; it once left counts of zero beside
 # the reference's ids and the reference combine read past its rows (SIGSEGV)

@@ -700,7 +700,7 @@ bool ExternalEntry::stage(const Stage& s, Board& board) {
     ch.outcome = Outcome::ERROR;
     ch.note = std::string("bad input: ") + e.what();
     rep.checks.push_back(ch);
-    rep.notes.push_back("the check stopped at stage " + prefix + s.slot + ": a file of the implementation cannot be read");
+    rep.notes.push_back("the check stopped at stage " + prefix + s.slot + ": a file of the implementation was refused (its line ends the output; exit 2)");
     return false;
   }
   if (s.slot == "capacity" && !opt.strict_ties)
@@ -1047,11 +1047,12 @@ int cmd_check(const CheckArgs& a) {
   print_tolerance_table(reports, std::cout);
   size_t passed = 0;
   for (const auto& r : reports) passed += r.outcome == Outcome::PASSED;
-  std::cout << "\n" << passed << " of " << reports.size() << " case(s) PASSED; overall " << outcome_name(all) << "\n";
-  print_check_failures(reports, folders, a, std::cout);
   std::string bad;
   for (const auto& r : reports)
     if (bad.empty() && !r.bad_input.empty()) bad = r.bad_input;
+  std::cout << "\n" << passed << " of " << reports.size() << " case(s) PASSED; overall " << outcome_name(all)
+            << (bad.empty() ? "" : " (a file was refused: exit 2, as for any bad input)") << "\n";
+  print_check_failures(reports, folders, a, std::cout);
   if (a.want_json) {
     ReportMeta meta;
     meta.schema = "moeverify-check/1";

@@ -50,9 +50,14 @@ class NpyReader {
     read_header();
     std::string got = descr_;
     if (got.size() == 3 && (got[0] == '|' || got[0] == '=')) got[0] = '<';
-    if (!descr_accepted(want_, got))
+    if (!descr_accepted(want_, got)) {
+      std::string big_endian;
+      if (got.size() == 3 && got[0] == '>' && descr_accepted(want_, "<" + got.substr(1)))
+        big_endian = " (the right type in big-endian byte order: write it little-endian, e.g. a.astype('<" +
+                     got.substr(1) + "'))";
       broken("dtype '" + printable(descr_) + "' where " + real_dtype(want_) + " ('" + npy_descr(want_) +
-             "') is expected");
+             "') is expected" + big_endian);
+    }
     const std::string shape_shown = Tensor{want_, shape_, nullptr, 0}.shape_str();
     if (shape_.size() != want_shape_.size() ||
         !std::equal(shape_.begin() + (shape_.empty() ? 0 : 1), shape_.end(),

@@ -133,12 +133,12 @@ struct Decision {
   std::string reason;  // why it does not apply (or why it was chosen)
 };
 
-/// A report line about one comparison.
 /// How a check in the logits, gemm and end_to_end classes opens the part of
 /// its note that states its bound and the largest share of it used; the
 /// summary report, which gives the case's largest share, leaves that part out.
 inline constexpr const char* kScaledBoundNote = "bound atol + rtol * max(|ref|, sum of |terms|)";
 
+/// A report line about one comparison.
 struct Check {
   std::string slot, variant, tensor, against = "reference";
   CompareClass cls = CompareClass::exact;
@@ -182,6 +182,11 @@ struct Stage {
   /// before the mode existed stay as they were. Empty: always listed.
   std::function<bool(const Case&)> listed;
   std::function<bool(const Case&)> primary;  // feeds the next slot
+  /// Optional: whether the case names this variant itself (permute:
+  /// equal_count, experts.impl: batched), not as a default it may fall back
+  /// from. Such a variant that skips at run time (its precondition unmet on
+  /// this data) is said in a case note, a passing summary included.
+  std::function<bool(const Case&)> asked;
   /// Board tensors read; they must be unchanged after the fast function.
   std::function<std::vector<std::string>(const Case&)> inputs;
   std::vector<OutputSpec> outputs;

@@ -206,7 +206,7 @@ class Pipeline {
       for (const Stage* s : runs)
         if (run_variant(*s, sr)) break;  // fast_only: the first variant that runs
       if (sr.ran.empty()) return stop_at(slot);
-      auto [primary, primary_out] = pick_primary(slot, sr);
+      auto [primary, primary_out] = pick_primary(slot, sr, runs);
       cross_variant_checks(*primary, primary_out, sr);
       feed_next_slot(primary_out, sr);
       if (opt_.fast_only) {
@@ -543,8 +543,12 @@ class Pipeline {
     return false;
   }
 
-  /// The primary feeds the next slot: the one the case asks for, else the first that ran.
-  std::pair<const Stage*, Board> pick_primary(const std::string& slot, const SlotRun& sr) {
+  /// The primary feeds the next slot: the one the case asks for, else the
+  /// first that ran. Where a variant the case names itself (Stage::asked)
+  /// did not run (equal_count on unequal counts), a case note says so, also
+  /// in a passing case's summary: the case was meant to test it.
+  std::pair<const Stage*, Board> pick_primary(const std::string& slot, const SlotRun& sr,
+                                              const std::vector<const Stage*>& planned) {
     const Stage* primary = sr.ran.front().first;
     Board primary_out = sr.ran.front().second;
     for (auto& [s, out] : sr.ran)
@@ -555,6 +559,13 @@ class Pipeline {
       }
     for (auto& d : rep_.decisions)
       if (d.slot == slot) d.primary = d.variant == primary->variant && d.ran;
+    for (const Stage* s : planned) {
+      if (!s->asked || !s->asked(c_) || s == primary) continue;
+      for (const auto& d : rep_.decisions)
+        if (d.slot == slot && d.variant == s->variant && !d.ran)
+          rep_.notes.push_back("stage " + slot + ": " + s->variant + ", which the case asks for, did not run (" +
+                               d.reason + "); " + primary->variant + " fed the next stage");
+    }
     return {primary, primary_out};
   }
 

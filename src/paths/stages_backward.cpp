@@ -1016,6 +1016,7 @@ void add_permute_bwd(std::vector<Stage>& reg, PermuteMode m) {
                  [m](FastCtx& ctx) { fast_permute_rows(ctx, m, 0, "grad_recv_out", "grad_unpadded"); },
                  ref_unpermute_bwd);
   u.primary = primary;
+  u.asked = [m](const Case& c) { return c.permute == m; };
   u.applies = applies;
   reg.push_back(u);
   Stage p = make("ep_permute_bwd", eq ? "equal_count" : "generic",
@@ -1024,6 +1025,7 @@ void add_permute_bwd(std::vector<Stage>& reg, PermuteMode m) {
                  {"grad_permuted", "recv_counts"}, {{"grad_recv", CompareClass::exact, Coords::rank_major_row, nullptr}},
                  [m](FastCtx& ctx) { fast_permute_rows(ctx, m, 1, "grad_permuted", "grad_recv"); }, ref_permute_bwd);
   p.primary = primary;
+  p.asked = u.asked;
   p.applies = applies;
   reg.push_back(p);
 }

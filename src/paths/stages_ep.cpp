@@ -622,6 +622,7 @@ void register_ep_stages(std::vector<Stage>& reg) {
                     {"expert_counts_real", CompareClass::exact, Coords::flat, nullptr}},
                    eq ? fast_permute_equal : fast_permute_generic, ref_permute);
     s.primary = [m](const Case& c) { return c.permute == m || (c.permute == PermuteMode::auto_ && m == PermuteMode::equal_count); };
+    s.asked = [m](const Case& c) { return c.permute == m; };
     if (eq) s.applies = [](const Case& c) { return Decision{c.permute != PermuteMode::generic, "permute: generic"}; };
     reg.push_back(s);
     reg.push_back(fp8_twin(s, eq ? fast_permute_equal_fp8 : fast_permute_generic_fp8, ref_permute_fp8,
@@ -646,6 +647,7 @@ void register_ep_stages(std::vector<Stage>& reg) {
                    {"unpadded", "recv_counts"}, {{"recv_out", CompareClass::exact, Coords::rank_major_row, nullptr}},
                    eq ? fast_unpermute_equal : fast_unpermute_generic, ref_unpermute);
     s.primary = [m](const Case& c) { return c.permute == m || (c.permute == PermuteMode::auto_ && m == PermuteMode::equal_count); };
+    s.asked = [m](const Case& c) { return c.permute == m; };
     if (eq) s.applies = [](const Case& c) { return Decision{c.permute != PermuteMode::generic, "permute: generic"}; };
     reg.push_back(s);
   }

@@ -898,6 +898,7 @@ Stage swiglu_batched() {
   s.summary = "every local expert has c > 0 rows: fused W13 = [W1; W3] GEMM and cached W2^T (docs/contract.md §8)";
   s.applies = [](const Case& c) { return Decision{c.experts.kind == ExpertKind::swiglu, "experts.kind is not swiglu"}; };
   s.primary = [](const Case& c) { return c.experts.impl == ExpertsImpl::batched; };
+  s.asked = s.primary;
   s.inputs = routed_swiglu_inputs;
   s.outputs = {{"expert_output", CompareClass::gemm, Coords::padded_row, promise_expert_rows, routed_swiglu_scale}};
   for (auto& o : swiglu_mid_outputs(routed_site(), Coords::padded_row)) s.outputs.push_back(o);
