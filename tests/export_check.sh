@@ -336,6 +336,10 @@ for kind in dir link fifo; do
   expect_rc 2 "$tmp/k.log" -- "$bin" check "$ed" && one_line "$tmp/k.log" "actual file as a $kind" "not a regular file"
   rm -rf "$ed/actual/combine.out.rank0.npy"
 done
+# a folder of another name inside actual/ is named as a folder, not as a misnamed file
+mkdir "$ed/actual/rank0"
+expect_rc 2 "$tmp/k.log" -- "$bin" check "$ed" && one_line "$tmp/k.log" "a folder in actual/" "rank0: a folder inside actual/; check reads the .npy files directly"
+rmdir "$ed/actual/rank0"
 cp "$ed/combine.out.rank0.npy" "$ed/actual/"
 cp "$ed/manifest.json" "$tmp/manifest.bak"
 echo '{"format": "other"}' >"$ed/manifest.json"

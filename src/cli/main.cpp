@@ -871,7 +871,8 @@ void add_export_check(CLI::App& app, Commands& c) {
                     "outside it (a shipped name such as torchtitan, or a profile file)")->type_name("NAME|FILE");
   c.chk = app.add_subcommand("check", "check an implementation's outputs against the reference, stage by stage");
   c.chk->add_option("dir", c.ck.dir, "a folder written by export (or a folder of them)")->required();
-  c.chk->add_option("--actual", c.ck.actual_dir, "the implementation's .npy files (default DIR/actual)");
+  c.chk->add_option("--actual", c.ck.actual_dir, "the implementation's .npy files (default DIR/actual); where DIR "
+                    "holds case folders, one folder per case: DIR2/CASE/ (default DIR/CASE/actual)");
   c.chk->add_option("--json", c.ck.json, "also write the report as JSON to this file");
   c.chk->add_flag("--allow-unknown", c.ck.allow_unknown,
                 "ignore (and list) files under actual/ that name no expected tensor; by default they are refused");

@@ -248,6 +248,11 @@ std::set<std::string> actual_files(const std::string& actual_dir, const std::set
   std::sort(names.begin(), names.end());
   for (const std::string& n : names) {
     const std::string p = actual_dir + "/" + n;
+    struct stat fst {};
+    if (!expected.count(n) && !allow_unknown && lstat(p.c_str(), &fst) == 0 && S_ISDIR(fst.st_mode))
+      bad_input(printable(p, 200) + ": a folder inside actual/; check reads the .npy files directly under actual/ "
+                "(a folder of case folders is checked with `check EXPORT_DIR --actual DIR`, DIR holding one folder per "
+                "case); valid: the implementation's files directly in actual/, or --allow-unknown to ignore this one");
     if (!expected.count(n)) {
       if (allow_unknown) {
         ignored.push_back(n);

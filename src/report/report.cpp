@@ -66,20 +66,35 @@ std::string secs(double v) {
   return o.str();
 }
 
+/// A table cell `w` wide, left-aligned; a longer text keeps one space after
+/// it, so that it never runs into the next column.
+std::string left(const std::string& text, size_t w) {
+  return text.size() < w ? text + std::string(w - text.size(), ' ') : text + " ";
+}
+/// The same, right-aligned, with one space before a longer text.
+std::string right(const std::string& text, size_t w) {
+  return text.size() < w ? std::string(w - text.size(), ' ') + text : " " + text;
+}
+
+/// A check's mismatch/total cell: where the row counts differ (nothing was
+/// compared element by element) the rows, yours and the reference's.
+std::string mismatch_cell(const Check& ch) {
+  if (ch.rows.expected >= 0 && ch.rows.actual >= 0 && ch.rows.actual != ch.rows.expected)
+    return "rows " + std::to_string(ch.rows.actual) + " vs " + std::to_string(ch.rows.expected);
+  return std::to_string(ch.diff.mismatches) + "/" + std::to_string(ch.diff.total);
+}
+
 /// The per-check table: a header, then each check with its note and its
 /// first and last mismatches.
 void print_checks(const std::vector<const Check*>& checks, std::ostream& os) {
-  os << "   " << std::left << std::setw(20) << "stage" << std::setw(24) << "variant" << std::setw(17) << "tensor"
-     << std::setw(19) << "against" << std::setw(17) << "tolerance" << std::setw(14) << "outcome" << std::right
-     << std::setw(15) << "mismatch/total" << std::setw(10) << "max_abs" << std::setw(10) << "max_rel"
-     << std::setw(9) << "max_ulp" << "\n";
+  os << "   " << left("stage", 20) << left("variant", 24) << left("tensor", 17) << left("against", 19)
+     << left("tolerance", 17) << left("outcome", 14) << right("mismatch/total", 15) << right("max_abs", 10)
+     << right("max_rel", 10) << right("max_ulp", 9) << "\n";
   for (const Check* chp : checks) {
     const Check& ch = *chp;
-    os << "   " << std::left << std::setw(20) << ch.slot << std::setw(24) << ch.variant << std::setw(17) << ch.tensor
-       << std::setw(19) << ch.against << std::setw(17) << tol_str(ch) << std::setw(14) << outcome_name(ch.outcome)
-       << std::right << std::setw(15)
-       << (std::to_string(ch.diff.mismatches) + "/" + std::to_string(ch.diff.total)) << std::setw(10)
-       << num(ch.diff.max_abs) << std::setw(10) << num(ch.diff.max_rel) << std::setw(9) << num(ch.diff.max_ulp)
+    os << "   " << left(ch.slot, 20) << left(ch.variant, 24) << left(ch.tensor, 17) << left(ch.against, 19)
+       << left(tol_str(ch), 17) << left(outcome_name(ch.outcome), 14) << right(mismatch_cell(ch), 15)
+       << right(num(ch.diff.max_abs), 10) << right(num(ch.diff.max_rel), 10) << right(num(ch.diff.max_ulp), 9)
        << "\n";
     if (!ch.note.empty()) os << "      note: " << capped(ch.note) << "\n";
     auto show = [&](const std::vector<Mismatch>& ms, const char* label) {
@@ -263,7 +278,7 @@ namespace {
 void print_variant_row(const VariantRow& row, bool first, bool on_device, std::ostream& os) {
   const VariantDecision* d = row.decision;
   const std::string name = row.variant + (d && d->ran && d->primary ? "*" : "");
-  os << "   " << std::left << std::setw(20) << (first ? row.slot : "") << std::setw(24) << name;
+  os << "   " << left(first ? row.slot : "", 20) << left(name, 24);
   if (d && !d->ran) {
     os << "not taken: " << capped(d->reason) << "\n";
   } else {
@@ -281,12 +296,11 @@ void print_variant_row(const VariantRow& row, bool first, bool on_device, std::o
         bound = std::max(bound, ch->diff.max_bound_ratio);
       }
     }
-    os << std::setw(14) << (row.checks.empty() ? "(no checks)" : outcome_name(o)) << std::right << std::setw(7)
-       << row.checks.size() << std::setw(22) << (std::to_string(mismatches) + "/" + std::to_string(total))
-       << std::setw(10) << num(max_abs) << std::setw(11) << (any_tolerance ? num(bound) : "-");
-    if (d) os << std::setw(11) << secs(d->fast_seconds) << std::setw(11)
-              << secs(d->fast_seconds + d->ref_seconds + d->compare_seconds);
-    if (d && on_device && d->device_seconds >= 0) os << std::setw(11) << secs(d->device_seconds);
+    os << left(row.checks.empty() ? "(no checks)" : outcome_name(o), 14) << right(std::to_string(row.checks.size()), 7)
+       << right(std::to_string(mismatches) + "/" + std::to_string(total), 22) << right(num(max_abs), 10)
+       << right(any_tolerance ? num(bound) : "-", 11);
+    if (d) os << right(secs(d->fast_seconds), 11) << right(secs(d->fast_seconds + d->ref_seconds + d->compare_seconds), 11);
+    if (d && on_device && d->device_seconds >= 0) os << right(secs(d->device_seconds), 11);
     os << "\n";
   }
 }
@@ -325,10 +339,9 @@ void print_report(const CaseReport& r, std::ostream& os, ReportDetail detail) {
   // On a device backend a last column: the device's own time in the
   // variant's kernels and GEMMs (CUDA events on a GPU), inside `fast`.
   const bool on_device = r.c.backend != Backend::host;
-  os << "   " << std::left << std::setw(20) << "stage" << std::setw(24) << "variant" << std::setw(14) << "outcome"
-     << std::right << std::setw(7) << "checks" << std::setw(22) << "mismatch/total" << std::setw(10) << "max_abs"
-     << std::setw(11) << "bound_used" << std::setw(11) << "fast" << std::setw(11) << "total"
-     << (on_device ? "     device" : "") << "\n";
+  os << "   " << left("stage", 20) << left("variant", 24) << left("outcome", 14) << right("checks", 7)
+     << right("mismatch/total", 22) << right("max_abs", 10) << right("bound_used", 11) << right("fast", 11)
+     << right("total", 11) << (on_device ? right("device", 11) : "") << "\n";
   // In the summary, a slot none of whose variants applies (and that has no
   // checks) is not a row of its own: such slots are listed after the table,
   // grouped by their reasons, so that the table shows what ran.
