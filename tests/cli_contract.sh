@@ -133,7 +133,7 @@ grep -q "^moeverify: --iterations 0: no configuration to draw" "$tmp/err" || { e
 expect fuzz-fault-missed 4 "$bin" fuzz --iterations 2 --seed 7 --fault group_tie_higher --out "$tmp/ff" \
   --profile "$src/examples/numpy_moe.profile.yaml"
 grep -q "^PLANTED FAULT NOT CAUGHT: --fault group_tie_higher found by none of 2 configurations" "$tmp/out" &&
-  grep -q "(replay: $bin fuzz --seed 7 --profile .*numpy_moe.profile.yaml --fault group_tie_higher)" "$tmp/err" ||
+  grep -q "(replay: $bin fuzz --seed 7 --iterations 2 --profile .*numpy_moe.profile.yaml --fault group_tie_higher)" "$tmp/err" ||
   { echo "FAIL fuzz-fault-missed lines"; cat "$tmp/out" "$tmp/err"; fails=$((fails + 1)); }
 expect fuzz-out-deep 2 "$bin" fuzz --iterations 1 --out "$tmp/no/such/folder"
 [ ! -e "$tmp/no" ] || { echo "FAIL fuzz --out created parent folders"; fails=$((fails + 1)); }

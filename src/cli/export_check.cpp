@@ -142,7 +142,7 @@ void check_routing_external(const Case& c, const Board& ref, const Board& merged
         expected_ids_row(a, ok ? a : s, K, &expect[size_t(t * K)]);
       }
       std::ostringstream note;
-      note << "ids judged as a selection per token on the " << (own_scores ? "implementation's" : "reference's")
+      note << kSelectionNote << (own_scores ? "implementation's" : "reference's")
            << " scores (docs/contract.md §15)";
       if (opt.strict_ties) note << "; strict: the lowest-index member of every tie";
       if (ties) note << "; " << ties << " token(s) pick another member of an exact tie (accepted)";

@@ -237,6 +237,13 @@ std::string write_shrunk_case(const FuzzOptions& o, FuzzFailure& f, const Header
   return path;
 }
 
+std::string replay_bound(const FuzzOptions& o) {
+  std::ostringstream b;
+  if (o.iterations) b << " --iterations " << o.iterations;
+  if (o.seconds > 0) b << " --seconds " << o.seconds;
+  return b.str();
+}
+
 void prepare_out_dir(const FuzzOptions& o, std::ostream& progress) {
   if (o.out_dir.empty()) return;
   // --out is a folder that exists or can be made in an existing one (never
@@ -264,7 +271,7 @@ FuzzResult fuzz(const FuzzOptions& o, std::ostream& progress) {
   FuzzResult res;
   res.seed = o.seed;
   res.fault_flags = o.fault_flags;
-  progress << "fuzz: seed " << o.seed << " (replay: " << self_command() << " fuzz --seed " << o.seed
+  progress << "fuzz: seed " << o.seed << " (replay: " << self_command() << " fuzz --seed " << o.seed << replay_bound(o)
            << (o.profile ? " --profile " + shell_word(o.profile->file) : "")
            << (o.backend == "host" ? "" : " --backend " + o.backend) << o.fault_flags << ")" << std::endl;
   const auto t0 = Clock::now();

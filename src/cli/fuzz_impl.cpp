@@ -350,7 +350,7 @@ class ImplFuzz {
     res_.profile = o_.profile ? o_.profile->name : "";
     res_.work_dir = make_work_dir();
     progress_ << "fuzz --impl: seed " << o_.seed << " (replay: " << self_command() << " fuzz --seed " << o_.seed
-              << " --impl " << shell_quote(impl_.cmd) << (impl_.worker ? " --worker" : "")
+              << replay_bound(o_) << " --impl " << shell_quote(impl_.cmd) << (impl_.worker ? " --worker" : "")
               << (o_.profile ? " --profile " + shell_quote(o_.profile->file) : "")
               << (impl_.require.empty() ? "" : " --require " + shell_word(impl_.require))
               << (impl_.strict_ties ? " --strict-ties" : "") << ")" << std::endl;

@@ -53,6 +53,11 @@ using HeaderFn = std::function<std::string(const std::string& path, const std::s
 /// not followed). Returns the path, or "" with the reason added to f.note.
 std::string write_shrunk_case(const FuzzOptions& o, FuzzFailure& f, const HeaderFn& header);
 
+/// The bound of a replay line as the run was given it: " --iterations N"
+/// (the same configurations: configuration i depends on the seed and i
+/// alone) and/or " --seconds S".
+std::string replay_bound(const FuzzOptions& o);
+
 /// Checks --out (made when missing) before the first draw and says, in one
 /// line on `progress`, which case files of earlier runs it already holds
 /// (kept, never removed: they may be someone's), so that they are not taken

@@ -138,6 +138,10 @@ struct Decision {
 /// summary report, which gives the case's largest share, leaves that part out.
 inline constexpr const char* kScaledBoundNote = "bound atol + rtol * max(|ref|, sum of |terms|)";
 
+/// How check's routing ids note opens: how the ids were judged. Alone (no
+/// tie, near-tie or strict rule after it), the summary report leaves it out.
+inline constexpr const char* kSelectionNote = "ids judged as a selection per token on the ";
+
 /// A report line about one comparison.
 struct Check {
   std::string slot, variant, tensor, against = "reference";

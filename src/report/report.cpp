@@ -216,7 +216,8 @@ void print_passed_check_notes(const CaseReport& r, std::ostream& os) {
     std::string note = ch.note;  // without its bound part, which the summary line gives for the case
     const size_t bound_at = note.find(kScaledBoundNote);
     if (bound_at != std::string::npos) note.resize(bound_at >= 2 && note.compare(bound_at - 2, 2, "; ") == 0 ? bound_at - 2 : bound_at);
-    if (note.empty()) continue;
+    const bool how_judged_only = note.rfind(kSelectionNote, 0) == 0 && note.find(';') == std::string::npos;
+    if (note.empty() || how_judged_only) continue;  // said of every routing check: nothing particular
     const size_t at = ch.tensor.rfind('@');
     const bool ranked = at != std::string::npos && at + 1 < ch.tensor.size() &&
                         ch.tensor.find_first_not_of("0123456789", at + 1) == std::string::npos;
