@@ -22,4 +22,10 @@ expect 'profile: x\nallow: {grad_accumulate: [as_combine, per_add]}\n' "$src/cas
 ! grep -q "outside: grad_accumulate" "$tmp/out" || { cat "$tmp/out"; echo "FAIL: as_combine allowed yet outside"; fail=1; }
 expect 'profile: x\nallow: {shape.tokens_per_rank: [[4]], ep: [1]}\n' "$src/cases/basic.yaml" \
   "outside: shape.tokens_per_rank is [64], outside the profile's {[4]}"
+# fuzz --help names every shipped profile (the list is written out there)
+"$bin" fuzz --help | tr -s ' \n' ' ' > "$tmp/help"
+for f in "$src"/cases/profiles/*.yaml; do
+  n=$(basename "$f" .yaml)
+  grep -qE "[ (]$n[;,)]" "$tmp/help" || { echo "FAIL: fuzz --help does not name the shipped profile $n"; fail=1; }
+done
 [ "$fail" = 0 ] && echo "profile rules ok"

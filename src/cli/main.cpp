@@ -918,7 +918,8 @@ void add_fuzz_selftest_bench(CLI::App& app, Commands& c) {
   c.fz->add_option("--impl-timeout", c.fa.impl_timeout, "with --impl: seconds per configuration before it counts as "
                    "crashed (default 60)")->type_name("SECONDS");
   c.fz->add_option("--profile", c.fa.profile, "draw only what the implementation supports, with its conventions: a "
-                   "shipped name (torchtitan, megatron) or a profile file")->type_name("NAME|FILE");
+                   "shipped name (torchtitan, torchtitan-0.3, megatron, megatron-0.16, megatron-0.16-probs-on-input; "
+                   "their files in cases/profiles/) or a profile file")->type_name("NAME|FILE");
   c.fz->add_option("--emit", c.fa.emit, "write the --iterations N configurations (inside --profile) as a case file, "
                    "run none: e.g. to run them under mpirun")->type_name("FILE");
   c.fz->add_flag("--keep", c.fa.keep, "with --impl: keep the temporary case folders (their folder is printed)");
