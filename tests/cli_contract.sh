@@ -55,6 +55,13 @@ grep -Eq "^moeverify: NOT_SUPPORTED: fuzz --backend cuda: (no usable CUDA device
 expect fuzz-emulated 0 "$bin" fuzz --backend emulated --iterations 4 --seed 5 --out "$tmp/ff"
 grep -q "4 configurations" "$tmp/out" || { echo "FAIL fuzz-emulated summary"; cat "$tmp/out"; fails=$((fails + 1)); }
 expect validate 0 "$bin" validate "$src"/cases/basic.yaml
+# validate reads every file: each invalid one's first error (one line), exit 2
+printf 'cases:\n  - name: a\n    shape: {top_k: 9, experts: 8}\n' >"$tmp/bad_topk.yaml"
+printf 'cases:\n  - name: a\n    sweeep: {}\n' >"$tmp/bad_key.yaml"
+expect validate-several 2 "$bin" validate "$tmp/bad_topk.yaml" "$src"/cases/basic.yaml "$tmp/bad_key.yaml"
+[ "$(wc -l <"$tmp/err")" -eq 2 ] && grep -q "bad_topk.yaml:3:20: shape.top_k" "$tmp/err" && grep -q "bad_key.yaml:3:5: sweeep" "$tmp/err" &&
+  grep -q "basic.yaml: 17 case(s) valid" "$tmp/out" && grep -q "^2 of 3 file(s) invalid" "$tmp/out" ||
+  { echo "FAIL validate of several files: not each said"; cat "$tmp/out" "$tmp/err" | tail; fails=$((fails + 1)); }
 # a repeatable option takes one value: before the file, with an option after
 # it, it once swallowed the file ("files is required"; validate: "give case files")
 expect set-before-file-run 0 "$bin" run --set dtype=fp16 "$src"/cases/basic.yaml --case exact_fp32

@@ -382,13 +382,24 @@ int cmd_validate(const CLI::App* cmd, const std::vector<std::string>& files, con
   if (files.empty()) bad_input("validate: give case files, or --keys");
   // The memory estimate as `run` would make it with its default thread count.
   const int threads = int(std::max(1u, std::thread::hardware_concurrency()));
+  // Every file is validated: its first error said (one line on stderr, as
+  // any bad input), the next file then read; exit 2 when any was invalid.
+  size_t invalid = 0;
   for (const auto& f : files) {
-    const auto cases = load_noting_left_out(f, sets);
-    for (const auto& c : cases) check_case_memory(c, threads, limit.bytes, limit.origin);
-    std::cout << f << ": " << cases.size() << " case(s) valid\n";
-    for (const auto& c : cases) std::cout << "  " << c.name << ": " << c.summary() << "\n";
+    try {
+      const auto cases = load_noting_left_out(f, sets);
+      for (const auto& c : cases) check_case_memory(c, threads, limit.bytes, limit.origin);
+      std::cout << f << ": " << cases.size() << " case(s) valid\n";
+      for (const auto& c : cases) std::cout << "  " << c.name << ": " << c.summary() << "\n";
+    } catch (const Error& e) {
+      if (e.kind != ErrorKind::bad_input || files.size() == 1) throw;
+      ++invalid;
+      std::cout << std::flush;
+      std::cerr << "moeverify: " << printable(e.what(), 4000) << std::endl;
+    }
   }
-  return 0;
+  if (invalid) std::cout << invalid << " of " << files.size() << " file(s) invalid (each error above)\n";
+  return invalid ? 2 : 0;
 }
 
 /// validate --profile P [FILE...]: the profile explained or refused (file,
