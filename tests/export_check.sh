@@ -347,6 +347,9 @@ expect_rc 2 "$tmp/b4.log" -- "$bin" check "$ed" && one_line "$tmp/b4.log" "wrong
 sed 's|moeverify-golden/2|moeverify-golden/1|' "$tmp/manifest.bak" >"$ed/manifest.json"
 expect_rc 2 "$tmp/b4o.log" -- "$bin" check "$ed" && one_line "$tmp/b4o.log" "format 1" "export the case again"
 cp "$tmp/manifest.bak" "$ed/manifest.json"
+# a run --dump folder is named as one; DIR/ names its case folders without a double slash
+"$bin" run "$src/cases/basic.yaml" --case exact_fp32 --dump "$tmp/dumped" >/dev/null 2>&1
+expect_rc 2 "$tmp/b4d.log" -- "$bin" check "$tmp/dumped/" && one_line "$tmp/b4d.log" "a dump folder" "/dumped/exact_fp32/manifest.json: a folder \`run --dump\` wrote"
 expect_rc 2 "$tmp/b5.log" -- "$bin" check "$tmp/nonexistent" && one_line "$tmp/b5.log" "missing folder" "no such folder"
 expect_rc 2 "$tmp/b7.log" -- "$bin" check "$ed" --actual "$tmp/no_such_folder" && one_line "$tmp/b7.log" "missing --actual" "--actual"
 # nothing written (an empty or a missing actual/): NOT_VERIFIED, never PASSED

@@ -1003,8 +1003,9 @@ void parse_require(const std::string& text, ExternalOptions& o) {
 }
 
 int cmd_check(const CheckArgs& a) {
-  const std::string& dir = a.dir;
+  std::string dir = a.dir;
   if (dir.empty()) bad_input("check: the folder is empty; valid: a folder written by `moeverify export`");
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();  // DIR/ names its case folders DIR/CASE, not DIR//CASE
   if (a.has_actual && a.actual_dir.empty()) bad_input("--actual: the path is empty; valid: a folder of .npy files");
   if (a.want_json && a.json.empty()) bad_input("--json: the path is empty; valid: a file path such as report.json");
   CheckArgs args = a;

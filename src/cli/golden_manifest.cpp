@@ -143,6 +143,9 @@ Manifest read_manifest(const std::string& folder) {
     bad_input(printable(mpath, 200) + ": written by an older moeverify (format moeverify-golden/1, whose file names "
               "are shared between stages); export the case again: this version reads " + kGoldenFormat +
               " (one file per stage and tensor, STAGE.NAME.rankR.npy)");
+  if (m.is_object() && m.contains("format") && m["format"] == kDumpFormat)
+    bad_input(printable(mpath, 200) + ": a folder `run --dump` wrote (the fast path's and the reference's outputs "
+              "of a run), not an export; " + valid + " (moeverify export CASE_FILE DIR)");
   if (!m.is_object() || !m.contains("format") || m["format"] != kGoldenFormat)
     bad_input(printable(mpath, 200) + ": \"format\" is not \"" + kGoldenFormat + "\"; " + valid);
   if (!m.contains("case") || !m.contains("ranks") || !m["ranks"].is_number_integer() || !m.contains("tensors") ||
