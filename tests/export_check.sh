@@ -67,7 +67,7 @@ done
 copy_expected "$tmp/all"
 for f in "$tmp"/all/*/; do
   expect_rc 0 "$tmp/all.log" -- "$bin" check "$f" || { grep -E "INCORRECT|ERROR" "$tmp/all.log" | head -5; continue; }
-  n_cases=$((n_cases + $(grep -c '^actual outputs:' "$tmp/all.log")))
+  n_cases=$((n_cases + $(grep -c '^   yours: ' "$tmp/all.log")))
   grep 'note: coverage:' "$tmp/all.log" | grep -v -q -E 'coverage: ([0-9]+) of \1 expected' &&
     fail "$f: not every expected tensor was checked: $(grep -m1 'coverage' "$tmp/all.log")"
 done

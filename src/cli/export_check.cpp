@@ -1041,7 +1041,7 @@ int cmd_check(const CheckArgs& a) {
                "(docs/contract.md §15)\n";
   for (const auto& [golden, act] : folders) {
     reports.push_back(check_case_folder(golden, act, args));
-    std::cout << "actual outputs: " << act << "\n";
+    reports.back().actual_dir = act;
     print_report(reports.back(), std::cout, a.verbose ? ReportDetail::every_check : ReportDetail::summary);
     all = worst(all, reports.back().outcome);
   }

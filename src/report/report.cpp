@@ -329,6 +329,7 @@ void print_variant_notes(const VariantDecision& v, bool every, std::ostream& os)
 void print_report(const CaseReport& r, std::ostream& os, ReportDetail detail) {
   const bool every = detail == ReportDetail::every_check;
   os << "\n== case " << r.c.name << "  (" << r.c.source << ")\n   " << r.c.summary() << "\n";
+  if (!r.actual_dir.empty()) os << "   yours: " << r.actual_dir << "\n";
   if (r.checks.size() == 1 && r.checks[0].slot == "backend") {  // run_case refused the backend: one line
     os << "   => " << outcome_name(r.outcome) << ": " << capped(r.checks[0].note) << "\n";
     return;

@@ -40,6 +40,9 @@ struct CaseReport {
   /// dtype or columns). The checks hold what was judged before it; the
   /// command reports them, then exits 2 with this line.
   std::string bad_input;
+  /// `check`: the folder the implementation's outputs were read from (the
+  /// report's header names it under the case line).
+  std::string actual_dir;
   /// The overload factor of the case's layer entries (docs/contract.md §12) from the
   /// fast pipeline; the checks compare it with the reference's.
   struct Overload {
