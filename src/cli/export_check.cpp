@@ -60,6 +60,29 @@ void expected_ids_row(const int32_t* a, const int32_t* s, int64_t K, int32_t* ou
   }
 }
 
+/// Stage names of a case's L layer entries ("routing", "layer2/routing")
+/// for the coverage note: each stage once, its layers after it ("routing
+/// (every layer)", "experts (layer 1,3)"); the JSON keeps each entry's name.
+std::string stage_list(const std::vector<std::string>& names, int L) {
+  std::vector<std::pair<std::string, std::set<int>>> by_stage;
+  for (const auto& n : names) {
+    int layer = 1;
+    std::string base = n;
+    if (n.rfind("layer", 0) == 0 && n.find('/') != std::string::npos) {
+      layer = std::atoi(n.c_str() + 5);
+      base = n.substr(n.find('/') + 1);
+    }
+    auto it = std::find_if(by_stage.begin(), by_stage.end(), [&](const auto& e) { return e.first == base; });
+    if (it == by_stage.end()) it = by_stage.insert(by_stage.end(), {base, {}});
+    it->second.insert(layer);
+  }
+  std::string m;
+  for (const auto& [base, layers] : by_stage)
+    m += (m.empty() ? "" : ", ") + base +
+         (L == 1 ? "" : int(layers.size()) == L ? " (every layer)" : " (layer " + int_ranges(layers) + ")");
+  return m;
+}
+
 /// Routing of an implementation (docs/contract.md §15):
 /// `scores` against the reference; `ids` per token as a selection, judged on
 /// the implementation's own scores (the reference's when it wrote none) by
@@ -861,11 +884,7 @@ CaseReport run_external(const Case& given, const ActualFn* actual, std::vector<G
     partly.insert(partly.end(), entry.partly.begin(), entry.partly.end());
   }
   if (actual && rep.bad_input.empty()) {
-    auto joined = [](const std::vector<std::string>& v) {
-      std::string m;
-      for (const auto& n : v) m += (m.empty() ? "" : ", ") + n;
-      return m;
-    };
+    auto joined = [L = c.layers](const std::vector<std::string>& v) { return stage_list(v, L); };
     std::ostringstream cov;
     cov << "coverage: " << checked << " of " << expected_total << " expected tensors written and checked";
     if (!partly.empty()) cov << "; stages partly written (missing tensors in parentheses): " << joined(partly);

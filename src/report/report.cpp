@@ -19,6 +19,18 @@
 #include "report.h"
 
 namespace moev {
+
+std::string int_ranges(const std::set<int>& v) {
+  std::string s;
+  for (auto it = v.begin(); it != v.end();) {
+    const int lo = *it;
+    int hi = lo;
+    for (++it; it != v.end() && *it == hi + 1; ++it) hi = *it;
+    s += (s.empty() ? "" : ",") + std::to_string(lo) + (hi > lo ? "-" + std::to_string(hi) : "");
+  }
+  return s;
+}
+
 namespace {
 
 constexpr size_t kMaxNoteChars = 2000;
@@ -168,17 +180,6 @@ void print_overload(const CaseReport& r, std::ostream& os, bool every) {
 /// Distinct notes of passed checks that the summary shows.
 constexpr size_t kSummaryCheckNotes = 4;
 
-/// "0-3,5" for ranks {0,1,2,3,5}.
-std::string rank_ranges(const std::set<int>& ranks) {
-  std::string s;
-  for (auto it = ranks.begin(); it != ranks.end();) {
-    const int lo = *it;
-    int hi = lo;
-    for (++it; it != ranks.end() && *it == hi + 1; ++it) hi = *it;
-    s += (s.empty() ? "" : ",") + std::to_string(lo) + (hi > lo ? "-" + std::to_string(hi) : "");
-  }
-  return s;
-}
 
 /// Notes that differ only in one rank ("recv@0 is wrong", "recv@1 is
 /// wrong") as one ("recv@0-1 is wrong"), in the order of their first; a note
@@ -199,7 +200,7 @@ std::vector<std::string> fold_ranks(const std::vector<std::string>& notes) {
   for (auto& [key, ranks] : folded) {
     std::string n = key;
     const size_t at = n.find("@\x01");
-    if (at != std::string::npos) n.replace(at, 2, "@" + rank_ranges(ranks));
+    if (at != std::string::npos) n.replace(at, 2, "@" + int_ranges(ranks));
     out.push_back(n);
   }
   return out;
@@ -232,7 +233,7 @@ void print_passed_check_notes(const CaseReport& r, std::ostream& os) {
   for (const Said& s : said) {
     std::string on;
     for (const auto& [where, ranks] : s.tensors)
-      on += (on.empty() ? "" : ", ") + where + (ranks.empty() ? "" : "@" + rank_ranges(ranks));
+      on += (on.empty() ? "" : ", ") + where + (ranks.empty() ? "" : "@" + int_ranges(ranks));
     lines.push_back(on + ": " + s.note);
   }
   const size_t shown = std::min(lines.size(), kSummaryCheckNotes);

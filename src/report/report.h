@@ -5,6 +5,7 @@
 
 #include <functional>
 #include <ostream>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -63,6 +64,9 @@ struct CaseReport {
 /// checks that did not pass. `every_check`: every variant note and every
 /// per-tensor row as well (`moeverify run --verbose`).
 enum class ReportDetail { summary, every_check };
+
+/// "0-3,5" for {0, 1, 2, 3, 5}: ranks, layers.
+std::string int_ranges(const std::set<int>& v);
 
 /// Human table (stdout) and JSON (--json, every check always) of a run.
 void print_report(const CaseReport& r, std::ostream& os, ReportDetail detail = ReportDetail::summary);
