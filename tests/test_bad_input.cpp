@@ -168,6 +168,36 @@ TEST_CASE("report notes are capped in the table and in the JSON, and NaN is null
   CHECK(jc["paths"][0]["notes"][0].get<std::string>().find("... (3000 more chars)") != std::string::npos);
 }
 
+TEST_CASE("the summary folds what ranks say alike and keeps the notes of passed checks", "[cpu][bad_input]") {
+  CaseReport r;
+  r.c.name = "fold";
+  for (int q = 0; q < 4; ++q) {
+    Check ch;
+    ch.slot = "dispatch";
+    ch.variant = "actual";
+    ch.tensor = "score_sorted@" + std::to_string(q);
+    ch.note = "judged within the scores tolerance";
+    r.checks.push_back(ch);
+    ch.tensor = "recv@" + std::to_string(q);
+    ch.note = std::string(kScaledBoundNote) + " (docs/contract.md); largest error/bound 0." + std::to_string(q);
+    r.checks.push_back(ch);  // the bound part alone: left out of the summary
+  }
+  r.notes = {"stage ep_dispatch: the implementation's recv@0 is wrong", "stage ep_dispatch: the implementation's recv@2 is wrong",
+             "stage ep_dispatch: the implementation's recv@1 is wrong", "a path /tmp/x@123456789012345678901",
+             "two ranks a@1 b@2"};
+  std::ostringstream out;
+  print_report(r, out, ReportDetail::summary);  // PASSED: the few-line summary
+  const std::string t = out.str();
+  CHECK(t.find("passed, with a note: dispatch score_sorted@0-3: judged within the scores tolerance\n") != std::string::npos);
+  CHECK(t.find("largest error/bound 0.1") == std::string::npos);
+  CHECK(t.find("note: stage ep_dispatch: the implementation's recv@0-2 is wrong\n") != std::string::npos);
+  CHECK(t.find("note: a path /tmp/x@123456789012345678901\n") != std::string::npos);  // no overflow, kept
+  CHECK(t.find("note: two ranks a@1 b@2\n") != std::string::npos);  // two ranks named: as written
+  std::ostringstream every;
+  print_report(r, every, ReportDetail::every_check);
+  CHECK(every.str().find("recv@1 is wrong") != std::string::npos);  // --verbose: each note as it is
+}
+
 TEST_CASE("the case language reads what the file says (a review's finds)", "[cpu][bad_input]") {
   SECTION("--set of a swept key replaces the sweep: one case, named without the stale value") {
     const std::string text = "cases:\n  - {name: a, shape: {tokens: 8}, sweep: {dtype: [fp32, fp16], seed: [1, 2]}}\n";

@@ -185,7 +185,9 @@ constexpr size_t kSummaryCheckNotes = 4;
 /// wrong") as one ("recv@0-1 is wrong"), in the order of their first; a note
 /// naming no rank, or more than one, stays as it is.
 std::vector<std::string> fold_ranks(const std::vector<std::string>& notes) {
-  static const std::regex at_rank(R"(([A-Za-z0-9_])@([0-9]+)\b)");
+  // a rank has at most 6 digits (MPI jobs are far smaller); a longer number
+  // after '@' in a note (a path) is text, and std::stoi could not hold it
+  static const std::regex at_rank(R"(([A-Za-z0-9_])@([0-9]{1,6})\b)");
   std::vector<std::pair<std::string, std::set<int>>> folded;  // note with "@\x01" -> ranks
   for (const auto& n : notes) {
     std::smatch m;
@@ -220,7 +222,7 @@ void print_passed_check_notes(const CaseReport& r, std::ostream& os) {
     const bool how_judged_only = note.rfind(kSelectionNote, 0) == 0 && note.find(';') == std::string::npos;
     if (note.empty() || how_judged_only) continue;  // said of every routing check: nothing particular
     const size_t at = ch.tensor.rfind('@');
-    const bool ranked = at != std::string::npos && at + 1 < ch.tensor.size() &&
+    const bool ranked = at != std::string::npos && at + 1 < ch.tensor.size() && ch.tensor.size() - at <= 7 &&
                         ch.tensor.find_first_not_of("0123456789", at + 1) == std::string::npos;
     const std::string where = ch.slot + " " + (ranked ? ch.tensor.substr(0, at) : ch.tensor);
     auto s = std::find_if(said.begin(), said.end(), [&](const Said& e) { return e.note == note; });
