@@ -483,7 +483,10 @@ class ImplFuzz {
                 << " PASSED), " << res_.skipped << " skipped, " << res_.crashed << " crashed, " << res_.failed
                 << " failed; " << std::fixed << std::setprecision(0)
                 << 60.0 * double(res_.judged) / std::max(1e-9, since(t0_)) << " judged/min"
-                << (shrinking_ ? "; " + std::to_string(shrinking_) + " shrink candidates tried" : "") << std::endl;
+                << (shrinking_ ? "; shrinking (a failure, counted when shrunk): " + std::to_string(shrinking_) +
+                                     " candidates tried"
+                               : "")
+                << std::endl;
       progress_.unsetf(std::ios::fixed);
     }
   }
