@@ -62,6 +62,9 @@ expect validate-several 2 "$bin" validate "$tmp/bad_topk.yaml" "$src"/cases/basi
 [ "$(wc -l <"$tmp/err")" -eq 2 ] && grep -q "bad_topk.yaml:3:20: shape.top_k" "$tmp/err" && grep -q "bad_key.yaml:3:5: sweeep" "$tmp/err" &&
   grep -q "basic.yaml: 17 case(s) valid" "$tmp/out" && grep -q "^2 of 3 file(s) invalid" "$tmp/out" ||
   { echo "FAIL validate of several files: not each said"; cat "$tmp/out" "$tmp/err" | tail; fails=$((fails + 1)); }
+expect validate-several-bad-set 2 "$bin" validate "$src"/cases/basic.yaml "$src"/cases/ep4.yaml --set bogus=1
+[ "$(wc -l <"$tmp/err")" -eq 1 ] && ! grep -q "file(s) invalid" "$tmp/out" ||
+  { echo "FAIL a bad --set value said per file, or blamed on the files"; cat "$tmp/out" "$tmp/err" | tail; fails=$((fails + 1)); }
 # a repeatable option takes one value: before the file, with an option after
 # it, it once swallowed the file ("files is required"; validate: "give case files")
 expect set-before-file-run 0 "$bin" run --set dtype=fp16 "$src"/cases/basic.yaml --case exact_fp32

@@ -128,7 +128,7 @@ rc=$?
 grep -q "repro: .* && { timeout 0.5 sh -c 'sleep 30; : " "$work/o3t.txt" ||
   { cat "$work/o3t.txt"; fail "a hang's repro line does not bound it by --impl-timeout"; }
 # (out3 held the signal run's case file: said, and kept)
-grep -q "^fuzz: --out $work/out3 already holds 1 case file(s) of earlier runs (fuzz_1_0.yaml), kept; this run's are named fuzz_1_N.yaml" "$work/o3t.txt" ||
+grep -q "^fuzz: --out $work/out3 already holds 1 case file(s) of earlier runs (fuzz_1_0.yaml), kept but for the 1 of seed 1 (fuzz_1_N.yaml): configuration N failing again replaces its file" "$work/o3t.txt" ||
   { cat "$work/o3t.txt"; ls "$work/out3"; fail "--out: an earlier run's case file not said"; }
 # ... a worker's too, its command run as the fuzz ran it (sh -c: VAR=value,
 # a leading parenthesis or a # stay inside it), and the line runs as printed

@@ -179,8 +179,11 @@ TEST_CASE("the summary folds what ranks say alike and keeps the notes of passed 
     ch.note = "judged within the scores tolerance";
     r.checks.push_back(ch);
     ch.tensor = "recv@" + std::to_string(q);
-    ch.note = std::string(kScaledBoundNote) + " (docs/contract.md); largest error/bound 0." + std::to_string(q);
+    ch.note = std::string(kScaledBoundNote) + " (docs/contract.md), largest error/bound 0." + std::to_string(q);
     r.checks.push_back(ch);  // the bound part alone: left out of the summary
+    ch.tensor = "out@" + std::to_string(q);
+    ch.note = "signed zeros; " + std::string(kScaledBoundNote) + " 0." + std::to_string(q) + "; 2 element(s) not compared";
+    r.checks.push_back(ch);  // before and after the bound part: both kept
   }
   r.notes = {"stage ep_dispatch: the implementation's recv@0 is wrong", "stage ep_dispatch: the implementation's recv@2 is wrong",
              "stage ep_dispatch: the implementation's recv@1 is wrong", "a path /tmp/x@123456789012345678901",
@@ -190,6 +193,7 @@ TEST_CASE("the summary folds what ranks say alike and keeps the notes of passed 
   const std::string t = out.str();
   CHECK(t.find("passed, with a note: dispatch score_sorted@0-3: judged within the scores tolerance\n") != std::string::npos);
   CHECK(t.find("largest error/bound 0.1") == std::string::npos);
+  CHECK(t.find("passed, with a note: dispatch out@0-3: signed zeros; 2 element(s) not compared\n") != std::string::npos);
   CHECK(t.find("note: stage ep_dispatch: the implementation's recv@0-2 is wrong\n") != std::string::npos);
   CHECK(t.find("note: a path /tmp/x@123456789012345678901\n") != std::string::npos);  // no overflow, kept
   CHECK(t.find("note: two ranks a@1 b@2\n") != std::string::npos);  // two ranks named: as written

@@ -30,6 +30,9 @@ class GoldenError(ValueError):
 # size)} of the expected entries' files there) when Golden.check last judged
 # it in this process.
 _judged = {}
+# actual/ folder (real path) -> the files Golden.write wrote there since its
+# last check (written, whatever their stat says).
+_written = {}
 
 
 def _current_test():
@@ -239,6 +242,7 @@ class Golden:
             with os.fdopen(fd, "wb") as f:
                 np.save(f, np.ascontiguousarray(a), allow_pickle=False)
             os.replace(tmp, dest)
+            _written.setdefault(os.path.realpath(self.actual_dir), set()).add(e.file)
         except BaseException:
             if os.path.exists(tmp):
                 os.remove(tmp)
@@ -270,18 +274,22 @@ class Golden:
         """`moeverify check` on this folder and its actual outputs: the Verdict;
         AssertionError with the failing rows unless it PASSED.
 
-        Under pytest, outputs that another test's check() judged and that
-        were not written since are that test's leftovers in a folder both
-        share (one case list parametrizing two tests): judged here they
-        would pass this test on the other's work, so this raises
-        AssertionError naming them, unless stale_ok. Call clear_actual()
-        before writing. Outside pytest, and within one test, checking again
-        after rewriting some outputs is as intended."""
+        Under pytest, a test that wrote some outputs beside others that
+        another test's check() judged and nothing wrote since is judged on
+        that test's leftovers (one case list parametrizing two tests, the
+        second writing less): this raises AssertionError naming them, unless
+        stale_ok. Call clear_actual() before writing. Checking outputs no
+        test rewrote (one fixture's outputs judged by several tests),
+        within one test a rewrite and a second check, and anything outside
+        pytest are as intended."""
         from .impl import check
         key, test = os.path.realpath(self.actual_dir), _current_test()
         now = _snapshot(self)
         by, before = _judged.get(key, ("", {}))
-        stale = sorted(f for f, st in now.items() if before.get(f) == st) if test and by and by != test else []
+        written = _written.get(key, set())
+        stale = sorted(f for f, st in now.items() if before.get(f) == st and f not in written)
+        if not (test and by and by != test) or len(stale) == len(now):
+            stale = []  # outside pytest, within one test, or nothing written since: as intended
         if stale and not stale_ok:
             raise AssertionError(
                 "%s: %d of the %d output file(s) under %s were judged in test %s and not written since (%s%s): its "
@@ -296,6 +304,7 @@ class Golden:
                          raise_on_failure=raise_on_failure)
         finally:
             _judged[key] = (test, _snapshot(self))
+            _written.pop(key, None)
 
 
 def open(path, actual=None):  # noqa: A001 (the package's verb, as in moeverify.open)

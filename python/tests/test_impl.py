@@ -215,6 +215,8 @@ def run(tool, src, tmp):
                   "judged in test tests/test_a.py::test_dispatch[exact_fp32]", "clear_actual()"),
            "test b, which wrote one output: test a's other output is refused")
     expect(shared.check(stale_ok=True).passed, "test b: check(stale_ok=True) judges them")
+    os.environ["PYTEST_CURRENT_TEST"] = "tests/test_b.py::test_combine[exact_fp32] (call)"
+    expect(shared.check().passed, "another test judging the same outputs, none rewritten (one fixture's): PASSED")
     os.environ["PYTEST_CURRENT_TEST"] = "tests/test_c.py::test_all[exact_fp32] (call)"
     shared.clear_actual()
     local_dispatch(shared)

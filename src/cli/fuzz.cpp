@@ -259,9 +259,16 @@ void prepare_out_dir(const FuzzOptions& o, std::ostream& progress) {
   std::sort(earlier.begin(), earlier.end());
   std::string names;
   for (size_t i = 0; i < earlier.size() && i < 3; ++i) names += (i ? ", " : "") + printable(earlier[i], 80);
+  const std::string mine = "fuzz_" + std::to_string(o.seed) + "_";
+  const auto same_seed = std::count_if(earlier.begin(), earlier.end(), [&](const std::string& n) { return n.rfind(mine, 0) == 0; });
   progress << "fuzz: --out " << printable(o.out_dir, 200) << " already holds " << earlier.size()
-           << " case file(s) of earlier runs (" << names << (earlier.size() > 3 ? ", ..." : "")
-           << "), kept; this run's are named fuzz_" << o.seed << "_N.yaml" << std::endl;
+           << " case file(s) of earlier runs (" << names << (earlier.size() > 3 ? ", ..." : "") << "), kept";
+  if (same_seed)
+    progress << " but for the " << same_seed << " of seed " << o.seed << " (" << mine
+             << "N.yaml): configuration N failing again replaces its file";
+  else
+    progress << "; this run's are named " << mine << "N.yaml";
+  progress << std::endl;
 }
 
 FuzzResult fuzz(const FuzzOptions& o, std::ostream& progress) {

@@ -50,6 +50,8 @@ namespace {
 /// the job first; 0 for every other command (not an MPI job).
 std::chrono::milliseconds g_failure_delay{0};
 
+void say_failure(const std::string& text);
+
 /// The cases of a file with the `--set` overrides, those the overrides do
 /// not fit left out (load_cases) and each named on stderr as it is loaded,
 /// before anything runs.
@@ -392,10 +394,12 @@ int cmd_validate(const CLI::App* cmd, const std::vector<std::string>& files, con
       std::cout << f << ": " << cases.size() << " case(s) valid\n";
       for (const auto& c : cases) std::cout << "  " << c.name << ": " << c.summary() << "\n";
     } catch (const Error& e) {
-      if (e.kind != ErrorKind::bad_input || files.size() == 1) throw;
+      // a --set value wrong in itself is every file's error: said once, as any bad input
+      const bool of_the_file = std::string(e.what()).rfind("--set ", 0) != 0;
+      if (e.kind != ErrorKind::bad_input || files.size() == 1 || !of_the_file) throw;
       ++invalid;
       std::cout << std::flush;
-      std::cerr << "moeverify: " << printable(e.what(), 4000) << std::endl;
+      say_failure(printable(e.what(), 4000));
     }
   }
   if (invalid) std::cout << invalid << " of " << files.size() << " file(s) invalid (each error above)\n";

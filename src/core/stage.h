@@ -133,9 +133,10 @@ struct Decision {
   std::string reason;  // why it does not apply (or why it was chosen)
 };
 
-/// How a check in the logits, gemm and end_to_end classes opens the part of
-/// its note that states its bound and the largest share of it used; the
-/// summary report, which gives the case's largest share, leaves that part out.
+/// How a check in the logits, gemm and end_to_end classes opens the clause
+/// of its note that states its bound and the largest share of it used (up
+/// to the next "; "); the summary report, which gives the case's largest
+/// share, leaves that clause out.
 inline constexpr const char* kScaledBoundNote = "bound atol + rtol * max(|ref|, sum of |terms|)";
 
 /// How check's routing ids note opens: how the ids were judged. Alone (no

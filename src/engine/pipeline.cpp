@@ -779,7 +779,7 @@ class Pipeline {
       Check ch = make_check(c_, "end_to_end", "fp8_vs_act", oe, hf ? &fast_.at("out", r) : nullptr,
                             ha ? &act.at("out", r) : nullptr, fast_.ranks[size_t(r)], r, R_, "act reference chain",
                             ha ? &S : nullptr, nullptr, &tol, ha ? &mask : nullptr);
-      ch.note += std::string(ch.note.empty() ? "" : "; ") + "plus the FP8 term of docs/contract.md §16";
+      ch.note += std::string(ch.note.empty() ? "" : ", ") + "plus the FP8 term of docs/contract.md §16";  // of the bound clause
       if (skipped)
         ch.note += "; " + std::to_string(skipped) + " element(s) not compared: the act value or its bound reaches past " +
                    dtype_name(c_.dtype) + "'s largest finite value";

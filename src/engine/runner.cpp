@@ -93,7 +93,7 @@ Check make_check(const Case& c, const std::string& slot, const std::string& vari
   if (scale && ch.diff.structural.empty() && ch.diff.max_bound_ratio > 0) {
     std::ostringstream n;
     n.precision(3);
-    n << kScaledBoundNote << " (docs/contract.md, comparison classes); largest error/bound " << ch.diff.max_bound_ratio;
+    n << kScaledBoundNote << " (docs/contract.md, comparison classes), largest error/bound " << ch.diff.max_bound_ratio;
     ch.note += (ch.note.empty() ? "" : "; ") + n.str();
   }
   if (f && r) add_hints(ch, slot, *f, *r, fb);  // run and check alike

@@ -216,9 +216,13 @@ void print_passed_check_notes(const CaseReport& r, std::ostream& os) {
   std::vector<Said> said;
   for (const Check& ch : r.checks) {
     if (ch.outcome != Outcome::PASSED) continue;
-    std::string note = ch.note;  // without its bound part, which the summary line gives for the case
-    const size_t bound_at = note.find(kScaledBoundNote);
-    if (bound_at != std::string::npos) note.resize(bound_at >= 2 && note.compare(bound_at - 2, 2, "; ") == 0 ? bound_at - 2 : bound_at);
+    std::string note = ch.note;  // without its bound clause, which the summary line gives for the case
+    if (const size_t at = note.find(kScaledBoundNote); at != std::string::npos) {
+      const size_t end = note.find("; ", at);  // what follows the clause stays
+      const bool after_sep = at >= 2 && note.compare(at - 2, 2, "; ") == 0;
+      if (end == std::string::npos) note.erase(after_sep ? at - 2 : at);
+      else note.erase(at, end + 2 - at);
+    }
     const bool how_judged_only = note.rfind(kSelectionNote, 0) == 0 && note.find(';') == std::string::npos;
     if (note.empty() || how_judged_only) continue;  // said of every routing check: nothing particular
     const size_t at = ch.tensor.rfind('@');
