@@ -187,7 +187,8 @@ TEST_CASE("the summary folds what ranks say alike and keeps the notes of passed 
   }
   r.notes = {"stage ep_dispatch: the implementation's recv@0 is wrong", "stage ep_dispatch: the implementation's recv@2 is wrong",
              "stage ep_dispatch: the implementation's recv@1 is wrong", "a path /tmp/x@123456789012345678901",
-             "two ranks a@1 b@2"};
+             "two ranks a@1 b@2", "stage capacity rank 0: ties kept", "stage capacity rank 1: ties kept",
+             "stage routing rank 2: alone"};
   std::ostringstream out;
   print_report(r, out, ReportDetail::summary);  // PASSED: the few-line summary
   const std::string t = out.str();
@@ -197,6 +198,8 @@ TEST_CASE("the summary folds what ranks say alike and keeps the notes of passed 
   CHECK(t.find("note: stage ep_dispatch: the implementation's recv@0-2 is wrong\n") != std::string::npos);
   CHECK(t.find("note: a path /tmp/x@123456789012345678901\n") != std::string::npos);  // no overflow, kept
   CHECK(t.find("note: two ranks a@1 b@2\n") != std::string::npos);  // two ranks named: as written
+  CHECK(t.find("note: stage capacity ranks 0-1: ties kept\n") != std::string::npos);
+  CHECK(t.find("note: stage routing rank 2: alone\n") != std::string::npos);
   std::ostringstream every;
   print_report(r, every, ReportDetail::every_check);
   CHECK(every.str().find("recv@1 is wrong") != std::string::npos);  // --verbose: each note as it is

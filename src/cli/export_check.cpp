@@ -61,8 +61,8 @@ void expected_ids_row(const int32_t* a, const int32_t* s, int64_t K, int32_t* ou
 }
 
 /// Stage names of a case's L layer entries ("routing", "layer2/routing")
-/// for the coverage note: each stage once, its layers after it ("routing
-/// (every layer)", "experts (layer 1,3)"); the JSON keeps each entry's name.
+/// for the coverage note: each stage once, its layers after it ("routing in
+/// every layer", "experts in layers 1,3"); the JSON keeps each entry's name.
 std::string stage_list(const std::vector<std::string>& names, int L) {
   std::vector<std::pair<std::string, std::set<int>>> by_stage;
   for (const auto& n : names) {
@@ -79,7 +79,10 @@ std::string stage_list(const std::vector<std::string>& names, int L) {
   std::string m;
   for (const auto& [base, layers] : by_stage)
     m += (m.empty() ? "" : ", ") + base +
-         (L == 1 ? "" : int(layers.size()) == L ? " (every layer)" : " (layer " + int_ranges(layers) + ")");
+         (L == 1                       ? ""
+          : int(layers.size()) == L    ? " in every layer"
+          : layers.size() == 1         ? " in layer " + int_ranges(layers)
+                                       : " in layers " + int_ranges(layers));
   return m;
 }
 

@@ -153,7 +153,7 @@ Manifest read_manifest(const std::string& folder) {
     bad_input(printable(mpath, 200) + ": needs \"case\", \"ranks\" and \"tensors\"; " + valid);
   Case c = case_from_json(m["case"], mpath);
   c.source = mpath;
-  check_case_memory(c, 1, command_memory_limit().bytes, command_memory_limit().origin);
+  check_case_memory(c, 1, command_memory_limit());
   if (m["ranks"].get<int64_t>() != c.ep)
     bad_input(printable(mpath, 200) + ": \"ranks\" is " + m["ranks"].dump() + " but the case has ep " +
               std::to_string(c.ep) + "; " + valid);
@@ -258,7 +258,7 @@ int cmd_export(const std::string& file, const std::string& dir, const CaseFilter
               profile->file + " " + printable(file, 200) + " lists them)");
   // The estimate of `run` bounds the reference chain's memory from above.
   for (const Case& c : chosen)
-    check_case_memory(c, 1, command_memory_limit().bytes, command_memory_limit().origin);
+    check_case_memory(c, 1, command_memory_limit());
   prepare_dump_root(dir, "export DIR");
   for (const Case& c : chosen) {
     const std::string folder = dir + "/" + dump_folder_name(c.name);

@@ -1042,7 +1042,8 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.footer("Exit codes: 0 PASSED, 1 INCORRECT (fuzz: a failure or a crash of --impl), 2 bad input (file, line, "
              "what would be valid), 3 ERROR or an internal error, 4 NOT_VERIFIED (nothing could show a bug), "
-             "5 NOT_SUPPORTED; a run exits with its worst case.");
+             "5 NOT_SUPPORTED; a run exits with its worst case; fuzz --impl cut short by SIGINT or SIGTERM: 130 or 143 "
+             "unless it found a failure.");
   Commands c;
   add_run_validate_list(app, c);
   add_export_check(app, c);

@@ -253,6 +253,7 @@ class MpiComm final : public Comm {
     int64_t k = 0;
     uint64_t name_hash = 0;  // FNV-1a of the whole name: names alike in their first 55 characters still differ
     char name[56] = {0};     // the name's first 55 characters, to print
+    bool cut = false;        // the name is longer
   };
   static uint64_t fnv1a(const char* s) {
     uint64_t h = 1469598103934665603ull;
@@ -271,6 +272,7 @@ class MpiComm final : public Comm {
     a.sent.k = ++collectives_;
     std::strncpy(a.sent.name, what, sizeof a.sent.name - 1);
     a.sent.name_hash = fnv1a(what);
+    a.sent.cut = std::strlen(what) >= sizeof a.sent.name;
     if (a.sent.k == stall_at_ && !stall_inside_) std::raise(SIGSTOP);  // the test hook below
     a.got.assign(size_t(size_), Notice{});
     for (int p = 0; p < size_; ++p) {
@@ -381,7 +383,7 @@ class MpiComm final : public Comm {
                      "collective number %lld as %.55s%s; the ranks disagree on which collectives run; aborting the "
                      "job\n",
                      rank_, host_name().c_str(), int(getpid()), what, call, (long long)a.sent.k, a.peer[i],
-                     (long long)n.k, n.name, std::strlen(n.name) == sizeof n.name - 1 ? "..." : "");
+                     (long long)n.k, n.name, n.cut ? "..." : "");
         std::fflush(stderr);
         MPI_Abort(MPI_COMM_WORLD, 3);
         std::_Exit(3);

@@ -64,6 +64,9 @@ std::string format_bytes(double bytes);
 /// the message names the case and its location, the estimate and the limit
 /// (`limit_origin` says where the limit came from).
 void check_case_memory(const Case& c, int threads, uint64_t limit_bytes, const std::string& limit_origin);
+inline void check_case_memory(const Case& c, int threads, const MemoryLimit& limit) {
+  check_case_memory(c, threads, limit.bytes, limit.origin);
+}
 
 /// Per-case measurement of the resident peak: reset_peak_rss() resets the
 /// kernel's high-water mark (Linux >= 4.0, /proc/self/clear_refs); it

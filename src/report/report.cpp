@@ -182,27 +182,30 @@ constexpr size_t kSummaryCheckNotes = 4;
 
 
 /// Notes that differ only in one rank ("recv@0 is wrong", "recv@1 is
-/// wrong") as one ("recv@0-1 is wrong"), in the order of their first; a note
+/// wrong"; "stage x rank 0: ...", "stage x rank 1: ...") as one ("recv@0-1
+/// is wrong", "stage x ranks 0-1: ..."), in the order of their first; a note
 /// naming no rank, or more than one, stays as it is.
 std::vector<std::string> fold_ranks(const std::vector<std::string>& notes) {
-  // a rank has at most 6 digits (MPI jobs are far smaller); a longer number
-  // after '@' in a note (a path) is text, and std::stoi could not hold it
-  static const std::regex at_rank(R"(([A-Za-z0-9_])@([0-9]{1,6})\b)");
-  std::vector<std::pair<std::string, std::set<int>>> folded;  // note with "@\x01" -> ranks
+  // "name@R" or "rank R", R of at most 6 digits (MPI jobs are far smaller):
+  // a longer number in a note (a path) is text, and std::stoi could not hold it
+  static const std::regex ranked(R"((([A-Za-z0-9_])@|\brank )([0-9]{1,6})\b)");
+  std::vector<std::pair<std::string, std::set<int>>> folded;  // note with "\x01" for the rank -> ranks
   for (const auto& n : notes) {
     std::smatch m;
-    const bool one = std::regex_search(n, m, at_rank) &&
-                     !std::regex_search(m.suffix().first, n.end(), at_rank);
-    const std::string key = one ? m.prefix().str() + m[1].str() + "@\x01" + m.suffix().str() : n;
+    const bool one = std::regex_search(n, m, ranked) && !std::regex_search(m.suffix().first, n.end(), ranked);
+    const std::string key = one ? m.prefix().str() + m[1].str() + "\x01" + m.suffix().str() : n;
     auto f = std::find_if(folded.begin(), folded.end(), [&](const auto& e) { return e.first == key; });
     if (f == folded.end()) f = folded.insert(folded.end(), {key, {}});
-    if (one) f->second.insert(std::stoi(m[2].str()));
+    if (one) f->second.insert(std::stoi(m[3].str()));
   }
   std::vector<std::string> out;
   for (auto& [key, ranks] : folded) {
     std::string n = key;
-    const size_t at = n.find("@\x01");
-    if (at != std::string::npos) n.replace(at, 2, "@" + int_ranges(ranks));
+    const size_t at = n.find('\x01');
+    if (at != std::string::npos) {
+      n.replace(at, 1, int_ranges(ranks));
+      if (ranks.size() > 1 && at >= 5 && n.compare(at - 5, 5, "rank ") == 0) n.insert(at - 1, "s");  // "ranks 0-3"
+    }
     out.push_back(n);
   }
   return out;
@@ -294,10 +297,12 @@ void print_variant_row(const VariantRow& row, bool first, bool on_device, std::o
     int64_t mismatches = 0, total = 0;
     double max_abs = 0, bound = 0;
     bool any_tolerance = false;
+    int64_t rows_off = 0;  // checks whose row count differs: no element compared
     for (const Check* ch : row.checks) {
       o = worst(o, ch->outcome);
       mismatches += ch->diff.mismatches;
       total += ch->diff.total;
+      rows_off += ch->rows.expected >= 0 && ch->rows.actual >= 0 && ch->rows.actual != ch->rows.expected;
       if (!(ch->diff.max_abs <= max_abs)) max_abs = ch->diff.max_abs;  // NaN wins: it is shown
       if (ch->cls != CompareClass::exact) {
         any_tolerance = true;
@@ -305,7 +310,9 @@ void print_variant_row(const VariantRow& row, bool first, bool on_device, std::o
       }
     }
     os << left(row.checks.empty() ? "(no checks)" : outcome_name(o), 14) << right(std::to_string(row.checks.size()), 7)
-       << right(std::to_string(mismatches) + "/" + std::to_string(total), 22) << right(num(max_abs), 10)
+       << right(std::to_string(mismatches) + "/" + std::to_string(total) +
+                    (rows_off ? ", " + std::to_string(rows_off) + " off by rows" : ""), 22)
+       << right(num(max_abs), 10)
        << right(any_tolerance ? num(bound) : "-", 11);
     if (d) os << right(secs(d->fast_seconds), 11) << right(secs(d->fast_seconds + d->ref_seconds + d->compare_seconds), 11);
     if (d && on_device && d->device_seconds >= 0) os << right(secs(d->device_seconds), 11);
@@ -386,7 +393,8 @@ void print_report(const CaseReport& r, std::ostream& os, ReportDetail detail) {
     print_variant_row(row, first, on_device, os);
     if (row.decision) print_variant_notes(*row.decision, every, os);
   }
-  if (!unchecked.empty()) os << "   no checks (--verbose: their rows): " << unchecked << "\n";
+  // (check's coverage note names its unwritten stages: not said twice)
+  if (!unchecked.empty() && !r.coverage.valid) os << "   no checks (--verbose: their rows): " << unchecked << "\n";
   if (!idle_groups.empty()) {
     os << "   stages not taken (--verbose lists each variant):\n";
     for (const auto& [why, slots] : idle_groups) {
