@@ -510,6 +510,7 @@ FuzzResult fuzz_impl(const FuzzOptions& o, const ImplOptions& impl, std::ostream
   if (o.seconds <= 0 && o.iterations == 0) bad_input("fuzz: give --seconds or --iterations");
   signal(SIGPIPE, SIG_IGN);  // a worker that died is seen at its pipe's EPIPE, not by a signal
   g_interrupted = false;
+  g_interrupt_signal = 0;
   g_stop_commands = false;
   struct sigaction sa {}, old_int {}, old_term {};
   sa.sa_handler = on_interrupt;

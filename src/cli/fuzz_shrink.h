@@ -60,8 +60,8 @@ std::string replay_bound(const FuzzOptions& o);
 
 /// Checks --out (made when missing) before the first draw and says, in one
 /// line on `progress`, which case files of earlier runs it already holds
-/// (kept, never removed: they may be someone's), so that they are not taken
-/// for this run's failures.
+/// (kept: they may be someone's; a configuration of the same seed failing
+/// again replaces its own), so that they are not taken for this run's.
 void prepare_out_dir(const FuzzOptions& o, std::ostream& progress);
 
 }  // namespace moev

@@ -329,7 +329,7 @@ int cmd_run(const CLI::App* cmd, const RunArgs& a) {
   // memory, then the output paths.
   for (const auto& [file, cases] : all)
     for (const auto& c : cases)
-      if (selected(c)) check_case_memory(c, threads, limit.bytes, limit.origin);
+      if (selected(c)) check_case_memory(c, threads, limit);
   if (writer && want_json) check_output_file("--json", a.json, a.files);
   if (writer && want_dump) prepare_dump_root(a.dump);
   if (writer) opt.dump_dir = a.dump;
@@ -390,7 +390,7 @@ int cmd_validate(const CLI::App* cmd, const std::vector<std::string>& files, con
   for (const auto& f : files) {
     try {
       const auto cases = load_noting_left_out(f, sets);
-      for (const auto& c : cases) check_case_memory(c, threads, limit.bytes, limit.origin);
+      for (const auto& c : cases) check_case_memory(c, threads, limit);
       std::cout << f << ": " << cases.size() << " case(s) valid\n";
       for (const auto& c : cases) std::cout << "  " << c.name << ": " << c.summary() << "\n";
     } catch (const Error& e) {
@@ -615,7 +615,7 @@ int cmd_bench(const CLI::App* cmd, const BenchArgs& a) {
       if (a.cases.selects(c.name)) selected.push_back({f, c});
     }
   a.cases.check_each_used(names, "the given files");
-  for (const auto& [f, c] : selected) check_case_memory(c, o.threads, limit.bytes, limit.origin);
+  for (const auto& [f, c] : selected) check_case_memory(c, o.threads, limit);
   if (want_json) check_output_file("--json", a.json, a.files);
   if (want_plot) check_output_file("--plot", a.plot, a.files);
   if (want_json && want_plot && a.json == a.plot)

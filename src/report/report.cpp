@@ -88,10 +88,16 @@ std::string right(const std::string& text, size_t w) {
   return text.size() < w ? std::string(w - text.size(), ' ') + text : " " + text;
 }
 
-/// A check's mismatch/total cell: where the row counts differ (nothing was
-/// compared element by element) the rows, yours and the reference's.
+/// Whether `ch` failed on its row count (check: nothing was compared element
+/// by element).
+bool rows_differ(const Check& ch) {
+  return ch.rows.expected >= 0 && ch.rows.actual >= 0 && ch.rows.actual != ch.rows.expected;
+}
+
+/// A check's mismatch/total cell: where the row counts differ, the rows,
+/// yours and the reference's.
 std::string mismatch_cell(const Check& ch) {
-  if (ch.rows.expected >= 0 && ch.rows.actual >= 0 && ch.rows.actual != ch.rows.expected)
+  if (rows_differ(ch))
     return "rows " + std::to_string(ch.rows.actual) + " vs " + std::to_string(ch.rows.expected);
   return std::to_string(ch.diff.mismatches) + "/" + std::to_string(ch.diff.total);
 }
@@ -179,7 +185,6 @@ void print_overload(const CaseReport& r, std::ostream& os, bool every) {
 
 /// Distinct notes of passed checks that the summary shows.
 constexpr size_t kSummaryCheckNotes = 4;
-
 
 /// Notes that differ only in one rank ("recv@0 is wrong", "recv@1 is
 /// wrong"; "stage x rank 0: ...", "stage x rank 1: ...") as one ("recv@0-1
@@ -302,7 +307,7 @@ void print_variant_row(const VariantRow& row, bool first, bool on_device, std::o
       o = worst(o, ch->outcome);
       mismatches += ch->diff.mismatches;
       total += ch->diff.total;
-      rows_off += ch->rows.expected >= 0 && ch->rows.actual >= 0 && ch->rows.actual != ch->rows.expected;
+      rows_off += rows_differ(*ch);
       if (!(ch->diff.max_abs <= max_abs)) max_abs = ch->diff.max_abs;  // NaN wins: it is shown
       if (ch->cls != CompareClass::exact) {
         any_tolerance = true;
