@@ -412,8 +412,8 @@ void golden_inputs(const Case& c, const std::string& prefix, const Board& board,
 
 /// A check's tensor "name@rank" (or "name": rank 0) as its name and rank.
 std::pair<std::string, int> tensor_and_rank(const Check& ch) {
-  const size_t at = ch.tensor.find('@');
-  return {ch.tensor.substr(0, at), at == std::string::npos ? 0 : std::atoi(ch.tensor.c_str() + at + 1)};
+  const auto [name, rank] = split_tensor_rank(ch.tensor);
+  return {name, std::max(rank, 0)};
 }
 
 /// The pipeline of one layer entry (see run_external), its stages labelled

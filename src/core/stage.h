@@ -143,6 +143,16 @@ inline constexpr const char* kScaledBoundNote = "bound atol + rtol * max(|ref|, 
 /// tie, near-tie or strict rule after it), the summary report leaves it out.
 inline constexpr const char* kSelectionNote = "ids judged as a selection per token on the ";
 
+/// A check's tensor "name@rank" split into its name and rank; -1 where it
+/// names no rank (a rank has at most 6 digits).
+inline std::pair<std::string, int> split_tensor_rank(const std::string& tensor) {
+  const size_t at = tensor.rfind('@');
+  const bool ranked = at != std::string::npos && at + 1 < tensor.size() && tensor.size() - at <= 7 &&
+                      tensor.find_first_not_of("0123456789", at + 1) == std::string::npos;
+  if (!ranked) return {tensor, -1};
+  return {tensor.substr(0, at), std::stoi(tensor.substr(at + 1))};
+}
+
 /// A report line about one comparison.
 struct Check {
   std::string slot, variant, tensor, against = "reference";

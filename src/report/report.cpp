@@ -216,6 +216,30 @@ std::vector<std::string> fold_ranks(const std::vector<std::string>& notes) {
   return out;
 }
 
+/// The first `limit` of `lines` (each capped), each after `lead`, then
+/// `more_lead` "... (N more MORE)" for the rest.
+void print_first(const std::vector<std::string>& lines, size_t limit, const std::string& lead,
+                 const std::string& more_lead, const char* more, std::ostream& os) {
+  const size_t shown = std::min(lines.size(), limit);
+  for (size_t i = 0; i < shown; ++i) os << lead << capped(lines[i]) << "\n";
+  if (shown < lines.size()) os << more_lead << "... (" << lines.size() - shown << " more " << more << ")\n";
+}
+
+/// A passed check's note as the summary shows it: without the clause that
+/// states its bound (the summary line gives the case's largest share), ""
+/// where nothing particular is left (the routing note that only says how ids
+/// are judged).
+std::string summary_note(std::string note) {
+  if (const size_t at = note.find(kScaledBoundNote); at != std::string::npos) {
+    const size_t end = note.find("; ", at);  // what follows the clause stays
+    const bool after_sep = at >= 2 && note.compare(at - 2, 2, "; ") == 0;
+    if (end == std::string::npos) note.erase(after_sep ? at - 2 : at);
+    else note.erase(at, end + 2 - at);
+  }
+  const bool how_judged_only = note.rfind(kSelectionNote, 0) == 0 && note.find(';') == std::string::npos;
+  return how_judged_only ? "" : note;
+}
+
 /// The notes of PASSED checks, which the summary's rows do not show (an
 /// exact tie accepted, a tolerance chosen and why): each distinct note once,
 /// after the stage and tensors it was said of, ranks folded ("recv@0-3").
@@ -224,24 +248,15 @@ void print_passed_check_notes(const CaseReport& r, std::ostream& os) {
   std::vector<Said> said;
   for (const Check& ch : r.checks) {
     if (ch.outcome != Outcome::PASSED) continue;
-    std::string note = ch.note;  // without its bound clause, which the summary line gives for the case
-    if (const size_t at = note.find(kScaledBoundNote); at != std::string::npos) {
-      const size_t end = note.find("; ", at);  // what follows the clause stays
-      const bool after_sep = at >= 2 && note.compare(at - 2, 2, "; ") == 0;
-      if (end == std::string::npos) note.erase(after_sep ? at - 2 : at);
-      else note.erase(at, end + 2 - at);
-    }
-    const bool how_judged_only = note.rfind(kSelectionNote, 0) == 0 && note.find(';') == std::string::npos;
-    if (note.empty() || how_judged_only) continue;  // said of every routing check: nothing particular
-    const size_t at = ch.tensor.rfind('@');
-    const bool ranked = at != std::string::npos && at + 1 < ch.tensor.size() && ch.tensor.size() - at <= 7 &&
-                        ch.tensor.find_first_not_of("0123456789", at + 1) == std::string::npos;
-    const std::string where = ch.slot + " " + (ranked ? ch.tensor.substr(0, at) : ch.tensor);
+    const std::string note = summary_note(ch.note);
+    if (note.empty()) continue;
+    const auto [name, rank] = split_tensor_rank(ch.tensor);
+    const std::string where = ch.slot + " " + name;
     auto s = std::find_if(said.begin(), said.end(), [&](const Said& e) { return e.note == note; });
     if (s == said.end()) s = said.insert(said.end(), Said{note, {}});
     auto t = std::find_if(s->tensors.begin(), s->tensors.end(), [&](const auto& e) { return e.first == where; });
     if (t == s->tensors.end()) t = s->tensors.insert(s->tensors.end(), {where, {}});
-    if (ranked) t->second.insert(std::stoi(ch.tensor.substr(at + 1)));
+    if (rank >= 0) t->second.insert(rank);
   }
   std::vector<std::string> lines;
   for (const Said& s : said) {
@@ -250,10 +265,7 @@ void print_passed_check_notes(const CaseReport& r, std::ostream& os) {
       on += (on.empty() ? "" : ", ") + where + (ranks.empty() ? "" : "@" + int_ranges(ranks));
     lines.push_back(on + ": " + s.note);
   }
-  const size_t shown = std::min(lines.size(), kSummaryCheckNotes);
-  for (size_t i = 0; i < shown; ++i) os << "   passed, with a note: " << capped(lines[i]) << "\n";
-  if (shown < lines.size())
-    os << "   ... (" << lines.size() - shown << " more notes of passed checks with --verbose)\n";
+  print_first(lines, kSummaryCheckNotes, "   passed, with a note: ", "   ", "notes of passed checks with --verbose", os);
 }
 
 /// A case whose every check passed, in a few lines: what was compared, the
@@ -331,11 +343,8 @@ void print_variant_notes(const VariantDecision& v, bool every, std::ostream& os)
   std::vector<std::string> notes;
   for (const auto& n : v.notes)
     if (every || std::find(notes.begin(), notes.end(), n) == notes.end()) notes.push_back(n);
-  const size_t shown = every ? notes.size() : std::min(notes.size(), kSummaryNotes);
-  std::vector<std::string> kept(notes.begin(), notes.begin() + std::ptrdiff_t(shown));
-  for (const auto& n : capped(kept)) os << std::string(20, ' ') << "- " << n << "\n";
-  if (shown < notes.size())
-    os << std::string(20, ' ') << "- ... (" << notes.size() - shown << " more notes with --verbose)\n";
+  const std::string lead = std::string(20, ' ') + "- ";
+  print_first(notes, every ? kMaxNotes : kSummaryNotes, lead, lead, every ? "notes" : "notes with --verbose", os);
 }
 
 }  // namespace
