@@ -39,6 +39,8 @@ n_cases=$(grep -c "^== case" "$tmp/out")
 [ "$n_cases" -gt 1 ] && [ "$(grep -c "=> NOT_SUPPORTED: --backend cuda: " "$tmp/out")" = "$n_cases" ] ||
   { echo "FAIL backend-cuda: every case must be one NOT_SUPPORTED line"; head -20 "$tmp/out"; fails=$((fails + 1)); }
 ! grep -q "router_logits" "$tmp/out" || { echo "FAIL backend-cuda: a stage ran"; fails=$((fails + 1)); }
+# (nothing compared, so no tolerance table)
+! grep -q "^tolerance table" "$tmp/out" || { echo "FAIL backend-cuda: a tolerance table for nothing compared"; fails=$((fails + 1)); }
 python3 -c "import json,sys; d=json.load(open(sys.argv[1])); assert d['outcome']=='NOT_SUPPORTED' and all(c['backend']=='cuda' for c in d['cases'])" "$tmp/cuda.json" ||
   { echo "FAIL backend-cuda JSON"; fails=$((fails + 1)); }
 printf 'cases:\n  - name: a\n    backend: cuda\n' >"$tmp/cuda.yaml"

@@ -130,6 +130,11 @@ grep -q "repro: .* && { timeout 0.5 sh -c 'sleep 30; : " "$work/o3t.txt" ||
 # (out3 held the signal run's case file: said, and kept)
 grep -q "^fuzz: --out $work/out3 already holds 1 case file(s) of earlier runs (fuzz_1_0.yaml), kept but for the 1 of seed 1 (fuzz_1_N.yaml): configuration N failing again replaces its file" "$work/o3t.txt" ||
   { cat "$work/o3t.txt"; ls "$work/out3"; fail "--out: an earlier run's case file not said"; }
+# (named in counting order: 2 before 10)
+mkdir -p "$work/out3n" && touch "$work/out3n/fuzz_7_10.yaml" "$work/out3n/fuzz_7_2.yaml" "$work/out3n/fuzz_7_9.yaml"
+"$bin" fuzz --impl "true {case}" --iterations 1 --seed 1 --no-shrink --out "$work/out3n" >"$work/o3n.txt" 2>&1
+grep -q "already holds 3 case file(s) of earlier runs (fuzz_7_2.yaml, fuzz_7_9.yaml, fuzz_7_10.yaml)" "$work/o3n.txt" ||
+  { cat "$work/o3n.txt"; fail "--out: earlier case files not in counting order"; }
 # ... a worker's too, its command run as the fuzz ran it (sh -c: VAR=value,
 # a leading parenthesis or a # stay inside it), and the line runs as printed
 "$bin" fuzz --impl "X=1 sleep 30 # a worker" --worker --impl-timeout 0.5 --iterations 1 --seed 1 --no-shrink \

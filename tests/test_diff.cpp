@@ -314,6 +314,10 @@ TEST_CASE("diff_tensors names only the reported mismatches", "[cpu][diff]") {
   CHECK(named == 6);
   REQUIRE(r.last.size() == 3);
   CHECK(r.last.back().index == n - 2);
+  // A shape mismatch names both shapes as NumPy writes them, (80,) for 1-d.
+  const DiffResult s = diff_tensors(Tensor::alloc(ElemType::bf16, {80}, 0), Tensor::alloc(ElemType::bf16, {80, 1}, 0),
+                                    CompareClass::exact, {0, 0}, coords);
+  CHECK(s.structural == "fast bf16(80,) vs reference bf16(80, 1)");
 }
 
 TEST_CASE("diff_tensors: +0 against -0 agrees only for outside code (zero_sign_free)", "[cpu][diff]") {

@@ -244,6 +244,33 @@ std::string replay_bound(const FuzzOptions& o) {
   return b.str();
 }
 
+// Names in the order a person counts them: a run of digits compares as a
+// number (fuzz_7_2.yaml before fuzz_7_10.yaml), the rest as text.
+static bool natural_less(const std::string& a, const std::string& b) {
+  const auto digit = [](char ch) { return ch >= '0' && ch <= '9'; };
+  size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    if (digit(a[i]) && digit(b[j])) {
+      size_t ie = i, je = j;
+      while (ie < a.size() && digit(a[ie])) ++ie;
+      while (je < b.size() && digit(b[je])) ++je;
+      // Leading zeros aside, the longer run is the larger number.
+      while (i + 1 < ie && a[i] == '0') ++i;
+      while (j + 1 < je && b[j] == '0') ++j;
+      if (ie - i != je - j) return ie - i < je - j;
+      const int c = a.compare(i, ie - i, b, j, je - j);
+      if (c != 0) return c < 0;
+      i = ie;
+      j = je;
+    } else {
+      if (a[i] != b[j]) return a[i] < b[j];
+      ++i;
+      ++j;
+    }
+  }
+  return a.size() - i < b.size() - j;
+}
+
 void prepare_out_dir(const FuzzOptions& o, std::ostream& progress) {
   if (o.out_dir.empty()) return;
   // --out is a folder that exists or can be made in an existing one (never
@@ -256,7 +283,7 @@ void prepare_out_dir(const FuzzOptions& o, std::ostream& progress) {
     if (n.rfind("fuzz_", 0) == 0 && e.path().extension() == ".yaml") earlier.push_back(n);
   }
   if (earlier.empty()) return;
-  std::sort(earlier.begin(), earlier.end());
+  std::sort(earlier.begin(), earlier.end(), natural_less);
   std::string names;
   for (size_t i = 0; i < earlier.size() && i < 3; ++i) names += (i ? ", " : "") + printable(earlier[i], 80);
   const std::string mine = "fuzz_" + std::to_string(o.seed) + "_";

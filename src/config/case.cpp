@@ -208,19 +208,26 @@ std::string Case::summary() const {
     for (size_t i = 0; i < tokens_per_rank.size(); ++i) o << (i ? "," : "") << tokens_per_rank[i];
     o << "]";
   }
-  o << " D=" << hidden << " F=" << ffn << " E=" << num_experts << " K=" << top_k << " "
+  // F and the experts' implementation only where a SwiGLU uses them.
+  const bool swiglu_experts = experts.kind == ExpertKind::swiglu;
+  o << " D=" << hidden;
+  if (swiglu_experts || shared.kind == SharedKind::swiglu) o << " F=" << ffn;
+  o << " E=" << num_experts << " K=" << top_k << " "
     << dtype_name(dtype) << " data=" << enum_name(data_mode_table(), data) << " backend=" << enum_name(backend_table(), backend) << " seed=" << seed
     << " router=" << enum_name(score_table(), router.score)
     << (router.force_load_balance == Switch::on ? "+force_lb" : "")
     << (router.bias == Switch::on ? "+bias" : "")
     << (router.groups > 1 ? "+groups" + std::to_string(router.groups) + "/" + std::to_string(router.limited_groups) : "")
-    << " experts=" << enum_name(expert_kind_table(), experts.kind) << "/" << enum_name(experts_impl_table(), experts.impl)
+    << " experts=" << enum_name(expert_kind_table(), experts.kind)
+    << (swiglu_experts ? "/" + std::string(enum_name(experts_impl_table(), experts.impl)) : "")
     << " shared=" << enum_name(shared_kind_table(), shared.kind)
     << " combine=" << enum_name(accumulate_table(), combine.accumulate) << "/"
     << enum_name(placement_table(), combine.placement) << "/" << enum_name(out_buffer_table(), combine.buffer);
   if (ep > 1 || align > 1) {
-    if (equal_split.policy != EqualSplitPolicy::off)
-      o << " equal_split=" << enum_name(equal_split_table(), equal_split.policy) << "@" << equal_split.threshold;
+    if (equal_split.policy != EqualSplitPolicy::off) {  // the threshold only where it chooses
+      o << " equal_split=" << enum_name(equal_split_table(), equal_split.policy);
+      if (equal_split.policy == EqualSplitPolicy::adaptive) o << "@" << equal_split.threshold;
+    }
     o << " ep=" << ep << " align=" << align << "/" << enum_name(empty_groups_table(), empty_groups)
       << " permute=" << enum_name(permute_table(), permute);
   }
@@ -230,14 +237,16 @@ std::string Case::summary() const {
   if (score_multiply != k::ScoreMultiply::fp32)
     o << " score_multiply=" << enum_name(score_multiply_table(), score_multiply);
   if (score_on_hidden == Switch::on) o << " score_on_hidden=on";
-  if (experts.w13_fused == Switch::on) o << " experts.w13_fused=on";
-  if (experts.rounding != k::SiluRounding::fused)
+  // A convention is named where it is not the default and has an effect.
+  const auto named = [&](const char* key) { return key_without_effect(key, *this).empty(); };
+  if (experts.w13_fused == Switch::on && named("experts.w13_fused")) o << " experts.w13_fused=on";
+  if (experts.rounding != k::SiluRounding::fused && named("experts.rounding"))
     o << " experts.rounding=" << enum_name(experts_rounding_table(), experts.rounding);
-  if (experts.compute_dtype != ComputeDtype::act)
+  if (experts.compute_dtype != ComputeDtype::act && named("experts.compute_dtype"))
     o << " experts.compute_dtype=" << enum_name(compute_dtype_table(), experts.compute_dtype);
   if (streams_weights()) o << " experts.weights=streamed";
   if (backward == Switch::on) o << " backward=on";
-  if (grad_accumulate != GradAccumulate::as_combine)
+  if (grad_accumulate != GradAccumulate::as_combine && named("grad_accumulate"))
     o << " grad_accumulate=" << enum_name(grad_accumulate_table(), grad_accumulate);
   if (layers > 1) o << " layers=" << layers;
   if (router.hot_expert >= 0) o << " hot_expert=" << router.hot_expert;

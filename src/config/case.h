@@ -223,6 +223,14 @@ constexpr size_t kMaxCaseNameChars = 200;
 /// (`--set ep=4` beside a case's own four-entry tokens_per_rank, a top_k
 /// above its experts) is left out and named there with the reason, one line
 /// each; the file is refused only when the overrides fit none of its cases.
+/// It also names there, FILE:LINE first, each key the file writes that
+/// changes none of the cases it applies to (`combine.alias_offset` beside
+/// `combine.buffer: fresh`), with why.
+/// Why the case key `key` changes nothing in `c` ("combine.buffer is fresh;
+/// ..."), or "" where it may. Only rules that hold for every stage: a key
+/// named here is read by no stage, input draw or estimate of the case
+/// (tests/inert_keys.sh runs each rule's pair of values).
+std::string key_without_effect(const std::string& key, const Case& c);
 std::vector<Case> load_cases(const std::string& path, const std::vector<std::string>& overrides,
                              std::vector<std::string>* left_out = nullptr);
 /// The same for the text of a case file (a golden manifest's case); `path`

@@ -217,4 +217,28 @@ Case build_case(const Flat& flat, const std::string& source) {
 }
 
 }  // namespace case_detail
+
+std::string key_without_effect(const std::string& key, const Case& c) {
+  const auto is = [](const std::string& k, const char* value) { return k + " is " + value; };
+  const bool swiglu = c.experts.kind == ExpertKind::swiglu, shared_swiglu = c.shared.kind == SharedKind::swiglu;
+  if (key == "combine.alias_offset" && c.combine.buffer != OutBuffer::alias_x_offset)
+    return is("combine.buffer", enum_name(out_buffer_table(), c.combine.buffer)) +
+           "; it places the combine's output with combine.buffer: alias_x_offset";
+  if (key == "equal_split.threshold" && c.equal_split.policy != EqualSplitPolicy::adaptive)
+    return is("equal_split.policy", enum_name(equal_split_table(), c.equal_split.policy)) +
+           "; it chooses under equal_split.policy: adaptive";
+  if ((key == "capacity.policy" || key == "capacity.pad_to_capacity") && !(c.capacity.factor > 0))
+    return is("capacity.factor", "0 (dropless): nothing is dropped");
+  if (key.rfind("dispatch.", 0) == 0 && key != "dispatch.dtype" && !c.fp8())
+    return is("dispatch.dtype", "act; it sets the FP8 dispatch (dispatch.dtype: fp8_e4m3)");
+  if (key == "sp_padding" && c.sp == 1) return is("sp", "1: no sequence-parallel padding");
+  if (key == "grad_accumulate" && c.backward != Switch::on) return is("backward", "off");
+  // experts.rounding and w13_fused apply to a shared SwiGLU expert too.
+  if ((key == "experts.impl" || key == "experts.compute_dtype" || key == "experts.weights") && !swiglu)
+    return is("experts.kind", "identity");
+  if ((key == "experts.rounding" || key == "experts.w13_fused") && !swiglu && !shared_swiglu)
+    return is("experts.kind", "identity") + " and no shared SwiGLU expert";
+  return "";
+}
+
 }  // namespace moev

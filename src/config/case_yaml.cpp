@@ -343,7 +343,8 @@ Axes sweep_axes(const YAML::Node& entry, const std::string& path, const Flat& ow
 /// ...]), the `--set` overrides applied last; names stay unique in the file.
 void expand_entry(const YAML::Node& entry, const std::string& path, const Flat& defaults, const Flat& cli,
                   std::vector<Case>& out, std::set<std::string>& names,
-                  std::vector<std::pair<std::string, Error>>* misfits) {
+                  std::vector<std::pair<std::string, Error>>* misfits, std::vector<std::string>* notes) {
+  const size_t first = out.size();
   const Src esrc{entry, path};
   const std::string source = printable(path, 200) + ":" + std::to_string(entry.Mark().line + 1);
   Flat flat = defaults;
@@ -413,6 +414,20 @@ void expand_entry(const YAML::Node& entry, const std::string& path, const Flat& 
     while (a < axes.size() && ++idx[a] == axes[a].second.size()) idx[a++] = 0;
     if (a == axes.size()) break;
   }
+  if (!notes || out.size() == first) return;
+  // A key the entry writes that changes none of its cases is named (a
+  // key of a sweep point alone, alias_offset beside a swept buffer, is not).
+  const std::string base = out[first].name.substr(0, out[first].name.find('['));
+  Flat written = own;
+  for (const auto& [k, vals] : axes) written[k] = vals.front();
+  for (const auto& [k, src] : written) {
+    const std::string why = k == "name" ? "" : key_without_effect(k, out[first]);
+    if (why.empty() || !std::all_of(out.begin() + long(first), out.end(),
+                                    [&](const Case& c) { return !key_without_effect(k, c).empty(); }))
+      continue;
+    notes->push_back(where(src) + ": " + k + " has no effect in case " + printable(base, 200) +
+                     (out.size() - first > 1 ? " (in any point of its sweep)" : "") + ": " + why);
+  }
 }
 
 }  // namespace
@@ -465,10 +480,19 @@ std::vector<Case> load_cases_text(const std::string& text, const std::string& pa
   std::vector<Case> out;
   std::set<std::string> names;
   std::vector<std::pair<std::string, Error>> misfits;
-  for (const auto& entry : root["cases"]) expand_entry(entry, path, defaults, cli, out, names, left_out ? &misfits : nullptr);
+  std::vector<std::string> inert;
+  for (const auto& entry : root["cases"])
+    expand_entry(entry, path, defaults, cli, out, names, left_out ? &misfits : nullptr, left_out ? &inert : nullptr);
   if (!misfits.empty() && out.empty()) throw misfits.front().second;  // the overrides fit no case: refused as before
+  if (!left_out) return out;
   for (const auto& [name, e] : misfits)
     left_out->push_back("case " + printable(name, 200) + " left out (--set does not fit it): " + e.what());
+  for (const auto& [k, src] : defaults) {
+    const std::string why = out.empty() ? "" : key_without_effect(k, out.front());
+    if (!why.empty() && std::all_of(out.begin(), out.end(), [&](const Case& c) { return !key_without_effect(k, c).empty(); }))
+      left_out->push_back(where(src) + ": defaults: " + k + " has no effect in any case of the file: " + why);
+  }
+  left_out->insert(left_out->end(), inert.begin(), inert.end());
   return out;
 }
 

@@ -44,10 +44,11 @@ int64_t Tensor::numel() const {
   return n;
 }
 
+// Written as NumPy writes a shape, a 1-d one with its comma: (80,).
 std::string Tensor::shape_str() const {
   std::string s = "(";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + ")";
+  return s + (shape.size() == 1 ? ",)" : ")");
 }
 
 Tensor Tensor::alloc(ElemType t, std::vector<int64_t> shape, uint8_t fill, size_t extra) {

@@ -201,8 +201,9 @@ int64_t equal_split_decision(FastCtx& ctx, const std::vector<int64_t>& in, const
   const double overhead = double(bp) / 10000.0;
   std::ostringstream o;
   o.precision(3);
-  o << "M*=" << mstar << ", padding overhead " << 100 * overhead << "% (threshold " << 100 * c.equal_split.threshold
-    << "%, policy " << enum_name(equal_split_table(), c.equal_split.policy) << ")";
+  o << "M*=" << mstar << ", padding overhead " << 100 * overhead << "% (";
+  if (c.equal_split.policy == EqualSplitPolicy::adaptive) o << "threshold " << 100 * c.equal_split.threshold << "%, ";
+  o << "policy " << enum_name(equal_split_table(), c.equal_split.policy) << ")";
   why = o.str();
   if (mstar == 0) {
     why = "no rank sends any row";

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# A key that has no effect in its case is named by `validate` and `run`
+# (FILE:LINE, the key, why), and the claim is true: for each rule of
+# key_without_effect (src/config/case_validate.cpp) the case is run with two
+# values of the key, and every dumped tensor, input and output, fast and
+# reference, and the report (times aside) are identical. Where the key does
+# matter, nothing is said.
+# Usage: inert_keys.sh MOEVERIFY
+set -uo pipefail
+bin=$(realpath "$1")
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+fails=0
+fail() { echo "FAIL $1"; fails=$((fails + 1)); }
+
+# case_file DIR KEYS: DIR/case.yaml holding one case (name c) with KEYS, one
+# "key: value" per argument.
+case_file() {
+  local dir=$1
+  shift
+  mkdir -p "$dir"
+  { printf 'cases:\n  - name: c\n'; for kv in "$@"; do printf '    %s\n' "$kv"; done; } >"$dir/case.yaml"
+}
+
+# inert LABEL KEY V1 V2 BASE...: KEY is named as without effect in the case
+# BASE + KEY: V1, and V1 and V2 give the same dumps and report.
+inert() {
+  local label=$1 key=$2 v1=$3 v2=$4
+  shift 4
+  local a="$work/$label/a" b="$work/$label/b"
+  case_file "$a" "$@" "$key: $v1"
+  case_file "$b" "$@" "$key: $v2"
+  (cd "$a" && "$bin" validate case.yaml >/dev/null 2>validate.err) || { cat "$a/validate.err"; fail "$label: validate"; return; }
+  grep -q "^moeverify: note: case.yaml:[0-9]*:[0-9]*: $key has no effect in case c: " "$a/validate.err" ||
+    { cat "$a/validate.err"; fail "$label: validate does not name $key"; }
+  for d in "$a" "$b"; do
+    (cd "$d" && "$bin" run case.yaml --threads 2 --dump dump >run.txt 2>run.err) ||
+      { cat "$d/run.txt" "$d/run.err"; fail "$label: run $d"; return; }
+    sed -E 's/\([0-9.]+ s\)//; s/ in [0-9.]+ s//; s/measured peak .*//' "$d/run.txt" >"$d/run.cmp"
+  done
+  grep -q "$key has no effect" "$a/run.err" || { cat "$a/run.err"; fail "$label: run does not name $key"; }
+  diff -r "$a/dump" "$b/dump" >/dev/null || fail "$label: $key $v1 and $v2 dump different tensors"
+  diff "$a/run.cmp" "$b/run.cmp" >/dev/null || { diff "$a/run.cmp" "$b/run.cmp" | head; fail "$label: reports differ"; }
+  [ "$(find "$a/dump" -name '*.npy' | wc -l)" -gt 10 ] || fail "$label: nothing dumped"
+}
+
+shape='shape: {tokens: 24, hidden: 16, ffn: 8, experts: 8, top_k: 2}'
+swiglu='experts: {kind: swiglu}'
+inert alias_offset combine.alias_offset 3 17 "$shape" "combine.buffer: fresh"
+inert threshold equal_split.threshold 0 3 "$shape" "ep: 2" "equal_split.policy: force"
+inert cap_policy capacity.policy probs position "$shape" "ep: 2"
+inert cap_pad capacity.pad_to_capacity off on "$shape" "$swiglu"
+inert fp8_block dispatch.block 4 16 "$shape" "ep: 2"
+inert fp8_scale dispatch.scale fp32 ue8m0 "$shape"
+inert fp8_quotient dispatch.quotient reciprocal divide "$shape" "ep: 2"
+inert fp8_clamp dispatch.amax_clamp 1e-4 1e-8 "$shape"
+inert sp_padding sp_padding virtual tail "$shape" "ep: 2"
+inert grad_accumulate grad_accumulate per_add fp32_accumulate "$shape" "$swiglu"
+inert impl experts.impl loop batched "$shape" "ep: 2" "align: 4"
+inert compute_dtype experts.compute_dtype act bf16 "$shape" "dtype: bf16" "backward: on"
+inert weights experts.weights held streamed "$shape"
+inert rounding experts.rounding fused torchtitan "$shape" "dtype: bf16" "shared_experts.kind: identity" "backward: on"
+inert w13_fused experts.w13_fused off on "$shape" "backward: on"
+
+# Where the key matters, or is inert in one point of a sweep only, nothing is said.
+quiet() {
+  local label=$1
+  shift
+  case_file "$work/$label" "$@"
+  (cd "$work/$label" && "$bin" validate case.yaml >/dev/null 2>validate.err) || { cat "$work/$label/validate.err"; fail "$label: validate"; }
+  ! grep -q "has no effect" "$work/$label/validate.err" || { cat "$work/$label/validate.err"; fail "$label: a note where the key matters"; }
+}
+quiet q_alias "$shape" "shared_experts: {kind: identity, order: init_with_shared}" "combine: {buffer: alias_x_offset, alias_offset: 3}"
+quiet q_threshold "$shape" "ep: 2" "equal_split: {policy: adaptive, threshold: 3}"
+quiet q_rounding "$shape" "shared_experts.kind: swiglu" "experts.rounding: torchtitan" "dtype: bf16"
+quiet q_sweep "$shape" "shared_experts.kind: identity" "combine.alias_offset: 3" "sweep: {combine.buffer: [fresh, alias_x_offset]}" \
+  "shared_experts.order: init_with_shared"
+
+# Under defaults: named once for the file, where no case reads it.
+mkdir -p "$work/defaults"
+printf 'defaults: {capacity.policy: position}\ncases:\n  - {name: a, %s}\n  - {name: b, ep: 2, %s}\n' "$shape" "$shape" \
+  >"$work/defaults/case.yaml"
+(cd "$work/defaults" && "$bin" validate case.yaml >/dev/null 2>validate.err)
+[ "$(grep -c "defaults: capacity.policy has no effect in any case of the file: capacity.factor is 0" "$work/defaults/validate.err")" = 1 ] ||
+  { cat "$work/defaults/validate.err"; fail "defaults: not named once"; }
+
+[ "$fails" = 0 ] && echo "inert keys: 15 keys, each with two values alike; 4 cases where the key matters quiet"
+exit $((fails > 0))
