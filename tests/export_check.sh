@@ -350,6 +350,8 @@ cp "$tmp/manifest.bak" "$ed/manifest.json"
 # a run --dump folder is named as one; DIR/ names its case folders without a double slash
 "$bin" run "$src/cases/basic.yaml" --case exact_fp32 --dump "$tmp/dumped" >/dev/null 2>&1
 expect_rc 2 "$tmp/b4d.log" -- "$bin" check "$tmp/dumped/" && one_line "$tmp/b4d.log" "a dump folder" "/dumped/exact_fp32/manifest.json: a folder \`run --dump\` wrote"
+expect_rc 0 "$tmp/b4x.log" -- "$bin" export "$src/cases/basic.yaml" "$tmp/slashed/" --case exact_fp32 &&
+  { grep -q -- "-> $tmp/slashed/exact_fp32$" "$tmp/b4x.log" || { fail "export DIR/: the folder is not named DIR/CASE"; cat "$tmp/b4x.log"; }; }
 expect_rc 2 "$tmp/b5.log" -- "$bin" check "$tmp/nonexistent" && one_line "$tmp/b5.log" "missing folder" "no such folder"
 expect_rc 2 "$tmp/b7.log" -- "$bin" check "$ed" --actual "$tmp/no_such_folder" && one_line "$tmp/b7.log" "missing --actual" "--actual"
 # nothing written (an empty or a missing actual/): NOT_VERIFIED, never PASSED

@@ -4,7 +4,8 @@
 # key_without_effect (src/config/case_validate.cpp) the case is run with two
 # values of the key, and every dumped tensor, input and output, fast and
 # reference, and the report (times aside) are identical. Where the key does
-# matter, nothing is said.
+# matter, nothing is said. Also: notes only about the cases --case selects,
+# and a case a profile leaves out named as left out by it, not by --set.
 # Usage: inert_keys.sh MOEVERIFY
 set -uo pipefail
 bin=$(realpath "$1")
@@ -83,6 +84,20 @@ printf 'defaults: {capacity.policy: position}\ncases:\n  - {name: a, %s}\n  - {n
 (cd "$work/defaults" && "$bin" validate case.yaml >/dev/null 2>validate.err)
 [ "$(grep -c "defaults: capacity.policy has no effect in any case of the file: capacity.factor is 0" "$work/defaults/validate.err")" = 1 ] ||
   { cat "$work/defaults/validate.err"; fail "defaults: not named once"; }
+
+# Only about the cases --case selects (run and export); a case a profile
+# leaves out is said to be left out by the profile, not by --set.
+mkdir -p "$work/sel"
+printf 'cases:\n  - {name: a, combine.alias_offset: 3}\n  - {name: b}\n' >"$work/sel/case.yaml"
+(cd "$work/sel" && "$bin" run case.yaml --case b >/dev/null 2>run_b.err && "$bin" export case.yaml g --case b >/dev/null 2>export_b.err &&
+  "$bin" export case.yaml g2 --case a >/dev/null 2>export_a.err) || fail "selection: run or export failed"
+! grep -q "has no effect" "$work/sel/run_b.err" "$work/sel/export_b.err" || fail "a note about a case --case did not select"
+grep -q "combine.alias_offset has no effect in case a" "$work/sel/export_a.err" || fail "export --case a: no note"
+src=$(dirname "$(realpath "$0")")/..
+"$bin" export "$src/cases/edge.yaml" "$work/prof" --case no_tokens --profile megatron-0.16 >/dev/null 2>"$work/prof.err" ||
+  fail "export --profile megatron-0.16: exit $?"
+grep -q "^moeverify: note: case no_tokens\[experts.kind=identity\] left out (the profile's fixed keys do not fit it): " "$work/prof.err" &&
+  ! grep -q "router_ties\|--set" "$work/prof.err" || { cat "$work/prof.err"; fail "export --profile: the left-out notes"; }
 
 [ "$fails" = 0 ] && echo "inert keys: 15 keys, each with two values alike; 4 cases where the key matters quiet"
 exit $((fails > 0))

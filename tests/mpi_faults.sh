@@ -224,6 +224,13 @@ notes_once)
   [ "$(grep -o "note: case per_rank left out" "$tmp/run.log" | wc -l)" = 1 ] ||
     { cat "$tmp/run.log"; fail "the left-out note is not said exactly once"; }
   echo "ok   a left-out case noted once under mpirun -np 2"
+  # the cases of another ep are named as skipped, only those --case selects
+  printf '  - name: wide\n    ep: 4\n  - name: wide2\n    ep: 4\n' >>"$tmp/n.yaml"
+  timeout -k 5 120 "$mpiexec" -np 2 "$bin" run "$tmp/n.yaml" --threads 1 --case plain --case wide >"$tmp/run2.log" 2>&1
+  rc=$?
+  [ "$rc" = 0 ] && grep -q "^skipped under mpirun -np 2 (ep must equal the process count): wide (ep 4)$" "$tmp/run2.log" ||
+    { cat "$tmp/run2.log"; fail "exit $rc; the skipped line must name wide alone (wide2 is not selected)"; }
+  echo "ok   the skipped cases named, those --case selects"
   ;;
 
 errors_once)

@@ -81,19 +81,20 @@ TEST_CASE("set overrides from the command line apply to every case", "[cpu][case
 TEST_CASE("set shape.tokens leaves a case with tokens_per_rank out, said", "[cpu][cases]") {
   const std::string f = write_tmp(
       "cases:\n  - name: a\n    ep: 2\n    shape: {tokens_per_rank: [3, 0]}\n  - name: b\n    ep: 2\n");
-  std::vector<std::string> left;
-  const auto cases = load_cases(f, {"shape.tokens=5"}, &left);
+  LoadNotes notes;
+  const auto cases = load_cases(f, {"shape.tokens=5"}, &notes);
   REQUIRE(cases.size() == 1);
   CHECK(cases[0].name == "b");
   CHECK(cases[0].tokens == 5);
-  REQUIRE(left.size() == 1);
-  CHECK(left[0].find("case a left out") == 0);
-  CHECK(left[0].find("does not apply to a case with shape.tokens_per_rank [3,0]") != std::string::npos);
+  REQUIRE(notes.left_out.size() == 1);
+  const std::string left = left_out_note(notes.left_out[0]);
+  CHECK(left.find("case a left out (--set does not fit it): ") == 0);
+  CHECK(left.find("does not apply to a case with shape.tokens_per_rank [3,0]") != std::string::npos);
   // both set on the command line: the per-rank counts win, nothing left out
-  left.clear();
-  const auto both = load_cases(f, {"shape.tokens=5", "shape.tokens_per_rank=[1,2]"}, &left);
+  notes = {};
+  const auto both = load_cases(f, {"shape.tokens=5", "shape.tokens_per_rank=[1,2]"}, &notes);
   CHECK(both.size() == 2);
-  CHECK(left.empty());
+  CHECK(notes.left_out.empty());
 }
 
 TEST_CASE("bad input names file, line, column, the key and what is valid", "[cpu][cases]") {

@@ -454,13 +454,12 @@ std::vector<SweepPoint> run_sweep(const Case& c, const BenchOptions& opt, std::o
         // The file's other cases may not fit the point (tokens_per_rank of
         // another ep): left out, as they are not this case.
         const Case* found = nullptr;
-        std::vector<std::string> left_out;
-        const std::vector<Case> cases = load_cases(opt.file, sets, &left_out);
+        LoadNotes notes;
+        const std::vector<Case> cases = load_cases(opt.file, sets, &notes);
         for (const auto& k : cases)
           if (k.name == c.name) found = &k;
-        const std::string mine = "case " + printable(c.name, 200) + " left out";
-        for (const auto& why : left_out)
-          if (!found && why.rfind(mine, 0) == 0) throw Error(ErrorKind::bad_input, why);
+        for (const auto& n : notes.left_out)
+          if (!found && n.first == c.name) throw Error(ErrorKind::bad_input, left_out_note(n));
         if (!found) throw Error(ErrorKind::bad_input, "the case is not in the re-loaded file");
         log << "  sweep " << axis << " x " << scale << ": T=" << p.tokens << " D=" << p.hidden << " R=" << p.ep << "\n";
         RunOptions ro;

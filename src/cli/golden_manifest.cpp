@@ -222,10 +222,10 @@ int cmd_export(const std::string& file, const std::string& dir, const CaseFilter
   std::vector<std::string> all_sets = sets;
   if (profile)
     for (const auto& s : profile->sets()) all_sets.push_back(s);
-  std::vector<std::string> misfits;
+  LoadNotes notes;
   std::vector<Case> cases;
   try {
-    cases = load_cases(file, all_sets, &misfits);
+    cases = load_cases(file, all_sets, &notes);
   } catch (const Error& e) {
     // The profile's fixed keys fit none of the file's cases (score_before_experts
     // beside FP8 dispatch): the file lies outside the profile, as below.
@@ -236,7 +236,16 @@ int cmd_export(const std::string& file, const std::string& dir, const CaseFilter
               "); valid: cases the fixed keys fit (moeverify validate --profile " + profile->file + " " +
               printable(file, 200) + " lists them)");
   }
-  for (const auto& n : misfits) std::cerr << "moeverify: note: " << n << "\n";
+  // Notes on the cases --case selects, a left-out case's naming what left it out.
+  std::vector<std::string> loaded;
+  for (const Case& c : cases) loaded.push_back(c.name);
+  const std::string cause = !profile        ? "--set does not fit it"
+                            : sets.empty() ? "the profile's fixed keys do not fit it"
+                                           : "--set or the profile's fixed keys do not fit it";
+  for (const auto& n : notes.left_out)
+    if (filter.selects(n.first)) std::cerr << "moeverify: note: " << left_out_note(n, cause) << "\n";
+  for (const auto& n : notes.no_effect)
+    if (filter.selects_entry(n.first, loaded)) std::cerr << "moeverify: note: " << n.second << "\n";
   std::vector<Case> chosen;
   std::vector<std::string> names;
   size_t left_out = 0;
@@ -260,8 +269,10 @@ int cmd_export(const std::string& file, const std::string& dir, const CaseFilter
   for (const Case& c : chosen)
     check_case_memory(c, 1, command_memory_limit());
   prepare_dump_root(dir, "export DIR");
+  std::string root = dir;
+  while (root.size() > 1 && root.back() == '/') root.pop_back();  // DIR/ gives DIR/CASE, not DIR//CASE
   for (const Case& c : chosen) {
-    const std::string folder = dir + "/" + dump_folder_name(c.name);
+    const std::string folder = root + "/" + dump_folder_name(c.name);
     const size_t n = export_case_folder(c, folder);
     std::cout << "exported " << c.name << ": " << n << " tensors, " << c.ep << " rank(s) -> " << folder
               << (c.streams_weights() ? " (routed weights streamed in `run`, written whole here)" : "") << "\n";

@@ -54,14 +54,22 @@ void say_failure(const std::string& text);
 
 /// The cases of a file with the `--set` overrides, those the overrides do
 /// not fit left out (load_cases) and each named on stderr as it is loaded,
-/// before anything runs.
-std::vector<Case> load_noting_left_out(const std::string& file, const std::vector<std::string>& sets) {
-  std::vector<std::string> left_out;
-  std::vector<Case> cases = load_cases(file, sets, &left_out);
+/// before anything runs, as is each key without effect: those about the
+/// cases `filter` (--case) selects.
+std::vector<Case> load_noting_left_out(const std::string& file, const std::vector<std::string>& sets,
+                                       const CaseFilter& filter = {}) {
+  LoadNotes notes;
+  std::vector<Case> cases = load_cases(file, sets, &notes);
+  std::vector<std::string> names;
+  for (const Case& c : cases) names.push_back(c.name);
   // Every rank under mpirun loads the same files alike: rank 0 says it, in
   // one write a note (ranks share stderr).
-  if (launched_rank() == 0)
-    for (const auto& n : left_out) std::cerr << ("moeverify: note: " + n + "\n");
+  if (launched_rank() == 0) {
+    for (const auto& n : notes.left_out)
+      if (filter.selects(n.first)) std::cerr << ("moeverify: note: " + left_out_note(n) + "\n");
+    for (const auto& n : notes.no_effect)
+      if (filter.selects_entry(n.first, names)) std::cerr << ("moeverify: note: " + n.second + "\n");
+  }
   return cases;
 }
 
@@ -167,7 +175,7 @@ CaseFiles load_run_cases(const CLI::App* cmd, const RunArgs& a) {
     sets.push_back("backend=" + a.backend);
   }
   CaseFiles all;
-  for (const auto& f : a.files) all.push_back({f, load_noting_left_out(f, sets)});
+  for (const auto& f : a.files) all.push_back({f, load_noting_left_out(f, sets, a.cases)});
   if (!a.cases.patterns.empty()) {
     std::vector<std::string> names;
     for (const auto& [file, cases] : all)
@@ -178,14 +186,14 @@ CaseFiles load_run_cases(const CLI::App* cmd, const RunArgs& a) {
 }
 
 /// Under mpirun: keeps the cases whose ep equals the process count `world`;
-/// the others are returned as "NAME (ep N)" for the header.
-std::vector<std::string> keep_cases_of_world(CaseFiles& all, int world) {
+/// the others that --case selects are returned as "NAME (ep N)" for the header.
+std::vector<std::string> keep_cases_of_world(CaseFiles& all, int world, const CaseFilter& filter) {
   std::vector<std::string> skipped;
   for (auto& [file, cases] : all) {
     std::vector<Case> keep;
     for (auto& c : cases) {
-      if (c.ep != world) skipped.push_back(c.name + " (ep " + std::to_string(c.ep) + ")");
-      else keep.push_back(c);
+      if (c.ep == world) keep.push_back(c);
+      else if (filter.selects(c.name)) skipped.push_back(c.name + " (ep " + std::to_string(c.ep) + ")");
     }
     cases = keep;
   }
@@ -317,7 +325,7 @@ int cmd_run(const CLI::App* cmd, const RunArgs& a) {
   auto selected = [&](const Case& c) { return a.cases.selects(c.name); };
   // Under mpirun every process runs every case (one rank each); rank 0 prints.
   const int world = mpi ? mpi_world().size() : 0;
-  const std::vector<std::string> skipped = mpi ? keep_cases_of_world(all, world) : std::vector<std::string>{};
+  const std::vector<std::string> skipped = mpi ? keep_cases_of_world(all, world, a.cases) : std::vector<std::string>{};
   size_t total = 0;
   for (const auto& [file, cases] : all)
     for (const auto& c : cases) total += selected(c);
@@ -421,10 +429,10 @@ int cmd_validate_profile(const std::string& name, const std::vector<std::string>
     size_t inside = 0;
     // A case the fixed keys make invalid (score_on_hidden beside ep 4) lies
     // outside the profile; where they fit no case, every case does.
-    std::vector<std::string> misfits;
+    LoadNotes notes;
     std::vector<Case> cases;
     try {
-      cases = load_cases(file, all, &misfits);
+      cases = load_cases(file, all, &notes);
     } catch (const Error& e) {
       if (e.kind != ErrorKind::bad_input || p.fix.empty()) throw;
       const size_t n = load_cases(file, sets).size();
@@ -432,13 +440,16 @@ int cmd_validate_profile(const std::string& name, const std::vector<std::string>
                 << file << ": 0 of " << n << " case(s) inside the profile\n";
       continue;
     }
-    for (const auto& m : misfits) std::cout << "  " << file << ": " << m << "\n";
+    const std::string cause =
+        sets.empty() ? "the profile's fixed keys do not fit it" : "--set or the profile's fixed keys do not fit it";
+    for (const auto& m : notes.left_out) std::cout << "  " << file << ": " << left_out_note(m, cause) << "\n";
     for (const auto& c : cases) {
       const std::string why = p.violation(c);
       inside += why.empty();
       if (!why.empty()) std::cout << "  " << file << ": " << c.name << " outside: " << why << "\n";
     }
-    std::cout << file << ": " << inside << " of " << cases.size() + misfits.size() << " case(s) inside the profile\n";
+    std::cout << file << ": " << inside << " of " << cases.size() + notes.left_out.size()
+              << " case(s) inside the profile\n";
   }
   return 0;
 }
@@ -610,7 +621,7 @@ int cmd_bench(const CLI::App* cmd, const BenchArgs& a) {
   std::vector<std::pair<std::string, Case>> selected;
   std::vector<std::string> names;
   for (const auto& f : a.files)
-    for (const auto& c : load_noting_left_out(f, o.sets)) {
+    for (const auto& c : load_noting_left_out(f, o.sets, a.cases)) {
       names.push_back(c.name);
       if (a.cases.selects(c.name)) selected.push_back({f, c});
     }

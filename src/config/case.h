@@ -212,6 +212,30 @@ constexpr size_t kMaxCaseFileBytes = size_t(16) << 20;
 /// A case name (before the sweep suffix) has at most this many characters.
 constexpr size_t kMaxCaseNameChars = 200;
 
+/// Why the case key `key` changes nothing in `c` ("combine.buffer is fresh;
+/// ..."), or "" where it may. Only rules that hold for every stage: a key
+/// named here is read by no stage, input draw or estimate of the case
+/// (tests/inert_keys.sh runs each rule's pair of values).
+std::string key_without_effect(const std::string& key, const Case& c);
+
+/// What loading a case file has to say besides its cases, each with the
+/// name of the case it is about (a sweep's base name for a whole entry).
+struct LoadNotes {
+  /// A case valid alone but not with the overrides (`--set ep=4` beside a
+  /// case's own four-entry tokens_per_rank, a top_k above its experts):
+  /// left out, with why.
+  std::vector<std::pair<std::string, std::string>> left_out;
+  /// "FILE:LINE:COL: KEY has no effect in case NAME: why", for each key the
+  /// file writes that changes none of the cases it applies to
+  /// (`combine.alias_offset` beside `combine.buffer: fresh`); none for a
+  /// file the fuzz wrote (first line `# moeverify fuzz`), whose cases hold
+  /// each draw's keys whole.
+  std::vector<std::pair<std::string, std::string>> no_effect;
+};
+/// "case NAME left out (CAUSE): WHY" for a LoadNotes::left_out entry.
+std::string left_out_note(const std::pair<std::string, std::string>& left_out,
+                          const std::string& cause = "--set does not fit it");
+
 /// Loads every case of a YAML file (sweeps expanded). `overrides` are
 /// "path=value" strings from `--set`, applied on top of each case. Throws
 /// Error(bad_input) with one line "file:line:column: what is wrong; what would
@@ -219,25 +243,15 @@ constexpr size_t kMaxCaseNameChars = 200;
 /// complex or duplicate keys (also a dotted key against its nested form),
 /// unknown keys, out-of-range values, unclosed quotes, control bytes,
 /// oversized files and sweeps.
-/// With `left_out`, a case that is valid alone but not with the overrides
-/// (`--set ep=4` beside a case's own four-entry tokens_per_rank, a top_k
-/// above its experts) is left out and named there with the reason, one line
-/// each; the file is refused only when the overrides fit none of its cases.
-/// It also names there, FILE:LINE first, each key the file writes that
-/// changes none of the cases it applies to (`combine.alias_offset` beside
-/// `combine.buffer: fresh`), with why.
-/// Why the case key `key` changes nothing in `c` ("combine.buffer is fresh;
-/// ..."), or "" where it may. Only rules that hold for every stage: a key
-/// named here is read by no stage, input draw or estimate of the case
-/// (tests/inert_keys.sh runs each rule's pair of values).
-std::string key_without_effect(const std::string& key, const Case& c);
+/// With `notes`, a case that the overrides do not fit is left out and named
+/// there (the file is refused only when they fit none of its cases), and so
+/// is each key without effect.
 std::vector<Case> load_cases(const std::string& path, const std::vector<std::string>& overrides,
-                             std::vector<std::string>* left_out = nullptr);
+                             LoadNotes* notes = nullptr);
 /// The same for the text of a case file (a golden manifest's case); `path`
 /// names it in messages.
 std::vector<Case> load_cases_text(const std::string& text, const std::string& path,
-                                  const std::vector<std::string>& overrides,
-                                  std::vector<std::string>* left_out = nullptr);
+                                  const std::vector<std::string>& overrides, LoadNotes* notes = nullptr);
 
 /// A user-supplied value made safe to echo in a one-line message: control
 /// bytes and bytes that are not well-formed UTF-8 of a printable character

@@ -42,6 +42,15 @@ struct CaseFilter {
     return fnmatch(p.c_str(), name.c_str(), 0) == 0 ||
            (name.size() > p.size() && name[p.size()] == '[' && name.compare(0, p.size(), p) == 0);
   }
+  /// A note about a case entry (its base name; "" for the whole file) is
+  /// said where the entry, or any of its sweep's points in `names`, is selected.
+  bool selects_entry(const std::string& base, const std::vector<std::string>& names) const {
+    if (base.empty() || selects(base)) return true;
+    for (const auto& n : names)
+      if (n.size() > base.size() && n[base.size()] == '[' && n.compare(0, base.size(), base) == 0 && selects(n))
+        return true;
+    return false;
+  }
   void check_not_empty() const {
     for (const auto& p : patterns)
       if (p.empty()) bad_input("--case: the name is empty; valid: a case name or pattern as `moeverify validate FILE` lists names");

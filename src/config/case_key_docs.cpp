@@ -45,8 +45,8 @@ std::string case_key_meaning(const std::string& key) {
       {"shared_experts.order", "add_after: out = combine + shared(x); init_with_shared: the combine starts from shared(x)"},
       {"score_before_experts", "on: rows scaled by their score before the experts, not after"},
       {"score_on_hidden", "on: the score multiplies the SwiGLU hidden H before the down projection (Megatron-Core's per_token_scale), "
-                          "and the combine adds the expert outputs unscaled; ep 1, align 1, no capacity, SP or FP8, "
-                          "forward only (docs/contract.md §14)"},
+                          "and the combine adds the expert outputs unscaled; ep 1, align 1, no SP or FP8, "
+                          "with its backward too (docs/contract.md §14)"},
       {"combine.accumulate", "per_add: a rounding after every addition; fp32_accumulate: one at the end (docs/contract.md §2)"},
       {"grad_accumulate", "the dispatch backward's sum of a token's K row gradients: as_combine (combine.accumulate's mode), "
                           "per_add (autograd's index_put_ with accumulate: a rounding after every addition) or "

@@ -343,7 +343,7 @@ Axes sweep_axes(const YAML::Node& entry, const std::string& path, const Flat& ow
 /// ...]), the `--set` overrides applied last; names stay unique in the file.
 void expand_entry(const YAML::Node& entry, const std::string& path, const Flat& defaults, const Flat& cli,
                   std::vector<Case>& out, std::set<std::string>& names,
-                  std::vector<std::pair<std::string, Error>>* misfits, std::vector<std::string>* notes) {
+                  std::vector<std::pair<std::string, Error>>* misfits, LoadNotes* notes) {
   const size_t first = out.size();
   const Src esrc{entry, path};
   const std::string source = printable(path, 200) + ":" + std::to_string(entry.Mark().line + 1);
@@ -425,8 +425,8 @@ void expand_entry(const YAML::Node& entry, const std::string& path, const Flat& 
     if (why.empty() || !std::all_of(out.begin() + long(first), out.end(),
                                     [&](const Case& c) { return !key_without_effect(k, c).empty(); }))
       continue;
-    notes->push_back(where(src) + ": " + k + " has no effect in case " + printable(base, 200) +
-                     (out.size() - first > 1 ? " (in any point of its sweep)" : "") + ": " + why);
+    notes->no_effect.push_back({base, where(src) + ": " + k + " has no effect in case " + printable(base, 200) +
+                                          (out.size() - first > 1 ? " (in any point of its sweep)" : "") + ": " + why});
   }
 }
 
@@ -463,13 +463,16 @@ YAML::Node parse_checked(const std::string& text, const std::string& file, const
 }
 }  // namespace case_detail
 
-std::vector<Case> load_cases(const std::string& path, const std::vector<std::string>& overrides,
-                             std::vector<std::string>* left_out) {
-  return load_cases_text(read_case_file(path), path, overrides, left_out);
+std::string left_out_note(const std::pair<std::string, std::string>& left_out, const std::string& cause) {
+  return "case " + printable(left_out.first, 200) + " left out (" + cause + "): " + left_out.second;
+}
+
+std::vector<Case> load_cases(const std::string& path, const std::vector<std::string>& overrides, LoadNotes* notes) {
+  return load_cases_text(read_case_file(path), path, overrides, notes);
 }
 
 std::vector<Case> load_cases_text(const std::string& text, const std::string& path,
-                                  const std::vector<std::string>& overrides, std::vector<std::string>* left_out) {
+                                  const std::vector<std::string>& overrides, LoadNotes* notes) {
   const YAML::Node root = parse_root(text, path);
   Flat defaults;
   if (root["defaults"]) flatten(root["defaults"], "", path, defaults, {});
@@ -480,19 +483,22 @@ std::vector<Case> load_cases_text(const std::string& text, const std::string& pa
   std::vector<Case> out;
   std::set<std::string> names;
   std::vector<std::pair<std::string, Error>> misfits;
-  std::vector<std::string> inert;
+  // A file the fuzz wrote holds each draw's keys whole (a profile's fixed
+  // keys in every case): its keys without effect are not named.
+  const bool drawn = text.rfind("# moeverify fuzz", 0) == 0;
+  LoadNotes entries;
   for (const auto& entry : root["cases"])
-    expand_entry(entry, path, defaults, cli, out, names, left_out ? &misfits : nullptr, left_out ? &inert : nullptr);
+    expand_entry(entry, path, defaults, cli, out, names, notes ? &misfits : nullptr,
+                 notes && !drawn ? &entries : nullptr);
   if (!misfits.empty() && out.empty()) throw misfits.front().second;  // the overrides fit no case: refused as before
-  if (!left_out) return out;
-  for (const auto& [name, e] : misfits)
-    left_out->push_back("case " + printable(name, 200) + " left out (--set does not fit it): " + e.what());
-  for (const auto& [k, src] : defaults) {
+  if (!notes) return out;
+  for (const auto& [name, e] : misfits) notes->left_out.push_back({name, e.what()});
+  for (const auto& [k, src] : drawn ? Flat{} : defaults) {
     const std::string why = out.empty() ? "" : key_without_effect(k, out.front());
     if (!why.empty() && std::all_of(out.begin(), out.end(), [&](const Case& c) { return !key_without_effect(k, c).empty(); }))
-      left_out->push_back(where(src) + ": defaults: " + k + " has no effect in any case of the file: " + why);
+      notes->no_effect.push_back({"", where(src) + ": defaults: " + k + " has no effect in any case of the file: " + why});
   }
-  left_out->insert(left_out->end(), inert.begin(), inert.end());
+  notes->no_effect.insert(notes->no_effect.end(), entries.no_effect.begin(), entries.no_effect.end());
   return out;
 }
 
