@@ -130,6 +130,17 @@ grep -q "repro: .* && { timeout 0.5 sh -c 'sleep 30; : " "$work/o3t.txt" ||
 # (out3 held the signal run's case file: said, and kept)
 grep -q "^fuzz: --out $work/out3 already holds 1 case file(s) of earlier runs (fuzz_1_0.yaml), kept but for the 1 of seed 1 (fuzz_1_N.yaml): configuration N failing again replaces its file" "$work/o3t.txt" ||
   { cat "$work/o3t.txt"; ls "$work/out3"; fail "--out: an earlier run's case file not said"; }
+# Skip reasons that differ only in a key's value are one line; a value the
+# profile fixes in every configuration, refused, is named with the shipped
+# profiles that fix the key otherwise.
+"$bin" fuzz --impl "n=\$(cat $work/count 2>/dev/null || echo 0); echo \$((n + 1)) >$work/count; echo \"router.hot_expert: \$n; runs -1\" >&2; exit 77; : {case}" \
+  --iterations 10 --seed 1 --jobs 1 >"$work/o3g.txt" 2>&1
+grep -q "^      skipped 10: router.hot_expert: 10 values (0, 1, 2, 3, 4, 5, ...); runs -1$" "$work/o3g.txt" ||
+  { cat "$work/o3g.txt"; fail "skip reasons differing in a value: not one line"; }
+"$bin" fuzz --impl "echo 'router.gate_dtype: fp32; runs act' >&2; exit 77; : {case}" --profile torchtitan \
+  --iterations 4 --seed 1 >"$work/o3p.txt" 2>&1
+grep -q "the implementation refuses router.gate_dtype: fp32, which profile torchtitan fixes in every configuration .*: no configuration of this profile can run it; shipped profiles that fix router.gate_dtype otherwise: torchtitan-0.3 (act)" "$work/o3p.txt" ||
+  { cat "$work/o3p.txt"; fail "a fixed key refused: not named"; }
 # (named in counting order: 2 before 10)
 mkdir -p "$work/out3n" && touch "$work/out3n/fuzz_7_10.yaml" "$work/out3n/fuzz_7_2.yaml" "$work/out3n/fuzz_7_9.yaml"
 "$bin" fuzz --impl "true {case}" --iterations 1 --seed 1 --no-shrink --out "$work/out3n" >"$work/o3n.txt" 2>&1

@@ -105,8 +105,10 @@ class Verdict:
             first = r["first"][0] if r.get("first") else None
             yours = first and first.get("yours", first.get("fast"))  # "fast" in reports before "yours"
             where = "; first at %s: yours %s vs expected %s" % (first["at"], yours, first["ref"]) if first else ""
-            lines.append("  %s %s/%s%s: %s (%s of %s elements)%s%s" % (
-                r["case"], r["stage"], r["tensor"], rank, r["outcome"], r.get("mismatches"), r.get("total"),
+            # a tensor with the wrong rows compared no element: its note says so
+            count = "" if not r.get("total") else " (%s of %s elements)" % (r.get("mismatches"), r["total"])
+            lines.append("  %s %s/%s%s: %s%s%s%s" % (
+                r["case"], r["stage"], r["tensor"], rank, r["outcome"], count,
                 where, "; " + r["note"][:300] if r.get("note") else ""))
         if len(self.failures) > limit:
             lines.append("  ... %d more" % (len(self.failures) - limit))

@@ -105,7 +105,8 @@ FuzzResult fuzz_impl(const FuzzOptions& o, const ImplOptions& impl, std::ostream
 /// Exit status of an --impl run: 1 on any failure or crash, NOT_VERIFIED's
 /// when nothing was judged PASSED, else 0.
 int fuzz_impl_status(const FuzzResult& r);
-void print_impl_result(const FuzzResult& r, std::ostream& os);
+/// `profile` (null: none) names a fixed key the implementation refuses.
+void print_impl_result(const FuzzResult& r, std::ostream& os, const Profile* profile = nullptr);
 std::string impl_json(const FuzzResult& r);  // schema moeverify-fuzz-impl/1
 
 struct SelftestOptions {

@@ -14,6 +14,7 @@
 #include <iomanip>
 #include <mutex>
 #include <regex>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <ostream>
 #include <sstream>
@@ -522,7 +523,96 @@ FuzzResult fuzz_impl(const FuzzOptions& o, const ImplOptions& impl, std::ostream
   return r;
 }
 
-void print_impl_result(const FuzzResult& r, std::ostream& os) {
+namespace {
+
+/// A skip reason of the form "KEY: VALUE; REST" (the adapters' "not
+/// supported" lines), KEY a case key; key empty for any other text.
+struct SkipReason {
+  std::string key, value, rest;
+};
+SkipReason parse_skip_reason(const std::string& why) {
+  static const std::set<std::string> keys = [] {
+    std::set<std::string> s;
+    for (const auto& [k, help] : case_keys()) s.insert(k);
+    return s;
+  }();
+  const size_t colon = why.find(": ");
+  if (colon == std::string::npos || !keys.count(why.substr(0, colon))) return {};
+  const size_t semi = why.find("; ", colon + 2);
+  return {why.substr(0, colon), why.substr(colon + 2, semi == std::string::npos ? semi : semi - colon - 2),
+          semi == std::string::npos ? "" : why.substr(semi)};
+}
+
+/// The skip reasons, those that differ only in a key's value (router.hot_expert:
+/// 0, 1, 2, ...) as one line once there are three or more.
+void print_skip_reasons(const std::map<std::string, int>& reasons, std::ostream& os) {
+  std::map<std::pair<std::string, std::string>, std::vector<std::pair<std::string, int>>> by_key;
+  for (const auto& [why, n] : reasons) {
+    const SkipReason s = parse_skip_reason(why);
+    if (!s.key.empty()) by_key[{s.key, s.rest}].push_back({s.value, n});
+  }
+  std::set<std::pair<std::string, std::string>> printed;
+  for (const auto& [why, n] : reasons) {
+    const SkipReason s = parse_skip_reason(why);
+    const auto group = by_key.find({s.key, s.rest});
+    if (s.key.empty() || group->second.size() < 3) {
+      os << "      skipped " << n << ": " << why << "\n";
+      continue;
+    }
+    if (!printed.insert(group->first).second) continue;
+    // numbers in numeric order (2 before 10), other values as text
+    std::stable_sort(group->second.begin(), group->second.end(), [](const auto& a, const auto& b) {
+      char *ea = nullptr, *eb = nullptr;
+      const double x = std::strtod(a.first.c_str(), &ea), y = std::strtod(b.first.c_str(), &eb);
+      const bool numbers = !a.first.empty() && !b.first.empty() && *ea == 0 && *eb == 0;
+      return numbers ? x < y : a.first < b.first;
+    });
+    uint64_t total = 0;
+    std::string values;
+    for (size_t i = 0; i < group->second.size(); ++i) {
+      total += group->second[i].second;
+      if (i < 6) values += (i ? ", " : "") + group->second[i].first;
+    }
+    os << "      skipped " << total << ": " << s.key << ": " << group->second.size() << " values (" << values
+       << (group->second.size() > 6 ? ", ..." : "") << ")" << s.rest << "\n";
+  }
+}
+
+/// Where nothing was judged and the implementation refuses a value the
+/// profile fixes, no configuration of the profile can ever run it: said,
+/// with the shipped profiles that fix that key otherwise.
+void print_fixed_key_refused(const FuzzResult& r, const Profile* profile, std::ostream& os) {
+  if (!profile || r.judged > 0 || r.skipped == 0) return;
+  for (const auto& f : profile->fix) {
+    std::string refused;
+    for (const auto& [why, n] : r.skip_reasons)
+      if (parse_skip_reason(why).key == f.key) refused = why;
+    if (refused.empty()) continue;
+    std::string others;
+    std::error_code ec;
+    const std::string dir = profiles_dir();
+    std::vector<std::string> files;
+    for (const auto& e : std::filesystem::directory_iterator(dir.empty() ? "." : dir, ec))
+      if (!dir.empty() && e.path().extension() == ".yaml") files.push_back(e.path().string());
+    std::sort(files.begin(), files.end());
+    for (const auto& file : files) {
+      try {
+        const Profile q = load_profile(file);
+        for (const auto& g : q.fix)
+          if (g.key == f.key && g.value != f.value) others += (others.empty() ? "" : ", ") + q.name + " (" + g.value + ")";
+      } catch (const Error&) {
+      }
+    }
+    os << "   the implementation refuses " << f.key << ": " << f.value << ", which profile " << profile->name
+       << " fixes in every configuration (\"" << refused << "\"): no configuration of this profile can run it"
+       << (others.empty() ? "" : "; shipped profiles that fix " + f.key + " otherwise: " + others) << "\n";
+    return;
+  }
+}
+
+}  // namespace
+
+void print_impl_result(const FuzzResult& r, std::ostream& os, const Profile* profile) {
   os << "\nfuzz --impl: seed " << r.seed << ", " << r.drawn << " configurations in " << std::fixed << std::setprecision(1)
      << r.seconds << " s (" << std::setprecision(0) << 60.0 * double(r.judged) / std::max(1e-9, r.seconds)
      << " judged/min)\n   implementation: " << r.impl_cmd << "\n";
@@ -532,7 +622,8 @@ void print_impl_result(const FuzzResult& r, std::ostream& os) {
      << " failed, " << r.uninformative << " NOT_VERIFIED: nothing checked)\n"
      << "   " << std::setw(14) << "skipped" << r.skipped << "  (not supported by the implementation: exit 77 or skip)\n"
      << "   " << std::setw(14) << "crashed" << r.crashed << "  (another exit status, a signal, an exception or a timeout)\n";
-  for (const auto& [why, n] : r.skip_reasons) os << "      skipped " << n << ": " << why << "\n";
+  print_skip_reasons(r.skip_reasons, os);
+  print_fixed_key_refused(r, profile, os);
   // What the NOT_VERIFIED ones checked nothing of, so that exit 0 beside
   // many of them is seen (a stage written for EP 1 only, say)
   for (const auto& [check, n] : r.uninformative_checks)

@@ -754,7 +754,7 @@ int cmd_fuzz(const CLI::App* cmd, const FuzzArgs& a) {
   if (impl) {
     const ImplOptions io = impl_options(cmd, a);
     const FuzzResult r = fuzz_impl(o, io, std::cerr);
-    print_impl_result(r, std::cout);
+    print_impl_result(r, std::cout, o.profile);
     if (cmd->count("--json")) {
       const std::string err = write_file(a.json, {impl_json(r)});
       if (!err.empty()) bad_input("--json: " + err);

@@ -138,6 +138,8 @@ struct Decision {
 /// to the next "; "); the summary report, which gives the case's largest
 /// share, leaves that clause out.
 inline constexpr const char* kScaledBoundNote = "bound atol + rtol * max(|ref|, sum of |terms|)";
+/// The same for the `rounding` class: the element's own rounding half-width.
+inline constexpr const char* kRoundingBoundNote = "bound atol + rtol * the element's rounding half-width";
 
 /// How check's routing ids note opens: how the ids were judged. Alone (no
 /// tie, near-tie or strict rule after it), the summary report leaves it out.

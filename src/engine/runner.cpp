@@ -93,7 +93,11 @@ Check make_check(const Case& c, const std::string& slot, const std::string& vari
   if (scale && ch.diff.structural.empty() && ch.diff.max_bound_ratio > 0) {
     std::ostringstream n;
     n.precision(3);
-    n << kScaledBoundNote << " (docs/contract.md, comparison classes), largest error/bound " << ch.diff.max_bound_ratio;
+    const bool rounding = o.cls == CompareClass::rounding;
+    n << (rounding ? kRoundingBoundNote : kScaledBoundNote) << " (docs/contract.md, comparison classes), largest error/bound "
+      << ch.diff.max_bound_ratio;
+    // A zero half-width: the rounding leaves the value exact there.
+    if (rounding && std::isinf(ch.diff.max_bound_ratio)) n << " (a value the rounding leaves exact differs)";
     ch.note += (ch.note.empty() ? "" : "; ") + n.str();
   }
   if (f && r) add_hints(ch, slot, *f, *r, fb);  // run and check alike

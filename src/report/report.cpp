@@ -230,7 +230,9 @@ void print_first(const std::vector<std::string>& lines, size_t limit, const std:
 /// where nothing particular is left (the routing note that only says how ids
 /// are judged).
 std::string summary_note(std::string note) {
-  if (const size_t at = note.find(kScaledBoundNote); at != std::string::npos) {
+  size_t at = note.find(kScaledBoundNote);
+  if (at == std::string::npos) at = note.find(kRoundingBoundNote);
+  if (at != std::string::npos) {
     const size_t end = note.find("; ", at);  // what follows the clause stays
     const bool after_sep = at >= 2 && note.compare(at - 2, 2, "; ") == 0;
     if (end == std::string::npos) note.erase(after_sep ? at - 2 : at);

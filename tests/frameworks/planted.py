@@ -38,6 +38,8 @@ def unstable_argsort(x, dim=-1, descending=False, stable=False):
 
 
 def per_add_scatter_add(out, index, src):
+    if src.shape[0] == 0:  # no rows: out as it is, still in src's autograd graph
+        return out.index_add(0, index[:, 0].long(), src)
     out = out.clone()
     for i in range(src.shape[0]):
         t = int(index[i, 0])
