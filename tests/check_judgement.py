@@ -136,5 +136,39 @@ with tempfile.TemporaryDirectory() as tmp:
         g.write("capacity." + n, g.expected("capacity." + n))  # one token, one row: the same row
     expect(g, "ids of another tied expert without counts, then its kept rows", 0, "PASSED")
 
+    # 4. combine.order: any (GPU atomics into an fp32 buffer): the combine's
+    # sums in another order, each addition rounded to fp32 as atomics do,
+    # PASS; the same folder under the default ascending order is INCORRECT
+    # (bitwise), and a sum missing one term is INCORRECT under any order.
+    def judged(g, what, rc_want, out):
+        g.clear_actual()
+        g.write("combine.out", out)
+        rc, text = check(g)
+        row = [l for l in text.splitlines() if l.strip().startswith("combine")]
+        ok = rc == rc_want
+        print(("ok   " if ok else "FAIL ") + "%s: exit %d (want %d)" % (what, rc, rc_want))
+        if not ok:
+            failures.append(what)
+            print("\n".join(row)[:2000])
+
+    keys = ("dtype: fp32, data: realistic, shape: {tokens: 64, hidden: 16, experts: 8, top_k: 4}, "
+            "combine: {accumulate: fp32_accumulate, order: %s}")
+    for order in ("any", "ascending"):
+        g = exported(tmp, "order_" + order, "cases:\n  - {name: c, %s}\n" % (keys % order))
+        tok, sc = g.expected("dispatch.token_sorted"), g.expected("dispatch.score_sorted")
+        rows = g.expected("ep_combine.routed_output")
+        want = g.expected("combine.out")
+        reversed_sum = np.zeros_like(want)
+        for i in reversed(range(len(tok))):  # descending expert id
+            reversed_sum[tok[i]] += rows[i] * sc[i]
+        if not (reversed_sum != want).any():
+            print("FAIL the reversed order changes no sum: the test shows nothing")
+            failures.append("vacuous order test")
+        judged(g, "combine in descending order, combine.order %s" % order, 0 if order == "any" else 1, reversed_sum)
+        if order == "any":
+            short = reversed_sum.copy()
+            short[tok[0]] -= rows[0] * sc[0]  # token tok[0] misses its first term
+            judged(g, "a sum missing a term, combine.order any", 1, short)
+
 print("%d failure(s)" % len(failures))
 sys.exit(1 if failures else 0)

@@ -290,7 +290,10 @@ def fuzz(fn, profile=None, seconds=60, iterations=None, jobs=1, seed=None, out="
     target = _worker_target(fn)
     pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
-    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    # the package's root first, once (a PYTHONPATH that holds it already keeps its order)
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+            if p and os.path.abspath(p) != pkg_root]
+    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + rest)
     # PYTHONPATH in the command itself, so that the repro lines of its
     # failures run as printed
     worker = "env PYTHONPATH=%s %s -m moeverify.worker %s" % (

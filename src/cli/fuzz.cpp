@@ -422,7 +422,7 @@ void print_fuzz_result(const FuzzResult& r, std::ostream& os) {
   for (const auto& f : r.failures) {
     os << "\n   FAIL configuration " << f.index << ": " << outcome_name(f.outcome) << " at " << f.check << "\n";
     if (!f.note.empty()) os << "      " << f.note.substr(0, 300) << "\n";
-    os << "      drawn:  " << f.yaml << "\n      shrunk: " << f.shrunk << "  (" << f.shrunk_tokens << " tokens per rank, "
+    os << "      drawn:  " << f.yaml << "\n      shrunk: " << f.shrunk << "  (" << f.shrunk_tokens << (f.shrunk_tokens == 1 ? " token" : " tokens") << " per rank, "
        << f.shrink_runs << " configurations run to shrink it)\n";
     if (!f.file.empty())
       os << "      repro:  " << self_command() << " run " << shell_word(f.file) << " --threads " << threads_of(f.index) << r.fault_flags << "\n";

@@ -654,7 +654,7 @@ void print_impl_result(const FuzzResult& r, std::ostream& os, const Profile* pro
       std::istringstream lines(f.stderr_tail);
       for (std::string l; std::getline(lines, l);) os << "         " << printable(l, 300) << "\n";
     }
-    os << "      drawn:  " << f.yaml << "\n      shrunk: " << f.shrunk << "  (" << f.shrunk_tokens << " tokens per rank, "
+    os << "      drawn:  " << f.yaml << "\n      shrunk: " << f.shrunk << "  (" << f.shrunk_tokens << (f.shrunk_tokens == 1 ? " token" : " tokens") << " per rank, "
        << f.shrink_runs << " configurations run to shrink it)\n";
     if (!f.file.empty()) os << "      case:   " << f.file << "\n      repro:  " << f.repro << "\n";
     if (const auto a = alike.find(f.index); a != alike.end()) {

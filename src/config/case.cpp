@@ -58,6 +58,10 @@ const EnumTable<CombinePlacement>& placement_table() {
                                                 {"in_place", CombinePlacement::in_place}};
   return t;
 }
+const EnumTable<CombineOrder>& combine_order_table() {
+  static const EnumTable<CombineOrder> t = {{"ascending", CombineOrder::ascending}, {"any", CombineOrder::any}};
+  return t;
+}
 const EnumTable<OutBuffer>& out_buffer_table() {
   static const EnumTable<OutBuffer> t = {
       {"fresh", OutBuffer::fresh}, {"alias_x", OutBuffer::alias_x}, {"alias_x_offset", OutBuffer::alias_x_offset}};
@@ -222,7 +226,8 @@ std::string Case::summary() const {
     << (swiglu_experts ? "/" + std::string(enum_name(experts_impl_table(), experts.impl)) : "")
     << " shared=" << enum_name(shared_kind_table(), shared.kind)
     << " combine=" << enum_name(accumulate_table(), combine.accumulate) << "/"
-    << enum_name(placement_table(), combine.placement) << "/" << enum_name(out_buffer_table(), combine.buffer);
+    << enum_name(placement_table(), combine.placement) << "/" << enum_name(out_buffer_table(), combine.buffer)
+    << (combine.order == CombineOrder::any ? "/any_order" : "");
   if (ep > 1 || align > 1) {
     if (equal_split.policy != EqualSplitPolicy::off) {  // the threshold only where it chooses
       o << " equal_split=" << enum_name(equal_split_table(), equal_split.policy);

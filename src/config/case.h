@@ -28,6 +28,9 @@ enum class SharedKind { none, identity, swiglu };
 enum class SharedOrder { add_after, init_with_shared };
 enum class CombinePlacement { out_of_place, in_place };
 enum class OutBuffer { fresh, alias_x, alias_x_offset };
+/// The order of a token's fp32 additions in the combine (docs/contract.md §2):
+/// `ascending` expert id, or `any` (GPU atomics: judged within a bound).
+enum class CombineOrder { ascending, any };
 enum class Switch { off, on };
 enum class EmptyGroups { zero, pad };           // docs/contract.md §4: TE (0 rows) or torchao (A rows)
 enum class PermuteMode { auto_, generic, equal_count };
@@ -57,6 +60,7 @@ const EnumTable<k::Accumulate>& accumulate_table();
 const EnumTable<GradAccumulate>& grad_accumulate_table();
 const EnumTable<CombinePlacement>& placement_table();
 const EnumTable<OutBuffer>& out_buffer_table();
+const EnumTable<CombineOrder>& combine_order_table();
 const EnumTable<Switch>& switch_table();
 const EnumTable<EmptyGroups>& empty_groups_table();
 const EnumTable<PermuteMode>& permute_table();
@@ -134,6 +138,7 @@ struct Case {
     CombinePlacement placement = CombinePlacement::out_of_place;
     OutBuffer buffer = OutBuffer::fresh;
     int64_t alias_offset = 1;  // elements between x and the aliasing view
+    CombineOrder order = CombineOrder::ascending;
   } combine;
   /// A case's override of a class of the tolerance table: only the parts set
   /// replace the table's (0 is a valid override: bitwise for that part).

@@ -49,6 +49,7 @@ nlohmann::ordered_json case_to_json(const Case& c) {
   j["score_on_hidden"] = enum_name(switch_table(), c.score_on_hidden);
   j["combine.accumulate"] = enum_name(accumulate_table(), c.combine.accumulate);
   j["combine.placement"] = enum_name(placement_table(), c.combine.placement);
+  j["combine.order"] = enum_name(combine_order_table(), c.combine.order);
   j["combine.buffer"] = enum_name(out_buffer_table(), c.combine.buffer);
   j["combine.alias_offset"] = c.combine.alias_offset;
   j["ep"] = c.ep;

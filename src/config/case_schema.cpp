@@ -162,6 +162,7 @@ void add_experts_combine_keys(std::vector<Field>& v) {
   v.push_back(enum_field<Switch>("score_on_hidden", switch_table(), [](Case& c) -> Switch& { return c.score_on_hidden; }));
   v.push_back(enum_field<k::Accumulate>("combine.accumulate", accumulate_table(), [](Case& c) -> k::Accumulate& { return c.combine.accumulate; }));
   v.push_back(enum_field<GradAccumulate>("grad_accumulate", grad_accumulate_table(), [](Case& c) -> GradAccumulate& { return c.grad_accumulate; }));
+  v.push_back(enum_field<CombineOrder>("combine.order", combine_order_table(), [](Case& c) -> CombineOrder& { return c.combine.order; }));
   v.push_back(enum_field<CombinePlacement>("combine.placement", placement_table(), [](Case& c) -> CombinePlacement& { return c.combine.placement; }));
   v.push_back(enum_field<OutBuffer>("combine.buffer", out_buffer_table(), [](Case& c) -> OutBuffer& { return c.combine.buffer; }));
   v.push_back(int_field("combine.alias_offset", 1, int64_t(1) << 40, [](Case& c, int64_t x) { c.combine.alias_offset = x; }));

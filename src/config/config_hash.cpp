@@ -37,7 +37,7 @@ struct Fnv {
 // A field added to Case must be added below too: this guard fails the build
 // on the one platform CI builds (x86-64, libstdc++) when Case grows.
 #if defined(__x86_64__) && defined(__GLIBCXX__) && !defined(_GLIBCXX_DEBUG)
-static_assert(sizeof(Case) == 440, "Case changed: hash the new field in config_hash(), then update this size");
+static_assert(sizeof(Case) == 448, "Case changed: hash the new field in config_hash(), then update this size");
 #endif
 
 uint64_t config_hash(const Case& c) {
@@ -76,6 +76,7 @@ uint64_t config_hash(const Case& c) {
   f.e(c.experts.weights);
   f.e(c.combine.accumulate);
   f.e(c.combine.placement);
+  f.e(c.combine.order);
   f.e(c.combine.buffer);
   f.i64(c.combine.alias_offset);
   f.u64(c.tolerance_override.size());

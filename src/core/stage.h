@@ -74,6 +74,10 @@ struct OutputSpec {
   /// per-element error scale. Such outputs are not compared across variants.
   std::function<Tensor(const Case&, const RankBoard& fast_merged, Tensor& scale)> from_fast;
   std::string from_fast_label;
+  /// When set, the class of this output in a case, in place of `cls` (the
+  /// combine's out under combine.order: any).
+  std::function<CompareClass(const Case&)> cls_for;
+  CompareClass class_in(const Case& c) const { return cls_for ? cls_for(c) : cls; }
 };
 
 /// How FastCtx::output provides a buffer. `fresh`: newly allocated and

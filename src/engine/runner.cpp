@@ -59,8 +59,9 @@ Check make_check(const Case& c, const std::string& slot, const std::string& vari
   ch.slot = slot;
   ch.variant = variant;
   ch.tensor = ranks > 1 ? o.name + "@" + std::to_string(rank) : o.name;
-  ch.cls = o.cls;
-  ch.tol = tol ? *tol : tolerance_for(c, o.cls);
+  const CompareClass cls = o.class_in(c);
+  ch.cls = cls;
+  ch.tol = tol ? *tol : tolerance_for(c, cls);
   ch.against = against;
   if (!f || !r) {
     ch.outcome = Outcome::ERROR;
@@ -68,7 +69,7 @@ Check make_check(const Case& c, const std::string& slot, const std::string& vari
     return ch;
   }
   Tensor own_scale;
-  if (!scale && o.magnitude && o.cls != CompareClass::exact && f->type == r->type && f->shape == r->shape) {
+  if (!scale && o.magnitude && cls != CompareClass::exact && f->type == r->type && f->shape == r->shape) {
     // The reference's own scale (RefCtx::scales) where it wrote one.
     if (!precomputed) own_scale = o.magnitude(c, fb, rank, ranks);
     scale = precomputed ? precomputed : &own_scale;
@@ -76,7 +77,7 @@ Check make_check(const Case& c, const std::string& slot, const std::string& vari
   // An outside implementation's values ("actual", `check`) may differ from the
   // reference in the sign of a zero (docs/contract.md §15); moeverify's own may not.
   const bool outside = variant == "actual";
-  ch.diff = diff_tensors(*f, *r, o.cls, ch.tol, coords_for(o.coords, *f, fb, rank, ranks), mask, scale, outside);
+  ch.diff = diff_tensors(*f, *r, cls, ch.tol, coords_for(o.coords, *f, fb, rank, ranks), mask, scale, outside);
   if (ch.diff.signed_zeros)
     ch.note = std::to_string(ch.diff.signed_zeros) +
               " element(s) are a zero of the other sign (+0 against -0): equal under check's signed-zero rule "
@@ -93,7 +94,7 @@ Check make_check(const Case& c, const std::string& slot, const std::string& vari
   if (scale && ch.diff.structural.empty() && ch.diff.max_bound_ratio > 0) {
     std::ostringstream n;
     n.precision(3);
-    const bool rounding = o.cls == CompareClass::rounding;
+    const bool rounding = cls == CompareClass::rounding;
     n << (rounding ? kRoundingBoundNote : kScaledBoundNote) << " (docs/contract.md, comparison classes), largest error/bound "
       << ch.diff.max_bound_ratio;
     // A zero half-width: the rounding leaves the value exact there.

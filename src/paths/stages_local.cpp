@@ -993,6 +993,36 @@ Stage shared_swiglu() {
   return s;
 }
 
+/// The combine's output (docs/contract.md §2): bitwise under combine.order
+/// ascending; under `any`, in the end_to_end class (atol + c * u_act *
+/// max(|ref|, S)), S the element's sum of |terms| (its initial value, each
+/// score times routed row, the shared expert added after). Any order of
+/// fp32 additions lies within 2(K+1) u_fp32 S of the ascending sum, and the
+/// one or two act roundings after it within an ulp each: 2 u_act |ref| at
+/// most, which c (4.1 for bf16 and fp16, 218 for fp32) covers.
+OutputSpec combine_out_spec() {
+  OutputSpec o{"out", CompareClass::exact, Coords::token_col, promise_combined,
+               [](const Case& c, const RankBoard& b, int, int) {
+                 const Tensor& x = b.at("x");
+                 const Tensor& rows = b.at("routed_output");
+                 const bool add_after = c.shared.kind != SharedKind::none && c.shared.order == SharedOrder::add_after;
+                 ref::Vec shared = add_after ? to_floats(b.at("shared_out")) : ref::Vec{};
+                 ref::Vec init = combine_init(c, b);
+                 for (float& v : shared) v = std::fabs(v);
+                 for (float& v : init) v = std::fabs(v);
+                 return from_floats(
+                     ref::combine_magnitude(combine_spec(c), rows_of(rows),
+                                            rows.type == ElemType::f32 ? ref::Act::fp32 : ref_act(c.dtype),
+                                            ref_ids(b.at("token_sorted")), to_floats(b.at("score_sorted")), init,
+                                            shared, x.shape[0], c.hidden, 1),
+                     ElemType::f32, x.shape);
+               }};
+  o.cls_for = [](const Case& c) {
+    return c.combine.order == CombineOrder::any ? CompareClass::end_to_end : CompareClass::exact;
+  };
+  return o;
+}
+
 Stage combine_out_of_place() {
   Stage s;
   s.slot = "combine";
@@ -1001,7 +1031,7 @@ Stage combine_out_of_place() {
   s.applies = always;
   s.primary = [](const Case& c) { return c.combine.placement == CombinePlacement::out_of_place; };
   s.inputs = combine_inputs;
-  s.outputs = {{"out", CompareClass::exact, Coords::token_col, promise_combined}};
+  s.outputs = {combine_out_spec()};
   s.fast = [](FastCtx& ctx) {
     const Case& c = ctx.c;
     const Tensor& x = ctx.input("x");
@@ -1026,7 +1056,7 @@ Stage combine_in_place() {
   s.applies = always;
   s.primary = [](const Case& c) { return c.combine.placement == CombinePlacement::in_place; };
   s.inputs = combine_inputs;
-  s.outputs = {{"out", CompareClass::exact, Coords::token_col, promise_combined}};
+  s.outputs = {combine_out_spec()};
   s.fast = [](FastCtx& ctx) {
     const Case& c = ctx.c;
     const Tensor& x = ctx.input("x");
