@@ -244,9 +244,7 @@ std::string replay_bound(const FuzzOptions& o) {
   return b.str();
 }
 
-// Names in the order a person counts them: a run of digits compares as a
-// number (fuzz_7_2.yaml before fuzz_7_10.yaml), the rest as text.
-static bool natural_less(const std::string& a, const std::string& b) {
+bool natural_less(const std::string& a, const std::string& b) {
   const auto digit = [](char ch) { return ch >= '0' && ch <= '9'; };
   size_t i = 0, j = 0;
   while (i < a.size() && j < b.size()) {

@@ -105,6 +105,10 @@ FuzzResult fuzz_impl(const FuzzOptions& o, const ImplOptions& impl, std::ostream
 /// Exit status of an --impl run: 1 on any failure or crash, NOT_VERIFIED's
 /// when nothing was judged PASSED, else 0.
 int fuzz_impl_status(const FuzzResult& r);
+/// Text in the order a person counts: a run of digits compares as a number
+/// (fuzz_7_2.yaml before fuzz_7_10.yaml; 2 before 10), the rest as text.
+bool natural_less(const std::string& a, const std::string& b);
+
 /// `profile` (null: none) names a fixed key the implementation refuses.
 void print_impl_result(const FuzzResult& r, std::ostream& os, const Profile* profile = nullptr);
 std::string impl_json(const FuzzResult& r);  // schema moeverify-fuzz-impl/1

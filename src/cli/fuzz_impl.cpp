@@ -560,13 +560,8 @@ void print_skip_reasons(const std::map<std::string, int>& reasons, std::ostream&
       continue;
     }
     if (!printed.insert(group->first).second) continue;
-    // numbers in numeric order (2 before 10), other values as text
-    std::stable_sort(group->second.begin(), group->second.end(), [](const auto& a, const auto& b) {
-      char *ea = nullptr, *eb = nullptr;
-      const double x = std::strtod(a.first.c_str(), &ea), y = std::strtod(b.first.c_str(), &eb);
-      const bool numbers = !a.first.empty() && !b.first.empty() && *ea == 0 && *eb == 0;
-      return numbers ? x < y : a.first < b.first;
-    });
+    std::stable_sort(group->second.begin(), group->second.end(),
+                     [](const auto& a, const auto& b) { return natural_less(a.first, b.first); });
     uint64_t total = 0;
     std::string values;
     for (size_t i = 0; i < group->second.size(); ++i) {
@@ -589,11 +584,12 @@ void print_fixed_key_refused(const FuzzResult& r, const Profile* profile, std::o
       if (parse_skip_reason(why).key == f.key) refused = why;
     if (refused.empty()) continue;
     std::string others;
-    std::error_code ec;
-    const std::string dir = profiles_dir();
     std::vector<std::string> files;
-    for (const auto& e : std::filesystem::directory_iterator(dir.empty() ? "." : dir, ec))
-      if (!dir.empty() && e.path().extension() == ".yaml") files.push_back(e.path().string());
+    if (const std::string dir = profiles_dir(); !dir.empty()) {
+      std::error_code ec;
+      for (const auto& e : std::filesystem::directory_iterator(dir, ec))
+        if (e.path().extension() == ".yaml") files.push_back(e.path().string());
+    }
     std::sort(files.begin(), files.end());
     for (const auto& file : files) {
       try {

@@ -232,12 +232,6 @@ std::vector<std::string> combine_inputs(const Case& c) {
 /// The weights of experts [first, first + n) of the `w_prefix` tensors, in
 /// chunks: fn(j0, m, w) for the experts [first + j0, first + j0 + m), w their
 /// w1, w3 (m, F, D) and w2 (m, D, F). Held weights (every shared expert; the
-/// routed ones unless experts.weights streams them) come as one chunk of views
-/// into the board's tensors; streamed ones are generated a chunk at a time
-/// (make_expert_weights) on `threads` threads and freed after fn.
-/// The weights of experts [first, first + n) of the `w_prefix` tensors, in
-/// chunks: fn(j0, m, w) for the experts [first + j0, first + j0 + m), w their
-/// w1, w3 (m, F, D) and w2 (m, D, F). Held weights (every shared expert; the
 /// routed ones unless experts.weights streams them) come as views into the
 /// board's tensors, all in one chunk unless `max_step` says fewer; streamed
 /// ones are generated a chunk at a time (make_expert_weights) on `threads`
