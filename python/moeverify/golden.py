@@ -137,6 +137,8 @@ class Golden:
         if not isinstance(man.get("layers", 1), int) or man.get("layers", 1) < 1:
             raise GoldenError("%s: field 'layers' is %r; valid: an integer >= 1" % (mpath, man.get("layers")))
         self.case = man["case"]
+        # case keys that change nothing in this case -> why (older folders: none)
+        self.keys_without_effect = man.get("keys_without_effect", {})
         self.name = self.case.get("name", os.path.basename(self.path))
         self.ranks = man["ranks"]
         self.layers = man.get("layers", 1)

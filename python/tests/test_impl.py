@@ -260,6 +260,18 @@ def run(tool, src, tmp):
     names = [getattr(p, "values", [p])[0].name for p in params]
     expect(names == ["exact_fp32"], "testing.cases: only= one name as a string: %s" % names)
 
+    # keys without effect: in the manifest, and never refused by an adapter
+    # (a framework that cannot pad to a capacity runs a case without one)
+    from moeverify.frameworks import refuse_keys
+    g = getattr(params[0], "values", [params[0]])[0]
+    inert = g.keys_without_effect
+    expect("capacity.pad_to_capacity" in inert and "capacity.factor" not in inert,
+           "keys_without_effect: capacity.pad_to_capacity at factor 0, capacity.factor itself not: %s" % sorted(inert))
+    needs = {"capacity.pad_to_capacity": ("on",)}
+    expect(not raises(lambda: refuse_keys(g.case, needs, "x", inert), moeverify.Unsupported) and
+           raises(lambda: refuse_keys(g.case, needs, "x"), moeverify.Unsupported, "capacity.pad_to_capacity"),
+           "refuse_keys: a value without effect not refused, refused without the manifest's list")
+
     # fuzz: a correct function passes, a planted bug is found and shrunk
     out = os.path.join(tmp, "fuzz-out")
     profile = os.path.join(tmp, "local.yaml")

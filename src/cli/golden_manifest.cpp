@@ -179,6 +179,12 @@ void write_manifest(const std::string& folder, const Case& c, const std::vector<
   m["format"] = kGoldenFormat;
   m["tool"] = std::string("moeverify ") + MOEVERIFY_VERSION;
   m["case"] = case_to_json(c);
+  // The keys of the case that change nothing in it, with why (an adapter
+  // need not refuse a value it cannot express where the value has no effect).
+  nlohmann::ordered_json inert = nlohmann::ordered_json::object();
+  for (const auto& [key, help] : case_keys())
+    if (const std::string why = key_without_effect(key, c); !why.empty()) inert[key] = why;
+  m["keys_without_effect"] = inert;
   m["ranks"] = c.ep;
   m["layers"] = c.layers;
   m["note"] = "one file per (stage, tensor, rank): STAGE.NAME.rankR.npy, inputs as input.NAME.rankR.npy, layer "

@@ -5,13 +5,15 @@ folders and write what it computes under moeverify's stage names
 a `moeverify fuzz --impl ... --worker`."""
 
 
-def refuse_keys(case, needs, who):
+def refuse_keys(case, needs, who, without_effect=()):
     """Raises moeverify.Unsupported (exit 77, a skip) naming the first key of
     `needs` ({key: valid values}) whose value in `case` the framework cannot
-    express, e.g. "ep: 2; torchtitan's MoE runs 1"."""
+    express, e.g. "ep: 2; torchtitan's MoE runs 1". Keys in `without_effect`
+    (the manifest's keys_without_effect) change nothing in the case: never
+    refused (capacity.pad_to_capacity without a capacity)."""
     from ..impl import Unsupported
     for key, valid in needs.items():
-        if key in case and case[key] not in valid:
+        if key in case and case[key] not in valid and key not in without_effect:
             raise Unsupported("%s: %r; %s runs %s" % (key, case[key], who, " or ".join(map(str, valid))))
 
 

@@ -135,8 +135,8 @@ class _DroppingSeam:
         return False
 
 
-def refuse_unsupported(c):
-    refuse_keys(c, NEEDS, "the adapter")
+def refuse_unsupported(c, without_effect=()):
+    refuse_keys(c, NEEDS, "the adapter", without_effect)
     refuse_other_world(c, "megatron")
     R = c.get("ep", 1)
     if R > 1 and not probs_on_input(c):
@@ -299,7 +299,7 @@ def load(moe, g, rank):
 
 def run(g):
     c = g.case
-    refuse_unsupported(c)
+    refuse_unsupported(c, g.keys_without_effect)
     if c["dtype"] not in ("fp32", "bf16"):
         raise Unsupported("dtype %s: the adapter runs fp32 and bf16" % c["dtype"])
     rank, R = world()

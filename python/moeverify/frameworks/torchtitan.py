@@ -141,8 +141,8 @@ NEEDS = {
 }
 
 
-def refuse_unsupported(c):
-    refuse_keys(c, NEEDS, "torchtitan's MoE")
+def refuse_unsupported(c, without_effect=()):
+    refuse_keys(c, NEEDS, "torchtitan's MoE", without_effect)
     refuse_other_world(c, "torchtitan")
     if c.get("dispatch.dtype", "act") != "act":
         raise Unsupported("dispatch.dtype: FP8 dispatch is not torchtitan's")
@@ -268,7 +268,7 @@ def tokens_2d(moe):
 def run(g):
     """fn(golden) for moeverify.main / fuzz --impl: one case folder."""
     c = g.case
-    refuse_unsupported(c)
+    refuse_unsupported(c, g.keys_without_effect)
     rank, R = world()
     g.clear_actual(rank=rank)
     act = torch.bfloat16 if c["dtype"] == "bf16" else torch.float32
