@@ -245,9 +245,7 @@ int cmd_export(const std::string& file, const std::string& dir, const CaseFilter
   // Notes on the cases --case selects, a left-out case's naming what left it out.
   std::vector<std::string> loaded;
   for (const Case& c : cases) loaded.push_back(c.name);
-  const std::string cause = !profile        ? "--set does not fit it"
-                            : sets.empty() ? "the profile's fixed keys do not fit it"
-                                           : "--set or the profile's fixed keys do not fit it";
+  const std::string cause = left_out_cause(profile != nullptr, !sets.empty());
   for (const auto& n : notes.left_out)
     if (filter.selects(n.first)) std::cerr << "moeverify: note: " << left_out_note(n, cause) << "\n";
   for (const auto& n : notes.no_effect)

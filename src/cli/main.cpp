@@ -440,8 +440,7 @@ int cmd_validate_profile(const std::string& name, const std::vector<std::string>
                 << file << ": 0 of " << n << " case(s) inside the profile\n";
       continue;
     }
-    const std::string cause =
-        sets.empty() ? "the profile's fixed keys do not fit it" : "--set or the profile's fixed keys do not fit it";
+    const std::string cause = left_out_cause(true, !sets.empty());
     for (const auto& m : notes.left_out) std::cout << "  " << file << ": " << left_out_note(m, cause) << "\n";
     for (const auto& c : cases) {
       const std::string why = p.violation(c);

@@ -237,6 +237,9 @@ struct LoadNotes {
   /// each draw's keys whole.
   std::vector<std::pair<std::string, std::string>> no_effect;
 };
+/// What left a case out: "--set does not fit it", or the profile's fixed
+/// keys (with --set beside them where `sets`).
+std::string left_out_cause(bool profile, bool sets);
 /// "case NAME left out (CAUSE): WHY" for a LoadNotes::left_out entry.
 std::string left_out_note(const std::pair<std::string, std::string>& left_out,
                           const std::string& cause = "--set does not fit it");

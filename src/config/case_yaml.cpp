@@ -463,6 +463,11 @@ YAML::Node parse_checked(const std::string& text, const std::string& file, const
 }
 }  // namespace case_detail
 
+std::string left_out_cause(bool profile, bool sets) {
+  if (!profile) return "--set does not fit it";
+  return sets ? "--set or the profile's fixed keys do not fit it" : "the profile's fixed keys do not fit it";
+}
+
 std::string left_out_note(const std::pair<std::string, std::string>& left_out, const std::string& cause) {
   return "case " + printable(left_out.first, 200) + " left out (" + cause + "): " + left_out.second;
 }
