@@ -415,6 +415,40 @@ Vec combine_magnitude(const CombineSpec& s, RowsRef rows_magnitude, Act rows_act
   return out;
 }
 
+Vec any_order_halfwidth(Act act, Accumulate acc, bool shared_after, const Vec& magnitude,
+                        const Ids& token_sorted, int64_t T, int64_t D) {
+  std::vector<int64_t> terms(size_t(T), 0);
+  for (const auto t : token_sorted)
+    if (t >= 0) ++terms[size_t(t)];
+  const double u32 = std::ldexp(1.0, -24);
+  const double u_act = act == Act::fp32 ? u32 : act == Act::bf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+  // Half the act type's least subnormal: the absolute error a rounding may add.
+  const double eta = act == Act::fp32 ? std::ldexp(1.0, -150) : act == Act::bf16 ? std::ldexp(1.0, -134)
+                                                                                : std::ldexp(1.0, -25);
+  // An fp32 sum rounded to act (one rounding where act is fp32).
+  const double step = act == Act::fp32 ? u32 : (1 + u32) * (1 + u_act) - 1;
+  Vec out(magnitude.size());
+  for (int64_t t = 0; t < T; ++t) {
+    const double k = double(terms[size_t(t)]), sh = shared_after ? 1.0 : 0.0;
+    double growth, roundings;
+    if (acc == Accumulate::per_add) {
+      growth = std::pow(1 + step, k + sh);
+      roundings = k + sh;
+    } else {
+      growth = std::pow(1 + u32, k) * (act == Act::fp32 ? 1.0 : 1 + u_act) * std::pow(1 + step, sh);
+      roundings = k + 1 + sh;
+    }
+    for (int64_t d = 0; d < D; ++d) {
+      const size_t e = size_t(t * D + d);
+      // rounded up to fp32, so that the stored bound never shrinks
+      const double w = 2 * ((growth - 1) * double(magnitude[e]) * (1 + u_act) * (1 + u_act) + roundings * eta);
+      const float wf = float(w);
+      out[e] = double(wf) < w ? std::nextafter(wf, INFINITY) : wf;
+    }
+  }
+  return out;
+}
+
 namespace {
 
 /// Token rows [t0, t1) of the combine: each element's terms in ascending

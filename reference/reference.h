@@ -413,6 +413,22 @@ Vec combine_magnitude(const CombineSpec& spec, RowsRef rows_magnitude, Act rows_
                       const Vec& score_sorted, const Vec& init_magnitude, const Vec& shared_magnitude, int64_t T,
                       int64_t D, int threads = 1);
 
+/// The half-width within which a token's scatter-add sum, its additions taken
+/// in any order (docs/contract.md §2, combine.order: any), lands from the
+/// ascending one: both lie within e = (Π(1 + u_i) - 1) · S' of the exact sum,
+/// the product over the roundings one sum makes, so they differ by 2e at most.
+/// The roundings: under per_add one per term and one for a shared expert added
+/// after (each an fp32 sum rounded to act); under fp32_accumulate one fp32
+/// rounding per term, one act rounding, then the shared addition. S' is the
+/// element's magnitude (init + Σ|score|·|row| + |shared|, combine_magnitude's
+/// value) times (1 + u_act)^2, as each term is a rounded product of a score
+/// that may itself be rounded (score_multiply: act); and each
+/// rounding may add half an act subnormal spacing. Token t sums the rows i
+/// with token_sorted[i] == t (a negative id: a capacity filler, no term).
+/// Layout (T, D).
+Vec any_order_halfwidth(Act act, Accumulate acc, bool shared_after, const Vec& magnitude,
+                        const Ids& token_sorted, int64_t T, int64_t D);
+
 }  // namespace ref
 
 namespace ref {

@@ -140,11 +140,11 @@ with tempfile.TemporaryDirectory() as tmp:
     # sums in another order, each addition rounded to fp32 as atomics do,
     # PASS; the same folder under the default ascending order is INCORRECT
     # (bitwise), and a sum missing one term is INCORRECT under any order.
-    def judged(g, what, rc_want, out):
+    def judged(g, what, rc_want, out, name="combine.out"):
         g.clear_actual()
-        g.write("combine.out", out)
+        g.write(name, out)
         rc, text = check(g)
-        row = [l for l in text.splitlines() if l.strip().startswith("combine")]
+        row = [l for l in text.splitlines() if l.strip().startswith(name.split(".")[0])]
         ok = rc == rc_want
         print(("ok   " if ok else "FAIL ") + "%s: exit %d (want %d)" % (what, rc, rc_want))
         if not ok:
@@ -169,6 +169,51 @@ with tempfile.TemporaryDirectory() as tmp:
             short = reversed_sum.copy()
             short[tok[0]] -= rows[0] * sc[0]  # token tok[0] misses its first term
             judged(g, "a sum missing a term, combine.order any", 1, short)
+
+    # 5. combine.order: any under per_add in bf16 (GPU atomicAdd on bf16: each
+    # addition rounded, in no fixed order), for the combine and for the
+    # dispatch backward's scatter-add of the row gradients, with a shared
+    # expert added after (one more rounding). Sums in shuffled orders PASS
+    # under any and are INCORRECT under ascending; a sum missing one term is
+    # INCORRECT under any. The ascending per-add sum is checked to be the
+    # expected output first, so the model of the rounding here is the contract's.
+    def bf16(v):
+        return moeverify.codec.bf16_to_f32(moeverify.codec.f32_to_bf16(np.asarray(v, dtype=np.float32)))
+
+    def per_add(tok, terms, shared, order):
+        out = np.zeros((len(shared),) + terms.shape[1:], dtype=np.float32)
+        for i in order:
+            if tok[i] >= 0:
+                out[tok[i]] = bf16(out[tok[i]] + terms[i])
+        return bf16(out + shared)
+
+    keys = ("dtype: bf16, data: realistic, backward: on, shape: {tokens: 64, hidden: 16, experts: 8, top_k: 4}, "
+            "shared_experts: {kind: identity}, combine: {accumulate: per_add, order: %s}")
+    rng = np.random.default_rng(7)
+    for order in ("any", "ascending"):
+        g = exported(tmp, "per_add_" + order, "cases:\n  - {name: c, %s}\n" % (keys % order))
+        tok = g.expected("dispatch.token_sorted")
+        fwd_terms = bf16(g.expected("ep_combine.routed_output") * g.expected("dispatch.score_sorted")[:, None])
+        sums = {"combine.out": (fwd_terms, g.expected("shared_experts.shared_out")),
+                "dispatch_bwd.grad_x": (g.expected("ep_dispatch_bwd.grad_routed_input"),
+                                        g.expected("shared_experts_bwd.grad_x_shared"))}
+        for name, (terms, shared) in sums.items():
+            if not (per_add(tok, terms, shared, range(len(tok))) == g.expected(name)).all():
+                print("FAIL %s: this test's ascending per-add sum is not the expected output" % name)
+                failures.append("per-add model " + name)
+                continue
+            changed = 0
+            for _ in range(3):
+                shuffled = per_add(tok, terms, shared, rng.permutation(len(tok)))
+                changed += int((shuffled != g.expected(name)).sum())
+                judged(g, "%s per-add in a shuffled order, combine.order %s" % (name, order),
+                       0 if order == "any" else 1, shuffled, name)
+            if not changed:
+                print("FAIL %s: no shuffled order changed a sum: the test shows nothing" % name)
+                failures.append("vacuous per-add order test " + name)
+            if order == "any":
+                short = per_add(tok, terms, shared, [i for i in range(len(tok)) if i != 5])
+                judged(g, "%s per-add missing a term, combine.order any" % name, 1, short, name)
 
 print("%d failure(s)" % len(failures))
 sys.exit(1 if failures else 0)

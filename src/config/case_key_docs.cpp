@@ -51,8 +51,9 @@ std::string case_key_meaning(const std::string& key) {
       {"grad_accumulate", "the dispatch backward's sum of a token's K row gradients: as_combine (combine.accumulate's mode), "
                           "per_add (autograd's index_put_ with accumulate: a rounding after every addition) or "
                           "fp32_accumulate (one rounding) (docs/contract.md §14)"},
-      {"combine.order", "the order of a token's additions: ascending expert id (bitwise), or any (fp32_accumulate only: GPU "
-                        "atomics, judged within the bound of any order, docs/contract.md §2)"},
+      {"combine.order", "the order of a token's additions in the combine and the dispatch backward: ascending expert id "
+                        "(bitwise), or any (GPU atomics: judged within the half-width any order can reach, "
+                        "docs/contract.md §2)"},
       {"combine.placement", "the primary combine: out of place, or in place into the caller's buffer"},
       {"combine.buffer", "the in-place combine's buffer: fresh, x itself, or a view into x (docs/contract.md §9)"},
       {"combine.alias_offset", "elements into x where an alias_x_offset buffer starts"},

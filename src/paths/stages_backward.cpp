@@ -103,6 +103,11 @@ ref::ScoreMultiply ref_smul(const Case& c) {
   return score_product(c) == k::ScoreMultiply::act ? ref::ScoreMultiply::act : ref::ScoreMultiply::fp32;
 }
 bool has_shared(const Case& c) { return c.shared.kind != SharedKind::none; }
+/// The dispatch backward's accumulation (combine.accumulate's unless grad_accumulate names one).
+ref::Accumulate grad_acc(const Case& c) {
+  return c.dispatch_grad_accumulate() == k::Accumulate::per_add ? ref::Accumulate::per_add
+                                                                  : ref::Accumulate::fp32_accumulate;
+}
 bool w13_fused(const Case& c) { return c.experts.w13_fused == Switch::on; }
 bool routed_swiglu(const Case& c) { return c.experts.kind == ExpertKind::swiglu; }
 bool shared_swiglu(const Case& c) { return c.shared.kind == SharedKind::swiglu; }
@@ -746,6 +751,28 @@ void swiglu_end_to_end_scales(const Case& c, const RankBoard& in, RankBoard& out
 
 // ---- dispatch_bwd ----------------------------------------------------------------
 
+/// The sum of |terms| behind each element of grad_x (T, D): each row
+/// gradient (times |score| where scores were multiplied at dispatch) and the
+/// shared expert's gradient.
+ref::Vec grad_x_terms(const Case& c, const RankBoard& in, int64_t T) {
+  const ref::RowsRef g = rows_of(in.at("grad_routed_input"));
+  const ref::Ids tok = ref_ids(in.at("token_sorted"));
+  const ref::Vec sc = to_floats(in.at("score_sorted"));
+  const size_t eb = elem_bytes(act_elem(c.dtype));
+  ref::Vec scale(size_t(T * c.hidden), 0.f);
+  for (size_t i = 0; i < tok.size(); ++i) {
+    if (tok[i] < 0) continue;  // a capacity filler row
+    const float w = scores_before(c) ? std::fabs(sc[i]) : 1.f;
+    for (int64_t d = 0; d < c.hidden; ++d)
+      scale[size_t(tok[i] * c.hidden + d)] += w * std::fabs(ref::decode_act(ref_act(c.dtype), g.row(int64_t(i)) + size_t(d) * eb));
+  }
+  if (has_shared(c)) {
+    const ref::Vec sh = to_floats(in.at("grad_x_shared"));
+    for (size_t e = 0; e < sh.size(); ++e) scale[e] += std::fabs(sh[e]);
+  }
+  return scale;
+}
+
 std::vector<std::string> dispatch_bwd_inputs(const Case& c) {
   std::vector<std::string> v = {"grad_routed_input", "row_of", "token_sorted", "score_sorted"};
   if (scores_before(c)) v.push_back("x");
@@ -781,10 +808,7 @@ void ref_dispatch_bwd(RefCtx& r) {
     RankBoard& out = r.out.ranks[q];
     const int64_t T = in.at("row_of").shape[0];
     const ref::Vec shared = has_shared(c) ? to_floats(in.at("grad_x_shared")) : ref::Vec{};
-    const ref::Accumulate acc = c.dispatch_grad_accumulate() == k::Accumulate::per_add
-                                    ? ref::Accumulate::per_add
-                                    : ref::Accumulate::fp32_accumulate;
-    out["grad_x"] = from_floats(ref::scatter_add_grad(ref_act(c.dtype), ref_apply(c), ref_smul(c), acc,
+    out["grad_x"] = from_floats(ref::scatter_add_grad(ref_act(c.dtype), ref_apply(c), ref_smul(c), grad_acc(c),
                                                       rows_of(in.at("grad_routed_input")),
                                                       ref_ids(in.at("token_sorted")), to_floats(in.at("score_sorted")),
                                                       shared, T, c.hidden),
@@ -794,24 +818,29 @@ void ref_dispatch_bwd(RefCtx& r) {
       swiglu_end_to_end_scales(c, in, out, r.threads);
       continue;
     }
-    // The end-to-end error scale (docs/contract.md, comparison classes) of grad_x: the sum of the
-    // absolute values of the terms behind each element. The chain's routing
-    // scores may differ from the fast path's in the last fp32 bits (a routing
-    // tolerance), and every gradient row carries its score.
-    const ref::RowsRef g = rows_of(in.at("grad_routed_input"));
-    const ref::Ids tok = ref_ids(in.at("token_sorted"));
-    const ref::Vec sc = to_floats(in.at("score_sorted"));
-    ref::Vec scale(size_t(T * c.hidden), 0.f);
-    for (size_t i = 0; i < tok.size(); ++i) {
-      if (tok[i] < 0) continue;  // a capacity filler row
-      const float w = scores_before(c) ? std::fabs(sc[i]) : 1.f;
-      for (int64_t d = 0; d < c.hidden; ++d)
-        scale[size_t(tok[i] * c.hidden + d)] +=
-            w * std::fabs(ref::decode_act(ref_act(c.dtype), g.row(int64_t(i)) + size_t(d) * elem_bytes(act_elem(c.dtype))));
-    }
-    for (size_t e = 0; e < shared.size(); ++e) scale[e] += std::fabs(shared[e]);
-    out["grad_x_scale"] = from_floats(scale, ElemType::f32, {T, c.hidden});
+    // The end-to-end error scale (docs/contract.md, comparison classes) of
+    // grad_x: the chain's routing scores may differ from the fast path's in
+    // the last fp32 bits (a routing tolerance), and every gradient row
+    // carries its score.
+    out["grad_x_scale"] = from_floats(grad_x_terms(c, in, T), ElemType::f32, {T, c.hidden});
   }
+}
+
+/// grad_x of one dispatch_bwd stage (docs/contract.md §13): bitwise under
+/// combine.order ascending; under `any` (atomics add a token's row gradients
+/// in no fixed order) in the rounding class, with the half-width any order of
+/// the same terms can reach (ref::any_order_halfwidth).
+OutputSpec grad_x_spec() {
+  OutputSpec o("grad_x", CompareClass::exact, Coords::token_col, nullptr, [](const Case& c, const RankBoard& b, int, int) {
+    const int64_t T = b.at("row_of").shape[0];
+    return from_floats(ref::any_order_halfwidth(ref_act(c.dtype), grad_acc(c), has_shared(c), grad_x_terms(c, b, T),
+                                                ref_ids(b.at("token_sorted")), T, c.hidden),
+                       ElemType::f32, {T, c.hidden});
+  });
+  o.cls_for = [](const Case& c) {
+    return c.combine.order == CombineOrder::any ? CompareClass::rounding : CompareClass::exact;
+  };
+  return o;
 }
 
 }  // namespace
@@ -979,7 +1008,7 @@ Stage experts_swiglu_bwd_stage(bool autograd, bool hidden) {
 void add_dispatch_bwd(std::vector<Stage>& reg) {
   Stage s = make("dispatch_bwd", "ordered_scatter",
                  "grad_x = ordered scatter-add of the K row gradients per token, ascending expert, no atomics; + shared",
-                 {}, {{"grad_x", CompareClass::exact, Coords::token_col, nullptr}}, fast_dispatch_bwd, ref_dispatch_bwd);
+                 {}, {grad_x_spec()}, fast_dispatch_bwd, ref_dispatch_bwd);
   s.inputs = dispatch_bwd_inputs;
   s.applies = [](const Case& c) {
     const Decision d = backward_on(c);

@@ -117,7 +117,7 @@ void print_checks(const std::vector<const Check*>& checks, std::ostream& os) {
     if (!ch.note.empty()) os << "      note: " << capped(ch.note) << "\n";
     auto show = [&](const std::vector<Mismatch>& ms, const char* label) {
       for (const auto& m : ms) {
-        // Exact and rounding classes (the latter: one act rounding apart at
+        // Exact and rounding classes (the latter: a few act ulps apart at
         // most) show every digit, the bit patterns and the ulp distance;
         // tolerance classes the values to 3 digits. `check` judges the
         // user's values: "yours", not "fast".
@@ -445,8 +445,8 @@ void print_tolerance_table(const std::vector<CaseReport>& reports, std::ostream&
       dts.insert(r.c.dtype);
   if (dts.empty()) return;
   os << "\ntolerance table (pass: |fast - ref| <= atol + rtol * |ref|; logits: atol + rtol * max(|ref|, sum of |terms|); "
-        "gemm and end_to_end: the same with rtol = c * u_act (docs/contract.md, comparison classes); rounding: one act rounding; exact "
-        "classes are bitwise):\n";
+        "gemm and end_to_end: the same with rtol = c * u_act (docs/contract.md, comparison classes); rounding: within "
+        "the per-element half-width the reference computes; exact classes are bitwise):\n";
   for (const auto& [name, cls] : compare_class_table()) {
     if (cls == CompareClass::exact) continue;
     os << "   " << std::left << std::setw(12) << name;
