@@ -28,14 +28,19 @@ import subprocess
 import sys
 import tempfile
 import traceback
+import unittest
 
 from .golden import GoldenError, open as open_golden
 
 EXIT_UNSUPPORTED = 77  # the exit status `fuzz --impl` counts as "skipped"
 
 
-class Unsupported(Exception):
-    """Raised by an implementation for a configuration it does not support."""
+class Unsupported(unittest.SkipTest):
+    """Raised by an implementation for a configuration it does not support:
+    main() exits 77, serve() answers "skip", fuzz() counts it skipped. It is a
+    unittest.SkipTest, so a pytest or unittest test that raises it (its
+    implementation refusing a case of moeverify.testing.cases) is reported
+    skipped with the reason, not failed."""
 
 
 # ---- the binary -----------------------------------------------------------

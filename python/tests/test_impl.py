@@ -260,6 +260,33 @@ def run(tool, src, tmp):
     names = [getattr(p, "values", [p])[0].name for p in params]
     expect(names == ["exact_fp32"], "testing.cases: only= one name as a string: %s" % names)
 
+    # Unsupported inside a test is a skip with its reason, not a failure:
+    # unittest's own runner, and pytest (which takes unittest.SkipTest as a
+    # skip) where it is importable: this interpreter's, or $MOEVERIFY_PYTEST_PYTHON's
+    import unittest
+
+    class Refusing(unittest.TestCase):
+        def test_refused(self):
+            raise moeverify.Unsupported("no bf16 here")
+    res = unittest.TextTestRunner(stream=io.StringIO()).run(unittest.defaultTestLoader.loadTestsFromTestCase(Refusing))
+    expect(res.wasSuccessful() and [r for _, r in res.skipped] == ["no bf16 here"],
+           "Unsupported in a unittest test: skipped with its reason (skipped %r, failures %d, errors %d)" %
+           (res.skipped and res.skipped[0][1], len(res.failures), len(res.errors)))
+    pytest_python = os.environ.get("MOEVERIFY_PYTEST_PYTHON", sys.executable)
+    if subprocess.run([pytest_python, "-c", "import pytest"], capture_output=True).returncode == 0:
+        t = os.path.join(tmp, "test_refusing.py")
+        with open(t, "w") as f:
+            f.write("import moeverify\ndef test_refused():\n    raise moeverify.Unsupported('no bf16 here')\n"
+                    "def test_wrong():\n    assert False\n")
+        env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
+        p = subprocess.run([pytest_python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", t],
+                           capture_output=True, text=True, env=env, cwd=tmp)
+        expect("1 failed" in p.stdout and "1 skipped" in p.stdout and "no bf16 here" in p.stdout,
+               "Unsupported in a pytest test: skipped with its reason, beside a failing one: %s" %
+               p.stdout.strip().splitlines()[-1:])
+    else:
+        print("skip  Unsupported under pytest: no pytest in %s (set MOEVERIFY_PYTEST_PYTHON)" % pytest_python)
+
     # keys without effect: in the manifest, and never refused by an adapter
     # (a framework that cannot pad to a capacity runs a case without one)
     from moeverify.frameworks import refuse_keys
