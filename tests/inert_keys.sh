@@ -99,5 +99,32 @@ src=$(dirname "$(realpath "$0")")/..
 grep -q "^moeverify: note: case no_tokens\[experts.kind=identity\] left out (the profile's fixed keys do not fit it): " "$work/prof.err" &&
   ! grep -q "router_ties\|--set" "$work/prof.err" || { cat "$work/prof.err"; fail "export --profile: the left-out notes"; }
 
-[ "$fails" = 0 ] && echo "inert keys: 15 keys, each with two values alike; 4 cases where the key matters quiet"
+# A key the file writes that a profile's fixed keys replace with another value
+# is named where it is written (compared as the case holds it: 1.0 is 1); a
+# key under defaults: once for the cases it reaches; a replaced sweep against
+# its values; nothing for a --set (the user's own) or an equal value.
+mkdir -p "$work/repl"
+printf 'fix:\n  combine.accumulate: fp32_accumulate\n  router.route_scale: 1\n  align: 8\n' >"$work/repl/p.yaml"
+printf 'defaults: {align: 4}\ncases:\n  - {name: a, %s, combine.accumulate: per_add, seed: 3}\n  - {name: b, %s, combine.accumulate: fp32_accumulate, router.route_scale: 1.0}\n  - {name: c, %s, sweep: {combine.accumulate: [per_add, fp32_accumulate]}}\n' \
+  "$shape" "$shape" "$shape" >"$work/repl/case.yaml"
+(cd "$work/repl" && "$bin" export case.yaml g --profile p.yaml >/dev/null 2>all.err &&
+  "$bin" export case.yaml g2 --profile p.yaml --case b >/dev/null 2>b.err &&
+  "$bin" export case.yaml g3 --set combine.accumulate=fp32_accumulate >/dev/null 2>set_only.err &&
+  "$bin" export case.yaml g4 --profile p.yaml --set seed=5 >/dev/null 2>set.err &&
+  "$bin" validate --profile p.yaml case.yaml >validate.out 2>&1) || fail "replaced keys: export or validate failed"
+want_lines=(
+  "moeverify: note: case.yaml:1:19: align: 4 is replaced by 8, which profile p fixes (3 cases: a, b, c)"
+  "moeverify: note: case.yaml:3:.*: combine.accumulate: per_add is replaced by fp32_accumulate, which profile p fixes (case a)"
+  "moeverify: note: case.yaml:5:.*: combine.accumulate: sweep \[per_add, fp32_accumulate\] is replaced by fp32_accumulate, which profile p fixes (case c)")
+for w in "${want_lines[@]}"; do
+  grep -q "^$w\$" "$work/repl/all.err" || { cat "$work/repl/all.err"; fail "replaced keys: missing '$w'"; }
+done
+[ "$(grep -c "is replaced by" "$work/repl/all.err")" = 3 ] || { cat "$work/repl/all.err"; fail "replaced keys: not 3 notes"; }
+grep -q "align: 4 is replaced by 8, which profile p fixes (case b)" "$work/repl/b.err" &&
+  [ "$(grep -c "is replaced by" "$work/repl/b.err")" = 1 ] || { cat "$work/repl/b.err"; fail "replaced keys: --case b"; }
+! grep -q "seed: 3 is replaced" "$work/repl/set.err" && ! grep -q "replaced" "$work/repl/set_only.err" ||
+  { cat "$work/repl/set.err"; fail "replaced keys: a --set named"; }
+[ "$(grep -c "is replaced by" "$work/repl/validate.out")" = 3 ] || { cat "$work/repl/validate.out"; fail "replaced keys: validate --profile"; }
+
+[ "$fails" = 0 ] && echo "inert keys: 15 keys, each with two values alike; 4 cases where the key matters quiet; replaced keys named"
 exit $((fails > 0))

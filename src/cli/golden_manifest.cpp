@@ -250,6 +250,10 @@ int cmd_export(const std::string& file, const std::string& dir, const CaseFilter
     if (filter.selects(n.first)) std::cerr << "moeverify: note: " << left_out_note(n, cause) << "\n";
   for (const auto& n : notes.no_effect)
     if (filter.selects_entry(n.first, loaded)) std::cerr << "moeverify: note: " << n.second << "\n";
+  if (profile)
+    for (const std::string& n : replaced_notes(notes, profile->name, profile->fixed_keys(),
+                                               [&](const std::string& e) { return filter.selects_entry(e, loaded); }))
+      std::cerr << "moeverify: note: " << n << "\n";
   std::vector<Case> chosen;
   std::vector<std::string> names;
   size_t left_out = 0;

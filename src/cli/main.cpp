@@ -442,6 +442,8 @@ int cmd_validate_profile(const std::string& name, const std::vector<std::string>
     }
     const std::string cause = left_out_cause(true, !sets.empty());
     for (const auto& m : notes.left_out) std::cout << "  " << file << ": " << left_out_note(m, cause) << "\n";
+    for (const std::string& n : replaced_notes(notes, p.name, p.fixed_keys(), [](const std::string&) { return true; }))
+      std::cout << "  " << n << "\n";
     for (const auto& c : cases) {
       const std::string why = p.violation(c);
       inside += why.empty();

@@ -234,6 +234,12 @@ std::string Profile::Allow::text() const {
   return "{" + s + "}";
 }
 
+std::set<std::string> Profile::fixed_keys() const {
+  std::set<std::string> k;
+  for (const auto& f : fix) k.insert(f.key);
+  return k;
+}
+
 std::vector<std::string> Profile::sets() const {
   std::vector<std::string> s;
   for (const auto& f : fix) s.push_back(f.key + "=" + f.value);

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,8 @@ struct Profile {
   std::vector<Fix> fix;
   std::vector<Allow> allow;
 
+  /// The names of the fixed keys.
+  std::set<std::string> fixed_keys() const;
   /// The fixed keys as `--set` strings ("key=value").
   std::vector<std::string> sets() const;
   /// Why case `c` lies outside the profile ("" when it lies inside).

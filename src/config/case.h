@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -236,11 +237,24 @@ struct LoadNotes {
   /// file the fuzz wrote (first line `# moeverify fuzz`), whose cases hold
   /// each draw's keys whole.
   std::vector<std::pair<std::string, std::string>> no_effect;
+  /// A key the file writes (in the case, under defaults:, or swept) that an
+  /// override sets to another value: the caller names those a profile's
+  /// fixed keys replace (a --set is the user's own).
+  struct Replaced {
+    std::string entry, key, where, written, value;  // where: "FILE:LINE:COL"
+  };
+  std::vector<Replaced> replaced;
 };
 /// What left a case out: "--set does not fit it", or the profile's fixed
 /// keys (with --set beside them where `sets`).
 std::string left_out_cause(bool profile, bool sets);
 /// "case NAME left out (CAUSE): WHY" for a LoadNotes::left_out entry.
+/// The LoadNotes::replaced of the keys `fixed` (a profile's fixed keys) in the
+/// entries `selects` keeps, one line per place and value written:
+/// "FILE:LINE:COL: KEY: V is replaced by W, which profile P fixes (case A; ...)".
+std::vector<std::string> replaced_notes(const LoadNotes& notes, const std::string& profile,
+                                        const std::set<std::string>& fixed,
+                                        const std::function<bool(const std::string&)>& selects);
 std::string left_out_note(const std::pair<std::string, std::string>& left_out,
                           const std::string& cause = "--set does not fit it");
 

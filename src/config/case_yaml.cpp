@@ -21,6 +21,7 @@
 #include <optional>
 #include <set>
 
+#include "case_json.h"
 #include "case_schema.h"
 #include "error.h"
 
@@ -341,6 +342,34 @@ Axes sweep_axes(const YAML::Node& entry, const std::string& path, const Flat& ow
 /// Appends the cases of one entry of `cases`: its keys over the defaults,
 /// one case per point of the sweep's cartesian product (named NAME[key=value,
 /// ...]), the `--set` overrides applied last; names stay unique in the file.
+/// LoadNotes::replaced for the keys `written` (an entry's first point, before
+/// the overrides) gives and `cli` sets to another value, compared as the case
+/// holds them (on and true, 1 and 1.0 alike) where the entry is valid alone.
+void note_replaced(const Case& c, const Flat& written, const Flat& cli, const std::string& source, LoadNotes& notes) {
+  const size_t first = notes.replaced.size();
+  for (size_t i = 0; i < first; ++i)  // the sweeps' notes, made before the entry's name was known
+    if (notes.replaced[i].entry.empty()) notes.replaced[i].entry = c.name;
+  nlohmann::ordered_json alone;
+  try {
+    alone = case_to_json(build_case(written, source));
+  } catch (const Error&) {
+    // valid only with the overrides: compared as written
+  }
+  const nlohmann::ordered_json now = case_to_json(c);
+  std::vector<std::pair<YAML::Mark, LoadNotes::Replaced>> found;
+  for (const auto& [k, v] : cli) {
+    if (!written.count(k)) continue;
+    const bool held = alone.contains(k) && now.contains(k);
+    if (held ? alone[k] == now[k] : render(written.at(k).node) == render(v.node)) continue;
+    found.push_back({written.at(k).node.Mark(),
+                     {c.name, k, where(written.at(k)), render(written.at(k).node),
+                      held && now[k].is_string() ? now[k].get<std::string>() : render(v.node)}});
+  }
+  // in the file's order (defaults: first)
+  std::stable_sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first.pos < b.first.pos; });
+  for (auto& f : found) notes.replaced.push_back(std::move(f.second));
+}
+
 void expand_entry(const YAML::Node& entry, const std::string& path, const Flat& defaults, const Flat& cli,
                   std::vector<Case>& out, std::set<std::string>& names,
                   std::vector<std::pair<std::string, Error>>* misfits, LoadNotes* notes) {
@@ -371,6 +400,13 @@ void expand_entry(const YAML::Node& entry, const std::string& path, const Flat& 
     return cli.count(a.first) > 0 ||
            (cli.count("shape.tokens_per_rank") && (a.first == "shape.tokens" || a.first == "shape.seq_len"));
   };
+  if (notes)  // a swept key an override replaces: named against the whole sweep
+    for (const auto& [k, vals] : axes)
+      if (cli.count(k)) {
+        std::string list;
+        for (const Src& v : vals) list += (list.empty() ? "[" : ", ") + render(v.node);
+        notes->replaced.push_back({"", k, where(vals.front()), "sweep " + list + "]", render(cli.at(k).node)});
+      }
   axes.erase(std::remove_if(axes.begin(), axes.end(), replaced), axes.end());
   if (out.size() + count > kMaxCasesPerFile)
     fail_at(esrc, "cases", "the file has more than " + std::to_string(kMaxCasesPerFile) + " cases",
@@ -404,6 +440,7 @@ void expand_entry(const YAML::Node& entry, const std::string& path, const Flat& 
       const Case alone = build_case(own_point, source);  // throws when the case itself is bad
       misfits->push_back({alone.name + suffix, e});
     }
+    if (c && notes && out.size() == first) note_replaced(*c, own_point, cli, source, *notes);
     if (c) {
       c->name += suffix;
       if (!names.insert(c->name).second)
@@ -414,6 +451,10 @@ void expand_entry(const YAML::Node& entry, const std::string& path, const Flat& 
     while (a < axes.size() && ++idx[a] == axes[a].second.size()) idx[a++] = 0;
     if (a == axes.size()) break;
   }
+  if (notes)  // a sweep's note where no point of it was loaded (each is left out, and said so)
+    notes->replaced.erase(std::remove_if(notes->replaced.begin(), notes->replaced.end(),
+                                         [](const LoadNotes::Replaced& r) { return r.entry.empty(); }),
+                          notes->replaced.end());
   if (!notes || out.size() == first) return;
   // A key the entry writes that changes none of its cases is named (a
   // key of a sweep point alone, alias_offset beside a swept buffer, is not).
@@ -468,6 +509,28 @@ std::string left_out_cause(bool profile, bool sets) {
   return sets ? "--set or the profile's fixed keys do not fit it" : "the profile's fixed keys do not fit it";
 }
 
+std::vector<std::string> replaced_notes(const LoadNotes& notes, const std::string& profile,
+                                        const std::set<std::string>& fixed,
+                                        const std::function<bool(const std::string&)>& selects) {
+  std::vector<std::string> lines;                            // in file order of first mention
+  std::map<std::string, std::vector<std::string>> entries;  // line -> the entries it applies to
+  for (const LoadNotes::Replaced& r : notes.replaced) {
+    if (!fixed.count(r.key) || !selects(r.entry)) continue;
+    const std::string line = r.where + ": " + r.key + ": " + r.written + " is replaced by " + r.value +
+                             ", which profile " + printable(profile, 200) + " fixes";
+    auto [it, fresh] = entries.emplace(line, std::vector<std::string>{});
+    if (fresh) lines.push_back(line);
+    it->second.push_back(printable(r.entry, 200));
+  }
+  for (std::string& line : lines) {
+    const std::vector<std::string>& e = entries.at(line);
+    line += e.size() == 1 ? " (case " + e[0] : " (" + std::to_string(e.size()) + " cases: " + e[0];
+    for (size_t i = 1; i < e.size() && i < 4; ++i) line += ", " + e[i];
+    line += e.size() > 4 ? ", ...)" : ")";
+  }
+  return lines;
+}
+
 std::string left_out_note(const std::pair<std::string, std::string>& left_out, const std::string& cause) {
   return "case " + printable(left_out.first, 200) + " left out (" + cause + "): " + left_out.second;
 }
@@ -504,6 +567,7 @@ std::vector<Case> load_cases_text(const std::string& text, const std::string& pa
       notes->no_effect.push_back({"", where(src) + ": defaults: " + k + " has no effect in any case of the file: " + why});
   }
   notes->no_effect.insert(notes->no_effect.end(), entries.no_effect.begin(), entries.no_effect.end());
+  notes->replaced = std::move(entries.replaced);
   return out;
 }
 
