@@ -117,6 +117,32 @@ repro=$("$py" -c "import json, sys; print(json.load(open(sys.argv[1]))['failures
 rc=$?
 [ "$rc" -eq 1 ] && grep -q "INCORRECT at routing/actual/" "$work/o3r.txt" && grep -q "check .* --require routing --strict-ties; }" "$work/o3r.txt" ||
   { cat "$work/o3r.txt"; fail "--require/--strict-ties: exit $rc"; }
+# exact ties broken toward the highest expert id: accepted, and counted (the
+# summary's ties line, the JSON's accepted_ties); under --strict-ties failed
+printf 'fix:\n  shape.hidden: 2\n  data: exact\n  router.score: softmax\n  router.bias: "off"\n  router.groups: 1\n  router.force_load_balance: "off"\n  router.hot_expert: -1\n' >"$work/ties.yaml"
+cat >"$work/tiebreak.py" <<EOF
+import sys
+sys.path.insert(0, "$src/python")
+import moeverify
+def fn(g):  # the K-th pick moved to the highest id among the unpicked experts tied with it
+    for r in range(g.ranks):
+        s, ids = g.expected("routing.scores", rank=r), g.expected("routing.ids", rank=r).copy()
+        for t in range(len(ids)):
+            tied = [e for e in range(s.shape[1]) if s[t, e] == s[t, ids[t, -1]] and e not in ids[t]]
+            if tied and max(tied) > ids[t, -1]:
+                ids[t, -1] = max(tied)
+        g.write("routing.ids", ids, rank=r)
+moeverify.main(fn)
+EOF
+"$bin" fuzz --impl "$py $work/tiebreak.py {case}" --profile "$work/ties.yaml" --iterations 6 --seed 2 \
+  --out "$work/out_ties" --json "$work/s3ties.json" >"$work/o3ties.txt" 2>&1
+rc=$?
+ties=$(field "$work/s3ties.json" accepted_ties)
+[ "$rc" -eq 0 ] && [ "$ties" -ge 3 ] && grep -q "^   ties *$ties  (judged configurations where the implementation broke an exact tie" "$work/o3ties.txt" ||
+  { cat "$work/o3ties.txt"; fail "accepted ties: exit $rc, accepted_ties $ties"; }
+"$bin" fuzz --impl "$py $work/tiebreak.py {case}" --profile "$work/ties.yaml" --iterations 6 --seed 2 --strict-ties \
+  --no-shrink --out "$work/out_ties" --json "$work/s3ts.json" >"$work/o3ts.txt" 2>&1
+[ $? -eq 1 ] && [ "$(field "$work/s3ts.json" failed)" -eq "$ties" ] || { cat "$work/o3ts.txt"; fail "--strict-ties: the tied configurations not failed"; }
 # a signal
 "$bin" fuzz --impl "kill -SEGV \$\$; : {case}" --iterations 1 --seed 1 --no-shrink --out "$work/out3" >"$work/o3s.txt" 2>&1
 [ $? -eq 1 ] && grep -q "killed by signal 11" "$work/o3s.txt" || { cat "$work/o3s.txt"; fail "signal not reported"; }

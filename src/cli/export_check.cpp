@@ -172,6 +172,7 @@ void check_routing_external(const Case& c, const Board& ref, const Board& merged
            << " scores (docs/contract.md §15)";
       if (opt.strict_ties) note << "; strict: the lowest-index member of every tie";
       if (ties) note << "; " << ties << " token(s) pick another member of an exact tie (accepted)";
+      rep.accepted_ties += ties;
       if (near) note << "; " << near << " near-tie token(s): valid within the scores tolerance (reported, not failed)";
       if (own_scores && differs_from_ref)
         note << "; " << differs_from_ref << " near-tie token(s): the selection differs from the reference's own where the scores agree within tolerance (reported, not failed)";
@@ -731,10 +732,12 @@ bool ExternalEntry::stage(const Stage& s, Board& board) {
   }
   if (s.slot == "capacity" && !opt.strict_ties)
     for (int r = 0; r < R; ++r)
-      if (adopt_capacity_ties(c, board.ranks[size_t(r)], given[size_t(r)], expected[size_t(r)]))
+      if (adopt_capacity_ties(c, board.ranks[size_t(r)], given[size_t(r)], expected[size_t(r)])) {
+        ++rep.accepted_ties;
         rep.notes.push_back("stage " + prefix + s.slot + (R > 1 ? " rank " + std::to_string(r) : "") +
                             ": the implementation keeps other rows among scores tied exactly at an expert's "
                             "capacity (accepted; judged on its choice)");
+      }
   for (const OutputSpec& o : s.outputs)
     for (int r = 0; r < R; ++r)
       if (o.from_fast && given[size_t(r)].count(o.name)) derive(o, r);
@@ -879,6 +882,7 @@ CaseReport run_external(const Case& given, const ActualFn* actual, std::vector<G
     for (auto& ch : rl.checks) ch.slot = prefix + ch.slot, rep.checks.push_back(std::move(ch));
     for (auto& d : rl.decisions) d.slot = prefix + d.slot, rep.decisions.push_back(std::move(d));
     for (auto& n : rl.notes) rep.notes.push_back(n);
+    rep.accepted_ties += rl.accepted_ties;
     if (!rl.bad_input.empty()) rep.bad_input = rl.bad_input;
     expected_total += entry.expected_total;
     if (!rep.bad_input.empty()) break;

@@ -81,6 +81,7 @@ struct FuzzResult {
   bool impl = false;
   std::string impl_cmd, profile, work_dir;
   uint64_t drawn = 0, judged = 0, skipped = 0, crashed = 0, failed = 0;
+  uint64_t accepted_ties = 0;  // judged configurations with an exact tie broken otherwise (accepted)
   std::map<std::string, StageCount> stages;
   std::map<std::string, int> skip_reasons;  // first line of the implementation's reason -> count
   bool interrupted = false;                 // SIGINT or SIGTERM ended the draws (and shrinking) early

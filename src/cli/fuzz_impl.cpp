@@ -76,6 +76,7 @@ struct ImplRun {
   std::string reason;    // skipped: the implementation's reason
   std::string err_tail;  // what it wrote to stderr
   std::map<std::string, std::pair<bool, bool>> stages;  // judged: slot -> (judged, INCORRECT)
+  bool accepted_ties = false;  // judged: it broke an exact tie otherwise than the lowest id (accepted)
 };
 
 /// A file's bytes; for a file that cannot be read, a text no file holds
@@ -229,6 +230,7 @@ class ImplJob {
     try {
       const CaseReport rep = check_case_folder(folder, folder + "/actual", a);
       r.v = verdict_of(rep, "yours");
+      r.accepted_ties = rep.accepted_ties > 0;
       if (!rep.bad_input.empty()) r.v = Verdict{Outcome::ERROR, "check/files", "check/files", rep.bad_input};
       for (const Check& ch : rep.checks) {
         if (ch.variant != "actual" || ch.tensor == "-") continue;
@@ -310,6 +312,7 @@ void tally(FuzzResult& res, const ImplRun& r) {
     return;
   }
   ++res.judged;
+  res.accepted_ties += r.accepted_ties;
   for (const auto& [slot, s] : r.stages) {
     res.stages[slot].judged += s.first;
     res.stages[slot].failed += s.second;
@@ -620,6 +623,10 @@ void print_impl_result(const FuzzResult& r, std::ostream& os, const Profile* pro
      << "   " << std::setw(14) << "crashed" << r.crashed << "  (another exit status, a signal, an exception or a timeout)\n";
   print_skip_reasons(r.skip_reasons, os);
   print_fixed_key_refused(r, profile, os);
+  if (r.accepted_ties > 0)
+    os << "   " << std::setw(14) << "ties" << r.accepted_ties
+       << "  (judged configurations where the implementation broke an exact tie otherwise than the lowest expert id "
+          "or token: accepted by docs/contract.md §15; --strict-ties holds it to the lowest)\n";
   // What the NOT_VERIFIED ones checked nothing of, so that exit 0 beside
   // many of them is seen (a stage written for EP 1 only, say)
   for (const auto& [check, n] : r.uninformative_checks)
@@ -673,7 +680,7 @@ std::string impl_json(const FuzzResult& r) {
   j["seconds"] = r.seconds;
   for (const auto& [k, v] : {std::pair<const char*, uint64_t>{"drawn", r.drawn}, {"judged", r.judged},
                              {"passed", r.passed}, {"not_verified", r.uninformative}, {"skipped", r.skipped},
-                             {"crashed", r.crashed}, {"failed", r.failed}})
+                             {"crashed", r.crashed}, {"failed", r.failed}, {"accepted_ties", r.accepted_ties}})
     j[k] = v;
   j["stages"] = nlohmann::json::object();
   for (const auto& [slot, s] : r.stages) j["stages"][slot] = {{"judged", s.judged}, {"failed", s.failed}};

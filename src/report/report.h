@@ -44,6 +44,10 @@ struct CaseReport {
   /// `check`: the folder the implementation's outputs were read from (the
   /// report's header names it under the case line).
   std::string actual_dir;
+  /// `check`: exact ties the implementation broke otherwise than the lowest
+  /// expert id or token (accepted without --strict-ties, docs/contract.md
+  /// §15): tokens at routing, ranks at a capacity boundary.
+  int64_t accepted_ties = 0;
   /// The overload factor of the case's layer entries (docs/contract.md §12) from the
   /// fast pipeline; the checks compare it with the reference's.
   struct Overload {
