@@ -227,6 +227,17 @@ expect_rc 1 "$tmp/rq2.log" -- "$bin" check "$bd" --require routing &&
 expect_rc 4 "$tmp/rq3.log" -- "$bin" check "$bd" --require dispatch,experts_bwd &&
   grep -q "this case has no stage experts_bwd" "$tmp/rq3.log" || fail "--require of a stage the case lacks: not NOT_VERIFIED"
 expect_rc 2 "$tmp/rq4.log" -- "$bin" check "$bd" --require dispatch,nosuch
+# --require all at EP 1 asks for no stage that only moves rows between ranks
+# (identities there), and says so; named, one is required; at EP 2 all are
+ep1=$(ls -d "$tmp"/all/basic/*/ | head -1) ep2=$(ls -d "$tmp"/all/ep4/*/ | head -1)
+copy_expected "$ep1" && copy_expected "$ep2"
+rm -f "$ep1"/actual/ep_* "$ep2"/actual/ep_dispatch.*
+expect_rc 0 "$tmp/rq5.log" -- "$bin" check "$ep1" --require all &&
+  grep -q "require all at EP 1: the stages that move rows between ranks" "$tmp/rq5.log" ||
+  fail "--require all at EP 1 without the EP stages: not PASSED with the note"
+expect_rc 1 "$tmp/rq6.log" -- "$bin" check "$ep1" --require ep_dispatch || fail "--require ep_dispatch at EP 1: not INCORRECT"
+expect_rc 1 "$tmp/rq7.log" -- "$bin" check "$ep2" --require all &&
+  grep -q -E "ep_dispatch +actual +recv.*INCORRECT|missing on" "$tmp/rq7.log" || fail "--require all at EP 4 without ep_dispatch: not INCORRECT"
 "$py" "$src/examples/numpy_moe.py" "$bd" --bug unstable_order >/dev/null
 expect_rc 1 "$tmp/order.log" -- "$bin" check "$bd" &&
   grep -q -E 'dispatch +actual +routed_input .*INCORRECT' "$tmp/order.log" ||

@@ -511,6 +511,16 @@ std::string ranks_text(const std::vector<int>& ranks) {
   return s;
 }
 
+/// The stages that move rows between EP ranks. At EP 1 each is an identity
+/// (the rows stay on their rank; one rank's permute leaves its groups as
+/// they are), which an implementation without expert parallelism need not
+/// write: `--require all` does not ask for them there (naming one does).
+bool rank_exchange(const std::string& slot) {
+  static const std::set<std::string> s = {"ep_dispatch",     "ep_permute",     "ep_unpermute",     "ep_combine",
+                                          "ep_dispatch_bwd", "ep_permute_bwd", "ep_unpermute_bwd", "ep_combine_bwd"};
+  return s.count(slot) > 0;
+}
+
 /// INCORRECT at `slot`: tensor `name` missing on `absent_on`; written on
 /// `written_on` (a partial run) or, when that is empty, on no rank although
 /// --require asks for the stage.
@@ -534,7 +544,8 @@ void ExternalEntry::read_given(const Stage& s, const std::vector<std::map<std::s
   const int R = c.ep;
   std::set<std::string> missing;
   int64_t written = 0;
-  const bool required = std::find(opt.require.begin(), opt.require.end(), s.slot) != opt.require.end();
+  const bool required = std::find(opt.require.begin(), opt.require.end(), s.slot) != opt.require.end() &&
+                        (opt.require_named || R > 1 || !rank_exchange(s.slot));
   // Row-count checks wait for the stage's other outputs: the counts that
   // group a tensor's rows may come after it (expert_input, expert_counts).
   struct RowsDiffer { const OutputSpec* o; int r; const Tensor* expected; std::vector<int64_t> shape; };
@@ -908,6 +919,10 @@ CaseReport run_external(const Case& given, const ActualFn* actual, std::vector<G
       ch.note = "no actual output file matches a stage output of the manifest: nothing was checked";
       rep.checks.push_back(ch);
     }
+    if (!opt.require.empty() && !opt.require_named && c.ep == 1)
+      rep.notes.push_back("--require all at EP 1: the stages that move rows between ranks (ep_dispatch, ep_permute, "
+                          "ep_unpermute, ep_combine and their backward) are identities here and not required; "
+                          "--require STAGE,... names them to require them");
     // A stage --require names that this case does not run: what the
     // requirement asks for was not checked, so the case cannot pass.
     for (const std::string& slot : opt.require_named ? opt.require : std::vector<std::string>{}) {
