@@ -227,6 +227,13 @@ expect_rc 1 "$tmp/rq2.log" -- "$bin" check "$bd" --require routing &&
 expect_rc 4 "$tmp/rq3.log" -- "$bin" check "$bd" --require dispatch,experts_bwd &&
   grep -q "this case has no stage experts_bwd" "$tmp/rq3.log" || fail "--require of a stage the case lacks: not NOT_VERIFIED"
 expect_rc 2 "$tmp/rq4.log" -- "$bin" check "$bd" --require dispatch,nosuch
+# several DIRs: every case folder of each, one reached twice judged once;
+# --actual names the outputs of one DIR only
+n1=$(ls -d "$tmp"/all/basic/*/ | wc -l) n2=$(ls -d "$tmp"/all/edge/*/ | wc -l)
+expect_rc 0 "$tmp/multi.log" -- "$bin" check "$tmp/all/basic" "$tmp/all/edge/" "$(ls -d "$tmp"/all/basic/*/ | head -1)" &&
+  grep -q "^$((n1 + n2)) of $((n1 + n2)) case(s) PASSED" "$tmp/multi.log" || fail "check DIR DIR DIR/CASE: not $((n1 + n2)) cases once each"
+expect_rc 2 "$tmp/multi2.log" -- "$bin" check "$tmp/all/basic" "$tmp/all/edge" --actual "$tmp" &&
+  grep -q "^moeverify: --actual with 2 folders" "$tmp/multi2.log.err" || fail "--actual with two DIRs: not refused"
 # --require all at EP 1 asks for no stage that only moves rows between ranks
 # (identities there), and says so; named, one is required; at EP 2 all are
 ep1=$(ls -d "$tmp"/all/basic/*/ | head -1) ep2=$(ls -d "$tmp"/all/ep4/*/ | head -1)

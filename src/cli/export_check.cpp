@@ -1043,18 +1043,11 @@ void parse_require(const std::string& text, ExternalOptions& o) {
   o.require_named = true;
 }
 
-int cmd_check(const CheckArgs& a) {
-  std::string dir = a.dir;
+/// The case folders of one DIR of `check` (one golden folder, or the folders
+/// in it that hold a manifest, by name), each with its actual/ folder.
+std::vector<std::pair<std::string, std::string>> check_folders(std::string dir, const CheckArgs& a) {
   if (dir.empty()) bad_input("check: the folder is empty; valid: a folder written by `moeverify export`");
   while (dir.size() > 1 && dir.back() == '/') dir.pop_back();  // DIR/ names its case folders DIR/CASE, not DIR//CASE
-  if (a.has_actual && a.actual_dir.empty()) bad_input("--actual: the path is empty; valid: a folder of .npy files");
-  if (a.want_json && a.json.empty()) bad_input("--json: the path is empty; valid: a file path such as report.json");
-  CheckArgs args = a;
-  if (!a.require.empty()) parse_require(a.require, args.external);
-  if (a.has_actual && !golden::is_dir(a.actual_dir))
-    bad_input("--actual " + printable(a.actual_dir, 200) + ": no such folder; valid: the folder holding the "
-              "implementation's .npy files, named as in the manifest");
-  // DIR is one golden folder (it holds manifest.json) or a folder of them.
   std::vector<std::pair<std::string, std::string>> folders;  // (golden, actual)
   if (golden::is_file(dir + "/manifest.json")) {
     folders.push_back({dir, a.has_actual ? a.actual_dir : dir + "/actual"});
@@ -1071,6 +1064,30 @@ int cmd_check(const CheckArgs& a) {
   if (folders.empty())
     bad_input(printable(dir, 200) + ": holds no manifest.json (nor folders that do); valid: a folder written by "
               "`moeverify export`");
+  return folders;
+}
+
+int cmd_check(const CheckArgs& a) {
+  if (a.has_actual && a.actual_dir.empty()) bad_input("--actual: the path is empty; valid: a folder of .npy files");
+  if (a.has_actual && a.dirs.size() > 1)
+    bad_input("--actual with " + std::to_string(a.dirs.size()) + " folders: it names the outputs of one; valid: one "
+              "DIR with --actual, or several DIRs each with its own actual/ folders");
+  if (a.want_json && a.json.empty()) bad_input("--json: the path is empty; valid: a file path such as report.json");
+  CheckArgs args = a;
+  if (!a.require.empty()) parse_require(a.require, args.external);
+  if (a.has_actual && !golden::is_dir(a.actual_dir))
+    bad_input("--actual " + printable(a.actual_dir, 200) + ": no such folder; valid: the folder holding the "
+              "implementation's .npy files, named as in the manifest");
+  // Each DIR is one golden folder (it holds manifest.json) or a folder of
+  // them; a case folder two DIRs reach is judged once.
+  std::vector<std::pair<std::string, std::string>> folders;
+  std::set<std::string> seen;
+  for (const std::string& d : a.dirs)
+    for (auto& f : check_folders(d, a))
+      if (seen.insert(std::filesystem::weakly_canonical(f.first).string()).second) folders.push_back(std::move(f));
+  // the JSON's "file": the folder, or "(several)" as `run` says of its files
+  std::string dir = a.dirs.size() == 1 ? a.dirs[0] : "(several)";
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
   if (a.want_json) {
     std::vector<std::string> reads;
     for (const auto& [g, act] : folders) reads.insert(reads.end(), {g, act});

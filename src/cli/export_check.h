@@ -122,15 +122,16 @@ size_t export_case_folder(const Case& c, const std::string& folder);
 void parse_require(const std::string& text, ExternalOptions& o);
 
 struct CheckArgs {
-  std::string dir, actual_dir, json;
+  std::vector<std::string> dirs;  // each one golden folder or a folder of them
+  std::string actual_dir, json;
   bool has_actual = false, want_json = false;
   bool verbose = false;        // every check's row, as `run --verbose`
   bool allow_unknown = false;  // files under actual/ that no manifest entry names are ignored, and listed
   std::string require;         // --require: "all" or STAGE,STAGE (parsed into external)
   ExternalOptions external;
 };
-/// `moeverify check DIR [--actual DIR2] [--json F]`: DIR is one golden folder
-/// or a folder of them; exit status as for `run`.
+/// `moeverify check DIR... [--actual DIR2] [--json F]`: each DIR is one golden
+/// folder or a folder of them (--actual with one DIR only); exit status as for `run`.
 int cmd_check(const CheckArgs& a);
 
 /// One golden folder judged on the implementation's files in `actual_dir`

@@ -897,7 +897,8 @@ void add_export_check(CLI::App& app, Commands& c) {
   c.exp->add_option("--profile", c.ex_profile, "set the profile's fixed keys on every case and leave out the cases "
                     "outside it (a shipped name such as torchtitan, or a profile file)")->type_name("NAME|FILE");
   c.chk = app.add_subcommand("check", "check an implementation's outputs against the reference, stage by stage");
-  c.chk->add_option("dir", c.ck.dir, "a folder written by export (or a folder of them)")->required();
+  c.chk->add_option("dir", c.ck.dirs, "folders written by export: each a case folder or a folder of them")
+      ->required();
   c.chk->add_option("--actual", c.ck.actual_dir, "the implementation's .npy files (default DIR/actual); where DIR "
                     "holds case folders, one folder per case: DIR2/CASE/ (default DIR/CASE/actual)");
   c.chk->add_option("--json", c.ck.json, "also write the report as JSON to this file");
