@@ -415,40 +415,6 @@ Vec combine_magnitude(const CombineSpec& s, RowsRef rows_magnitude, Act rows_act
   return out;
 }
 
-Vec any_order_halfwidth(Act act, Accumulate acc, bool shared_after, const Vec& magnitude,
-                        const Ids& token_sorted, int64_t T, int64_t D) {
-  std::vector<int64_t> terms(size_t(T), 0);
-  for (const auto t : token_sorted)
-    if (t >= 0) ++terms[size_t(t)];
-  const double u32 = std::ldexp(1.0, -24);
-  const double u_act = act == Act::fp32 ? u32 : act == Act::bf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
-  // Half the act type's least subnormal: the absolute error a rounding may add.
-  const double eta = act == Act::fp32 ? std::ldexp(1.0, -150) : act == Act::bf16 ? std::ldexp(1.0, -134)
-                                                                                : std::ldexp(1.0, -25);
-  // An fp32 sum rounded to act (one rounding where act is fp32).
-  const double step = act == Act::fp32 ? u32 : (1 + u32) * (1 + u_act) - 1;
-  Vec out(magnitude.size());
-  for (int64_t t = 0; t < T; ++t) {
-    const double k = double(terms[size_t(t)]), sh = shared_after ? 1.0 : 0.0;
-    double growth, roundings;
-    if (acc == Accumulate::per_add) {
-      growth = std::pow(1 + step, k + sh);
-      roundings = k + sh;
-    } else {
-      growth = std::pow(1 + u32, k) * (act == Act::fp32 ? 1.0 : 1 + u_act) * std::pow(1 + step, sh);
-      roundings = k + 1 + sh;
-    }
-    for (int64_t d = 0; d < D; ++d) {
-      const size_t e = size_t(t * D + d);
-      // rounded up to fp32, so that the stored bound never shrinks
-      const double w = 2 * ((growth - 1) * double(magnitude[e]) * (1 + u_act) * (1 + u_act) + roundings * eta);
-      const float wf = float(w);
-      out[e] = double(wf) < w ? std::nextafter(wf, INFINITY) : wf;
-    }
-  }
-  return out;
-}
-
 namespace {
 
 /// Token rows [t0, t1) of the combine: each element's terms in ascending
@@ -500,6 +466,78 @@ Vec combine(const CombineSpec& s, RowsRef routed_out, const Ids& token_sorted,
       case Act::fp16: return combine_tokens<Act::fp16>(s, routed_out, tr, score_sorted, shared, D, out, t0, t1);
     }
   });
+  return out;
+}
+
+namespace {
+
+/// A float at most (down) or at least (up) v: the fp32 sums of an any-order
+/// interval end, never inside it.
+float float_beyond(double v, bool up) {
+  const float f = float(v);
+  if (up) return double(f) < v ? std::nextafter(f, INFINITY) : f;
+  return double(f) > v ? std::nextafter(f, -INFINITY) : f;
+}
+
+}  // namespace
+
+Vec any_order_halfwidth(const AnyOrderSum& s, RowsRef rows, const Ids& token_sorted, const Vec& score_sorted,
+                        const Vec& init, const Vec& shared, const Vec& ascending, int64_t T, int64_t D) {
+  const TokenRows tr(token_sorted, T, rows.rows, score_sorted.size());
+  const double u32 = std::ldexp(1.0, -24);
+  const double u_act = s.act == Act::fp32 ? u32 : s.act == Act::bf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+  // Half the act type's least subnormal (the absolute error a rounding may
+  // add), and the least magnitude that rounds to infinity in act.
+  const double eta = s.act == Act::fp32 ? std::ldexp(1.0, -150) : s.act == Act::bf16 ? std::ldexp(1.0, -134)
+                                                                                    : std::ldexp(1.0, -25);
+  const double top = s.act == Act::fp16 ? 65520.0 : s.act == Act::bf16 ? std::ldexp(2 - std::ldexp(1.0, -8), 127)
+                                                                       : std::ldexp(2 - std::ldexp(1.0, -24), 127);
+  // An fp32 sum rounded to act (a single rounding where act is fp32).
+  const double step = s.act == Act::fp32 ? u32 : (1 + u32) * (1 + u_act) - 1;
+  const size_t eb = act_bytes(s.act);
+  Vec out(size_t(T * D), 0.f);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t k = tr.start[size_t(t + 1)] - tr.start[size_t(t)];
+    // (1 + u)^n for n = k - 1 (a zero start) and k, u of the mode's additions
+    const double u = s.acc == Accumulate::per_add ? step : u32;
+    const double grow[2] = {std::pow(1 + u, double(k - 1)), std::pow(1 + u, double(k))};
+    for (int64_t d = 0; d < D; ++d) {
+      const size_t e = size_t(t * D + d);
+      const double v0 = init.empty() ? 0.0 : double(init[e]), sh = shared.empty() ? 0.0 : double(shared[e]);
+      if (k <= 1 || (k == 2 && v0 == 0)) continue;  // every order adds alike: w = 0
+      double X = v0, S = std::fabs(v0);
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t i = tr.rows[size_t(tr.start[size_t(t)] + j)];
+        float y = decode_act(s.act, rows.row(i) + size_t(d) * eb);
+        if (s.multiply) {
+          const float sc = s.smul == ScoreMultiply::act ? round_act(s.act, score_sorted[size_t(i)])
+                                                        : score_sorted[size_t(i)];
+          y = round_act(s.act, f32(double(y) * sc));
+        }
+        X += y;
+        S += std::fabs(y);
+      }
+      S *= 1 + std::ldexp(1.0, -40);  // X and S are double sums of floats: near exact
+      const double n = double(k - (v0 == 0 ? 1 : 0)), g = grow[v0 == 0 ? 0 : 1];
+      const double r = ascending[e];
+      double w;
+      if (s.acc == Accumulate::per_add) {
+        const double reach = g * S + std::fabs(sh);
+        double err = (g - 1) * S + n * eta;
+        if (!shared.empty()) err += step * reach + eta;
+        w = reach * (1 + step) >= top ? INFINITY : err + std::fabs(X + sh - r);
+      } else {
+        const double E = (g - 1) * S + n * std::ldexp(1.0, -150);
+        float lo = round_act(s.act, float_beyond(X - E, false)), hi = round_act(s.act, float_beyond(X + E, true));
+        if (!shared.empty()) {
+          lo = round_act(s.act, f32(double(lo) + sh));
+          hi = round_act(s.act, f32(double(hi) + sh));
+        }
+        w = std::isinf(lo) || std::isinf(hi) ? INFINITY : std::max(double(hi) - r, r - double(lo));
+      }
+      out[e] = float_beyond(w, true);
+    }
+  }
   return out;
 }
 

@@ -413,21 +413,38 @@ Vec combine_magnitude(const CombineSpec& spec, RowsRef rows_magnitude, Act rows_
                       const Vec& score_sorted, const Vec& init_magnitude, const Vec& shared_magnitude, int64_t T,
                       int64_t D, int threads = 1);
 
-/// The half-width within which a token's scatter-add sum, its additions taken
-/// in any order (docs/contract.md §2, combine.order: any), lands from the
-/// ascending one: both lie within e = (Π(1 + u_i) - 1) · S' of the exact sum,
-/// the product over the roundings one sum makes, so they differ by 2e at most.
-/// The roundings: under per_add one per term and one for a shared expert added
-/// after (each an fp32 sum rounded to act); under fp32_accumulate one fp32
-/// rounding per term, one act rounding, then the shared addition. S' is the
-/// element's magnitude (init + Σ|score|·|row| + |shared|, combine_magnitude's
-/// value) times (1 + u_act)^2, as each term is a rounded product of a score
-/// that may itself be rounded (score_multiply: act); and each
-/// rounding may add half an act subnormal spacing. Token t sums the rows i
-/// with token_sorted[i] == t (a negative id: a capacity filler, no term).
-/// Layout (T, D).
-Vec any_order_halfwidth(Act act, Accumulate acc, bool shared_after, const Vec& magnitude,
-                        const Ids& token_sorted, int64_t T, int64_t D);
+/// A scatter-add whose additions may come in any order (docs/contract.md §2,
+/// combine.order: any): element e of token t sums its initial value, the
+/// terms of t's rows in some order (each row times its score, rounded to act,
+/// where `multiply`; the row itself otherwise) and, after them, the shared
+/// value, as `acc` says.
+struct AnyOrderSum {
+  Act act = Act::fp32;
+  Accumulate acc = Accumulate::per_add;
+  bool multiply = true;
+  ScoreMultiply smul = ScoreMultiply::fp32;
+};
+
+/// How far such a sum in another order can land from `ascending`, the
+/// contract's sum in ascending row order (combine's or scatter_add_grad's
+/// output), per element: the half-width w of the `rounding` class.
+/// - w = 0 where every order adds alike: one term, or two onto a zero start.
+/// - per_add: any order lies within e of the exact sum X, e = (g - 1) S +
+///   (the shared addition) u (g S + |sh|), g = (1 + u)^n over the n inexact
+///   additions (one fewer onto a zero start), u the relative error of an
+///   fp32 sum rounded to act, S = |init| + Σ|term|; so w = e + |X + sh -
+///   ascending| (the ascending sum is one of them).
+/// - fp32_accumulate: the fp32 sum lies in [X - E, X + E], E = ((1 + u32)^n -
+///   1) S; rounding to act and adding the shared value are monotone, so the
+///   output lies between the images of the ends, and w is the larger distance
+///   from `ascending` to them (0 where both ends round to it).
+/// - w = ∞ where a partial sum can reach act's overflow (any value but NaN
+///   then passes: inf in one order, finite in another).
+/// Each rounding may add half an act subnormal spacing. Layout (T, D);
+/// `init` and `shared` empty: zeros, none. Throws as combine does on
+/// inconsistent inputs.
+Vec any_order_halfwidth(const AnyOrderSum& spec, RowsRef rows, const Ids& token_sorted, const Vec& score_sorted,
+                        const Vec& init, const Vec& shared, const Vec& ascending, int64_t T, int64_t D);
 
 }  // namespace ref
 

@@ -215,5 +215,67 @@ with tempfile.TemporaryDirectory() as tmp:
                 short = per_add(tok, terms, shared, [i for i in range(len(tok)) if i != 5])
                 judged(g, "%s per-add missing a term, combine.order any" % name, 1, short, name)
 
+    # 6. The half-width is no wider than the orders need, and an overflow in
+    # one order only is no false alarm: (a) bf16 per_add with two terms onto
+    # a zero start (every order adds alike: w = 0) and (b) bf16
+    # fp32_accumulate with four (the fp32 sums' spread mostly rounds to one
+    # bf16 value): a truncating bf16 conversion, one ulp off, is INCORRECT
+    # under any while a shuffled order PASSES; (c) fp16 per_add near 65504,
+    # where the descending order overflows to inf and the ascending one does
+    # not: PASSED.
+    def trunc(v):
+        return (np.ascontiguousarray(v, dtype=np.float32).view(np.uint32) >> 16 << 16).view(np.float32)
+
+    def fp32_sum(tok, terms, shared, order, conv):
+        acc = np.zeros((len(shared),) + terms.shape[1:], dtype=np.float32)
+        for i in order:
+            if tok[i] >= 0:
+                acc[tok[i]] += terms[i]
+        return conv(conv(acc) + shared)
+
+    for tag, k, acc in (("k2_per_add", 2, "per_add"), ("k4_fp32_accumulate", 4, "fp32_accumulate")):
+        g = exported(tmp, tag, "cases:\n  - {name: c, dtype: bf16, data: realistic, seed: 3, shape: {tokens: 64, "
+                     "hidden: 32, experts: 8, top_k: %d}, combine: {accumulate: %s, order: any}}\n" % (k, acc))
+        tok = g.expected("dispatch.token_sorted")
+        terms = bf16(g.expected("ep_combine.routed_output") * g.expected("dispatch.score_sorted")[:, None])
+        zero = np.zeros_like(g.expected("combine.out"))
+        total = per_add if acc == "per_add" else (lambda t, x, sh, o: fp32_sum(t, x, sh, o, bf16))
+        if not (total(tok, terms, zero, range(len(tok))) == g.expected("combine.out")).all():
+            print("FAIL %s: this test's ascending sum is not the expected output" % tag)
+            failures.append("model " + tag)
+            continue
+        judged(g, "%s in a shuffled order, combine.order any" % tag, 0, total(tok, terms, zero, rng.permutation(len(tok))))
+        if acc == "per_add":  # each addition truncated instead of rounded
+            wrong = np.zeros_like(zero)
+            for i in range(len(tok)):
+                wrong[tok[i]] = trunc(wrong[tok[i]] + terms[i])
+        else:
+            wrong = fp32_sum(tok, terms, zero, range(len(tok)), trunc)
+        judged(g, "%s with a truncating conversion (%d elements up to an ulp off), combine.order any" %
+               (tag, int((wrong != g.expected("combine.out")).sum())), 1, wrong)
+    g = exported(tmp, "fp16_overflow", "cases:\n  - {name: c, dtype: fp16, data: realistic, seed: 3, backward: on, "
+                 "shape: {tokens: 64, hidden: 32, experts: 16, top_k: 8}, router: {route_norm: on, route_scale: 30000}, "
+                 "combine: {accumulate: per_add, order: any}}\n")
+
+    def half(v):
+        return np.asarray(v, dtype=np.float32).astype(np.float16).astype(np.float32)
+
+    tok = g.expected("dispatch.token_sorted")
+    fwd = half(g.expected("ep_combine.routed_output") * g.expected("dispatch.score_sorted")[:, None])
+    for name, terms in (("combine.out", fwd), ("dispatch_bwd.grad_x", g.expected("ep_dispatch_bwd.grad_routed_input"))):
+        def fp16_add(order):
+            out = np.zeros_like(g.expected(name))
+            with np.errstate(over="ignore"):
+                for i in order:
+                    out[tok[i]] = half(out[tok[i]] + terms[i])
+            return out
+        desc = fp16_add(reversed(range(len(tok))))
+        overflowed = int((np.isinf(desc) & np.isfinite(g.expected(name))).sum())
+        if not overflowed:
+            print("FAIL %s: no element overflows in descending order only: the test shows nothing" % name)
+            failures.append("vacuous overflow test " + name)
+        judged(g, "%s fp16 per-add, %d element(s) inf in descending order only, combine.order any" % (name, overflowed),
+               0, desc, name)
+
 print("%d failure(s)" % len(failures))
 sys.exit(1 if failures else 0)

@@ -248,13 +248,14 @@ struct LoadNotes {
 /// What left a case out: "--set does not fit it", or the profile's fixed
 /// keys (with --set beside them where `sets`).
 std::string left_out_cause(bool profile, bool sets);
-/// "case NAME left out (CAUSE): WHY" for a LoadNotes::left_out entry.
 /// The LoadNotes::replaced of the keys `fixed` (a profile's fixed keys) in the
 /// entries `selects` keeps, one line per place and value written:
-/// "FILE:LINE:COL: KEY: V is replaced by W, which profile P fixes (case A; ...)".
+/// "FILE:LINE:COL: KEY: V is replaced by W, which profile P fixes (case A)",
+/// or "(N cases: A, B, ...)" for a key under defaults:.
 std::vector<std::string> replaced_notes(const LoadNotes& notes, const std::string& profile,
                                         const std::set<std::string>& fixed,
                                         const std::function<bool(const std::string&)>& selects);
+/// "case NAME left out (CAUSE): WHY" for a LoadNotes::left_out entry.
 std::string left_out_note(const std::pair<std::string, std::string>& left_out,
                           const std::string& cause = "--set does not fit it");
 

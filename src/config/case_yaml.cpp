@@ -339,9 +339,6 @@ Axes sweep_axes(const YAML::Node& entry, const std::string& path, const Flat& ow
   return axes;
 }
 
-/// Appends the cases of one entry of `cases`: its keys over the defaults,
-/// one case per point of the sweep's cartesian product (named NAME[key=value,
-/// ...]), the `--set` overrides applied last; names stay unique in the file.
 /// LoadNotes::replaced for the keys `written` (an entry's first point, before
 /// the overrides) gives and `cli` sets to another value, compared as the case
 /// holds them (on and true, 1 and 1.0 alike) where the entry is valid alone.
@@ -370,6 +367,9 @@ void note_replaced(const Case& c, const Flat& written, const Flat& cli, const st
   for (auto& f : found) notes.replaced.push_back(std::move(f.second));
 }
 
+/// Appends the cases of one entry of `cases`: its keys over the defaults,
+/// one case per point of the sweep's cartesian product (named NAME[key=value,
+/// ...]), the `--set` overrides applied last; names stay unique in the file.
 void expand_entry(const YAML::Node& entry, const std::string& path, const Flat& defaults, const Flat& cli,
                   std::vector<Case>& out, std::set<std::string>& names,
                   std::vector<std::pair<std::string, Error>>* misfits, LoadNotes* notes) {

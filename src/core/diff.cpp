@@ -202,7 +202,10 @@ inline void visit(Partial& p, const Spans<T>& s, int64_t i) {
     } else {
       if constexpr (R != Rule::bitwise) {
         if (std::isinf(f) || std::isinf(g)) {
+          // An infinite half-width (a sum that may overflow in some order of
+          // its additions, docs/contract.md §2) takes an infinity too.
           ok = f == g;
+          if constexpr (R == Rule::rounding && kScale) ok = ok || std::isinf(s.scale[i]);
         } else {
           double sc;
           if constexpr (R == Rule::rounding) sc = kScale ? double(s.scale[i]) : 0.0;

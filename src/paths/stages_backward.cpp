@@ -833,8 +833,14 @@ void ref_dispatch_bwd(RefCtx& r) {
 OutputSpec grad_x_spec() {
   OutputSpec o("grad_x", CompareClass::exact, Coords::token_col, nullptr, [](const Case& c, const RankBoard& b, int, int) {
     const int64_t T = b.at("row_of").shape[0];
-    return from_floats(ref::any_order_halfwidth(ref_act(c.dtype), grad_acc(c), has_shared(c), grad_x_terms(c, b, T),
-                                                ref_ids(b.at("token_sorted")), T, c.hidden),
+    const ref::RowsRef g = rows_of(b.at("grad_routed_input"));
+    const ref::Ids tok = ref_ids(b.at("token_sorted"));
+    const ref::Vec scores = to_floats(b.at("score_sorted"));
+    const ref::Vec shared = has_shared(c) ? to_floats(b.at("grad_x_shared")) : ref::Vec{};
+    const ref::Vec ascending =
+        ref::scatter_add_grad(ref_act(c.dtype), ref_apply(c), ref_smul(c), grad_acc(c), g, tok, scores, shared, T, c.hidden);
+    const ref::AnyOrderSum sum{ref_act(c.dtype), grad_acc(c), scores_before(c), ref_smul(c)};
+    return from_floats(ref::any_order_halfwidth(sum, g, tok, scores, {}, shared, ascending, T, c.hidden),
                        ElemType::f32, {T, c.hidden});
   });
   o.cls_for = [](const Case& c) {

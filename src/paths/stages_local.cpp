@@ -989,26 +989,23 @@ Stage shared_swiglu() {
 
 /// The combine's output (docs/contract.md §2): bitwise under combine.order
 /// ascending; under `any`, in the rounding class with the half-width
-/// ref::any_order_halfwidth gives (how far a sum of the same terms in another
-/// order can land), from S, the element's sum of |terms| (its initial value,
-/// each score times routed row, the shared expert added after).
+/// ref::any_order_halfwidth gives: how far a sum of the same terms in another
+/// order can land from the contract's ascending one.
 OutputSpec combine_out_spec() {
   OutputSpec o{"out", CompareClass::exact, Coords::token_col, promise_combined,
                [](const Case& c, const RankBoard& b, int, int) {
                  const Tensor& x = b.at("x");
-                 const Tensor& rows = b.at("routed_output");
-                 const bool add_after = c.shared.kind != SharedKind::none && c.shared.order == SharedOrder::add_after;
-                 ref::Vec shared = add_after ? to_floats(b.at("shared_out")) : ref::Vec{};
-                 ref::Vec init = combine_init(c, b);
-                 for (float& v : shared) v = std::fabs(v);
-                 for (float& v : init) v = std::fabs(v);
                  const ref::CombineSpec spec = combine_spec(c);
+                 const ref::RowsRef rows = rows_of(b.at("routed_output"));
                  const ref::Ids tok = ref_ids(b.at("token_sorted"));
-                 const ref::Vec s = ref::combine_magnitude(spec, rows_of(rows),
-                                                           rows.type == ElemType::f32 ? ref::Act::fp32 : ref_act(c.dtype),
-                                                           tok, to_floats(b.at("score_sorted")), init, shared,
-                                                           x.shape[0], c.hidden, 1);
-                 return from_floats(ref::any_order_halfwidth(spec.act, spec.acc, add_after, s, tok, x.shape[0], c.hidden),
+                 const ref::Vec scores = to_floats(b.at("score_sorted")), init = combine_init(c, b);
+                 const ref::Vec shared =
+                     spec.shared_add == ref::SharedAdd::add_after ? to_floats(b.at("shared_out")) : ref::Vec{};
+                 const int64_t T = x.shape[0];
+                 const ref::Vec ascending = ref::combine(spec, rows, tok, scores, init, shared, T, c.hidden);
+                 const ref::AnyOrderSum sum{spec.act, spec.acc, spec.apply == ref::ScoreApply::after_experts,
+                                            spec.smul};
+                 return from_floats(ref::any_order_halfwidth(sum, rows, tok, scores, init, shared, ascending, T, c.hidden),
                                     ElemType::f32, x.shape);
                }};
   o.cls_for = [](const Case& c) {
