@@ -61,7 +61,9 @@ DiffResult reference_diff(const Tensor& fast, const Tensor& ref, CompareClass cl
     } else if (cls == CompareClass::exact || !fl) {
       ok = same_bits(fast, ref, i);
     } else if (std::isinf(f) || std::isinf(g)) {
-      ok = f == g;
+      // an infinite rounding half-width takes an infinity too
+      ok = f == g || (cls == CompareClass::rounding && scale && std::isinf(scale->as<float>()[i]));
+      if (!ok) r.max_bound_ratio = INFINITY;
     } else {
       const double sc_i = scale ? double(scale->as<float>()[i]) : 0.0;
       double s;
@@ -297,6 +299,31 @@ TEST_CASE("diff_tensors equal bits with a NaN or negative bound match the refere
         }
       }
     }
+  }
+}
+
+TEST_CASE("diff_tensors takes an infinity where the rounding half-width is infinite", "[cpu][diff]") {
+  // combine.order any (docs/contract.md §2): where a partial sum can overflow
+  // act, one order gives inf and another a finite value; w = inf takes both.
+  // Elsewhere an infinity for a finite value fails, its error/bound inf.
+  const CoordFn coords = [](int64_t i) { return "<" + std::to_string(i) + ">"; };
+  const float inf = std::numeric_limits<float>::infinity();
+  for (ElemType t : {ElemType::f32, ElemType::bf16, ElemType::f16}) {
+    INFO("type " << elem_name(t));
+    Tensor ref = Tensor::alloc(t, {4}, 0);
+    Tensor scale = Tensor::alloc(ElemType::f32, {4}, 0);
+    for (int64_t i = 0; i < 4; ++i) put(ref, i, 1000.0f), scale.as<float>()[i] = 8.0f;
+    Tensor fast = ref.clone();
+    put(fast, 0, inf);
+    scale.as<float>()[0] = inf;
+    const DiffResult taken = diff_tensors(fast, ref, CompareClass::rounding, {1, 0}, coords, nullptr, &scale);
+    CHECK(taken.mismatches == 0);
+    require_same(taken, reference_diff(fast, ref, CompareClass::rounding, {1, 0}, nullptr, &scale));
+    put(fast, 1, -inf);  // a finite half-width: fails
+    const DiffResult failed = diff_tensors(fast, ref, CompareClass::rounding, {1, 0}, coords, nullptr, &scale);
+    CHECK(failed.mismatches == 1);
+    CHECK(std::isinf(failed.max_bound_ratio));
+    require_same(failed, reference_diff(fast, ref, CompareClass::rounding, {1, 0}, nullptr, &scale));
   }
 }
 

@@ -206,6 +206,7 @@ inline void visit(Partial& p, const Spans<T>& s, int64_t i) {
           // its additions, docs/contract.md §2) takes an infinity too.
           ok = f == g;
           if constexpr (R == Rule::rounding && kScale) ok = ok || std::isinf(s.scale[i]);
+          if (!ok) p.max_bound_ratio = INFINITY;  // an infinity where a finite value was due
         } else {
           double sc;
           if constexpr (R == Rule::rounding) sc = kScale ? double(s.scale[i]) : 0.0;
