@@ -234,6 +234,12 @@ expect_rc 0 "$tmp/multi.log" -- "$bin" check "$tmp/all/basic" "$tmp/all/edge/" "
   grep -q "^$((n1 + n2)) of $((n1 + n2)) case(s) PASSED" "$tmp/multi.log" || fail "check DIR DIR DIR/CASE: not $((n1 + n2)) cases once each"
 expect_rc 2 "$tmp/multi2.log" -- "$bin" check "$tmp/all/basic" "$tmp/all/edge" --actual "$tmp" &&
   grep -q "^moeverify: --actual with 2 folders" "$tmp/multi2.log.err" || fail "--actual with two DIRs: not refused"
+# a folder holding other exports' folders beside a case folder is refused,
+# naming them (their cases were once passed over, the one case judged PASSED)
+mkdir -p "$tmp/nest" && ln -s "$tmp/all/basic" "$tmp/nest/basic" && ln -s "$(ls -d "$tmp"/all/edge/*/ | head -1)" "$tmp/nest/one"
+expect_rc 2 "$tmp/nest.log" -- "$bin" check "$tmp/nest" &&
+  grep -q "holds folders of case folders ($tmp/nest/basic), which check does not look into" "$tmp/nest.log.err" ||
+  fail "a folder of export folders: not refused"
 # --require all at EP 1 asks for no stage that only moves rows between ranks
 # (identities there), and says so; named, one is required; at EP 2 all are
 ep1=$(ls -d "$tmp"/all/basic/*/ | head -1) ep2=$(ls -d "$tmp"/all/ep4/*/ | head -1)

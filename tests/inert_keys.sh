@@ -125,6 +125,26 @@ grep -q "align: 4 is replaced by 8, which profile p fixes (case b)" "$work/repl/
 ! grep -q "seed: 3 is replaced" "$work/repl/set.err" && ! grep -q "replaced" "$work/repl/set_only.err" ||
   { cat "$work/repl/set.err"; fail "replaced keys: a --set named"; }
 [ "$(grep -c "is replaced by" "$work/repl/validate.out")" = 3 ] || { cat "$work/repl/validate.out"; fail "replaced keys: validate --profile"; }
+# Not named: a sweep of the fixed value alone, a defaults key under a case's
+# own sweep (the sweep's note says it), a case the profile leaves out. A
+# malformed value is refused though a fixed key replaces it; a --set of a
+# fixed key is dropped at the profile's value and refused at another.
+printf 'fix:\n  combine.accumulate: fp32_accumulate\nallow:\n  ep: [1]\n' >"$work/repl/q.yaml"
+printf 'defaults: {combine.accumulate: per_add}\ncases:\n  - {name: a, %s}\n  - {name: s, %s, sweep: {combine.accumulate: [fp32_accumulate]}}\n  - {name: t, %s, sweep: {combine.accumulate: [per_add]}}\n  - {name: out, %s, ep: 2}\n' \
+  "$shape" "$shape" "$shape" "$shape" >"$work/repl/case2.yaml"
+(cd "$work/repl" && "$bin" export case2.yaml h --profile q.yaml >/dev/null 2>case2.err) || fail "replaced keys: case2 export failed"
+[ "$(grep -c "is replaced by" "$work/repl/case2.err")" = 2 ] &&
+  grep -q "case2.yaml:1:32: combine.accumulate: per_add is replaced by fp32_accumulate, which profile q fixes (case a)$" "$work/repl/case2.err" &&
+  grep -q "combine.accumulate: sweep \[per_add\] is replaced by fp32_accumulate, which profile q fixes (case t)$" "$work/repl/case2.err" ||
+  { cat "$work/repl/case2.err"; fail "replaced keys: a note for an equal sweep, a swept case or a case left out"; }
+printf 'cases:\n  - {name: a, %s, combine.accumulate: banana}\n' "$shape" >"$work/repl/bad.yaml"
+(cd "$work/repl" && "$bin" export bad.yaml i --profile q.yaml >/dev/null 2>bad.err)
+[ $? = 2 ] && grep -q "^moeverify: bad.yaml:2:.*combine.accumulate" "$work/repl/bad.err" ||
+  { cat "$work/repl/bad.err"; fail "replaced keys: a malformed value hidden by the profile"; }
+(cd "$work/repl" && "$bin" export case2.yaml j --profile q.yaml --set combine.accumulate=fp32_accumulate >/dev/null 2>same.err &&
+  ! "$bin" export case2.yaml k --profile q.yaml --set combine.accumulate=per_add >/dev/null 2>other.err) &&
+  grep -q "^moeverify: --set combine.accumulate=per_add: profile q fixes combine.accumulate to fp32_accumulate" "$work/repl/other.err" ||
+  { cat "$work/repl/same.err" "$work/repl/other.err"; fail "replaced keys: --set of a fixed key"; }
 
 [ "$fails" = 0 ] && echo "inert keys: 15 keys, each with two values alike; 4 cases where the key matters quiet; replaced keys named"
 exit $((fails > 0))

@@ -1052,9 +1052,29 @@ std::vector<std::pair<std::string, std::string>> check_folders(std::string dir, 
   if (golden::is_file(dir + "/manifest.json")) {
     folders.push_back({dir, a.has_actual ? a.actual_dir : dir + "/actual"});
   } else if (golden::is_dir(dir)) {
-    std::vector<std::string> subs;
-    for (const auto& e : std::filesystem::directory_iterator(dir))
-      if (e.is_directory() && golden::is_file(e.path().string() + "/manifest.json")) subs.push_back(e.path().filename().string());
+    std::vector<std::string> subs, nested;
+    for (const auto& e : std::filesystem::directory_iterator(dir)) {
+      if (!e.is_directory()) continue;
+      const std::string p = e.path().string();
+      if (golden::is_file(p + "/manifest.json")) {
+        subs.push_back(e.path().filename().string());
+        continue;
+      }
+      // A folder of case folders inside DIR (another export's): never
+      // passed over in silence, as its cases would be.
+      for (const auto& f : std::filesystem::directory_iterator(p))
+        if (f.is_directory() && golden::is_file(f.path().string() + "/manifest.json")) {
+          nested.push_back(p);
+          break;
+        }
+    }
+    std::sort(nested.begin(), nested.end());
+    if (!nested.empty()) {
+      std::string list;
+      for (const auto& n : nested) list += (list.empty() ? "" : " ") + printable(n, 200);
+      bad_input(printable(dir, 200) + " holds folders of case folders (" + list + "), which check does not look " +
+                "into; valid: name them, e.g. moeverify check " + list);
+    }
     std::sort(subs.begin(), subs.end());
     for (const auto& s : subs)
       folders.push_back({dir + "/" + s, a.has_actual ? a.actual_dir + "/" + s : dir + "/" + s + "/actual"});

@@ -225,9 +225,7 @@ std::string golden_file(const std::string& stage, const std::string& name, int r
 int cmd_export(const std::string& file, const std::string& dir, const CaseFilter& filter,
                const std::vector<std::string>& sets, const Profile* profile) {
   filter.check_not_empty();
-  std::vector<std::string> all_sets = sets;
-  if (profile)
-    for (const auto& s : profile->sets()) all_sets.push_back(s);
+  const std::vector<std::string> all_sets = profile ? profile->sets_after(sets) : sets;
   LoadNotes notes;
   std::vector<Case> cases;
   try {
@@ -250,10 +248,13 @@ int cmd_export(const std::string& file, const std::string& dir, const CaseFilter
     if (filter.selects(n.first)) std::cerr << "moeverify: note: " << left_out_note(n, cause) << "\n";
   for (const auto& n : notes.no_effect)
     if (filter.selects_entry(n.first, loaded)) std::cerr << "moeverify: note: " << n.second << "\n";
-  if (profile)
-    for (const std::string& n : replaced_notes(notes, profile->name, profile->fixed_keys(),
-                                               [&](const std::string& e) { return filter.selects_entry(e, loaded); }))
+  if (profile) {
+    const auto selected = [&](const std::string& n) { return filter.selects(n); };
+    for (const std::string& n : replaced_notes(notes, profile->name, profile->fixed_keys(), [&](const std::string& e) {
+           return profile->keeps_entry(e, cases, selected);
+         }))
       std::cerr << "moeverify: note: " << n << "\n";
+  }
   std::vector<Case> chosen;
   std::vector<std::string> names;
   size_t left_out = 0;

@@ -423,8 +423,7 @@ int cmd_validate_profile(const std::string& name, const std::vector<std::string>
   std::cout << p.file << ": profile " << p.name << " valid" << (p.about.empty() ? "" : ": " + p.about) << "\n";
   for (const auto& f : p.fix) std::cout << "  fix    " << f.key << " = " << f.value << "\n";
   for (const auto& a : p.allow) std::cout << "  allow  " << a.key << " in " << a.text() << "\n";
-  std::vector<std::string> all = sets;
-  for (const auto& s : p.sets()) all.push_back(s);
+  const std::vector<std::string> all = p.sets_after(sets);
   for (const auto& file : files) {
     size_t inside = 0;
     // A case the fixed keys make invalid (score_on_hidden beside ep 4) lies
@@ -442,7 +441,10 @@ int cmd_validate_profile(const std::string& name, const std::vector<std::string>
     }
     const std::string cause = left_out_cause(true, !sets.empty());
     for (const auto& m : notes.left_out) std::cout << "  " << file << ": " << left_out_note(m, cause) << "\n";
-    for (const std::string& n : replaced_notes(notes, p.name, p.fixed_keys(), [](const std::string&) { return true; }))
+    // (about the cases inside the profile: the others are named below with why)
+    for (const std::string& n : replaced_notes(notes, p.name, p.fixed_keys(), [&](const std::string& e) {
+           return p.keeps_entry(e, cases, [](const std::string&) { return true; });
+         }))
       std::cout << "  " << n << "\n";
     for (const auto& c : cases) {
       const std::string why = p.violation(c);

@@ -3,6 +3,7 @@
 #include <unistd.h>
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <filesystem>
@@ -238,6 +239,38 @@ std::set<std::string> Profile::fixed_keys() const {
   std::set<std::string> k;
   for (const auto& f : fix) k.insert(f.key);
   return k;
+}
+
+std::vector<std::string> Profile::sets_after(const std::vector<std::string>& user) const {
+  const auto bare = [](std::string v) {  // a value as written, quotes off
+    if (v.size() >= 2 && (v.front() == '"' || v.front() == '\'') && v.back() == v.front()) v = v.substr(1, v.size() - 2);
+    return v;
+  };
+  std::vector<std::string> all;
+  for (const std::string& s : user) {
+    const size_t eq = s.find('=');
+    const std::string key = s.substr(0, eq);
+    const auto f = std::find_if(fix.begin(), fix.end(), [&](const Fix& x) { return x.key == key; });
+    if (f == fix.end() || eq == std::string::npos) {
+      all.push_back(s);
+    } else if (bare(s.substr(eq + 1)) != bare(f->value)) {
+      bad_input("--set " + printable(s, 200) + ": profile " + printable(name, 200) + " fixes " + key + " to " +
+                printable(f->value, 200) + "; valid: that value, or a profile that does not fix " + key + " (" +
+                printable(file, 200) + " is the profile's file)");
+    }
+  }
+  for (const auto& s : sets()) all.push_back(s);
+  return all;
+}
+
+bool Profile::keeps_entry(const std::string& entry, const std::vector<Case>& cases,
+                          const std::function<bool(const std::string&)>& selected) const {
+  for (const Case& c : cases) {
+    const bool of_entry = c.name == entry || (c.name.size() > entry.size() && c.name[entry.size()] == '[' &&
+                                              c.name.compare(0, entry.size(), entry) == 0);
+    if (of_entry && selected(c.name) && violation(c).empty()) return true;
+  }
+  return false;
 }
 
 std::vector<std::string> Profile::sets() const {

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <set>
 #include <string>
@@ -50,8 +51,17 @@ struct Profile {
 
   /// The names of the fixed keys.
   std::set<std::string> fixed_keys() const;
+  /// Whether entry `entry` of a case file (its base name; its sweep's points
+  /// are entry[...]) has a case among `cases` inside the profile that
+  /// `selected` keeps: the notes about its keys are about such a case.
+  bool keeps_entry(const std::string& entry, const std::vector<Case>& cases,
+                   const std::function<bool(const std::string&)>& selected) const;
   /// The fixed keys as `--set` strings ("key=value").
   std::vector<std::string> sets() const;
+  /// The user's `--set` strings followed by the fixed keys: a --set of a
+  /// fixed key is dropped where its value is the profile's, refused (bad
+  /// input naming the profile's value) where it is not.
+  std::vector<std::string> sets_after(const std::vector<std::string>& user) const;
   /// Why case `c` lies outside the profile ("" when it lies inside).
   std::string violation(const Case& c) const;
   /// The drawn configuration `yaml` (a flow mapping of one case) made to

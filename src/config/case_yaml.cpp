@@ -339,32 +339,50 @@ Axes sweep_axes(const YAML::Node& entry, const std::string& path, const Flat& ow
   return axes;
 }
 
-/// LoadNotes::replaced for the keys `written` (an entry's first point, before
-/// the overrides) gives and `cli` sets to another value, compared as the case
-/// holds them (on and true, 1 and 1.0 alike) where the entry is valid alone.
-void note_replaced(const Case& c, const Flat& written, const Flat& cli, const std::string& source, LoadNotes& notes) {
-  const size_t first = notes.replaced.size();
-  for (size_t i = 0; i < first; ++i)  // the sweeps' notes, made before the entry's name was known
-    if (notes.replaced[i].entry.empty()) notes.replaced[i].entry = c.name;
-  nlohmann::ordered_json alone;
-  try {
-    alone = case_to_json(build_case(written, source));
-  } catch (const Error&) {
-    // valid only with the overrides: compared as written
-  }
-  const nlohmann::ordered_json now = case_to_json(c);
+/// Key `k`'s value `v` as a case holds it (set alone on a default case), to
+/// compare two spellings (on and true, 1 and 1.0): bad input where `v` is
+/// malformed, as it would be without an override replacing it.
+nlohmann::ordered_json held_value(const std::string& k, const Src& v) {
+  Case scratch;
+  for (const auto& f : schema())
+    if (f.path == k) f.set(scratch, v, k);
+  const nlohmann::ordered_json j = case_to_json(scratch);
+  return j.contains(k) ? j[k] : nlohmann::ordered_json(render(v.node));
+}
+
+/// The values an entry writes that the overrides `cli` replace (`written`:
+/// its first point before them, defaults included; `sweeps`: its swept keys
+/// that an override replaces) are checked alone, so that a malformed one is
+/// refused as it is without the override; with `notes`, each that differs
+/// from the override's value is a LoadNotes::replaced of case `c`, in the
+/// file's order.
+void check_replaced(const Case& c, const Flat& written, const Axes& sweeps, const Flat& cli, LoadNotes* notes) {
   std::vector<std::pair<YAML::Mark, LoadNotes::Replaced>> found;
-  for (const auto& [k, v] : cli) {
-    if (!written.count(k)) continue;
-    const bool held = alone.contains(k) && now.contains(k);
-    if (held ? alone[k] == now[k] : render(written.at(k).node) == render(v.node)) continue;
-    found.push_back({written.at(k).node.Mark(),
-                     {c.name, k, where(written.at(k)), render(written.at(k).node),
-                      held && now[k].is_string() ? now[k].get<std::string>() : render(v.node)}});
+  auto shown = [](const nlohmann::ordered_json& j, const Src& v) {
+    return j.is_string() ? j.get<std::string>() : render(v.node);
+  };
+  for (const auto& [k, vals] : sweeps) {
+    const nlohmann::ordered_json now = held_value(k, cli.at(k));
+    bool differs = false;
+    std::string list;
+    for (const Src& v : vals) {
+      differs = held_value(k, v) != now || differs;
+      list += (list.empty() ? "[" : ", ") + render(v.node);
+    }
+    if (differs) found.push_back({vals.front().node.Mark(), {c.name, k, where(vals.front()), "sweep " + list + "]",
+                                                              shown(now, cli.at(k))}});
   }
-  // in the file's order (defaults: first)
+  for (const auto& [k, v] : cli) {
+    if (!written.count(k) || std::any_of(sweeps.begin(), sweeps.end(), [&](const auto& a) { return a.first == k; }))
+      continue;
+    const nlohmann::ordered_json was = held_value(k, written.at(k)), now = held_value(k, v);
+    if (was != now)
+      found.push_back({written.at(k).node.Mark(),
+                       {c.name, k, where(written.at(k)), render(written.at(k).node), shown(now, v)}});
+  }
+  if (!notes) return;
   std::stable_sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first.pos < b.first.pos; });
-  for (auto& f : found) notes.replaced.push_back(std::move(f.second));
+  for (auto& f : found) notes->replaced.push_back(std::move(f.second));
 }
 
 /// Appends the cases of one entry of `cases`: its keys over the defaults,
@@ -400,13 +418,9 @@ void expand_entry(const YAML::Node& entry, const std::string& path, const Flat& 
     return cli.count(a.first) > 0 ||
            (cli.count("shape.tokens_per_rank") && (a.first == "shape.tokens" || a.first == "shape.seq_len"));
   };
-  if (notes)  // a swept key an override replaces: named against the whole sweep
-    for (const auto& [k, vals] : axes)
-      if (cli.count(k)) {
-        std::string list;
-        for (const Src& v : vals) list += (list.empty() ? "[" : ", ") + render(v.node);
-        notes->replaced.push_back({"", k, where(vals.front()), "sweep " + list + "]", render(cli.at(k).node)});
-      }
+  Axes swept_over;  // swept keys an override replaces (check_replaced)
+  for (const auto& a : axes)
+    if (cli.count(a.first)) swept_over.push_back(a);
   axes.erase(std::remove_if(axes.begin(), axes.end(), replaced), axes.end());
   if (out.size() + count > kMaxCasesPerFile)
     fail_at(esrc, "cases", "the file has more than " + std::to_string(kMaxCasesPerFile) + " cases",
@@ -440,7 +454,7 @@ void expand_entry(const YAML::Node& entry, const std::string& path, const Flat& 
       const Case alone = build_case(own_point, source);  // throws when the case itself is bad
       misfits->push_back({alone.name + suffix, e});
     }
-    if (c && notes && out.size() == first) note_replaced(*c, own_point, cli, source, *notes);
+    if (c && out.size() == first && !cli.empty()) check_replaced(*c, own_point, swept_over, cli, notes);
     if (c) {
       c->name += suffix;
       if (!names.insert(c->name).second)
@@ -451,10 +465,6 @@ void expand_entry(const YAML::Node& entry, const std::string& path, const Flat& 
     while (a < axes.size() && ++idx[a] == axes[a].second.size()) idx[a++] = 0;
     if (a == axes.size()) break;
   }
-  if (notes)  // a sweep's note where no point of it was loaded (each is left out, and said so)
-    notes->replaced.erase(std::remove_if(notes->replaced.begin(), notes->replaced.end(),
-                                         [](const LoadNotes::Replaced& r) { return r.entry.empty(); }),
-                          notes->replaced.end());
   if (!notes || out.size() == first) return;
   // A key the entry writes that changes none of its cases is named (a
   // key of a sweep point alone, alias_offset beside a swept buffer, is not).
