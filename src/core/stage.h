@@ -144,6 +144,9 @@ struct Decision {
 inline constexpr const char* kScaledBoundNote = "bound atol + rtol * max(|ref|, sum of |terms|)";
 /// The same for the `rounding` class: the element's own rounding half-width.
 inline constexpr const char* kRoundingBoundNote = "bound atol + rtol * the element's rounding half-width";
+/// ... and of an output whose additions may come in any order (combine.order: any).
+inline constexpr const char* kAnyOrderBoundNote =
+    "bound: the half-width any order of a token's additions can reach (combine.order: any, docs/contract.md §2)";
 
 /// How check's routing ids note opens: how the ids were judged. Alone (no
 /// tie, near-tie or strict rule after it), the summary report leaves it out.

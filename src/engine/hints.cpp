@@ -61,7 +61,8 @@ void add_hints(Check& ch, const std::string& slot, const Tensor& yours, const Te
       hints.push_back("every mismatch is within " + std::to_string(int64_t(ch.diff.max_ulp)) +
                       " ulp: a convention? see " + rounding_keys(slot) + " (docs/contract.md §14); or the order of "
                       "the additions: a token's rows are added in dispatch row order, ascending expert id "
-                      "(docs/contract.md §2)");
+                      "(docs/contract.md §2; code that adds in no fixed order, GPU atomics, declares "
+                      "combine.order: any)");
     else if (ch.diff.max_ulp <= 1 && ch.diff.mismatches > 0 && rounding_keys(slot))
       hints.push_back(std::string("every mismatch is one rounding apart: a convention? see ") + rounding_keys(slot) +
                       " (docs/contract.md §14)");

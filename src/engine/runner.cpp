@@ -94,11 +94,13 @@ Check make_check(const Case& c, const std::string& slot, const std::string& vari
   if (scale && ch.diff.structural.empty() && ch.diff.max_bound_ratio > 0) {
     std::ostringstream n;
     n.precision(3);
-    const bool rounding = cls == CompareClass::rounding;
-    n << (rounding ? kRoundingBoundNote : kScaledBoundNote) << " (docs/contract.md, comparison classes), largest error/bound "
-      << ch.diff.max_bound_ratio;
-    // A zero half-width: the rounding leaves the value exact there.
-    if (rounding && std::isinf(ch.diff.max_bound_ratio)) n << " (a value the rounding leaves exact differs)";
+    const bool rounding = cls == CompareClass::rounding, any_order = rounding && o.cls_for;
+    n << (any_order ? kAnyOrderBoundNote : rounding ? kRoundingBoundNote : kScaledBoundNote)
+      << (any_order ? "" : " (docs/contract.md, comparison classes)") << ", largest error/bound " << ch.diff.max_bound_ratio;
+    // A zero half-width: the rounding (every order) leaves the value exact there.
+    if (rounding && std::isinf(ch.diff.max_bound_ratio))
+      n << (any_order ? " (where every order adds alike the bound is 0: a value that differs there is wrong in any order)"
+                      : " (a value the rounding leaves exact differs)");
     ch.note += (ch.note.empty() ? "" : "; ") + n.str();
   }
   if (f && r) add_hints(ch, slot, *f, *r, fb);  // run and check alike

@@ -232,6 +232,7 @@ void print_first(const std::vector<std::string>& lines, size_t limit, const std:
 std::string summary_note(std::string note) {
   size_t at = note.find(kScaledBoundNote);
   if (at == std::string::npos) at = note.find(kRoundingBoundNote);
+  if (at == std::string::npos) at = note.find(kAnyOrderBoundNote);
   if (at != std::string::npos) {
     const size_t end = note.find("; ", at);  // what follows the clause stays
     const bool after_sep = at >= 2 && note.compare(at - 2, 2, "; ") == 0;
