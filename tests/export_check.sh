@@ -240,6 +240,16 @@ mkdir -p "$tmp/nest" && ln -s "$tmp/all/basic" "$tmp/nest/basic" && ln -s "$(ls 
 expect_rc 2 "$tmp/nest.log" -- "$bin" check "$tmp/nest" &&
   grep -q "holds folders of case folders ($tmp/nest/basic), which check does not look into" "$tmp/nest.log.err" ||
   fail "a folder of export folders: not refused"
+# a missing stage is never the cause of later ones (it is fed on as the
+# reference's): under --require all, a source-major permute is named the
+# cause of the checks that are right on right inputs after it
+mx=$(ls -d "$tmp"/all/ep4/mixtral_like*/ | head -1)
+rm -rf "$mx/actual"
+"$py" "$src/examples/numpy_moe.py" "$mx" --bug source_major >/dev/null || fail "numpy_moe.py --bug source_major"
+expect_rc 1 "$tmp/cause.log" -- "$bin" check "$mx" --require all &&
+  grep -q "also wrong on its own at: ep_permute" "$tmp/cause.log" &&
+  grep -q "(consequences of stage ep_permute, marked in the report)" "$tmp/cause.log" ||
+  { sed -n '/^failures/,$p' "$tmp/cause.log"; fail "--require all: the consequences not of ep_permute, or it is not named"; }
 # --require all at EP 1 asks for no stage that only moves rows between ranks
 # (identities there), and says so; named, one is required; at EP 2 all are
 ep1=$(ls -d "$tmp"/all/basic/*/ | head -1) ep2=$(ls -d "$tmp"/all/ep4/*/ | head -1)

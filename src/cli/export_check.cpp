@@ -797,8 +797,9 @@ void ExternalEntry::mark_right_on_right_inputs(const Stage& s, size_t first_chec
                                                const std::vector<std::map<std::string, Tensor>>& given) {
   if (!opt.equals_exported) return;
   std::string cause;
+  // (a missing output is fed on as the reference's: never the cause)
   for (size_t i = 0; i < first_check && cause.empty(); ++i)
-    if (rep.checks[i].outcome == Outcome::INCORRECT) cause = rep.checks[i].slot;
+    if (rep.checks[i].outcome == Outcome::INCORRECT && !rep.checks[i].absent) cause = rep.checks[i].slot;
   if (cause.empty()) return;
   for (size_t i = first_check; i < rep.checks.size(); ++i) {
     Check& ch = rep.checks[i];
@@ -1008,14 +1009,34 @@ void print_check_failures(const std::vector<CaseReport>& reports,
     if (first) out << " at " << first->slot << " / " << first->tensor;
     if (first && !first->note.empty()) out << " (" << printable(first->note, 160) << ")";
     int64_t by_rows = 0, right = 0;  // the two kinds of consequence (mark_row_consequences, mark_right_on_right_inputs)
-    for (const Check& ch : r.checks)
-      if (!ch.consequence_of.empty()) (ch.rows.expected >= 0 ? by_rows : right) += 1;
+    // the stages the consequences follow; other stages with wrong values of
+    // their own; stages missing (required)
+    std::vector<std::string> causes, others, missing;
+    const auto add_once = [](std::vector<std::string>& v, const std::string& s) {
+      if (std::find(v.begin(), v.end(), s) == v.end()) v.push_back(s);
+    };
+    for (const Check& ch : r.checks) {
+      if (!ch.consequence_of.empty()) {
+        (ch.rows.expected >= 0 ? by_rows : right) += 1;
+        add_once(causes, ch.consequence_of);
+      } else if (first && ch.outcome == Outcome::INCORRECT && ch.slot != first->slot) {
+        add_once(ch.absent ? missing : others, ch.slot);
+      }
+    }
+    std::string of;  // "of the first", or of the stages they follow where that is another
+    for (const auto& c : causes) of += (of.empty() ? "" : ", ") + c;
+    of = first && causes.size() == 1 && causes[0] == first->slot ? "of the first" : "of stage " + of;
+    if (!others.empty()) {
+      out << "\n      also wrong on its own at:";
+      for (size_t k = 0; k < others.size(); ++k) out << (k ? ", " : " ") << others[k];
+    }
+    if (!missing.empty()) out << "\n      and " << missing.size() << " more stage(s) missing (required by --require)";
     if (by_rows)
-      out << "\n      then " << by_rows << " later check(s) off by the same rows: consequences of the first, "
-          << "marked in the report";
+      out << "\n      then " << by_rows << " later check(s) off by the same rows: consequences " << of
+          << ", marked in the report";
     if (right)
       out << "\n      then " << right << " later check(s) INCORRECT only on the wrong inputs fed on: their outputs "
-          << "equal the exported expected ones (consequences of the first, marked in the report)";
+          << "equal the exported expected ones (consequences " << of << ", marked in the report)";
     out << "\n      repro: " << self_command() << " check " << shell_word(folders[i].first);
     if (a.has_actual) out << " --actual " << shell_word(folders[i].second);
     if (!a.require.empty()) out << " --require " << shell_word(a.require);
