@@ -1030,7 +1030,7 @@ void print_check_failures(const std::vector<CaseReport>& reports,
       out << "\n      also wrong on its own at:";
       for (size_t k = 0; k < others.size(); ++k) out << (k ? ", " : " ") << others[k];
     }
-    if (!missing.empty()) out << "\n      and " << missing.size() << " more stage(s) missing (required by --require)";
+    if (!missing.empty()) out << "\n      and " << missing.size() << " more stage(s) with outputs missing";
     if (by_rows)
       out << "\n      then " << by_rows << " later check(s) off by the same rows: consequences " << of
           << ", marked in the report";
