@@ -259,6 +259,9 @@ expect_rc 0 "$tmp/rq5.log" -- "$bin" check "$ep1" --require all &&
   grep -q "require all at EP 1: the stages that move rows between ranks" "$tmp/rq5.log" ||
   fail "--require all at EP 1 without the EP stages: not PASSED with the note"
 expect_rc 1 "$tmp/rq6.log" -- "$bin" check "$ep1" --require ep_dispatch || fail "--require ep_dispatch at EP 1: not INCORRECT"
+expect_rc 1 "$tmp/rq6b.log" -- "$bin" check "$ep1" --require all,ep_combine &&
+  grep -q -E "ep_combine +actual +routed_output.*INCORRECT" "$tmp/rq6b.log" && ! grep -q -E "ep_dispatch +actual +recv " "$tmp/rq6b.log" ||
+  fail "--require all,ep_combine at EP 1: ep_combine not required, or ep_dispatch required"
 expect_rc 1 "$tmp/rq7.log" -- "$bin" check "$ep2" --require all &&
   grep -q -E "ep_dispatch +actual +recv.*INCORRECT|missing on" "$tmp/rq7.log" || fail "--require all at EP 4 without ep_dispatch: not INCORRECT"
 "$py" "$src/examples/numpy_moe.py" "$bd" --bug unstable_order >/dev/null

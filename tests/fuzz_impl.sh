@@ -302,7 +302,7 @@ expect2 "no {case}" "no {case} in the command" "$bin" fuzz --impl "$numpy" --ite
 expect2 "{case} with --worker" "the worker reads case folders on stdin" "$bin" fuzz --impl "x {case}" --worker --iterations 1
 expect2 "--worker without --impl" "go with --impl" "$bin" fuzz --worker --iterations 1
 expect2 "--strict-ties without --impl" "go with --impl" "$bin" fuzz --strict-ties --iterations 1
-expect2 "--require: no such stage" "'routng' is not a stage; valid: all, or" "$bin" fuzz --impl "x {case}" --require routng --iterations 1
+expect2 "--require: no such stage" "'routng' is not a stage; valid: all, stage names" "$bin" fuzz --impl "x {case}" --require routng --iterations 1
 expect2 "--emit without --iterations" "writes --iterations N configurations" "$bin" fuzz --emit "$work/e.yaml" --seconds 1
 # A profile whose fixed keys need its one-value allow rules (megatron-0.16's
 # score_on_hidden needs the swiglu experts it allows alone): every seed finds

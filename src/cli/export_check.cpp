@@ -545,7 +545,7 @@ void ExternalEntry::read_given(const Stage& s, const std::vector<std::map<std::s
   std::set<std::string> missing;
   int64_t written = 0;
   const bool required = std::find(opt.require.begin(), opt.require.end(), s.slot) != opt.require.end() &&
-                        (opt.require_named || R > 1 || !rank_exchange(s.slot));
+                        (opt.require_named.count(s.slot) || R > 1 || !rank_exchange(s.slot));
   // Row-count checks wait for the stage's other outputs: the counts that
   // group a tensor's rows may come after it (expert_input, expert_counts).
   struct RowsDiffer { const OutputSpec* o; int r; const Tensor* expected; std::vector<int64_t> shape; };
@@ -920,13 +920,13 @@ CaseReport run_external(const Case& given, const ActualFn* actual, std::vector<G
       ch.note = "no actual output file matches a stage output of the manifest: nothing was checked";
       rep.checks.push_back(ch);
     }
-    if (!opt.require.empty() && !opt.require_named && c.ep == 1)
+    if (opt.require_all && c.ep == 1)
       rep.notes.push_back("--require all at EP 1: the stages that move rows between ranks (ep_dispatch, ep_permute, "
                           "ep_unpermute, ep_combine and their backward) are identities here and not required; "
-                          "--require STAGE,... names them to require them");
+                          "--require all,ep_dispatch,... names them to require them");
     // A stage --require names that this case does not run: what the
     // requirement asks for was not checked, so the case cannot pass.
-    for (const std::string& slot : opt.require_named ? opt.require : std::vector<std::string>{}) {
+    for (const std::string& slot : opt.require_named) {
       if (stage_for(c, slot)) continue;
       Check ch;
       ch.slot = slot;
@@ -1046,22 +1046,22 @@ void print_check_failures(const std::vector<CaseReport>& reports,
 }
 
 void parse_require(const std::string& text, ExternalOptions& o) {
-  if (text == "all") {
-    o.require = slot_order();
-    return;
-  }
+  const auto& slots = slot_order();
   std::stringstream ss(text);
   for (std::string st; std::getline(ss, st, ',');) {
-    const auto& slots = slot_order();
+    if (st == "all") {
+      o.require_all = true;
+      continue;
+    }
     if (std::find(slots.begin(), slots.end(), st) == slots.end()) {
       std::string valid;
       for (const auto& n : slots) valid += (valid.empty() ? "" : ", ") + n;
-      bad_input("--require " + printable(text, 200) + ": '" + printable(st, 60) + "' is not a stage; valid: all, or " +
-                "stage names separated by commas: " + valid);
+      bad_input("--require " + printable(text, 200) + ": '" + printable(st, 60) + "' is not a stage; valid: all, " +
+                "stage names separated by commas, or all with names (all,ep_dispatch): " + valid);
     }
-    o.require.push_back(st);
+    o.require_named.insert(st);
   }
-  o.require_named = true;
+  o.require = o.require_all ? slots : std::vector<std::string>(o.require_named.begin(), o.require_named.end());
 }
 
 /// The case folders of one DIR of `check` (one golden folder, or the folders

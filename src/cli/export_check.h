@@ -25,6 +25,7 @@
 #include <functional>
 
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -85,9 +86,11 @@ struct ExternalOptions {
   /// `check --require`: stages whose outputs must be written (on every
   /// rank); a missing one is INCORRECT ("all": every slot of slot_order()).
   std::vector<std::string> require;
-  /// --require named its stages (not "all"): a named stage that this case
-  /// does not have is NOT_VERIFIED, never a silent pass.
-  bool require_named = false;
+  /// The stages --require names (beside "all" or not): one that this case
+  /// does not have is NOT_VERIFIED, never a silent pass; at EP 1 one that
+  /// moves rows between ranks is required though "all" leaves it out.
+  std::set<std::string> require_named;
+  bool require_all = false;  // --require all (or all,STAGE,...)
   /// check: whether the implementation's tensor `yours` for a golden file
   /// name equals, bit for bit, the expected one exported in the folder (the
   /// reference's own chain); null where there is no folder.
