@@ -906,8 +906,9 @@ void add_export_check(CLI::App& app, Commands& c) {
   c.chk->add_option("--json", c.ck.json, "also write the report as JSON to this file");
   c.chk->add_flag("--allow-unknown", c.ck.allow_unknown,
                 "ignore (and list) files under actual/ that name no expected tensor; by default they are refused");
-  c.chk->add_option("--require", c.ck.require, "stages whose outputs must be written on every rank: all, or "
-                    "STAGE,STAGE (a missing one is INCORRECT; by default an unwritten stage is fed the reference's)")
+  c.chk->add_option("--require", c.ck.require, "stages whose outputs must be written on every rank: all (at EP 1 "
+                    "not the stages that move rows between ranks), STAGE,STAGE, or all,STAGE (a missing one is "
+                    "INCORRECT; by default an unwritten stage is fed the reference's)")
       ->type_name("all|STAGES");
   c.chk->add_flag("--strict-ties", c.ck.external.strict_ties,
                 "hold routing to the lowest expert id among exact ties (for implementations that promise it)");
