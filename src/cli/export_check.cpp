@@ -1101,7 +1101,8 @@ std::vector<std::pair<std::string, std::string>> check_folders(std::string dir, 
       folders.push_back({dir + "/" + s, a.has_actual ? a.actual_dir + "/" + s : dir + "/" + s + "/actual"});
   }
   if (folders.empty() && !golden::is_dir(dir))
-    bad_input(printable(dir, 200) + ": no such folder; valid: a folder written by `moeverify export`");
+    bad_input(printable(dir, 200) + (golden::is_file(dir) ? ": a file, not a folder" : ": no such folder") +
+              "; valid: a folder written by `moeverify export`");
   if (folders.empty())
     bad_input(printable(dir, 200) + ": holds no manifest.json (nor folders that do); valid: a folder written by "
               "`moeverify export`");
