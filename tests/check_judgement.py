@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""`check`'s judgement of an implementation's expert selection (issue 34
-item 9; docs/contract.md §15): two behaviours that only a whole check shows,
-each on a folder built to tell them apart (the others are unit tests in
-tests/test_selection.cpp).
+"""`check`'s judgement of an implementation where only a whole check shows
+it, each on a folder built to tell the behaviours apart: its expert
+selection (issue 34 item 9; docs/contract.md §15; the rest are unit tests in
+tests/test_selection.cpp) and its sums in another order.
 
 1. Where the implementation writes its own scores, its ids are judged on
    them exactly: no near-tie slack. Token t's K-th and (K+1)-th experts tie
@@ -18,6 +18,11 @@ tests/test_selection.cpp).
    the counts fed on are its ids', so the capacity stage is judged on its
    routing: PASSED. (Fed the reference's counts beside its ids, the capacity
    counts were INCORRECT.)
+4-6. combine.order: any (docs/contract.md §2): the combine's and the
+   dispatch backward's sums in other orders PASS (fp32_accumulate, per_add
+   in bf16, an fp16 sum that overflows in one order only), the same sums
+   are INCORRECT under ascending, and a missing term or a truncating
+   conversion is INCORRECT under any.
 
 Usage: check_judgement.py MOEVERIFY SOURCE_DIR
 """
