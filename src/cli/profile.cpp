@@ -12,6 +12,7 @@
 #include <set>
 #include <sstream>
 
+#include "case_filter.h"
 #include "case_json.h"
 #include "case_schema.h"
 #include "error.h"
@@ -265,11 +266,8 @@ std::vector<std::string> Profile::sets_after(const std::vector<std::string>& use
 
 bool Profile::keeps_entry(const std::string& entry, const std::vector<Case>& cases,
                           const std::function<bool(const std::string&)>& selected) const {
-  for (const Case& c : cases) {
-    const bool of_entry = c.name == entry || (c.name.size() > entry.size() && c.name[entry.size()] == '[' &&
-                                              c.name.compare(0, entry.size(), entry) == 0);
-    if (of_entry && selected(c.name) && violation(c).empty()) return true;
-  }
+  for (const Case& c : cases)
+    if (CaseFilter::of_entry(c.name, entry) && selected(c.name) && violation(c).empty()) return true;
   return false;
 }
 

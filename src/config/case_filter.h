@@ -47,9 +47,13 @@ struct CaseFilter {
   bool selects_entry(const std::string& base, const std::vector<std::string>& names) const {
     if (base.empty() || selects(base)) return true;
     for (const auto& n : names)
-      if (n.size() > base.size() && n[base.size()] == '[' && n.compare(0, base.size(), base) == 0 && selects(n))
-        return true;
+      if (of_entry(n, base) && selects(n)) return true;
     return false;
+  }
+  /// Whether case `name` is entry `base` or a point of its sweep (base[...]).
+  static bool of_entry(const std::string& name, const std::string& base) {
+    return name == base ||
+           (name.size() > base.size() && name[base.size()] == '[' && name.compare(0, base.size(), base) == 0);
   }
   void check_not_empty() const {
     for (const auto& p : patterns)

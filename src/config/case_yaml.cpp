@@ -354,9 +354,10 @@ nlohmann::ordered_json held_value(const std::string& k, const Src& v) {
 /// its first point before them, defaults included; `sweeps`: its swept keys
 /// that an override replaces) are checked alone, so that a malformed one is
 /// refused as it is without the override; with `notes`, each that differs
-/// from the override's value is a LoadNotes::replaced of case `c`, in the
-/// file's order.
-void check_replaced(const Case& c, const Flat& written, const Axes& sweeps, const Flat& cli, LoadNotes* notes) {
+/// from the override's value is a LoadNotes::replaced of entry `entry`, in
+/// the file's order.
+void check_replaced(const std::string& entry, const Flat& written, const Axes& sweeps, const Flat& cli,
+                    LoadNotes* notes) {
   std::vector<std::pair<YAML::Mark, LoadNotes::Replaced>> found;
   auto shown = [](const nlohmann::ordered_json& j, const Src& v) {
     return j.is_string() ? j.get<std::string>() : render(v.node);
@@ -369,7 +370,7 @@ void check_replaced(const Case& c, const Flat& written, const Axes& sweeps, cons
       differs = held_value(k, v) != now || differs;
       list += (list.empty() ? "[" : ", ") + render(v.node);
     }
-    if (differs) found.push_back({vals.front().node.Mark(), {c.name, k, where(vals.front()), "sweep " + list + "]",
+    if (differs) found.push_back({vals.front().node.Mark(), {entry, k, where(vals.front()), "sweep " + list + "]",
                                                               shown(now, cli.at(k))}});
   }
   for (const auto& [k, v] : cli) {
@@ -378,7 +379,7 @@ void check_replaced(const Case& c, const Flat& written, const Axes& sweeps, cons
     const nlohmann::ordered_json was = held_value(k, written.at(k)), now = held_value(k, v);
     if (was != now)
       found.push_back({written.at(k).node.Mark(),
-                       {c.name, k, where(written.at(k)), render(written.at(k).node), shown(now, v)}});
+                       {entry, k, where(written.at(k)), render(written.at(k).node), shown(now, v)}});
   }
   if (!notes) return;
   std::stable_sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first.pos < b.first.pos; });
@@ -454,7 +455,7 @@ void expand_entry(const YAML::Node& entry, const std::string& path, const Flat& 
       const Case alone = build_case(own_point, source);  // throws when the case itself is bad
       misfits->push_back({alone.name + suffix, e});
     }
-    if (c && out.size() == first && !cli.empty()) check_replaced(*c, own_point, swept_over, cli, notes);
+    if (c && out.size() == first && !cli.empty()) check_replaced(c->name, own_point, swept_over, cli, notes);
     if (c) {
       c->name += suffix;
       if (!names.insert(c->name).second)

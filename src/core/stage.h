@@ -74,8 +74,9 @@ struct OutputSpec {
   /// per-element error scale. Such outputs are not compared across variants.
   std::function<Tensor(const Case&, const RankBoard& fast_merged, Tensor& scale)> from_fast;
   std::string from_fast_label;
-  /// When set, the class of this output in a case, in place of `cls` (the
-  /// combine's out under combine.order: any).
+  /// When set, the class of this output in a case, in place of `cls`: set
+  /// only for a sum judged over any order of its additions
+  /// (judged_in_any_order, src/paths/stages.h), whose bound the report names.
   std::function<CompareClass(const Case&)> cls_for;
   CompareClass class_in(const Case& c) const { return cls_for ? cls_for(c) : cls; }
 };

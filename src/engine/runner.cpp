@@ -94,6 +94,7 @@ Check make_check(const Case& c, const std::string& slot, const std::string& vari
   if (scale && ch.diff.structural.empty() && ch.diff.max_bound_ratio > 0) {
     std::ostringstream n;
     n.precision(3);
+    // (cls_for: an any-order sum, OutputSpec)
     const bool rounding = cls == CompareClass::rounding, any_order = rounding && o.cls_for;
     n << (any_order ? kAnyOrderBoundNote : rounding ? kRoundingBoundNote : kScaledBoundNote)
       << (any_order ? "" : " (docs/contract.md, comparison classes)") << ", largest error/bound " << ch.diff.max_bound_ratio;

@@ -11,6 +11,12 @@
 
 namespace moev {
 
+/// A token's scatter-add sum `o` (the combine's out, dispatch_bwd's grad_x):
+/// bitwise under combine.order ascending, in the rounding class under `any`
+/// (docs/contract.md §2), its magnitude function then giving the any-order
+/// half-width. The only setter of OutputSpec::cls_for.
+void judged_in_any_order(OutputSpec& o);
+
 ref::Act ref_act(DType d);
 /// Experts [first, ...) of an (E, ...) weight tensor as the reference reads
 /// them: in place, in the tensor's own type, decoded one expert at a time.

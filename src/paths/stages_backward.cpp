@@ -843,9 +843,7 @@ OutputSpec grad_x_spec() {
     return from_floats(ref::any_order_halfwidth(sum, g, tok, scores, {}, shared, ascending, T, c.hidden),
                        ElemType::f32, {T, c.hidden});
   });
-  o.cls_for = [](const Case& c) {
-    return c.combine.order == CombineOrder::any ? CompareClass::rounding : CompareClass::exact;
-  };
+  judged_in_any_order(o);
   return o;
 }
 

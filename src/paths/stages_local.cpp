@@ -18,6 +18,12 @@
 
 namespace moev {
 
+void judged_in_any_order(OutputSpec& o) {
+  o.cls_for = [](const Case& c) {
+    return c.combine.order == CombineOrder::any ? CompareClass::rounding : CompareClass::exact;
+  };
+}
+
 ref::Act ref_act(DType d) { return d == DType::fp32 ? ref::Act::fp32 : d == DType::bf16 ? ref::Act::bf16 : ref::Act::fp16; }
 
 ref::WeightView weight_view(const Tensor& w, int64_t first) {
@@ -1008,9 +1014,7 @@ OutputSpec combine_out_spec() {
                  return from_floats(ref::any_order_halfwidth(sum, rows, tok, scores, init, shared, ascending, T, c.hidden),
                                     ElemType::f32, x.shape);
                }};
-  o.cls_for = [](const Case& c) {
-    return c.combine.order == CombineOrder::any ? CompareClass::rounding : CompareClass::exact;
-  };
+  judged_in_any_order(o);
   return o;
 }
 
