@@ -60,8 +60,8 @@ v cases_a_mapping "cases_a_mapping.yaml:1:8: cases: a mapping, not a list"
 v name_not_utf8 "name_not_utf8.yaml:2:11: name: the name 'a\\xff\\xfe' is not valid UTF-8 text"
 v defaults_a_scalar "defaults_a_scalar.yaml:1:11: defaults: expected a mapping of case keys, got '5'"
 item check_no_folder "$tmp/nonexist: no such folder" check "$tmp/nonexist"
-item set_unclosed_list "--set shape.tokens:1:1: YAML syntax error" validate "$ok_file" --set 'shape.tokens=[1,'
-item set_unclosed_map "--set dtype:1:1: YAML syntax error" validate "$ok_file" --set 'dtype={'
+item set_unclosed_list "--set shape.tokens: YAML syntax error" validate "$ok_file" --set 'shape.tokens=[1,'
+item set_unclosed_map "--set dtype: YAML syntax error" validate "$ok_file" --set 'dtype={'
 touch "$tmp/a_file"
 item json_missing_folder "the folder $tmp/missing does not exist" run "$ok_file" --json "$tmp/missing/r.json"
 item json_under_a_file "Not a directory" run "$ok_file" --json "$tmp/a_file/r.json"
@@ -106,7 +106,7 @@ printf 'cases:\n  - name: a\n    dtype: fp\00132\n' >"$tmp/ctrl.yaml"
 item control_byte "ctrl.yaml:3:14: control byte \\x01" validate "$tmp/ctrl.yaml"
 printf 'cases:\n  - name: a\n    dtype: \033[31mred\n' >"$tmp/esc.yaml"
 item terminal_escape "control byte \\x1b" validate "$tmp/esc.yaml"
-item set_control_byte "--set dtype:1:3: control byte \\x07" validate "$ok_file" --set "dtype=fp$(printf '\007')32"
+item set_control_byte "--set dtype (column 3 of the value): control byte \\x07" validate "$ok_file" --set "dtype=fp$(printf '\007')32"
 python3 -c "print('cases:\n  - name: a\n    dtype: ' + 'x' * (1 << 20))" >"$tmp/mib_value.yaml"
 item mib_value "dtype: unknown value 'xxxxxxxx" validate "$tmp/mib_value.yaml"
 python3 -c "print('cases:\n  - name: a\n    ' + 'k' * 1000 + ': 1')" >"$tmp/long_key.yaml"
@@ -119,7 +119,7 @@ item set_mib_value "unknown value 'vvvvvvvv" validate "$ok_file" --set "dtype=$(
 item set_invalid_utf8 "unknown value 'fp32\\xff'" validate "$ok_file" --set "dtype=fp32$(printf '\377')"
 v unclosed_double_quote "unclosed_double_quote.yaml:3:12: unclosed quote"
 v unclosed_single_quote_swallows "unclosed_single_quote_swallows.yaml:2:11: unclosed quote"
-item set_unclosed_quote "--set dtype:1:6: unclosed quote: the text ends inside a quoted string" validate "$ok_file" --set 'dtype="fp32'
+item set_unclosed_quote "--set dtype (column 6 of the value): unclosed quote: the text ends inside a quoted string" validate "$ok_file" --set 'dtype="fp32'
 item unknown_command "unknown command 'frobnicate'" frobnicate "$ok_file"
 item no_command "no command given"
 item threads_not_a_number "--threads: expected an integer, got 'abc'; valid: an integer in [1, 256]" run "$ok_file" --threads abc

@@ -138,11 +138,15 @@ EOF
   --out "$work/out_ties" --json "$work/s3ties.json" >"$work/o3ties.txt" 2>&1
 rc=$?
 ties=$(field "$work/s3ties.json" accepted_ties)
-[ "$rc" -eq 0 ] && [ "$ties" -ge 3 ] && grep -q "^   ties *$ties  (judged configurations where the implementation broke an exact tie" "$work/o3ties.txt" ||
+tied=$("$py" -c "import json, sys; print(', '.join(map(str, json.load(open(sys.argv[1]))['tie_configurations'])))" "$work/s3ties.json")
+[ "$rc" -eq 0 ] && [ "$ties" -ge 3 ] && grep -q "^   ties *$ties  (configurations $tied: judged configurations where the implementation broke an exact tie" "$work/o3ties.txt" ||
   { cat "$work/o3ties.txt"; fail "accepted ties: exit $rc, accepted_ties $ties"; }
 "$bin" fuzz --impl "$py $work/tiebreak.py {case}" --profile "$work/ties.yaml" --iterations 6 --seed 2 --strict-ties \
   --no-shrink --out "$work/out_ties" --json "$work/s3ts.json" >"$work/o3ts.txt" 2>&1
 [ $? -eq 1 ] && [ "$(field "$work/s3ts.json" failed)" -eq "$ties" ] || { cat "$work/o3ts.txt"; fail "--strict-ties: the tied configurations not failed"; }
+strict=$("$py" -c "import json, sys; print(', '.join(map(str, sorted(f['index'] for f in json.load(open(sys.argv[1]))['failures']))))" "$work/s3ts.json")
+[ "$strict" = "$tied" ] || fail "the tie configurations ($tied) are not those --strict-ties fails ($strict)"
+
 # a signal
 "$bin" fuzz --impl "kill -SEGV \$\$; : {case}" --iterations 1 --seed 1 --no-shrink --out "$work/out3" >"$work/o3s.txt" 2>&1
 [ $? -eq 1 ] && grep -q "killed by signal 11" "$work/o3s.txt" || { cat "$work/o3s.txt"; fail "signal not reported"; }
@@ -167,6 +171,31 @@ grep -q "^      skipped 10: router.hot_expert: 10 values (0, 1, 2, 3, 4, 5, ...)
   --iterations 4 --seed 1 >"$work/o3p.txt" 2>&1
 grep -q "the implementation refuses router.gate_dtype: fp32, which profile torchtitan fixes in every configuration .*: no configuration of this profile can run it; shipped profiles that fix router.gate_dtype otherwise: torchtitan-0.3 (act)" "$work/o3p.txt" ||
   { cat "$work/o3p.txt"; fail "a fixed key refused: not named"; }
+# --set: a key fixed in every configuration (here alone and over a
+# profile), in every exported case, on the replay line; a value the
+# implementation refuses is named as the --set's; a key the profile fixes
+# otherwise, or allows otherwise, refused.
+"$bin" fuzz --impl "$py -c \"import json, sys; c = json.load(open(sys.argv[1] + '/manifest.json'))['case']; sys.exit(0 if c['combine.order'] == 'any' and c['dtype'] == 'bf16' else 9)\" {case}" \
+  --set combine.order=any --set dtype=bf16 --iterations 6 --seed 2 --no-shrink --out "$work/out3s" \
+  --json "$work/s3s.json" >"$work/o3s.txt" 2>&1
+[ "$(field "$work/s3s.json" judged)" -eq 6 ] && [ "$(field "$work/s3s.json" crashed)" -eq 0 ] ||
+  { cat "$work/o3s.txt"; fail "--set: a configuration without combine.order: any and dtype: bf16"; }
+grep -q "(replay: .* --set combine.order=any --set dtype=bf16)" "$work/o3s.txt" && grep -q "^   --set combine.order=any dtype=bf16  (in every configuration)" "$work/o3s.txt" ||
+  { cat "$work/o3s.txt"; fail "--set: not on the replay line and the summary"; }
+"$bin" fuzz --impl "$numpy {case}" --profile "$profile" --set combine.order=any --iterations 8 --seed 3 --jobs 2 \
+  --out "$work/out3s" --json "$work/s3s2.json" >"$work/o3s2.txt" 2>&1 || { cat "$work/o3s2.txt"; fail "--set over a profile: exit $?"; }
+[ "$(field "$work/s3s2.json" passed)" -eq 8 ] || { cat "$work/o3s2.txt"; fail "--set over a profile: not 8 PASSED"; }
+"$bin" fuzz --impl "echo 'combine.order: any; runs ascending' >&2; exit 77; : {case}" --set combine.order=any \
+  --iterations 3 --seed 1 >"$work/o3sr.txt" 2>&1
+grep -q "the implementation refuses combine.order: any, which --set combine.order=any fixes in every configuration" "$work/o3sr.txt" ||
+  { cat "$work/o3sr.txt"; fail "a --set value refused: not named as the --set's"; }
+for bad in "experts.rounding=fp32|profile torchtitan fixes experts.rounding to torchtitan" \
+           "ep=16|profile torchtitan allows ep only in {1, 2, 4, 8}" "seed=3|not a case key the fuzz can fix" \
+           "backend=cuda|valid: --backend cuda"; do
+  "$bin" fuzz --impl "true {case}" --profile torchtitan --set "${bad%%|*}" --iterations 1 >"$work/o3b.txt" 2>&1
+  rc=$?
+  [ "$rc" -eq 2 ] && grep -qF -- "${bad#*|}" "$work/o3b.txt" || { cat "$work/o3b.txt"; fail "--set ${bad%%|*}: exit $rc"; }
+done
 # (named in counting order: 2 before 10)
 mkdir -p "$work/out3n" && touch "$work/out3n/fuzz_7_10.yaml" "$work/out3n/fuzz_7_2.yaml" "$work/out3n/fuzz_7_9.yaml"
 "$bin" fuzz --impl "true {case}" --iterations 1 --seed 1 --no-shrink --out "$work/out3n" >"$work/o3n.txt" 2>&1

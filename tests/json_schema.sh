@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The JSON reports against docs/json-schema.md (issue 24): real output of
-# `run --json`, `check --json` and `bench --json` (on the host with --sweep and
-# a peer, and on the emulated device) holds every key the tables list, and no
+# `run --json`, `check --json`, `bench --json` (on the host with --sweep and
+# a peer, and on the emulated device) and `fuzz --json` (with and without
+# --impl, each with a failure) holds every key the tables list, and no
 # key the tables do not list, at each level (document, case, path, check; the
 # bench's document, case, stage, part, sweep point, peer and peer stage).
 # Usage: json_schema.sh MOEVERIFY SOURCE_DIR
@@ -36,7 +37,16 @@ printf '%s\n' 'import json' 'print(json.dumps({"torch": "fake", "device": "cpu",
   --peer "/usr/bin/python3 $tmp/peer.py {spec}" --json "$tmp/bench_host.json" >/dev/null 2>&1 || { echo "bench on the host failed"; exit 1; }
 "$bin" bench "$src/cases/ep4.yaml" --case ep4_hot_expert --threads 2 --repeat 1 --backend emulated \
   --json "$tmp/bench_emulated.json" >/dev/null 2>&1 || { echo "bench on the emulated device failed"; exit 1; }
-/usr/bin/python3 - "$src/docs/json-schema.md" "$tmp/run.json" "$tmp/check.json" "$tmp/bench_host.json" "$tmp/bench_emulated.json" <<'PY'
+# fuzz: a planted fault found (a failure) and fuzz --impl over the NumPy
+# example with a planted bug and a --set (a failure of each kind of record)
+"$bin" fuzz --iterations 40 --seed 1 --fault unstable_sort --no-shrink --out "$tmp/ff" --json "$tmp/fuzz.json" \
+  >/dev/null 2>&1
+[ $? -eq 1 ] || { echo "fuzz --fault unstable_sort did not exit 1"; exit 1; }
+"$bin" fuzz --impl "/usr/bin/python3 $src/examples/numpy_moe.py {case} --bug unstable_order" \
+  --profile "$src/examples/numpy_moe.profile.yaml" --set combine.order=any --iterations 4 --seed 1 --no-shrink \
+  --out "$tmp/ff" --json "$tmp/fuzz_impl.json" >/dev/null 2>&1
+[ $? -eq 1 ] || { echo "fuzz --impl with a planted bug did not exit 1"; exit 1; }
+/usr/bin/python3 - "$src/docs/json-schema.md" "$tmp/run.json" "$tmp/check.json" "$tmp/bench_host.json" "$tmp/bench_emulated.json" "$tmp/fuzz.json" "$tmp/fuzz_impl.json" <<'PY'
 import json, re, sys
 doc = open(sys.argv[1]).read()
 tables, current = {}, None
@@ -74,7 +84,13 @@ seen = {t: set() for t in tables}  # the keys the bench runs wrote, per table
 def bench_check(obj, table, where):
     seen[table] |= set(obj)
     return check(obj, table, where)
-for path in sys.argv[4:]:
+for path, schema, table in [(sys.argv[6], "moeverify-fuzz/1", "fuzz"), (sys.argv[7], "moeverify-fuzz-impl/1", "fuzz_impl")]:
+    j = json.load(open(path))
+    if j["schema"] != schema: bad.append(f"{path}: schema {j['schema']}")
+    bad += check(j, table + "_document", path)
+    if not j["failures"]: bad.append(f"{path}: no failure recorded")
+    for f in j["failures"]: bad += check(f, table + "_failure", path)
+for path in sys.argv[4:6]:
     j = json.load(open(path))
     if j["schema"] != "moeverify-bench/1": bad.append(f"{path}: schema {j['schema']}")
     bad += bench_check(j, "bench_document", path)
@@ -98,5 +114,5 @@ for b in sorted(set(bad)): print("FAIL", b)
 sys.exit(1 if bad else 0)
 PY
 rc=$?
-[ $rc -eq 0 ] && echo "json schema: run, check and bench reports match docs/json-schema.md"
+[ $rc -eq 0 ] && echo "json schema: run, check, bench and fuzz reports match docs/json-schema.md"
 exit $rc

@@ -284,9 +284,10 @@ def _worker_target(fn):
 
 
 def fuzz(fn, profile=None, seconds=60, iterations=None, jobs=1, seed=None, out="fuzz-failures",
-         timeout=60, raise_on_failure=True, extra_args=()):
+         timeout=60, raise_on_failure=True, extra_args=(), sets=None):
     """`moeverify fuzz --impl` with a Python function: random configurations
-    (inside `profile`), each exported, run through fn in worker processes
+    (inside `profile`, with the case keys of `sets` fixed in each: a dict
+    such as {"combine.order": "any"}, or "KEY=VALUE" strings), each exported, run through fn in worker processes
     (`python -m moeverify.worker FILE:FN`, started once per job) and judged
     as check does; failures shrunk to case files under `out`. Returns the
     JSON summary (drawn, judged, skipped, crashed, failed, stages,
@@ -312,6 +313,8 @@ def fuzz(fn, profile=None, seconds=60, iterations=None, jobs=1, seed=None, out="
             cmd += ["--seed", str(seed)]
         if profile:
             cmd += ["--profile", os.fspath(profile)]
+        for s in (["%s=%s" % kv for kv in sets.items()] if isinstance(sets, dict) else sets or ()):
+            cmd += ["--set", s]
         cmd.extend(extra_args)
         p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if not os.path.exists(summary):

@@ -306,7 +306,8 @@ def run(tool, src, tmp):
         f.write("fix:\n  ep: 1\n  sp: 1\n  score_before_experts: \"off\"\nallow:\n  capacity.factor: [0]\n"
                 "  dispatch.dtype: [act]\n")
     s = moeverify.fuzz(local_dispatch, profile=profile, iterations=12, seed=3, jobs=2, out=out,
-                       raise_on_failure=False)
+                       raise_on_failure=False, sets={"dtype": "bf16"})
+    expect(s["sets"] == ["dtype=bf16"], "fuzz(fn, sets=...): passed as --set: %s" % s["sets"])
     for f in s["failures"]:
         print(f["check"], f["note"], f["stderr_tail"])
     expect(s["failed"] == 0 and s["crashed"] == 0 and s["passed"] > 0 and s["drawn"] == 12,

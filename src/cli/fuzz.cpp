@@ -237,6 +237,12 @@ std::string write_shrunk_case(const FuzzOptions& o, FuzzFailure& f, const Header
   return path;
 }
 
+std::string profile_flags(const FuzzOptions& o) {
+  std::string f = o.profile && !o.profile->file.empty() ? " --profile " + shell_word(o.profile->file) : "";
+  for (const auto& s : o.sets) f += " --set " + shell_word(s);
+  return f;
+}
+
 std::string replay_bound(const FuzzOptions& o) {
   std::ostringstream b;
   if (o.iterations) b << " --iterations " << o.iterations;
@@ -304,8 +310,7 @@ FuzzResult fuzz(const FuzzOptions& o, std::ostream& progress) {
   res.seed = o.seed;
   res.fault_flags = o.fault_flags;
   progress << "fuzz: seed " << o.seed << " (replay: " << self_command() << " fuzz --seed " << o.seed << replay_bound(o)
-           << (o.profile ? " --profile " + shell_word(o.profile->file) : "")
-           << (o.backend == "host" ? "" : " --backend " + o.backend) << o.fault_flags << ")" << std::endl;
+           << profile_flags(o) << (o.backend == "host" ? "" : " --backend " + o.backend) << o.fault_flags << ")" << std::endl;
   const auto t0 = Clock::now();
   std::atomic<uint64_t> next{0}, done{0}, passed{0}, uninformative{0};
   std::atomic<bool> stop{false};
@@ -396,7 +401,8 @@ FuzzResult fuzz(const FuzzOptions& o, std::ostream& progress) {
 std::string emit_case_file(const FuzzOptions& o, const std::string& replay) {
   std::ostringstream y;
   y << "# moeverify fuzz --emit: configurations 0 to " << o.iterations - 1 << " of seed " << o.seed
-    << (o.profile ? ", inside profile " + o.profile->name : "") << "\n# the ones `" << replay << "` runs\ncases:\n";
+    << (o.profile && !o.profile->name.empty() ? ", inside profile " + o.profile->name : "")
+    << (o.sets.empty() ? "" : ", with --set") << "\n# the ones `" << replay << "` runs\ncases:\n";
   for (uint64_t i = 0; i < o.iterations; ++i) {
     std::string why;
     const std::optional<std::string> drawn = draw_configuration(o.profile, o.seed, i, why);
@@ -430,6 +436,7 @@ void print_fuzz_result(const FuzzResult& r, std::ostream& os) {
 
 std::string fuzz_json(const FuzzResult& r) {
   nlohmann::json j;
+  j["schema"] = "moeverify-fuzz/1";
   j["seed"] = r.seed;
   j["seconds"] = r.seconds;
   j["configurations"] = r.configurations;

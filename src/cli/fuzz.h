@@ -36,7 +36,12 @@ struct FuzzOptions {
   int collective_timeout_ms = 5000;
   std::string backend = "host";  // the case key `backend` of every drawn configuration
   const Profile* profile = nullptr;  // what the generator may draw, fixed keys applied (null: everything)
+  std::vector<std::string> sets;     // the --set flags folded into `profile`, for the replay line
 };
+
+/// The replay line's flags that give the drawn configurations: --profile
+/// FILE (when the profile has one) and each --set.
+std::string profile_flags(const FuzzOptions& o);
 
 /// `fuzz --impl CMD`: the implementation under test, run per configuration
 /// on an exported case folder and judged as `check` judges it.
@@ -80,8 +85,10 @@ struct FuzzResult {
   // --impl only
   bool impl = false;
   std::string impl_cmd, profile, work_dir;
+  std::vector<std::string> sets;  // fuzz --set, as given
   uint64_t drawn = 0, judged = 0, skipped = 0, crashed = 0, failed = 0;
   uint64_t accepted_ties = 0;  // judged configurations with an exact tie broken otherwise (accepted)
+  std::vector<uint64_t> tie_configurations;  // their indices, ascending
   std::map<std::string, StageCount> stages;
   std::map<std::string, int> skip_reasons;  // first line of the implementation's reason -> count
   bool interrupted = false;                 // SIGINT or SIGTERM ended the draws (and shrinking) early

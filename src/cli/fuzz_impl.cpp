@@ -300,8 +300,8 @@ Profile impl_profile(const FuzzOptions& o) {
   return p;
 }
 
-/// Counts one configuration's outcome into the result (under its mutex).
-void tally(FuzzResult& res, const ImplRun& r) {
+/// Counts configuration `i`'s outcome into the result (under its mutex).
+void tally(FuzzResult& res, const ImplRun& r, uint64_t i) {
   if (r.kind == ImplRun::Kind::skipped) {
     ++res.skipped;
     ++res.skip_reasons[r.reason];
@@ -312,7 +312,12 @@ void tally(FuzzResult& res, const ImplRun& r) {
     return;
   }
   ++res.judged;
-  res.accepted_ties += r.accepted_ties;
+  if (r.accepted_ties) {
+    ++res.accepted_ties;
+    // the jobs finish out of order: kept ascending
+    res.tie_configurations.insert(
+        std::upper_bound(res.tie_configurations.begin(), res.tie_configurations.end(), i), i);
+  }
   for (const auto& [slot, s] : r.stages) {
     res.stages[slot].judged += s.first;
     res.stages[slot].failed += s.second;
@@ -352,10 +357,11 @@ class ImplFuzz {
     res_.seed = o_.seed;
     res_.impl_cmd = impl_.cmd;
     res_.profile = o_.profile ? o_.profile->name : "";
+    res_.sets = o_.sets;
     res_.work_dir = make_work_dir();
     progress_ << "fuzz --impl: seed " << o_.seed << " (replay: " << self_command() << " fuzz --seed " << o_.seed
               << replay_bound(o_) << " --impl " << shell_quote(impl_.cmd) << (impl_.worker ? " --worker" : "")
-              << (o_.profile ? " --profile " + shell_quote(o_.profile->file) : "")
+              << profile_flags(o_)
               << (impl_.require.empty() ? "" : " --require " + shell_word(impl_.require))
               << (impl_.strict_ties ? " --strict-ties" : "") << ")" << std::endl;
     if (impl_.keep) progress_ << "fuzz --impl: --keep: the case folders stay in " << res_.work_dir << std::endl;
@@ -397,7 +403,7 @@ class ImplFuzz {
       } else {
         std::lock_guard<std::mutex> lk(m_);
         ++res_.drawn;
-        tally(res_, r);
+        tally(res_, r, i);
       }
     }
     --running_;
@@ -452,7 +458,7 @@ class ImplFuzz {
     f.shrunk_tokens = tokens_of(f.shrunk);
     std::lock_guard<std::mutex> lk(m_);
     ++res_.drawn;
-    tally(res_, r);
+    tally(res_, r, i);
     if (!o_.out_dir.empty() && f.same_as < 0) write_impl_failure(o_, impl_, f);
     res_.failures.push_back(f);
     if (o_.stop_at_first) stop_ = true;
@@ -602,7 +608,8 @@ void print_fixed_key_refused(const FuzzResult& r, const Profile* profile, std::o
       } catch (const Error&) {
       }
     }
-    os << "   the implementation refuses " << f.key << ": " << f.value << ", which profile " << profile->name
+    os << "   the implementation refuses " << f.key << ": " << f.value << ", which "
+       << (f.from_set ? "--set " + f.key + "=" + f.value : "profile " + profile->name)
        << " fixes in every configuration (\"" << refused << "\"): no configuration of this profile can run it"
        << (others.empty() ? "" : "; shipped profiles that fix " + f.key + " otherwise: " + others) << "\n";
     return;
@@ -617,16 +624,25 @@ void print_impl_result(const FuzzResult& r, std::ostream& os, const Profile* pro
      << " judged/min)\n   implementation: " << r.impl_cmd << "\n";
   os.unsetf(std::ios::fixed);
   if (!r.profile.empty()) os << "   profile: " << r.profile << "\n";
+  if (!r.sets.empty()) {
+    os << "   --set";
+    for (const auto& s : r.sets) os << " " << s;
+    os << "  (in every configuration)\n";
+  }
   os << "   " << std::left << std::setw(14) << "judged" << r.judged << "  (" << r.passed << " PASSED, " << r.failed
      << " failed, " << r.uninformative << " NOT_VERIFIED: nothing checked)\n"
      << "   " << std::setw(14) << "skipped" << r.skipped << "  (not supported by the implementation: exit 77 or skip)\n"
      << "   " << std::setw(14) << "crashed" << r.crashed << "  (another exit status, a signal, an exception or a timeout)\n";
   print_skip_reasons(r.skip_reasons, os);
   print_fixed_key_refused(r, profile, os);
-  if (r.accepted_ties > 0)
-    os << "   " << std::setw(14) << "ties" << r.accepted_ties
-       << "  (judged configurations where the implementation broke an exact tie otherwise than the lowest expert id "
+  if (r.accepted_ties > 0) {
+    os << "   " << std::setw(14) << "ties" << r.accepted_ties << "  (configuration";
+    os << (r.tie_configurations.size() > 1 ? "s " : " ");
+    for (size_t k = 0; k < r.tie_configurations.size() && k < 12; ++k) os << (k ? ", " : "") << r.tie_configurations[k];
+    os << (r.tie_configurations.size() > 12 ? ", ...: " : ": ")
+       << "judged configurations where the implementation broke an exact tie otherwise than the lowest expert id "
           "or token: accepted by docs/contract.md §15; --strict-ties holds it to the lowest)\n";
+  }
   // What the NOT_VERIFIED ones checked nothing of, so that exit 0 beside
   // many of them is seen (a stage written for EP 1 only, say)
   for (const auto& [check, n] : r.uninformative_checks)
@@ -677,11 +693,13 @@ std::string impl_json(const FuzzResult& r) {
   j["seed"] = r.seed;
   j["implementation"] = r.impl_cmd;
   j["profile"] = r.profile;
+  j["sets"] = r.sets;
   j["seconds"] = r.seconds;
   for (const auto& [k, v] : {std::pair<const char*, uint64_t>{"drawn", r.drawn}, {"judged", r.judged},
                              {"passed", r.passed}, {"not_verified", r.uninformative}, {"skipped", r.skipped},
                              {"crashed", r.crashed}, {"failed", r.failed}, {"accepted_ties", r.accepted_ties}})
     j[k] = v;
+  j["tie_configurations"] = r.tie_configurations;
   j["stages"] = nlohmann::json::object();
   for (const auto& [slot, s] : r.stages) j["stages"][slot] = {{"judged", s.judged}, {"failed", s.failed}};
   j["skip_reasons"] = r.skip_reasons;

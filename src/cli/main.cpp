@@ -671,7 +671,7 @@ int cmd_bench(const CLI::App* cmd, const BenchArgs& a) {
 
 struct FuzzArgs {
   std::string seconds, iterations, seed, jobs = "1", backend = "host", out = "fuzz-failures", json;
-  std::vector<std::string> faults;
+  std::vector<std::string> faults, sets;
   bool no_shrink = false;
   std::string impl, impl_timeout = "60", profile, shrink_budget = "400", shrink_seconds = "300", emit, require;
   bool worker = false, keep = false, strict_ties = false;
@@ -733,11 +733,14 @@ int cmd_fuzz(const CLI::App* cmd, const FuzzArgs& a) {
   o.shrink_seconds = parse_real_option("--shrink-seconds", a.shrink_seconds, 0, 86400);
   if (a.out.empty()) bad_input("--out: the path is empty; valid: a folder for the shrunk failures");
   std::unique_ptr<Profile> profile;
-  if (cmd->count("--profile")) {
-    profile = std::make_unique<Profile>(load_profile(a.profile));
-    o.profile = profile.get();
+  if (cmd->count("--profile")) profile = std::make_unique<Profile>(load_profile(a.profile));
+  if (!a.sets.empty()) {
+    profile = std::make_unique<Profile>(with_sets(profile.get(), a.sets));
+    o.sets = a.sets;
   }
-  const std::vector<std::string> reads = profile ? std::vector<std::string>{profile->file} : std::vector<std::string>{};
+  o.profile = profile.get();
+  const std::vector<std::string> reads =
+      profile && !profile->file.empty() ? std::vector<std::string>{profile->file} : std::vector<std::string>{};
   if (cmd->count("--json")) {
     if (a.json.empty()) bad_input("--json: the path is empty; valid: a file path such as fuzz.json");
     check_output_file("--json", a.json, reads);
@@ -746,12 +749,12 @@ int cmd_fuzz(const CLI::App* cmd, const FuzzArgs& a) {
     if (a.emit.empty()) bad_input("--emit: the path is empty; valid: a case file path such as soak.yaml");
     check_output_file("--emit", a.emit, reads);
     const std::string replay = "moeverify fuzz --seed " + std::to_string(o.seed) + " --iterations " +
-                               std::to_string(o.iterations) + (profile ? " --profile " + shell_word(profile->file) : "") +
-                               (a.backend == "host" ? "" : " --backend " + a.backend);
+                               std::to_string(o.iterations) + profile_flags(o) + (a.backend == "host" ? "" : " --backend " + a.backend);
     const std::string err = write_file(a.emit, {emit_case_file(o, replay)});
     if (!err.empty()) bad_input("--emit: " + err);
     std::cout << a.emit << ": " << o.iterations << " configurations of seed " << o.seed
-              << (profile ? " inside profile " + profile->name : "") << " (run them: " << self_command() << " run " << shell_word(a.emit) << ")\n";
+              << (profile && !profile->name.empty() ? " inside profile " + profile->name : "")
+              << (o.sets.empty() ? "" : " with --set") << " (run them: " << self_command() << " run " << shell_word(a.emit) << ")\n";
     return 0;
   }
   if (impl) {
@@ -951,6 +954,9 @@ void add_fuzz_selftest_bench(CLI::App& app, Commands& c) {
   c.fz->add_option("--profile", c.fa.profile, "draw only what the implementation supports, with its conventions: a "
                    "shipped name (torchtitan, torchtitan-0.3, megatron, megatron-0.16, megatron-0.16-probs-on-input; "
                    "their files in cases/profiles/) or a profile file")->type_name("NAME|FILE");
+  repeatable(c.fz->add_option("--set", c.fa.sets, "fix a case key in every drawn configuration, e.g. --set "
+                              "combine.order=any (repeatable; over --profile: a key it fixes must keep its value, "
+                              "one it allows must stay inside)"))->type_name("KEY=VALUE");
   c.fz->add_option("--emit", c.fa.emit, "write the --iterations N configurations (inside --profile) as a case file, "
                    "run none: e.g. to run them under mpirun")->type_name("FILE");
   c.fz->add_flag("--keep", c.fa.keep, "with --impl: keep the temporary case folders (their folder is printed)");

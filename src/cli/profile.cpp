@@ -413,10 +413,58 @@ Profile load_profile(const std::string& name_or_file) {
   return p;
 }
 
+Profile with_sets(const Profile* base, const std::vector<std::string>& sets) {
+  Profile p = base ? *base : Profile{};
+  std::set<std::string> seen;
+  for (const std::string& s : sets) {
+    const size_t eq = s.find('=');
+    const std::string key = s.substr(0, std::min(eq, s.size())), shown = "--set " + printable(s, 200);
+    if (eq == std::string::npos || eq == 0)
+      bad_input(shown + ": expected KEY=VALUE; valid: a case key and its value, e.g. --set combine.order=any");
+    if (key == "backend")
+      bad_input(shown + ": the fuzz draws on the backend --backend names; valid: --backend " + s.substr(eq + 1));
+    if (!profile_key(key))
+      bad_input(shown + ": '" + printable(key) + "' is not a case key the fuzz can fix; valid: the keys of "
+                "`moeverify validate --keys` but name, seed, sweep and backend");
+    if (!seen.insert(key).second)
+      bad_input(shown + ": " + key + " is given twice; valid: one --set per key");
+    YAML::Node v;
+    try {
+      v = YAML::Load(s.substr(eq + 1));
+    } catch (const YAML::Exception& e) {
+      bad_input(shown + ": the value is not YAML (" + e.msg + "); valid: a value as a case file writes it");
+    }
+    if (base && base->fixed_keys().count(key)) {
+      base->sets_after({s});  // refuses another value than the profile's
+      continue;               // the profile's own value: nothing to add
+    }
+    for (const auto& a : p.allow) {
+      if (a.key != key || !v.IsScalar()) continue;
+      nlohmann::ordered_json j = v.Scalar();
+      try {
+        j = v.as<double>();
+      } catch (const YAML::Exception&) {
+      }
+      if (!allowed(a, j))
+        bad_input(shown + ": profile " + printable(p.name, 200) + " allows " + key + " only in " + a.text() + " (" +
+                  printable(p.file, 200) + ":" + std::to_string(a.line) + "); valid: such a value, or a profile "
+                  "without that rule");
+    }
+    p.fix.push_back({key, emit_flow(v), 0, true});
+  }
+  // The keys as one case: refused where they alone break it (a profile
+  // whose fixed keys need its allowed values to load is left to the draws).
+  if (const std::string err = probe(p.sets()); !err.empty() && (!base || probe(base->sets()).empty()))
+    bad_input("fuzz --set: the fixed keys do not make a valid case together: " + err);
+  return p;
+}
+
 void require_profile_fits(const Profile* p, uint64_t seed) {
   std::string why;
+  const bool sets = p && std::any_of(p->fix.begin(), p->fix.end(), [](const Profile::Fix& f) { return f.from_set; });
   if (p && !draw_configuration(p, seed, 0, why))
-    bad_input("--profile " + p->file + ": no configuration in 200 draws lies inside it; the last refused: " + why +
+    bad_input((p->file.empty() ? std::string("fuzz --set") : "--profile " + p->file + (sets ? " with --set" : "")) +
+              ": no configuration in 200 draws lies inside it; the last refused: " + why +
               "; valid: a profile whose allowed values make valid cases together");
 }
 

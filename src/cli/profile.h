@@ -35,6 +35,7 @@ struct Profile {
     std::string key;
     std::string value;  // YAML flow text
     int line = 0;
+    bool from_set = false;  // given as `fuzz --set KEY=VALUE`, not by the profile's file
   };
   struct Allow {
     std::string key;
@@ -73,6 +74,14 @@ struct Profile {
   /// (fixed keys re-applied): for shrinking, which must not leave it.
   std::optional<std::string> refit(const std::string& yaml, std::string& why) const;
 };
+
+/// `fuzz --set KEY=VALUE...` as fixed keys added to `base` (null: no
+/// profile; the result then has no file and no name). A key `base` fixes
+/// to the same value is dropped, to another refused; a value outside
+/// `base`'s allow rule for its key refused; name, seed, sweep and backend
+/// (the --backend flag's) refused; the fixed keys together must make a
+/// valid case. Refusals are bad input naming the --set.
+Profile with_sets(const Profile* base, const std::vector<std::string>& sets);
 
 /// Configuration `i` of the fuzz stream `seed`, inside `p` (null: any): the
 /// plain draw when it fits, else the profile's repair of it, else the draws

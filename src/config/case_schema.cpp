@@ -18,6 +18,10 @@ namespace case_detail {
 
 std::string at_line_col(const std::string& file, const YAML::Mark& m) {
   if (m.line < 0) return printable(file, 200);
+  // A --set value is one line of its own ("--set KEY" is its file): a
+  // place inside it is a column of the value, and its start no place at all.
+  if (file.rfind("--set ", 0) == 0)
+    return printable(file, 200) + (m.line == 0 && m.column == 0 ? "" : " (column " + std::to_string(m.column + 1) + " of the value)");
   return printable(file, 200) + ":" + std::to_string(m.line + 1) + ":" + std::to_string(m.column + 1);
 }
 
