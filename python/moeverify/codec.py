@@ -9,6 +9,15 @@ import numpy as np
 HALF = ("bfloat16", "float16")
 
 
+class HalfBits:
+    """Bit patterns of a half type that NumPy cannot name (a torch bf16 or
+    fp16 tensor's): the encoder takes them as they are for a tensor of that
+    type, and converts them, only where no value changes, for the other."""
+
+    def __init__(self, bits, dtype):
+        self.bits, self.dtype = np.asarray(bits), dtype
+
+
 def bf16_to_f32(bits):
     """uint16 bf16 bit patterns to the float32 values they stand for (exact)."""
     bits = np.asarray(bits)
@@ -62,9 +71,21 @@ def encode(values, dtype, what):
 
     Floating tensors: float32 values (bf16/fp16 rounded once, to nearest
     even), or uint16 arrays taken as bit patterns already; fp16 also takes
-    float16. Integer tensors: any integer array whose values fit; it is
+    float16. Values of the other half type (NumPy float16 or HalfBits for a
+    bf16 tensor; a torch bf16 tensor for an fp16 one) are converted where
+    every value is held exactly, refused where one would change: the
+    encoder never rounds a rounded value again. Integer tensors: any integer array whose values fit; it is
     written in the manifest's width. `what` names the tensor in errors."""
+    if isinstance(values, HalfBits):
+        if values.dtype == dtype:
+            return values.bits
+        given = "a %s tensor" % values.dtype
+        values = decode(values.bits, values.dtype)
+        if dtype in HALF:
+            return _exactly(values, dtype, what, given)
     a = np.asarray(values)
+    if dtype == "bfloat16" and a.dtype == np.float16:
+        return _exactly(a.astype(np.float32), dtype, what, "a float16 array")
     if dtype == "float8_e4m3fn":  # the quantisation is the stage under test: bits only
         if a.dtype != np.uint8:
             raise TypeError("%s is float8_e4m3fn: pass the uint8 bit patterns your quantiser wrote, not %s"
@@ -80,7 +101,8 @@ def encode(values, dtype, what):
                             "bit patterns" % (what, dtype_text(a), dtype))
         if dtype == "bfloat16":
             return f32_to_bf16(a)
-        return a.astype(np.float16).view(np.uint16)
+        with np.errstate(over="ignore"):  # past fp16's range is infinity, as the contract rounds
+            return a.astype(np.float16).view(np.uint16)
     if dtype == "float32":
         if a.dtype == np.float32:
             return a
@@ -97,6 +119,22 @@ def encode(values, dtype, what):
             raise ValueError("%s: values outside %s" % (what, dtype))
         return a.astype(want)
     raise ValueError("%s: unknown manifest dtype %r" % (what, dtype))
+
+
+def _exactly(f32, dtype, what, given_text):
+    """float32 values `f32` of the other half type, encoded to `dtype` when
+    each is held exactly (NaN stays NaN); else a TypeError naming how many
+    would change."""
+    bits = encode(f32, dtype, what)
+    back = decode(bits, dtype)
+    changed = ~((back == f32) | (np.isnan(back) & np.isnan(f32)))
+    if changed.any():
+        i = int(np.flatnonzero(changed.reshape(-1))[0])
+        raise TypeError("%s is %s, given %s: %d of %d values are not %s values (first: element %d, %r becomes %r); "
+                        "valid: %s values, or float32 values (rounded here to %s, once)"
+                        % (what, dtype, given_text, int(changed.sum()), changed.size, dtype, i,
+                           float(f32.reshape(-1)[i]), float(back.reshape(-1)[i]), dtype, dtype))
+    return bits
 
 
 def dtype_text(a):

@@ -219,8 +219,10 @@ class Golden:
 
     def write(self, name, array, rank=0, stage=None, layer=1):
         """Writes the implementation's `name` for `rank` under actual/, named and
-        encoded as `moeverify check` reads it. `array`: NumPy or torch (bf16
-        and fp16 tensors exact; float32 values are rounded once). The row count
+        encoded as `moeverify check` reads it. `array`: NumPy or torch (a
+        bf16 or fp16 tensor of the entry's type as it is, of the other half
+        type converted where every value is held exactly, else refused;
+        float32 values are rounded once). The row count
         may differ from the expected one (check judges it INCORRECT at its
         stage); the other dimensions may not. Returns the path written."""
         e = self.entry(name, "expected", rank, stage, layer)
@@ -345,11 +347,14 @@ def _to_torch(a, dtype):
 
 
 def _from_torch(x):
-    """torch tensors to NumPy; bf16/fp16 as their uint16 bit patterns."""
+    """torch tensors to NumPy; bf16/fp16 as their bit patterns, tagged with
+    their type (codec.HalfBits: a tensor of the other half type is converted
+    only where exact)."""
     if type(x).__module__.split(".")[0] != "torch":
         return x
     torch = _torch()
     x = x.detach().cpu().contiguous()
     if x.dtype in (torch.bfloat16, torch.float16):
-        return x.view(torch.int16).numpy().view(np.uint16)
+        return codec.HalfBits(x.view(torch.int16).numpy().view(np.uint16),
+                              "bfloat16" if x.dtype == torch.bfloat16 else "float16")
     return x.numpy()

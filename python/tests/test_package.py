@@ -177,6 +177,19 @@ def run(tool, src, tmp, use_torch):
     # uint64 2**63 once wrapped to int64's least value, silently
     expect(raises(lambda: h.write(c.qualified, np.full(c.shape, 2**63, np.uint64), rank=c.rank),
                   moeverify.GoldenError, "values outside int64"), "uint64 2**63 into an int64 tensor is refused")
+    # the other half type: converted where every value is exact, else refused
+    # (torch fp16 tensors once reached a bf16 entry as reinterpreted bits)
+    e16 = h.entry("combine.out")
+    f16 = h.expected(e16.qualified).astype(np.float16)
+    if np.array_equal(f16.astype(np.float32), h.expected(e16.qualified)):
+        h.write(e16.qualified, f16)
+        expect(np.array_equal(np.load(os.path.join(h.actual_dir, e16.file)), h.expected(e16.qualified, raw=True)),
+               "float16 values a bf16 entry holds exactly: written as their bf16 bits")
+    else:
+        expect(False, "the test's bf16 combine.out has values float16 cannot hold: pick another tensor")
+    expect(raises(lambda: h.write(e16.qualified, np.full(e16.shape, 1 + 2 ** -10, np.float16)), moeverify.GoldenError,
+                  "given a float16 array", "are not bfloat16 values"),
+           "float16 values a bf16 entry cannot hold are refused, not rounded again")
     x = h.input("x")
     bits = h.input("x", raw=True)
     expect(x.dtype == np.float32 and bits.dtype == np.uint16 and
@@ -205,6 +218,11 @@ def run(tool, src, tmp, use_torch):
         h.write(e.qualified, h.expected(e.qualified, as_torch=True).float().to(torch.bfloat16))
         expect(np.array_equal(np.load(os.path.join(h.actual_dir, e.file)), h.expected(e.qualified, raw=True)),
                "a torch bf16 tensor is written as its exact bit patterns")
+        h.write(e.qualified, h.expected(e.qualified, as_torch=True).to(torch.float16))
+        expect(np.array_equal(np.load(os.path.join(h.actual_dir, e.file)), h.expected(e.qualified, raw=True)),
+               "a torch fp16 tensor of bf16 values into a bf16 entry: converted, not its bits reinterpreted")
+        expect(raises(lambda: h.write(e.qualified, torch.full(e.shape, 1 + 2 ** -10, dtype=torch.float16)),
+                      moeverify.GoldenError, "given a float16 tensor"), "a torch fp16 tensor bf16 cannot hold: refused")
     # issue 34 item 9: behaviours that were right but untested
     from moeverify import codec
     e4m3 = codec.e4m3_to_f32(np.array([0x7f, 0xff, 0x7e, 0xfe, 0x00, 0x80], np.uint8))
