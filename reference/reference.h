@@ -225,7 +225,22 @@ Vec topk_scores_for(const RouterSpec& spec, const Vec& scores, const Ids& ids, i
 /// off (another summation order), the held denominator included. Both
 /// mostly 0, so a missing or extra rounding fails.
 Vec router_scores_halfwidth(const RouterSpec& spec, const Vec& logits, int64_t T, double rtol, double atol);
-Vec topk_scores_halfwidth(const RouterSpec& spec, const Vec& scores, const Ids& ids, int64_t T);
+/// With `score_half` (T, E), each score is known only within it (the
+/// reference's scores standing for ones the implementation did not write):
+/// that spread is carried through the chain too.
+Vec topk_scores_halfwidth(const RouterSpec& spec, const Vec& scores, const Ids& ids, int64_t T,
+                          const Vec* score_half = nullptr);
+/// fp32 scores (router.score_dtype fp32): how far topk_scores_for's value
+/// may land when each score is known only within rtol |s| + atol (the
+/// scores tolerance), carried through steps 7 and 8 by interval bounds
+/// (a numerator up with the other terms down, and the reverse) plus K + 4
+/// fp32 ulps of the result (the chain's own roundings). Without route_norm it is route_scale times
+/// the scores' own bound; under route_norm a token whose K scores sum to
+/// about atol has an interval as wide as route_scale: its normalised
+/// values say nothing the scores did not (softmax and sigmoid scores are
+/// never negative: an interval's low end is clamped at 0).
+Vec topk_scores_tolerance_halfwidth(const RouterSpec& spec, const Vec& scores, const Ids& ids, int64_t T, double rtol,
+                                    double atol);
 
 enum class ScoreApply { after_experts, before_experts };
 

@@ -168,29 +168,73 @@ Vec topk_scores_for(const RouterSpec& s, const Vec& scores, const Ids& ids, int6
   return out;
 }
 
-Vec topk_scores_halfwidth(const RouterSpec& s, const Vec& scores, const Ids& ids, int64_t T) {
+Vec topk_scores_halfwidth(const RouterSpec& s, const Vec& scores, const Ids& ids, int64_t T, const Vec* score_half) {
   const Vec mid = topk_scores_for(s, scores, ids, T);
   Vec half(mid.size(), 0.f);
-  if (s.held == Act::fp32 || !s.route_norm) return half;  // no sum, no quotient: one value each
+  if (s.held == Act::fp32 || (!s.route_norm && !score_half)) return half;  // no sum, no quotient: one value each
   const int K = s.K;
+  std::vector<float> g(static_cast<size_t>(K)), h(static_cast<size_t>(K), 0.f), v(static_cast<size_t>(K));
   for (int64_t t = 0; t < T; ++t) {
     // The gathered held scores: the quotient's numerators.
-    std::vector<float> g(static_cast<size_t>(K));
     gather_scores(s, scores, ids, t, g.data());
+    if (score_half) gather_scores(s, *score_half, ids, t, h.data());
     double mag = 0;
-    for (float v : g) mag += std::fabs(double(v));
+    for (int k = 0; k < K; ++k) mag += std::fabs(double(g[size_t(k)])) + double(h[size_t(k)]);
     // An fp32 sum of K terms in any order lands within (K + 1) 2^-24 sum |g|,
     // a quotient within 2 ulps: every held value those neighbours round to.
-    const double sum_room = double(K + 1) * std::ldexp(mag, -24), q_room = std::ldexp(1.0, -22);
-    for (double ds : {-sum_room, 0.0, sum_room})
-      for (double dq : {-q_room, 0.0, q_room}) {
-        std::vector<float> v = g;
-        norm_scale_held(s, v.data(), ds, dq);
-        for (int k = 0; k < K; ++k) {
-          const size_t i = size_t(t * K + k);
-          if (std::isfinite(mid[i])) half[i] = std::max(half[i], std::fabs(v[size_t(k)] - mid[i]));
-        }
+    const double sum_room = s.route_norm ? double(K + 1) * std::ldexp(mag, -24) : 0.0;
+    const double q_room = s.route_norm ? std::ldexp(1.0, -22) : 0.0;
+    // With scores known within h (not written: the reference's, each
+    // within its own half-width), element k is highest with its score up
+    // and the others down, lowest the reverse: every step is monotone so.
+    for (int k = 0; k < K; ++k) {
+      const size_t i = size_t(t * K + k);
+      if (!std::isfinite(mid[i])) continue;
+      for (double side : {-1.0, 0.0, 1.0}) {
+        if (side != 0 && !score_half) continue;
+        for (int j = 0; j < K; ++j)
+          v[size_t(j)] = float(double(g[size_t(j)]) + (j == k ? side : -side) * double(h[size_t(j)]));
+        for (double ds : {-sum_room, 0.0, sum_room})
+          for (double dq : {-q_room, 0.0, q_room}) {
+            std::vector<float> w = v;
+            norm_scale_held(s, w.data(), ds, dq);
+            half[i] = std::max(half[i], std::fabs(w[size_t(k)] - mid[i]));
+          }
       }
+    }
+  }
+  return half;
+}
+
+Vec topk_scores_tolerance_halfwidth(const RouterSpec& s, const Vec& scores, const Ids& ids, int64_t T, double rtol,
+                                    double atol) {
+  const int K = s.K;
+  const Vec mid = topk_scores_for(s, scores, ids, T);
+  Vec half(mid.size(), 0.f);
+  std::vector<float> g(static_cast<size_t>(K));
+  for (int64_t t = 0; t < T; ++t) {
+    gather_scores(s, scores, ids, t, g.data());
+    // Each score's interval; softmax and sigmoid scores are never negative.
+    const auto lo = [&](double v) { return std::max(v - (rtol * std::fabs(v) + atol), 0.0); };
+    const auto hi = [&](double v) { return v + rtol * std::fabs(v) + atol; };
+    double lo_sum = 0, hi_sum = 0, sum = 0;
+    for (float v : g) lo_sum += lo(v), hi_sum += hi(v), sum += v;
+    for (int k = 0; k < K; ++k) {
+      const size_t i = size_t(t * K + k);
+      const double v = g[size_t(k)];
+      double w = rtol * std::fabs(v) + atol;  // without route_norm: the score's own bound
+      if (s.route_norm) {
+        // x / (x + rest + 1e-20) rises with x and falls with rest (both
+        // never negative): highest with the numerator up and the rest down,
+        // lowest the reverse.
+        const double q = v / (sum + 1e-20);
+        const double q_hi = hi(v) / (hi(v) + (lo_sum - lo(v)) + 1e-20);
+        const double q_lo = lo(v) / (lo(v) + (hi_sum - hi(v)) + 1e-20);
+        w = std::max(std::fabs(q_hi - q), std::fabs(q - q_lo));
+      }
+      // the fp32 chain's own roundings: K additions, the 1e-20, the quotient, the scale
+      half[i] = float(std::fabs(s.route_scale) * w + double(K + 4) * std::ldexp(std::fabs(double(mid[i])), -24));
+    }
   }
   return half;
 }

@@ -23,6 +23,11 @@ tests/test_selection.cpp) and its sums in another order.
    in bf16, an fp16 sum that overflows in one order only), the same sums
    are INCORRECT under ascending, and a missing term or a truncating
    conversion is INCORRECT under any.
+7. routing.topk_scores: of scores within their tolerance, normalised and
+   scaled by 16, PASS beside those scores and without them (the tolerance
+   carried through the norm and the scale), and under score_dtype act with
+   held scores rounded the other way at a boundary; a wrong scale, or
+   held values left unrounded, is INCORRECT.
 
 Usage: check_judgement.py MOEVERIFY SOURCE_DIR
 """
@@ -281,6 +286,86 @@ with tempfile.TemporaryDirectory() as tmp:
             failures.append("vacuous overflow test " + name)
         judged(g, "%s fp16 per-add, %d element(s) inf in descending order only, combine.order any" % (name, overflowed),
                0, desc, name)
+
+    # 7. topk_scores: judged on the implementation's own scores where it
+    # wrote them; where it did not, on the reference's with their tolerance
+    # carried through route_norm and route_scale (a fixed tolerance failed
+    # correct top-k scores of scores within it), and under score_dtype act
+    # with the reference's held scores known within their half-width.
+    def routing(g, what, rc_want, **tensors):
+        g.clear_actual()
+        for name, v in tensors.items():
+            g.write("routing." + name, v)
+        rc, text = check(g, "--verbose")
+        ok = rc == rc_want
+        print(("ok   " if ok else "FAIL ") + "%s: exit %d (want %d)" % (what, rc, rc_want))
+        if not ok:
+            failures.append(what)
+            print("\n".join(l for l in text.splitlines() if "routing" in l or "mismatch" in l)[:2000])
+
+    g = exported(tmp, "topk_norm", "cases:\n  - {name: c, dtype: fp32, data: realistic, seed: 5, shape: {tokens: 64, "
+                 "hidden: 32, experts: 16, top_k: 4}, router: {score: sigmoid, route_norm: on, route_scale: 16}}\n")
+    s, ids = g.expected("routing.scores"), g.expected("routing.ids")
+    K = ids.shape[1]
+    # scores within 0.9 of their tolerance (1e-5 |s| + 1e-7): each selected
+    # one up, the others down, so that every normalised value moves most
+    own = s.copy()
+    rows = np.arange(len(s))[:, None]
+    own -= np.float32(0.9) * (np.float32(1e-5) * np.abs(s) + np.float32(1e-7))
+    own[rows, ids[:, :1]] = s[rows, ids[:, :1]] + np.float32(0.9) * (np.float32(1e-5) * np.abs(s[rows, ids[:, :1]]) +
+                                                                    np.float32(1e-7))
+    own = own.astype(np.float32)
+    def topk(sc, scale=16):
+        t = np.take_along_axis(sc, ids, 1).astype(np.float32)
+        sums = np.zeros(len(t), np.float32)
+        for k in range(K):
+            sums = (sums + t[:, k]).astype(np.float32)
+        q = (t / (sums + np.float32(1e-20))[:, None]).astype(np.float32)
+        return (q * np.float32(scale)).astype(np.float32)
+    ref_topk = g.expected("routing.topk_scores")
+    moved = float(np.max(np.abs(topk(own) - ref_topk) / (1e-7 + 1e-5 * np.abs(ref_topk))))
+    if moved <= 1:
+        print("FAIL topk_norm: the perturbed scores move no top-k score past the scores tolerance: the test shows nothing")
+        failures.append("vacuous topk_norm")
+    routing(g, "top-k scores of its own scores (largest move %.2f of the scores tolerance), written beside them" % moved,
+            0, scores=own, ids=ids, topk_scores=topk(own))
+    routing(g, "the same top-k scores without its scores: judged within the tolerance carried", 0, ids=ids,
+            topk_scores=topk(own))
+    routing(g, "top-k scores scaled by 15 where route_scale is 16, beside its scores", 1, scores=own, ids=ids,
+            topk_scores=topk(own, 15))
+    routing(g, "top-k scores scaled by 15 where route_scale is 16, without its scores", 1, ids=ids,
+            topk_scores=topk(own, 15))
+
+    g = exported(tmp, "topk_held", "cases:\n  - {name: c, dtype: fp16, data: realistic, seed: 5, shape: {tokens: 256, "
+                 "hidden: 32, experts: 16, top_k: 6}, router: {score: softmax, score_dtype: act, gate_dtype: act, "
+                 "route_scale: 0.3}}\n")
+    ids, held = g.expected("routing.ids"), g.expected("routing.scores")
+    logits = g.expected("router_logits.logits").astype(np.float64)
+    e = np.exp(logits - logits.max(1, keepdims=True))
+    exact = (e / e.sum(1, keepdims=True)).astype(np.float32)
+    if not (half(exact) == held).all():
+        print("FAIL topk_held: this test's softmax does not give the expected held scores")
+        failures.append("model topk_held")
+    # a held score the implementation may round the other way: its fp32
+    # score within the scores tolerance of the midpoint to a neighbour
+    up = np.nextafter(held.astype(np.float16), np.float16(np.inf)).astype(np.float32)
+    down = np.nextafter(held.astype(np.float16), np.float16(-np.inf)).astype(np.float32)
+    other = np.where(exact > held, up, down)
+    mid = (held.astype(np.float64) + other) / 2
+    flip = np.abs(exact - mid) <= 1e-5 * np.abs(exact) + 1e-7
+    sel = np.zeros_like(flip)
+    np.put_along_axis(sel, ids, True, 1)
+    own = np.where(flip & sel, other, held).astype(np.float32)
+    n = int((flip & sel).sum())
+    if n == 0:
+        print("FAIL topk_held: no selected score lies at a rounding boundary: the test shows nothing")
+        failures.append("vacuous topk_held")
+    held_topk = half(np.take_along_axis(own, ids, 1) * np.float32(0.3))
+    routing(g, "held top-k scores of %d score(s) rounded the other way, without its scores" % n, 0, ids=ids,
+            topk_scores=held_topk)
+    routing(g, "the same, beside its scores", 0, scores=own, ids=ids, topk_scores=held_topk)
+    routing(g, "held top-k scores not rounded (fp32 products), without its scores", 1, ids=ids,
+            topk_scores=np.take_along_axis(own, ids, 1) * np.float32(0.3))
 
 print("%d failure(s)" % len(failures))
 sys.exit(1 if failures else 0)

@@ -181,12 +181,29 @@ void check_routing_external(const Case& c, const Board& ref, const Board& merged
           opt.strict_ties ? "ref, lowest index" : "ref, as a selection", note.str());
     }
     if (g.count("topk_scores")) {
-      // Held scores are act values: the chain runs on the judged ones.
+      // Steps 5, 7 and 8 on the implementation's own scores where it wrote
+      // them (judged above on their own): only these steps are judged here.
+      // Held scores are act values: the chain's roundings are the class
+      // rounding's. fp32 scores it did not write: the reference's, each
+      // known only within the scores tolerance, carried through route_norm
+      // and route_scale (a tolerance fit for scores, unscaled, failed
+      // correct topk_scores of scores it would accept).
       Tensor hw;
-      if (held) hw = from_floats(ref::topk_scores_halfwidth(spec, judged, ids_used, T), ElemType::f32, {T, K});
-      add("topk_scores", score_cls, Coords::token_k, g.at("topk_scores"),
-          from_floats(ref::topk_scores_for(spec, held ? judged : ref_scores, ids_used, T), ElemType::f32, {T, K}),
-          "ref at its ids", "", held ? &hw : nullptr);
+      if (held) {
+        ref::Vec score_half;
+        if (!own_scores)
+          score_half = ref::router_scores_halfwidth(spec, to_floats(mb.at("logits")), T, stol.rtol, stol.atol);
+        hw = from_floats(ref::topk_scores_halfwidth(spec, judged, ids_used, T, own_scores ? nullptr : &score_half),
+                         ElemType::f32, {T, K});
+      } else if (!own_scores)
+        hw = from_floats(ref::topk_scores_tolerance_halfwidth(spec, ref_scores, ids_used, T, stol.rtol, stol.atol),
+                         ElemType::f32, {T, K});
+      const bool with_hw = held || !own_scores;
+      add("topk_scores", with_hw ? CompareClass::rounding : CompareClass::scores, Coords::token_k,
+          g.at("topk_scores"), from_floats(ref::topk_scores_for(spec, judged, ids_used, T), ElemType::f32, {T, K}),
+          own_scores ? "ref on its scores" : "ref at its ids",
+          own_scores ? "" : "the scores tolerance carried through route_norm and route_scale",
+          with_hw ? &hw : nullptr);
     }
     if (g.count("counts")) {
       std::vector<int64_t> hist(size_t(E), 0);
