@@ -303,6 +303,18 @@ Vec swiglu_hidden(Act act, const Vec& h13, int64_t rows, int64_t F, Vec& halfwid
 Vec swiglu_h13_halfwidth(Act act, const Vec& X, const Counts& counts, int64_t D, int64_t F, WeightView W1,
                          WeightView W3, int threads = 1);
 
+/// What Y must be given the W2 GEMM's operand H (rows, F), expert j owning
+/// counts[j] rows (docs/contract.md §8): round_act(round_ca(H W2^T)), the
+/// product in fp64 and W2 rounded to `ca` (the compute dtype; `act` but
+/// under experts.compute_dtype bf16). halfwidth[i]: how far a correct fp32
+/// accumulation may land from Y[i], the images through both roundings of a
+/// value within (F + 2) 2^-24 sum |h w| of the exact product, as
+/// swiglu_h13_halfwidth for h13. Mostly 0 in bf16 and fp16, so an H left
+/// unrounded before the GEMM, or a rounding to ca skipped or added, fails
+/// where the GEMM tolerance against the reference would hide it.
+Vec swiglu_output_on_hidden(Act act, Act ca, const Vec& H, const Counts& counts, int64_t D, int64_t F, WeightView W2,
+                            Vec& halfwidth);
+
 
 /// Error scale of swiglu_experts (docs/contract.md §15): element (i, j) of expert
 /// output is bounded by a multiple of the unit roundoff times

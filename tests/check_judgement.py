@@ -28,6 +28,10 @@ tests/test_selection.cpp) and its sums in another order.
    carried through the norm and the scale), and under score_dtype act with
    held scores rounded the other way at a boundary; a wrong scale, or
    held values left unrounded, is INCORRECT.
+8. experts.expert_output beside the implementation's own expert_hidden is
+   judged on that H too: Y = round(H W2^T) with another fp32 summation
+   order PASSES, a Y of an H left unrounded before the W2 GEMM is
+   INCORRECT (and PASSES without H, under the GEMM tolerance alone).
 
 Usage: check_judgement.py MOEVERIFY SOURCE_DIR
 """
@@ -366,6 +370,61 @@ with tempfile.TemporaryDirectory() as tmp:
     routing(g, "the same, beside its scores", 0, scores=own, ids=ids, topk_scores=held_topk)
     routing(g, "held top-k scores not rounded (fp32 products), without its scores", 1, ids=ids,
             topk_scores=np.take_along_axis(own, ids, 1) * np.float32(0.3))
+
+    # 8. the SwiGLU output judged on the implementation's own H as well:
+    # Y = round(H W2^T) from the H it wrote (fp32 accumulation in any order)
+    # PASSES; a Y from an H left unrounded before the W2 GEMM, within the
+    # GEMM tolerance against the reference, is INCORRECT there.
+    g = exported(tmp, "own_hidden", "cases:\n  - {name: c, dtype: bf16, data: realistic, seed: 21, shape: {tokens: 64, "
+                 "hidden: 64, ffn: 48, experts: 4, top_k: 2}, experts: {kind: swiglu, impl: grouped}}\n")
+    x = g.expected("align_pad.expert_input")
+    counts = [int(n) for n in g.expected("align_pad.expert_counts")]
+    w1, w3, w2 = (g.input(n) for n in ("w1", "w3", "w2"))
+
+    def bf16(v):
+        return moeverify.codec.decode(moeverify.f32_to_bf16(np.asarray(v, np.float32)), "bfloat16")
+
+    def swiglu(round_h):
+        h13, hid, out, r0 = [], [], [], 0
+        for j, n in enumerate(counts):
+            xe = x[r0:r0 + n]
+            r0 += n
+            h1, h3 = bf16(xe @ w1[j].T), bf16(xe @ w3[j].T)
+            sig = (1 / (1 + np.exp(-h1.astype(np.float64)))).astype(np.float32)
+            h = (h1 * sig).astype(np.float32) * h3
+            hb = bf16(h)
+            # the W2 GEMM in fp32, its F terms summed in reverse order
+            y = np.zeros((n, w2.shape[1]), np.float32)
+            for f in reversed(range(h.shape[1])):
+                y = (y + np.outer((hb if round_h else h)[:, f], w2[j][:, f])).astype(np.float32)
+            h13.append(np.concatenate([h1, h3], 1))
+            hid.append(hb)
+            out.append(bf16(y))
+        return np.concatenate(h13), np.concatenate(hid), np.concatenate(out)
+
+    def experts(what, rc_want, h13, hid, out, against=None):
+        g.clear_actual()
+        g.write("experts.expert_output", out)
+        if hid is not None:
+            g.write("experts.expert_h13", h13)
+            g.write("experts.expert_hidden", hid)
+        rc, text = check(g, "--verbose")
+        rows = [l for l in text.splitlines() if "expert_output" in l]
+        ok = rc == rc_want and (against is None or any(against in l for l in rows))
+        print(("ok   " if ok else "FAIL ") + "%s: exit %d (want %d)" % (what, rc, rc_want))
+        if not ok:
+            failures.append(what)
+            print("\n".join(rows)[:2000])
+
+    h13, hid, out = swiglu(True)
+    if not np.array_equal(hid, g.expected("experts.expert_hidden")):
+        print("FAIL own_hidden: this test's activation is not the expected one")
+        failures.append("model own_hidden")
+    experts("Y of its own H, the W2 sum in reverse order, beside h13 and H", 0, h13, hid, out, "ref on its hidden")
+    _, _, raw = swiglu(False)
+    experts("Y of H left unrounded before the W2 GEMM (%d of %d elements differ), beside H" %
+            (int((raw != out).sum()), raw.size), 1, h13, hid, raw, "ref on its hidden")
+    experts("the same Y without H: only the GEMM tolerance against the reference judges it", 0, None, None, raw)
 
 print("%d failure(s)" % len(failures))
 sys.exit(1 if failures else 0)

@@ -794,6 +794,22 @@ bool ExternalEntry::stage(const Stage& s, Board& board) {
                      "written, and the reference's, gathered here, may differ from them within it";
         rep.checks.push_back(ch);
       }
+    // An output judged a second time on the implementation's own input
+    // (the SwiGLU output on its H): the rounding points between them.
+    for (const OutputSpec& o : s.outputs)
+      for (int r = 0; r < R && o.on_own; ++r) {
+        auto gi = given[size_t(r)].find(o.name);
+        if (gi == given[size_t(r)].end() || !given[size_t(r)].count(o.on_own_input)) continue;
+        Tensor scale;
+        const Tensor expect = o.on_own(c, merged.ranks[size_t(r)], r, R, scale);
+        if (expect.shape.empty()) continue;
+        OutputSpec spec = o;
+        spec.cls = CompareClass::rounding;
+        spec.cls_for = nullptr;
+        rep.checks.push_back(check_output(c, s.slot, "actual", spec, &gi->second, &expect, merged.ranks[size_t(r)], r,
+                                          R, "ref on its " + o.on_own_input.substr(o.on_own_input.find('_') + 1),
+                                          &scale));
+      }
   }
   for (int r = 0; r < R; ++r)
     for (const auto& [n, t] : given[size_t(r)]) written[size_t(r)].insert(n);

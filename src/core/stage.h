@@ -74,6 +74,15 @@ struct OutputSpec {
   /// per-element error scale. Such outputs are not compared across variants.
   std::function<Tensor(const Case&, const RankBoard& fast_merged, Tensor& scale)> from_fast;
   std::string from_fast_label;
+  /// When set, `check` (docs/contract.md §15) judges this output a second
+  /// time where the implementation wrote `on_own_input` too: against what
+  /// the reference computes from that input of its own (class rounding, the
+  /// half-width written into `scale`; "judged on its X"), so that a rounding
+  /// point between the two, which the tolerance against the reference
+  /// hides, fails. An empty tensor: nothing to judge (the input has too
+  /// few rows, which its own check reports).
+  std::string on_own_input;
+  std::function<Tensor(const Case&, const RankBoard& merged, int rank, int ranks, Tensor& scale)> on_own;
   /// When set, the class of this output in a case, in place of `cls`: set
   /// only for a sum judged over any order of its additions
   /// (judged_in_any_order, src/paths/stages.h), whose bound the report names.

@@ -317,7 +317,9 @@ ref::Vec group_floats(const Case& c, const Tensor& X, const ref::Counts& counts)
 /// per-expert functions over held or streamed weights alike.
 template <class F>
 ref::Vec over_chunks(const Case& c, const RankBoard& b, const ref::Vec& xv, const ref::Counts& counts,
-                     const std::string& w_prefix, int64_t first, int64_t width, int threads, F f) {
+                     const std::string& w_prefix, int64_t first, int64_t width, int threads, F f,
+                     int64_t in_width = -1) {
+  if (in_width < 0) in_width = c.hidden;  // xv's row width: X's, or H's (F) for the W2 GEMM
   int64_t rows = 0;
   for (int64_t n : counts) rows += n;
   ref::Vec out;
@@ -330,7 +332,7 @@ ref::Vec over_chunks(const Case& c, const RankBoard& b, const ref::Vec& xv, cons
                       }
                       out.resize(size_t(rows * width));
                       const ref::Vec part =
-                          f(ref::Vec(xv.begin() + r0 * c.hidden, xv.begin() + (r0 + n) * c.hidden),
+                          f(ref::Vec(xv.begin() + r0 * in_width, xv.begin() + (r0 + n) * in_width),
                             ref::Counts(counts.begin() + j0, counts.begin() + j0 + m), w, r0);
                       std::copy(part.begin(), part.end(), out.begin() + r0 * width);
                     });
@@ -415,6 +417,48 @@ std::vector<OutputSpec> swiglu_mid_outputs(const SwigluSite& site, Coords co) {
   };
   hidden.from_fast_label = "ref on fast h13";
   return {h13, hidden};
+}
+
+/// The SwiGLU output `o` of `site` also judged on the implementation's own
+/// H (OutputSpec::on_own): Y = round(H W2^T) from the H it wrote, up to the
+/// rounding an fp32 accumulation allows (ref::swiglu_output_on_hidden).
+OutputSpec judged_on_own_hidden(OutputSpec o, const SwigluSite& site) {
+  const SwigluSite* st = &site;
+  o.on_own_input = site.mid + "hidden";
+  o.on_own = [st](const Case& c, const RankBoard& b, int rank, int ranks, Tensor& scale) {
+    const ref::Counts counts = st->counts_of(b);
+    const int64_t D = c.hidden, F = c.ffn;
+    int64_t rows = 0;
+    for (int64_t n : counts) rows += n;
+    const Tensor& H = b.at(st->mid + "hidden");
+    if (H.shape.size() != 2 || H.shape[0] < rows || H.shape[1] != F) return Tensor{};
+    ref::Vec hv = to_floats(H);
+    hv.resize(size_t(rows * F));
+    const SwigluConventions conv = swiglu_conventions(c, st->mid);
+    // each row: [Y (D) | its half-width (D)], split below
+    const ref::Vec both = over_chunks(
+        c, b, hv, counts, st->w_prefix, st->first_expert(c, rank, ranks), 2 * D, 1,
+        [&](const ref::Vec& h, const ref::Counts& n, const ExpertWeightSlice& w, int64_t) {
+          ref::Vec half;
+          const ref::Vec y = ref::swiglu_output_on_hidden(ref_act(c.dtype), mid_act(c, conv), h, n, D, F,
+                                                          weight_view(w.w2, 0), half);
+          ref::Vec rowwise(y.size() * 2);
+          for (size_t r = 0; r < y.size() / size_t(D); ++r) {
+            std::copy_n(y.begin() + r * D, D, rowwise.begin() + r * 2 * D);
+            std::copy_n(half.begin() + r * D, D, rowwise.begin() + r * 2 * D + D);
+          }
+          return rowwise;
+        },
+        F);
+    ref::Vec Y(size_t(rows * D)), half(size_t(rows * D));
+    for (int64_t r = 0; r < rows; ++r) {
+      std::copy_n(both.begin() + r * 2 * D, D, Y.begin() + r * D);
+      std::copy_n(both.begin() + r * 2 * D + D, D, half.begin() + r * D);
+    }
+    scale = from_floats(half, ElemType::f32, {rows, D});
+    return from_floats(Y, act_elem(c.dtype), {rows, D});
+  };
+  return o;
 }
 
 /// |v| elementwise, as an f32 error scale.
@@ -877,7 +921,9 @@ Stage swiglu_experts(ExpertsImpl impl) {
   s.applies = [](const Case& c) { return Decision{c.experts.kind == ExpertKind::swiglu, "experts.kind is not swiglu"}; };
   s.primary = [impl](const Case& c) { return c.experts.impl == impl; };
   s.inputs = routed_swiglu_inputs;
-  s.outputs = {{"expert_output", CompareClass::gemm, Coords::padded_row, promise_expert_rows, routed_swiglu_scale}};
+  s.outputs = {judged_on_own_hidden(
+      {"expert_output", CompareClass::gemm, Coords::padded_row, promise_expert_rows, routed_swiglu_scale},
+      routed_site())};
   for (auto& o : swiglu_mid_outputs(routed_site(), Coords::padded_row)) s.outputs.push_back(o);
   s.fast = [impl](FastCtx& ctx) {
     const Tensor& counts = ctx.input("expert_counts");
@@ -900,7 +946,9 @@ Stage swiglu_batched() {
   s.primary = [](const Case& c) { return c.experts.impl == ExpertsImpl::batched; };
   s.asked = s.primary;
   s.inputs = routed_swiglu_inputs;
-  s.outputs = {{"expert_output", CompareClass::gemm, Coords::padded_row, promise_expert_rows, routed_swiglu_scale}};
+  s.outputs = {judged_on_own_hidden(
+      {"expert_output", CompareClass::gemm, Coords::padded_row, promise_expert_rows, routed_swiglu_scale},
+      routed_site())};
   for (auto& o : swiglu_mid_outputs(routed_site(), Coords::padded_row)) s.outputs.push_back(o);
   s.fast = [](FastCtx& ctx) {
     const Case& c = ctx.c;
@@ -974,10 +1022,11 @@ Stage shared_swiglu() {
   };
   s.primary = [](const Case&) { return true; };
   s.inputs = fixed_inputs({"x", "shared_w1", "shared_w3", "shared_w2"});
-  s.outputs = {{"shared_out", CompareClass::gemm, Coords::token_col, promise_realistic,
-                [](const Case& c, const RankBoard& b, int, int) {
-                  return from_floats(shared_scale(c, b), ElemType::f32, b.at("x").shape);
-                }}};
+  s.outputs = {judged_on_own_hidden({"shared_out", CompareClass::gemm, Coords::token_col, promise_realistic,
+                                      [](const Case& c, const RankBoard& b, int, int) {
+                                        return from_floats(shared_scale(c, b), ElemType::f32, b.at("x").shape);
+                                      }},
+                                     shared_site())};
   for (auto& o : swiglu_mid_outputs(shared_site(), Coords::token_col)) s.outputs.push_back(o);
   s.fast = [](FastCtx& ctx) {
     const Tensor& x = ctx.input("x");
