@@ -334,11 +334,11 @@ struct SwigluGrads {
   Vec dX;
   Vec dW1, dW3;
   Vec dW2;
-  /// With bounds: the error scales of the four, as swiglu_backward_magnitude's.
+  /// With bounds: the half-widths of class rounding of the four
+  /// (swiglu_backward_autograd).
   Vec mdX, mdW1, mdW3, mdW2;
   /// With a HiddenScale: each row's score gradient (rows), and with bounds
-  /// under autograd's rules (swiglu_backward_autograd) its half-width; the
-  /// fused rules' half-width is that function's with SiluRounding::fused.
+  /// its half-width.
   Vec dS, mdS;
 };
 /// The score on the hidden in the backward (docs/contract.md §13, §14
@@ -364,12 +364,11 @@ struct HiddenScale {
 ///   dX     = round_act(dh1 W1_j + dh3 W3_j)             (one accumulation over 2F, one rounding)
 ///   dW1_j  = dh1^T X_j,  dW3_j = dh3^T X_j,  dW2_j = dY_j^T H_j   (fp32 results, no act rounding)
 /// Computed in fp64 from the act-rounded inputs. Under SiluRounding::torchtitan
-/// or Compute::bf16 the rules are autograd's (swiglu_backward_autograd).
-/// Experts run on `threads` threads (each expert on one: the result does not
-/// depend on their number). With bounds, the m* fields hold the error scales
-/// of the act-rounded inputs from the same GEMMs (swiglu_backward_magnitude's
-/// when the inputs are act values, as a stage's tensors are); under autograd's
-/// rules the half-widths of class rounding instead.
+/// or Compute::bf16 the rules are autograd's. Every convention runs through
+/// swiglu_backward_autograd, whose enumeration of the rounding points gives
+/// the middle values and, with bounds, the half-widths of class rounding in
+/// the m* fields. Experts run on `threads` threads (each expert on one: the
+/// result does not depend on their number).
 /// `w13_fused`: W1 and W3 are one GEMM (docs/contract.md §14 experts.w13_fused), so
 /// dX is one GEMM over 2F under the torchtitan rounding too.
 SwigluGrads swiglu_experts_backward(Act act, const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
@@ -389,7 +388,8 @@ SwigluGrads swiglu_experts_backward(Act act, const Vec& X, const Vec& dY, const 
 ///   dX  = round_act(round_act(round(dh1 W1_j)) + round_act(round(dh3 W3_j)))
 ///         (torchtitan: x feeds two GEMMs; the sum in fp32), or
 ///         round_act(round(dh1 W1_j + dh3 W3_j)) (fused, or w13_fused: one GEMM);
-///   dW1 = round_act(round(dh1^T X_j)), dW3 likewise, dW2 = round_act(round(dY_j^T H_j)).
+///   dW1 = round_act(round(dh1^T X_j)), dW3 likewise, dW2 = round_act(round(dY_j^T H_j)),
+///   but fp32 results under fused with Compute::act (swiglu_experts_backward's rules).
 /// In fp64 from the rounded operands. With bounds, the m* fields hold the
 /// half-widths of class `rounding` (reference/swiglu_bwd_autograd.cpp): how far
 /// an fp32 implementation of these rules may land (in bf16 0 or about one

@@ -1,7 +1,9 @@
-// Reference backward of the SwiGLU experts (docs/contract.md §8, §13): the input and
-// weight gradients of swiglu_experts for the loss <Y, dY>, in fp64 from the
-// act-rounded inputs, rounded to act at the points listed in reference.h.
-// Written from the chain rule, independently of kernels/swiglu_bwd_host.cpp.
+// Reference backward of the SwiGLU experts (docs/contract.md §8, §13): the
+// gradients of swiglu_experts for the loss <Y, dY> under every convention
+// come from swiglu_backward_autograd (reference/swiglu_bwd_autograd.cpp, its
+// enumeration of the rounding points); this file holds their error scales
+// for the end-to-end checks (swiglu_backward_magnitude). Written from the
+// chain rule, independently of kernels/swiglu_bwd_host.cpp.
 #include <Eigen/Core>
 #include <cmath>
 #include <stdexcept>
@@ -41,95 +43,56 @@ void store(Vec& out, size_t at, const MatD& m) {
   for (int64_t i = 0; i < m.size(); ++i) out[at + size_t(i)] = f32(m.data()[i]);
 }
 
-/// What swiglu_bwd_core computes: the gradients, their error scales, or both.
-struct BwdWant {
-  bool grads = false, magnitude = false;
-};
-
-/// The gradients (at the rounding points of reference.h) and/or their error
-/// scales, expert by expert on `threads` threads. Values are fp64 Eigen
-/// products of the act-rounded inputs; the sums of |terms| are fp32
-/// products of absolute values made upper bounds (reference/blocked.h), and
-/// their first-order terms use the same fp64 h1, h3 and dY W2. The error
-/// scales are of the inputs as given (act = fp32 leaves them unrounded).
-/// With a score on the hidden (hs.s), HiddenScale's rules: the magnitudes
-/// carry |s| where dH and H' do. dS has no magnitude here: its half-width is
-/// swiglu_backward_autograd's under either rounding.
-SwigluGrads swiglu_bwd_core(Act act, const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
-                            WeightView W1, WeightView W3, WeightView W2, const BwdWant& want, int threads,
-                            HiddenScale hs) {
+/// The error scales of the gradients (swiglu_backward_magnitude), expert by
+/// expert on `threads` threads: sums of |terms| as fp32 products of
+/// absolute values made upper bounds (reference/blocked.h), whose
+/// first-order terms use fp64 h1, h3 and dY W2 of the inputs as given. With
+/// a score on the hidden (row_scale), the magnitudes carry |s| where dH and
+/// H' do. The score gradient has no magnitude here: its half-width is
+/// swiglu_backward_autograd's.
+SwigluGrads magnitudes(const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F, WeightView W1,
+                       WeightView W3, WeightView W2, int threads, const float* row_scale) {
+  const Act act = Act::fp32;  // the values as they are
   const int E_l = int(counts.size());
   std::vector<int64_t> first(counts.size(), 0);
   int64_t rows = 0;
   for (size_t j = 0; j < counts.size(); ++j) first[j] = rows, rows += counts[j];
   SwigluGrads g;
-  g.dX.assign(want.grads ? dY.size() : 0, 0.f);
-  g.mdX.assign(want.magnitude ? dY.size() : 0, 0.f);
+  g.dX.assign(dY.size(), 0.f);
   const size_t wsize = size_t(E_l) * size_t(F * D);
-  for (Vec* v : {&g.dW1, &g.dW3, &g.dW2}) v->assign(want.grads ? wsize : 0, 0.f);
-  for (Vec* v : {&g.mdW1, &g.mdW3, &g.mdW2}) v->assign(want.magnitude ? wsize : 0, 0.f);
-  g.dS.assign(hs.s && want.grads ? size_t(rows) : 0, 0.f);
+  for (Vec* v : {&g.dW1, &g.dW3, &g.dW2}) v->assign(wsize, 0.f);
   parallel_items(E_l, threads, [&](int64_t j) {
     const int64_t n = counts[size_t(j)], row = first[size_t(j)];
     if (n == 0) return;  // its weight gradients stay exactly 0
-    const float* sc = hs.s ? hs.s + row : nullptr;  // the rows' scores on the hidden, or none
+    const float* sc = row_scale ? row_scale + row : nullptr;  // the rows' scores on the hidden, or none
     const MatD x = block(act, X, row, n, D), dy = block(act, dY, row, n, D);
     const MatD w1 = weight(act, W1, size_t(j), F, D), w3 = weight(act, W3, size_t(j), F, D),
                w2 = weight(act, W2, size_t(j), D, F);
     const MatD h1 = x * w1.transpose(), h3 = x * w3.transpose(), dHx = dy * w2;  // (n, F)
-    if (want.grads) {
-      MatD dh1(n, F), dh3(n, F), H(n, F);  // H: the W2 GEMM's operand (H' with a score)
-      std::vector<double> ds(sc ? size_t(n) : 0, 0.0);
-      for (int64_t i = 0; i < n * F; ++i) {
-        // h1, h3 and H exactly as the forward reference rounds them
-        const double a = round_act(act, f32(h1.data()[i])), b = round_act(act, f32(h3.data()[i]));
-        const double Hp = round_act(act, f32(double(f32(a / (1.0 + std::exp(-a)))) * b));
-        double dH = round_act(act, f32(dHx.data()[i]));
-        H.data()[i] = Hp;
-        if (sc) {  // HiddenScale: dH' is the GEMM's; ds from dH' and the unscaled H
-          const double w = sc[i / F];
-          ds[size_t(i / F)] += dH * Hp;
-          H.data()[i] = round_act(act, f32(Hp * w));
-          dH = round_act(act, f32(dH * w));
-        }
-        const SiluDerivs s = silu_derivs(a);
-        dh3.data()[i] = round_act(act, f32(dH * s.s));
-        dh1.data()[i] = round_act(act, f32(dH * b * s.s1));
-      }
-      const MatD dx = dh1 * w1 + dh3 * w3;  // (n, D)
-      for (int64_t i = 0; i < n * D; ++i) g.dX[size_t(row * D + i)] = round_act(act, f32(dx.data()[i]));
-      store(g.dW1, size_t(j) * size_t(F * D), MatD(dh1.transpose() * x));
-      store(g.dW3, size_t(j) * size_t(F * D), MatD(dh3.transpose() * x));
-      store(g.dW2, size_t(j) * size_t(D * F), MatD(dy.transpose() * H));
-      for (size_t r = 0; r < ds.size(); ++r)
-        g.dS[size_t(row) + r] = hs.round_grad ? round_act(act, f32(ds[r])) : f32(ds[r]);
+    const MatF ax = x.cwiseAbs().cast<float>(), ady = dy.cwiseAbs().cast<float>();  // exact: act values
+    const MatF a1 = w1.cwiseAbs().cast<float>(), a3 = w3.cwiseAbs().cast<float>(), a2 = w2.cwiseAbs().cast<float>();
+    const MatD m1 = abs_product_nt(ax, a1), m3 = abs_product_nt(ax, a3), mdH = abs_product_nn(ady, a2);
+    // E1, E3: effective magnitudes of dh1 and dh3 (their terms' sizes plus
+    // the first-order effect of an error of m1 in h1, m3 in h3, mdH in dH);
+    // Heff the same for H.
+    MatD E1(n, F), E3(n, F), Heff(n, F);
+    for (int64_t i = 0; i < n * F; ++i) {
+      // with a score on the hidden, dH = s dH' and H' = s H: both scale by |s|
+      const double w = sc ? std::fabs(double(sc[i / F])) : 1.0;
+      const double a = h1.data()[i], b = h3.data()[i], d = w * dHx.data()[i], md = w * mdH.data()[i];
+      const SiluDerivs s = silu_derivs(a);
+      E3.data()[i] = md * std::fabs(s.s) + std::fabs(d * s.s1) * m1.data()[i];
+      E1.data()[i] = md * std::fabs(b * s.s1) + std::fabs(d * s.s1) * m3.data()[i] +
+                     std::fabs(d * b * s.s2) * m1.data()[i];
+      Heff.data()[i] = std::fabs(s.s * b) + std::fabs(s.s1 * b) * m1.data()[i] + std::fabs(s.s) * m3.data()[i];
+      Heff.data()[i] *= w;
     }
-    if (want.magnitude) {
-      const MatF ax = x.cwiseAbs().cast<float>(), ady = dy.cwiseAbs().cast<float>();  // exact: act values
-      const MatF a1 = w1.cwiseAbs().cast<float>(), a3 = w3.cwiseAbs().cast<float>(), a2 = w2.cwiseAbs().cast<float>();
-      const MatD m1 = abs_product_nt(ax, a1), m3 = abs_product_nt(ax, a3), mdH = abs_product_nn(ady, a2);
-      // E1, E3: effective magnitudes of dh1 and dh3 (their terms' sizes plus
-      // the first-order effect of an error of m1 in h1, m3 in h3, mdH in dH);
-      // Heff the same for H.
-      MatD E1(n, F), E3(n, F), Heff(n, F);
-      for (int64_t i = 0; i < n * F; ++i) {
-        // with a score on the hidden, dH = s dH' and H' = s H: both scale by |s|
-        const double w = sc ? std::fabs(double(sc[i / F])) : 1.0;
-        const double a = h1.data()[i], b = h3.data()[i], d = w * dHx.data()[i], md = w * mdH.data()[i];
-        const SiluDerivs s = silu_derivs(a);
-        E3.data()[i] = md * std::fabs(s.s) + std::fabs(d * s.s1) * m1.data()[i];
-        E1.data()[i] = md * std::fabs(b * s.s1) + std::fabs(d * s.s1) * m3.data()[i] +
-                       std::fabs(d * b * s.s2) * m1.data()[i];
-        Heff.data()[i] = std::fabs(s.s * b) + std::fabs(s.s1 * b) * m1.data()[i] + std::fabs(s.s) * m3.data()[i];
-        Heff.data()[i] *= w;
-      }
-      const MatF e1 = abs_f32_up(E1), e3 = abs_f32_up(E3), he = abs_f32_up(Heff);
-      const MatD dx = abs_product_nn(e1, a1) + abs_product_nn(e3, a3);
-      for (int64_t i = 0; i < n * D; ++i) g.mdX[size_t(row * D + i)] = f32(dx.data()[i]);
-      store(g.mdW1, size_t(j) * size_t(F * D), abs_product_nn(MatF(e1.transpose()), ax));
-      store(g.mdW3, size_t(j) * size_t(F * D), abs_product_nn(MatF(e3.transpose()), ax));
-      store(g.mdW2, size_t(j) * size_t(D * F), abs_product_nn(MatF(ady.transpose()), he));
-    }
+    const MatF e1 = abs_f32_up(E1), e3 = abs_f32_up(E3), he = abs_f32_up(Heff);
+    const MatD dx = abs_product_nn(e1, a1) + abs_product_nn(e3, a3);
+    for (int64_t i = 0; i < n * D; ++i) g.dX[size_t(row * D + i)] = f32(dx.data()[i]);
+    store(g.dW1, size_t(j) * size_t(F * D), abs_product_nn(MatF(e1.transpose()), ax));
+    store(g.dW3, size_t(j) * size_t(F * D), abs_product_nn(MatF(e3.transpose()), ax));
+    store(g.dW2, size_t(j) * size_t(D * F), abs_product_nn(MatF(ady.transpose()), he));
   });
   return g;
 }
@@ -139,28 +102,16 @@ SwigluGrads swiglu_bwd_core(Act act, const Vec& X, const Vec& dY, const Counts& 
 SwigluGrads swiglu_experts_backward(Act act, const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
                                     WeightView W1, WeightView W3, WeightView W2, SiluRounding rounding,
                                     Compute compute, int threads, bool bounds, bool w13_fused, HiddenScale hs) {
-  if (rounding != SiluRounding::fused || compute != Compute::act)
-    return swiglu_backward_autograd(act, X, dY, counts, D, F, W1, W3, W2, rounding, compute, threads, bounds,
-                                    w13_fused, hs);
-  BwdWant want;
-  want.grads = true;
-  want.magnitude = bounds;
-  return swiglu_bwd_core(act, X, dY, counts, D, F, W1, W3, W2, want, threads, hs);
+  // Every convention's middle values and half-widths come from one
+  // enumeration of its rounding points (swiglu_backward_autograd).
+  return swiglu_backward_autograd(act, X, dY, counts, D, F, W1, W3, W2, rounding, compute, threads, bounds, w13_fused,
+                                  hs);
 }
 
 SwigluGrads swiglu_backward_magnitude(const Vec& X, const Vec& dY, const Counts& counts, int64_t D, int64_t F,
                                       WeightView W1, WeightView W3, WeightView W2, int threads,
                                       const float* row_scale) {
-  BwdWant want;
-  want.magnitude = true;
-  HiddenScale hs;
-  hs.s = row_scale;
-  SwigluGrads m = swiglu_bwd_core(Act::fp32, X, dY, counts, D, F, W1, W3, W2, want, threads, hs);
-  m.dX = std::move(m.mdX);
-  m.dW1 = std::move(m.mdW1);
-  m.dW3 = std::move(m.mdW3);
-  m.dW2 = std::move(m.mdW2);
-  return m;
+  return magnitudes(X, dY, counts, D, F, W1, W3, W2, threads, row_scale);
 }
 
 }  // namespace ref

@@ -348,6 +348,7 @@ SwigluGrads swiglu_backward_autograd(Act act, const Vec& X, const Vec& dY, const
   for (Vec* v : {&g.mdW1, &g.mdW3, &g.mdW2}) v->assign(bounds ? wsize : 0, 0.f);
   g.dS.assign(hs.s ? size_t(rows) : 0, 0.f);
   g.mdS.assign(hs.s && bounds ? size_t(rows) : 0, 0.f);
+  const bool dw_fp32 = rounding == SiluRounding::fused && compute == Compute::act;
   // the experts with the dtypes known at compile time (Rounder)
   auto run = [&](const auto& R) {
     parallel_items(int64_t(counts.size()), threads, [&](int64_t j) {
@@ -373,9 +374,15 @@ SwigluGrads swiglu_backward_autograd(Act act, const Vec& X, const Vec& dY, const
         r3 = abs_product_nn(MatF(room_weight(gn, e.d3, e.h3).transpose()), ax);
         r2 = abs_product_nn(MatF(ady.transpose()), room_weight(gn, e.H, e.hH));
       }
-      gemm_out(R, e.d1.transpose() * x, r1, g.dW1, g.mdW1, at, bounds);
-      gemm_out(R, e.d3.transpose() * x, r3, g.dW3, g.mdW3, at, bounds);
-      gemm_out(R, dy.transpose() * e.H, r2, g.dW2, g.mdW2, at, bounds);
+      // The weight gradients: tensors of the compute dtype under autograd's
+      // rules, fp32 under the fused ones (docs/contract.md §13).
+      const auto dw_out = [&](const MatD& V, const MatD& room, Vec& mid, Vec& half) {
+        if (dw_fp32) gemm_out(Rounder<Act::fp32, Act::fp32>{}, V, room, mid, half, at, bounds);
+        else gemm_out(R, V, room, mid, half, at, bounds);
+      };
+      dw_out(e.d1.transpose() * x, r1, g.dW1, g.mdW1);
+      dw_out(e.d3.transpose() * x, r3, g.dW3, g.mdW3);
+      dw_out(dy.transpose() * e.H, r2, g.dW2, g.mdW2);
     });
   };
   with_act(act, [&](auto a) {

@@ -32,6 +32,10 @@ tests/test_selection.cpp) and its sums in another order.
    judged on that H too: Y = round(H W2^T) with another fp32 summation
    order PASSES, a Y of an H left unrounded before the W2 GEMM is
    INCORRECT (and PASSES without H, under the GEMM tolerance alone).
+9. experts_bwd under the default (fused) rules is judged in class rounding:
+   its gradients with the weight gradients summed in another order PASS;
+   weight gradients rounded to bf16, or a dX of an unrounded dH, are
+   INCORRECT (both passed the GEMM bound).
 
 Usage: check_judgement.py MOEVERIFY SOURCE_DIR
 """
@@ -425,6 +429,59 @@ with tempfile.TemporaryDirectory() as tmp:
     experts("Y of H left unrounded before the W2 GEMM (%d of %d elements differ), beside H" %
             (int((raw != out).sum()), raw.size), 1, h13, hid, raw, "ref on its hidden")
     experts("the same Y without H: only the GEMM tolerance against the reference judges it", 0, None, None, raw)
+
+    # 9. the SwiGLU backward under the default (fused) rules in class
+    # rounding: fp32 weight gradients of another summation order PASS, the
+    # same rounded to bf16 (a tensor of the compute dtype, autograd's rule)
+    # are INCORRECT, and so is a dX from a dH left unrounded.
+    g = exported(tmp, "bwd_fused", "cases:\n  - {name: c, dtype: bf16, data: realistic, seed: 4, backward: on, "
+                 "shape: {tokens: 48, hidden: 32, ffn: 24, experts: 4, top_k: 2}, "
+                 "experts: {kind: swiglu, impl: grouped}}\n")
+    x = g.expected("align_pad.expert_input")
+    dy = g.expected("align_unpad_bwd.grad_expert_output")
+    counts = [int(n) for n in g.expected("align_pad.expert_counts")]
+    w1, w3, w2 = (g.input(n) for n in ("w1", "w3", "w2"))
+
+    def backward(round_dh=True, dw=lambda v: v):
+        dx, gw1, gw3, gw2, r0 = np.zeros_like(x), np.zeros_like(w1), np.zeros_like(w3), np.zeros_like(w2), 0
+        for j, n in enumerate(counts):
+            xe, dye = x[r0:r0 + n], dy[r0:r0 + n]
+            h1, h3 = bf16(xe @ w1[j].T), bf16(xe @ w3[j].T)
+            sig = (1 / (1 + np.exp(-h1.astype(np.float64)))).astype(np.float32)
+            silu = (h1 * sig).astype(np.float32)
+            H = bf16(silu * h3)
+            dH = dye @ w2[j]
+            dH = bf16(dH) if round_dh else dH
+            dh3 = bf16(dH * silu)
+            dh1 = bf16((dH * h3).astype(np.float32) * (sig * (1 + h1 * (1 - sig))).astype(np.float32))
+            dx[r0:r0 + n] = bf16(dh1 @ w1[j] + dh3 @ w3[j])
+            # the weight gradients summed over rows in reverse order
+            gw1[j], gw3[j], gw2[j] = (dw(np.flip(a, 0).T @ np.flip(b, 0)) for a, b in
+                                      ((dh1, xe), (dh3, xe), (dye, H)))
+            r0 += n
+        return {"grad_expert_input": dx, "grad_w1": gw1, "grad_w3": gw3, "grad_w2": gw2}
+
+    def bwd(what, rc_want, grads, names):
+        g.clear_actual()
+        for n in names:
+            g.write("experts_bwd." + n, grads[n])
+        rc, text = check(g, "--verbose")
+        rows = [l for l in text.splitlines() if "experts_bwd" in l]
+        ok = rc == rc_want
+        print(("ok   " if ok else "FAIL ") + "%s: exit %d (want %d)" % (what, rc, rc_want))
+        if not ok:
+            failures.append(what)
+            print("\n".join(rows)[:2000])
+
+    right = backward()
+    if not np.array_equal(right["grad_expert_input"], g.expected("experts_bwd.grad_expert_input")):
+        print("FAIL bwd_fused: this test's dX is not the expected one (%d elements differ)" %
+              int((right["grad_expert_input"] != g.expected("experts_bwd.grad_expert_input")).sum()))
+        failures.append("model bwd_fused")
+    bwd("fused backward: dX and fp32 weight gradients summed in another order", 0, right,
+        ("grad_expert_input", "grad_w1", "grad_w3", "grad_w2"))
+    bwd("fused backward: weight gradients rounded to bf16", 1, backward(dw=bf16), ("grad_w1", "grad_w3", "grad_w2"))
+    bwd("fused backward: dX of a dH left unrounded", 1, backward(round_dh=False), ("grad_expert_input",))
 
 print("%d failure(s)" % len(failures))
 sys.exit(1 if failures else 0)

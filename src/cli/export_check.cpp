@@ -97,6 +97,43 @@ std::string stage_list(const std::vector<std::string>& names, int L) {
 /// counts against the histogram of its ids. Under router.score_dtype act
 /// (docs/contract.md §14) scores and topk_scores are class rounding, the
 /// latter the chain on the judged scores (see check_routing).
+/// How routing.topk_scores is judged: steps 5, 7 and 8 on the
+/// implementation's own scores where it wrote them (judged on their own),
+/// so that only these steps are judged here. Held scores are act values:
+/// the chain's roundings are the class rounding's, and the reference's held
+/// scores standing for unwritten ones are each known within their
+/// half-width. fp32 scores it did not write: the reference's, each known
+/// only within the scores tolerance, carried through route_norm and
+/// route_scale (a tolerance fit for scores, unscaled, failed correct
+/// topk_scores of scores it would accept).
+struct TopkJudgement {
+  Tensor expect, halfwidth;
+  CompareClass cls = CompareClass::scores;
+  std::string against, note;
+};
+TopkJudgement topk_judgement(const ref::RouterSpec& spec, const Tensor& logits, const ref::Vec& judged,
+                             const ref::Vec& ref_scores, const ref::Ids& ids, int64_t T, bool own_scores,
+                             const Tolerance& stol) {
+  const int64_t K = spec.K;
+  const bool held = spec.held != ref::Act::fp32;
+  TopkJudgement j;
+  j.expect = from_floats(ref::topk_scores_for(spec, judged, ids, T), ElemType::f32, {T, K});
+  j.against = own_scores ? "ref on its scores" : "ref at its ids";
+  if (!own_scores) j.note = "the scores tolerance carried through route_norm and route_scale";
+  if (!held && own_scores) return j;
+  j.cls = CompareClass::rounding;
+  if (held) {
+    ref::Vec score_half;
+    if (!own_scores) score_half = ref::router_scores_halfwidth(spec, to_floats(logits), T, stol.rtol, stol.atol);
+    j.halfwidth = from_floats(ref::topk_scores_halfwidth(spec, judged, ids, T, own_scores ? nullptr : &score_half),
+                              ElemType::f32, {T, K});
+  } else {
+    j.halfwidth = from_floats(ref::topk_scores_tolerance_halfwidth(spec, ref_scores, ids, T, stol.rtol, stol.atol),
+                              ElemType::f32, {T, K});
+  }
+  return j;
+}
+
 void check_routing_external(const Case& c, const Board& ref, const Board& merged,
                             const std::vector<std::map<std::string, Tensor>>& given, const ExternalOptions& opt,
                             CaseReport& rep) {
@@ -181,29 +218,9 @@ void check_routing_external(const Case& c, const Board& ref, const Board& merged
           opt.strict_ties ? "ref, lowest index" : "ref, as a selection", note.str());
     }
     if (g.count("topk_scores")) {
-      // Steps 5, 7 and 8 on the implementation's own scores where it wrote
-      // them (judged above on their own): only these steps are judged here.
-      // Held scores are act values: the chain's roundings are the class
-      // rounding's. fp32 scores it did not write: the reference's, each
-      // known only within the scores tolerance, carried through route_norm
-      // and route_scale (a tolerance fit for scores, unscaled, failed
-      // correct topk_scores of scores it would accept).
-      Tensor hw;
-      if (held) {
-        ref::Vec score_half;
-        if (!own_scores)
-          score_half = ref::router_scores_halfwidth(spec, to_floats(mb.at("logits")), T, stol.rtol, stol.atol);
-        hw = from_floats(ref::topk_scores_halfwidth(spec, judged, ids_used, T, own_scores ? nullptr : &score_half),
-                         ElemType::f32, {T, K});
-      } else if (!own_scores)
-        hw = from_floats(ref::topk_scores_tolerance_halfwidth(spec, ref_scores, ids_used, T, stol.rtol, stol.atol),
-                         ElemType::f32, {T, K});
-      const bool with_hw = held || !own_scores;
-      add("topk_scores", with_hw ? CompareClass::rounding : CompareClass::scores, Coords::token_k,
-          g.at("topk_scores"), from_floats(ref::topk_scores_for(spec, judged, ids_used, T), ElemType::f32, {T, K}),
-          own_scores ? "ref on its scores" : "ref at its ids",
-          own_scores ? "" : "the scores tolerance carried through route_norm and route_scale",
-          with_hw ? &hw : nullptr);
+      const TopkJudgement j = topk_judgement(spec, mb.at("logits"), judged, ref_scores, ids_used, T, own_scores, stol);
+      add("topk_scores", j.cls, Coords::token_k, g.at("topk_scores"), j.expect, j.against, j.note,
+          j.cls == CompareClass::rounding ? &j.halfwidth : nullptr);
     }
     if (g.count("counts")) {
       std::vector<int64_t> hist(size_t(E), 0);
@@ -704,6 +721,26 @@ void counts_from_fed_ids(const std::vector<std::map<std::string, Tensor>>& given
   }
 }
 
+/// An output judged a second time on the implementation's own input
+/// (OutputSpec::on_own: the SwiGLU output on its H), where it wrote both:
+/// the rounding points between them.
+void judge_on_own(const Case& c, const std::string& slot, const OutputSpec& o,
+                  const std::vector<std::map<std::string, Tensor>>& given, const Board& merged, CaseReport& rep) {
+  const int R = int(given.size());
+  for (int r = 0; r < R && o.on_own; ++r) {
+    auto gi = given[size_t(r)].find(o.name);
+    if (gi == given[size_t(r)].end() || !given[size_t(r)].count(o.on_own_input)) continue;
+    Tensor scale;
+    const Tensor expect = o.on_own(c, merged.ranks[size_t(r)], r, R, scale);
+    if (expect.shape.empty()) continue;
+    OutputSpec spec = o;
+    spec.cls = CompareClass::rounding;
+    spec.cls_for = nullptr;
+    rep.checks.push_back(check_output(c, slot, "actual", spec, &gi->second, &expect, merged.ranks[size_t(r)], r, R,
+                                      "ref on its " + o.on_own_input.substr(o.on_own_input.find('_') + 1), &scale));
+  }
+}
+
 bool ExternalEntry::stage(const Stage& s, Board& board) {
   const int R = c.ep;
   rep.decisions.push_back({s.slot, actual ? "actual" : "reference", true, true, "", {}});
@@ -794,22 +831,7 @@ bool ExternalEntry::stage(const Stage& s, Board& board) {
                      "written, and the reference's, gathered here, may differ from them within it";
         rep.checks.push_back(ch);
       }
-    // An output judged a second time on the implementation's own input
-    // (the SwiGLU output on its H): the rounding points between them.
-    for (const OutputSpec& o : s.outputs)
-      for (int r = 0; r < R && o.on_own; ++r) {
-        auto gi = given[size_t(r)].find(o.name);
-        if (gi == given[size_t(r)].end() || !given[size_t(r)].count(o.on_own_input)) continue;
-        Tensor scale;
-        const Tensor expect = o.on_own(c, merged.ranks[size_t(r)], r, R, scale);
-        if (expect.shape.empty()) continue;
-        OutputSpec spec = o;
-        spec.cls = CompareClass::rounding;
-        spec.cls_for = nullptr;
-        rep.checks.push_back(check_output(c, s.slot, "actual", spec, &gi->second, &expect, merged.ranks[size_t(r)], r,
-                                          R, "ref on its " + o.on_own_input.substr(o.on_own_input.find('_') + 1),
-                                          &scale));
-      }
+    for (const OutputSpec& o : s.outputs) judge_on_own(c, s.slot, o, given, merged, rep);
   }
   for (int r = 0; r < R; ++r)
     for (const auto& [n, t] : given[size_t(r)]) written[size_t(r)].insert(n);

@@ -493,45 +493,9 @@ SwigluBwdArgs shared_args(const Case&, const RankBoard& b) {
   return a;
 }
 
-ref::SwigluGrads magnitude_of(const Case& c, const SwigluBwdArgs& a) {
-  return ref::swiglu_backward_magnitude(a.X, a.dY, a.counts, c.hidden, c.ffn, a.W1, a.W3, a.W2, 1, a.scale());
-}
-
-/// Error scale of one routed gradient output (which: 0 dX, 1 dW1, 2 dW3, 3 dW2).
-Magnitude routed_grad_scale(int which) {
-  return [which](const Case& c, const RankBoard& b, int rank, int) {
-    const SwigluBwdArgs a = routed_args(c, b, rank);
-    const ref::SwigluGrads m = magnitude_of(c, a);
-    const int64_t E_l = int64_t(a.counts.size()), D = c.hidden, F = c.ffn;
-    switch (which) {
-      case 0: return from_floats(m.dX, ElemType::f32, {a.rows, D});
-      case 1: return from_floats(m.dW1, ElemType::f32, {E_l, F, D});
-      case 2: return from_floats(m.dW3, ElemType::f32, {E_l, F, D});
-      default: return from_floats(m.dW2, ElemType::f32, {E_l, D, F});
-    }
-  };
-}
-
-/// Error scale of the shared expert's input gradient.
-Tensor shared_grad_scale(const Case& c, const RankBoard& b, int, int) {
-  return from_floats(magnitude_of(c, shared_args(c, b)).dX, ElemType::f32, b.at("x").shape);
-}
-
-/// Error scales of the shared expert's weight gradients (1: dW1, 2: dW3,
-/// 3: dW2), where the reference wrote none of its own.
-Magnitude shared_weight_grad_scale(int which) {
-  return [which](const Case& c, const RankBoard& b, int, int) {
-    const ref::SwigluGrads m = magnitude_of(c, shared_args(c, b));
-    const int64_t D = c.hidden, F = c.ffn;
-    if (which == 1) return from_floats(m.dW1, ElemType::f32, {F, D});
-    if (which == 2) return from_floats(m.dW3, ElemType::f32, {F, D});
-    return from_floats(m.dW2, ElemType::f32, {D, F});
-  };
-}
-
-/// Half-widths (class rounding) of the gradients under autograd's rules, of
-/// the routed (shared = false) or the shared expert (which: 0 dX, 1 dW1,
-/// 2 dW3, 3 dW2).
+/// Half-widths (class rounding) of the gradients under the case's rules
+/// (fused, or autograd's), of the routed (shared = false) or the shared
+/// expert (which: 0 dX, 1 dW1, 2 dW3, 3 dW2).
 Magnitude autograd_halfwidth(bool shared, int which) {
   return [shared, which](const Case& c, const RankBoard& b, int rank, int) {
     const SwigluBwdArgs a = shared ? shared_args(c, b) : routed_args(c, b, rank);
@@ -608,9 +572,8 @@ void ref_experts_swiglu_bwd(RefCtx& r) {
   for (size_t q = 0; q < r.in.ranks.size(); ++q) {
     if (!r.wants(int(q))) continue;
     const SwigluBwdArgs a = routed_args(c, r.in.ranks[q], int(q));
-    // The stage's tensors hold act values, so the error scales of the
-    // act-rounded inputs are routed_grad_scale's, from the same GEMMs (under
-    // autograd's rules the half-widths, autograd_halfwidth's).
+    // With scales, the half-widths of class rounding under the case's
+    // rules (autograd_halfwidth's, from the same GEMMs).
     const ref::SwigluGrads g =
         ref::swiglu_experts_backward(ref_act(c.dtype), a.X, a.dY, a.counts, c.hidden, c.ffn, a.W1, a.W3, a.W2,
                                      ref_rounding(c), ref_compute(c), r.threads, r.wants_scales(), w13_fused(c),
@@ -619,9 +582,7 @@ void ref_experts_swiglu_bwd(RefCtx& r) {
     RankBoard& out = r.out.ranks[q];
     if (on_hidden(c)) {
       out["grad_topk_scores"] = rows_to_assignments(g.dS, r.in.ranks[q]);
-      // the half-width: autograd's rules computed it; the fused ones leave
-      // it to hidden_score_halfwidth
-      if (r.wants_scales() && routed_autograd(c))
+      if (r.wants_scales())
         r.scales->ranks[q]["grad_topk_scores"] = rows_to_assignments(g.mdS, r.in.ranks[q]);
     }
     out["grad_expert_input"] = from_floats(g.dX, act_elem(c.dtype), {a.rows, c.hidden});
@@ -740,7 +701,9 @@ void swiglu_end_to_end_scales(const Case& c, const RankBoard& in, RankBoard& out
     }
   }
   if (shared_swiglu(c)) {
-    const ref::SwigluGrads m = magnitude_of(c, shared_args(c, in));
+    const SwigluBwdArgs a = shared_args(c, in);
+    const ref::SwigluGrads m =
+        ref::swiglu_backward_magnitude(a.X, a.dY, a.counts, c.hidden, c.ffn, a.W1, a.W3, a.W2, 1, a.scale());
     for (size_t e = 0; e < scale.size(); ++e) scale[e] += m.dX[e];
   } else if (has_shared(c)) {
     const ref::Vec sh = to_floats(in.at("grad_x_shared"));
@@ -918,14 +881,11 @@ Stage shared_identity_bwd_stage() {
 }
 
 /// shared_experts_bwd of a SwiGLU shared expert: the fused activation's
-/// backward (gemm bounds), or under experts.rounding torchtitan autograd's
-/// (`autograd`: half-widths of class rounding, listed only there).
+/// backward, or under experts.rounding torchtitan autograd's (`autograd`);
+/// both in class rounding (autograd_halfwidth).
 Stage shared_swiglu_bwd_stage(bool autograd) {
-  const CompareClass cls = autograd ? CompareClass::rounding : CompareClass::gemm;
-  auto scale = [autograd](int which) {
-    if (autograd) return autograd_halfwidth(true, which);
-    return which == 0 ? Magnitude(shared_grad_scale) : shared_weight_grad_scale(which);
-  };
+  const CompareClass cls = CompareClass::rounding;
+  auto scale = [](int which) { return autograd_halfwidth(true, which); };
   Stage s = make("shared_experts_bwd", autograd ? "shared_swiglu_autograd" : "shared_swiglu",
                  autograd ? "grad_x_shared = dX of the shared SwiGLU expert at autograd's rounding points (docs/contract.md §13)"
                           : "grad_x_shared = dX of the shared SwiGLU expert over every token (ref::swiglu_experts_backward)",
@@ -963,14 +923,14 @@ Stage experts_identity_bwd_stage() {
 }
 
 /// experts_bwd of SwiGLU experts: dX and the weight gradients, under the
-/// default conventions (gemm bounds) or, `autograd`, under experts.rounding
-/// torchtitan or experts.compute_dtype bf16 (half-widths of class rounding,
-/// listed only there). `hidden`: the score_on_hidden twin, which also gives
+/// default conventions or, `autograd`, under experts.rounding torchtitan or
+/// experts.compute_dtype bf16; both in class rounding with the half-widths
+/// of their rules' rounding points (autograd_halfwidth). `hidden`: the score_on_hidden twin, which also gives
 /// the score gradient (grad_topk_scores, per assignment) and is listed only
 /// in such cases.
 Stage experts_swiglu_bwd_stage(bool autograd, bool hidden) {
-  const CompareClass cls = autograd ? CompareClass::rounding : CompareClass::gemm;
-  auto scale = [autograd](int which) { return autograd ? autograd_halfwidth(false, which) : routed_grad_scale(which); };
+  const CompareClass cls = CompareClass::rounding;
+  auto scale = [](int which) { return autograd_halfwidth(false, which); };
   const std::string variant = std::string(autograd ? "swiglu_autograd" : "swiglu") + (hidden ? "_hidden" : "");
   std::string summary =
       autograd ? "autograd's rounding points: dH, dh1, dh3, dX, dW rounded to the compute dtype (docs/contract.md §13)"
