@@ -721,6 +721,22 @@ void counts_from_fed_ids(const std::vector<std::map<std::string, Tensor>>& given
   }
 }
 
+/// The capacity stage judged on the implementation's choice among rows tied
+/// exactly at an expert's capacity, on each rank where it made another
+/// (adopt_capacity_ties): accepted, and said.
+void adopt_capacity_choices(const Case& c, const std::string& stage, const Board& board,
+                            const std::vector<std::map<std::string, Tensor>>& given,
+                            std::vector<std::map<std::string, Tensor>>& expected, CaseReport& rep) {
+  const int R = int(given.size());
+  for (int r = 0; r < R; ++r)
+    if (adopt_capacity_ties(c, board.ranks[size_t(r)], given[size_t(r)], expected[size_t(r)])) {
+      ++rep.accepted_ties;
+      rep.notes.push_back("stage " + stage + (R > 1 ? " rank " + std::to_string(r) : "") +
+                          ": the implementation keeps other rows among scores tied exactly at an expert's "
+                          "capacity (accepted; judged on its choice)");
+    }
+}
+
 /// An output judged a second time on the implementation's own input
 /// (OutputSpec::on_own: the SwiGLU output on its H), where it wrote both:
 /// the rounding points between them.
@@ -754,16 +770,18 @@ bool ExternalEntry::stage(const Stage& s, Board& board) {
   // implementation's own inputs (the SwiGLU activation H) is derived from
   // the board's h13: the reference's here, the implementation's once read.
   std::vector<std::map<std::string, Tensor>> expected(static_cast<size_t>(R)), scales(static_cast<size_t>(R));
-  auto derive = [&](const OutputSpec& o, int r) {
-    const std::string h13 = o.name.substr(0, o.name.size() - std::string("hidden").size()) + "h13";
-    if (!merged.has(h13, r)) return;
+  // (h13 of the implementation's only where it wrote one: else the scale
+  // also allows what a correct h13 of its own may differ by)
+  auto h13_of = [](const OutputSpec& o) { return o.name.substr(0, o.name.size() - std::string("hidden").size()) + "h13"; };
+  auto derive = [&](const OutputSpec& o, int r, bool own) {
+    if (!merged.has(h13_of(o), r)) return;
     Tensor scale;
-    expected[size_t(r)][o.name] = o.from_fast(c, merged.ranks[size_t(r)], scale);
+    expected[size_t(r)][o.name] = o.from_fast(c, merged.ranks[size_t(r)], r, R, own, scale);
     scales[size_t(r)][o.name] = scale;
   };
   for (const OutputSpec& o : s.outputs)
     for (int r = 0; r < R; ++r) {
-      if (o.from_fast) derive(o, r);
+      if (o.from_fast) derive(o, r, true);  // the expected values; the scale is derived again once read
       else if (refout.ranks[size_t(r)].count(o.name)) expected[size_t(r)][o.name] = refout.ranks[size_t(r)].at(o.name);
     }
   if (golden)
@@ -795,17 +813,10 @@ bool ExternalEntry::stage(const Stage& s, Board& board) {
     rep.notes.push_back("the check stopped at stage " + prefix + s.slot + ": a file of the implementation was refused (its line ends the output; exit 2)");
     return false;
   }
-  if (s.slot == "capacity" && !opt.strict_ties)
-    for (int r = 0; r < R; ++r)
-      if (adopt_capacity_ties(c, board.ranks[size_t(r)], given[size_t(r)], expected[size_t(r)])) {
-        ++rep.accepted_ties;
-        rep.notes.push_back("stage " + prefix + s.slot + (R > 1 ? " rank " + std::to_string(r) : "") +
-                            ": the implementation keeps other rows among scores tied exactly at an expert's "
-                            "capacity (accepted; judged on its choice)");
-      }
+  if (s.slot == "capacity" && !opt.strict_ties) adopt_capacity_choices(c, prefix + s.slot, board, given, expected, rep);
   for (const OutputSpec& o : s.outputs)
     for (int r = 0; r < R; ++r)
-      if (o.from_fast && given[size_t(r)].count(o.name)) derive(o, r);
+      if (o.from_fast && given[size_t(r)].count(o.name)) derive(o, r, given[size_t(r)].count(h13_of(o)) > 0);
   if (s.slot == "routing") {
     check_routing_external(c, refout, merged, given, opt, rep);
   } else {
@@ -824,7 +835,10 @@ bool ExternalEntry::stage(const Stage& s, Board& board) {
         if (loose) spec.cls = CompareClass::scores;
         Check ch = check_output(c, s.slot, "actual", spec, &gi->second, &expected[size_t(r)].at(o.name),
                                 merged.ranks[size_t(r)], r, R,
-                                o.from_fast ? o.from_fast_label : std::string("reference"), scale);
+                                !o.from_fast                         ? std::string("reference")
+                                : given[size_t(r)].count(h13_of(o)) ? o.from_fast_label
+                                                                     : std::string("ref on reference h13"),
+                                scale);
         if (loose)
           ch.note += std::string(ch.note.empty() ? "" : "; ") +
                      "judged within the scores tolerance: the implementation's own routing.topk_scores were not "

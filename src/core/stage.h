@@ -72,7 +72,12 @@ struct OutputSpec {
   /// from the variant's own other outputs (the SwiGLU activation from the
   /// fast GEMM outputs), not against the reference stage; it writes the
   /// per-element error scale. Such outputs are not compared across variants.
-  std::function<Tensor(const Case&, const RankBoard& fast_merged, Tensor& scale)> from_fast;
+  /// `own_inputs` false: the board holds the reference's values of those
+  /// outputs (`check` of an implementation that wrote the derived output but
+  /// not what it derives from), and the scale then also allows what a
+  /// correct implementation's own values of them may differ by.
+  std::function<Tensor(const Case&, const RankBoard& fast_merged, int rank, int ranks, bool own_inputs, Tensor& scale)>
+      from_fast;
   std::string from_fast_label;
   /// When set, `check` (docs/contract.md §15) judges this output a second
   /// time where the implementation wrote `on_own_input` too: against what

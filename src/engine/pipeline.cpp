@@ -408,7 +408,7 @@ class Pipeline {
     auto fi = fo.find(o.name);
     if (o.from_fast) {
       Tensor scale;
-      const Tensor expect = o.from_fast(c_, merged.ranks[size_t(r)], scale);
+      const Tensor expect = o.from_fast(c_, merged.ranks[size_t(r)], r, R_, true, scale);
       return make_check(c_, s.slot, s.variant, o, fi == fo.end() ? nullptr : &fi->second, &expect,
                         merged.ranks[size_t(r)], r, R_, o.from_fast_label, &scale);
     }

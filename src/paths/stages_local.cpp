@@ -390,30 +390,52 @@ const SwigluSite& shared_site() {
 /// act rounding.
 std::vector<OutputSpec> swiglu_mid_outputs(const SwigluSite& site, Coords co) {
   const SwigluSite* st = &site;
-  OutputSpec h13(site.mid + "h13", CompareClass::rounding, co, nullptr,
-                 [st](const Case& c, const RankBoard& b, int rank, int ranks) {
-                   const ref::Counts counts = st->counts_of(b);
-                   const ref::Vec xv = group_floats(c, b.at(st->input), counts);
-                   const ref::Act a = mid_act(c, swiglu_conventions(c, st->mid));
-                   const ref::Vec hw = over_chunks(
-                       c, b, xv, counts, st->w_prefix, st->first_expert(c, rank, ranks), 2 * c.ffn, 1,
+  // h13's half-width: how far a correct fp32 GEMM's h13 may land
+  const auto h13_halfwidth = [st](const Case& c, const RankBoard& b, int rank, int ranks) {
+    const ref::Counts counts = st->counts_of(b);
+    const ref::Vec xv = group_floats(c, b.at(st->input), counts);
+    const ref::Act a = mid_act(c, swiglu_conventions(c, st->mid));
+    return over_chunks(c, b, xv, counts, st->w_prefix, st->first_expert(c, rank, ranks), 2 * c.ffn, 1,
                        [&](const ref::Vec& x, const ref::Counts& n, const ExpertWeightSlice& w, int64_t) {
                          return ref::swiglu_h13_halfwidth(a, x, n, c.hidden, c.ffn, weight_view(w.w1, 0),
                                                           weight_view(w.w3, 0));
                        });
+  };
+  OutputSpec h13(site.mid + "h13", CompareClass::rounding, co, nullptr,
+                 [h13_halfwidth](const Case& c, const RankBoard& b, int rank, int ranks) {
+                   const ref::Vec hw = h13_halfwidth(c, b, rank, ranks);
                    return from_floats(hw, ElemType::f32, {int64_t(hw.size()) / (2 * c.ffn), 2 * c.ffn});
                  });
   OutputSpec hidden(site.mid + "hidden", CompareClass::rounding, co, nullptr);
-  hidden.from_fast = [st](const Case& c, const RankBoard& b, Tensor& scale) {
+  hidden.from_fast = [st, h13_halfwidth](const Case& c, const RankBoard& b, int rank, int ranks, bool own_inputs,
+                                         Tensor& scale) {
     const Tensor& h13 = b.at(st->mid + "h13");
-    const int64_t rows = h13.shape[0];
+    const int64_t rows = h13.shape[0], F = c.ffn;
     const SwigluConventions conv = swiglu_conventions(c, st->mid);
     ref::Vec half;
     const ref::Vec scores = hidden_scores(c, b, st->mid);
-    const ref::Vec H = ref::swiglu_hidden(mid_act(c, conv), to_floats(h13), rows, c.ffn, half, ref_rounding(conv),
-                                          scores_from(scores, 0));
-    scale = from_floats(half, ElemType::f32, {rows, c.ffn});
-    return from_floats(H, h13.type, {rows, c.ffn});
+    const ref::Vec hv = to_floats(h13);
+    const ref::Vec H =
+        ref::swiglu_hidden(mid_act(c, conv), hv, rows, F, half, ref_rounding(conv), scores_from(scores, 0));
+    if (!own_inputs) {
+      // The reference's h13 stands for the implementation's, which may be
+      // any rounding its half-width allows: H of h1 and h3 each at either
+      // end too, each with its own half-width.
+      const ref::Vec w = h13_halfwidth(c, b, rank, ranks);
+      for (int s1 = -1; s1 <= 1; ++s1)
+        for (int s3 = -1; s3 <= 1; ++s3) {
+          if (s1 == 0 && s3 == 0) continue;
+          ref::Vec moved = hv, moved_half;
+          for (size_t i = 0; i < moved.size() && i < w.size(); ++i)
+            moved[i] += float(((i / size_t(F)) % 2 == 0 ? s1 : s3)) * w[i];
+          const ref::Vec Hm = ref::swiglu_hidden(mid_act(c, conv), moved, rows, F, moved_half, ref_rounding(conv),
+                                                 scores_from(scores, 0));
+          for (size_t i = 0; i < half.size(); ++i)
+            half[i] = std::max(half[i], std::fabs(Hm[i] - H[i]) + moved_half[i]);
+        }
+    }
+    scale = from_floats(half, ElemType::f32, {rows, F});
+    return from_floats(H, h13.type, {rows, F});
   };
   hidden.from_fast_label = "ref on fast h13";
   return {h13, hidden};
