@@ -387,7 +387,8 @@ const SwigluSite& shared_site() {
 /// rounding: mostly bitwise in bf16/fp16, so a wrong input or result
 /// rounding under experts.compute_dtype fails too), and H against the
 /// activation the reference computes from the fast h13 itself, up to one
-/// act rounding.
+/// act rounding (from the reference's h13, with the room a correct h13 may
+/// take, where `check` has no h13 of the implementation's).
 std::vector<OutputSpec> swiglu_mid_outputs(const SwigluSite& site, Coords co) {
   const SwigluSite* st = &site;
   // h13's half-width: how far a correct fp32 GEMM's h13 may land
