@@ -25,6 +25,8 @@
 #include <thread>
 #include <vector>
 
+#include "reference.h"
+
 namespace ref {
 
 using MatD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -151,6 +153,41 @@ void over_expert_blocks(const std::vector<int64_t>& counts, int threads, Prep pr
     const auto w = prep(j);
     parallel_items(blocks_of(j), threads,
                    [&](int64_t b) { block(w, j, b * kRowBlock, std::min(counts[size_t(j)], (b + 1) * kRowBlock)); });
+  }
+}
+
+/// An absolute room added to every room below, so that a result of 0 with
+/// a room of 0 still admits the smallest values around it.
+inline const double kTiny = std::ldexp(1.0, -118);
+
+/// The rounding to the compute dtype ca of a value (through fp32).
+/// CA and ACT are template arguments: the rounding has no branch on the
+/// dtype (most of the backward's time is roundings).
+template <Act CA, Act ACT>
+struct Rounder {
+  static constexpr Act ca = CA, act = ACT;
+  float c(double v) const { return round_act_to<CA>(f32(v)); }
+  /// A result of the compute dtype handed back as an act tensor (a value of
+  /// ca is one of act already when they are the same type: one rounding).
+  float out(double v) const {
+    if constexpr (CA == ACT) return c(v);
+    else return round_act_to<ACT>(c(v));
+  }
+};
+
+/// A GEMM result V with room: the middle value and half-width of
+/// round_act(round_ca(v)) over v in [V - room, V + room], into mid/half.
+template <class Rd>
+void gemm_out(const Rd& R, const MatD& V, const MatD& room, Vec& mid, Vec& half, size_t at, bool want_half) {
+  const double* v = V.data();
+  float* m = &mid[at];
+  for (int64_t i = 0; i < V.size(); ++i) m[i] = R.out(v[i]);
+  if (!want_half) return;
+  float* h = &half[at];
+  for (int64_t i = 0; i < V.size(); ++i) {  // branch-free: it vectorises
+    const double r = room.data()[i] + kTiny;
+    const float w = std::max(std::fabs(R.out(v[i] + r) - m[i]), std::fabs(m[i] - R.out(v[i] - r)));
+    h[i] = std::fabs(m[i]) <= std::numeric_limits<float>::max() ? w : 0.f;  // 0 where m is inf or NaN
   }
 }
 

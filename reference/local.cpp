@@ -331,7 +331,7 @@ Vec swiglu_output_on_hidden(Act act, Act ca, const Vec& H, const Counts& counts,
   for (int64_t n : counts) rows += n;
   Vec Y(size_t(rows * D), 0.f);
   halfwidth.assign(Y.size(), 0.f);
-  const double gamma = double(F + 2) * std::ldexp(1.0, -24), tiny = std::ldexp(1.0, -126);
+  const double gamma = double(F + 2) * std::ldexp(1.0, -24);
   int64_t r0 = 0;
   MatF w(D, F);
   for (size_t j = 0; j < counts.size(); r0 += counts[j], ++j) {
@@ -341,17 +341,10 @@ Vec swiglu_output_on_hidden(Act act, Act ca, const Vec& H, const Counts& counts,
     // H holds ca values as written: no rounding of its own here
     const MatF h = Eigen::Map<const MatF>(H.data() + r0 * F, n, F);
     const MatD y = h.cast<double>() * w.cast<double>().transpose();
-    const MatD m = abs_product_nt(h.cwiseAbs(), w.cwiseAbs());  // sum |h w|, an upper bound
+    const MatD room = gamma * abs_product_nt(h.cwiseAbs(), w.cwiseAbs());  // sum |h w|, an upper bound
     with_act(act, [&](auto a) {
       with_act(ca, [&](auto c) {
-        const auto round = [&](double v) { return round_act_to<a.value>(round_act_to<c.value>(f32(v))); };
-        for (int64_t i = 0; i < n * D; ++i) {
-          const double v = y.data()[i], room = gamma * m.data()[i] + tiny;
-          const float mid = round(v), lo = round(v - room), hi = round(v + room);
-          Y[size_t(r0 * D + i)] = mid;
-          halfwidth[size_t(r0 * D + i)] =
-              std::fabs(mid) <= std::numeric_limits<float>::max() ? std::max(hi - mid, mid - lo) : 0.f;
-        }
+        gemm_out(Rounder<c.value, a.value>{}, y, room, Y, halfwidth, size_t(r0 * D), true);
       });
     });
   }

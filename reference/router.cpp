@@ -212,11 +212,11 @@ Vec topk_scores_tolerance_halfwidth(const RouterSpec& s, const Vec& scores, cons
   const Vec mid = topk_scores_for(s, scores, ids, T);
   Vec half(mid.size(), 0.f);
   std::vector<float> g(static_cast<size_t>(K));
+  // Each score's interval; softmax and sigmoid scores are never negative.
+  const auto lo = [&](double v) { return std::max(v - (rtol * std::fabs(v) + atol), 0.0); };
+  const auto hi = [&](double v) { return v + rtol * std::fabs(v) + atol; };
   for (int64_t t = 0; t < T; ++t) {
     gather_scores(s, scores, ids, t, g.data());
-    // Each score's interval; softmax and sigmoid scores are never negative.
-    const auto lo = [&](double v) { return std::max(v - (rtol * std::fabs(v) + atol), 0.0); };
-    const auto hi = [&](double v) { return v + rtol * std::fabs(v) + atol; };
     double lo_sum = 0, hi_sum = 0, sum = 0;
     for (float v : g) lo_sum += lo(v), hi_sum += hi(v), sum += v;
     for (int k = 0; k < K; ++k) {

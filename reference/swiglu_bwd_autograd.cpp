@@ -31,22 +31,7 @@ namespace {
 /// since 1 + a (1 - sig) cancels near a = -1.28).
 constexpr double kSiluEps = 1.0 / (1 << 20);
 constexpr double kDsiluEps = 1.0 / (1 << 19);
-const double kTiny = std::ldexp(1.0, -118);
 
-/// The rounding to the compute dtype ca of a value (through fp32).
-/// CA and ACT are template arguments: the rounding has no branch on the
-/// dtype (most of this file's time is roundings).
-template <Act CA, Act ACT>
-struct Rounder {
-  static constexpr Act ca = CA, act = ACT;
-  float c(double v) const { return round_act_to<CA>(f32(v)); }
-  /// A result of the compute dtype handed back as an act tensor (a value of
-  /// ca is one of act already when they are the same type: one rounding).
-  float out(double v) const {
-    if constexpr (CA == ACT) return c(v);
-    else return round_act_to<ACT>(c(v));
-  }
-};
 
 /// Up to three distinct candidates: the roundings of v - room, v, v + room,
 /// the middle value first.
@@ -160,21 +145,6 @@ void elem_outcomes(const Rd& R, SiluRounding rounding, const Cands& a, const Sil
   }
 }
 
-/// A GEMM result V with room: the middle value and half-width of
-/// round_act(round_ca(v)) over v in [V - room, V + room], into mid/half.
-template <class Rd>
-void gemm_out(const Rd& R, const MatD& V, const MatD& room, Vec& mid, Vec& half, size_t at, bool want_half) {
-  const double* v = V.data();
-  float* m = &mid[at];
-  for (int64_t i = 0; i < V.size(); ++i) m[i] = R.out(v[i]);
-  if (!want_half) return;
-  float* h = &half[at];
-  for (int64_t i = 0; i < V.size(); ++i) {  // branch-free: it vectorises
-    const double r = room.data()[i] + kTiny;
-    const float w = std::max(std::fabs(R.out(v[i] + r) - m[i]), std::fabs(m[i] - R.out(v[i] - r)));
-    h[i] = std::fabs(m[i]) <= std::numeric_limits<float>::max() ? w : 0.f;  // 0 where m is inf or NaN
-  }
-}
 
 double gamma_of(int64_t k) { return double(k + 2) * std::ldexp(1.0, -24); }
 

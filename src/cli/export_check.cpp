@@ -86,17 +86,6 @@ std::string stage_list(const std::vector<std::string>& names, int L) {
   return m;
 }
 
-/// Routing of an implementation (docs/contract.md §15):
-/// `scores` against the reference; `ids` per token as a selection, judged on
-/// the implementation's own scores (the reference's when it wrote none) by
-/// judge_selection: any member of an exact tie, at the K-th expert or at the
-/// group boundary, is accepted. Judged on the reference's scores, a selection
-/// valid only within the scores tolerance is a near-tie: reported, not
-/// failed. With strict_ties the set must be the lowest-index one. topk_scores
-/// against the reference's scores at the implementation's ids (in its order),
-/// counts against the histogram of its ids. Under router.score_dtype act
-/// (docs/contract.md §14) scores and topk_scores are class rounding, the
-/// latter the chain on the judged scores (see check_routing).
 /// How routing.topk_scores is judged: steps 5, 7 and 8 on the
 /// implementation's own scores where it wrote them (judged on their own),
 /// so that only these steps are judged here. Held scores are act values:
@@ -134,6 +123,15 @@ TopkJudgement topk_judgement(const ref::RouterSpec& spec, const Tensor& logits, 
   return j;
 }
 
+/// Routing of an implementation (docs/contract.md §15):
+/// `scores` against the reference; `ids` per token as a selection, judged on
+/// the implementation's own scores (the reference's when it wrote none) by
+/// judge_selection: any member of an exact tie, at the K-th expert or at the
+/// group boundary, is accepted. Judged on the reference's scores, a selection
+/// valid only within the scores tolerance is a near-tie: reported, not
+/// failed. With strict_ties the set must be the lowest-index one. topk_scores
+/// as topk_judgement says; counts against the histogram of its ids. Under
+/// router.score_dtype act (docs/contract.md §14) scores are class rounding.
 void check_routing_external(const Case& c, const Board& ref, const Board& merged,
                             const std::vector<std::map<std::string, Tensor>>& given, const ExternalOptions& opt,
                             CaseReport& rep) {
