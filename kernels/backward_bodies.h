@@ -226,4 +226,115 @@ struct GradSumBody {
   }
 };
 
+/// Planted faults of the router backward (docs/frameworks.md §13 router): the
+/// route_norm denominator taken as a constant (its gradient detached), or the
+/// softmax Jacobian taken as its diagonal s (1 - s) alone.
+enum class RouterGradFault : uint8_t { none, norm_detached, softmax_diagonal };
+
+/// The router backward's score steps for token t (docs/contract.md §13,
+/// router), in fp32, one thread per token: E is small and every step is a
+/// reduction over the token's K or E values. From the gradient g of the top-K
+/// scores: gp_k = g_k * route_scale; under route_norm, with the selected
+/// scores s_k, den = (sum_k s_k) + 1e-20 (the forward's sum) and
+/// q = (sum_k gp_k s_k) / (den * den), gs_k = gp_k / den - q; else gs_k = gp_k.
+/// grad_scores[t, ids_k] = gs_k (sums in ascending k), 0 elsewhere. Then
+/// grad_logits = gs * (s * (1 - s)) (sigmoid), or s * (gs - P) with
+/// P = sum_e gs_e s_e in ascending e (softmax).
+struct RouterGradBody {
+  static constexpr bool kThreadPerItem = true;
+  const float* scores;     // (T, E)
+  const int32_t* ids;      // (T, K)
+  const float* grad_topk;  // (T, K)
+  float* grad_scores;      // (T, E)
+  float* grad_logits;      // (T, E)
+  int E, K;
+  float route_scale;
+  ScoreFunc score;
+  RouteNorm norm;
+  RouterGradFault fault = RouterGradFault::none;
+
+  MOEV_HD void operator()(int64_t t, int, int) const {
+    const float* s = scores + t * E;
+    const int32_t* id = ids + t * K;
+    const float* g = grad_topk + t * K;
+    float* gs = grad_scores + t * E;
+    float* gl = grad_logits + t * E;
+    for (int e = 0; e < E; ++e) gs[e] = 0.f;
+    float den = 0.f, dot = 0.f;
+    if (norm == RouteNorm::on) {
+      for (int k = 0; k < K; ++k) den += id[k] >= 0 && id[k] < E ? s[id[k]] : 0.f;
+      den += 1e-20f;
+      for (int k = 0; k < K; ++k) dot += id[k] >= 0 && id[k] < E ? (g[k] * route_scale) * s[id[k]] : 0.f;
+    }
+    const float q = fault == RouterGradFault::norm_detached ? 0.f : dot / (den * den);
+    for (int k = 0; k < K; ++k) {
+      if (id[k] < 0 || id[k] >= E) continue;
+      const float gp = g[k] * route_scale;
+      gs[id[k]] += norm == RouteNorm::on ? gp / den - q : gp;
+    }
+    if (score == ScoreFunc::sigmoid || fault == RouterGradFault::softmax_diagonal) {
+      for (int e = 0; e < E; ++e) gl[e] = gs[e] * (s[e] * (1.f - s[e]));
+      return;
+    }
+    float P = 0.f;
+    for (int e = 0; e < E; ++e) P += gs[e] * s[e];
+    for (int e = 0; e < E; ++e) gl[e] = s[e] * (gs[e] - P);
+  }
+};
+
+/// The gate weight's gradient, row e (docs/contract.md §13, router):
+/// grad_wg[e, d] = sum_t a[t, e] x[t, d] in fp32, t ascending, a the
+/// grad_logits (rounded to T under the act gate, and the row rounded to T at
+/// the end: the act GEMM's result, held in fp32). A token with a == 0 adds
+/// nothing (most of them under sigmoid: only the K chosen experts have a
+/// gradient) and is skipped. Lanes over d.
+template <class T>
+struct GateGradBody {
+  const float* grad_logits;  // (tokens, E)
+  const T* x;                // (tokens, D)
+  float* grad_wg;            // (E, D)
+  int64_t tokens, D;
+  int E;
+  bool act_gate;
+
+  MOEV_HD void operator()(int64_t e, int lane, int lanes) const {
+    float* o = grad_wg + e * D;
+    for (int64_t d = lane; d < D; d += lanes) o[d] = 0.f;
+    for (int64_t t = 0; t < tokens; ++t) {
+      float a = grad_logits[t * E + e];
+      if (act_gate) a = round_to<T>(a);
+      if (a == 0.f) continue;
+      const T* xr = x + t * D;
+      for (int64_t d = lane; d < D; d += lanes) o[d] += a * to_float(xr[d]);
+    }
+    if (act_gate)
+      for (int64_t d = lane; d < D; d += lanes) o[d] = round_to<T>(o[d]);
+  }
+};
+
+/// The router's share of x's gradient, row t (docs/contract.md §13, router):
+/// grad_x[t, d] = round_T(sum_e a[t, e] wg[e, d]) in fp32, e ascending, a as
+/// in GateGradBody (zero terms skipped). Lanes over d.
+template <class T>
+struct GateInputGradBody {
+  const float* grad_logits;  // (tokens, E)
+  const T* wg;               // (E, D)
+  T* grad_x;                 // (tokens, D)
+  int64_t D;
+  int E;
+  bool act_gate;
+
+  MOEV_HD void operator()(int64_t t, int lane, int lanes) const {
+    const float* gl = grad_logits + t * E;
+    for (int64_t d = lane; d < D; d += lanes) {
+      float acc = 0.f;
+      for (int e = 0; e < E; ++e) {
+        const float a = act_gate ? round_to<T>(gl[e]) : gl[e];
+        if (a != 0.f) acc += a * to_float(wg[int64_t(e) * D + d]);
+      }
+      grad_x[t * D + d] = from_float<T>(acc);
+    }
+  }
+};
+
 }  // namespace moev::k

@@ -108,4 +108,49 @@ void dispatch_backward(const ExecCtx& ctx, DType dt, k::ScoreApply apply, k::Sco
     });
 }
 
+void router_backward(const ExecCtx& ctx, DType dt, const RouterGradArgs& a) {
+  const k::RouterGradFault fault = ctx.faults.has(Fault::router_bwd_norm_detached)     ? k::RouterGradFault::norm_detached
+                                   : ctx.faults.has(Fault::router_bwd_softmax_diagonal) ? k::RouterGradFault::softmax_diagonal
+                                                                                        : k::RouterGradFault::none;
+  dispatch_dtype(dt, [&](auto tag) {
+    using V = decltype(tag);
+    const size_t te = size_t(a.T) * size_t(a.E) * 4, tk = size_t(a.T) * size_t(a.K) * 4;
+    const size_t xb = size_t(a.T * a.D) * sizeof(V), wb = size_t(int64_t(a.E) * a.D) * sizeof(V),
+                 gwb = size_t(int64_t(a.E) * a.D) * 4;
+    if (ctx.mirror) {
+      Mirror& m = *ctx.mirror;
+      Mirror::Scope scope{m};
+      float* gl = nullptr;
+      if (a.T > 0) {
+        gl = static_cast<float*>(m.out(a.grad_logits, te));
+        m.device().run(k::RouterGradBody{static_cast<const float*>(m.in(a.scores, te)),
+                                         static_cast<const int32_t*>(m.in(a.ids, tk)),
+                                         static_cast<const float*>(m.in(a.grad_topk, tk)),
+                                         static_cast<float*>(m.out(a.grad_scores, te)), gl, a.E, a.K, a.route_scale,
+                                         a.score, a.norm, fault},
+                       a.T);
+        m.wrote(a.grad_scores, te);
+        m.wrote(a.grad_logits, te);
+        m.device().run(k::GateInputGradBody<V>{gl, static_cast<const V*>(m.in(a.wg, wb)),
+                                               static_cast<V*>(m.out(a.grad_x, xb)), a.D, a.E, a.act_gate},
+                       a.T);
+        m.wrote(a.grad_x, xb);
+      }
+      m.device().run(k::GateGradBody<V>{gl, a.T > 0 ? static_cast<const V*>(m.in(a.x, xb)) : nullptr,
+                                        static_cast<float*>(m.out(a.grad_wg, gwb)), a.T, a.D, a.E, a.act_gate},
+                     a.E);
+      m.wrote(a.grad_wg, gwb);
+      return;
+    }
+    host_run(ctx, a.T,
+             k::RouterGradBody{a.scores, a.ids, a.grad_topk, a.grad_scores, a.grad_logits, a.E, a.K, a.route_scale,
+                               a.score, a.norm, fault});
+    host_run(ctx, a.E,
+             k::GateGradBody<V>{a.grad_logits, static_cast<const V*>(a.x), a.grad_wg, a.T, a.D, a.E, a.act_gate});
+    host_run(ctx, a.T,
+             k::GateInputGradBody<V>{a.grad_logits, static_cast<const V*>(a.wg), static_cast<V*>(a.grad_x), a.D, a.E,
+                                     a.act_gate});
+  });
+}
+
 }  // namespace moev

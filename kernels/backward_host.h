@@ -39,4 +39,31 @@ void dispatch_backward(const ExecCtx& ctx, DType dt, k::ScoreApply apply, k::Sco
                        SharedGrad shared, const void* grad_shared, int64_t T, int64_t D, int K, void* grad_x,
                        float* grad_topk_scores);
 
+/// Router backward (docs/contract.md §13, router): the buffers of one rank.
+/// scores, grad_scores, grad_logits (T, E) fp32; ids, grad_topk (T, K);
+/// x, grad_x (T, D) and wg (E, D) in the activation dtype; grad_wg (E, D) fp32.
+struct RouterGradArgs {
+  const float* scores = nullptr;
+  const int32_t* ids = nullptr;
+  const float* grad_topk = nullptr;
+  const void* x = nullptr;
+  const void* wg = nullptr;
+  int64_t T = 0, D = 0;
+  int E = 0, K = 0;
+  float route_scale = 1.f;
+  k::ScoreFunc score = k::ScoreFunc::softmax;
+  k::RouteNorm norm = k::RouteNorm::off;
+  bool act_gate = false;  // router.gate_dtype act: grad_logits rounded to act before the gate's GEMMs
+  float* grad_scores = nullptr;
+  float* grad_logits = nullptr;
+  float* grad_wg = nullptr;
+  void* grad_x = nullptr;
+};
+
+/// grad_scores and grad_logits per k::RouterGradBody (one token per item),
+/// then grad_wg per k::GateGradBody (one expert per item) and grad_x per
+/// k::GateInputGradBody (one token per item). Every element is summed in
+/// one fixed order, so the host and a device give the same bits.
+void router_backward(const ExecCtx& ctx, DType dt, const RouterGradArgs& a);
+
 }  // namespace moev

@@ -240,6 +240,7 @@ class Device {
   virtual void run(const HistogramBody& b, int64_t n) = 0;
   virtual void run(const PadRouteBody& b, int64_t n) = 0;
   virtual void run(const k::DispatchMetaBody& b, int64_t n) = 0;
+  virtual void run(const k::RouterGradBody& b, int64_t n) = 0;
 #define MOEV_DEVICE_BODIES(T)                                                  \
   virtual void run(const k::GatherBody<T>& b, int64_t n) = 0;                  \
   virtual void run(const k::ScatterRowsBody<T>& b, int64_t n) = 0;             \
@@ -252,7 +253,9 @@ class Device {
   virtual void run(const k::ScoreGradBody<T>& b, int64_t n) = 0;              \
   virtual void run(const k::SwigluBwdBody<T>& b, int64_t n) = 0;              \
   virtual void run(const k::GradSumBody<T>& b, int64_t n) = 0;              \
-  virtual void run(const k::HiddenScoreGradBody<T>& b, int64_t n) = 0;
+  virtual void run(const k::HiddenScoreGradBody<T>& b, int64_t n) = 0;        \
+  virtual void run(const k::GateGradBody<T>& b, int64_t n) = 0;               \
+  virtual void run(const k::GateInputGradBody<T>& b, int64_t n) = 0;
   MOEV_DEVICE_BODIES(float)
   MOEV_DEVICE_BODIES(bf16)
   MOEV_DEVICE_BODIES(fp16)
@@ -322,6 +325,7 @@ class BodyDevice : public Device {
   void run(const HistogramBody& b, int64_t n) override { self().body(b, n); }
   void run(const PadRouteBody& b, int64_t n) override { self().body(b, n); }
   void run(const k::DispatchMetaBody& b, int64_t n) override { self().body(b, n); }
+  void run(const k::RouterGradBody& b, int64_t n) override { self().body(b, n); }
 #define MOEV_BODY_DEVICE(T)                                                                           \
   void run(const k::GatherBody<T>& b, int64_t n) override { self().body(b, n); }                     \
   void run(const k::ScatterRowsBody<T>& b, int64_t n) override { self().body(b, n); }                \
@@ -335,6 +339,8 @@ class BodyDevice : public Device {
   void run(const k::SwigluBwdBody<T>& b, int64_t n) override { self().body(b, n); }                  \
   void run(const k::GradSumBody<T>& b, int64_t n) override { self().body(b, n); }                    \
   void run(const k::HiddenScoreGradBody<T>& b, int64_t n) override { self().body(b, n); }            \
+  void run(const k::GateGradBody<T>& b, int64_t n) override { self().body(b, n); }                  \
+  void run(const k::GateInputGradBody<T>& b, int64_t n) override { self().body(b, n); }              \
   void run(const k::Fp8QuantBody<T>& b, int64_t n) override { self().body(b, n); }                   \
   void run(const k::Fp8DequantBody<T>& b, int64_t n) override { self().body(b, n); }
   MOEV_BODY_DEVICE(float)

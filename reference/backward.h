@@ -40,6 +40,35 @@ Vec score_grad(Act act, ScoreMultiply smul, RowsRef token_rows, RowsRef dispatch
 Vec scatter_add_grad(Act act, ScoreApply apply, ScoreMultiply smul, Accumulate acc, RowsRef grad_rows,
                      const Ids& token_sorted, const Vec& score_sorted, const Vec& grad_shared, int64_t T, int64_t D);
 
+/// Router backward (docs/contract.md §13, router): from the gradient of the
+/// top-K scores g (T, K) fp32, back through route_scale, route_norm, the
+/// gather at ids, the score function and the gate GEMM. Scores are fp32
+/// (router.score_dtype fp32; spec.held must be fp32). Values in fp64:
+///   gp_k = g_k * route_scale; under route_norm, with the K selected scores
+///   s_k and den = sum_k s_k + 1e-20: gs_k = gp_k / den - (sum_j gp_j s_j) / den^2,
+///   else gs_k = gp_k; grad_scores[t, ids_k] = gs_k, 0 at the other experts;
+///   grad_logits = gs * s * (1 - s) (sigmoid) or s * (gs - sum_e gs_e s_e) (softmax);
+///   a = grad_logits, rounded to act under GateDtype::act (the cast's backward);
+///   grad_wg (E, D) = a^T x, fp32 (rounded to act under GateDtype::act, the
+///   act GEMM's result); grad_x (T, D) = round_act(a wg), the gradient of x.
+/// With want_half, the class-rounding half-widths of each (the same shapes):
+/// any fp32 evaluation order, plus what scores known only within
+/// score_rtol |s| + score_atol (the scores tolerance: an implementation that
+/// runs its own router backward on its own scores) may move, carried to
+/// first order with a factor 2 to spare, and through the GEMMs' fp32
+/// accumulation bound (n + 2) 2^-24 sum |terms|. A token whose selected
+/// scores sum to less than twice their tolerance (route_norm) gets an
+/// infinite half-width: its normalisation is not known.
+struct RouterGrad {
+  Vec grad_scores, grad_logits;  // (T, E) fp32
+  Vec grad_wg;                   // (E, D) fp32 values
+  Vec grad_x;                    // (T, D) act values
+  Vec half_scores, half_logits, half_wg, half_x;
+};
+RouterGrad router_backward(const RouterSpec& spec, GateDtype gate, Act act, const Vec& scores, const Ids& ids,
+                           const Vec& grad_topk, const Vec& x, const Vec& wg, int64_t T, int64_t D, double score_rtol,
+                           double score_atol, bool want_half);
+
 /// The forward all-to-all on any rows in the dispatch layout (docs/contract.md §3):
 /// rank p holds rows expert-major over all E experts, counts[p][e] of expert
 /// e; rank q receives, for each source p ascending and local expert j

@@ -88,6 +88,14 @@ inline float round_act(Act act, float v) {
 /// + - * / because fp64 has more than 2*24+2 significand bits.
 inline float f32(double v) { return static_cast<float>(v); }
 
+/// max |round(v') - round(v)| over v' in [v - room, v + room]: how far a
+/// value known within `room` of v may land once rounded to act (through fp32).
+inline float rounding_halfwidth(Act act, double v, double room) {
+  const float mid = round_act(act, f32(v));
+  const float lo = round_act(act, f32(v - room)), hi = round_act(act, f32(v + room));
+  return std::isfinite(mid) ? std::max(hi - mid, mid - lo) : 0.f;
+}
+
 using Vec = std::vector<float>;
 using Ids = std::vector<int32_t>;
 using Counts = std::vector<int64_t>;

@@ -11,17 +11,6 @@
 
 namespace ref {
 
-namespace {
-
-/// max |round(v') - round(v)| over v' in [v - room, v + room].
-float rounding_halfwidth(Act act, double v, double room) {
-  const float mid = round_act(act, f32(v));
-  const float lo = round_act(act, f32(v - room)), hi = round_act(act, f32(v + room));
-  return std::isfinite(mid) ? std::max(hi - mid, mid - lo) : 0.f;
-}
-
-}  // namespace
-
 Vec router_logits(const Vec& x, const Vec& wg, int64_t T, int64_t D, int E, GateDtype gate, Act act) {
   using MatD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   MatD xm(T, D), wm(E, D);

@@ -87,7 +87,9 @@ for fc in "highest_id_tiebreak edge router_ties[router.score=softmax]" \
           "norm_sum_not_held conventions score_dtype_act[dtype=bf16,router.score=softmax,router.bias=off]" \
           "score_applied_twice conventions score_on_hidden[dtype=bf16]" \
           "hidden_grad_unscaled backward_swiglu bwd_score_on_hidden[dtype=bf16]" \
-          "score_grad_scaled_hidden backward_swiglu bwd_score_on_hidden_capacity"; do
+          "score_grad_scaled_hidden backward_swiglu bwd_score_on_hidden_capacity" \
+          "router_bwd_norm_detached backward bwd_router_sigmoid_norm" \
+          "router_bwd_softmax_diagonal backward bwd_router_softmax_norm_ep2"; do
   set -- $fc
   want=${4:-1} word=INCORRECT
   [ "$want" = 3 ] && word=ERROR

@@ -15,6 +15,7 @@
 
 #include "../kernels/backward_host.h"
 #include "../kernels/moe_host.h"
+#include "../reference/backward.h"
 #include "case.h"
 #include "error.h"
 #include "runner.h"
@@ -30,7 +31,7 @@ namespace {
 std::vector<std::string> caught_by(const Case& c, Fault f) {
   REQUIRE(run_case(c, RunOptions{}).outcome == Outcome::PASSED);
   RunOptions o;
-  o.faults.bits = uint32_t(f);
+  o.faults.bits = uint64_t(f);
   const CaseReport r = run_case(c, o);
   CHECK(r.outcome != Outcome::PASSED);
   return failing(r);
@@ -284,4 +285,112 @@ TEST_CASE("SwiGLU cases run experts_bwd swiglu, and swiglu_autograd under the to
     // the shared expert follows experts.rounding only (its compute dtype is act)
     CHECK(ran(rt, "shared_experts_bwd", which == 1 ? "shared_swiglu" : "shared_swiglu_autograd"));
   }
+}
+
+namespace {
+
+/// The router forward in fp64 for given ids (docs/contract.md §1 steps 1, 5, 7, 8):
+/// L = sum_{t,k} g[t,k] * topk_score(t, k) with logits = x wg^T. Written
+/// here, apart from reference/router_bwd.cpp, so that its central
+/// differences check the reference's chain rule.
+struct RouterLoss {
+  int64_t T = 0, D = 0;
+  int E = 0, K = 0;
+  bool sigmoid = false, norm = false;
+  double scale = 1;
+  std::vector<int32_t> ids;
+  std::vector<double> g;
+  std::vector<double> scores_of(const std::vector<double>& x, const std::vector<double>& wg) const {
+    std::vector<double> s(size_t(T * E));
+    for (int64_t t = 0; t < T; ++t) {
+      double m = -1e300, sum = 0;
+      for (int e = 0; e < E; ++e) {
+        double l = 0;
+        for (int64_t d = 0; d < D; ++d) l += x[size_t(t * D + d)] * wg[size_t(e * D + d)];
+        s[size_t(t * E + e)] = l;
+        m = std::max(m, l);
+      }
+      for (int e = 0; e < E; ++e) {
+        double& v = s[size_t(t * E + e)];
+        v = sigmoid ? 1 / (1 + std::exp(-v)) : std::exp(v - m);
+        sum += v;
+      }
+      if (!sigmoid)
+        for (int e = 0; e < E; ++e) s[size_t(t * E + e)] /= sum;
+    }
+    return s;
+  }
+  double operator()(const std::vector<double>& x, const std::vector<double>& wg) const {
+    const std::vector<double> s = scores_of(x, wg);
+    double L = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      double den = 1e-20;
+      for (int k = 0; k < K; ++k) den += s[size_t(t * E + ids[size_t(t * K + k)])];
+      for (int k = 0; k < K; ++k) {
+        const double p = s[size_t(t * E + ids[size_t(t * K + k)])];
+        L += g[size_t(t * K + k)] * scale * (norm ? p / den : p);
+      }
+    }
+    return L;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("router backward reference: central differences of the router forward agree on random routers",
+          "[cpu][backward][property]") {
+  rc::prop("grad_wg and grad_x of ref::router_backward = dL/dwg and dL/dx", [] {
+    RouterLoss f;
+    f.E = *rc::gen::inRange(2, 10);
+    f.K = *rc::gen::inRange(1, std::min(f.E, 4) + 1);
+    f.T = *rc::gen::inRange(1, 5);
+    f.D = *rc::gen::inRange(1, 6);
+    f.sigmoid = *rc::gen::arbitrary<bool>();
+    f.norm = *rc::gen::arbitrary<bool>();
+    f.scale = *rc::gen::element(1.0, 2.5);
+    const auto unit = [] { return *rc::gen::inRange(-1000, 1001) / 1000.0; };
+    std::vector<double> x(size_t(f.T * f.D)), wg(size_t(f.E * f.D));
+    for (double& v : x) v = unit();
+    for (double& v : wg) v = unit();
+    for (int64_t t = 0; t < f.T; ++t) {
+      std::vector<int32_t> order(size_t(f.E));
+      for (int i = 0; i < f.E; ++i) order[size_t(i)] = i;
+      for (int k = 0; k < f.K; ++k) {  // K distinct experts: the first K of a random permutation
+        std::swap(order[size_t(k)], order[size_t(*rc::gen::inRange(k, f.E))]);
+        f.ids.push_back(order[size_t(k)]);
+      }
+      for (int k = 0; k < f.K; ++k) f.g.push_back(unit());
+    }
+    // the reference on the fp32 values of the same inputs (x and wg are
+    // not fp32-exact: the differences below allow for it)
+    const std::vector<double> s = f.scores_of(x, wg);
+    const std::vector<float> sf(s.begin(), s.end()), gf(f.g.begin(), f.g.end()), xf(x.begin(), x.end()),
+        wf(wg.begin(), wg.end());
+    ref::RouterSpec spec;
+    spec.E = f.E;
+    spec.K = f.K;
+    spec.score = f.sigmoid ? ref::Score::sigmoid : ref::Score::softmax;
+    spec.route_norm = f.norm;
+    spec.route_scale = float(f.scale);
+    const ref::RouterGrad r = ref::router_backward(spec, ref::GateDtype::fp32, ref::Act::fp32, sf, f.ids, gf, xf, wf,
+                                                   f.T, f.D, 1e-5, 1e-7, false);
+    const double h = 1e-6;
+    const auto diff = [&](std::vector<double>& v, size_t i) {
+      const double keep = v[i];
+      v[i] = keep + h;
+      const double up = f(x, wg);
+      v[i] = keep - h;
+      const double down = f(x, wg);
+      v[i] = keep;
+      return (up - down) / (2 * h);
+    };
+    for (size_t i = 0; i < wg.size(); ++i) {
+      const double want = diff(wg, i);
+      RC_ASSERT(std::fabs(r.grad_wg[i] - want) <= 1e-4 * (1 + std::fabs(want)));
+    }
+    for (size_t i = 0; i < x.size(); ++i) {
+      const double want = diff(x, i);
+      RC_ASSERT(std::fabs(r.grad_x[i] - want) <= 1e-4 * (1 + std::fabs(want)));
+    }
+  });
 }

@@ -113,6 +113,20 @@ TEST_CASE("faults of the score on the hidden's backward are caught by experts_bw
   }
 }
 
+TEST_CASE("faults of the router backward are caught by router_bwd", "[cpu][fault][backward]") {
+  // norm_detached: the route_norm denominator's gradient dropped (with
+  // identity experts the true score gradient is 0 up to rounding, the
+  // detached one g / den); softmax_diagonal: g s (1 - s), the unchosen
+  // experts' logits left without their coupling gradient.
+  CHECK(contains(caught_by(case_named("backward.yaml", "bwd_router_sigmoid_norm"), Fault::router_bwd_norm_detached),
+                 "router_bwd/grad_scores"));
+  const Case ep2 = case_named("backward.yaml", "bwd_router_softmax_norm_ep2");
+  CHECK(contains(caught_by(ep2, Fault::router_bwd_norm_detached), "router_bwd/grad_scores@0"));
+  const auto diag = caught_by(ep2, Fault::router_bwd_softmax_diagonal);
+  CHECK(contains(diag, "router_bwd/grad_logits@0"));
+  CHECK_FALSE(contains(diag, "router_bwd/grad_scores@0"));  // the score steps are right
+}
+
 TEST_CASE("fault silu_rounded is caught by the activation check, given the same GEMM outputs", "[cpu][fault]") {
   // bf16: rounding silu(h1) before the product moves H by an ulp on many
   // elements; the expert output's GEMM bound alone would hide most of them.

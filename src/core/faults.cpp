@@ -89,6 +89,12 @@ const std::vector<FaultInfo>& fault_table() {
       {Fault::score_grad_scaled_hidden, "score_grad_scaled_hidden",
        "with the score on the SwiGLU hidden, the score gradient sums dH' times the scaled H' the W2 GEMM read, not "
        "the unscaled H the score multiplied (docs/contract.md §13)"},
+      {Fault::router_bwd_norm_detached, "router_bwd_norm_detached",
+       "the route_norm backward treats the denominator as a constant (detached): gs = gp / den without the "
+       "- sum_j gp_j s_j / den^2 every selected score also receives (docs/contract.md §13, router)"},
+      {Fault::router_bwd_softmax_diagonal, "router_bwd_softmax_diagonal",
+       "the softmax backward takes only the Jacobian's diagonal, g s (1 - s), as for a sigmoid: the other experts' "
+       "logits get no gradient (docs/contract.md §13, router)"},
       {Fault::fp8_capacity_filler_scale, "fp8_capacity_filler_scale",
        "a pad_to_capacity filler row gets the stale block scales of the row above it instead of scale 0 (docs/contract.md §16)"},
       {Fault::swiglu_bwd_silu_grad, "swiglu_bwd_silu_grad",

@@ -64,6 +64,9 @@ enum class Fault : uint64_t {
   score_applied_twice = 1ull << 44,  // score_on_hidden: the combine multiplies by the score the experts already applied
   hidden_grad_unscaled = 1ull << 45,      // score_on_hidden backward: dH = dH', the multiply's backward dropped
   score_grad_scaled_hidden = 1ull << 46,  // score_on_hidden backward: the score gradient from H' instead of H
+  // router backward (docs/contract.md §13 router; bits 47..48)
+  router_bwd_norm_detached = 1ull << 47,     // route_norm backward with the denominator detached (no cross term)
+  router_bwd_softmax_diagonal = 1ull << 48,  // softmax backward as s (1 - s) g, the Jacobian's diagonal only
 };
 
 struct FaultSet {

@@ -39,6 +39,7 @@ enum class Coords {
   token_expert,  // (token, expert) of a (T, E) tensor
   token_k,       // (token, k) of a (T, K) tensor
   expert,        // (expert) of an (E) vector
+  expert_col,    // (expert, col) of an (E, D) weight gradient
   dispatch_row,  // (expert, slot, token, col) of a rank's expert-sorted rows; needs counts, token_sorted
   rank_major_row,  // (source rank, expert, slot, col) of received rows; needs recv_counts
   expert_row,    // (expert, slot, col) of expert-major rows; needs expert_counts_real

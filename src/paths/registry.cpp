@@ -93,7 +93,7 @@ const std::vector<std::string>& slot_order() {
       "align_unpad", "ep_unpermute", "ep_combine", "shared_experts", "combine", "sp_gather",
       // backward (docs/contract.md §13, src/paths/stages_backward.cpp): the adjoints in reverse order
       "sp_gather_bwd", "combine_bwd", "shared_experts_bwd", "ep_combine_bwd", "ep_unpermute_bwd", "align_unpad_bwd",
-      "experts_bwd", "align_pad_bwd", "ep_permute_bwd", "ep_dispatch_bwd", "dispatch_bwd", "sp_shard_bwd"};
+      "experts_bwd", "align_pad_bwd", "ep_permute_bwd", "ep_dispatch_bwd", "dispatch_bwd", "router_bwd", "sp_shard_bwd"};
   return s;
 }
 
@@ -140,6 +140,8 @@ CoordFn coords_for(Coords kind, const Tensor& t, const RankBoard& b, int rank, i
     case Coords::token_k:
       return [=](int64_t i) { return "(" + rk + "token " + std::to_string(i / cols) + ", k " + std::to_string(i % cols) + ")"; };
     case Coords::expert: return [rk](int64_t i) { return "(" + rk + "expert " + std::to_string(i) + ")"; };
+    case Coords::expert_col:
+      return [=](int64_t i) { return "(" + rk + "expert " + std::to_string(i / cols) + ", col " + std::to_string(i % cols) + ")"; };
     case Coords::dispatch_row:
     case Coords::rank_major_row:
     case Coords::expert_row:

@@ -26,6 +26,10 @@
 //                      order, no atomics, + grad_x_shared; under scores before
 //                      the experts also grad_topk_scores
 //
+//   router_bwd         grad_topk_scores -> grad_scores, grad_logits (T, E) fp32,
+//                      grad_wg (E, D) fp32 and grad_x_router (T, D): the router's
+//                      own input gradient, kept apart from grad_x
+//
 // Saved forward metadata only (docs/frameworks.md §13 last line): splits, counts,
 // row_of, token_sorted and score_sorted are read from the forward's board,
 // never recomputed from the routing. One backward serves every forward
@@ -1057,6 +1061,109 @@ Stage ep_dispatch_bwd_stage() {
               ref_ep_dispatch_bwd);
 }
 
+
+// ---- router_bwd (docs/contract.md §13, router) ------------------------------------------
+
+bool router_bwd_rule(const Case& c) { return c.router.score_dtype == GateDtype::fp32; }
+
+/// The reference router backward of one rank's board, with half-widths.
+ref::RouterGrad ref_router_grad(const Case& c, const RankBoard& b, bool want_half) {
+  const Tensor& x = b.at("x");
+  const Tolerance st = tolerance_for(c, CompareClass::scores);
+  return ref::router_backward(ref_router_spec(c),
+                              c.router.gate_dtype == GateDtype::act ? ref::GateDtype::act : ref::GateDtype::fp32,
+                              ref_act(c.dtype), to_floats(b.at("scores")), ref_ids(b.at("ids")),
+                              to_floats(b.at("grad_topk_scores")), to_floats(x), to_floats(b.at("wg")), x.shape[0],
+                              c.hidden, st.rtol, st.atol, want_half);
+}
+
+/// The gradient of the top-K scores has a nonzero and moves something: under
+/// route_norm with K = 1 the normalised score is 1 whatever the score, and
+/// its gradient is 0.
+bool router_grad_promised(const Case& c, const RankBoard& b) {
+  auto it = b.find("grad_topk_scores");
+  return it != b.end() && any_nonzero(it->second) && !(c.router.route_norm == Switch::on && c.top_k == 1);
+}
+
+/// An output of router_bwd in class rounding: its half-width (member `half`
+/// of the reference's result) is shaped like the input `like`.
+OutputSpec router_grad_spec(const char* name, Coords coords, ref::Vec ref::RouterGrad::*half, const char* like) {
+  return OutputSpec(name, CompareClass::rounding, coords, router_grad_promised,
+                    [half, like](const Case& c, const RankBoard& b, int, int) {
+                      return from_floats(ref_router_grad(c, b, true).*half, ElemType::f32, b.at(like).shape);
+                    });
+}
+
+void fast_router_bwd(FastCtx& ctx) {
+  const Case& c = ctx.c;
+  const Tensor& x = ctx.input("x");
+  const int64_t T = x.shape[0], E = c.num_experts;
+  RouterGradArgs a;
+  a.scores = ctx.input("scores").as<float>();
+  a.ids = ctx.input("ids").as<int32_t>();
+  a.grad_topk = ctx.input("grad_topk_scores").as<float>();
+  a.x = x.data();
+  a.wg = ctx.input("wg").data();
+  a.T = T;
+  a.D = c.hidden;
+  a.E = c.num_experts;
+  a.K = c.top_k;
+  a.route_scale = c.router.route_scale;
+  a.score = c.router.score;
+  a.norm = c.router.route_norm == Switch::on ? k::RouteNorm::on : k::RouteNorm::off;
+  a.act_gate = c.router.gate_dtype == GateDtype::act;
+  a.grad_scores = ctx.output("grad_scores", ElemType::f32, {T, E}).as<float>();
+  a.grad_logits = ctx.output("grad_logits", ElemType::f32, {T, E}).as<float>();
+  a.grad_wg = ctx.output("grad_wg", ElemType::f32, {E, c.hidden}).as<float>();
+  a.grad_x = ctx.output("grad_x_router", act_elem(c.dtype), {T, c.hidden}).data();
+  router_backward(ctx.exec, c.dtype, a);
+}
+
+void ref_router_bwd(RefCtx& r) {
+  const Case& c = r.c;
+  for (size_t q = 0; q < r.in.ranks.size(); ++q) {
+    if (!r.wants(int(q))) continue;
+    const RankBoard& in = r.in.ranks[q];
+    const Tensor& x = in.at("x");
+    ref::RouterGrad g = ref_router_grad(c, in, r.wants_scales());
+    const std::vector<int64_t> te{x.shape[0], c.num_experts}, ed{c.num_experts, c.hidden};
+    RankBoard& out = r.out.ranks[q];
+    out["grad_scores"] = from_floats(g.grad_scores, ElemType::f32, te);
+    out["grad_logits"] = from_floats(g.grad_logits, ElemType::f32, te);
+    out["grad_wg"] = from_floats(g.grad_wg, ElemType::f32, ed);
+    out["grad_x_router"] = from_floats(g.grad_x, x.type, x.shape);
+    if (!r.wants_scales()) continue;
+    RankBoard& sc = r.scales->ranks[q];
+    sc["grad_scores"] = from_floats(g.half_scores, ElemType::f32, te);
+    sc["grad_logits"] = from_floats(g.half_logits, ElemType::f32, te);
+    sc["grad_wg"] = from_floats(g.half_wg, ElemType::f32, ed);
+    sc["grad_x_router"] = from_floats(g.half_x, ElemType::f32, x.shape);
+  }
+}
+
+/// router_bwd: the gradient of the top-K scores back to the gate: the
+/// scores, the logits, the gate weight and the router's share of x's
+/// gradient (not added into grad_x, which is the token path's).
+Stage router_bwd_stage() {
+  Stage s = make("router_bwd", "fp32_scores",
+                 "grad_topk_scores -> route_scale, route_norm (den's gradient included), gather, softmax/sigmoid "
+                 "-> grad_logits; grad_wg = grad_logits^T x, grad_x_router = round(grad_logits wg) (docs/contract.md §13)",
+                 {"grad_topk_scores", "scores", "ids", "x", "wg"},
+                 {router_grad_spec("grad_scores", Coords::token_expert, &ref::RouterGrad::half_scores, "scores"),
+                  router_grad_spec("grad_logits", Coords::token_expert, &ref::RouterGrad::half_logits, "scores"),
+                  router_grad_spec("grad_wg", Coords::expert_col, &ref::RouterGrad::half_wg, "wg"),
+                  router_grad_spec("grad_x_router", Coords::token_col, &ref::RouterGrad::half_x, "x")},
+                 fast_router_bwd, ref_router_bwd);
+  s.applies = [](const Case& c) {
+    const Decision d = backward_on(c);
+    if (!d.applies) return d;
+    return Decision{router_bwd_rule(c), "router.score_dtype: act (the router backward of held scores has no rule yet, "
+                                        "docs/contract.md §13)"};
+  };
+  s.ref_per_rank = true;
+  return s;
+}
+
 }  // namespace
 
 void register_backward_stages(std::vector<Stage>& reg) {
@@ -1077,6 +1184,7 @@ void register_backward_stages(std::vector<Stage>& reg) {
   reg.push_back(align_pad_bwd_stage());
   reg.push_back(ep_dispatch_bwd_stage());
   add_dispatch_bwd(reg);
+  reg.push_back(router_bwd_stage());
   // Device forms (issue 12): every variant runs its bodies through entry
   // points that take the mirror (row maps, the combine body, copy_bytes,
   // CombineGradRowsBody, ScoreGradBody, the SwiGLU backward's GEMMs and
