@@ -16,13 +16,16 @@ using MatD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMaj
 constexpr double kU32 = 1.0 / 16777216.0;  // 2^-24, fp32's unit roundoff
 /// Stands for an infinite half-width inside the GEMMs of half-widths: an
 /// infinity times a zero |x| would give NaN there; this stays finite through
-/// E or T products of act values and still rounds to an infinite bound.
-constexpr double kUnknown = 1e300;
+/// E or T products of act values and still rounds to an infinite bound
+/// (rounding_halfwidth of a room this wide is infinite).
+constexpr double kUnknown = 1e290;
 inline const double kSubnormal = std::ldexp(1.0, -126);
 
 /// One token's grad_scores (E) and their half-widths, from its K selected
-/// scores (docs/contract.md §13, router). `d` is each score's tolerance.
-void token_score_grad(const RouterSpec& spec, const float* s, const int32_t* ids, const float* g, double srtol,
+/// scores (docs/contract.md §13, router), each known within srtol |s| + satol.
+/// Returns false where route_norm's denominator is not known (the chosen
+/// scores sum to less than twice their tolerance): no half-width holds then.
+bool token_score_grad(const RouterSpec& spec, const float* s, const int32_t* ids, const float* g, double srtol,
                       double satol, double* gs, double* wgs) {
   const int E = spec.E, K = spec.K;
   double den = 1e-20, dot = 0, abs_dot = 0, dden = 0, gp_d = 0;
@@ -35,7 +38,6 @@ void token_score_grad(const RouterSpec& spec, const float* s, const int32_t* ids
     dden += dk;
     gp_d += std::fabs(gp) * dk;
   }
-  const bool unknown = spec.route_norm && !(dden < den / 2);
   for (int k = 0; k < K; ++k) {
     const int e = ids[k];
     if (e < 0 || e >= E) continue;
@@ -45,11 +47,12 @@ void token_score_grad(const RouterSpec& spec, const float* s, const int32_t* ids
       const double d2 = den * den;
       v = gp / den - dot / d2;
       mag = std::fabs(gp) / den + abs_dot / d2;
-      sens = unknown ? kUnknown : 2 * (std::fabs(gp) * dden / d2 + gp_d / d2 + 2 * std::fabs(dot) * dden / (d2 * den));
+      sens = 2 * (std::fabs(gp) * dden / d2 + gp_d / d2 + 2 * std::fabs(dot) * dden / (d2 * den));
     }
     gs[e] += v;
     wgs[e] += sens + double(2 * K + 8) * kU32 * mag;
   }
+  return !(spec.route_norm && !(dden < den / 2));
 }
 
 /// One token's grad_logits (E) and half-widths from its grad_scores.
@@ -104,23 +107,28 @@ RouterGrad router_backward(const RouterSpec& spec, GateDtype gate, Act act, cons
     std::fill(gs.begin(), gs.end(), 0.0);
     std::fill(wgs.begin(), wgs.end(), 0.0);
     const float* s = &scores[size_t(t * E)];
-    token_score_grad(spec, s, &ids[size_t(t * K)], &grad_topk[size_t(t * K)], score_rtol, score_atol, gs.data(),
-                     wgs.data());
+    const bool known = token_score_grad(spec, s, &ids[size_t(t * K)], &grad_topk[size_t(t * K)], score_rtol,
+                                        score_atol, gs.data(), wgs.data());
     token_logit_grad(spec, s, gs.data(), wgs.data(), score_rtol, score_atol, gl.data(), wgl.data());
     for (int e = 0; e < E; ++e) {
       const size_t i = size_t(t * E + e);
       r.grad_scores[i] = f32(gs[size_t(e)]);
       r.grad_logits[i] = f32(gl[size_t(e)]);
+      // An unknown normalisation reaches the chosen scores, and through the
+      // softmax every logit; an unchosen sigmoid score's gradient stays 0.
+      const bool chosen = wgs[size_t(e)] > 0 || gs[size_t(e)] != 0;
+      const bool unknown = !known && (chosen || spec.score == Score::softmax);
       // the stored fp32 value is one more rounding of the exact one
-      const double hs = wgs[size_t(e)] + kU32 * std::fabs(gs[size_t(e)]);
-      const double hl = wgl[size_t(e)] + kU32 * std::fabs(gl[size_t(e)]);
+      const double hs = unknown && chosen ? INFINITY : wgs[size_t(e)] + kU32 * std::fabs(gs[size_t(e)]);
+      const double hl = unknown ? INFINITY : wgl[size_t(e)] + kU32 * std::fabs(gl[size_t(e)]);
       if (want_half) {
-        r.half_scores[i] = hs >= kUnknown ? INFINITY : f32(hs);
-        r.half_logits[i] = hl >= kUnknown ? INFINITY : f32(hl);
+        r.half_scores[i] = f32(hs);
+        r.half_logits[i] = f32(hl);
       }
       const double v = gl[size_t(e)];
       a(t, e) = gate == GateDtype::act ? round_act(act, f32(v)) : v;
-      wa(t, e) = hl >= kUnknown ? kUnknown : gate == GateDtype::act ? rounding_halfwidth(act, v, hl) : hl;
+      const double w = gate == GateDtype::act ? rounding_halfwidth(act, v, hl) : hl;
+      wa(t, e) = std::isfinite(w) ? w : kUnknown;  // finite through the GEMMs of |x| and |wg| below
     }
   }
   MatD xm(T, D), wm(E, D);

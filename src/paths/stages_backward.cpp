@@ -1077,18 +1077,32 @@ ref::RouterGrad ref_router_grad(const Case& c, const RankBoard& b, bool want_hal
                               c.hidden, st.rtol, st.atol, want_half);
 }
 
-/// The gradient of the top-K scores has a nonzero and moves something: under
-/// route_norm with K = 1 the normalised score is 1 whatever the score, and
-/// its gradient is 0.
-bool router_grad_promised(const Case& c, const RankBoard& b) {
+/// Whether the router's gradients are promised nonzero (OutputSpec::promised):
+/// some token's top-K score gradient moves its scores. Under route_norm the
+/// normalised scores sum to route_scale whatever the scores, so a token
+/// whose K gradients are all equal (K = 1, or identity experts: every row
+/// of the token is x) gives its scores no gradient. A softmax's logits
+/// (`logits_side`) have none where the score gradient is the same at every
+/// expert: with K = E and equal gradients too.
+bool router_grad_promised(const Case& c, const RankBoard& b, bool logits_side) {
   auto it = b.find("grad_topk_scores");
-  return it != b.end() && any_nonzero(it->second) && !(c.router.route_norm == Switch::on && c.top_k == 1);
+  if (it == b.end()) return false;
+  const bool need_differ = c.router.route_norm == Switch::on ||
+                           (logits_side && c.router.score == k::ScoreFunc::softmax && c.top_k == c.num_experts);
+  const std::vector<float> g = to_floats(it->second);
+  const size_t K = size_t(c.top_k);
+  for (size_t t = 0; t + K <= g.size(); t += K)
+    for (size_t k = 0; k < K; ++k)
+      if (g[t + k] != 0 && (!need_differ || g[t + k] != g[t])) return true;
+  return false;
 }
 
 /// An output of router_bwd in class rounding: its half-width (member `half`
 /// of the reference's result) is shaped like the input `like`.
 OutputSpec router_grad_spec(const char* name, Coords coords, ref::Vec ref::RouterGrad::*half, const char* like) {
-  return OutputSpec(name, CompareClass::rounding, coords, router_grad_promised,
+  const bool logits_side = std::string(name) != "grad_scores";
+  return OutputSpec(name, CompareClass::rounding, coords,
+                    [logits_side](const Case& c, const RankBoard& b) { return router_grad_promised(c, b, logits_side); },
                     [half, like](const Case& c, const RankBoard& b, int, int) {
                       return from_floats(ref_router_grad(c, b, true).*half, ElemType::f32, b.at(like).shape);
                     });
