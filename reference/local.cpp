@@ -89,6 +89,16 @@ ExpertWeights expert_weights(Act ca, WeightView W1, WeightView W3, WeightView W2
   return w;
 }
 
+/// An upper bound of |silu'| on [a - d, a + d] (widened by a bf16 rounding of
+/// a): silu' lies in [-0.0999, 1.0999], and below -2.4 (its minimum) |silu'|
+/// grows with x, so there the right end's value bounds it.
+double silu_slope_bound(double a, double d) {
+  const double hi = a + d + std::ldexp(std::fabs(a), -8);
+  if (!(hi <= -2.5)) return 1.1;
+  const double sig = 1.0 / (1.0 + std::exp(-hi));
+  return std::fabs(sig * (1.0 + hi * (1.0 - sig)));
+}
+
 /// SwiGLU over expert-major rows with X and the weights rounded to `ca`, in
 /// row blocks on `threads` threads (reference/blocked.h). Every GEMM of values
 /// is an fp64 Eigen product; the sums of |terms| are fp32 products of
@@ -184,6 +194,11 @@ SwigluTrace swiglu_core(Act act, Act ca, const Vec& X, const Counts& counts, int
               const double silu = a * sig, dsilu = sig * (1.0 + a * (1.0 - sig));
               // first-order propagation of an error of m13(r, f) in h1 and of m13(r, F + f) in h3
               Heff(r, f) = std::fabs(silu * b) + std::fabs(dsilu * b) * m13(r, f) + std::fabs(silu) * m13(r, F + f);
+              // and the product of the two errors, which the first order drops: where h1 and h3
+              // both cancel to 0, silu(h1) and silu'(h1) h3 vanish, yet a correct fast H is
+              // silu'(xi) d1 d3 with |d| <= gamma m13 (the h13 accumulation bound, §8). As a
+              // scale (times rtol >= gamma): gamma m1 m3 max|silu'| near h1.
+              Heff(r, f) += gamma * silu_slope_bound(a, gamma * m13(r, f)) * m13(r, f) * m13(r, F + f);
             }
             if (row_scale) Heff.row(r) *= std::fabs(double(row_scale[g0 + r]));
           }

@@ -82,6 +82,10 @@ ref::Vec scalar_magnitude(const ref::Vec& X, const ref::Counts& counts, int64_t 
         }
         const double sig = 1.0 / (1.0 + std::exp(-h1)), silu = h1 * sig, ds = sig * (1.0 + h1 * (1.0 - sig));
         heff[size_t(f)] = std::fabs(silu * h3) + std::fabs(ds * h3) * m1 + std::fabs(silu) * m3;
+        // the product of h1's and h3's errors: gamma m1 m3 max|silu'| near h1
+        const double gamma = double(D + 2) * std::ldexp(1.0, -24), hi = h1 + gamma * m1 + std::ldexp(std::fabs(h1), -8);
+        const double sh = 1.0 / (1.0 + std::exp(-hi)), slope = hi <= -2.5 ? std::fabs(sh * (1.0 + hi * (1.0 - sh))) : 1.1;
+        heff[size_t(f)] += gamma * slope * m1 * m3;
       }
       for (int64_t c = 0; c < D; ++c) {
         double y = 0;
