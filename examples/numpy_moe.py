@@ -27,6 +27,7 @@ Every other stage is left to the reference (`check` lists it as not written).
   score_in_bf16      (bf16) score rounded to bf16 before the multiply
   skip_last_source   (EP) rank R-1's rows are never received (a skipped send)
   source_major       (EP) ep_permute keeps received order, not expert-major
+  router_norm_detached  (backward, route_norm) the denominator's gradient dropped
 
 The arithmetic follows docs/contract.md §2 and §3 literally: a stable argsort
 of the flat ids gives expert-major rows with ascending tokens inside an
@@ -36,7 +37,10 @@ rank. The combine multiplies in fp32, rounds to the activation dtype, and
 adds a token's contributions in ascending dispatch row order, rounding after
 every addition (`per_add`) or once at the end (`fp32_accumulate`); under
 `score_multiply: act` the score is rounded to the activation dtype first.
-With `backward: on` it also writes grad_x, the dispatch backward (§13).
+With `backward: on` it also writes grad_x, the dispatch backward (§13), and
+under `router.score_dtype: fp32` the router backward (§13, router):
+  router_bwd.{grad_scores,grad_logits,grad_wg,grad_x_router}
+in float32 in NumPy's own order (its matmul is BLAS's sgemm).
 """
 import os
 import sys
@@ -49,7 +53,7 @@ except ImportError:  # not installed: the package beside this source tree
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
     import moeverify
 
-BUGS = ("unstable_order", "score_in_bf16", "skip_last_source", "source_major")
+BUGS = ("unstable_order", "score_in_bf16", "skip_last_source", "source_major", "router_norm_detached")
 ROUND = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -168,6 +172,32 @@ def dispatch_backward(g, r, token_sorted, score_sorted, act, case):
     return out
 
 
+def router_backward(g, r, act, case, bug):
+    """The router backward of one rank (docs/contract.md §13, router), in
+    float32: from the top-K scores' gradient (whichever stage wrote it)
+    through route_scale, route_norm and the gather to the scores, through
+    softmax or sigmoid to the logits, then the gate's two GEMMs."""
+    s = g.expected("routing.scores", rank=r)
+    ids = g.expected("routing.ids", rank=r).astype(np.int64)
+    gp = g.expected("grad_topk_scores", rank=r) * np.float32(case["router.route_scale"])
+    x, wg = g.input("x", rank=r), g.input("wg", rank=r)
+    chosen = np.take_along_axis(s, ids, axis=1)
+    if case["router.route_norm"] == "on":
+        den = chosen.sum(axis=1, keepdims=True) + np.float32(1e-20)
+        gp = gp / den
+        if bug != "router_norm_detached":
+            gp = gp - (gp * chosen).sum(axis=1, keepdims=True) / den
+    gs = np.zeros_like(s)
+    np.put_along_axis(gs, ids, gp, axis=1)
+    if case["router.score"] == "sigmoid":
+        gl = gs * (s * (1 - s))
+    else:
+        gl = s * (gs - (gs * s).sum(axis=1, keepdims=True))
+    a = rnd(gl, act) if case["router.gate_dtype"] == "act" else gl
+    return {"router_bwd.grad_scores": gs, "router_bwd.grad_logits": gl,
+            "router_bwd.grad_wg": rnd(a.T @ x, act), "router_bwd.grad_x_router": rnd(a @ wg, act)}
+
+
 def case_tokens(g, r):
     return g.input("x", rank=r).shape[0]
 
@@ -211,6 +241,9 @@ def implement(g, bug=None):
         g.write("combine.out", combine(g, r, x, token_sorted, score_sorted, act, case, bug), rank=r)
         if case["backward"] == "on":
             g.write("dispatch_bwd.grad_x", dispatch_backward(g, r, token_sorted, score_sorted, act, case), rank=r)
+            if case["router.score_dtype"] == "fp32":
+                for name, value in router_backward(g, r, act, case, bug).items():
+                    g.write(name, value, rank=r)
     print("numpy_moe.py: %s, %d rank(s): outputs written to %s" % (g.name, R, g.actual_dir))
 
 

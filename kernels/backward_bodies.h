@@ -283,22 +283,23 @@ struct RouterGradBody {
 };
 
 /// The gate weight's gradient, row e (docs/contract.md §13, router):
-/// grad_wg[e, d] = sum_t a[t, e] x[t, d] in fp32, t ascending, a the
-/// grad_logits (rounded to T under the act gate, and the row rounded to T at
-/// the end: the act GEMM's result, held in fp32). A token with a == 0 adds
-/// nothing (most of them under sigmoid: only the K chosen experts have a
-/// gradient) and is skipped. Lanes over d.
+/// grad_wg[e, d] = round_T(sum_t a[t, e] x[t, d]), the sum in fp32 into
+/// `acc` (t ascending), a the grad_logits (rounded to T first under the act
+/// gate), the result rounded once to T: the gradient of the act weight. A
+/// token with a == 0 adds nothing (most of them under sigmoid: only the K
+/// chosen experts have a gradient) and is skipped. Lanes over d.
 template <class T>
 struct GateGradBody {
   const float* grad_logits;  // (tokens, E)
   const T* x;                // (tokens, D)
-  float* grad_wg;            // (E, D)
+  float* acc;                // (E, D) fp32 scratch
+  T* grad_wg;                // (E, D)
   int64_t tokens, D;
   int E;
   bool act_gate;
 
   MOEV_HD void operator()(int64_t e, int lane, int lanes) const {
-    float* o = grad_wg + e * D;
+    float* o = acc + e * D;
     for (int64_t d = lane; d < D; d += lanes) o[d] = 0.f;
     for (int64_t t = 0; t < tokens; ++t) {
       float a = grad_logits[t * E + e];
@@ -307,8 +308,7 @@ struct GateGradBody {
       const T* xr = x + t * D;
       for (int64_t d = lane; d < D; d += lanes) o[d] += a * to_float(xr[d]);
     }
-    if (act_gate)
-      for (int64_t d = lane; d < D; d += lanes) o[d] = round_to<T>(o[d]);
+    for (int64_t d = lane; d < D; d += lanes) grad_wg[e * D + d] = from_float<T>(o[d]);
   }
 };
 

@@ -2,6 +2,7 @@
 #include "backward_host.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "device.h"
 
@@ -116,7 +117,8 @@ void router_backward(const ExecCtx& ctx, DType dt, const RouterGradArgs& a) {
     using V = decltype(tag);
     const size_t te = size_t(a.T) * size_t(a.E) * 4, tk = size_t(a.T) * size_t(a.K) * 4;
     const size_t xb = size_t(a.T * a.D) * sizeof(V), wb = size_t(int64_t(a.E) * a.D) * sizeof(V),
-                 gwb = size_t(int64_t(a.E) * a.D) * 4;
+                 accb = size_t(int64_t(a.E) * a.D) * 4;
+    std::vector<float> acc(size_t(int64_t(a.E) * a.D));  // GateGradBody's fp32 sums
     if (ctx.mirror) {
       Mirror& m = *ctx.mirror;
       Mirror::Scope scope{m};
@@ -137,16 +139,18 @@ void router_backward(const ExecCtx& ctx, DType dt, const RouterGradArgs& a) {
         m.wrote(a.grad_x, xb);
       }
       m.device().run(k::GateGradBody<V>{gl, a.T > 0 ? static_cast<const V*>(m.in(a.x, xb)) : nullptr,
-                                        static_cast<float*>(m.out(a.grad_wg, gwb)), a.T, a.D, a.E, a.act_gate},
+                                        static_cast<float*>(m.out(acc.data(), accb)),
+                                        static_cast<V*>(m.out(a.grad_wg, wb)), a.T, a.D, a.E, a.act_gate},
                      a.E);
-      m.wrote(a.grad_wg, gwb);
+      m.wrote(a.grad_wg, wb);
       return;
     }
     host_run(ctx, a.T,
              k::RouterGradBody{a.scores, a.ids, a.grad_topk, a.grad_scores, a.grad_logits, a.E, a.K, a.route_scale,
                                a.score, a.norm, fault});
     host_run(ctx, a.E,
-             k::GateGradBody<V>{a.grad_logits, static_cast<const V*>(a.x), a.grad_wg, a.T, a.D, a.E, a.act_gate});
+             k::GateGradBody<V>{a.grad_logits, static_cast<const V*>(a.x), acc.data(), static_cast<V*>(a.grad_wg), a.T,
+                                a.D, a.E, a.act_gate});
     host_run(ctx, a.T,
              k::GateInputGradBody<V>{a.grad_logits, static_cast<const V*>(a.wg), static_cast<V*>(a.grad_x), a.D, a.E,
                                      a.act_gate});

@@ -41,7 +41,7 @@ void dispatch_backward(const ExecCtx& ctx, DType dt, k::ScoreApply apply, k::Sco
 
 /// Router backward (docs/contract.md §13, router): the buffers of one rank.
 /// scores, grad_scores, grad_logits (T, E) fp32; ids, grad_topk (T, K);
-/// x, grad_x (T, D) and wg (E, D) in the activation dtype; grad_wg (E, D) fp32.
+/// x, grad_x (T, D), wg and grad_wg (E, D) in the activation dtype.
 struct RouterGradArgs {
   const float* scores = nullptr;
   const int32_t* ids = nullptr;
@@ -56,7 +56,7 @@ struct RouterGradArgs {
   bool act_gate = false;  // router.gate_dtype act: grad_logits rounded to act before the gate's GEMMs
   float* grad_scores = nullptr;
   float* grad_logits = nullptr;
-  float* grad_wg = nullptr;
+  void* grad_wg = nullptr;
   void* grad_x = nullptr;
 };
 

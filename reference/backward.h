@@ -49,8 +49,9 @@ Vec scatter_add_grad(Act act, ScoreApply apply, ScoreMultiply smul, Accumulate a
 ///   else gs_k = gp_k; grad_scores[t, ids_k] = gs_k, 0 at the other experts;
 ///   grad_logits = gs * s * (1 - s) (sigmoid) or s * (gs - sum_e gs_e s_e) (softmax);
 ///   a = grad_logits, rounded to act under GateDtype::act (the cast's backward);
-///   grad_wg (E, D) = a^T x, fp32 (rounded to act under GateDtype::act, the
-///   act GEMM's result); grad_x (T, D) = round_act(a wg), the gradient of x.
+///   grad_wg (E, D) = round_act(a^T x) and grad_x (T, D) = round_act(a wg):
+///   the gradients of the act tensors wg and x, each one rounding of an fp32
+///   accumulation.
 /// With want_half, the class-rounding half-widths of each (the same shapes):
 /// any fp32 evaluation order, plus what scores known only within
 /// score_rtol |s| + score_atol (the scores tolerance: an implementation that
@@ -61,7 +62,7 @@ Vec scatter_add_grad(Act act, ScoreApply apply, ScoreMultiply smul, Accumulate a
 /// infinite half-width: its normalisation is not known.
 struct RouterGrad {
   Vec grad_scores, grad_logits;  // (T, E) fp32
-  Vec grad_wg;                   // (E, D) fp32 values
+  Vec grad_wg;                   // (E, D) act values
   Vec grad_x;                    // (T, D) act values
   Vec half_scores, half_logits, half_wg, half_x;
 };

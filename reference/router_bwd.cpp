@@ -141,7 +141,6 @@ RouterGrad router_backward(const RouterSpec& spec, GateDtype gate, Act act, cons
     room_wg = wa.transpose() * ax + double(T + 2) * kU32 * (aa.transpose() * ax);
     room_x = wa * aw + double(E + 2) * kU32 * (aa * aw);
   }
-  const Act wg_out = gate == GateDtype::act ? act : Act::fp32;
   r.grad_wg.resize(size_t(E * D));
   r.grad_x.resize(size_t(T * D));
   if (want_half) {
@@ -149,8 +148,8 @@ RouterGrad router_backward(const RouterSpec& spec, GateDtype gate, Act act, cons
     r.half_x.resize(size_t(T * D));
   }
   for (int64_t i = 0; i < int64_t(E) * D; ++i) {
-    r.grad_wg[size_t(i)] = round_act(wg_out, f32(dwg.data()[i]));
-    if (want_half) r.half_wg[size_t(i)] = gemm_half(wg_out, dwg.data()[i], room_wg.data()[i]);
+    r.grad_wg[size_t(i)] = round_act(act, f32(dwg.data()[i]));
+    if (want_half) r.half_wg[size_t(i)] = gemm_half(act, dwg.data()[i], room_wg.data()[i]);
   }
   for (int64_t i = 0; i < T * D; ++i) {
     r.grad_x[size_t(i)] = round_act(act, f32(dx.data()[i]));

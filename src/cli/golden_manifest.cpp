@@ -126,7 +126,7 @@ std::string layout_of(const std::string& name) {
       // the router backward (docs/contract.md §13, router)
       {"grad_scores", "(T, E) fp32 gradient of scores: the top-K scores' gradient through route_scale and route_norm, 0 at unchosen experts"},
       {"grad_logits", "(T, E) fp32 gradient of logits through softmax or sigmoid"},
-      {"grad_wg", "(E, D) fp32 gradient of wg from this rank's tokens (act values under router.gate_dtype act)"},
+      {"grad_wg", "(E, D) gradient of wg from this rank's tokens: the fp32 sum rounded once to act"},
       {"grad_x_router", "(T, D) the router's share of x's gradient, grad_logits times wg (not in grad_x)"},
   };
   auto it = m.find(name);

@@ -27,7 +27,7 @@
 //                      the experts also grad_topk_scores
 //
 //   router_bwd         grad_topk_scores -> grad_scores, grad_logits (T, E) fp32,
-//                      grad_wg (E, D) fp32 and grad_x_router (T, D): the router's
+//                      grad_wg (E, D) and grad_x_router (T, D): the router's
 //                      own input gradient, kept apart from grad_x
 //
 // Saved forward metadata only (docs/frameworks.md §13 last line): splits, counts,
@@ -1128,7 +1128,7 @@ void fast_router_bwd(FastCtx& ctx) {
   a.act_gate = c.router.gate_dtype == GateDtype::act;
   a.grad_scores = ctx.output("grad_scores", ElemType::f32, {T, E}).as<float>();
   a.grad_logits = ctx.output("grad_logits", ElemType::f32, {T, E}).as<float>();
-  a.grad_wg = ctx.output("grad_wg", ElemType::f32, {E, c.hidden}).as<float>();
+  a.grad_wg = ctx.output("grad_wg", act_elem(c.dtype), {E, c.hidden}).data();
   a.grad_x = ctx.output("grad_x_router", act_elem(c.dtype), {T, c.hidden}).data();
   router_backward(ctx.exec, c.dtype, a);
 }
@@ -1144,7 +1144,7 @@ void ref_router_bwd(RefCtx& r) {
     RankBoard& out = r.out.ranks[q];
     out["grad_scores"] = from_floats(g.grad_scores, ElemType::f32, te);
     out["grad_logits"] = from_floats(g.grad_logits, ElemType::f32, te);
-    out["grad_wg"] = from_floats(g.grad_wg, ElemType::f32, ed);
+    out["grad_wg"] = from_floats(g.grad_wg, x.type, ed);
     out["grad_x_router"] = from_floats(g.grad_x, x.type, x.shape);
     if (!r.wants_scales()) continue;
     RankBoard& sc = r.scales->ranks[q];

@@ -11,6 +11,9 @@ Bugs (megatron):
   source_major   EP > 1: the received rows are left rank-major, the sort of
                  their chunks into local-expert-major order skipped (and its
                  inverse before the combine's all-to-all)
+  gating_grad_bf16  the router's gating backward rounds its incoming
+                 gradient to bf16 before its two fp32 GEMMs (the fp32 router,
+                 moe_router_dtype, kept in the forward only)
 
 Bugs (torchtitan):
   unstable_sort  the dispatch's argsort of the expert ids puts a group's
@@ -96,6 +99,14 @@ elif fw == "megatron":
             return input, probs
 
         mtd.sort_chunks_by_idxs = unsorted
+    elif bug == "gating_grad_bf16":
+        import megatron.core.transformer.moe.moe_utils as mu
+        real_backward = mu.RouterGatingLinearFunction.backward
+
+        def bf16_backward(ctx, grad_output):
+            return real_backward(ctx, grad_output.to(torch.bfloat16).to(grad_output.dtype))
+
+        mu.RouterGatingLinearFunction.backward = staticmethod(bf16_backward)
     else:
         sys.exit("planted.py: no bug %r for megatron" % bug)
     from moeverify.frameworks import megatron as adapter

@@ -23,7 +23,8 @@ What it judges, and what not (docs/frameworks.md "Megatron-Core"):
     position policy keeps arbitrary tokens, its padding rows are tokens).
   - The backward through autograd: x.grad, the probabilities' gradient at
     each token's ids, the experts' input and weight gradients, the shared
-    expert's.
+    expert's, and the router's (router_bwd): the gradient of its gating
+    output, of its weight, and of its own copy of x.
 Expert parallelism runs as real processes, one per EP rank:
 `torchrun --nproc-per-node R -m moeverify.frameworks.megatron [--serve]`
 (gloo), each rank building the MoE with MoEAlltoAllTokenDispatcher and its
@@ -57,7 +58,7 @@ from . import main_for, refuse_keys, refuse_other_world, world
 
 # The grad rows are taken in a backward run only (moeverify.torch.Capture).
 SEAMS = [
-    Seam("router", "call", {"router_logits.logits": None}, method="gating"),
+    Seam("router", "call", {"router_logits.logits": None}, method="gating", grad={"router_bwd.grad_logits": None}),
     Seam("router", "out", {"_probs": 0, "_routing_map": 1}, grad={"_probs_grad": 0}),
     # its rows; under moe_apply_probs_on_input run() takes the scaled ones instead
     Seam("token_dispatcher", "call",
@@ -73,7 +74,7 @@ SEAMS = [
 # those rows are not written; the scaled rows the experts take are
 # ep_permute's (run() takes them at linear_fc1's inputs).
 SEAMS_EP = [
-    Seam("router", "call", {"router_logits.logits": None}, method="gating"),
+    Seam("router", "call", {"router_logits.logits": None}, method="gating", grad={"router_bwd.grad_logits": None}),
     Seam("router", "out", {"_probs": 0, "_routing_map": 1}, grad={"_probs_grad": 0}),
     Seam("token_dispatcher", "call", {"dispatch.score_sorted": 1}, method="dispatch_preprocess"),
     Seam("token_dispatcher", "call", {"ep_permute.expert_counts_real": 1}, method="dispatch_postprocess"),
@@ -340,10 +341,15 @@ def run(g):
                   Seam("shared_experts", "grad_in", {"shared_experts_bwd.grad_x_shared": 0}),
                   Seam("shared_experts.linear_fc1", "out", {"shared_experts.shared_h13": 0}),
                   Seam("shared_experts.linear_fc2", "in", {"shared_experts.shared_hidden": 0})]
+    router_x = []
     if backward:
         # moeverify's grad_x is the token path's (docs/contract.md §13): the
-        # router reads x without a gradient path (its weights keep theirs)
-        moe.router.register_forward_pre_hook(lambda m, args: (args[0].detach(),) + tuple(args[1:]))
+        # router reads a leaf copy of x, whose gradient is the router's share
+        # (router_bwd.grad_x_router); its weights keep theirs
+        def own_x(m, args):
+            router_x.append(args[0].detach().requires_grad_(True))
+            return (router_x[-1],) + tuple(args[1:])
+        moe.router.register_forward_pre_hook(own_x)
         x.requires_grad_(True)
     moe.train(backward)
     with torch.set_grad_enabled(backward), Capture(moe, seams, backward=backward) as cap, _DroppingSeam() as drop:
@@ -389,6 +395,10 @@ def run(g):
         grad_probs = cap.scratch["_probs_grad"][-1].gather(1, ids)
         cap.values["dispatch_bwd.grad_topk_scores" if on_input else "experts_bwd.grad_topk_scores"] = grad_probs
         cap.values["dispatch_bwd.grad_x"] = x.grad.detach().clone()
+        # the router's backward (docs/contract.md §13, router): its gating
+        # GEMM's gradients, each cast back to its input's dtype by Megatron
+        cap.values["router_bwd.grad_x_router"] = router_x[-1].grad.reshape(T, D)
+        cap.values["router_bwd.grad_wg"] = moe.router.weight.grad
         cap.values["experts_bwd.grad_expert_input"] = torch.cat(
             [cap.scratch["_fc1_in_grad_%d" % e][-1] for e in range(E_l)])
         F = c["shape.ffn"]
