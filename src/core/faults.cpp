@@ -5,8 +5,11 @@
 
 namespace moev {
 
-const std::vector<FaultInfo>& fault_table() {
-  static const std::vector<FaultInfo> t = {
+namespace {
+
+/// fault_table's first part: the forward token path's faults.
+std::vector<FaultInfo> forward_faults() {
+  return {
       {Fault::unstable_sort, "unstable_sort", "expert sort fills each expert's rows in descending token order"},
       {Fault::highest_id_tiebreak, "highest_id_tiebreak", "top-k ties go to the higher expert id"},
       {Fault::unordered_combine, "unordered_combine", "combine adds a token's contributions in descending expert order"},
@@ -34,6 +37,13 @@ const std::vector<FaultInfo>& fault_table() {
        "SP combine offsets rank s by its own row count, as if tokens were evenly sharded (torchtitan #3577)"},
       {Fault::sp_tail_pad_score, "sp_tail_pad_score",
        "tail SP pad rows are routed to expert 0 with the router's score, not 0 (docs/frameworks.md §10.2, torchtitan #3193)"},
+  };
+}
+
+/// Its second part, in the list's order: the backward's, capacity's, the
+/// overload factor's, FP8 dispatch's and the conventions' faults.
+std::vector<FaultInfo> later_faults() {
+  return {
       {Fault::bwd_unswapped_splits, "bwd_unswapped_splits",
        "the all-to-all backward sends with the forward's splits instead of swapping them (docs/frameworks.md §13, §3.5)"},
       {Fault::bwd_unordered_scatter, "bwd_unordered_scatter",
@@ -106,6 +116,17 @@ const std::vector<FaultInfo>& fault_table() {
        "the SwiGLU weight gradients under experts.rounding torchtitan or experts.compute_dtype bf16 are left as fp32 sums, "
        "not rounded to the compute dtype as autograd's bf16 GEMM returns them (docs/contract.md §13)"},
   };
+}
+
+}  // namespace
+
+const std::vector<FaultInfo>& fault_table() {
+  static const std::vector<FaultInfo> t = [] {
+    std::vector<FaultInfo> v = forward_faults();
+    const std::vector<FaultInfo> w = later_faults();
+    v.insert(v.end(), w.begin(), w.end());
+    return v;
+  }();
   return t;
 }
 

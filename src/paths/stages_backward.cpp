@@ -1097,12 +1097,30 @@ bool router_grad_promised(const Case& c, const RankBoard& b, bool logits_side) {
   return false;
 }
 
+/// Whether a gate GEMM's other operand (`times`: x or wg, which exact data
+/// may make all zero) can carry the logits' gradient. A softmax's logit
+/// gradients sum to 0 over the experts, so grad_logits wg is 0 wherever
+/// every row of wg is the same (likely with a few small integers).
+bool gate_operand_moves(const Case& c, const RankBoard& b, const std::string& times) {
+  const Tensor& t = b.at(times);
+  if (times != "wg" || c.router.score != k::ScoreFunc::softmax) return any_nonzero(t);
+  const std::vector<float> w = to_floats(t);
+  const size_t D = size_t(c.hidden);
+  for (size_t i = D; i < w.size(); ++i)
+    if (w[i] != w[i % D]) return true;
+  return false;
+}
+
 /// An output of router_bwd in class rounding: its half-width (member `half`
-/// of the reference's result) is shaped like the input `like`.
-OutputSpec router_grad_spec(const char* name, Coords coords, ref::Vec ref::RouterGrad::*half, const char* like) {
+/// of the reference's result) is shaped like the input `like`; a gate GEMM's
+/// output is promised where its other operand `times` can carry data.
+OutputSpec router_grad_spec(const char* name, Coords coords, ref::Vec ref::RouterGrad::*half, const char* like,
+                            const char* times = nullptr) {
   const bool logits_side = std::string(name) != "grad_scores";
   return OutputSpec(name, CompareClass::rounding, coords,
-                    [logits_side](const Case& c, const RankBoard& b) { return router_grad_promised(c, b, logits_side); },
+                    [logits_side, times](const Case& c, const RankBoard& b) {
+                      return router_grad_promised(c, b, logits_side) && (!times || gate_operand_moves(c, b, times));
+                    },
                     [half, like](const Case& c, const RankBoard& b, int, int) {
                       return from_floats(ref_router_grad(c, b, true).*half, ElemType::f32, b.at(like).shape);
                     });
@@ -1165,8 +1183,8 @@ Stage router_bwd_stage() {
                  {"grad_topk_scores", "scores", "ids", "x", "wg"},
                  {router_grad_spec("grad_scores", Coords::token_expert, &ref::RouterGrad::half_scores, "scores"),
                   router_grad_spec("grad_logits", Coords::token_expert, &ref::RouterGrad::half_logits, "scores"),
-                  router_grad_spec("grad_wg", Coords::expert_col, &ref::RouterGrad::half_wg, "wg"),
-                  router_grad_spec("grad_x_router", Coords::token_col, &ref::RouterGrad::half_x, "x")},
+                  router_grad_spec("grad_wg", Coords::expert_col, &ref::RouterGrad::half_wg, "wg", "x"),
+                  router_grad_spec("grad_x_router", Coords::token_col, &ref::RouterGrad::half_x, "x", "wg")},
                  fast_router_bwd, ref_router_bwd);
   s.applies = [](const Case& c) {
     const Decision d = backward_on(c);
