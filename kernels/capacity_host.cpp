@@ -65,7 +65,11 @@ void capacity_select(const ExecCtx& ctx, CapacityPolicy policy, const int64_t* c
       kept[e] += take;
       if (policy == CapacityPolicy::probs && take < int64_t(idx.size()))  // the `take` highest scores first
         std::partial_sort(idx.begin(), idx.begin() + take, idx.end(), [&](int64_t a, int64_t b) {
-          if (score_sorted[a] != score_sorted[b]) return score_sorted[a] > score_sorted[b];
+          // A NaN score ranks above every number (torch.topk's order), so the
+          // comparison is a strict weak order (docs/contract.md §11).
+          const float x = score_sorted[a], y = score_sorted[b];
+          if (std::isnan(x) != std::isnan(y)) return std::isnan(x);
+          if (!std::isnan(x) && x != y) return x > y;
           return higher ? token_sorted[a] > token_sorted[b] : token_sorted[a] < token_sorted[b];
         });
       for (int64_t i = 0; i < take; ++i) keep[idx[size_t(i)]] = 1;  // position: the first rows

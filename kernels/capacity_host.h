@@ -45,8 +45,8 @@ struct CapacityGroups {
 CapacityGroups sp_capacity_groups(const SpLayout& l, int K, int E, double factor, const FaultSet& faults);
 
 /// Which rows of the dispatch survive, per expert and group: keep[i] = 1 for
-/// a kept row i. Policy probs: the caps[g] rows of highest score, ties to the
-/// lower token index; position: the first caps[g] rows (the lowest token
+/// a kept row i. Policy probs: the caps[g] rows of highest score (a NaN
+/// above every number), ties to the lower token index; position: the first caps[g] rows (the lowest token
 /// indices). kept[e] = rows expert e keeps over all groups.
 void capacity_select(const ExecCtx& ctx, CapacityPolicy policy, const int64_t* counts, int E,
                      const CapacityGroups& groups, const int32_t* token_sorted, const float* score_sorted,

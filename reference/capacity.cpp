@@ -1,8 +1,9 @@
 // Reference capacity dropping (docs/contract.md §11): for each expert's rows of the
 // dispatch, a row is kept when it belongs to a capacity group and fewer than
 // cap rows of its expert and its group beat it (policy probs: a higher
-// score, or an equal score and a lower token index; policy position: an
-// earlier row, i.e. a lower token index). Counted pair by pair, not sorted.
+// score, or an equal score and a lower token index, a NaN score ranking
+// above every number and equal to another NaN; policy position: an earlier
+// row, i.e. a lower token index). Counted pair by pair, not sorted.
 // The groups under sequence parallelism (one per SP rank, pad rows in none)
 // are read off the reference shard's positions, not off any index formula.
 #include <cmath>
@@ -45,6 +46,11 @@ CapacityDispatch capacity_dispatch(RowsRef rows, const Ids& token_sorted, const 
   int64_t rows_with_pad = 0;
   for (int64_t c : groups.cap) rows_with_pad += c;
   auto group_of = [&](int64_t i) { return groups.group[size_t(token_sorted[size_t(i)])]; };
+  // The score order of policy probs, total with NaN (docs/contract.md §11):
+  // NaN above every number, NaNs equal. IEEE comparisons alone would let a
+  // NaN row and a number row beat neither the other, and both be kept.
+  auto above = [](float a, float b) { return std::isnan(a) ? !std::isnan(b) : a > b; };
+  auto same = [](float a, float b) { return std::isnan(a) ? std::isnan(b) : a == b; };
   int64_t s = 0;
   for (int64_t n : counts) {
     int64_t kept = 0;
@@ -53,10 +59,9 @@ CapacityDispatch capacity_dispatch(RowsRef rows, const Ids& token_sorted, const 
       int64_t beaten_by = 0;
       for (int64_t j = s; j < s + n; ++j) {
         if (group_of(j) != g) continue;
-        const bool beats = by_probs ? score_sorted[size_t(j)] > score_sorted[size_t(i)] ||
-                                          (score_sorted[size_t(j)] == score_sorted[size_t(i)] &&
-                                           token_sorted[size_t(j)] < token_sorted[size_t(i)])
-                                    : j < i;
+        const float sj = score_sorted[size_t(j)], si = score_sorted[size_t(i)];
+        const bool beats =
+            by_probs ? above(sj, si) || (same(sj, si) && token_sorted[size_t(j)] < token_sorted[size_t(i)]) : j < i;
         beaten_by += beats;
       }
       const bool in_cap = g >= 0 && beaten_by < groups.cap[size_t(g)];

@@ -107,6 +107,33 @@ TEST_CASE("a dropped assignment adds exactly nothing to its token", "[cpu][capac
   CHECK(dropped > 0);
 }
 
+TEST_CASE("policy probs ranks a NaN score above every number", "[cpu][capacity]") {
+  // docs/contract.md §11: fp16 held scores with route_norm make NaN top-K
+  // scores (0/0); NaN ranks above every number, NaNs by the lower token.
+  const int64_t counts[] = {5};
+  const int32_t tok[] = {0, 1, 2, 3, 4};
+  const float nan = std::nanf("");
+  const float sc[] = {1.f, nan, 0.5f, -nan, 2.f};
+  CapacityGroups g;
+  g.caps = {2};
+  uint8_t keep[5];
+  int64_t kept[1];
+  capacity_select(ExecCtx{}, CapacityPolicy::probs, counts, 1, g, tok, sc, keep, kept);
+  CHECK(kept[0] == 2);
+  CHECK(std::vector<uint8_t>(keep, keep + 5) == std::vector<uint8_t>{0, 1, 0, 1, 0});
+  g.caps = {3};
+  capacity_select(ExecCtx{}, CapacityPolicy::probs, counts, 1, g, tok, sc, keep, kept);
+  CHECK(std::vector<uint8_t>(keep, keep + 5) == std::vector<uint8_t>{0, 1, 0, 1, 1});
+  // the shrunk fuzz cases: NaN on either token, the fast path against the reference
+  for (const char* name : {"nan_score_first", "nan_score_second"}) {
+    RunOptions o;
+    o.keep = RunOptions::Keep::fast_board;
+    const CaseReport r = run_case(case_named("regressions/capacity_nan_score.yaml", name), o);
+    CHECK(r.outcome == Outcome::PASSED);
+    CHECK(to_ints(r.fast.at("counts", 0))[0] == 1);
+  }
+}
+
 TEST_CASE("a cap of at least T gives the dropless output bit for bit", "[cpu][capacity]") {
   for (const char* name : {"no_drop", "ep4_zero_token_rank[capacity.policy=probs,capacity.pad_to_capacity=off]"}) {
     Case c = case_named("capacity.yaml", name);
