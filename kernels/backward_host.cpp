@@ -118,7 +118,8 @@ void router_backward(const ExecCtx& ctx, DType dt, const RouterGradArgs& a) {
     const size_t te = size_t(a.T) * size_t(a.E) * 4, tk = size_t(a.T) * size_t(a.K) * 4;
     const size_t xb = size_t(a.T * a.D) * sizeof(V), wb = size_t(int64_t(a.E) * a.D) * sizeof(V),
                  accb = size_t(int64_t(a.E) * a.D) * 4;
-    std::vector<float> acc(size_t(int64_t(a.E) * a.D));  // GateGradBody's fp32 sums
+    // GateGradBody's fp32 sums: scratch, on a device never read back (no wrote())
+    std::vector<float> acc(size_t(int64_t(a.E) * a.D));
     if (ctx.mirror) {
       Mirror& m = *ctx.mirror;
       Mirror::Scope scope{m};

@@ -54,12 +54,14 @@ Vec scatter_add_grad(Act act, ScoreApply apply, ScoreMultiply smul, Accumulate a
 ///   accumulation.
 /// With want_half, the class-rounding half-widths of each (the same shapes):
 /// any fp32 evaluation order, plus what scores known only within
-/// score_rtol |s| + score_atol (the scores tolerance: an implementation that
-/// runs its own router backward on its own scores) may move, carried to
-/// first order with a factor 2 to spare, and through the GEMMs' fp32
-/// accumulation bound (n + 2) 2^-24 sum |terms|. A token whose selected
-/// scores sum to less than twice their tolerance (route_norm) gets an
-/// infinite half-width: its normalisation is not known.
+/// score_rtol |s| + 2^-126 may move (score_rtol > 0: `check` of an
+/// implementation that runs its router backward on scores of its own it did
+/// not write, which may differ from these within the scores tolerance's
+/// relative part; 0 where the scores are its own), carried to first order
+/// with a factor 2 to spare, and through the GEMMs' fp32 accumulation bound
+/// (n + 2) 2^-24 sum |terms|. A token whose selected scores sum to less than
+/// twice their uncertainty (route_norm) gets an infinite half-width: its
+/// normalisation is not known.
 struct RouterGrad {
   Vec grad_scores, grad_logits;  // (T, E) fp32
   Vec grad_wg;                   // (E, D) act values
@@ -68,7 +70,7 @@ struct RouterGrad {
 };
 RouterGrad router_backward(const RouterSpec& spec, GateDtype gate, Act act, const Vec& scores, const Ids& ids,
                            const Vec& grad_topk, const Vec& x, const Vec& wg, int64_t T, int64_t D, double score_rtol,
-                           double score_atol, bool want_half);
+                           bool want_half);
 
 /// The forward all-to-all on any rows in the dispatch layout (docs/contract.md §3):
 /// rank p holds rows expert-major over all E experts, counts[p][e] of expert

@@ -19,6 +19,9 @@ constexpr double kU32 = 1.0 / 16777216.0;  // 2^-24, fp32's unit roundoff
 /// E or T products of act values and still rounds to an infinite bound
 /// (rounding_halfwidth of a room this wide is infinite).
 constexpr double kUnknown = 1e290;
+/// fp32's smallest normal: an absolute room added to the GEMMs' results, and
+/// the absolute part of a carried score's uncertainty (below it a score's
+/// relative precision is lost).
 inline const double kSubnormal = std::ldexp(1.0, -126);
 
 /// One token's grad_scores (E) and their half-widths, from its K selected
@@ -62,22 +65,23 @@ void token_logit_grad(const RouterSpec& spec, const float* s, const double* gs, 
   auto tol = [&](int e) { return srtol * std::fabs(double(s[e])) + satol; };
   if (spec.score == Score::sigmoid) {
     for (int e = 0; e < E; ++e) {
-      const double se = s[e], q = se * (1 - se);
+      // |q|: a score an implementation computed may pass 1 by an ulp or two
+      const double se = s[e], q = se * (1 - se), aq = std::fabs(q);
       gl[e] = gs[e] * q;
-      wgl[e] = q * wgs[e] + 2 * std::fabs(gs[e]) * std::fabs(1 - 2 * se) * tol(e) + 4 * kU32 * q * std::fabs(gs[e]);
+      wgl[e] = aq * wgs[e] + 2 * std::fabs(gs[e]) * std::fabs(1 - 2 * se) * tol(e) + 4 * kU32 * aq * std::fabs(gs[e]);
     }
     return;
   }
   double P = 0, absP = 0, wP = 0;
   for (int e = 0; e < E; ++e) {
     P += gs[e] * s[e];
-    absP += std::fabs(gs[e]) * s[e];
-    wP += wgs[e] * s[e] + 2 * std::fabs(gs[e]) * tol(e);
+    absP += std::fabs(gs[e] * s[e]);
+    wP += wgs[e] * std::fabs(s[e]) + 2 * std::fabs(gs[e]) * tol(e);
   }
   for (int e = 0; e < E; ++e) {
-    const double se = s[e];
+    const double se = s[e], ase = std::fabs(se);
     gl[e] = se * (gs[e] - P);
-    wgl[e] = se * (wgs[e] + wP) + 2 * tol(e) * std::fabs(gs[e] - P) + double(E + 4) * kU32 * se * (std::fabs(gs[e]) + absP);
+    wgl[e] = ase * (wgs[e] + wP) + 2 * tol(e) * std::fabs(gs[e] - P) + double(E + 4) * kU32 * ase * (std::fabs(gs[e]) + absP);
   }
 }
 
@@ -90,7 +94,9 @@ float gemm_half(Act out, double V, double room) {
 
 RouterGrad router_backward(const RouterSpec& spec, GateDtype gate, Act act, const Vec& scores, const Ids& ids,
                            const Vec& grad_topk, const Vec& x, const Vec& wg, int64_t T, int64_t D, double score_rtol,
-                           double score_atol, bool want_half) {
+                           bool want_half) {
+  // each score known within score_rtol |s| + 2^-126 (exactly where the scores are the implementation's own)
+  const double score_atol = score_rtol > 0 ? kSubnormal : 0.0;
   if (spec.held != Act::fp32) throw std::logic_error("router_backward: held scores have no backward rule");
   const int E = spec.E, K = spec.K;
   RouterGrad r;

@@ -823,6 +823,11 @@ bool ExternalEntry::stage(const Stage& s, Board& board) {
         auto gi = given[size_t(r)].find(o.name);
         if (gi == given[size_t(r)].end()) continue;
         const Tensor* scale = scales[size_t(r)].count(o.name) ? &scales[size_t(r)].at(o.name) : nullptr;
+        Tensor own_scale;
+        if (!scale && o.magnitude_own) {
+          own_scale = o.magnitude_own(c, merged.ranks[size_t(r)], r, R, written[size_t(r)].count(o.own_input) > 0);
+          scale = &own_scale;
+        }
         // The dispatch gathers the top-K scores bit for bit; where the
         // implementation did not write its own, it gathered scores the
         // reference's may differ from within the scores tolerance (routing

@@ -69,6 +69,13 @@ struct OutputSpec {
   /// Tolerance classes: the bound is atol + rtol * max(|ref|, magnitude).
   /// Empty: atol + rtol * |ref|.
   Magnitude magnitude;
+  /// When set, `check` (docs/contract.md §15) takes the error scale from
+  /// this instead, told whether the implementation wrote the board's
+  /// `own_input` itself: where it did not, the board holds the reference's
+  /// value in its place, and the scale also allows what the
+  /// implementation's own may differ by (router_bwd's scores).
+  std::string own_input;
+  std::function<Tensor(const Case&, const RankBoard&, int rank, int ranks, bool own)> magnitude_own;
   /// When set, this output is checked against what the reference derives
   /// from the variant's own other outputs (the SwiGLU activation from the
   /// fast GEMM outputs), not against the reference stage; it writes the

@@ -53,6 +53,20 @@ std::string all_zero_reason(const Case& c, const std::string& output, const Rank
   return o.str();
 }
 
+/// Elements of class rounding whose half-width is infinite are not judged
+/// (any value but NaN passes there): said in the note, never silently; a
+/// tensor with no finite half-width at all cannot show a wrong value, and
+/// is NOT_VERIFIED rather than PASSED.
+void open_halfwidths(const Tensor& halfwidth, Check& ch) {
+  const std::vector<float> w = to_floats(halfwidth);
+  const size_t open = size_t(std::count_if(w.begin(), w.end(), [](float v) { return !std::isfinite(v); }));
+  if (open == 0) return;
+  ch.note += (ch.note.empty() ? "" : "; ") + std::to_string(open) + " of " + std::to_string(w.size()) +
+             " element(s) have no finite half-width and are not judged there (a value the reference cannot bound: "
+             "an overflow within reach, or an unknown route_norm denominator, docs/contract.md §2, §13)";
+  if (open == w.size() && ch.outcome == Outcome::PASSED) ch.outcome = Outcome::NOT_VERIFIED;
+}
+
 }  // namespace
 
 Check make_check(const Case& c, const std::string& slot, const std::string& variant, const OutputSpec& o,
@@ -108,6 +122,7 @@ Check make_check(const Case& c, const std::string& slot, const std::string& vari
                       : " (a value the rounding leaves exact differs)");
     ch.note += (ch.note.empty() ? "" : "; ") + n.str();
   }
+  if (scale && cls == CompareClass::rounding && ch.diff.structural.empty()) open_halfwidths(*scale, ch);
   if (f && r) add_hints(ch, slot, *f, *r, fb);  // run and check alike
   return ch;
 }

@@ -1067,14 +1067,17 @@ Stage ep_dispatch_bwd_stage() {
 bool router_bwd_rule(const Case& c) { return c.router.score_dtype == GateDtype::fp32; }
 
 /// The reference router backward of one rank's board, with half-widths.
-ref::RouterGrad ref_router_grad(const Case& c, const RankBoard& b, bool want_half) {
+/// `own_scores` false (`check` of an implementation that wrote no scores):
+/// the board's scores are the reference's, and the half-widths carry the
+/// scores tolerance's relative part (its own scores may differ within it).
+ref::RouterGrad ref_router_grad(const Case& c, const RankBoard& b, bool want_half, bool own_scores = true) {
   const Tensor& x = b.at("x");
-  const Tolerance st = tolerance_for(c, CompareClass::scores);
+  const double srtol = own_scores ? 0.0 : tolerance_for(c, CompareClass::scores).rtol;
   return ref::router_backward(ref_router_spec(c),
                               c.router.gate_dtype == GateDtype::act ? ref::GateDtype::act : ref::GateDtype::fp32,
                               ref_act(c.dtype), to_floats(b.at("scores")), ref_ids(b.at("ids")),
                               to_floats(b.at("grad_topk_scores")), to_floats(x), to_floats(b.at("wg")), x.shape[0],
-                              c.hidden, st.rtol, st.atol, want_half);
+                              c.hidden, srtol, want_half);
 }
 
 /// Whether the router's gradients are promised nonzero (OutputSpec::promised):
@@ -1117,13 +1120,18 @@ bool gate_operand_moves(const Case& c, const RankBoard& b, const std::string& ti
 OutputSpec router_grad_spec(const char* name, Coords coords, ref::Vec ref::RouterGrad::*half, const char* like,
                             const char* times = nullptr) {
   const bool logits_side = std::string(name) != "grad_scores";
-  return OutputSpec(name, CompareClass::rounding, coords,
-                    [logits_side, times](const Case& c, const RankBoard& b) {
-                      return router_grad_promised(c, b, logits_side) && (!times || gate_operand_moves(c, b, times));
-                    },
-                    [half, like](const Case& c, const RankBoard& b, int, int) {
-                      return from_floats(ref_router_grad(c, b, true).*half, ElemType::f32, b.at(like).shape);
-                    });
+  OutputSpec o(name, CompareClass::rounding, coords,
+               [logits_side, times](const Case& c, const RankBoard& b) {
+                 return router_grad_promised(c, b, logits_side) && (!times || gate_operand_moves(c, b, times));
+               },
+               [half, like](const Case& c, const RankBoard& b, int, int) {
+                 return from_floats(ref_router_grad(c, b, true).*half, ElemType::f32, b.at(like).shape);
+               });
+  o.own_input = "scores";
+  o.magnitude_own = [half, like](const Case& c, const RankBoard& b, int, int, bool own) {
+    return from_floats(ref_router_grad(c, b, true, own).*half, ElemType::f32, b.at(like).shape);
+  };
+  return o;
 }
 
 void fast_router_bwd(FastCtx& ctx) {
