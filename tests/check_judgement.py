@@ -87,6 +87,21 @@ def expect(g, what, rc_want, text):
         print("\n".join(ids_lines)[:3000])
 
 
+def judge_written(g, what, rc_want, tensors, show):
+    """Writes `tensors` ("stage.name" -> array) as the implementation's only,
+    runs check, and records a failure unless it exits rc_want; then prints
+    the report lines that mention any of `show`."""
+    g.clear_actual()
+    for name, v in tensors.items():
+        g.write(name, v)
+    rc, text = check(g, "--verbose")
+    ok = rc == rc_want
+    print(("ok   " if ok else "FAIL ") + "%s: exit %d (want %d)" % (what, rc, rc_want))
+    if not ok:
+        failures.append(what)
+        print("\n".join(l for l in text.splitlines() if any(k in l for k in show))[:2000])
+
+
 with tempfile.TemporaryDirectory() as tmp:
     # 1. own scores: no slack
     root = os.path.join(tmp, "ties")
@@ -310,15 +325,7 @@ with tempfile.TemporaryDirectory() as tmp:
     # correct top-k scores of scores within it), and under score_dtype act
     # with the reference's held scores known within their half-width.
     def routing(g, what, rc_want, **tensors):
-        g.clear_actual()
-        for name, v in tensors.items():
-            g.write("routing." + name, v)
-        rc, text = check(g, "--verbose")
-        ok = rc == rc_want
-        print(("ok   " if ok else "FAIL ") + "%s: exit %d (want %d)" % (what, rc, rc_want))
-        if not ok:
-            failures.append(what)
-            print("\n".join(l for l in text.splitlines() if "routing" in l or "mismatch" in l)[:2000])
+        judge_written(g, what, rc_want, {"routing." + n: v for n, v in tensors.items()}, ("routing", "mismatch"))
 
     g = exported(tmp, "topk_norm", "cases:\n  - {name: c, dtype: fp32, data: realistic, seed: 5, shape: {tokens: 64, "
                  "hidden: 32, experts: 16, top_k: 4}, router: {score: sigmoid, route_norm: on, route_scale: 16}}\n")
@@ -499,16 +506,7 @@ with tempfile.TemporaryDirectory() as tmp:
         return {"grad_expert_input": dx, "grad_w1": gw1, "grad_w3": gw3, "grad_w2": gw2}
 
     def bwd(what, rc_want, grads, names):
-        g.clear_actual()
-        for n in names:
-            g.write("experts_bwd." + n, grads[n])
-        rc, text = check(g, "--verbose")
-        rows = [l for l in text.splitlines() if "experts_bwd" in l]
-        ok = rc == rc_want
-        print(("ok   " if ok else "FAIL ") + "%s: exit %d (want %d)" % (what, rc, rc_want))
-        if not ok:
-            failures.append(what)
-            print("\n".join(rows)[:2000])
+        judge_written(g, what, rc_want, {"experts_bwd." + n: grads[n] for n in names}, ("experts_bwd",))
 
     right = backward()
     if not np.array_equal(right["grad_expert_input"], g.expected("experts_bwd.grad_expert_input")):
@@ -545,17 +543,10 @@ with tempfile.TemporaryDirectory() as tmp:
         np.float32)  # within the scores tolerance, not equal to the reference's
 
     def rb(what, rc_want, grads, scores=None):
-        g.clear_actual()
-        for n, v in grads.items():
-            g.write("router_bwd." + n, v)
+        tensors = {"router_bwd." + n: v for n, v in grads.items()}
         if scores is not None:
-            g.write("routing.scores", scores)
-        rc, text = check(g, "--verbose")
-        ok = rc == rc_want
-        print(("ok   " if ok else "FAIL ") + "%s: exit %d (want %d)" % (what, rc, rc_want))
-        if not ok:
-            failures.append(what)
-            print("\n".join(l for l in text.splitlines() if "router_bwd" in l or "routing" in l)[:2000])
+            tensors["routing.scores"] = scores
+        judge_written(g, what, rc_want, tensors, ("router_bwd", "routing"))
 
     print("router_bwd: %d of %d tokens' chosen scores sum to below 4e-7" % (tiny, len(ids)))
     if tiny == 0:

@@ -735,6 +735,20 @@ void adopt_capacity_choices(const Case& c, const std::string& stage, const Board
     }
 }
 
+/// The error scale `check` judges output o of rank r with: the one derived
+/// beside it (OutputSpec::from_fast, in `derived`), or one that depends on
+/// whether the implementation wrote o.own_input (OutputSpec::magnitude_own)
+/// into `own`; null: check_output's own (OutputSpec::magnitude).
+const Tensor* external_scale(const Case& c, const OutputSpec& o, int r, int R,
+                             const std::map<std::string, Tensor>& derived, const RankBoard& merged,
+                             const std::set<std::string>& written, Tensor& own) {
+  auto d = derived.find(o.name);
+  if (d != derived.end()) return &d->second;
+  if (!o.magnitude_own) return nullptr;
+  own = o.magnitude_own(c, merged, r, R, written.count(o.own_input) > 0);
+  return &own;
+}
+
 /// An output judged a second time on the implementation's own input
 /// (OutputSpec::on_own: the SwiGLU output on its H), where it wrote both:
 /// the rounding points between them.
@@ -822,12 +836,9 @@ bool ExternalEntry::stage(const Stage& s, Board& board) {
       for (int r = 0; r < R; ++r) {
         auto gi = given[size_t(r)].find(o.name);
         if (gi == given[size_t(r)].end()) continue;
-        const Tensor* scale = scales[size_t(r)].count(o.name) ? &scales[size_t(r)].at(o.name) : nullptr;
         Tensor own_scale;
-        if (!scale && o.magnitude_own) {
-          own_scale = o.magnitude_own(c, merged.ranks[size_t(r)], r, R, written[size_t(r)].count(o.own_input) > 0);
-          scale = &own_scale;
-        }
+        const Tensor* scale =
+            external_scale(c, o, r, R, scales[size_t(r)], merged.ranks[size_t(r)], written[size_t(r)], own_scale);
         // The dispatch gathers the top-K scores bit for bit; where the
         // implementation did not write its own, it gathered scores the
         // reference's may differ from within the scores tolerance (routing

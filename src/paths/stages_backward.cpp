@@ -1120,17 +1120,16 @@ bool gate_operand_moves(const Case& c, const RankBoard& b, const std::string& ti
 OutputSpec router_grad_spec(const char* name, Coords coords, ref::Vec ref::RouterGrad::*half, const char* like,
                             const char* times = nullptr) {
   const bool logits_side = std::string(name) != "grad_scores";
+  auto halfwidth = [half, like](const Case& c, const RankBoard& b, int, int, bool own_scores) {
+    return from_floats(ref_router_grad(c, b, true, own_scores).*half, ElemType::f32, b.at(like).shape);
+  };
   OutputSpec o(name, CompareClass::rounding, coords,
                [logits_side, times](const Case& c, const RankBoard& b) {
                  return router_grad_promised(c, b, logits_side) && (!times || gate_operand_moves(c, b, times));
                },
-               [half, like](const Case& c, const RankBoard& b, int, int) {
-                 return from_floats(ref_router_grad(c, b, true).*half, ElemType::f32, b.at(like).shape);
-               });
+               [halfwidth](const Case& c, const RankBoard& b, int r, int R) { return halfwidth(c, b, r, R, true); });
   o.own_input = "scores";
-  o.magnitude_own = [half, like](const Case& c, const RankBoard& b, int, int, bool own) {
-    return from_floats(ref_router_grad(c, b, true, own).*half, ElemType::f32, b.at(like).shape);
-  };
+  o.magnitude_own = halfwidth;
   return o;
 }
 
