@@ -38,9 +38,11 @@ adds a token's contributions in ascending dispatch row order, rounding after
 every addition (`per_add`) or once at the end (`fp32_accumulate`); under
 `score_multiply: act` the score is rounded to the activation dtype first.
 With `backward: on` it also writes grad_x, the dispatch backward (§13), and
-under `router.score_dtype: fp32` the router backward (§13, router):
+the router backward (§13, router):
   router_bwd.{grad_scores,grad_logits,grad_wg,grad_x_router}
-in float32 in NumPy's own order (its matmul is BLAS's sgemm).
+in float32 in NumPy's own order (its matmul is BLAS's sgemm); under
+`router.score_dtype: act` rounded to the activation dtype after every
+operation, as PyTorch's autograd of bf16 tensors does.
 """
 import os
 import sys
@@ -176,23 +178,33 @@ def router_backward(g, r, act, case, bug):
     """The router backward of one rank (docs/contract.md §13, router), in
     float32: from the top-K scores' gradient (whichever stage wrote it)
     through route_scale, route_norm and the gather to the scores, through
-    softmax or sigmoid to the logits, then the gate's two GEMMs."""
+    softmax or sigmoid to the logits, then the gate's two GEMMs. Held scores
+    (router.score_dtype act): every value an act tensor, rounded after each
+    operation in autograd's order (the quotient's gradient for the
+    denominator is -g * ((s / den) / den), summed over the K)."""
+    held = case["router.score_dtype"] == "act"
+    h = (lambda v: rnd(v, act)) if held else (lambda v: np.asarray(v, np.float32))
     s = g.expected("routing.scores", rank=r)
     ids = g.expected("routing.ids", rank=r).astype(np.int64)
-    gp = g.expected("grad_topk_scores", rank=r) * np.float32(case["router.route_scale"])
+    gp = h(g.expected("grad_topk_scores", rank=r) * np.float32(case["router.route_scale"]))
     x, wg = g.input("x", rank=r), g.input("wg", rank=r)
     chosen = np.take_along_axis(s, ids, axis=1)
     if case["router.route_norm"] == "on":
-        den = chosen.sum(axis=1, keepdims=True) + np.float32(1e-20)
-        gp = gp / den
-        if bug != "router_norm_detached":
-            gp = gp - (gp * chosen).sum(axis=1, keepdims=True) / den
+        den = h(h(chosen.sum(axis=1, keepdims=True)) + np.float32(1e-20))
+        direct = h(gp / den)
+        if bug == "router_norm_detached":
+            gp = direct
+        else:
+            through_den = h((h(gp * h(h(chosen / den) / den))).sum(axis=1, keepdims=True))
+            gp = h(direct - through_den)
     gs = np.zeros_like(s)
     np.put_along_axis(gs, ids, gp, axis=1)
     if case["router.score"] == "sigmoid":
         gl = gs * (s * (1 - s))
     else:
         gl = s * (gs - (gs * s).sum(axis=1, keepdims=True))
+    if held and case["router.gate_dtype"] == "act":
+        gl = h(gl)  # the logits are an act tensor: their gradient is one
     a = rnd(gl, act) if case["router.gate_dtype"] == "act" else gl
     return {"router_bwd.grad_scores": gs, "router_bwd.grad_logits": gl,
             "router_bwd.grad_wg": rnd(a.T @ x, act), "router_bwd.grad_x_router": rnd(a @ wg, act)}
@@ -241,9 +253,8 @@ def implement(g, bug=None):
         g.write("combine.out", combine(g, r, x, token_sorted, score_sorted, act, case, bug), rank=r)
         if case["backward"] == "on":
             g.write("dispatch_bwd.grad_x", dispatch_backward(g, r, token_sorted, score_sorted, act, case), rank=r)
-            if case["router.score_dtype"] == "fp32":
-                for name, value in router_backward(g, r, act, case, bug).items():
-                    g.write(name, value, rank=r)
+            for name, value in router_backward(g, r, act, case, bug).items():
+                g.write(name, value, rank=r)
     print("numpy_moe.py: %s, %d rank(s): outputs written to %s" % (g.name, R, g.actual_dir))
 
 

@@ -240,6 +240,11 @@ enum class RouterGradFault : uint8_t { none, norm_detached, softmax_diagonal };
 /// grad_scores[t, ids_k] = gs_k (sums in ascending k), 0 elsewhere. Then
 /// grad_logits = gs * (s * (1 - s)) (sigmoid), or s * (gs - P) with
 /// P = sum_e gs_e s_e in ascending e (softmax).
+/// Held scores (router.score_dtype act, docs/contract.md §14): the scores'
+/// gradients are those of act tensors, so gp_k = hold(g_k * route_scale),
+/// den = hold(hold(sum_k s_k) + 1e-20) (the forward's held denominator) and
+/// gs_k = hold(gp_k / den - q); grad_logits is rounded to act too where the
+/// logits are an act tensor (`hold_logits`: the act gate).
 struct RouterGradBody {
   static constexpr bool kThreadPerItem = true;
   const float* scores;     // (T, E)
@@ -252,6 +257,12 @@ struct RouterGradBody {
   ScoreFunc score;
   RouteNorm norm;
   RouterGradFault fault = RouterGradFault::none;
+  ScoreHeld held = ScoreHeld::fp32;
+  bool hold_logits = false;
+
+  MOEV_HD float hold(float v) const {
+    return held == ScoreHeld::bf16 ? round_to<bf16>(v) : held == ScoreHeld::fp16 ? round_to<fp16>(v) : v;
+  }
 
   MOEV_HD void operator()(int64_t t, int, int) const {
     const float* s = scores + t * E;
@@ -263,22 +274,23 @@ struct RouterGradBody {
     float den = 0.f, dot = 0.f;
     if (norm == RouteNorm::on) {
       for (int k = 0; k < K; ++k) den += id[k] >= 0 && id[k] < E ? s[id[k]] : 0.f;
-      den += 1e-20f;
-      for (int k = 0; k < K; ++k) dot += id[k] >= 0 && id[k] < E ? (g[k] * route_scale) * s[id[k]] : 0.f;
+      den = hold(hold(den) + 1e-20f);
+      for (int k = 0; k < K; ++k) dot += id[k] >= 0 && id[k] < E ? hold(g[k] * route_scale) * s[id[k]] : 0.f;
     }
     const float q = fault == RouterGradFault::norm_detached ? 0.f : dot / (den * den);
     for (int k = 0; k < K; ++k) {
       if (id[k] < 0 || id[k] >= E) continue;
-      const float gp = g[k] * route_scale;
-      gs[id[k]] += norm == RouteNorm::on ? gp / den - q : gp;
+      const float gp = hold(g[k] * route_scale);
+      gs[id[k]] = hold(gs[id[k]] + (norm == RouteNorm::on ? gp / den - q : gp));
     }
-    if (score == ScoreFunc::sigmoid || fault == RouterGradFault::softmax_diagonal) {
-      for (int e = 0; e < E; ++e) gl[e] = gs[e] * (s[e] * (1.f - s[e]));
-      return;
-    }
+    const bool diagonal = score == ScoreFunc::sigmoid || fault == RouterGradFault::softmax_diagonal;
     float P = 0.f;
-    for (int e = 0; e < E; ++e) P += gs[e] * s[e];
-    for (int e = 0; e < E; ++e) gl[e] = s[e] * (gs[e] - P);
+    if (!diagonal)
+      for (int e = 0; e < E; ++e) P += gs[e] * s[e];
+    for (int e = 0; e < E; ++e) {
+      const float v = diagonal ? gs[e] * (s[e] * (1.f - s[e])) : s[e] * (gs[e] - P);
+      gl[e] = hold_logits ? hold(v) : v;
+    }
   }
 };
 

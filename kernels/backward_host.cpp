@@ -120,18 +120,24 @@ void router_backward(const ExecCtx& ctx, DType dt, const RouterGradArgs& a) {
                  accb = size_t(int64_t(a.E) * a.D) * 4;
     // GateGradBody's fp32 sums: scratch, on a device never read back (no wrote())
     std::vector<float> acc(size_t(int64_t(a.E) * a.D));
+    k::RouterGradBody scores_body{a.scores, a.ids, a.grad_topk, a.grad_scores, a.grad_logits, a.E, a.K,
+                                  a.route_scale, a.score, a.norm, fault};
+    scores_body.held = a.held;
+    // under held scores the act gate's logits are an act tensor: their gradient is one too
+    scores_body.hold_logits = a.held != k::ScoreHeld::fp32 && a.act_gate;
     if (ctx.mirror) {
       Mirror& m = *ctx.mirror;
       Mirror::Scope scope{m};
       float* gl = nullptr;
       if (a.T > 0) {
         gl = static_cast<float*>(m.out(a.grad_logits, te));
-        m.device().run(k::RouterGradBody{static_cast<const float*>(m.in(a.scores, te)),
-                                         static_cast<const int32_t*>(m.in(a.ids, tk)),
-                                         static_cast<const float*>(m.in(a.grad_topk, tk)),
-                                         static_cast<float*>(m.out(a.grad_scores, te)), gl, a.E, a.K, a.route_scale,
-                                         a.score, a.norm, fault},
-                       a.T);
+        k::RouterGradBody b = scores_body;
+        b.scores = static_cast<const float*>(m.in(a.scores, te));
+        b.ids = static_cast<const int32_t*>(m.in(a.ids, tk));
+        b.grad_topk = static_cast<const float*>(m.in(a.grad_topk, tk));
+        b.grad_scores = static_cast<float*>(m.out(a.grad_scores, te));
+        b.grad_logits = gl;
+        m.device().run(b, a.T);
         m.wrote(a.grad_scores, te);
         m.wrote(a.grad_logits, te);
         m.device().run(k::GateInputGradBody<V>{gl, static_cast<const V*>(m.in(a.wg, wb)),
@@ -146,9 +152,7 @@ void router_backward(const ExecCtx& ctx, DType dt, const RouterGradArgs& a) {
       m.wrote(a.grad_wg, wb);
       return;
     }
-    host_run(ctx, a.T,
-             k::RouterGradBody{a.scores, a.ids, a.grad_topk, a.grad_scores, a.grad_logits, a.E, a.K, a.route_scale,
-                               a.score, a.norm, fault});
+    host_run(ctx, a.T, scores_body);
     host_run(ctx, a.E,
              k::GateGradBody<V>{a.grad_logits, static_cast<const V*>(a.x), acc.data(), static_cast<V*>(a.grad_wg), a.T,
                                 a.D, a.E, a.act_gate});

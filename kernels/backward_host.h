@@ -54,6 +54,7 @@ struct RouterGradArgs {
   k::ScoreFunc score = k::ScoreFunc::softmax;
   k::RouteNorm norm = k::RouteNorm::off;
   bool act_gate = false;  // router.gate_dtype act: grad_logits rounded to act before the gate's GEMMs
+  k::ScoreHeld held = k::ScoreHeld::fp32;  // router.score_dtype act: the score steps' gradients held in act
   float* grad_scores = nullptr;
   float* grad_logits = nullptr;
   void* grad_wg = nullptr;

@@ -24,38 +24,84 @@ constexpr double kUnknown = 1e290;
 /// relative precision is lost).
 inline const double kSubnormal = std::ldexp(1.0, -126);
 
+/// Unit roundoff of act (2^-p, p its significand bits): a held value is
+/// within uh |v| of the exact one per rounding.
+double unit_roundoff(Act act) {
+  return act == Act::bf16 ? 1.0 / 256 : act == Act::fp16 ? 1.0 / 2048 : kU32;
+}
+/// Half the smallest subnormal of act: the absolute error one rounding may
+/// make where the relative bound fails (a gradient of 1e-7 in fp16 is there).
+double underflow_half(Act act) {
+  return std::ldexp(1.0, act == Act::bf16 ? -134 : act == Act::fp16 ? -25 : -150);
+}
+double act_max_finite(Act act) {
+  return act == Act::bf16 ? 3.3895313892515355e38 : act == Act::fp16 ? 65504.0 : 3.4028234663852886e38;
+}
+
 /// One token's grad_scores (E) and their half-widths, from its K selected
 /// scores (docs/contract.md §13, router), each known within srtol |s| + satol.
+/// Held scores (spec.held act): the denominator is the forward's held one,
+/// and the room covers an act rounding after every operation of autograd's
+/// chain (gp; gp / den; s / den, / den again, times gp, their sum), beside
+/// an act unit either way of the held denominator (another fp32 summation
+/// order of its sum may round to the neighbour).
 /// Returns false where route_norm's denominator is not known (the chosen
 /// scores sum to less than twice their tolerance): no half-width holds then.
 bool token_score_grad(const RouterSpec& spec, const float* s, const int32_t* ids, const float* g, double srtol,
                       double satol, double* gs, double* wgs) {
   const int E = spec.E, K = spec.K;
-  double den = 1e-20, dot = 0, abs_dot = 0, dden = 0, gp_d = 0;
+  const bool held = spec.held != Act::fp32;
+  const double uh = held ? unit_roundoff(spec.held) : 0.0;
+  const double dh = held ? underflow_half(spec.held) : 0.0, d32 = underflow_half(Act::fp32);
+  double den = 0, dot = 0, abs_dot = 0, dden = 0, gp_d = 0, sum_agp = 0;
   for (int k = 0; k < K; ++k) {
     if (ids[k] < 0 || ids[k] >= E) continue;
     const double sk = s[ids[k]], gp = double(g[k]) * spec.route_scale, dk = srtol * std::fabs(sk) + satol;
+    sum_agp += std::fabs(gp);
     den += sk;
     dot += gp * sk;
     abs_dot += std::fabs(gp * sk);
     dden += dk;
     gp_d += std::fabs(gp) * dk;
   }
+  den = held ? round_act(spec.held, f32(double(round_act(spec.held, f32(den))) + 1e-20)) : den + 1e-20;
+  // a held value past act's range (fp16's 65504 within reach of g * route_scale,
+  // gp / den, s / den^2 or their products) is an infinity in autograd's
+  // chain: nothing is known then (the slack: that chain's roundings)
+  const double big = held ? act_max_finite(spec.held) / (1 + 8 * uh) : INFINITY;
+  bool overflow = false;
+  for (int k = 0; k < K; ++k) {
+    if (ids[k] < 0 || ids[k] >= E) continue;
+    const double gp = std::fabs(double(g[k]) * spec.route_scale);
+    overflow = overflow || gp > big || (spec.route_norm && (gp / den > big || s[ids[k]] / (den * den) > big));
+  }
+  if (spec.route_norm) overflow = overflow || abs_dot / (den * den) > big;
   for (int k = 0; k < K; ++k) {
     const int e = ids[k];
     if (e < 0 || e >= E) continue;
-    const double gp = double(g[k]) * spec.route_scale;
-    double v = gp, mag = std::fabs(gp), sens = 0;
+    const double gp = double(g[k]) * spec.route_scale, agp = std::fabs(gp);
+    // rounding's absolute part (underflow): fp32's in every step, act's in held ones
+    double v = gp, mag = agp, sens = 0, hroom = uh * agp + dh, under = double(2 * K + 8) * d32;
     if (spec.route_norm) {
       const double d2 = den * den;
       v = gp / den - dot / d2;
-      mag = std::fabs(gp) / den + abs_dot / d2;
-      sens = 2 * (std::fabs(gp) * dden / d2 + gp_d / d2 + 2 * std::fabs(dot) * dden / (d2 * den));
+      mag = agp / den + abs_dot / d2;
+      sens = 2 * (agp * dden / d2 + gp_d / d2 + 2 * std::fabs(dot) * dden / (d2 * den));
+      // autograd's chain: gp, then gp / den (2 roundings); s / den, / den
+      // again, times gp, their sum (5 with gp's); and the held denominator
+      // an act unit (2 uh den, or 2 dh where it is subnormal) either way; to
+      // first order with 10 % to spare. Their underflows: gp's (through
+      // gp / den and the quotients), s / den's (through / den and times gp),
+      // the second quotient's (times gp), each product's and the sum's.
+      const double unit = 2 * uh * den + 2 * dh;
+      hroom = uh * (2 * agp / den + 6 * abs_dot / d2) + 1.1 * unit * (agp / d2 + 2 * std::fabs(dot) / (d2 * den)) +
+              1.1 * dh * (2 / den + (1 + 1 / den) * sum_agp + K + 2);
+      under *= 1 + 1 / d2;  // the fp32 dot's underflow divided by den^2
     }
     gs[e] += v;
-    wgs[e] += sens + double(2 * K + 8) * kU32 * mag;
+    wgs[e] += sens + double(2 * K + 8) * kU32 * mag + hroom + under;
   }
-  return !(spec.route_norm && !(dden < den / 2));
+  return !overflow && !(spec.route_norm && !(dden < den / 2));
 }
 
 /// One token's grad_logits (E) and half-widths from its grad_scores.
@@ -68,7 +114,8 @@ void token_logit_grad(const RouterSpec& spec, const float* s, const double* gs, 
       // |q|: a score an implementation computed may pass 1 by an ulp or two
       const double se = s[e], q = se * (1 - se), aq = std::fabs(q);
       gl[e] = gs[e] * q;
-      wgl[e] = aq * wgs[e] + 2 * std::fabs(gs[e]) * std::fabs(1 - 2 * se) * tol(e) + 4 * kU32 * aq * std::fabs(gs[e]);
+      wgl[e] = aq * wgs[e] + 2 * std::fabs(gs[e]) * std::fabs(1 - 2 * se) * tol(e) + 4 * kU32 * aq * std::fabs(gs[e]) +
+               4 * underflow_half(Act::fp32);
     }
     return;
   }
@@ -81,7 +128,8 @@ void token_logit_grad(const RouterSpec& spec, const float* s, const double* gs, 
   for (int e = 0; e < E; ++e) {
     const double se = s[e], ase = std::fabs(se);
     gl[e] = se * (gs[e] - P);
-    wgl[e] = ase * (wgs[e] + wP) + 2 * tol(e) * std::fabs(gs[e] - P) + double(E + 4) * kU32 * ase * (std::fabs(gs[e]) + absP);
+    wgl[e] = ase * (wgs[e] + wP) + 2 * tol(e) * std::fabs(gs[e] - P) + double(E + 4) * kU32 * ase * (std::fabs(gs[e]) + absP) +
+             double(E + 4) * underflow_half(Act::fp32);
   }
 }
 
@@ -95,9 +143,12 @@ float gemm_half(Act out, double V, double room) {
 RouterGrad router_backward(const RouterSpec& spec, GateDtype gate, Act act, const Vec& scores, const Ids& ids,
                            const Vec& grad_topk, const Vec& x, const Vec& wg, int64_t T, int64_t D, double score_rtol,
                            bool want_half) {
-  // each score known within score_rtol |s| + 2^-126 (exactly where the scores are the implementation's own)
+  const bool held = spec.held != Act::fp32;
+  // each score known within score_rtol |s| + 2^-126 (exactly where the scores
+  // are the implementation's own); a held score of its own may also be the
+  // other act rounding of a value within that tolerance: two act units more
+  if (held && score_rtol > 0) score_rtol += 2 * unit_roundoff(spec.held);
   const double score_atol = score_rtol > 0 ? kSubnormal : 0.0;
-  if (spec.held != Act::fp32) throw std::logic_error("router_backward: held scores have no backward rule");
   const int E = spec.E, K = spec.K;
   RouterGrad r;
   r.grad_scores.assign(size_t(T * E), 0.f);
@@ -115,26 +166,39 @@ RouterGrad router_backward(const RouterSpec& spec, GateDtype gate, Act act, cons
     const float* s = &scores[size_t(t * E)];
     const bool known = token_score_grad(spec, s, &ids[size_t(t * K)], &grad_topk[size_t(t * K)], score_rtol,
                                         score_atol, gs.data(), wgs.data());
+    // An unknown normalisation reaches the chosen scores, and through the
+    // softmax every logit; an unchosen sigmoid score's gradient stays 0.
+    std::vector<bool> chosen(static_cast<size_t>(E));
+    for (int e = 0; e < E; ++e) {
+      const size_t i = size_t(t * E + e), j = size_t(e);
+      chosen[j] = wgs[j] > 0 || gs[j] != 0;
+      // the stored fp32 value is one more rounding of the exact one
+      double hs = !known && chosen[j] ? INFINITY : wgs[j] + kU32 * std::fabs(gs[j]);
+      r.grad_scores[i] = f32(gs[j]);
+      if (held) {
+        // the gradient of a held score is an act value: the logits' steps
+        // start from it, within its half-width
+        r.grad_scores[i] = round_act(spec.held, f32(gs[j]));
+        hs = std::isfinite(hs) ? rounding_halfwidth(spec.held, gs[j], hs) : hs;
+        gs[j] = r.grad_scores[i];
+        wgs[j] = hs;
+      }
+      if (want_half) r.half_scores[i] = f32(hs);
+    }
     token_logit_grad(spec, s, gs.data(), wgs.data(), score_rtol, score_atol, gl.data(), wgl.data());
     for (int e = 0; e < E; ++e) {
       const size_t i = size_t(t * E + e);
-      r.grad_scores[i] = f32(gs[size_t(e)]);
       r.grad_logits[i] = f32(gl[size_t(e)]);
-      // An unknown normalisation reaches the chosen scores, and through the
-      // softmax every logit; an unchosen sigmoid score's gradient stays 0.
-      const bool chosen = wgs[size_t(e)] > 0 || gs[size_t(e)] != 0;
-      const bool unknown = !known && (chosen || spec.score == Score::softmax);
-      // the stored fp32 value is one more rounding of the exact one
-      const double hs = unknown && chosen ? INFINITY : wgs[size_t(e)] + kU32 * std::fabs(gs[size_t(e)]);
+      const bool unknown = !known && (chosen[size_t(e)] || spec.score == Score::softmax);
       const double hl = unknown ? INFINITY : wgl[size_t(e)] + kU32 * std::fabs(gl[size_t(e)]);
-      if (want_half) {
-        r.half_scores[i] = f32(hs);
-        r.half_logits[i] = f32(hl);
-      }
       const double v = gl[size_t(e)];
       a(t, e) = gate == GateDtype::act ? round_act(act, f32(v)) : v;
-      const double w = gate == GateDtype::act ? rounding_halfwidth(act, v, hl) : hl;
+      const double w = gate == GateDtype::act && std::isfinite(hl) ? rounding_halfwidth(act, v, hl) : hl;
       wa(t, e) = std::isfinite(w) ? w : kUnknown;  // finite through the GEMMs of |x| and |wg| below
+      // held scores under the act gate: the logits are an act tensor, their gradient the GEMMs' operand
+      const bool act_logits = held && gate == GateDtype::act;
+      if (act_logits) r.grad_logits[i] = f32(a(t, e));
+      if (want_half) r.half_logits[i] = f32(act_logits ? w : hl);
     }
   }
   MatD xm(T, D), wm(E, D);
@@ -153,13 +217,22 @@ RouterGrad router_backward(const RouterSpec& spec, GateDtype gate, Act act, cons
     r.half_wg.resize(size_t(E * D));
     r.half_x.resize(size_t(T * D));
   }
+  // An unknown operand may be an infinity or a NaN (a held overflow), which
+  // a zero of the other operand does not cancel: its whole row of grad_x and
+  // its expert's row of grad_wg are unknown.
+  std::vector<bool> unknown_e(static_cast<size_t>(E)), unknown_t(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t)
+    for (int e = 0; e < E; ++e)
+      if (wa(t, e) >= kUnknown) unknown_e[size_t(e)] = unknown_t[size_t(t)] = true;
   for (int64_t i = 0; i < int64_t(E) * D; ++i) {
     r.grad_wg[size_t(i)] = round_act(act, f32(dwg.data()[i]));
-    if (want_half) r.half_wg[size_t(i)] = gemm_half(act, dwg.data()[i], room_wg.data()[i]);
+    if (want_half)
+      r.half_wg[size_t(i)] = unknown_e[size_t(i / D)] ? INFINITY : gemm_half(act, dwg.data()[i], room_wg.data()[i]);
   }
   for (int64_t i = 0; i < T * D; ++i) {
     r.grad_x[size_t(i)] = round_act(act, f32(dx.data()[i]));
-    if (want_half) r.half_x[size_t(i)] = gemm_half(act, dx.data()[i], room_x.data()[i]);
+    if (want_half)
+      r.half_x[size_t(i)] = unknown_t[size_t(i / D)] ? INFINITY : gemm_half(act, dx.data()[i], room_x.data()[i]);
   }
   return r;
 }

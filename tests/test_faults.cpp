@@ -125,6 +125,14 @@ TEST_CASE("faults of the router backward are caught by router_bwd", "[cpu][fault
   const auto diag = caught_by(ep2, Fault::router_bwd_softmax_diagonal);
   CHECK(contains(diag, "router_bwd/grad_logits@0"));
   CHECK_FALSE(contains(diag, "router_bwd/grad_scores@0"));  // the score steps are right
+  // held scores (router.score_dtype act): half-widths of a few act units
+  // that admit autograd's chain of roundings still see both faults
+  CHECK(contains(caught_by(case_named("backward.yaml", "bwd_router_held_sigmoid_norm"),
+                           Fault::router_bwd_norm_detached),
+                 "router_bwd/grad_scores"));
+  const Case held = case_named("backward.yaml", "bwd_router_held_softmax_fp16_ep2");
+  CHECK(contains(caught_by(held, Fault::router_bwd_norm_detached), "router_bwd/grad_scores@0"));
+  CHECK(contains(caught_by(held, Fault::router_bwd_softmax_diagonal), "router_bwd/grad_logits@0"));
 }
 
 TEST_CASE("fault silu_rounded is caught by the activation check, given the same GEMM outputs", "[cpu][fault]") {

@@ -193,9 +193,12 @@ inline void visit(Partial& p, const Spans<T>& s, int64_t i) {
     }
     if (std::isnan(f) || std::isnan(g)) {
       // NaN matches NaN whatever its sign and payload, under every rule: the
-      // bits of a NaN are the machine's (x86 makes -nan of 0 * inf, a GPU +nan)
+      // bits of a NaN are the machine's (x86 makes -nan of 0 * inf, a GPU +nan).
+      // An element with an infinite half-width is not judged: an overflow
+      // within reach may meet its opposite infinity (inf - inf) there.
       ok = std::isnan(f) && std::isnan(g);
-      if (!(std::isnan(f) && std::isnan(g))) {
+      if constexpr (R == Rule::rounding && kScale) ok = ok || std::isinf(s.scale[i]);
+      if (!ok) {
         p.max_abs = INFINITY;
         p.max_ulp = INFINITY;
       }

@@ -1064,8 +1064,6 @@ Stage ep_dispatch_bwd_stage() {
 
 // ---- router_bwd (docs/contract.md §13, router) ------------------------------------------
 
-bool router_bwd_rule(const Case& c) { return c.router.score_dtype == GateDtype::fp32; }
-
 /// The reference router backward of one rank's board, with half-widths.
 /// `own_scores` false (`check` of an implementation that wrote no scores):
 /// the board's scores are the reference's, and the half-widths carry the
@@ -1151,6 +1149,8 @@ void fast_router_bwd(FastCtx& ctx) {
   a.score = c.router.score;
   a.norm = c.router.route_norm == Switch::on ? k::RouteNorm::on : k::RouteNorm::off;
   a.act_gate = c.router.gate_dtype == GateDtype::act;
+  if (c.router.score_dtype == GateDtype::act)
+    a.held = c.dtype == DType::bf16 ? k::ScoreHeld::bf16 : c.dtype == DType::fp16 ? k::ScoreHeld::fp16 : k::ScoreHeld::fp32;
   a.grad_scores = ctx.output("grad_scores", ElemType::f32, {T, E}).as<float>();
   a.grad_logits = ctx.output("grad_logits", ElemType::f32, {T, E}).as<float>();
   a.grad_wg = ctx.output("grad_wg", act_elem(c.dtype), {E, c.hidden}).data();
@@ -1182,22 +1182,29 @@ void ref_router_bwd(RefCtx& r) {
 
 /// router_bwd: the gradient of the top-K scores back to the gate: the
 /// scores, the logits, the gate weight and the router's share of x's
-/// gradient (not added into grad_x, which is the token path's).
-Stage router_bwd_stage() {
-  Stage s = make("router_bwd", "fp32_scores",
-                 "grad_topk_scores -> route_scale, route_norm (den's gradient included), gather, softmax/sigmoid "
-                 "-> grad_logits; grad_wg = grad_logits^T x, grad_x_router = round(grad_logits wg) (docs/contract.md §13)",
+/// gradient (not added into grad_x, which is the token path's). `held`:
+/// the variant of scores held in act (router.score_dtype act), whose
+/// gradients are act values (docs/contract.md §13).
+Stage router_bwd_stage(bool held) {
+  Stage s = make("router_bwd", held ? "held_scores" : "fp32_scores",
+                 held ? "grad_topk_scores -> route_scale, route_norm, gather, softmax/sigmoid with the score gradients "
+                        "rounded to act (autograd of held scores) -> grad_logits; grad_wg, grad_x_router as fp32_scores "
+                        "(docs/contract.md §13)"
+                      : "grad_topk_scores -> route_scale, route_norm (den's gradient included), gather, softmax/sigmoid "
+                        "-> grad_logits; grad_wg = grad_logits^T x, grad_x_router = round(grad_logits wg) "
+                        "(docs/contract.md §13)",
                  {"grad_topk_scores", "scores", "ids", "x", "wg"},
                  {router_grad_spec("grad_scores", Coords::token_expert, &ref::RouterGrad::half_scores, "scores"),
                   router_grad_spec("grad_logits", Coords::token_expert, &ref::RouterGrad::half_logits, "scores"),
                   router_grad_spec("grad_wg", Coords::expert_col, &ref::RouterGrad::half_wg, "wg", "x"),
                   router_grad_spec("grad_x_router", Coords::token_col, &ref::RouterGrad::half_x, "x", "wg")},
                  fast_router_bwd, ref_router_bwd);
-  s.applies = [](const Case& c) {
+  s.applies = [held](const Case& c) {
     const Decision d = backward_on(c);
     if (!d.applies) return d;
-    return Decision{router_bwd_rule(c), "router.score_dtype: act (the router backward of held scores has no rule yet, "
-                                        "docs/contract.md §13)"};
+    return Decision{(c.router.score_dtype == GateDtype::act) == held,
+                    held ? "router.score_dtype: fp32 (held_scores is the variant of act scores)"
+                         : "router.score_dtype: act (fp32_scores is the variant of fp32 scores)"};
   };
   s.ref_per_rank = true;
   return s;
@@ -1223,7 +1230,7 @@ void register_backward_stages(std::vector<Stage>& reg) {
   reg.push_back(align_pad_bwd_stage());
   reg.push_back(ep_dispatch_bwd_stage());
   add_dispatch_bwd(reg);
-  reg.push_back(router_bwd_stage());
+  for (bool held : {false, true}) reg.push_back(router_bwd_stage(held));
   // Device forms (issue 12): every variant runs its bodies through entry
   // points that take the mirror (row maps, the combine body, copy_bytes,
   // CombineGradRowsBody, ScoreGradBody, the SwiGLU backward's GEMMs and

@@ -23,6 +23,9 @@ Bugs (torchtitan):
   source_major   EP > 1: the received rows are left rank-major, the permute
                  to local-expert-major order skipped (the experts then read
                  each other's rows wherever two ranks sent rows)
+  norm_detached  the router's route_norm denominator is detached: the same
+                 forward, but no gradient through the sum (a fused router
+                 backward that forgets it)
 """
 import sys
 import types
@@ -68,6 +71,24 @@ if fw == "torchtitan":
             return shape, routed_input_RD[keep, :], keep, counts_e
 
         td.AllToAllTokenDispatcher._permute = rank_major
+    elif bug == "norm_detached":
+        import torchtitan.models.common.moe as tm
+        real_router = tm.TokenChoiceTopKRouter.forward
+
+        def detached_norm(self, x, expert_bias=None):
+            # the real router without its norm and scale, then the same ops
+            # (the same bits) with the denominator outside the graph
+            norm, scale = self.route_norm, self.route_scale
+            self.route_norm, self.route_scale = False, 1.0
+            try:
+                top, ids, scores = real_router(self, x, expert_bias)
+            finally:
+                self.route_norm, self.route_scale = norm, scale
+            if norm:
+                top = top / (top.sum(dim=-1, keepdim=True) + 1e-20).detach()
+            return top * scale, ids, scores
+
+        tm.TokenChoiceTopKRouter.forward = detached_norm
     else:
         sys.exit("planted.py: no bug %r for torchtitan" % bug)
     from moeverify.frameworks import torchtitan as adapter

@@ -51,9 +51,11 @@ from . import main_for, refuse_keys, refuse_other_world, world
 # the expert-parallel stages between dispatch and the experts are identities
 # there and torchtitan has no tensor for them, so they are not written.
 SEAMS = [
-    Seam("router.gate", "out", {"router_logits.logits": None}),
+    # the router's backward (docs/contract.md §13, router): the gradients of
+    # its logits and of its dense scores (the gather's included)
+    Seam("router.gate", "out", {"router_logits.logits": None}, grad={"router_bwd.grad_logits": None}),
     Seam("router", "out", {"routing.topk_scores": 0, "routing.ids": 1, "routing.scores": 2},
-         grad={"combine_bwd.grad_topk_scores": 0}),
+         grad={"combine_bwd.grad_topk_scores": 0, "router_bwd.grad_scores": 2}),
     Seam("routed_experts", "in", {"routing.counts": 3}),
     Seam("routed_experts.token_dispatcher", "call",
          {"dispatch.routed_input": 0,
@@ -79,6 +81,7 @@ SEAMS = [
 ]
 
 PARAM_GRADS = {
+    "router_bwd.grad_wg": "router.gate.weight",
     "experts_bwd.grad_w1": "routed_experts.inner_experts.w1_EFD",
     "experts_bwd.grad_w3": "routed_experts.inner_experts.w3_EFD",
     "experts_bwd.grad_w2": "routed_experts.inner_experts.w2_EDF",
@@ -286,18 +289,23 @@ def run(g):
     # router computes its logits, scores, normalisation and scale in bf16:
     # router.gate_dtype and router.score_dtype act (docs/contract.md §14),
     # which the profile sets and refuse_unsupported requires.
+    router_x = []
     if backward:
         # moeverify's grad_x is the token path's (docs/contract.md §13): the
-        # router's own input gradient (through the gate, into x) is not part of
-        # it, so the router reads x without a gradient path; its weights still
-        # get theirs.
-        moe.router.register_forward_pre_hook(lambda m, args: (args[0].detach(),) + tuple(args[1:]))
+        # router's own input gradient (through the gate, into x) is not part
+        # of it, so the router reads a leaf copy of x, whose gradient is the
+        # router's share (router_bwd.grad_x_router); its weights keep theirs.
+        def own_x(m, args):
+            router_x.append(args[0].detach().requires_grad_(True))
+            return (router_x[-1],) + tuple(args[1:])
+        moe.router.register_forward_pre_hook(own_x)
     with Capture(moe, seams(c), grads, backward=backward) as cap:
         out = moe(x if tokens_2d(moe) else x.view(1, T, D)).view(T, D)
         if backward:
             out.backward(g.input("grad_out", rank=rank, as_torch=True).to(act))
     if backward:
         cap.values["dispatch_bwd.grad_x"] = x.grad.detach().clone()
+        cap.values["router_bwd.grad_x_router"] = router_x[-1].grad.detach().clone().reshape(T, D)
     gemm_out, gemm_a = cap.scratch.get("_gemm_out", []), cap.scratch.get("_gemm_a", [])
     if len(gemm_out) == 3:
         cap.values["experts.expert_h13"] = torch.cat([gemm_out[0], gemm_out[1]], dim=1)
