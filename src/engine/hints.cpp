@@ -41,7 +41,7 @@ const char* rounding_keys(const std::string& slot) {
       {"experts_bwd", "experts.rounding, experts.compute_dtype"},
       {"shared_experts_bwd", "experts.rounding"},
       {"dispatch_bwd", "grad_accumulate, combine.accumulate"},
-      {"router_bwd", "router.gate_dtype"},
+      {"router_bwd", "router.gate_dtype, router.score_dtype"},
       {"fp8_quant", "dispatch.quotient, dispatch.scale"}};
   auto k = keys.find(slot);
   return k == keys.end() ? nullptr : k->second;

@@ -1084,17 +1084,30 @@ ref::RouterGrad ref_router_grad(const Case& c, const RankBoard& b, bool want_hal
 /// whose K gradients are all equal (K = 1, or identity experts: every row
 /// of the token is x) gives its scores no gradient. A softmax's logits
 /// (`logits_side`) have none where the score gradient is the same at every
-/// expert: with K = E and equal gradients too.
+/// expert: with K = E and equal gradients too. Nor do the logits of a
+/// saturated score: s (1 - s) = 0 for sigmoid, and a softmax whose chosen
+/// scores are each 0 or 1 (held fp16 scores of exact data get there).
 bool router_grad_promised(const Case& c, const RankBoard& b, bool logits_side) {
   auto it = b.find("grad_topk_scores");
   if (it == b.end()) return false;
   const bool need_differ = c.router.route_norm == Switch::on ||
                            (logits_side && c.router.score == k::ScoreFunc::softmax && c.top_k == c.num_experts);
-  const std::vector<float> g = to_floats(it->second);
-  const size_t K = size_t(c.top_k);
-  for (size_t t = 0; t + K <= g.size(); t += K)
-    for (size_t k = 0; k < K; ++k)
-      if (g[t + k] != 0 && (!need_differ || g[t + k] != g[t])) return true;
+  const std::vector<float> g = to_floats(it->second), s = to_floats(b.at("scores"));
+  const ref::Ids ids = ref_ids(b.at("ids"));
+  const size_t K = size_t(c.top_k), E = size_t(c.num_experts);
+  for (size_t t = 0; (t + 1) * K <= g.size(); ++t) {
+    bool moves = false, open = !logits_side;
+    for (size_t k = 0; k < K; ++k) {
+      const float gk = g[t * K + k];
+      moves = moves || (gk != 0 && (!need_differ || gk != g[t * K]));
+      const int32_t e = ids[t * K + k];
+      if (e >= 0 && size_t(e) < E && (t + 1) * E <= s.size()) {
+        const float se = s[t * E + size_t(e)];
+        open = open || (se > 0 && se < 1);
+      }
+    }
+    if (moves && open) return true;
+  }
   return false;
 }
 
