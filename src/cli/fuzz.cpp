@@ -336,7 +336,7 @@ FuzzResult fuzz(const FuzzOptions& o, std::ostream& progress) {
         // and shown, never a failure.
         ++uninformative;
         std::lock_guard<std::mutex> lk(m);
-        ++res.uninformative_checks[v.check];
+        note_uninformative(res, v.check, i);
       } else {
         FuzzFailure f;
         f.index = i;
@@ -414,6 +414,18 @@ std::string emit_case_file(const FuzzOptions& o, const std::string& replay) {
   return y.str();
 }
 
+void note_uninformative(FuzzResult& r, const std::string& check, uint64_t i) {
+  ++r.uninformative_checks[check];
+  std::vector<uint64_t>& at = r.uninformative_configurations[check];
+  at.insert(std::upper_bound(at.begin(), at.end(), i), i);
+}
+
+std::string configuration_list(const std::vector<uint64_t>& indices) {
+  std::string s = indices.size() > 1 ? "(configurations " : "(configuration ";
+  for (size_t k = 0; k < indices.size() && k < 12; ++k) s += (k ? ", " : "") + std::to_string(indices[k]);
+  return s + (indices.size() > 12 ? ", ...)" : ")");
+}
+
 void print_fuzz_result(const FuzzResult& r, std::ostream& os) {
   os << "\nfuzz: seed " << r.seed << ", " << r.configurations << " configurations in " << std::fixed
      << std::setprecision(1) << r.seconds << " s (" << std::setprecision(0)
@@ -422,7 +434,11 @@ void print_fuzz_result(const FuzzResult& r, std::ostream& os) {
   os << "   " << std::left << std::setw(16) << "PASSED" << r.passed << "\n"
      << "   " << std::setw(16) << "uninformative" << r.uninformative << "  (NOT_VERIFIED: data that cannot show a bug)\n"
      << "   " << std::setw(16) << "failures" << r.failures.size() << "\n";
-  for (const auto& [check, n] : r.uninformative_checks) os << "      uninformative at " << check << ": " << n << "\n";
+  for (const auto& [check, n] : r.uninformative_checks)
+    os << "      uninformative at " << check << ": " << n << " "
+       << configuration_list(r.uninformative_configurations.at(check)) << "\n";
+  if (r.uninformative > 0)
+    os << "      (--emit FILE writes configuration i as case fuzz_" << r.seed << "_i, to run it with --verbose)\n";
   for (const auto& f : r.failures) {
     os << "\n   FAIL configuration " << f.index << ": " << outcome_name(f.outcome) << " at " << f.check << "\n";
     if (!f.note.empty()) os << "      " << f.note.substr(0, 300) << "\n";
@@ -442,6 +458,7 @@ std::string fuzz_json(const FuzzResult& r) {
   j["configurations"] = r.configurations;
   j["passed"] = r.passed;
   j["uninformative"] = r.uninformative;
+  j["uninformative_configurations"] = r.uninformative_configurations;
   j["failures"] = nlohmann::json::array();
   j["files"] = nlohmann::json::array();
   for (const auto& f : r.failures) {

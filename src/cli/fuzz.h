@@ -82,6 +82,9 @@ struct FuzzResult {
   double seconds = 0;
   std::vector<FuzzFailure> failures;
   std::map<std::string, int> uninformative_checks;  // check -> count
+  // check -> the NOT_VERIFIED configurations' indices, ascending (`--emit`
+  // writes configuration i as case fuzz_SEED_i, to look at one)
+  std::map<std::string, std::vector<uint64_t>> uninformative_configurations;
   // --impl only
   bool impl = false;
   std::string impl_cmd, profile, work_dir;
@@ -106,6 +109,12 @@ std::string emit_case_file(const FuzzOptions& o, const std::string& replay);
 
 void print_fuzz_result(const FuzzResult& r, std::ostream& os);
 std::string fuzz_json(const FuzzResult& r);
+
+/// Notes configuration i NOT_VERIFIED at `check` (the jobs finish out of
+/// order: the indices are kept ascending).
+void note_uninformative(FuzzResult& r, const std::string& check, uint64_t i);
+/// "(configurations 3, 17, ...)": at most 12 indices, for the text reports.
+std::string configuration_list(const std::vector<uint64_t>& indices);
 
 /// `fuzz --impl`: the same loop over a user's implementation (fuzz_impl.cpp).
 /// o.backend, o.faults do not apply; o.out_dir receives the shrunk cases.

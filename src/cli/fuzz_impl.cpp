@@ -323,7 +323,7 @@ void tally(FuzzResult& res, const ImplRun& r, uint64_t i) {
     res.stages[slot].failed += s.second;
   }
   if (r.v.outcome == Outcome::PASSED) ++res.passed;
-  else if (r.v.outcome == Outcome::NOT_VERIFIED) ++res.uninformative, ++res.uninformative_checks[r.v.check];
+  else if (r.v.outcome == Outcome::NOT_VERIFIED) ++res.uninformative, note_uninformative(res, r.v.check, i);
   else ++res.failed;
 }
 
@@ -647,7 +647,10 @@ void print_impl_result(const FuzzResult& r, std::ostream& os, const Profile* pro
   // many of them is seen (a stage written for EP 1 only, say)
   for (const auto& [check, n] : r.uninformative_checks)
     os << "      NOT_VERIFIED " << n << ": " << (check == "-/actual/-" ? "no actual/ folder: nothing written" : check)
-       << "\n";
+       << " " << configuration_list(r.uninformative_configurations.at(check)) << "\n";
+  if (r.uninformative > 0)
+    os << "      (--emit FILE writes configuration i as case fuzz_" << r.seed << "_i: export it, run yours, check "
+       << "--verbose)\n";
   if (r.uninformative > 0 && r.uninformative >= r.passed)
     os << "      (as many configurations checked nothing as PASSED: --require all makes an unwritten stage "
           "INCORRECT)\n";
@@ -704,6 +707,7 @@ std::string impl_json(const FuzzResult& r) {
   for (const auto& [slot, s] : r.stages) j["stages"][slot] = {{"judged", s.judged}, {"failed", s.failed}};
   j["skip_reasons"] = r.skip_reasons;
   j["not_verified_checks"] = r.uninformative_checks;
+  j["not_verified_configurations"] = r.uninformative_configurations;
   j["interrupted"] = r.interrupted;
   j["failures"] = nlohmann::json::array();
   for (const auto& f : r.failures)
