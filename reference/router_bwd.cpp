@@ -66,16 +66,17 @@ bool token_score_grad(const RouterSpec& spec, const float* s, const int32_t* ids
   }
   den = held ? round_act(spec.held, f32(double(round_act(spec.held, f32(den))) + 1e-20)) : den + 1e-20;
   // a held value past act's range (fp16's 65504 within reach of g * route_scale,
-  // gp / den, s / den^2 or their products) is an infinity in autograd's
+  // gp / den, 1 / den^2 (the reciprocal's gradient, where the norm is
+  // written top * (1 / den)) or their products) is an infinity in autograd's
   // chain: nothing is known then (the slack: that chain's roundings)
   const double big = held ? act_max_finite(spec.held) / (1 + 8 * uh) : INFINITY;
   bool overflow = false;
   for (int k = 0; k < K; ++k) {
     if (ids[k] < 0 || ids[k] >= E) continue;
     const double gp = std::fabs(double(g[k]) * spec.route_scale);
-    overflow = overflow || gp > big || (spec.route_norm && (gp / den > big || s[ids[k]] / (den * den) > big));
+    overflow = overflow || gp > big || (spec.route_norm && gp / den > big);
   }
-  if (spec.route_norm) overflow = overflow || abs_dot / (den * den) > big;
+  if (spec.route_norm) overflow = overflow || 1 / (den * den) > big || abs_dot / (den * den) > big;
   for (int k = 0; k < K; ++k) {
     const int e = ids[k];
     if (e < 0 || e >= E) continue;
@@ -87,24 +88,31 @@ bool token_score_grad(const RouterSpec& spec, const float* s, const int32_t* ids
       v = gp / den - dot / d2;
       mag = agp / den + abs_dot / d2;
       sens = 2 * (agp * dden / d2 + gp_d / d2 + 2 * std::fabs(dot) * dden / (d2 * den));
-      // autograd's chain: gp, then gp / den (2 roundings); s / den, / den
-      // again, times gp, their sum (5 with gp's); and the held denominator
+      // autograd's chain: gp, then gp / den (2 roundings; 3 as gp * (1 /
+      // den)); s / den, / den again, times gp, their sum (5 with gp's; as
+      // -(sum gp s) (r * r) with r = 1 / den, 6); and the held denominator
       // an act unit (2 uh den, or 2 dh where it is subnormal) either way; to
       // first order with 10 % to spare. Their underflows: gp's (through
       // gp / den and the quotients), s / den's (through / den and times gp),
-      // the second quotient's (times gp), each product's and the sum's.
+      // the second quotient's (times gp), each product's and the sum's; in
+      // the reciprocal form the sum's, times r * r = 1 / den^2.
       const double unit = 2 * uh * den + 2 * dh;
-      hroom = uh * (2 * agp / den + 6 * abs_dot / d2) + 1.1 * unit * (agp / d2 + 2 * std::fabs(dot) / (d2 * den)) +
-              1.1 * dh * (2 / den + (1 + 1 / den) * sum_agp + K + 2);
+      hroom = uh * (3 * agp / den + 6 * abs_dot / d2) + 1.1 * unit * (agp / d2 + 2 * std::fabs(dot) / (d2 * den)) +
+              1.1 * dh * (2 / den + 1 / d2 + (1 + 1 / den) * sum_agp + K + 2);
       under *= 1 + 1 / d2;  // the fp32 dot's underflow divided by den^2
     }
+    overflow = overflow || mag > big;  // the held result itself (its two terms each in range)
     gs[e] += v;
     wgs[e] += sens + double(2 * K + 8) * kU32 * mag + hroom + under;
   }
   return !overflow && !(spec.route_norm && !(dden < den / 2));
 }
 
-/// One token's grad_logits (E) and half-widths from its grad_scores.
+/// One token's grad_logits (E) and half-widths from its grad_scores, each
+/// known within wgs, and its scores, within srtol |s| + satol: to first
+/// order in each, plus their product (a score gradient as uncertain as it
+/// is large, where route_norm's two terms cancel, times a score that may
+/// be another rounding of itself).
 void token_logit_grad(const RouterSpec& spec, const float* s, const double* gs, const double* wgs, double srtol,
                       double satol, double* gl, double* wgl) {
   const int E = spec.E;
@@ -114,8 +122,8 @@ void token_logit_grad(const RouterSpec& spec, const float* s, const double* gs, 
       // |q|: a score an implementation computed may pass 1 by an ulp or two
       const double se = s[e], q = se * (1 - se), aq = std::fabs(q);
       gl[e] = gs[e] * q;
-      wgl[e] = aq * wgs[e] + 2 * std::fabs(gs[e]) * std::fabs(1 - 2 * se) * tol(e) + 4 * kU32 * aq * std::fabs(gs[e]) +
-               4 * underflow_half(Act::fp32);
+      wgl[e] = aq * wgs[e] + 2 * (std::fabs(gs[e]) * std::fabs(1 - 2 * se) + wgs[e]) * tol(e) +
+               4 * kU32 * aq * std::fabs(gs[e]) + 4 * underflow_half(Act::fp32);
     }
     return;
   }
@@ -123,13 +131,13 @@ void token_logit_grad(const RouterSpec& spec, const float* s, const double* gs, 
   for (int e = 0; e < E; ++e) {
     P += gs[e] * s[e];
     absP += std::fabs(gs[e] * s[e]);
-    wP += wgs[e] * std::fabs(s[e]) + 2 * std::fabs(gs[e]) * tol(e);
+    wP += wgs[e] * std::fabs(s[e]) + 2 * (std::fabs(gs[e]) + wgs[e]) * tol(e);
   }
   for (int e = 0; e < E; ++e) {
     const double se = s[e], ase = std::fabs(se);
     gl[e] = se * (gs[e] - P);
-    wgl[e] = ase * (wgs[e] + wP) + 2 * tol(e) * std::fabs(gs[e] - P) + double(E + 4) * kU32 * ase * (std::fabs(gs[e]) + absP) +
-             double(E + 4) * underflow_half(Act::fp32);
+    wgl[e] = ase * (wgs[e] + wP) + 2 * tol(e) * (std::fabs(gs[e] - P) + wgs[e] + wP) +
+             double(E + 4) * kU32 * ase * (std::fabs(gs[e]) + absP) + double(E + 4) * underflow_half(Act::fp32);
   }
 }
 
@@ -185,7 +193,13 @@ RouterGrad router_backward(const RouterSpec& spec, GateDtype gate, Act act, cons
       }
       if (want_half) r.half_scores[i] = f32(hs);
     }
-    token_logit_grad(spec, s, gs.data(), wgs.data(), score_rtol, score_atol, gl.data(), wgl.data());
+    // Held scores of fp32 logits (the fp32 gate): autograd's sigmoid or
+    // softmax backward reads its own fp32 output, saved before the cast to
+    // act: each score there is within one act rounding of the held one
+    // (relative uh, or half act's smallest subnormal where it underflowed).
+    const bool fp32_saved = held && gate == GateDtype::fp32;
+    token_logit_grad(spec, s, gs.data(), wgs.data(), score_rtol + (fp32_saved ? unit_roundoff(spec.held) : 0.0),
+                     score_atol + (fp32_saved ? underflow_half(spec.held) : 0.0), gl.data(), wgl.data());
     for (int e = 0; e < E; ++e) {
       const size_t i = size_t(t * E + e);
       r.grad_logits[i] = f32(gl[size_t(e)]);
@@ -194,7 +208,9 @@ RouterGrad router_backward(const RouterSpec& spec, GateDtype gate, Act act, cons
       const double v = gl[size_t(e)];
       a(t, e) = gate == GateDtype::act ? round_act(act, f32(v)) : v;
       const double w = gate == GateDtype::act && std::isfinite(hl) ? rounding_halfwidth(act, v, hl) : hl;
-      wa(t, e) = std::isfinite(w) ? w : kUnknown;  // finite through the GEMMs of |x| and |wg| below
+      // finite through the GEMMs of |x| and |wg| below; an operand rounded
+      // past act's range is unknown too (inf - inf in a sum is NaN)
+      wa(t, e) = std::isfinite(w) && std::isfinite(a(t, e)) ? w : kUnknown;
       // held scores under the act gate: the logits are an act tensor, their gradient the GEMMs' operand
       const bool act_logits = held && gate == GateDtype::act;
       if (act_logits) r.grad_logits[i] = f32(a(t, e));

@@ -400,10 +400,13 @@ namespace {
 
 /// PyTorch autograd's router backward on held (act) tensors, as torchtitan
 /// runs it on the CPU: every op's result rounded to act, sums and the
-/// elementwise backward formulas in fp32 (the gradient of x / den for den
-/// is -g * ((x / den) / den), summed over the K).
+/// elementwise backward formulas in fp32. The norm as torchtitan writes it,
+/// top / den (the gradient for den: -g * ((top / den) / den), summed over
+/// the K), or as top * (1 / den) (`reciprocal`: for r = 1 / den, the sum of
+/// g * top, then -that * (r * r)).
 struct AutogradHeld {
   ref::Act act;
+  bool reciprocal = false;
   float h(double v) const { return ref::round_act(act, float(v)); }
   void scores_grad(const float* s, const int32_t* ids, const float* g, int E, int K, bool norm, float scale,
                    float* gs) const {
@@ -417,6 +420,14 @@ struct AutogradHeld {
     float sum = 0.f;
     for (int k = 0; k < K; ++k) sum += s[ids[k]];
     const float den = h(h(sum) + 1e-20f);
+    if (reciprocal) {
+      const float r = h(1.f / den);
+      float grad_r = 0.f;
+      for (int k = 0; k < K; ++k) grad_r += gp[size_t(k)] * s[ids[k]];
+      const float grad_den = h(-h(grad_r) * h(r * r));
+      for (int k = 0; k < K; ++k) gs[ids[k]] = h(h(gp[size_t(k)] * r) + grad_den);
+      return;
+    }
     float through = 0.f;
     for (int k = 0; k < K; ++k) through += h(-gp[size_t(k)] * h(h(s[ids[k]] / den) / den));
     through = h(through);
@@ -434,7 +445,7 @@ TEST_CASE("router backward of held scores: autograd's chain of act roundings lie
   // gradients and route_scale past fp16's range.
   rc::prop("|autograd - ref| <= half-width for grad_scores, grad_logits, grad_wg, grad_x_router", [] {
     const ref::Act act = *rc::gen::element(ref::Act::bf16, ref::Act::fp16);
-    const AutogradHeld ag{act};
+    const AutogradHeld ag{act, *rc::gen::arbitrary<bool>()};
     ref::RouterSpec spec;
     spec.E = *rc::gen::inRange(2, 12);
     spec.K = *rc::gen::inRange(1, std::min(spec.E, 6) + 1);
@@ -443,10 +454,13 @@ TEST_CASE("router backward of held scores: autograd's chain of act roundings lie
     spec.route_scale = *rc::gen::element(0.001f, 1.f, 2.5f, 76.8f, 1e6f);
     spec.held = act;
     const bool act_gate = *rc::gen::arbitrary<bool>();
+    // fp32 logits: autograd's sigmoid or softmax backward may read the fp32
+    // scores it saved before the cast to act (held ones: s)
+    const bool saved32 = !act_gate && *rc::gen::arbitrary<bool>();
     const int64_t T = *rc::gen::inRange(1, 6), D = *rc::gen::inRange(1, 9);
     const int E = spec.E, K = spec.K;
     const auto unit = [&](double span) { return ag.h(span * (*rc::gen::inRange(-1000, 1001)) / 1000.0); };
-    std::vector<float> x(size_t(T * D)), wg(size_t(E * D)), s(size_t(T * E)), g(size_t(T * K));
+    std::vector<float> x(size_t(T * D)), wg(size_t(E * D)), s(size_t(T * E)), s32(s.size()), g(size_t(T * K));
     std::vector<int32_t> ids;
     for (float& v : x) v = unit(2);
     for (float& v : wg) v = unit(2);
@@ -458,9 +472,11 @@ TEST_CASE("router backward of held scores: autograd's chain of act roundings lie
       for (double& v : l) v = 16.0 * (*rc::gen::inRange(-1000, 1001)) / 1000.0;
       const double m = *std::max_element(l.begin(), l.end());
       for (int e = 0; e < E; ++e) sum += std::exp(l[size_t(e)] - m);
-      for (int e = 0; e < E; ++e)
-        s[size_t(t * E + e)] = ag.h(spec.score == ref::Score::sigmoid ? 1 / (1 + std::exp(-l[size_t(e)]))
-                                                                       : std::exp(l[size_t(e)] - m) / sum);
+      for (int e = 0; e < E; ++e) {
+        s32[size_t(t * E + e)] = float(spec.score == ref::Score::sigmoid ? 1 / (1 + std::exp(-l[size_t(e)]))
+                                                                          : std::exp(l[size_t(e)] - m) / sum);
+        s[size_t(t * E + e)] = ag.h(s32[size_t(t * E + e)]);
+      }
       std::vector<int32_t> order(static_cast<size_t>(E));  // K distinct experts, any of them (force_load_balance too)
       for (int i = 0; i < E; ++i) order[size_t(i)] = i;
       for (int k = 0; k < K; ++k) {
@@ -475,9 +491,10 @@ TEST_CASE("router backward of held scores: autograd's chain of act roundings lie
     // gate's GEMMs with fp32 accumulation, each result rounded once
     std::vector<float> gs(size_t(T * E)), gl(size_t(T * E)), gw(size_t(E * D)), gx(size_t(T * D));
     for (int64_t t = 0; t < T; ++t) {
-      const float* st = &s[size_t(t * E)];
       float* gst = &gs[size_t(t * E)];
-      ag.scores_grad(st, &ids[size_t(t * K)], &g[size_t(t * K)], E, K, spec.route_norm, spec.route_scale, gst);
+      ag.scores_grad(&s[size_t(t * E)], &ids[size_t(t * K)], &g[size_t(t * K)], E, K, spec.route_norm,
+                     spec.route_scale, gst);
+      const float* st = &(saved32 ? s32 : s)[size_t(t * E)];
       float P = 0.f;
       for (int e = 0; e < E; ++e) P += gst[e] * st[e];
       for (int e = 0; e < E; ++e) {
