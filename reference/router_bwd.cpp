@@ -3,7 +3,6 @@
 #include <Eigen/Core>
 #include <cmath>
 #include <limits>
-#include <stdexcept>
 
 #include "backward.h"
 
@@ -168,6 +167,7 @@ RouterGrad router_backward(const RouterSpec& spec, GateDtype gate, Act act, cons
   // a = the gate GEMMs' operand (grad_logits, act-rounded under the act gate), wa its half-width
   MatD a(T, E), wa(T, E);
   std::vector<double> gs(static_cast<size_t>(E)), wgs(gs), gl(gs), wgl(gs);
+  std::vector<bool> chosen(static_cast<size_t>(E));
   for (int64_t t = 0; t < T; ++t) {
     std::fill(gs.begin(), gs.end(), 0.0);
     std::fill(wgs.begin(), wgs.end(), 0.0);
@@ -176,7 +176,6 @@ RouterGrad router_backward(const RouterSpec& spec, GateDtype gate, Act act, cons
                                         score_atol, gs.data(), wgs.data());
     // An unknown normalisation reaches the chosen scores, and through the
     // softmax every logit; an unchosen sigmoid score's gradient stays 0.
-    std::vector<bool> chosen(static_cast<size_t>(E));
     for (int e = 0; e < E; ++e) {
       const size_t i = size_t(t * E + e), j = size_t(e);
       chosen[j] = wgs[j] > 0 || gs[j] != 0;

@@ -32,6 +32,8 @@ Tensor rows_tensor(ref::Bytes&& b, ElemType t, int64_t cols);
 RouterConfig router_config(const Case& c);
 /// The reference router's spec for the case (docs/contract.md §1).
 ref::RouterSpec ref_router_spec(const Case& c);
+/// The type the router's scores are held in (router.score_dtype, docs/contract.md §14).
+k::ScoreHeld score_held(const Case& c);
 /// The reference's SP padding mode of the case (docs/contract.md §10).
 ref::SpPadding ref_padding(const Case& c);
 /// Initial value of the combine's scatter target for this rank (docs/contract.md §2, §9).

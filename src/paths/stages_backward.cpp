@@ -1197,8 +1197,7 @@ void fast_router_bwd(FastCtx& ctx) {
   a.score = c.router.score;
   a.norm = c.router.route_norm == Switch::on ? k::RouteNorm::on : k::RouteNorm::off;
   a.act_gate = c.router.gate_dtype == GateDtype::act;
-  if (c.router.score_dtype == GateDtype::act)
-    a.held = c.dtype == DType::bf16 ? k::ScoreHeld::bf16 : c.dtype == DType::fp16 ? k::ScoreHeld::fp16 : k::ScoreHeld::fp32;
+  a.held = score_held(c);
   a.grad_scores = ctx.output("grad_scores", ElemType::f32, {T, E}).as<float>();
   a.grad_logits = ctx.output("grad_logits", ElemType::f32, {T, E}).as<float>();
   a.grad_wg = ctx.output("grad_wg", act_elem(c.dtype), {E, c.hidden}).data();

@@ -73,10 +73,14 @@ RouterConfig router_config(const Case& c) {
   r.score = c.router.score;
   r.selection = c.router.force_load_balance == Switch::on ? k::Selection::force_load_balance : k::Selection::topk;
   r.norm = c.router.route_norm == Switch::on ? k::RouteNorm::on : k::RouteNorm::off;
-  if (c.router.score_dtype == GateDtype::act)
-    r.held = c.dtype == DType::bf16 ? k::ScoreHeld::bf16 : c.dtype == DType::fp16 ? k::ScoreHeld::fp16 : k::ScoreHeld::fp32;
+  r.held = score_held(c);
   r.biased = c.router.bias == Switch::on || c.router.hot_expert >= 0;  // a hot expert is a bias
   return r;
+}
+
+k::ScoreHeld score_held(const Case& c) {
+  if (c.router.score_dtype != GateDtype::act) return k::ScoreHeld::fp32;
+  return c.dtype == DType::bf16 ? k::ScoreHeld::bf16 : c.dtype == DType::fp16 ? k::ScoreHeld::fp16 : k::ScoreHeld::fp32;
 }
 
 ref::RouterSpec ref_router_spec(const Case& c) {
