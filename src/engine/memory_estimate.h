@@ -63,9 +63,12 @@ std::string format_bytes(double bytes);
 /// Throws Error(bad_input) when the estimate of `c` exceeds `limit_bytes`;
 /// the message names the case and its location, the estimate and the limit
 /// (`limit_origin` says where the limit came from).
-void check_case_memory(const Case& c, int threads, uint64_t limit_bytes, const std::string& limit_origin);
-inline void check_case_memory(const Case& c, int threads, const MemoryLimit& limit) {
-  check_case_memory(c, threads, limit.bytes, limit.origin);
+/// `extra_bytes`: what the command holds beside the run (`check`: the
+/// golden folder's tensors, read whole).
+void check_case_memory(const Case& c, int threads, uint64_t limit_bytes, const std::string& limit_origin,
+                       double extra_bytes = 0);
+inline void check_case_memory(const Case& c, int threads, const MemoryLimit& limit, double extra_bytes = 0) {
+  check_case_memory(c, threads, limit.bytes, limit.origin, extra_bytes);
 }
 
 /// Per-case measurement of the resident peak: reset_peak_rss() resets the
