@@ -151,10 +151,8 @@ double pipeline_bytes(const Case& c, double tokens, double tokens_max, double ra
     const double wgrad_copies = checked ? 3 : 1;
     if (swiglu) b += wgrad_copies * (E * 3 * F * D * 4);
     if (shared_swiglu) b += wgrad_copies * ranks * (3 * F * D * 4);
-    // The router backward's reference (reference/router_bwd.cpp), one per
-    // rank at a time: fp64 (T, D) matrices (x, grad_x, |x|, the room and the
-    // GEMM's temporaries: 6) and fp32 views, (E, D) ones likewise (measured:
-    // about 61 bytes per (T, D) element at T 4096, D 4096, E 256).
+    // The router backward's reference (reference/router_bwd.cpp), a rank at a time: six fp64 (T, D)
+    // matrices and fp32 views, (E, D) likewise (measured: 61 bytes per (T, D) element at T 4096, D 4096).
     if (checked) b += side * (tokens_max * D * 56 + E * D * 56 + tokens_max * E * 40);
   }
   b += routed * kTokenKBytes;
