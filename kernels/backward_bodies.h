@@ -260,9 +260,7 @@ struct RouterGradBody {
   ScoreHeld held = ScoreHeld::fp32;
   bool hold_logits = false;
 
-  MOEV_HD float hold(float v) const {
-    return held == ScoreHeld::bf16 ? round_to<bf16>(v) : held == ScoreHeld::fp16 ? round_to<fp16>(v) : v;
-  }
+  MOEV_HD float hold(float v) const { return hold_as(held, v); }
 
   MOEV_HD void operator()(int64_t t, int, int) const {
     const float* s = scores + t * E;

@@ -57,6 +57,11 @@ enum class Fp8Scale : uint8_t { fp32, ue8m0 };
 /// correctly rounded fp32 division (DeepSeek-V3's act_quant kernel).
 enum class Fp8Quotient : uint8_t { reciprocal, amax_ratio, divide };
 
+/// v as the router holds it: rounded to bf16 or fp16, or left in fp32.
+MOEV_HD inline float hold_as(ScoreHeld held, float v) {
+  return held == ScoreHeld::bf16 ? round_to<bf16>(v) : held == ScoreHeld::fp16 ? round_to<fp16>(v) : v;
+}
+
 /// e^v from additions, multiplications and exponent bits only, so that the
 /// host and CUDA executors give the same bits (a library expf differs: CUDA's
 /// is within 2 ulp, glibc's within 0.5; both builds compile without FMA
@@ -127,9 +132,7 @@ struct RouterBody {
 
   static constexpr bool kThreadPerItem = true;
 
-  MOEV_HD float hold(float v) const {
-    return held == ScoreHeld::bf16 ? round_to<bf16>(v) : held == ScoreHeld::fp16 ? round_to<fp16>(v) : v;
-  }
+  MOEV_HD float hold(float v) const { return hold_as(held, v); }
 
   /// Token t's choice values: element e at c[e * step].
   struct Choice {

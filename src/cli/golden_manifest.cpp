@@ -166,7 +166,10 @@ Manifest read_manifest(const std::string& folder) {
     double n = 1;
     for (const auto& d : t["shape"]) n *= d.is_number() ? std::max(0.0, d.get<double>()) : 0.0;
     const std::string dt = t.contains("dtype") && t["dtype"].is_string() ? t["dtype"].get<std::string>() : "";
-    tensor_bytes += n * (dt == "int64" ? 8 : dt == "bfloat16" || dt == "float16" ? 2 : dt == "float8_e4m3fn" ? 1 : 4);
+    size_t bytes = 4;
+    for (ElemType e : {ElemType::f32, ElemType::bf16, ElemType::f16, ElemType::i32, ElemType::i64, ElemType::e4m3})
+      if (dt == real_dtype(e)) bytes = elem_bytes(e);
+    tensor_bytes += n * double(bytes);
   }
   check_case_memory(c, 1, command_memory_limit(), tensor_bytes);
   if (m["ranks"].get<int64_t>() != c.ep)
